@@ -1,0 +1,1 @@
+"""sd-scripts library (kohya-compatible): model loading, datasets, training core, compile support."""

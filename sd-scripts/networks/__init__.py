@@ -1,0 +1,1 @@
+"""Network modules (LoRA) for --network_module."""
