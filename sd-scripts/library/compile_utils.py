@@ -1,0 +1,400 @@
+"""torch.compile support for the SDXL and FLUX.1 trainers.
+
+What the trainers call, in this order:
+
+1. ``add_compile_arguments(parser)`` in ``setup_parser()``.
+2. ``validate_compile_args(args)`` right after parsing, before any model loads: impossible settings raise
+   ``CompileConfigError`` with a message that names the flags and the allowed values.
+3. ``setup_compile_environment(args)``: TF32 / cuDNN flags, the persistent compile cache, the dynamo
+   recompile limit, recompile logging, and the cuDNN SDPA work-around for torch 2.11 + CUDA 13 on Hopper.
+4. ``compile_model_blocks(model, args, model_name=..., gradient_checkpointing=...)`` after
+   ``accelerator.prepare`` (and after the LoRA network is applied): REGIONAL compilation, i.e. each repeated
+   transformer block (diffusers' ``_repeated_blocks``) is compiled in place with ``module.compile()``. Identical
+   blocks share one graph, so the cold compile takes seconds instead of minutes, LoRA modules inside the blocks
+   are traced into the graph, and state_dict keys stay free of ``_orig_mod.``.
+5. ``mark_step_begin(args)`` at the start of every training step (needed when CUDA graphs are in use).
+6. ``strip_orig_mod(state_dict)`` on every save path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import types
+from pathlib import Path
+
+import torch
+import torch._dynamo
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("inductor", "cudagraphs", "eager", "aot_eager")
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+DYNAMIC_CHOICES = ("auto", "true", "false")
+# inductor modes that capture CUDA graphs (cudagraph trees)
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
+MIN_TORCH = (2, 2)  # nn.Module.compile() (in-place compilation) appeared in torch 2.2
+
+# Repeated blocks per model class, used when a model does not declare diffusers' `_repeated_blocks`.
+_FALLBACK_REPEATED_BLOCKS = {
+    "UNet2DConditionModel": ("BasicTransformerBlock",),
+    "FluxTransformer2DModel": ("FluxTransformerBlock", "FluxSingleTransformerBlock"),
+}
+
+
+class CompileConfigError(ValueError):
+    """An impossible or unsupported combination of compile settings."""
+
+
+def default_compile_cache_dir() -> str:
+    """The persistent compile cache used when --compile_cache_dir is not given.
+
+    TORCHINDUCTOR_CACHE_DIR wins when the user already set it; otherwise a folder in the user's cache
+    directory ($XDG_CACHE_HOME or ~/.cache). It is not under --output_dir on purpose: entries are keyed by a
+    hash of the graph, torch version and device, so they are safe to share, and sharing them across runs with
+    different output folders is what makes the second run start warm.
+    """
+    env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if env:
+        return env
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "sd-scripts", "torch_compile")
+
+
+def add_compile_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("torch.compile")
+    group.add_argument("--compile", action="store_true", help="compile the repeated transformer blocks with torch.compile")
+    group.add_argument(
+        "--compile_backend", type=str, default="inductor", choices=BACKENDS, help="torch.compile backend (default: inductor)"
+    )
+    group.add_argument(
+        "--compile_mode",
+        type=str,
+        default="default",
+        choices=MODES,
+        help="inductor compile mode; reduce-overhead and max-autotune use CUDA graphs (default: default)",
+    )
+    group.add_argument(
+        "--compile_dynamic",
+        type=str,
+        default="auto",
+        choices=DYNAMIC_CHOICES,
+        help="dynamic shapes: auto (torch decides; recompiles once as dynamic when a shape changes), true, false",
+    )
+    group.add_argument("--compile_fullgraph", action="store_true", help="require each compiled block to be one graph")
+    group.add_argument(
+        "--compile_cache_size_limit",
+        type=int,
+        default=0,
+        help="dynamo recompile limit per compiled function, 0 = torch default (8); raise it for many bucket shapes",
+    )
+    group.add_argument(
+        "--compile_cache_dir",
+        type=str,
+        default=None,
+        help="persistent inductor/FX/autograd compile cache so a second run starts warm "
+        "(default: $TORCHINDUCTOR_CACHE_DIR, else ~/.cache/sd-scripts/torch_compile)",
+    )
+    group.add_argument("--cuda_allow_tf32", action="store_true", help="allow TF32 matmul/cuDNN on Ampere or newer GPUs")
+    group.add_argument("--cuda_cudnn_benchmark", action="store_true", help="enable cudnn.benchmark")
+    return parser
+
+
+def dynamic_value(args) -> bool | None:
+    """--compile_dynamic auto/true/false -> None/True/False for torch.compile."""
+    return {"auto": None, "true": True, "false": False}[getattr(args, "compile_dynamic", "auto") or "auto"]
+
+
+def uses_cuda_graphs(args) -> bool:
+    if not getattr(args, "compile", False):
+        return False
+    if args.compile_backend == "cudagraphs":
+        return True
+    return args.compile_backend == "inductor" and args.compile_mode in CUDAGRAPH_MODES
+
+
+def _torch_version() -> tuple[int, int]:
+    parts = torch.__version__.split("+")[0].split(".")
+    return int(parts[0]), int(parts[1])
+
+
+def _cuda_in_use(args) -> bool:
+    device = getattr(args, "device", None)
+    if device is not None:
+        return str(device).startswith("cuda")
+    return torch.cuda.is_available()
+
+
+def validate_compile_args(args) -> None:
+    """Refuse impossible settings before any model loads. Raises CompileConfigError."""
+    limit = getattr(args, "compile_cache_size_limit", 0) or 0
+    if limit < 0:
+        raise CompileConfigError(f"--compile_cache_size_limit must be 0 (torch default) or a positive integer, got {limit}")
+    for flag, value, choices in (
+        ("--compile_backend", args.compile_backend, BACKENDS),
+        ("--compile_mode", args.compile_mode, MODES),
+        ("--compile_dynamic", args.compile_dynamic, DYNAMIC_CHOICES),
+    ):
+        if value not in choices:
+            raise CompileConfigError(f"{flag} must be one of {', '.join(choices)}; got {value!r}")
+    if not getattr(args, "compile", False):
+        return
+
+    if _torch_version() < MIN_TORCH:
+        raise CompileConfigError(
+            f"--compile needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]} (installed: {torch.__version__}); "
+            "upgrade torch or train without --compile"
+        )
+    if args.compile_backend != "inductor" and args.compile_mode != "default":
+        raise CompileConfigError(
+            f"--compile_mode {args.compile_mode} only applies to --compile_backend inductor "
+            f"(got --compile_backend {args.compile_backend}); use --compile_mode default with this backend"
+        )
+    if args.compile_backend in ("inductor", "cudagraphs") and _cuda_in_use(args):
+        if args.compile_backend == "inductor" and importlib.util.find_spec("triton") is None:
+            raise CompileConfigError(
+                "--compile with --compile_backend inductor on a CUDA GPU needs triton, which is not installed: "
+                "`pip install triton` (Windows: triton-windows), or use --compile_backend aot_eager / eager"
+            )
+
+    blocks_to_swap = getattr(args, "blocks_to_swap", None) or 0
+    if blocks_to_swap > 0:
+        if uses_cuda_graphs(args):
+            what = (
+                "--compile_backend cudagraphs"
+                if args.compile_backend == "cudagraphs"
+                else f"--compile_mode {args.compile_mode}"
+            )
+            raise CompileConfigError(
+                f"{what} captures CUDA graphs, which cannot follow blocks moving between CPU and GPU "
+                f"(--blocks_to_swap {blocks_to_swap}); use --compile_mode default or max-autotune-no-cudagraphs "
+                "with --compile_backend inductor, or --blocks_to_swap 0"
+            )
+        if args.compile_fullgraph:
+            raise CompileConfigError(
+                f"--compile_fullgraph cannot be used with --blocks_to_swap {blocks_to_swap}: block swap keeps the "
+                "Linear layers out of the graph, which splits each block into several graphs; drop --compile_fullgraph"
+            )
+    if args.compile_fullgraph and getattr(args, "cpu_offload_checkpointing", False):
+        raise CompileConfigError(
+            "--compile_fullgraph cannot be used with --cpu_offload_checkpointing (it moves activations "
+            "outside the graph); drop one of them"
+        )
+
+
+def resolve_cache_dir(args) -> str:
+    return os.path.abspath(os.path.expanduser(getattr(args, "compile_cache_dir", None) or default_compile_cache_dir()))
+
+
+def _needs_cudnn_sdpa_workaround() -> bool:
+    """torch 2.11 with CUDA 13 on Hopper: the cuDNN SDPA backward crashed ("illegal memory access")."""
+    if not torch.cuda.is_available() or torch.version.cuda is None:
+        return False
+    if _torch_version() != (2, 11) or not torch.version.cuda.startswith("13"):
+        return False
+    return torch.cuda.get_device_capability()[0] == 9
+
+
+def setup_compile_environment(args) -> dict:
+    """Apply the global settings the compile flags ask for. Returns what was set (for logs and metadata)."""
+    applied: dict = {}
+    if getattr(args, "cuda_allow_tf32", False):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        applied["tf32"] = True
+        logger.info("TF32 enabled for CUDA matmul and cuDNN (--cuda_allow_tf32)")
+    if getattr(args, "cuda_cudnn_benchmark", False):
+        torch.backends.cudnn.benchmark = True
+        applied["cudnn_benchmark"] = True
+        logger.info("cudnn.benchmark enabled (--cuda_cudnn_benchmark)")
+
+    if _needs_cudnn_sdpa_workaround():
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        applied["cudnn_sdp"] = False
+        logger.info(
+            "Disabled the cuDNN SDPA backend: its backward crashes on torch %s / CUDA %s / %s (illegal memory access); "
+            "flash / memory-efficient attention are used instead",
+            torch.__version__,
+            torch.version.cuda,
+            torch.cuda.get_device_name(),
+        )
+
+    if not getattr(args, "compile", False):
+        return applied
+
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+
+    cache_dir = resolve_cache_dir(args)
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    # inductor reads the variable lazily, so setting it before the first compile is enough
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    inductor_config.fx_graph_cache = True
+    try:
+        import torch._functorch.config as functorch_config
+
+        functorch_config.enable_autograd_cache = True
+    except (ImportError, AttributeError):  # older torch: FX graph cache only
+        pass
+    applied["cache_dir"] = cache_dir
+    logger.info("Persistent compile cache: %s", cache_dir)
+
+    limit = getattr(args, "compile_cache_size_limit", 0) or 0
+    if limit > 0:
+        _set_recompile_limit(limit)
+        applied["cache_size_limit"] = limit
+        logger.info("torch._dynamo recompile limit set to %d", limit)
+
+    # Say in the log what recompiled and why (bucketed shapes); torch warns itself when the limit is hit.
+    torch._logging.set_logs(recompiles=True)
+    return applied
+
+
+def _set_recompile_limit(limit: int) -> None:
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, name, limit)
+    acc = "accumulated_recompile_limit" if hasattr(cfg, "accumulated_recompile_limit") else "accumulated_cache_size_limit"
+    if hasattr(cfg, acc):
+        # the accumulated limit bounds all entries of one code object; every compiled block shares Module._call_impl
+        setattr(cfg, acc, max(getattr(cfg, acc), limit * 8))
+
+
+def recompile_limit() -> int:
+    cfg = torch._dynamo.config
+    return getattr(cfg, "recompile_limit", None) or cfg.cache_size_limit
+
+
+# ---------------------------------------------------------------------------------------------- compilation
+
+
+def repeated_block_names(model: torch.nn.Module) -> tuple[str, ...]:
+    names = tuple(getattr(model, "_repeated_blocks", None) or ())
+    if not names:
+        names = _FALLBACK_REPEATED_BLOCKS.get(type(model).__name__, ())
+    if not names:
+        raise CompileConfigError(
+            f"{type(model).__name__} declares no repeated blocks (_repeated_blocks); regional compilation "
+            "does not know what to compile"
+        )
+    return names
+
+
+def find_repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    names = repeated_block_names(model)
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def _checkpointed_forward(self, *args, **kwargs):
+    # One module-level function bound to every block, so all blocks share one traced graph.
+    return torch.utils.checkpoint.checkpoint(self._forward_inside_checkpoint, *args, use_reentrant=False, **kwargs)
+
+
+@torch._dynamo.disable
+def _eager_linear_forward(self, *args, **kwargs):
+    return self._forward_outside_compile(*args, **kwargs)
+
+
+def _keep_linear_out_of_graph(block: torch.nn.Module) -> int:
+    count = 0
+    for module in block.modules():
+        if isinstance(module, torch.nn.Linear) and not hasattr(module, "_forward_outside_compile"):
+            # keeps a LoRA forward that replaced Linear.forward (kohya style) as it is
+            module._forward_outside_compile = module.forward
+            module.forward = types.MethodType(_eager_linear_forward, module)
+            count += 1
+    return count
+
+
+def _move_checkpointing_inside(model: torch.nn.Module, names: tuple[str, ...]) -> int:
+    """Turn off diffusers' checkpointing of the repeated blocks (their parents' flag); return how many parents had it on."""
+    switched = 0
+    for module in model.modules():
+        if not getattr(module, "gradient_checkpointing", False):
+            continue
+        children = []
+        for child in module.children():
+            children.extend(child if isinstance(child, torch.nn.ModuleList) else [child])
+        if any(type(c).__name__ in names for c in children):
+            module.gradient_checkpointing = False
+            switched += 1
+    return switched
+
+
+def compile_model_blocks(
+    model: torch.nn.Module,
+    args,
+    *,
+    model_name: str,
+    gradient_checkpointing: bool = False,
+    disable_linear: bool = False,
+) -> int:
+    """Compile the repeated transformer blocks of `model` in place; return the number of compiled blocks.
+
+    gradient_checkpointing: checkpoint each block INSIDE its compiled region. diffusers' own checkpointing of
+    these blocks (enable_gradient_checkpointing) would re-run the compiled forward during backward, which with
+    CUDA graphs overwrites outputs that are still needed; it is switched off for these blocks (and a model that
+    already had it on is treated as gradient_checkpointing=True). Call this after enable_gradient_checkpointing.
+    disable_linear: keep Linear layers out of the graph (block swap moves their weights between devices).
+    """
+    names = repeated_block_names(model)
+    blocks = find_repeated_blocks(model)
+    if not blocks:
+        raise CompileConfigError(f"{model_name}: none of the repeated blocks {list(names)} were found in the model")
+
+    dynamic = dynamic_value(args)
+    backend = args.compile_backend
+    mode = args.compile_mode
+    fullgraph = bool(args.compile_fullgraph)
+    logger.info(
+        f"Compiling {model_name} with torch.compile: backend={backend}, mode={mode}, dynamic={dynamic}, fullgraph={fullgraph}"
+    )
+
+    if _move_checkpointing_inside(model, names):
+        gradient_checkpointing = True
+    if disable_linear:
+        n_linear = sum(_keep_linear_out_of_graph(b) for b in blocks)
+        logger.info(f"Block swap: {n_linear} Linear layers in the compiled blocks run outside the graph (torch._dynamo.disable)")
+
+    compile_kwargs = dict(backend=backend, dynamic=dynamic, fullgraph=fullgraph)
+    if backend == "inductor":
+        compile_kwargs["mode"] = mode
+    for block in blocks:
+        if gradient_checkpointing and not hasattr(block, "_forward_inside_checkpoint"):
+            block._forward_inside_checkpoint = block.forward
+            block.forward = types.MethodType(_checkpointed_forward, block)
+        block.compile(**compile_kwargs)
+
+    kinds = sorted({type(b).__name__ for b in blocks})
+    logger.info(
+        f"Compiled {len(blocks)} blocks of {model_name} ({', '.join(kinds)})"
+        + (", gradient checkpointing inside the compiled region" if gradient_checkpointing else "")
+    )
+    return len(blocks)
+
+
+def mark_step_begin(args) -> None:
+    """Call at the start of each training step: tells CUDA graph trees that the previous step's outputs are done."""
+    if uses_cuda_graphs(args) and torch.cuda.is_available():
+        torch.compiler.cudagraph_mark_step_begin()
+
+
+def strip_orig_mod(state_dict: dict) -> dict:
+    """Remove the `_orig_mod.` segments that torch.compile(module) wrappers put into state_dict keys."""
+    if not any("_orig_mod." in k for k in state_dict):
+        return state_dict
+    return {k.replace("_orig_mod.", ""): v for k, v in state_dict.items()}
+
+
+def compile_settings_metadata(args) -> dict[str, str]:
+    """ss_* metadata describing the compile settings of a run."""
+    return {
+        "ss_compile": str(bool(getattr(args, "compile", False))),
+        "ss_compile_backend": str(args.compile_backend),
+        "ss_compile_mode": str(args.compile_mode),
+        "ss_compile_dynamic": str(args.compile_dynamic),
+        "ss_compile_fullgraph": str(bool(args.compile_fullgraph)),
+        "ss_compile_cache_size_limit": str(args.compile_cache_size_limit or 0),
+    }
