@@ -1,0 +1,411 @@
+"""Dataset configuration: the kohya dataset flags, --dataset_config TOML, and `build_dataset_group`.
+
+Sources, highest priority first: a [[datasets.subsets]] entry, its [[datasets]] entry, [general], the
+command-line flags, then kohya's defaults. Without --dataset_config the dataset comes from
+--train_data_dir (`N_name` folders, N = repeats) plus --reg_data_dir, or --in_json (fine-tune metadata).
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import logging
+import os
+import random
+import re
+import tomllib
+from typing import Any
+
+from library.datasets import (
+    DatasetError,
+    DatasetGroup,
+    DatasetParams,
+    ImageDataset,
+    SubsetParams,
+    balance_reg_images,
+    images_from_dir,
+    images_from_metadata,
+    is_image_file,
+    latent_cache_conflict,
+    new_epoch_value,
+    normalize_caption_extension,
+    te_cache_conflict,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["add_dataset_arguments", "build_dataset_group", "load_dataset_config", "parse_resolution",
+           "DatasetError", "FAMILY_DEFAULT_RESOLUTION"]
+
+# Default --resolution when neither the CLI nor the dataset config sets one.
+FAMILY_DEFAULT_RESOLUTION = {"sd1": 512, "sd2": 768, "sdxl": 1024, "flux": 1024}
+_FAMILY_ALIASES = {"sd15": "sd1", "sd1x": "sd1", "sd1.x": "sd1", "v1": "sd1", "sd2x": "sd2", "sd2.x": "sd2",
+                   "v2": "sd2", "flux1": "flux", "flux.1": "flux"}
+
+_FOLDER_RE = re.compile(r"^(\d+)_(.*)$")
+
+
+def add_dataset_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The kohya dataset flags (same names and defaults as sd-scripts)."""
+    g = parser.add_argument_group("dataset")
+    g.add_argument("--train_data_dir", type=str, default=None,
+                   help="folder of training images in 'N_name' subfolders (N = repeats), or the image folder for --in_json")
+    g.add_argument("--reg_data_dir", type=str, default=None,
+                   help="regularization images in 'N_class' subfolders (DreamBooth prior preservation)")
+    g.add_argument("--dataset_config", type=str, default=None,
+                   help="dataset TOML: [general], [[datasets]], [[datasets.subsets]] (overrides the folder flags)")
+    g.add_argument("--in_json", type=str, default=None,
+                   help="fine-tune metadata JSON {image_key: {caption, tags}} (see finetune/merge_captions_to_metadata.py)")
+    g.add_argument("--caption_extension", type=str, default=".caption",
+                   help="caption file extension; .caption and .txt are also read when this one is missing")
+    g.add_argument("--resolution", type=str, default=None,
+                   help="training resolution 'W,H' or 'N' (default by model: 512 SD1, 768 SD2, 1024 SDXL/FLUX)")
+    g.add_argument("--enable_bucket", action="store_true", help="aspect-ratio buckets")
+    g.add_argument("--min_bucket_reso", type=int, default=256, help="smallest bucket side")
+    g.add_argument("--max_bucket_reso", type=int, default=1024, help="largest bucket side")
+    g.add_argument("--bucket_reso_steps", type=int, default=64, help="bucket sides are multiples of this")
+    g.add_argument("--bucket_no_upscale", action="store_true",
+                   help="one bucket per image size, never upscaling small images")
+    g.add_argument("--shuffle_caption", action="store_true", help="shuffle the comma-separated caption tags")
+    g.add_argument("--keep_tokens", type=int, default=0, help="keep the first N tags in place when shuffling")
+    g.add_argument("--caption_separator", type=str, default=",", help="tag separator in captions")
+    g.add_argument("--caption_prefix", type=str, default=None, help="text put before every caption")
+    g.add_argument("--caption_suffix", type=str, default=None, help="text put after every caption")
+    g.add_argument("--caption_dropout_rate", type=float, default=0.0, help="probability of an empty caption")
+    g.add_argument("--caption_dropout_every_n_epochs", type=int, default=0,
+                   help="drop all captions every N epochs (0 = never)")
+    g.add_argument("--caption_tag_dropout_rate", type=float, default=0.0,
+                   help="probability of dropping each tag (not the kept ones)")
+    g.add_argument("--flip_aug", action="store_true", help="random horizontal flips")
+    g.add_argument("--color_aug", action="store_true", help="random hue shifts (not with latent caching)")
+    g.add_argument("--random_crop", action="store_true", help="random instead of center crop (not with latent caching)")
+    g.add_argument("--train_batch_size", type=int, default=1, help="batch size")
+    g.add_argument("--max_data_loader_n_workers", type=int, default=8,
+                   help="DataLoader worker processes (capped at the CPU count; 0 = load in the main process)")
+    g.add_argument("--persistent_data_loader_workers", action="store_true",
+                   help="keep DataLoader workers between epochs")
+    g.add_argument("--dataset_repeats", type=int, default=1, help="repeats of the --in_json dataset")
+    g.add_argument("--prior_loss_weight", type=float, default=1.0, help="loss weight of regularization images")
+    g.add_argument("--cache_latents", action="store_true", help="encode images with the VAE once, in memory")
+    g.add_argument("--cache_latents_to_disk", action="store_true",
+                   help="cache latents in <image>.npz next to each image and reuse them on later runs")
+    g.add_argument("--cache_text_encoder_outputs", action="store_true",
+                   help="encode captions once (needs captions without shuffle/dropout)")
+    g.add_argument("--cache_text_encoder_outputs_to_disk", action="store_true",
+                   help="cache text encoder outputs in <image>_te_outputs.npz and reuse them")
+    g.add_argument("--class_tokens", type=str, default=None,
+                   help="caption for images that have no caption file or metadata caption")
+    return parser
+
+
+# ----------------------------------------------------------------------------- schema
+
+_RESO = "resolution"  # a type tag: int N, [W, H] or "W,H"
+
+SUBSET_KEYS: dict[str, Any] = {
+    "image_dir": str, "metadata_file": str, "num_repeats": int, "caption_extension": str,
+    "shuffle_caption": bool, "keep_tokens": int, "caption_separator": str, "caption_prefix": str,
+    "caption_suffix": str, "caption_dropout_rate": float, "caption_dropout_every_n_epochs": int,
+    "caption_tag_dropout_rate": float, "flip_aug": bool, "color_aug": bool, "random_crop": bool,
+    "is_reg": bool, "class_tokens": str,
+}
+DATASET_KEYS: dict[str, Any] = {
+    "resolution": _RESO, "batch_size": int, "enable_bucket": bool, "min_bucket_reso": int,
+    "max_bucket_reso": int, "bucket_reso_steps": int, "bucket_no_upscale": bool,
+}
+_SUBSET_ONLY = ("image_dir", "metadata_file")
+_INHERITED_SUBSET_KEYS = {k: v for k, v in SUBSET_KEYS.items() if k not in _SUBSET_ONLY}
+GENERAL_KEYS = {**DATASET_KEYS, **_INHERITED_SUBSET_KEYS}
+DATASETS_KEYS = {**DATASET_KEYS, **_INHERITED_SUBSET_KEYS, "subsets": list}
+# dataset key -> CLI flag (dest) that is its fallback
+_CLI_NAME = {"batch_size": "train_batch_size"}
+
+
+def _closest(key: str, allowed) -> str:
+    match = difflib.get_close_matches(key, list(allowed), n=1)
+    return f" Did you mean '{match[0]}'?" if match else ""
+
+
+def _check_keys(table: dict, allowed: dict, where: str, path: str) -> None:
+    for key in table:
+        if key not in allowed:
+            hint = ""
+            if where == "[[datasets.subsets]]" and key in DATASET_KEYS:
+                hint = f" '{key}' is a dataset setting: put it in [[datasets]] or [general]."
+            elif key in _SUBSET_ONLY:
+                hint = f" '{key}' belongs in [[datasets.subsets]]."
+            raise DatasetError(
+                f"{path}: unknown key '{key}' in {where}.{hint or _closest(key, allowed)} "
+                f"Allowed keys: {', '.join(sorted(allowed))}")
+
+
+def parse_resolution(value, field: str = "resolution") -> tuple[int, int]:
+    """'W,H', 'N', N or [W, H] -> (W, H)."""
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        if isinstance(value, int):
+            w = h = value
+        elif isinstance(value, (list, tuple)) and len(value) == 2 and all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value):
+            w, h = value
+        elif isinstance(value, str):
+            parts = [p.strip() for p in value.replace("x", ",").split(",")]
+            if len(parts) == 1:
+                w = h = int(parts[0])
+            elif len(parts) == 2:
+                w, h = int(parts[0]), int(parts[1])
+            else:
+                raise ValueError
+        else:
+            raise ValueError
+    except ValueError:
+        raise DatasetError(f"{field} must be 'W,H' or a single size N (like '1024,1024' or 1024), got {value!r}")
+    if w <= 0 or h <= 0 or w % 8 or h % 8:
+        raise DatasetError(f"{field} sides must be positive multiples of 8, got {w}x{h}")
+    return w, h
+
+
+def _check_type(key: str, value, kind, where: str) -> Any:
+    if kind is _RESO:
+        return parse_resolution(value, f"{where} {key}")
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+        list: isinstance(value, list),
+    }[kind]
+    if not ok:
+        raise DatasetError(f"{where}: '{key}' must be {kind.__name__}, got {value!r}")
+    return float(value) if kind is float else value
+
+
+def load_dataset_config(path: str) -> dict:
+    """Reads and checks a dataset TOML; every unknown key is an error naming it and the allowed keys."""
+    if not os.path.isfile(path):
+        raise DatasetError(f"--dataset_config file does not exist: {path}")
+    try:
+        with open(path, "rb") as f:
+            config = tomllib.load(f)
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise DatasetError(f"{path}: not valid TOML: {e}") from e
+    _check_keys(config, {"general": dict, "datasets": list}, "the top level", path)
+    general = config.get("general", {})
+    if not isinstance(general, dict):
+        raise DatasetError(f"{path}: [general] must be a table")
+    _check_keys(general, GENERAL_KEYS, "[general]", path)
+    for k, v in general.items():
+        general[k] = _check_type(k, v, GENERAL_KEYS[k], f"{path} [general]")
+    datasets = config.get("datasets", [])
+    if not isinstance(datasets, list) or not datasets:
+        raise DatasetError(f"{path}: needs at least one [[datasets]] table with [[datasets.subsets]]")
+    for i, ds in enumerate(datasets):
+        where = f"{path} [[datasets]] #{i + 1}"
+        _check_keys(ds, DATASETS_KEYS, "[[datasets]]", path)
+        for k, v in ds.items():
+            ds[k] = _check_type(k, v, DATASETS_KEYS[k], where)
+        subsets = ds.get("subsets", [])
+        if not subsets:
+            raise DatasetError(f"{where}: has no [[datasets.subsets]] (each needs image_dir or metadata_file)")
+        for j, sub in enumerate(subsets):
+            swhere = f"{where} subset #{j + 1}"
+            if not isinstance(sub, dict):
+                raise DatasetError(f"{swhere}: must be a table")
+            _check_keys(sub, SUBSET_KEYS, "[[datasets.subsets]]", path)
+            for k, v in sub.items():
+                sub[k] = _check_type(k, v, SUBSET_KEYS[k], swhere)
+            if "image_dir" not in sub and "metadata_file" not in sub:
+                raise DatasetError(f"{swhere}: needs image_dir (images + caption files) or metadata_file (--in_json style)")
+    return config
+
+
+# ----------------------------------------------------------------------------- resolving values
+
+
+def _normalize_family(family: str) -> str:
+    f = (family or "").lower()
+    f = _FAMILY_ALIASES.get(f, f)
+    if f not in FAMILY_DEFAULT_RESOLUTION:
+        raise DatasetError(f"unknown model family {family!r}; expected one of {', '.join(FAMILY_DEFAULT_RESOLUTION)}")
+    return f
+
+
+def _arg(args, name: str, default=None):
+    value = getattr(args, name, None)
+    return default if value is None else value
+
+
+def _cli_layer(args, family: str) -> dict:
+    """CLI values as the lowest-priority config layer (kohya uses argparse values as fallbacks)."""
+    layer = {}
+    for key in list(DATASET_KEYS) + list(_INHERITED_SUBSET_KEYS):
+        value = getattr(args, _CLI_NAME.get(key, key), None)
+        if value is not None:
+            layer[key] = value
+    if "resolution" in layer:
+        layer["resolution"] = parse_resolution(layer["resolution"], "--resolution")
+    else:
+        n = FAMILY_DEFAULT_RESOLUTION[family]
+        logger.info("--resolution not set: using %dx%d for %s", n, n, family)
+        layer["resolution"] = (n, n)
+    layer.pop("num_repeats", None)
+    layer.pop("is_reg", None)
+    return layer
+
+
+def _resolve_path(path: str, base_dir: str | None) -> str:
+    path = os.path.expanduser(path)
+    if not os.path.isabs(path) and not os.path.exists(path) and base_dir:
+        candidate = os.path.join(base_dir, path)
+        if os.path.exists(candidate):
+            return candidate
+    return path
+
+
+def _make_subset(values: dict, where: str) -> SubsetParams:
+    s = SubsetParams(**{k: v for k, v in values.items() if k in SUBSET_KEYS})
+    s.caption_extension = normalize_caption_extension(s.caption_extension)
+    if s.num_repeats < 1:
+        raise DatasetError(f"{where}: num_repeats must be >= 1, got {s.num_repeats}")
+    if s.keep_tokens < 0:
+        raise DatasetError(f"{where}: keep_tokens must be >= 0, got {s.keep_tokens}")
+    if s.caption_dropout_every_n_epochs < 0:
+        raise DatasetError(f"{where}: caption_dropout_every_n_epochs must be >= 0")
+    for rate in ("caption_dropout_rate", "caption_tag_dropout_rate"):
+        if not 0.0 <= getattr(s, rate) <= 1.0:
+            raise DatasetError(f"{where}: {rate} must be between 0 and 1, got {getattr(s, rate)}")
+    return s
+
+
+def _make_dataset_params(values: dict, subsets: list[SubsetParams], where: str) -> DatasetParams:
+    p = DatasetParams(subsets=subsets, **{k: v for k, v in values.items() if k in DATASET_KEYS})
+    p.resolution = tuple(p.resolution)
+    if p.batch_size < 1:
+        raise DatasetError(f"{where}: batch_size / --train_batch_size must be >= 1, got {p.batch_size}")
+    steps = p.bucket_reso_steps
+    if steps <= 0 or steps % 8:
+        raise DatasetError(f"{where}: bucket_reso_steps must be a positive multiple of 8, got {steps}")
+    if p.enable_bucket and not p.bucket_no_upscale:
+        for name in ("min_bucket_reso", "max_bucket_reso"):
+            v = getattr(p, name)
+            if v <= 0 or v % steps:
+                raise DatasetError(f"{where}: {name} must be a positive multiple of bucket_reso_steps ({steps}), got {v}")
+        if p.min_bucket_reso > min(p.resolution):
+            raise DatasetError(f"{where}: min_bucket_reso ({p.min_bucket_reso}) must be <= the resolution's "
+                               f"shorter side ({min(p.resolution)})")
+        if p.max_bucket_reso < max(p.resolution):
+            raise DatasetError(f"{where}: max_bucket_reso ({p.max_bucket_reso}) must be >= the resolution's "
+                               f"longer side ({max(p.resolution)})")
+    return p
+
+
+def _folder_subsets(root: str, is_reg: bool, base: dict, flag: str) -> list[SubsetParams]:
+    """kohya layout: every subfolder of root is 'N_name' (N repeats, name = class tokens)."""
+    if not os.path.isdir(root):
+        raise DatasetError(f"{flag} folder does not exist: {root}")
+    subsets, loose = [], []
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if name.startswith("."):
+            continue
+        if not os.path.isdir(path):
+            if is_image_file(name):
+                loose.append(name)
+            continue
+        m = _FOLDER_RE.match(name)
+        if not m:
+            raise DatasetError(
+                f"{flag}: folder '{name}' in {root} has no repeat count; name it 'N_name', "
+                f"for example '10_{name}' (10 repeats per epoch)")
+        values = dict(base, image_dir=path, num_repeats=int(m.group(1)), is_reg=is_reg)
+        if m.group(2).strip():
+            values["class_tokens"] = m.group(2).strip()
+        subsets.append(_make_subset(values, f"{flag} folder '{name}'"))
+    if not subsets:
+        hint = (f" ({len(loose)} images lie directly in it: move them into a subfolder such as '10_name')"
+                if loose else "")
+        raise DatasetError(f"{flag} {root} has no 'N_name' image folders{hint}")
+    return subsets
+
+
+def _dataset_params_from_args(args, cli: dict) -> list[DatasetParams]:
+    subset_base = {k: v for k, v in cli.items() if k in _INHERITED_SUBSET_KEYS}
+    train_dir = getattr(args, "train_data_dir", None)
+    in_json = getattr(args, "in_json", None)
+    if in_json:
+        values = dict(subset_base, metadata_file=in_json, image_dir=train_dir,
+                      num_repeats=int(_arg(args, "dataset_repeats", 1)))
+        subsets = [_make_subset(values, "--in_json")]
+    elif train_dir:
+        subsets = _folder_subsets(train_dir, False, subset_base, "--train_data_dir")
+    else:
+        raise DatasetError("no training data: set --train_data_dir (with 'N_name' folders), --in_json "
+                           "with --train_data_dir, or --dataset_config")
+    reg_dir = getattr(args, "reg_data_dir", None)
+    if reg_dir:
+        subsets += _folder_subsets(reg_dir, True, subset_base, "--reg_data_dir")
+    return [_make_dataset_params(cli, subsets, "dataset")]
+
+
+def _dataset_params_from_config(path: str, cli: dict) -> list[DatasetParams]:
+    config = load_dataset_config(path)
+    base_dir = os.path.dirname(os.path.abspath(path))
+    general = config.get("general", {})
+    result = []
+    for i, ds in enumerate(config["datasets"]):
+        ds_values = {**cli, **general, **{k: v for k, v in ds.items() if k != "subsets"}}
+        subsets = []
+        for j, sub in enumerate(ds["subsets"]):
+            values = {k: v for k, v in ds_values.items() if k in _INHERITED_SUBSET_KEYS}
+            values.update(sub)
+            for key in _SUBSET_ONLY:
+                if values.get(key):
+                    values[key] = _resolve_path(values[key], base_dir)
+            subsets.append(_make_subset(values, f"{path} [[datasets]] #{i + 1} subset #{j + 1}"))
+        result.append(_make_dataset_params(ds_values, subsets, f"{path} [[datasets]] #{i + 1}"))
+    return result
+
+
+def build_dataset_group(args, family: str) -> DatasetGroup:
+    """Scans the dataset described by args (see module doc); raises DatasetError before any model loads."""
+    family = _normalize_family(family)
+    cli = _cli_layer(args, family)
+    config_path = getattr(args, "dataset_config", None)
+    if config_path:
+        if getattr(args, "train_data_dir", None) or getattr(args, "in_json", None):
+            logger.warning("--dataset_config is set: ignoring --train_data_dir/--reg_data_dir/--in_json")
+        params = _dataset_params_from_config(str(config_path), cli)
+    else:
+        params = _dataset_params_from_args(args, cli)
+
+    cache_latents = bool(getattr(args, "cache_latents", False) or getattr(args, "cache_latents_to_disk", False))
+    cache_te = bool(getattr(args, "cache_text_encoder_outputs", False)
+                    or getattr(args, "cache_text_encoder_outputs_to_disk", False))
+    for p in params:
+        for s in p.subsets:
+            if cache_latents and (s.color_aug or s.random_crop):
+                raise DatasetError(latent_cache_conflict(s))
+            if cache_te and s.caption_is_random:
+                raise DatasetError(te_cache_conflict(s))
+
+    seed = getattr(args, "seed", None)
+    if seed is None:
+        seed = random.randint(0, 2**31 - 1)
+    epoch_value = new_epoch_value()
+    datasets = []
+    for i, p in enumerate(params):
+        images = []
+        for s in p.subsets:
+            images.extend(images_from_metadata(s) if s.metadata_file else images_from_dir(s))
+        n_train = sum(1 for im in images if not im.is_reg)
+        n_reg = len(images) - n_train
+        if n_train == 0:
+            dirs = ", ".join(s.metadata_file or s.image_dir for s in p.subsets if not s.is_reg) or "(none)"
+            raise DatasetError(f"no training images found in {dirs} (image extensions: "
+                               ".png .jpg .jpeg .webp .bmp); add images or fix the paths")
+        if n_reg:
+            balance_reg_images(images)
+        datasets.append(ImageDataset(p, images, float(_arg(args, "prior_loss_weight", 1.0)), seed, i, epoch_value))
+    group = DatasetGroup(datasets, epoch_value)
+    group.log_summary()
+    return group

@@ -1,0 +1,856 @@
+"""Training data for every trainer: images + captions in aspect-ratio buckets, served as whole batches.
+
+A `DatasetGroup` is a torch `Dataset` whose items are complete batches (use a DataLoader with
+batch_size=None, or `make_dataloader`). Batches never mix bucket sizes. Latents and text-encoder
+outputs can be cached in memory or next to the images (kohya's `<image>.npz` and
+`<image>_te_outputs.npz`). Configuration (CLI flags, --dataset_config TOML) lives in config_util.py;
+this module only knows the resolved `DatasetParams` / `SubsetParams`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import multiprocessing
+import os
+import random
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+logger = logging.getLogger(__name__)
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+CAPTION_FALLBACK_EXTENSIONS = (".caption", ".txt")
+TE_OUTPUTS_SUFFIX = "_te_outputs.npz"
+_EXIF_ORIENTATION = 0x0112
+
+
+class DatasetError(ValueError):
+    """Bad dataset input: the message names the file, folder or key and what is allowed."""
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+@dataclass
+class SubsetParams:
+    """One folder of images (or one metadata file) with its caption and augmentation settings."""
+
+    image_dir: Optional[str] = None
+    num_repeats: int = 1
+    caption_extension: str = ".caption"
+    shuffle_caption: bool = False
+    keep_tokens: int = 0
+    caption_separator: str = ","
+    caption_prefix: Optional[str] = None
+    caption_suffix: Optional[str] = None
+    caption_dropout_rate: float = 0.0
+    caption_dropout_every_n_epochs: int = 0
+    caption_tag_dropout_rate: float = 0.0
+    flip_aug: bool = False
+    color_aug: bool = False
+    random_crop: bool = False
+    is_reg: bool = False
+    class_tokens: Optional[str] = None
+    metadata_file: Optional[str] = None
+
+    @property
+    def name(self) -> str:
+        """Key used in ss_dataset_dirs / ss_tag_frequency (kohya: the folder's base name)."""
+        path = self.metadata_file if self.metadata_file else self.image_dir
+        return os.path.basename(os.path.normpath(path)) if path else "dataset"
+
+    @property
+    def caption_is_random(self) -> bool:
+        return bool(
+            self.shuffle_caption
+            or self.caption_dropout_rate > 0
+            or self.caption_dropout_every_n_epochs > 0
+            or self.caption_tag_dropout_rate > 0
+        )
+
+
+@dataclass
+class DatasetParams:
+    """One [[datasets]] entry: resolution, batching and bucketing shared by its subsets."""
+
+    resolution: tuple[int, int]
+    batch_size: int = 1
+    enable_bucket: bool = False
+    min_bucket_reso: int = 256
+    max_bucket_reso: int = 1024
+    bucket_reso_steps: int = 64
+    bucket_no_upscale: bool = False
+    subsets: list[SubsetParams] = field(default_factory=list)
+
+
+@dataclass
+class ImageInfo:
+    path: str
+    caption: str  # caption as read (before prefix/suffix/shuffle)
+    subset: SubsetParams
+    num_repeats: int
+    size: tuple[int, int]  # original (w, h) after EXIF orientation
+    bucket: tuple[int, int] = (0, 0)  # (w, h) the image is resized+cropped to
+    latents: Optional[torch.Tensor] = None
+    latents_flipped: Optional[torch.Tensor] = None
+    latents_npz: Optional[str] = None  # set when latents are cached on disk
+    crop_ltrb: tuple[int, int, int, int] = (0, 0, 0, 0)  # crop of the cached latents
+    resized_size: tuple[int, int] = (0, 0)  # (w, h) before the crop of the cached latents
+    te_outputs: Optional[dict] = None
+    te_npz: Optional[str] = None
+
+    @property
+    def is_reg(self) -> bool:
+        return self.subset.is_reg
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def is_image_file(name: str) -> bool:
+    return os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
+
+
+def list_images(directory: str, recursive: bool = False) -> list[str]:
+    """Image files in a directory, sorted (hidden files skipped)."""
+    if not os.path.isdir(directory):
+        raise DatasetError(f"image folder does not exist: {directory}")
+    found = []
+    if recursive:
+        for root, dirs, files in os.walk(directory):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            found.extend(os.path.join(root, f) for f in files if is_image_file(f) and not f.startswith("."))
+    else:
+        for f in os.listdir(directory):
+            p = os.path.join(directory, f)
+            if is_image_file(f) and not f.startswith(".") and os.path.isfile(p):
+                found.append(p)
+    return sorted(found)
+
+
+def normalize_caption_extension(ext: Optional[str]) -> str:
+    ext = (ext or ".caption").strip()
+    return ext if ext.startswith(".") else "." + ext
+
+
+def read_caption_file(path: str) -> str:
+    """First non-empty line of a caption file (kohya reads the first line)."""
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    return line
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"caption file is not UTF-8 text: {path} ({e})") from e
+    except OSError as e:
+        raise DatasetError(f"cannot read caption file {path}: {e}") from e
+    logger.warning("caption file is empty, using an empty caption: %s", path)
+    return ""
+
+
+def find_caption(image_path: str, caption_extension: str) -> Optional[str]:
+    """Caption next to the image: the configured extension first, then .caption / .txt."""
+    base = os.path.splitext(image_path)[0]
+    exts = [caption_extension] + [e for e in CAPTION_FALLBACK_EXTENSIONS if e != caption_extension]
+    for ext in exts:
+        if os.path.isfile(base + ext):
+            return read_caption_file(base + ext)
+    return None
+
+
+def read_image_size(path: str) -> tuple[int, int]:
+    """(w, h) as the image will be seen (EXIF orientation applied), reading only the header."""
+    try:
+        with Image.open(path) as img:
+            w, h = img.size
+            orientation = img.getexif().get(_EXIF_ORIENTATION, 1)
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        raise DatasetError(f"cannot read image {path}: {e}") from e
+    if w <= 0 or h <= 0:
+        raise DatasetError(f"image has no pixels: {path}")
+    return (h, w) if orientation in (5, 6, 7, 8) else (w, h)
+
+
+def load_image_rgb(path: str) -> Image.Image:
+    try:
+        with Image.open(path) as img:
+            img = ImageOps.exif_transpose(img)
+            return img.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        raise DatasetError(f"cannot read image {path}: {e}") from e
+
+
+def latents_npz_path(image_path: str) -> str:
+    return os.path.splitext(image_path)[0] + ".npz"
+
+
+def te_outputs_npz_path(image_path: str) -> str:
+    return os.path.splitext(image_path)[0] + TE_OUTPUTS_SUFFIX
+
+
+def _save_npz_atomic(path: str, arrays: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        np.savez(f, **arrays)
+    os.replace(tmp, path)
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().to("cpu")
+    if t.dtype in (torch.bfloat16, torch.float16):
+        t = t.float()
+    return t.numpy()
+
+
+# ----------------------------------------------------------------------------- image sources
+
+
+def images_from_dir(subset: SubsetParams) -> list[ImageInfo]:
+    """A DreamBooth-style subset: every image in image_dir, caption file or class_tokens."""
+    infos = []
+    for path in list_images(subset.image_dir):
+        caption = find_caption(path, subset.caption_extension)
+        if caption is None:
+            caption = subset.class_tokens or ""
+        infos.append(ImageInfo(path, caption, subset, subset.num_repeats, read_image_size(path)))
+    if not infos:
+        logger.warning("no images in %s (extensions: %s)", subset.image_dir, ", ".join(IMAGE_EXTENSIONS))
+    return infos
+
+
+def _find_image_for_key(key: str, image_dir: Optional[str]) -> Optional[str]:
+    if os.path.isfile(key):
+        return key
+    if image_dir:
+        candidate = os.path.join(image_dir, key)
+        if os.path.isfile(candidate) and is_image_file(candidate):
+            return candidate
+        for ext in IMAGE_EXTENSIONS:
+            for e in (ext, ext.upper()):
+                if os.path.isfile(candidate + e):
+                    return candidate + e
+    return None
+
+
+def images_from_metadata(subset: SubsetParams) -> list[ImageInfo]:
+    """A fine-tune subset: kohya metadata JSON {image_key: {"caption", "tags", ...}}."""
+    path = subset.metadata_file
+    if not os.path.isfile(path):
+        raise DatasetError(f"metadata file (--in_json / metadata_file) does not exist: {path}")
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            metadata = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DatasetError(f"metadata file is not valid JSON: {path} ({e})") from e
+    if not isinstance(metadata, dict):
+        raise DatasetError(f"metadata file must hold a JSON object {{image_key: {{caption, tags}}}}: {path}")
+    infos = []
+    for key, md in metadata.items():
+        if not isinstance(md, dict):
+            raise DatasetError(f"metadata file {path}: entry {key!r} must be an object with 'caption'/'tags'")
+        image_path = _find_image_for_key(key, subset.image_dir)
+        if image_path is None:
+            where = f" in {subset.image_dir}" if subset.image_dir else ""
+            raise DatasetError(f"metadata file {path}: no image found for key {key!r}{where}")
+        caption, tags = md.get("caption"), md.get("tags")
+        if caption is None:
+            caption = tags
+        elif tags:
+            caption = f"{caption}, {tags}"
+        if caption is None:
+            caption = subset.class_tokens or ""
+        if not isinstance(caption, str):
+            raise DatasetError(f"metadata file {path}: caption/tags of {key!r} must be strings")
+        infos.append(ImageInfo(image_path, caption, subset, subset.num_repeats, read_image_size(image_path)))
+    if not infos:
+        logger.warning("metadata file has no images: %s", path)
+    return infos
+
+
+# ----------------------------------------------------------------------------- buckets
+
+
+def make_bucket_resolutions(
+    resolution: tuple[int, int], min_reso: int, max_reso: int, steps: int
+) -> list[tuple[int, int]]:
+    """All (w, h) with sides multiples of `steps` in [min_reso, max_reso], area <= the resolution's
+    area; for each width the tallest such height (and its transpose), plus the largest square."""
+    max_area = resolution[0] * resolution[1]
+    buckets = set()
+    side = int(math.sqrt(max_area)) // steps * steps
+    side = min(max(side, min_reso), max_reso)
+    if side * side <= max_area:
+        buckets.add((side, side))
+    for w in range(min_reso, max_reso + 1, steps):
+        h = min(max_reso, (max_area // w) // steps * steps)
+        if h >= min_reso:
+            buckets.add((w, h))
+            buckets.add((h, w))
+    return sorted(buckets)
+
+
+def nearest_bucket(size: tuple[int, int], buckets: list[tuple[int, int]]) -> tuple[int, int]:
+    """The bucket whose aspect ratio is closest in log space (symmetric for portrait/landscape)."""
+    ar = math.log(size[0] / size[1])
+    return min(buckets, key=lambda b: (abs(math.log(b[0] / b[1]) - ar), -b[0] * b[1]))
+
+
+def no_upscale_bucket(size: tuple[int, int], max_area: int, steps: int) -> tuple[int, int]:
+    """--bucket_no_upscale: shrink to the max area if larger, then round sides down to `steps`."""
+    w, h = size
+    if w * h > max_area:
+        scale = math.sqrt(max_area / (w * h))
+        w, h = w * scale, h * scale
+    bw = max(steps, int(w) // steps * steps)
+    bh = max(steps, int(h) // steps * steps)
+    return bw, bh
+
+
+# ----------------------------------------------------------------------------- one dataset
+
+
+def _hue_shift(img: Image.Image, rng: random.Random) -> Image.Image:
+    """color_aug: a random hue rotation of up to +-16 degrees."""
+    hsv = np.array(img.convert("HSV"), dtype=np.int16)
+    hsv[..., 0] = (hsv[..., 0] + rng.randint(-11, 11)) % 256
+    return Image.fromarray(hsv.astype(np.uint8), "HSV").convert("RGB")
+
+
+def _pil_to_tensor(img: Image.Image) -> torch.Tensor:
+    arr = np.asarray(img, dtype=np.float32)
+    return torch.from_numpy(arr).permute(2, 0, 1) / 127.5 - 1.0
+
+
+class ImageDataset(torch.utils.data.Dataset):
+    """One [[datasets]] entry; item i is batch i of the current epoch."""
+
+    def __init__(self, params: DatasetParams, images: list[ImageInfo], prior_loss_weight: float, seed: int,
+                 index: int, epoch_value):
+        self.params = params
+        self.images = images
+        self.prior_loss_weight = float(prior_loss_weight)
+        self.seed = seed
+        self.index = index
+        self._epoch = epoch_value  # multiprocessing.Value shared with DataLoader workers
+        self._batches_epoch = None
+        self._batches: list[list[int]] = []
+        self.latents_cached = False
+        self.te_cached = False
+        self.buckets: dict[tuple[int, int], list[int]] = {}
+        self.mean_ar_error = 0.0
+        self._assign_buckets()
+
+    # --- buckets and batches
+    def _assign_buckets(self) -> None:
+        p = self.params
+        max_area = p.resolution[0] * p.resolution[1]
+        predefined = (
+            make_bucket_resolutions(p.resolution, p.min_bucket_reso, p.max_bucket_reso, p.bucket_reso_steps)
+            if p.enable_bucket and not p.bucket_no_upscale else None
+        )
+        errors = []
+        for i, info in enumerate(self.images):
+            if not p.enable_bucket:
+                info.bucket = tuple(p.resolution)
+            elif p.bucket_no_upscale:
+                info.bucket = no_upscale_bucket(info.size, max_area, p.bucket_reso_steps)
+            else:
+                info.bucket = nearest_bucket(info.size, predefined)
+            self.buckets.setdefault(info.bucket, []).append(i)
+            errors.append(abs(info.size[0] / info.size[1] - info.bucket[0] / info.bucket[1]))
+        self.buckets = dict(sorted(self.buckets.items()))
+        self.mean_ar_error = float(np.mean(errors)) if errors else 0.0
+
+    def _batches_for_epoch(self, epoch: int) -> list[list[int]]:
+        # Same permutation in every process/worker for a given (seed, epoch): safe with accelerate sharding.
+        rng = random.Random(f"order:{self.seed}:{self.index}:{epoch}")
+        batches = []
+        for indices in self.buckets.values():
+            entries = [i for i in indices for _ in range(self.images[i].num_repeats)]
+            rng.shuffle(entries)
+            bs = self.params.batch_size
+            batches.extend(entries[k:k + bs] for k in range(0, len(entries), bs))
+        rng.shuffle(batches)
+        return batches
+
+    def current_batches(self) -> list[list[int]]:
+        epoch = self._epoch.value
+        if self._batches_epoch != epoch:
+            self._batches = self._batches_for_epoch(epoch)
+            self._batches_epoch = epoch
+        return self._batches
+
+    def __len__(self) -> int:
+        bs = self.params.batch_size
+        return sum(math.ceil(sum(self.images[i].num_repeats for i in idx) / bs) for idx in self.buckets.values())
+
+    @property
+    def num_train_images(self) -> int:
+        return sum(i.num_repeats for i in self.images if not i.is_reg)
+
+    @property
+    def num_reg_images(self) -> int:
+        return sum(i.num_repeats for i in self.images if i.is_reg)
+
+    # --- captions
+    @staticmethod
+    def base_caption(info: ImageInfo) -> str:
+        s = info.subset
+        caption = info.caption
+        if s.caption_prefix:
+            caption = f"{s.caption_prefix} {caption}"
+        if s.caption_suffix:
+            caption = f"{caption} {s.caption_suffix}"
+        return caption
+
+    def process_caption(self, info: ImageInfo, epoch: int, rng: random.Random) -> str:
+        s = info.subset
+        caption = self.base_caption(info)
+        if (s.caption_dropout_rate > 0 and rng.random() < s.caption_dropout_rate) or (
+            s.caption_dropout_every_n_epochs > 0 and epoch > 0 and epoch % s.caption_dropout_every_n_epochs == 0
+        ):
+            return ""
+        if s.shuffle_caption or s.caption_tag_dropout_rate > 0:
+            tokens = [t.strip() for t in caption.split(s.caption_separator) if t.strip()]
+            fixed, rest = tokens[: s.keep_tokens], tokens[s.keep_tokens:]
+            if s.caption_tag_dropout_rate > 0:
+                rest = [t for t in rest if rng.random() >= s.caption_tag_dropout_rate]
+            if s.shuffle_caption:
+                rng.shuffle(rest)
+            caption = (s.caption_separator + " ").join(fixed + rest)
+        return caption
+
+    # --- pixels
+    def crop_plan(self, info: ImageInfo, rng: Optional[random.Random]):
+        """Resize-to-cover size and crop box (l, t, r, b) for the image's bucket."""
+        (w, h), (bw, bh) = info.size, info.bucket
+        scale = max(bw / w, bh / h)
+        rw, rh = max(bw, round(w * scale)), max(bh, round(h * scale))
+        if rng is not None and info.subset.random_crop:
+            left, top = rng.randint(0, rw - bw), rng.randint(0, rh - bh)
+        else:
+            left, top = (rw - bw) // 2, (rh - bh) // 2
+        return (rw, rh), (left, top, left + bw, top + bh)
+
+    def load_cropped(self, info: ImageInfo, rng: Optional[random.Random]):
+        img = load_image_rgb(info.path)
+        if img.size != info.size:  # the file changed since the dataset was built
+            info.size = img.size
+        resized, box = self.crop_plan(info, rng)
+        if img.size != resized:
+            img = img.resize(resized, Image.Resampling.LANCZOS, reducing_gap=3.0)
+        img = img.crop(box)
+        return img, resized, box
+
+    # --- items
+    def __getitem__(self, index: int) -> dict:
+        batches = self.current_batches()
+        if index < 0 or index >= len(batches):
+            raise IndexError(index)
+        epoch = self._epoch.value
+        images, latents, captions, paths = [], [], [], []
+        orig, crops, targets, weights, te_list = [], [], [], [], []
+        for pos, i in enumerate(batches[index]):
+            info = self.images[i]
+            rng = random.Random(f"item:{self.seed}:{self.index}:{epoch}:{index}:{pos}")
+            flip = info.subset.flip_aug and rng.random() < 0.5
+            if self.latents_cached:
+                lat, lat_flipped, resized, box = self._cached_latents(info)
+                latents.append(lat_flipped if flip else lat)
+            else:
+                img, resized, box = self.load_cropped(info, rng)
+                if info.subset.color_aug:
+                    img = _hue_shift(img, rng)
+                if flip:
+                    img = ImageOps.mirror(img)
+                images.append(_pil_to_tensor(img))
+            left, top, right, _ = box
+            if flip:  # SDXL crop conditioning is measured in the flipped image
+                left = resized[0] - right
+            orig.append((info.size[1], info.size[0]))
+            crops.append((top, left))
+            targets.append((info.bucket[1], info.bucket[0]))
+            weights.append(self.prior_loss_weight if info.is_reg else 1.0)
+            if self.te_cached:
+                captions.append(self.base_caption(info))
+                te_list.append(self._cached_te(info))
+            else:
+                captions.append(self.process_caption(info, epoch, rng))
+            paths.append(info.path)
+        te_outputs = None
+        if te_list:
+            te_outputs = {k: torch.stack([t[k] for t in te_list]) for k in te_list[0]}
+        return {
+            "images": torch.stack(images) if images else None,
+            "latents": torch.stack(latents) if latents else None,
+            "captions": captions,
+            "original_sizes_hw": torch.tensor(orig, dtype=torch.long),
+            "crop_top_lefts": torch.tensor(crops, dtype=torch.long),
+            "target_sizes_hw": torch.tensor(targets, dtype=torch.long),
+            "loss_weights": torch.tensor(weights, dtype=torch.float32),
+            "te_outputs": te_outputs,
+            "image_paths": paths,
+        }
+
+    def _cached_latents(self, info: ImageInfo):
+        if info.latents_npz:
+            with np.load(info.latents_npz) as npz:
+                lat = torch.from_numpy(npz["latents"])
+                lat_f = torch.from_numpy(npz["latents_flipped"]) if "latents_flipped" in npz else None
+                box = tuple(int(v) for v in npz["crop_ltrb"])
+                resized = tuple(int(v) for v in npz["resized_size"]) if "resized_size" in npz else info.bucket
+            return lat, lat_f, resized, box
+        return info.latents, info.latents_flipped, info.resized_size, info.crop_ltrb
+
+    @staticmethod
+    def _cached_te(info: ImageInfo) -> dict:
+        if info.te_npz:
+            with np.load(info.te_npz) as npz:
+                return {k: torch.from_numpy(npz[k]) for k in npz.files if not k.startswith("__")}
+        return info.te_outputs
+
+
+# ----------------------------------------------------------------------------- the group
+
+
+def balance_reg_images(images: list[ImageInfo]) -> None:
+    """kohya's prior preservation balance: repeat reg images until they match the train images count
+    (train images x repeats); the first pass uses each reg folder's own repeats."""
+    train = sum(i.num_repeats for i in images if not i.is_reg)
+    reg = [i for i in images if i.is_reg]
+    if not reg:
+        return
+    counts = [0] * len(reg)
+    n, first = 0, True
+    while n < train:
+        for k, info in enumerate(reg):
+            step = info.num_repeats if first else 1
+            counts[k] += step
+            n += step
+            if n >= train:
+                break
+        first = False
+    for k, info in enumerate(reg):
+        if counts[k] == 0:  # more reg images than train images: unused reg images are dropped
+            info.num_repeats = 0
+        else:
+            info.num_repeats = counts[k]
+    images[:] = [i for i in images if i.num_repeats > 0]
+
+
+class DatasetGroup(torch.utils.data.Dataset):
+    """All datasets of a run; item i is one whole batch (a dict, see docs/ARCHITECTURE.md)."""
+
+    def __init__(self, datasets: list[ImageDataset], epoch_value):
+        self.datasets = datasets
+        self._epoch = epoch_value
+        self._offsets = np.cumsum([0] + [len(d) for d in datasets]).tolist()
+
+    def __len__(self) -> int:
+        return self._offsets[-1]
+
+    def __getitem__(self, index: int) -> dict:
+        if index < 0:
+            index += len(self)
+        if index < 0 or index >= len(self):
+            raise IndexError(index)
+        k = int(np.searchsorted(self._offsets, index, side="right")) - 1
+        return self.datasets[k][index - self._offsets[k]]
+
+    def set_current_epoch(self, epoch: int) -> None:
+        """Reshuffles batches for `epoch` (also in persistent DataLoader workers: the value is shared)."""
+        self._epoch.value = int(epoch)
+
+    @property
+    def num_train_images(self) -> int:
+        return sum(d.num_train_images for d in self.datasets)
+
+    @property
+    def num_reg_images(self) -> int:
+        return sum(d.num_reg_images for d in self.datasets)
+
+    def all_images(self):
+        for d in self.datasets:
+            for info in d.images:
+                yield d, info
+
+    # --- latents
+    def cache_latents(self, encode_fn: Callable[[torch.Tensor], torch.Tensor], to_disk: bool = False,
+                      batch_size: int = 4, signature: str = "") -> None:
+        """Encodes every image once (and its mirror when flip_aug) with encode_fn(images[B,3,H,W] in [-1,1])
+        -> latents[B,C,h,w]. to_disk writes `<image>.npz` next to the image and reuses it on later runs
+        when its bucket, flip setting and `signature` (e.g. the VAE's name) match."""
+        for d, info in self.all_images():
+            if info.subset.color_aug or info.subset.random_crop:
+                raise DatasetError(latent_cache_conflict(info.subset))
+        if to_disk:
+            _check_unique_npz_paths([info.path for _, info in self.all_images()], latents_npz_path)
+        todo: dict[tuple, list] = defaultdict(list)
+        reused = 0
+        for d, info in self.all_images():
+            info.latents = info.latents_flipped = None
+            info.latents_npz = None
+            if to_disk and _latents_npz_valid(info, signature):
+                info.latents_npz = latents_npz_path(info.path)
+                reused += 1
+                continue
+            todo[info.bucket].append((d, info))
+        total = sum(len(v) for v in todo.values())
+        logger.info("caching latents: %d images to encode, %d reused from disk", total, reused)
+        with torch.no_grad():
+            for bucket, items in todo.items():
+                for k in range(0, len(items), max(1, batch_size)):
+                    chunk = items[k:k + max(1, batch_size)]
+                    pixels, plans = [], []
+                    for d, info in chunk:
+                        img, resized, box = d.load_cropped(info, None)
+                        pixels.append(_pil_to_tensor(img))
+                        plans.append((resized, box))
+                    batch = torch.stack(pixels)
+                    lat = _check_encoded(encode_fn(batch), len(chunk))
+                    lat_f = None
+                    if any(info.subset.flip_aug for _, info in chunk):
+                        lat_f = _check_encoded(encode_fn(torch.flip(batch, dims=[3])), len(chunk))
+                    for j, (d, info) in enumerate(chunk):
+                        resized, box = plans[j]
+                        one = lat[j].detach().to("cpu")
+                        one_f = lat_f[j].detach().to("cpu") if lat_f is not None and info.subset.flip_aug else None
+                        if to_disk:
+                            arrays = {
+                                "latents": _to_numpy(one),
+                                "original_size": np.array(info.size),
+                                "crop_ltrb": np.array(box),
+                                "resized_size": np.array(resized),
+                                "bucket_reso": np.array(info.bucket),
+                                "signature": np.array(signature),
+                            }
+                            if one_f is not None:
+                                arrays["latents_flipped"] = _to_numpy(one_f)
+                            _save_npz_atomic(latents_npz_path(info.path), arrays)
+                            info.latents_npz = latents_npz_path(info.path)
+                        else:
+                            info.latents, info.latents_flipped = one, one_f
+                            info.crop_ltrb, info.resized_size = box, resized
+        for d in self.datasets:
+            d.latents_cached = True
+
+    # --- text encoder outputs
+    def cache_text_encoder_outputs(self, encode_fn: Callable[[list], dict], to_disk: bool = False,
+                                   batch_size: int = 16, signature: str = "") -> None:
+        """Encodes every caption once with encode_fn(captions) -> {name: Tensor[B, ...]}. to_disk writes
+        `<image>_te_outputs.npz` and reuses it when the caption and `signature` (e.g. the model's name) match."""
+        for _, info in self.all_images():
+            if info.subset.caption_is_random:
+                raise DatasetError(te_cache_conflict(info.subset))
+        if to_disk:
+            _check_unique_npz_paths([info.path for _, info in self.all_images()], te_outputs_npz_path)
+        todo = []
+        for d, info in self.all_images():
+            info.te_outputs, info.te_npz = None, None
+            caption = ImageDataset.base_caption(info)
+            if to_disk and _te_npz_valid(info.path, caption, signature):
+                info.te_npz = te_outputs_npz_path(info.path)
+                continue
+            todo.append((info, caption))
+        logger.info("caching text encoder outputs: %d captions to encode", len(todo))
+        with torch.no_grad():
+            for k in range(0, len(todo), max(1, batch_size)):
+                chunk = todo[k:k + max(1, batch_size)]
+                out = encode_fn([c for _, c in chunk])
+                if not isinstance(out, dict) or not out:
+                    raise DatasetError("text encoder encode_fn must return a non-empty dict of tensors")
+                for name, t in out.items():
+                    if not isinstance(t, torch.Tensor) or t.shape[0] != len(chunk):
+                        raise DatasetError(
+                            f"text encoder output {name!r} must be a tensor with batch size {len(chunk)} first")
+                    if name.startswith("__"):
+                        raise DatasetError(f"text encoder output name {name!r} may not start with '__'")
+                for j, (info, caption) in enumerate(chunk):
+                    one = {name: t[j].detach().to("cpu") for name, t in out.items()}
+                    if to_disk:
+                        arrays = {name: _to_numpy(t) for name, t in one.items()}
+                        arrays["__caption__"] = np.array(caption)
+                        arrays["__signature__"] = np.array(signature)
+                        _save_npz_atomic(te_outputs_npz_path(info.path), arrays)
+                        info.te_npz = te_outputs_npz_path(info.path)
+                    else:
+                        info.te_outputs = one
+        for d in self.datasets:
+            d.te_cached = True
+
+    # --- ss_* metadata
+    def metadata(self) -> dict:
+        """kohya ss_* keys, all values strings."""
+        first = self.datasets[0].params
+        dirs, tag_freq = {}, {}
+        bucket_counts: Counter = Counter()
+        ar_errors = []
+        for d in self.datasets:
+            for reso, idx in d.buckets.items():
+                bucket_counts[reso] += sum(d.images[i].num_repeats for i in idx)
+            ar_errors.extend([d.mean_ar_error] * len(d.images))
+            by_subset = defaultdict(list)
+            for info in d.images:
+                by_subset[id(info.subset)].append(info)
+            for infos in by_subset.values():
+                s = infos[0].subset
+                entry = dirs.setdefault(s.name, {"n_repeats": s.num_repeats, "img_count": 0})
+                entry["img_count"] += len(infos)
+                freq = tag_freq.setdefault(s.name, {})
+                for info in infos:
+                    for tag in info.caption.split(","):
+                        tag = tag.strip()
+                        if tag:
+                            freq[tag] = freq.get(tag, 0) + 1
+        buckets = {
+            str(k): {"resolution": list(reso), "count": n} for k, (reso, n) in enumerate(sorted(bucket_counts.items()))
+        }
+        subsets = [s for d in self.datasets for s in d.params.subsets]
+
+        def any_of(attr):
+            return str(any(getattr(s, attr) for s in subsets))
+
+        md = {
+            "ss_num_train_images": str(self.num_train_images),
+            "ss_num_reg_images": str(self.num_reg_images),
+            "ss_num_batches_per_epoch": str(len(self)),
+            "ss_dataset_dirs": json.dumps(dirs),
+            "ss_bucket_info": json.dumps({
+                "buckets": buckets,
+                "mean_img_ar_error": float(np.mean(ar_errors)) if ar_errors else 0.0,
+            }),
+            "ss_tag_frequency": json.dumps(tag_freq),
+            "ss_resolution": str(tuple(first.resolution)),
+            "ss_enable_bucket": str(first.enable_bucket),
+            "ss_min_bucket_reso": str(first.min_bucket_reso),
+            "ss_max_bucket_reso": str(first.max_bucket_reso),
+            "ss_bucket_no_upscale": str(first.bucket_no_upscale),
+            "ss_keep_tokens": str(max((s.keep_tokens for s in subsets), default=0)),
+            "ss_shuffle_caption": any_of("shuffle_caption"),
+            "ss_caption_dropout_rate": str(max((s.caption_dropout_rate for s in subsets), default=0.0)),
+            "ss_caption_dropout_every_n_epochs": str(max((s.caption_dropout_every_n_epochs for s in subsets),
+                                                         default=0)),
+            "ss_caption_tag_dropout_rate": str(max((s.caption_tag_dropout_rate for s in subsets), default=0.0)),
+            "ss_flip_aug": any_of("flip_aug"),
+            "ss_color_aug": any_of("color_aug"),
+            "ss_random_crop": any_of("random_crop"),
+        }
+        if len(self.datasets) > 1:
+            md["ss_datasets"] = json.dumps([
+                {
+                    "resolution": list(d.params.resolution),
+                    "batch_size": d.params.batch_size,
+                    "enable_bucket": d.params.enable_bucket,
+                    "num_train_images": d.num_train_images,
+                    "num_reg_images": d.num_reg_images,
+                    "subsets": [{"image_dir": s.name, "num_repeats": s.num_repeats, "is_reg": s.is_reg}
+                                for s in d.params.subsets],
+                }
+                for d in self.datasets
+            ])
+        return md
+
+    def log_summary(self) -> None:
+        for k, d in enumerate(self.datasets):
+            logger.info("[dataset %d] %d train images with repeats, %d reg images, batch size %d, %d batches",
+                        k, d.num_train_images, d.num_reg_images, d.params.batch_size, len(d))
+            for reso, idx in d.buckets.items():
+                logger.info("  bucket %s: %d images (%d with repeats)", reso, len(idx),
+                            sum(d.images[i].num_repeats for i in idx))
+            if d.params.enable_bucket:
+                logger.info("  mean aspect-ratio error: %.4f", d.mean_ar_error)
+
+
+def latent_cache_conflict(subset: SubsetParams) -> str:
+    opts = [o for o in ("color_aug", "random_crop") if getattr(subset, o)]
+    return (f"{' and '.join(opts)} cannot be used with --cache_latents / --cache_latents_to_disk "
+            f"(subset {subset.name}): cached latents are computed once from fixed pixels. "
+            "Turn off the augmentation or the latent cache (flip_aug is allowed: both flips are cached).")
+
+
+def te_cache_conflict(subset: SubsetParams) -> str:
+    opts = [o for o in ("shuffle_caption", "caption_dropout_rate", "caption_dropout_every_n_epochs",
+                        "caption_tag_dropout_rate") if getattr(subset, o)]
+    return (f"{', '.join(opts)} cannot be used with --cache_text_encoder_outputs (subset {subset.name}): "
+            "cached text-encoder outputs need fixed captions. Turn off caption shuffling/dropout "
+            "or the text-encoder cache.")
+
+
+def _check_unique_npz_paths(paths: list[str], to_npz: Callable[[str], str]) -> None:
+    seen = {}
+    for p in paths:
+        npz = to_npz(p)
+        if npz in seen and seen[npz] != p:
+            raise DatasetError(f"images {seen[npz]} and {p} would share the cache file {npz}; rename one of them")
+        seen[npz] = p
+
+
+def _latents_npz_valid(info: ImageInfo, signature: str) -> bool:
+    path = latents_npz_path(info.path)
+    if not os.path.isfile(path) or os.path.getmtime(path) < os.path.getmtime(info.path):
+        return False
+    try:
+        with np.load(path) as npz:
+            if "latents" not in npz or "crop_ltrb" not in npz:
+                return False
+            if "bucket_reso" in npz:
+                if tuple(int(v) for v in npz["bucket_reso"]) != tuple(info.bucket):
+                    return False
+            elif tuple(npz["latents"].shape[-2:]) != (info.bucket[1] // 8, info.bucket[0] // 8):
+                return False
+            if info.subset.flip_aug and "latents_flipped" not in npz:
+                return False
+            stored_sig = str(npz["signature"]) if "signature" in npz else ""
+            return stored_sig == signature
+    except (OSError, ValueError, EOFError) as e:
+        logger.warning("ignoring unreadable latent cache %s (%s); encoding again", path, e)
+        return False
+
+
+def _te_npz_valid(image_path: str, caption: str, signature: str) -> bool:
+    path = te_outputs_npz_path(image_path)
+    if not os.path.isfile(path):
+        return False
+    try:
+        with np.load(path) as npz:
+            if "__caption__" not in npz or str(npz["__caption__"]) != caption:
+                return False
+            stored_sig = str(npz["__signature__"]) if "__signature__" in npz else ""
+            return stored_sig == signature
+    except (OSError, ValueError, EOFError) as e:
+        logger.warning("ignoring unreadable text encoder cache %s (%s); encoding again", path, e)
+        return False
+
+
+def _check_encoded(latents, n: int) -> torch.Tensor:
+    if not isinstance(latents, torch.Tensor) or latents.ndim != 4 or latents.shape[0] != n:
+        shape = tuple(latents.shape) if isinstance(latents, torch.Tensor) else type(latents).__name__
+        raise DatasetError(f"latent encode_fn must return a tensor [B={n}, C, h, w]; got {shape}")
+    return latents
+
+
+def new_epoch_value():
+    """The shared current-epoch counter (inherited by DataLoader workers)."""
+    return multiprocessing.Value("i", 0)
+
+
+def make_dataloader(group: DatasetGroup, num_workers: int = 8, persistent_workers: bool = False,
+                    shuffle: bool = True) -> torch.utils.data.DataLoader:
+    """DataLoader over whole batches (kohya: workers = min(--max_data_loader_n_workers, cpu count))."""
+    n = max(0, min(int(num_workers), os.cpu_count() or 1))
+    return torch.utils.data.DataLoader(
+        group, batch_size=None, shuffle=shuffle, num_workers=n, persistent_workers=persistent_workers and n > 0)
+
+
+def build_dataset_group(args, family: str) -> DatasetGroup:
+    """See config_util.build_dataset_group (kept here too so trainers may import either module)."""
+    from library.config_util import build_dataset_group as _build
+
+    return _build(args, family)
