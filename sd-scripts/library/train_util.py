@@ -1,0 +1,658 @@
+"""Pieces every trainer shares: argparse groups, `--config_file` TOML reading, optimizers, LR schedulers,
+output naming, atomic saving, `ss_*` metadata and hashes, the plain progress line, the run's TOML.
+
+Full-model trainers (sdxl_train.py, train_db.py, fine_tune.py) reuse these as they are; the LoRA loop lives
+in `network_trainer.py`.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import hashlib
+import importlib
+import io
+import json
+import logging
+import math
+import os
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Tables of a config TOML that belong to the GUI / launcher, never to the trainer.
+GUI_ONLY_TABLES = ("accelerate", "gui")
+# Args never written into a run's TOML (they describe how the TOML itself is handled).
+_NOT_IN_RUN_CONFIG = ("config_file", "output_config")
+
+
+class ConfigError(ValueError):
+    """A bad `--config_file` or a bad combination of options; the message names the key/flag."""
+
+
+class OptionalPackageError(RuntimeError):
+    """An option needs a package that is not installed; the message says which and how to install it."""
+
+
+class OutputExistsError(FileExistsError):
+    """A result file already exists and `--overwrite_output` was not given."""
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# argparse groups (kohya-ss/sd-scripts flag names and defaults)
+
+
+def int_or_float(value: str) -> int | float:
+    """`--lr_warmup_steps 100` (steps) or `0.05` (a ratio of the total steps)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        return float(value)
+
+
+def add_sd_models_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--v2", action="store_true", help="the model is Stable Diffusion 2.x")
+    parser.add_argument("--v_parameterization", action="store_true", help="v-prediction model (SD2.x 768-v)")
+    parser.add_argument("--pretrained_model_name_or_path", type=str, default=None,
+                        help="single-file checkpoint (.safetensors/.ckpt) or diffusers folder (or a hub id)")
+    parser.add_argument("--tokenizer_cache_dir", type=str, default=None,
+                        help="folder with (or to keep) the tokenizers, for offline use")
+    parser.add_argument("--vae", type=str, default=None, help="VAE to use instead of the checkpoint's")
+
+
+def add_optimizer_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--optimizer_type", type=str, default="",
+                        help=f"one of {', '.join(OPTIMIZER_NAMES)} or a full class path (module.Class); default AdamW")
+    parser.add_argument("--use_8bit_adam", action="store_true", help="same as --optimizer_type AdamW8bit")
+    parser.add_argument("--learning_rate", type=float, default=2.0e-6, help="learning rate")
+    parser.add_argument("--max_grad_norm", type=float, default=1.0, help="gradient clipping (0 = off)")
+    parser.add_argument("--optimizer_args", type=str, default=None, nargs="*",
+                        help='extra optimizer arguments as key=value, e.g. "weight_decay=0.01 betas=0.9,0.999"')
+    parser.add_argument("--lr_scheduler", type=str, default="constant",
+                        help=f"one of {', '.join(SCHEDULER_NAMES)}")
+    parser.add_argument("--lr_warmup_steps", type=int_or_float, default=0,
+                        help="warmup steps, or a ratio of the total steps when below 1")
+    parser.add_argument("--lr_scheduler_num_cycles", type=int, default=1, help="restarts for cosine_with_restarts")
+    parser.add_argument("--lr_scheduler_power", type=float, default=1.0, help="power of the polynomial scheduler")
+
+
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """Output, saving, steps, precision, logging, noise and sampling flags (the dataset flags, including
+    --train_batch_size and the data loader workers, come from config_util.add_dataset_arguments)."""
+    parser.add_argument("--output_dir", type=str, default=None, help="folder for the results")
+    parser.add_argument("--output_name", type=str, default=None, help="base name of the result files")
+    parser.add_argument("--overwrite_output", action="store_true",
+                        help="allow replacing existing result files of the same name (off: such a run stops)")
+    parser.add_argument("--save_precision", type=str, default=None, choices=[None, "float", "fp16", "bf16"],
+                        help="dtype of the saved weights (default: as trained)")
+    parser.add_argument("--save_every_n_epochs", type=int, default=None, help="save every N epochs")
+    parser.add_argument("--save_every_n_steps", type=int, default=None, help="save every N steps")
+    parser.add_argument("--save_last_n_epochs", type=int, default=None, help="keep only the last N epoch saves")
+    parser.add_argument("--save_last_n_steps", type=int, default=None,
+                        help="keep only the step saves of the last N steps")
+    parser.add_argument("--save_state", action="store_true",
+                        help="also save the training state (optimizer, scheduler, RNG, step) at every save")
+    parser.add_argument("--save_state_on_train_end", action="store_true", help="save the state at the end only")
+    parser.add_argument("--resume", type=str, default=None, help="state folder to resume from")
+    parser.add_argument("--max_token_length", type=int, default=None, choices=[None, 150, 225],
+                        help="max token length of the text encoder (default 75)")
+    parser.add_argument("--mem_eff_attn", action="store_true", help="accepted for compatibility (SDPA is used)")
+    parser.add_argument("--xformers", action="store_true", help="use xformers attention if installed (else SDPA)")
+    parser.add_argument("--sdpa", action="store_true", help="use PyTorch scaled-dot-product attention (default)")
+    parser.add_argument("--max_train_steps", type=int, default=1600, help="training steps")
+    parser.add_argument("--max_train_epochs", type=int, default=None, help="training epochs (overrides steps)")
+    parser.add_argument("--seed", type=int, default=None, help="random seed")
+    parser.add_argument("--gradient_checkpointing", action="store_true", help="trade compute for memory")
+    parser.add_argument("--gradient_accumulation_steps", type=int, default=1, help="steps to accumulate")
+    parser.add_argument("--mixed_precision", type=str, default="no", choices=["no", "fp16", "bf16"],
+                        help="mixed precision")
+    parser.add_argument("--full_fp16", action="store_true", help="fp16 training including the gradients")
+    parser.add_argument("--full_bf16", action="store_true", help="bf16 training including the gradients")
+    parser.add_argument("--clip_skip", type=int, default=None, help="use the output of the N-th last CLIP layer")
+    parser.add_argument("--logging_dir", type=str, default=None, help="TensorBoard log folder")
+    parser.add_argument("--log_with", type=str, default=None, choices=["tensorboard", "wandb", "all"],
+                        help="tracker (default tensorboard when --logging_dir is set)")
+    parser.add_argument("--log_prefix", type=str, default=None, help="prefix of the log folder's run name")
+    parser.add_argument("--log_tracker_name", type=str, default=None, help="tracker project name")
+    parser.add_argument("--noise_offset", type=float, default=None, help="noise offset (e.g. 0.05)")
+    parser.add_argument("--min_snr_gamma", type=float, default=None, help="Min-SNR weighting gamma (e.g. 5)")
+    parser.add_argument("--min_timestep", type=int, default=None, help="smallest timestep sampled (default 0)")
+    parser.add_argument("--max_timestep", type=int, default=None, help="largest timestep + 1 (default 1000)")
+    parser.add_argument("--no_half_vae", action="store_true", help="keep the VAE in float32 under mixed precision")
+    parser.add_argument("--lowram", action="store_true", help="accepted for compatibility")
+    parser.add_argument("--highvram", action="store_true", help="accepted for compatibility")
+    parser.add_argument("--sample_every_n_steps", type=int, default=None, help="sample images every N steps")
+    parser.add_argument("--sample_every_n_epochs", type=int, default=None, help="sample images every N epochs")
+    parser.add_argument("--sample_prompts", type=str, default=None, help="prompt file (.txt/.toml/.json)")
+    parser.add_argument("--sample_sampler", type=str, default="ddim", choices=SAMPLER_CHOICES,
+                        help="sampler of the sample images")
+    parser.add_argument("--sample_at_first", action="store_true", help="sample images before training")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config_file", type=str, default=None,
+                        help="TOML with the options (flat or in sections); flags on the command line win")
+    parser.add_argument("--output_config", action="store_true",
+                        help="write the options to --config_file and exit")
+
+
+# kohya's sampler names -> diffusers scheduler class names (library.sampling builds them)
+SAMPLER_CHOICES = ["ddim", "pndm", "lms", "euler", "euler_a", "heun", "dpm_2", "dpm_2_a", "dpmsolver",
+                   "dpmsolver++", "dpmsingle", "k_lms", "k_euler", "k_euler_a", "k_dpm_2", "k_dpm_2_a"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# --config_file
+
+
+def _option_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {a.dest: a for a in parser._actions if a.dest != "help" and a.option_strings}
+
+
+def _flatten_config(data: dict, path: str) -> dict[str, Any]:
+    """Top-level keys and keys of (nested) tables, minus the GUI-only tables. A key twice is an error."""
+    flat: dict[str, Any] = {}
+    where: dict[str, str] = {}
+
+    def walk(table: dict, section: str) -> None:
+        for key, value in table.items():
+            if isinstance(value, dict):
+                if not section and key in GUI_ONLY_TABLES:
+                    continue
+                walk(value, f"{section}.{key}" if section else key)
+                continue
+            if key in flat and flat[key] != value:
+                raise ConfigError(f"{path}: key {key!r} is set twice with different values "
+                                  f"(in [{where[key] or 'top level'}] and [{section or 'top level'}])")
+            flat[key] = value
+            where[key] = section
+
+    walk(data, "")
+    return flat
+
+
+def _coerce_config_value(key: str, value: Any, action: argparse.Action, path: str) -> Any:
+    def bad(expected: str) -> ConfigError:
+        return ConfigError(f"{path}: {key} = {value!r} must be {expected}")
+
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if not isinstance(value, bool):
+            raise bad("true or false")
+        return value
+    if action.nargs in ("*", "+") or isinstance(action.nargs, int):
+        items = value if isinstance(value, list) else [value]
+        return [_coerce_scalar(key, v, action, path) for v in items]
+    if isinstance(value, list):
+        raise bad("a single value, not a list")
+    return _coerce_scalar(key, value, action, path)
+
+
+def _coerce_scalar(key: str, value: Any, action: argparse.Action, path: str) -> Any:
+    typ = action.type
+    if isinstance(value, bool) and typ is not None and typ is not bool:
+        raise ConfigError(f"{path}: {key} = {value!r} must be a {getattr(typ, '__name__', 'value')}, not true/false")
+    if typ is int and not isinstance(value, int):
+        raise ConfigError(f"{path}: {key} = {value!r} must be an integer")
+    if typ is float:
+        if not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: {key} = {value!r} must be a number")
+        value = float(value)
+    elif typ is str and not isinstance(value, str):
+        value = str(value)  # numbers written for a text option (e.g. a resolution of 1024)
+    elif typ is not None and typ not in (int, str) and isinstance(value, str):
+        try:
+            value = typ(value)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{path}: {key} = {value!r} is not valid: {e}") from e
+    if action.choices is not None and value not in action.choices:
+        allowed = ", ".join(str(c) for c in action.choices if c is not None)
+        raise ConfigError(f"{path}: {key} = {value!r} is not allowed; allowed values: {allowed}")
+    return value
+
+
+def load_config_file(path: str | os.PathLike, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """Reads a config TOML against `parser`: flattened, GUI tables skipped, each key checked and typed."""
+    path = str(path)
+    if not os.path.isfile(path):
+        # kohya accepts the name without .toml
+        if os.path.isfile(path + ".toml"):
+            path = path + ".toml"
+        else:
+            raise ConfigError(f"config file not found: {path}")
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    actions = _option_actions(parser)
+    values = {}
+    for key, value in _flatten_config(data, path).items():
+        if key in _NOT_IN_RUN_CONFIG:
+            raise ConfigError(f"{path}: {key!r} cannot be set inside a config file")
+        action = actions.get(key)
+        if action is None:
+            close = difflib.get_close_matches(key, list(actions), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"{path}: unknown key {key!r}{hint}")
+        values[key] = _coerce_config_value(key, value, action, path)
+    return values
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """Parses the command line; with `--config_file` the file's values are the defaults and the command
+    line wins. With `--output_config` the options are written to the `--config_file` path instead."""
+    args = parser.parse_args(argv)
+    if not args.config_file or args.output_config:
+        return args
+    values = load_config_file(args.config_file, parser)
+    merged = parser.parse_args(argv, namespace=argparse.Namespace(**values))
+    return merged
+
+
+def args_to_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The options as TOML-ready values: None left out, paths as text."""
+    out = {}
+    for key, value in sorted(vars(args).items()):
+        if key in _NOT_IN_RUN_CONFIG or value is None or key.startswith("_"):
+            continue
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        if isinstance(value, tuple):
+            value = list(value)
+        out[key] = value
+    return out
+
+
+def dumps_config(args: argparse.Namespace) -> str:
+    import tomlkit
+
+    doc = tomlkit.document()
+    for key, value in args_to_config(args).items():
+        doc[key] = value
+    return tomlkit.dumps(doc)
+
+
+def write_output_config(args: argparse.Namespace) -> str:
+    """`--output_config`: writes the options to the `--config_file` path (never over an existing file)."""
+    if not args.config_file:
+        raise ConfigError("--output_config needs --config_file: the path to write the options to")
+    path = args.config_file if args.config_file.endswith(".toml") else args.config_file + ".toml"
+    if os.path.exists(path):
+        raise OutputExistsError(f"--output_config: {path} already exists; choose another --config_file")
+    atomic_write_text(path, dumps_config(args))
+    logger.info("wrote the options to %s", path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------
+# checks done before any model loads
+
+
+def verify_training_args(args: argparse.Namespace) -> None:
+    """Option combinations that cannot work, with the flag names in the message."""
+    if not args.output_dir:
+        raise ConfigError("--output_dir is required: the folder for the results")
+    if args.full_fp16 and args.full_bf16:
+        raise ConfigError("--full_fp16 and --full_bf16 exclude each other")
+    if args.full_fp16 and args.mixed_precision != "fp16":
+        raise ConfigError("--full_fp16 needs --mixed_precision fp16")
+    if args.full_bf16 and args.mixed_precision != "bf16":
+        raise ConfigError("--full_bf16 needs --mixed_precision bf16")
+    for name in ("gradient_accumulation_steps", "max_train_steps"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ConfigError(f"--{name} must be 1 or more, got {getattr(args, name)}")
+    for name in ("max_train_epochs", "save_every_n_epochs", "save_every_n_steps", "save_last_n_epochs",
+                 "save_last_n_steps", "sample_every_n_steps", "sample_every_n_epochs"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name} must be 1 or more, got {value}")
+    if args.resume and not os.path.isdir(args.resume):
+        raise ConfigError(f"--resume: state folder not found: {args.resume}")
+    if args.sample_prompts and not os.path.isfile(args.sample_prompts):
+        raise ConfigError(f"--sample_prompts: file not found: {args.sample_prompts}")
+    if args.lr_scheduler not in SCHEDULER_NAMES:
+        raise ConfigError(f"--lr_scheduler {args.lr_scheduler!r} is not supported; allowed: {', '.join(SCHEDULER_NAMES)}")
+    mint = 0 if args.min_timestep is None else args.min_timestep
+    maxt = 1000 if args.max_timestep is None else args.max_timestep
+    if not 0 <= mint < maxt <= 1000:
+        raise ConfigError(f"--min_timestep/--max_timestep must satisfy 0 <= min < max <= 1000, got {mint}, {maxt}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# optimizers and schedulers
+
+# lower-case name -> (module, class, pip package or None)
+_OPTIMIZERS = {
+    "adamw": ("torch.optim", "AdamW", None),
+    "adamw8bit": ("bitsandbytes.optim", "AdamW8bit", "bitsandbytes"),
+    "pagedadamw8bit": ("bitsandbytes.optim", "PagedAdamW8bit", "bitsandbytes"),
+    "adafactor": ("transformers.optimization", "Adafactor", None),
+    "prodigy": ("prodigyopt", "Prodigy", "prodigyopt"),
+    "sgdnesterov": ("torch.optim", "SGD", None),
+    "sgdnesterov8bit": ("bitsandbytes.optim", "SGD8bit", "bitsandbytes"),
+    "sgd": ("torch.optim", "SGD", None),
+    "lion": ("lion_pytorch", "Lion", "lion-pytorch"),
+    "lion8bit": ("bitsandbytes.optim", "Lion8bit", "bitsandbytes"),
+}
+OPTIMIZER_NAMES = ["AdamW", "AdamW8bit", "PagedAdamW8bit", "Adafactor", "Prodigy", "SGDNesterov",
+                   "SGDNesterov8bit", "SGD", "Lion", "Lion8bit"]
+SCHEDULER_NAMES = ["constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial",
+                   "adafactor"]
+
+
+def parse_optimizer_args(items: Iterable[str] | None) -> dict[str, Any]:
+    """`key=value` pairs; values are Python literals (numbers, True, tuples as `0.9,0.999`) or text."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ConfigError(f"--optimizer_args: {item!r} must be key=value")
+        key, raw = item.split("=", 1)
+        key, raw = key.strip(), raw.strip()
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = raw
+        out[key] = value
+    return out
+
+
+def _import_optimizer_class(name: str):
+    key = name.lower()
+    if key in _OPTIMIZERS:
+        module_name, class_name, package = _OPTIMIZERS[key]
+    elif "." in name:
+        module_name, class_name = name.rsplit(".", 1)
+        package = module_name.split(".")[0]
+    else:
+        raise ConfigError(f"--optimizer_type {name!r} is not supported; allowed: {', '.join(OPTIMIZER_NAMES)} "
+                          "or a full class path like torch.optim.RAdam")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise OptionalPackageError(f"--optimizer_type {name} needs the Python package {package!r}, which is not "
+                                   f"installed (pip install {package})") from e
+    if not hasattr(module, class_name):
+        raise ConfigError(f"--optimizer_type {name}: {module_name} has no {class_name}")
+    return getattr(module, class_name)
+
+
+def optimizer_name(args: argparse.Namespace) -> str:
+    name = args.optimizer_type or ("AdamW8bit" if getattr(args, "use_8bit_adam", False) else "AdamW")
+    return name
+
+
+def get_optimizer(args: argparse.Namespace, params) -> tuple[str, str, torch.optim.Optimizer]:
+    """-> (name, "module.Class" for metadata, optimizer). `params` is a list of param groups or tensors."""
+    name = optimizer_name(args)
+    cls = _import_optimizer_class(name)
+    kwargs = parse_optimizer_args(args.optimizer_args)
+    key = name.lower()
+    lr = args.learning_rate
+    if key.startswith("sgdnesterov"):
+        kwargs.setdefault("momentum", 0.9)
+        kwargs.setdefault("nesterov", True)
+    if key == "adafactor":
+        kwargs.setdefault("relative_step", False)
+        kwargs.setdefault("scale_parameter", False)
+        kwargs.setdefault("warmup_init", False)
+        if kwargs["relative_step"]:
+            lr = None  # Adafactor computes its own step size
+            if args.lr_scheduler != "adafactor":
+                logger.info("Adafactor with relative_step=True: using the adafactor scheduler")
+                args.lr_scheduler = "adafactor"
+    if args.lr_scheduler == "adafactor" and key != "adafactor":
+        raise ConfigError("--lr_scheduler adafactor works only with --optimizer_type Adafactor")
+    try:
+        optimizer = cls(params, lr=lr, **kwargs) if lr is not None else cls(params, **kwargs)
+    except TypeError as e:
+        raise ConfigError(f"--optimizer_args {kwargs} not accepted by {cls.__module__}.{cls.__name__}: {e}") from e
+    logger.info("optimizer %s.%s, lr %s, args %s", cls.__module__, cls.__name__, lr, kwargs)
+    return name, f"{cls.__module__}.{cls.__name__}", optimizer
+
+
+def get_scheduler(args: argparse.Namespace, optimizer: torch.optim.Optimizer, num_training_steps: int):
+    """diffusers' schedulers; `--lr_warmup_steps` below 1 is a ratio of the total steps."""
+    warmup = args.lr_warmup_steps or 0
+    if isinstance(warmup, float) and warmup < 1:
+        warmup = int(warmup * num_training_steps)
+    warmup = int(warmup)
+    name = args.lr_scheduler
+    if name == "adafactor":
+        from transformers.optimization import AdafactorSchedule
+
+        return AdafactorSchedule(optimizer, initial_lr=args.learning_rate)
+    if name == "constant" and warmup:
+        logger.warning("--lr_warmup_steps is ignored by the constant scheduler; use constant_with_warmup")
+    from diffusers.optimization import get_scheduler as diffusers_get_scheduler
+
+    kwargs = {}
+    if name == "cosine_with_restarts":
+        kwargs["num_cycles"] = args.lr_scheduler_num_cycles
+    if name == "polynomial":
+        kwargs["power"] = args.lr_scheduler_power
+    return diffusers_get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=num_training_steps,
+                                   **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# steps / epochs
+
+
+def resolve_train_length(args: argparse.Namespace, num_batches_per_epoch: int) -> tuple[int, int, int]:
+    """-> (update steps per epoch, max_train_steps, num_epochs); `--max_train_epochs` overrides steps."""
+    steps_per_epoch = max(1, math.ceil(num_batches_per_epoch / args.gradient_accumulation_steps))
+    max_steps = args.max_train_steps
+    if args.max_train_epochs:
+        max_steps = args.max_train_epochs * steps_per_epoch
+    num_epochs = math.ceil(max_steps / steps_per_epoch)
+    return steps_per_epoch, max_steps, num_epochs
+
+
+def weight_dtype_for(args: argparse.Namespace) -> torch.dtype:
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.mixed_precision, torch.float32)
+
+
+def save_dtype_for(args: argparse.Namespace) -> torch.dtype | None:
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "float": torch.float32}.get(args.save_precision)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# output names and atomic writing
+
+
+def default_output_name(args: argparse.Namespace, fallback: str) -> str:
+    return args.output_name or fallback
+
+
+def epoch_file_name(output_name: str, epoch: int, ext: str) -> str:
+    return f"{output_name}-{epoch:06d}{ext}"
+
+
+def step_file_name(output_name: str, step: int, ext: str) -> str:
+    return f"{output_name}-step{step:08d}{ext}"
+
+
+def last_file_name(output_name: str, ext: str) -> str:
+    return f"{output_name}{ext}"
+
+
+def state_dir_name(output_name: str, epoch: int | None = None, step: int | None = None) -> str:
+    if step is not None:
+        return f"{output_name}-step{step:08d}-state"
+    if epoch is not None:
+        return f"{output_name}-{epoch:06d}-state"
+    return f"{output_name}-state"
+
+
+def ensure_can_write(path: str | os.PathLike, overwrite: bool) -> None:
+    if os.path.exists(path) and not overwrite:
+        raise OutputExistsError(f"{path} already exists; choose another --output_name / --output_dir, "
+                                "or pass --overwrite_output to replace it")
+
+
+def _tmp_name(path: str) -> str:
+    d, base = os.path.split(path)
+    return os.path.join(d, f".{base}.tmp-{os.getpid()}")
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    path = os.fspath(path)
+    tmp = _tmp_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def save_safetensors_atomic(tensors: dict[str, torch.Tensor], path: str | os.PathLike,
+                            metadata: dict[str, str] | None = None, *, overwrite: bool = False) -> None:
+    """Writes to a hidden temp name beside `path`, then renames; an existing file needs overwrite=True."""
+    from safetensors.torch import save_file
+
+    path = os.fspath(path)
+    ensure_can_write(path, overwrite)
+    tmp = _tmp_name(path)
+    tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def save_torch_atomic(obj: Any, path: str | os.PathLike, *, overwrite: bool = False) -> None:
+    path = os.fspath(path)
+    ensure_can_write(path, overwrite)
+    tmp = _tmp_name(path)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# metadata and hashes (the hashes A1111's additional-networks and kohya write as sshs_*)
+
+
+def _safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    from safetensors.torch import save
+
+    return save({k: v.detach().contiguous() for k, v in tensors.items()}, metadata)
+
+
+def model_hashes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[str, str]:
+    """(sshs_model_hash, sshs_legacy_hash) of the file these tensors make with their `ss_*` metadata only:
+    sha256 of the data after the header, and the first 8 hex digits of sha256 of 64 KiB at offset 1 MiB."""
+    blob = _safetensors_bytes(tensors, {k: v for k, v in metadata.items() if k.startswith("ss_")})
+    header_len = int.from_bytes(blob[:8], "little")
+    model_hash = hashlib.sha256(blob[8 + header_len:]).hexdigest()
+    legacy_hash = hashlib.sha256(blob[0x100000:0x110000]).hexdigest()[:8]
+    return model_hash, legacy_hash
+
+
+def metadata_value(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(value)
+    return str(value)
+
+
+def file_model_name(path: str | None) -> str:
+    if not path:
+        return ""
+    p = Path(path)
+    return p.name if p.exists() else path
+
+
+# ----------------------------------------------------------------------------------------------------------
+# progress
+
+
+class ProgressLine:
+    """The plain progress line the GUI parses (also shown by the tqdm bar):
+
+        steps: 12/100 loss=0.1234 it/s=2.35 avr_loss=0.1300 lr=1.00e-04 epoch=1/5 eta=0:00:37
+
+    Printed to stdout on the first step, the last step, and at most once per `interval` seconds between.
+    """
+
+    def __init__(self, max_steps: int, num_epochs: int, interval: float = 1.0, start_step: int = 0):
+        self.max_steps = max_steps
+        self.num_epochs = num_epochs
+        self.interval = interval
+        self.start_step = start_step
+        self.start_time = time.perf_counter()
+        self.last_print = 0.0
+
+    def its(self, step: int) -> float:
+        elapsed = time.perf_counter() - self.start_time
+        done = step - self.start_step
+        return done / elapsed if elapsed > 0 and done > 0 else 0.0
+
+    def format(self, step: int, loss: float, avr_loss: float, lr: float, epoch: int) -> str:
+        its = self.its(step)
+        remaining = self.max_steps - step
+        eta = time.strftime("%H:%M:%S", time.gmtime(remaining / its)) if its > 0 else "?"
+        return (f"steps: {step}/{self.max_steps} loss={loss:.4f} it/s={its:.2f} avr_loss={avr_loss:.4f} "
+                f"lr={lr:.2e} epoch={epoch}/{self.num_epochs} eta={eta}")
+
+    def should_print(self, step: int) -> bool:
+        now = time.perf_counter()
+        if step <= self.start_step + 1 or step >= self.max_steps or now - self.last_print >= self.interval:
+            self.last_print = now
+            return True
+        return False
+
+
+# ----------------------------------------------------------------------------------------------------------
+# misc
+
+
+def prepare_seed(seed: int | None) -> None:
+    if seed is not None:
+        from accelerate.utils import set_seed
+
+        set_seed(seed)
+
+
+def noise_scheduler_for(prediction_type: str):
+    """The training noise schedule of SD1.x/SD2.x/SDXL (scaled linear betas, 1000 steps)."""
+    from diffusers import DDPMScheduler
+
+    return DDPMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                         num_train_timesteps=1000, clip_sample=False, prediction_type=prediction_type)
+
+
+def min_snr_weights(timesteps: torch.Tensor, noise_scheduler, gamma: float, v_prediction: bool) -> torch.Tensor:
+    """Min-SNR-gamma loss weights (Hang et al. 2023) per sample."""
+    alphas_cumprod = noise_scheduler.alphas_cumprod.to(timesteps.device)
+    ac = alphas_cumprod[timesteps].float()
+    snr = ac / (1.0 - ac)
+    clipped = torch.clamp(snr, max=gamma)
+    return clipped / (snr + 1.0) if v_prediction else clipped / snr

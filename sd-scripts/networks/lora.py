@@ -1,0 +1,355 @@
+"""LoRA for SD1.x / SD2.x / SDXL in kohya-ss/sd-scripts' format.
+
+Targets (sd-scripts' default LoRA): every Linear and 1x1 Conv2d inside the UNet's Transformer2DModel blocks
+(attention q/k/v/out, feed-forward, proj_in/proj_out) and the Linear layers of the CLIP text encoders' attention
+and MLP. With `--network_args conv_dim=N` also the 3x3 convolutions of the ResNet and up/down-sampling blocks.
+
+Keys: `<lora_name>.lora_down.weight`, `<lora_name>.lora_up.weight`, `<lora_name>.alpha`, where lora_name is
+`lora_unet_<module path with _>` (SGM module names for SDXL, e.g. `lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q`,
+diffusers names for SD1.x/SD2.x), `lora_te1_*` / `lora_te2_*` for SDXL's two text encoders, `lora_te_*` for SD1.x/SD2.x.
+
+The LoRA is applied by replacing the wrapped layer's `forward` (the layer stays where it is, so state_dict
+keys of the model do not change and a compiled block traces the LoRA inside its graph).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+UNET_TARGET_MODULES = ("Transformer2DModel",)
+UNET_CONV_TARGET_MODULES = ("ResnetBlock2D", "Downsample2D", "Upsample2D")
+TEXT_ENCODER_TARGET_MODULES = ("CLIPAttention", "CLIPMLP")
+LORA_PREFIX_UNET = "lora_unet"
+LORA_PREFIX_TEXT_ENCODER = "lora_te"
+
+NETWORK_ARGS = {"conv_dim": int, "conv_alpha": float, "rank_dropout": float, "module_dropout": float}
+
+
+class NetworkArgsError(ValueError):
+    """A bad `--network_args` entry; the message names it and lists the allowed keys."""
+
+
+class LoRAModule(nn.Module):
+    """out = org(x) + up(down(x)) * multiplier * alpha / dim."""
+
+    def __init__(self, lora_name: str, org_module: nn.Module, multiplier: float = 1.0, lora_dim: int = 4,
+                 alpha: float | None = 1.0, dropout: float | None = None, rank_dropout: float | None = None,
+                 module_dropout: float | None = None):
+        super().__init__()
+        self.lora_name = lora_name
+        if isinstance(org_module, nn.Conv2d):
+            in_dim, out_dim = org_module.in_channels, org_module.out_channels
+            self.lora_down = nn.Conv2d(in_dim, lora_dim, org_module.kernel_size, org_module.stride,
+                                       org_module.padding, bias=False)
+            self.lora_up = nn.Conv2d(lora_dim, out_dim, (1, 1), (1, 1), bias=False)
+        else:
+            in_dim, out_dim = org_module.in_features, org_module.out_features
+            self.lora_down = nn.Linear(in_dim, lora_dim, bias=False)
+            self.lora_up = nn.Linear(lora_dim, out_dim, bias=False)
+        self.is_conv = isinstance(org_module, nn.Conv2d)
+        nn.init.kaiming_uniform_(self.lora_down.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_up.weight)
+        if alpha is None or alpha == 0:
+            alpha = lora_dim
+        alpha = float(alpha.detach().float().item() if isinstance(alpha, torch.Tensor) else alpha)
+        self.lora_dim = lora_dim
+        self.scale = alpha / lora_dim
+        self.register_buffer("alpha", torch.tensor(alpha))
+        self.multiplier = multiplier
+        self.dropout = dropout
+        self.rank_dropout = rank_dropout
+        self.module_dropout = module_dropout
+        # not a submodule: the network's state_dict holds only the LoRA weights
+        self._org = [org_module]
+        self.org_forward = None
+
+    @property
+    def org_module(self) -> nn.Module:
+        return self._org[0]
+
+    def apply_to(self) -> None:
+        self.org_forward = self.org_module.forward
+        self.org_module.forward = self.forward
+
+    def restore(self) -> None:
+        if self.org_forward is not None:
+            self.org_module.forward = self.org_forward
+            self.org_forward = None
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        org = self.org_forward(x, *args, **kwargs)
+        if self.module_dropout and self.training and torch.rand(()) < self.module_dropout:
+            return org
+        lx = self.lora_down(x.to(self.lora_down.weight.dtype) if not torch.is_autocast_enabled(x.device.type) else x)
+        if self.dropout and self.training:
+            lx = F.dropout(lx, p=self.dropout)
+        scale = self.scale
+        if self.rank_dropout and self.training:
+            if self.is_conv:
+                shape = (lx.size(0), self.lora_dim, 1, 1)
+            else:
+                shape = (lx.size(0),) + (1,) * (lx.dim() - 2) + (self.lora_dim,)
+            mask = (torch.rand(shape, device=lx.device) > self.rank_dropout).to(lx.dtype)
+            lx = lx * mask
+            scale = scale / (1.0 - self.rank_dropout)
+        lx = self.lora_up(lx)
+        return org + (lx * (self.multiplier * scale)).to(org.dtype)
+
+
+def _kohya_unet_path(module_path: str, name_map: dict[str, str] | None) -> str:
+    """Diffusers module path -> the path kohya names the LoRA after (SGM for SDXL via `name_map`)."""
+    if not name_map:
+        return module_path
+    if module_path in name_map:
+        return name_map[module_path]
+    # longest mapped prefix, then the rest of the path as it is
+    parts = module_path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in name_map:
+            return name_map[prefix] + "." + ".".join(parts[i:])
+    raise KeyError(f"no SGM name for UNet module {module_path!r}")
+
+
+class LoRANetwork(nn.Module):
+    def __init__(self, text_encoders: list[nn.Module], unet: nn.Module, multiplier: float = 1.0,
+                 lora_dim: int = 4, alpha: float = 1.0, dropout: float | None = None,
+                 rank_dropout: float | None = None, module_dropout: float | None = None,
+                 conv_lora_dim: int | None = None, conv_alpha: float | None = None,
+                 unet_name_map: dict[str, str] | None = None, modules_dim: dict[str, int] | None = None,
+                 modules_alpha: dict[str, float] | None = None):
+        super().__init__()
+        self.multiplier = multiplier
+        self.lora_dim = lora_dim
+        self.alpha = alpha
+        self.conv_lora_dim = conv_lora_dim
+        self.conv_alpha = conv_alpha
+        self.dropout = dropout
+        self.rank_dropout = rank_dropout
+        self.module_dropout = module_dropout
+
+        def make(prefix: str, root: nn.Module, targets: tuple[str, ...], name_map=None) -> list[LoRAModule]:
+            loras = []
+            for name, module in root.named_modules():
+                if module.__class__.__name__ not in targets:
+                    continue
+                for child_name, child in module.named_modules():
+                    is_linear = isinstance(child, nn.Linear)
+                    is_conv = isinstance(child, nn.Conv2d)
+                    if not (is_linear or is_conv):
+                        continue
+                    is_1x1 = is_conv and tuple(child.kernel_size) == (1, 1)
+                    path = f"{name}.{child_name}" if child_name else name
+                    if prefix == LORA_PREFIX_UNET:
+                        path = _kohya_unet_path(path, name_map)
+                    lora_name = f"{prefix}_{path}".replace(".", "_")
+                    if modules_dim is not None:
+                        if lora_name not in modules_dim:
+                            continue
+                        dim, a = modules_dim[lora_name], modules_alpha.get(lora_name, modules_dim[lora_name])
+                    elif is_linear or is_1x1:
+                        dim, a = lora_dim, alpha
+                    elif conv_lora_dim:
+                        dim, a = conv_lora_dim, conv_alpha
+                    else:
+                        continue
+                    loras.append(LoRAModule(lora_name, child, multiplier, dim, a, dropout, rank_dropout,
+                                            module_dropout))
+            return loras
+
+        self.text_encoder_loras: list[LoRAModule] = []
+        for i, te in enumerate(text_encoders):
+            prefix = LORA_PREFIX_TEXT_ENCODER if len(text_encoders) == 1 else f"{LORA_PREFIX_TEXT_ENCODER}{i + 1}"
+            self.text_encoder_loras += make(prefix, te, TEXT_ENCODER_TARGET_MODULES)
+        unet_targets = UNET_TARGET_MODULES
+        if conv_lora_dim or modules_dim is not None:
+            unet_targets = UNET_TARGET_MODULES + UNET_CONV_TARGET_MODULES
+        self.unet_loras: list[LoRAModule] = make(LORA_PREFIX_UNET, unet, unet_targets, unet_name_map)
+        names = set()
+        for lora in self.text_encoder_loras + self.unet_loras:
+            if lora.lora_name in names:
+                raise ValueError(f"duplicated LoRA name {lora.lora_name}")
+            names.add(lora.lora_name)
+        logger.info("LoRA: %d modules for the text encoder(s), %d for the UNet", len(self.text_encoder_loras),
+                    len(self.unet_loras))
+
+    # -- applying -------------------------------------------------------------------------------------
+    def apply_to(self, text_encoders, unet, apply_text_encoder: bool = True, apply_unet: bool = True) -> None:
+        if not apply_text_encoder:
+            self.text_encoder_loras = []
+        if not apply_unet:
+            self.unet_loras = []
+        for lora in self.text_encoder_loras + self.unet_loras:
+            lora.apply_to()
+            self.add_module(lora.lora_name, lora)
+
+    def remove_from(self) -> None:
+        for lora in self.text_encoder_loras + self.unet_loras:
+            lora.restore()
+
+    def set_multiplier(self, multiplier: float) -> None:
+        self.multiplier = multiplier
+        for lora in self.text_encoder_loras + self.unet_loras:
+            lora.multiplier = multiplier
+
+    # -- training -------------------------------------------------------------------------------------
+    def prepare_optimizer_params(self, text_encoder_lr: float | None, unet_lr: float | None,
+                                 default_lr: float) -> list[dict[str, Any]]:
+        """Param groups; a group whose lr is 0 is left out (and its weights are frozen)."""
+        groups = []
+        for loras, lr in ((self.text_encoder_loras, text_encoder_lr), (self.unet_loras, unet_lr)):
+            if not loras:
+                continue
+            lr = default_lr if lr is None else lr
+            params = [p for lora in loras for p in lora.parameters()]
+            if lr == 0:
+                for p in params:
+                    p.requires_grad_(False)
+                continue
+            groups.append({"params": params, "lr": lr})
+        return groups
+
+    def prepare_grad_etc(self, text_encoders, unet) -> None:
+        self.requires_grad_(True)
+
+    def on_epoch_start(self, text_encoders, unet) -> None:
+        self.train()
+
+    def get_trainable_params(self):
+        return [p for p in self.parameters() if p.requires_grad]
+
+    # -- files ----------------------------------------------------------------------------------------
+    def load_weights(self, file: str) -> None:
+        """Loads a kohya LoRA file into this network (`--network_weights`); every key must fit."""
+        sd = load_lora_state_dict(file)
+        own = self.state_dict()
+        unexpected = sorted(set(sd) - set(own))
+        if unexpected:
+            raise ValueError(f"--network_weights {file}: {len(unexpected)} keys do not belong to this network "
+                             f"(different targets or text-encoder/UNet selection?), e.g. {unexpected[:3]}")
+        for k, v in sd.items():
+            if v.shape != own[k].shape:
+                raise ValueError(f"--network_weights {file}: {k} has shape {tuple(v.shape)}, this network has "
+                                 f"{tuple(own[k].shape)} (different --network_dim?)")
+        missing = sorted(set(own) - set(sd))
+        if missing:
+            logger.warning("--network_weights %s: %d keys missing, kept at their initial values (e.g. %s)",
+                           file, len(missing), missing[:3])
+        self.load_state_dict(sd, strict=False)
+        # alpha may differ from --network_alpha: the module scale follows the file
+        for lora in self.text_encoder_loras + self.unet_loras:
+            lora.scale = float(lora.alpha) / lora.lora_dim
+        logger.info("loaded LoRA weights from %s", file)
+
+    def lora_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        from library.compile_utils import strip_orig_mod
+
+        sd = strip_orig_mod(self.state_dict())
+        out = {}
+        for k, v in sd.items():
+            v = v.detach().clone().to("cpu")
+            if dtype is not None and v.is_floating_point():
+                v = v.to(dtype)
+            out[k] = v
+        return out
+
+    def save_weights(self, file: str, dtype: torch.dtype | None, metadata: dict[str, str] | None,
+                     overwrite: bool = False) -> None:
+        """Atomic save; .safetensors gets `metadata` plus sshs_model_hash / sshs_legacy_hash."""
+        from library import train_util
+
+        sd = self.lora_state_dict(dtype)
+        if os.path.splitext(file)[1] == ".safetensors":
+            metadata = dict(metadata or {})
+            if metadata:
+                model_hash, legacy_hash = train_util.model_hashes(sd, metadata)
+                metadata["sshs_model_hash"] = model_hash
+                metadata["sshs_legacy_hash"] = legacy_hash
+            train_util.save_safetensors_atomic(sd, file, metadata or None, overwrite=overwrite)
+        else:
+            train_util.save_torch_atomic(sd, file, overwrite=overwrite)
+
+
+def load_lora_state_dict(file: str) -> dict[str, torch.Tensor]:
+    from library.compile_utils import strip_orig_mod
+
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"LoRA file not found: {file}")
+    if os.path.splitext(file)[1] == ".safetensors":
+        from safetensors.torch import load_file
+
+        sd = load_file(file)
+    else:
+        sd = torch.load(file, map_location="cpu", weights_only=True)
+    return strip_orig_mod(sd)
+
+
+def parse_network_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`--network_args` values (text) -> typed values; unknown keys are an error."""
+    out = {}
+    for key, value in kwargs.items():
+        if key not in NETWORK_ARGS:
+            raise NetworkArgsError(f"--network_args {key}={value}: unknown for networks.lora; "
+                                   f"allowed: {', '.join(NETWORK_ARGS)}")
+        if value is None or value == "None":
+            continue
+        try:
+            out[key] = NETWORK_ARGS[key](value)
+        except (TypeError, ValueError) as e:
+            raise NetworkArgsError(f"--network_args {key}={value}: not a {NETWORK_ARGS[key].__name__}") from e
+    for key in ("rank_dropout", "module_dropout"):
+        if key in out and not 0 <= out[key] < 1:
+            raise NetworkArgsError(f"--network_args {key}={out[key]}: must be in [0, 1)")
+    return out
+
+
+def _unet_name_map(unet: nn.Module, text_encoders) -> dict[str, str] | None:
+    """SDXL (two text encoders) names its UNet LoRA modules after the SGM layout."""
+    if isinstance(text_encoders, (list, tuple)) and len(text_encoders) == 2:
+        from library.model_util import unet_sgm_module_names
+
+        return unet_sgm_module_names(unet)
+    return None
+
+
+def create_network(multiplier: float, network_dim: int | None, network_alpha: float | None, vae, text_encoder,
+                   unet, neuron_dropout: float | None = None, **kwargs) -> LoRANetwork:
+    """kohya's entry point: `text_encoder` is one model or a list (two for SDXL); kwargs are --network_args."""
+    text_encoders = list(text_encoder) if isinstance(text_encoder, (list, tuple)) else [text_encoder]
+    opts = parse_network_kwargs(kwargs)
+    conv_dim = opts.get("conv_dim")
+    conv_alpha = opts.get("conv_alpha", 1.0 if conv_dim else None)
+    return LoRANetwork(text_encoders, unet, multiplier=multiplier, lora_dim=network_dim or 4,
+                       alpha=1.0 if network_alpha is None else network_alpha, dropout=neuron_dropout,
+                       rank_dropout=opts.get("rank_dropout"), module_dropout=opts.get("module_dropout"),
+                       conv_lora_dim=conv_dim, conv_alpha=conv_alpha,
+                       unet_name_map=_unet_name_map(unet, text_encoder))
+
+
+def create_network_from_weights(multiplier: float, file: str | None, vae, text_encoder, unet,
+                                weights_sd: dict | None = None, for_inference: bool = False, **kwargs):
+    """A network shaped like a LoRA file (dims and alphas per module): `--dim_from_weights`."""
+    text_encoders = list(text_encoder) if isinstance(text_encoder, (list, tuple)) else [text_encoder]
+    if weights_sd is None:
+        weights_sd = load_lora_state_dict(file)
+    modules_dim, modules_alpha = {}, {}
+    for key, value in weights_sd.items():
+        name = key.split(".")[0]
+        if key.endswith("lora_down.weight"):
+            modules_dim[name] = value.shape[0]
+        elif key.endswith(".alpha"):
+            modules_alpha[name] = float(value)
+    opts = parse_network_kwargs(kwargs)
+    network = LoRANetwork(text_encoders, unet, multiplier=multiplier, modules_dim=modules_dim,
+                          modules_alpha=modules_alpha, rank_dropout=opts.get("rank_dropout"),
+                          module_dropout=opts.get("module_dropout"),
+                          unet_name_map=_unet_name_map(unet, text_encoder))
+    return network, weights_sd
