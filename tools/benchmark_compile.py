@@ -1,0 +1,370 @@
+#!/usr/bin/env python
+"""Time one LoRA training step with torch.compile off and on, in one process, on random full-size weights.
+
+SDXL: the UNet from sd-scripts/library/configs/sdxl/unet/config.json. FLUX.1: FluxTransformer2DModel with
+the FLUX.1-dev shape (19 double + 38 single blocks, width 3072, guidance embedding). Nothing is downloaded.
+Frozen base weights in bf16, LoRA (rank 32 by default) in fp32, bf16 autocast, cached-latent shaped inputs
+(random latents and text-encoder outputs), AdamW step. The compiled phase uses sd-scripts' own
+library.compile_utils (regional compilation of the repeated blocks), exactly as the trainers do.
+
+Examples:
+    python tools/benchmark_compile.py --family sdxl --resolution 1024 --batch_size 1 --compile_mode reduce-overhead
+    python tools/benchmark_compile.py --family sdxl --batch_size 4 --gradient_checkpointing --compile_mode reduce-overhead
+    python tools/benchmark_compile.py --family flux --resolution 512 --compile_mode reduce-overhead
+    # warm start: a second process with the same cache, compiled phase only
+    python tools/benchmark_compile.py --family sdxl --phases compiled --compile_cache_dir /tmp/cc --steps 3
+
+Prints the median step ms, it/s, cold-compile seconds (first compiled step), peak memory
+(torch.cuda.max_memory_allocated) for eager and compiled, and the ratio; --json_out writes all figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "sd-scripts"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from library import compile_utils  # noqa: E402
+
+logger = logging.getLogger("benchmark_compile")
+
+FLUX_DEV_CONFIG = dict(
+    patch_size=1,
+    in_channels=64,
+    num_layers=19,
+    num_single_layers=38,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    pooled_projection_dim=768,
+    guidance_embeds=True,
+    axes_dims_rope=(16, 56, 56),
+)
+# tiny shapes for a CPU smoke run of this script (--tiny)
+SDXL_TINY_OVERRIDES = dict(
+    block_out_channels=[32, 64, 64],
+    transformer_layers_per_block=[1, 1, 2],
+    attention_head_dim=[2, 4, 4],
+    cross_attention_dim=64,
+    projection_class_embeddings_input_dim=16 + 6 * 8,
+    addition_time_embed_dim=8,
+    norm_num_groups=8,
+    layers_per_block=1,
+)
+FLUX_TINY_OVERRIDES = dict(
+    num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+    pooled_projection_dim=16, axes_dims_rope=(4, 6, 6),
+)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", choices=("sdxl", "flux"), default="sdxl")
+    p.add_argument("--resolution", type=int, default=1024)
+    p.add_argument("--batch_size", type=int, default=1)
+    p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per phase")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps per phase (the first compiled one is the cold compile)")
+    p.add_argument("--rank", type=int, default=32, help="LoRA rank")
+    p.add_argument("--lora_impl", choices=("auto", "kohya", "peft"), default="auto",
+                   help="auto: the project's networks.lora / networks.lora_flux when present, else peft")
+    p.add_argument("--phases", default="eager,compiled", help="comma list of eager, compiled")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="tiny model shapes (CPU smoke test of this script)")
+    p.add_argument("--text_len", type=int, default=None, help="text tokens (default: 77 SDXL, 512 FLUX)")
+    p.add_argument("--json_out", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    compile_utils.add_compile_arguments(p)
+    p.set_defaults(compile_mode="reduce-overhead")
+    args = p.parse_args(argv)
+    args.compile = True  # for validation / environment; the eager phase simply does not call compile_model_blocks
+    args.phases = [x.strip() for x in args.phases.split(",") if x.strip()]
+    bad = set(args.phases) - {"eager", "compiled"}
+    if bad or not args.phases:
+        p.error(f"--phases takes eager and/or compiled, got {sorted(bad) or args.phases}")
+    return args
+
+
+# ----------------------------------------------------------------------------------------------- models
+
+
+def build_sdxl_unet(args):
+    from diffusers import UNet2DConditionModel
+
+    cfg = json.loads((REPO / "sd-scripts/library/configs/sdxl/unet/config.json").read_text())
+    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    if args.tiny:
+        cfg.update(SDXL_TINY_OVERRIDES)
+    with torch.device(args.device):
+        model = UNet2DConditionModel.from_config(cfg)
+    return model.to(torch.bfloat16)
+
+
+def build_flux(args):
+    from diffusers import FluxTransformer2DModel
+
+    cfg = dict(FLUX_DEV_CONFIG)
+    if args.tiny:
+        cfg.update(FLUX_TINY_OVERRIDES)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # 12B parameters: build directly in bf16
+    try:
+        with torch.device(args.device):
+            model = FluxTransformer2DModel(**cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    return model.to(torch.bfloat16)
+
+
+def _lora_targets(model, family) -> list[str]:
+    """Names of the Linear layers a kohya LoRA trains: Transformer2DModel (SDXL) / all transformer blocks (FLUX)."""
+    names = []
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        if family == "sdxl" and ".attentions." in name:
+            names.append(name)
+        elif family == "flux" and "transformer_blocks." in name:
+            names.append(name)
+    return names
+
+
+def apply_lora(model, args) -> tuple[str, list[torch.nn.Parameter]]:
+    """Freeze the base, add LoRA; returns (implementation used, trainable params in fp32)."""
+    model.requires_grad_(False)
+    impl = args.lora_impl
+    if impl in ("auto", "kohya"):
+        try:
+            params = _apply_kohya_lora(model, args)
+            return "kohya networks." + ("lora" if args.family == "sdxl" else "lora_flux"), params
+        except ImportError:
+            if impl == "kohya":
+                raise
+    from peft import LoraConfig, inject_adapter_in_model
+
+    cfg = LoraConfig(r=args.rank, lora_alpha=args.rank, lora_dropout=0.0, target_modules=_lora_targets(model, args.family))
+    inject_adapter_in_model(cfg, model)
+    params = []
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.float()
+            p.requires_grad_(True)
+            params.append(p)
+    return "peft", params
+
+
+def _apply_kohya_lora(model, args):
+    """The project's own LoRA modules (networks/lora.py, networks/lora_flux.py), kohya's create_network API."""
+    import importlib
+
+    mod = importlib.import_module("networks.lora" if args.family == "sdxl" else "networks.lora_flux")
+    if not hasattr(mod, "create_network"):
+        raise ImportError(f"{mod.__name__} has no create_network yet")
+    if args.family == "sdxl":
+        network = mod.create_network(1.0, args.rank, args.rank, None, [], model)
+    else:
+        network = mod.create_network(1.0, args.rank, args.rank, None, [], model)
+    network.apply_to([], model, apply_text_encoder=False, apply_unet=True)
+    network.to(args.device, dtype=torch.float32)
+    network.requires_grad_(True)
+    return [p for p in network.parameters() if p.requires_grad]
+
+
+# ----------------------------------------------------------------------------------------------- inputs
+
+
+def make_inputs(args, n_sets=3):
+    """A few input sets to rotate through (cached latents + text-encoder outputs, random)."""
+    g = torch.Generator(device=args.device).manual_seed(args.seed)
+    dev, b = args.device, args.batch_size
+    sets = []
+    for _ in range(n_sets):
+        if args.family == "sdxl":
+            h = w = args.resolution // 8
+            ctx, pooled = (64, 16) if args.tiny else (2048, 1280)
+            n_ids = 6
+            sets.append(dict(
+                latents=torch.randn(b, 4, h, w, device=dev, generator=g),
+                noise=torch.randn(b, 4, h, w, device=dev, generator=g),
+                timesteps=torch.randint(0, 1000, (b,), device=dev, generator=g),
+                ctx=torch.randn(b, args.text_len or 77, ctx, device=dev, generator=g),
+                pooled=torch.randn(b, pooled, device=dev, generator=g),
+                time_ids=torch.tensor([args.resolution, args.resolution, 0, 0, args.resolution, args.resolution],
+                                      device=dev, dtype=torch.float32).repeat(b, 1)[:, :n_ids],
+            ))
+        else:
+            h = w = args.resolution // 16  # 8x VAE, then 2x2 packing
+            txt = args.text_len or (8 if args.tiny else 512)
+            ctx, pooled = (32, 16) if args.tiny else (4096, 768)
+            img_ids = torch.zeros(h, w, 3, device=dev)
+            img_ids[..., 1] = torch.arange(h, device=dev)[:, None]
+            img_ids[..., 2] = torch.arange(w, device=dev)[None, :]
+            sets.append(dict(
+                latents=torch.randn(b, h * w, 64, device=dev, generator=g),
+                noise=torch.randn(b, h * w, 64, device=dev, generator=g),
+                t=torch.rand(b, device=dev, generator=g),
+                ctx=torch.randn(b, txt, ctx, device=dev, generator=g),
+                pooled=torch.randn(b, pooled, device=dev, generator=g),
+                img_ids=img_ids.reshape(-1, 3),
+                txt_ids=torch.zeros(txt, 3, device=dev),
+                guidance=torch.full((b,), 3.5, device=dev),
+            ))
+    return sets
+
+
+def loss_fn(model, batch, args):
+    autocast = torch.autocast(device_type=torch.device(args.device).type, dtype=torch.bfloat16)
+    if args.family == "sdxl":
+        noisy = batch["latents"] + batch["noise"]  # the scheduler's scaling does not change the cost
+        with autocast:
+            pred = model(
+                noisy, batch["timesteps"], batch["ctx"],
+                added_cond_kwargs={"text_embeds": batch["pooled"], "time_ids": batch["time_ids"]},
+            ).sample
+        target = batch["noise"]
+    else:
+        t = batch["t"][:, None, None]
+        noisy = (1 - t) * batch["latents"] + t * batch["noise"]
+        with autocast:
+            pred = model(
+                hidden_states=noisy, encoder_hidden_states=batch["ctx"], pooled_projections=batch["pooled"],
+                timestep=batch["t"], img_ids=batch["img_ids"], txt_ids=batch["txt_ids"], guidance=batch["guidance"],
+            ).sample
+        target = batch["noise"] - batch["latents"]
+    return torch.nn.functional.mse_loss(pred.float(), target.float())
+
+
+# ----------------------------------------------------------------------------------------------- timing
+
+
+def _sync(args):
+    if torch.device(args.device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_phase(model, optimizer, inputs, args, compiled: bool) -> dict:
+    cuda = torch.device(args.device).type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    losses = []
+    total = args.warmup + args.steps
+    for i in range(total):
+        batch = inputs[i % len(inputs)]
+        _sync(args)
+        t0 = time.perf_counter()
+        if compiled:
+            compile_utils.mark_step_begin(args)
+        loss = loss_fn(model, batch, args)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _sync(args)
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+        if i == 0:
+            logger.info(f"{'compiled' if compiled else 'eager'}: first step {times[0]:.2f} s")
+    timed = times[args.warmup:] or times
+    med = statistics.median(timed)
+    out = dict(
+        step_ms_median=med * 1000,
+        step_ms_min=min(timed) * 1000,
+        it_per_s=1.0 / med,
+        first_step_s=times[0],
+        step_s=times,
+        loss_finite=all(map(lambda x: x == x and abs(x) != float("inf"), losses)),
+    )
+    if cuda:
+        out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+def main(argv=None):
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    t_start = time.perf_counter()
+    args = parse_args(argv)
+    compile_utils.validate_compile_args(args)
+    env = compile_utils.setup_compile_environment(args)
+    torch.manual_seed(args.seed)
+
+    model = build_sdxl_unet(args) if args.family == "sdxl" else build_flux(args)
+    model.train()
+    if args.gradient_checkpointing:
+        model.enable_gradient_checkpointing()  # diffusers' way, used by the eager phase
+    impl, params = apply_lora(model, args)
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    inputs = make_inputs(args)
+    _sync(args)
+    t_loaded = time.perf_counter()
+    n_lora = sum(p.numel() for p in params)
+    logger.info(f"model ready in {t_loaded - t_start:.1f} s; LoRA ({impl}) rank {args.rank}: {n_lora / 1e6:.1f} M params")
+
+    result = dict(
+        device=torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else "cpu",
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        family=args.family,
+        resolution=args.resolution,
+        batch_size=args.batch_size,
+        gradient_checkpointing=args.gradient_checkpointing,
+        compile_backend=args.compile_backend,
+        compile_mode=args.compile_mode,
+        compile_dynamic=args.compile_dynamic,
+        lora_impl=impl,
+        lora_rank=args.rank,
+        lora_params=n_lora,
+        cache_dir=env.get("cache_dir"),
+        cudnn_sdp_disabled=env.get("cudnn_sdp") is False,
+        model_ready_s=t_loaded - t_start,
+    )
+    if "eager" in args.phases:
+        result["eager"] = run_phase(model, optimizer, inputs, args, compiled=False)
+    if "compiled" in args.phases:
+        name = "SDXL UNet" if args.family == "sdxl" else "FLUX"
+        result["compiled_blocks"] = compile_utils.compile_model_blocks(
+            model, args, model_name=name, gradient_checkpointing=args.gradient_checkpointing
+        )
+        result["compiled"] = run_phase(model, optimizer, inputs, args, compiled=True)
+        # time to first step after the model is loaded (the warm-start figure when the cache is warm)
+        result["compiled"]["time_to_first_step_s"] = result["compiled"]["first_step_s"]
+    if "eager" in result and "compiled" in result:
+        result["speedup"] = result["eager"]["step_ms_median"] / result["compiled"]["step_ms_median"]
+
+    print_summary(result)
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.json_out + ".tmp"
+        Path(tmp).write_text(json.dumps(result, indent=1))
+        os.replace(tmp, args.json_out)
+    return result
+
+
+def print_summary(r):
+    head = (f"{r['family']} {r['resolution']}px bs{r['batch_size']}{' +GC' if r['gradient_checkpointing'] else ''} "
+            f"LoRA r{r['lora_rank']} ({r['lora_impl']}) on {r['device']}, torch {r['torch']}, "
+            f"compile {r['compile_backend']}/{r['compile_mode']}")
+    print("\n" + head)
+    print(f"{'phase':<10}{'step ms (median)':>18}{'it/s':>8}{'first step s':>14}{'peak GiB':>10}")
+    for phase in ("eager", "compiled"):
+        if phase in r:
+            x = r[phase]
+            peak = f"{x['peak_mem_gib']:.2f}" if "peak_mem_gib" in x else "-"
+            print(f"{phase:<10}{x['step_ms_median']:>18.1f}{x['it_per_s']:>8.2f}{x['first_step_s']:>14.2f}{peak:>10}")
+    if "speedup" in r:
+        print(f"speedup (eager / compiled): {r['speedup']:.2f}x; cold compile (first compiled step): "
+              f"{r['compiled']['first_step_s']:.1f} s; compiled blocks: {r['compiled_blocks']}")
+
+
+if __name__ == "__main__":
+    main()

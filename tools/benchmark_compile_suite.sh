@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The runs behind docs/BENCHMARKS.md, on one CUDA GPU. Usage: tools/benchmark_compile_suite.sh sdxl|flux [OUTDIR]
+# Each configuration runs in its own process (eager and compiled in that one process) with a fresh compile
+# cache, so "first compiled step" is a cold compile; the warm-start run reuses the SDXL bs1+GC cache.
+set -u
+cd "$(dirname "$0")/.."
+OUTDIR=${2:-${OUT:-bench_out}}
+mkdir -p "$OUTDIR"
+PY=${PYTHON:-python3}
+CC=${COMPILE_CACHE_ROOT:-/tmp/compile_cache}
+STEPS=${STEPS:-15}
+WARMUP=${WARMUP:-4}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+run() {  # name, timeout, args...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name: $*"
+  timeout "$limit" $PY tools/benchmark_compile.py --steps "$STEPS" --warmup "$WARMUP" --json_out "$OUTDIR/$name.json" "$@" \
+    >"$OUTDIR/$name.log" 2>&1
+  echo "exit $? ($name)"; grep -v "__recompiles\]" "$OUTDIR/$name.log" | tail -6
+}
+case "${1:-}" in
+  sdxl)
+    rm -rf "$CC"
+    run sdxl_bs1 240 --family sdxl --batch_size 1 --compile_mode reduce-overhead --compile_cache_dir "$CC/sdxl_bs1"
+    run sdxl_bs1_gc 240 --family sdxl --batch_size 1 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CC/sdxl_bs1_gc"
+    run sdxl_bs1_gc_warm 120 --family sdxl --batch_size 1 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CC/sdxl_bs1_gc" --phases compiled
+    run sdxl_bs4_gc 240 --family sdxl --batch_size 4 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CC/sdxl_bs4_gc"
+    ;;
+  flux)
+    rm -rf "$CC"
+    run flux_512 280 --family flux --resolution 512 --compile_mode reduce-overhead --compile_cache_dir "$CC/flux_512"
+    run flux_1024_gc 300 --family flux --resolution 1024 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CC/flux_1024_gc"
+    ;;
+  *) echo "usage: $0 sdxl|flux [OUTDIR]"; exit 2 ;;
+esac
