@@ -148,9 +148,10 @@ def apply_lora(model, args) -> tuple[str, list[torch.nn.Parameter]]:
         try:
             params = _apply_kohya_lora(model, args)
             return "kohya networks." + ("lora" if args.family == "sdxl" else "lora_flux"), params
-        except ImportError:
+        except Exception as e:  # auto: fall back to peft while the project's module is missing or incomplete
             if impl == "kohya":
                 raise
+            logger.warning(f"project LoRA module not usable ({type(e).__name__}: {e}); using peft LoRA")
     from peft import LoraConfig, inject_adapter_in_model
 
     cfg = LoraConfig(r=args.rank, lora_alpha=args.rank, lora_dropout=0.0, target_modules=_lora_targets(model, args.family))
