@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from library.datasets import DatasetError, find_caption, list_images, normalize_caption_extension  # noqa: E402
+from library.dataset_files import DatasetError, find_caption, list_images, normalize_caption_extension  # noqa: E402
 
 logger = logging.getLogger("merge_captions_to_metadata")
 

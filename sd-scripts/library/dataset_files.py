@@ -1,0 +1,92 @@
+"""Image and caption files (no torch here, so command-line tools start fast)."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+logger = logging.getLogger(__name__)
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+CAPTION_FALLBACK_EXTENSIONS = (".caption", ".txt")
+_EXIF_ORIENTATION = 0x0112
+
+
+class DatasetError(ValueError):
+    """Bad dataset input: the message names the file, folder or key and what is allowed."""
+
+
+def is_image_file(name: str) -> bool:
+    return os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
+
+
+def list_images(directory: str, recursive: bool = False) -> list[str]:
+    """Image files in a directory, sorted (hidden files skipped)."""
+    if not os.path.isdir(directory):
+        raise DatasetError(f"image folder does not exist: {directory}")
+    found = []
+    if recursive:
+        for root, dirs, files in os.walk(directory):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            found.extend(os.path.join(root, f) for f in files if is_image_file(f) and not f.startswith("."))
+    else:
+        for f in os.listdir(directory):
+            p = os.path.join(directory, f)
+            if is_image_file(f) and not f.startswith(".") and os.path.isfile(p):
+                found.append(p)
+    return sorted(found)
+
+
+def normalize_caption_extension(ext: Optional[str]) -> str:
+    ext = (ext or ".caption").strip()
+    return ext if ext.startswith(".") else "." + ext
+
+
+def read_caption_file(path: str) -> str:
+    """First non-empty line of a caption file (kohya reads the first line)."""
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    return line
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"caption file is not UTF-8 text: {path} ({e})") from e
+    except OSError as e:
+        raise DatasetError(f"cannot read caption file {path}: {e}") from e
+    logger.warning("caption file is empty, using an empty caption: %s", path)
+    return ""
+
+
+def find_caption(image_path: str, caption_extension: str) -> Optional[str]:
+    """Caption next to the image: the configured extension first, then .caption / .txt."""
+    base = os.path.splitext(image_path)[0]
+    exts = [caption_extension] + [e for e in CAPTION_FALLBACK_EXTENSIONS if e != caption_extension]
+    for ext in exts:
+        if os.path.isfile(base + ext):
+            return read_caption_file(base + ext)
+    return None
+
+
+def read_image_size(path: str) -> tuple[int, int]:
+    """(w, h) as the image will be seen (EXIF orientation applied), reading only the header."""
+    try:
+        with Image.open(path) as img:
+            w, h = img.size
+            orientation = img.getexif().get(_EXIF_ORIENTATION, 1)
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        raise DatasetError(f"cannot read image {path}: {e}") from e
+    if w <= 0 or h <= 0:
+        raise DatasetError(f"image has no pixels: {path}")
+    return (h, w) if orientation in (5, 6, 7, 8) else (w, h)
+
+
+def load_image_rgb(path: str) -> Image.Image:
+    try:
+        with Image.open(path) as img:
+            img = ImageOps.exif_transpose(img)
+            return img.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        raise DatasetError(f"cannot read image {path}: {e}") from e
