@@ -13,3 +13,52 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".venv" / "inductor-cache"))
+
+
+# ---- tiny SD1/SDXL models and a captioned image set, built once per session (library.tiny_models) ----
+# Each model dir holds the checkpoint, the diffusers folder (same seed = same weights) and
+# tokenizers/{tokenizer,tokenizer_2}: pass `path.parent / "tokenizers"` as --tokenizer_cache_dir.
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_models_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny_models")
+
+
+def _tiny(root, family, layout):
+    from library.tiny_models import make_tiny_sd
+
+    return make_tiny_sd(root / family, family, layout)
+
+
+@pytest.fixture(scope="session")
+def tiny_sdxl_single_file(tiny_models_dir):
+    """Path of a tiny SDXL .safetensors in SGM layout; tokenizers at path.parent / 'tokenizers'."""
+    return _tiny(tiny_models_dir, "sdxl", "single_file")
+
+
+@pytest.fixture(scope="session")
+def tiny_sdxl_diffusers(tiny_models_dir):
+    """Tiny SDXL diffusers folder (tokenizers inside; same weights as tiny_sdxl_single_file)."""
+    return _tiny(tiny_models_dir, "sdxl", "diffusers")
+
+
+@pytest.fixture(scope="session")
+def tiny_sd1_single_file(tiny_models_dir):
+    """Path of a tiny SD1.x .safetensors in LDM layout; tokenizer at path.parent / 'tokenizers'."""
+    return _tiny(tiny_models_dir, "sd1", "single_file")
+
+
+@pytest.fixture(scope="session")
+def tiny_sd1_diffusers(tiny_models_dir):
+    """Tiny SD1.x diffusers folder (tokenizer inside; same weights as tiny_sd1_single_file)."""
+    return _tiny(tiny_models_dir, "sd1", "diffusers")
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset_dir(tmp_path_factory):
+    """A --train_data_dir with 2_demo/img_{0..3}.png + .txt captions (64x64, shapes on gradients)."""
+    from library.tiny_models import make_captioned_images
+
+    return make_captioned_images(tmp_path_factory.mktemp("tiny_dataset"), n=4, size=(64, 64), repeats=2, name="demo")
