@@ -1,0 +1,62 @@
+"""Starts the training GUI. Listens on 127.0.0.1:7860 unless told otherwise."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Kohya-style training GUI (LoRA, DreamBooth, Fine-tune) with torch.compile")
+    p.add_argument("--listen", nargs="?", const="0.0.0.0", default="127.0.0.1", metavar="ADDRESS",
+                   help="address to listen on; --listen alone means 0.0.0.0 (all networks). Default 127.0.0.1")
+    p.add_argument("--server_port", type=int, default=7860, help="port (default 7860)")
+    p.add_argument("--share", action="store_true", help="also make a public gradio.live link")
+    p.add_argument("--inbrowser", action="store_true", help="open the GUI in the browser")
+    p.add_argument("--headless", action="store_true",
+                   help="for servers: never open native file dialogs or a browser (paths are typed)")
+    p.add_argument("--username", default="", help="require this user name (with --password)")
+    p.add_argument("--password", default="", help="require this password (with --username)")
+    args = p.parse_args(argv)
+    if bool(args.username) != bool(args.password):
+        p.error("--username and --password go together")
+    return args
+
+
+def exposure_warning(args: argparse.Namespace) -> str | None:
+    """The warning printed when the GUI is reachable from other machines without a password."""
+    exposed = args.share or args.listen not in LOCAL_HOSTS
+    if exposed and not args.password:
+        where = "a public share link" if args.share else f"{args.listen}:{args.server_port}"
+        return (f"WARNING: the GUI is reachable on {where} without a password. Anyone who can reach it can run "
+                "commands as you. Add --username and --password, or listen on 127.0.0.1.")
+    return None
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    warning = exposure_warning(args)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    from kohya_gui.ui.app import build_app, launch_kwargs
+
+    app = build_app()
+    app.queue(default_concurrency_limit=4)
+    app.launch(
+        server_name=args.listen,
+        server_port=args.server_port,
+        share=args.share,
+        inbrowser=args.inbrowser and not args.headless,
+        auth=(args.username, args.password) if args.username else None,
+        show_error=True,
+        **launch_kwargs(),
+    )
+
+
+if __name__ == "__main__":
+    main()

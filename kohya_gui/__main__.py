@@ -1,0 +1,63 @@
+"""Without a browser:
+
+    python -m kohya_gui print-command CONFIG.toml   # prints the command Start training would run
+    python -m kohya_gui train CONFIG.toml           # runs it with the GUI's runner (Ctrl+C stops the whole tree)
+    python -m kohya_gui prepare-demo CONFIG.toml    # makes a demo preset's tiny model and images (used by runs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from . import command, config_file, demo, training
+from .runner import Runner
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kohya_gui", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("action", choices=["print-command", "train", "prepare-demo"])
+    parser.add_argument("config", help="a configuration TOML saved by the GUI (or a preset)")
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_file.load(args.config)
+    except config_file.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    if args.action == "print-command":
+        errors = command.validation_errors(cfg.tab, cfg.family, cfg.values)
+        print(command.printable(command.build_argv(cfg.tab, cfg.family, cfg.values)))
+        for e in errors:
+            print(f"warning: {e}", file=sys.stderr)
+        return 0
+    if args.action == "prepare-demo":
+        demo.make_assets(cfg.family, cfg.values, log=lambda m: print(m, flush=True))
+        return 0
+
+    runner = Runner()
+    runner.line_callback = lambda line: print(line, flush=True)
+    try:
+        argv = training.start(runner, cfg.tab, cfg.family, cfg.values)
+    except (training.RunError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("$ " + command.printable(argv), flush=True)
+
+    def on_signal(signum, frame):
+        print("stopping the training process tree ...", file=sys.stderr, flush=True)
+        runner.stop()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    state = runner.wait()
+    print(f"# {state.message}")
+    for path in state.outputs:
+        print(f"output: {path}")
+    return 0 if state.returncode == 0 else (state.returncode or 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Registry values -> the training command (an argv list, never a shell string).
+
+The command is ``accelerate launch <launch options> sd-scripts/<script>.py --config_file <run TOML>``; the run
+TOML (same format as Save configuration) is written into the output folder when a run starts, so every result
+sits next to the exact settings that made it. The printable command is ``shlex.join`` of the same argv.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+from typing import Any
+
+from . import REPO
+from . import params as P
+
+
+def run_config_path(values: dict[str, Any]) -> Path:
+    """Where a run's TOML goes: <output_dir>/<output_name>.toml."""
+    return Path(values.get("output_dir") or ".") / f"{values.get('output_name') or 'last'}.toml"
+
+
+def log_path(values: dict[str, Any]) -> Path:
+    return Path(values.get("output_dir") or ".") / f"{values.get('output_name') or 'last'}.log"
+
+
+def existing_result(values: dict[str, Any]) -> Path | None:
+    """The final result of an earlier run with the same output name, if there is one."""
+    base = Path(values.get("output_dir") or ".") / (values.get("output_name") or "last")
+    for candidate in (base.with_name(base.name + ext) for ext in (".safetensors", ".ckpt", ".pt")):
+        if candidate.exists():
+            return candidate
+    return base if base.is_dir() else None
+
+
+def script_path(tab: str, family: str) -> str:
+    """The script, relative to the current folder when the repository is (or contains) it."""
+    path = REPO / "sd-scripts" / P.script_for(tab, family)
+    try:
+        return os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd().resolve()) else str(path)
+    except ValueError:  # other drive on Windows
+        return str(path)
+
+
+def launch_args(values: dict[str, Any]) -> list[str]:
+    """accelerate launch options. Processes, machines and precision are always given so accelerate does
+    not fall back to a local accelerate config; dynamo is off because the trainer compiles the blocks."""
+    out = [
+        "--num_processes", str(values.get("num_processes") or 1),
+        "--num_machines", str(values.get("num_machines") or 1),
+        "--mixed_precision", str(values.get("mixed_precision") or "no"),
+        "--num_cpu_threads_per_process", str(values.get("num_cpu_threads_per_process") or 2),
+        "--dynamo_backend", "no",
+    ]
+    for p in P.PARAMS:
+        if p.target == "launch" and p.name not in ("num_processes", "num_machines", "num_cpu_threads_per_process"):
+            value = values.get(p.name, p.default)
+            if not p.is_default(value):
+                out += p.cli_args(value)
+    return out
+
+
+def build_argv(tab: str, family: str, values: dict[str, Any], config_path: str | os.PathLike | None = None) -> list[str]:
+    config_path = config_path if config_path is not None else run_config_path(values)
+    return ["accelerate", "launch", *launch_args(values), script_path(tab, family), "--config_file", str(config_path)]
+
+
+def printable(argv: list[str]) -> str:
+    return shlex.join(argv)
+
+
+def validation_errors(tab: str, family: str, values: dict[str, Any]) -> list[str]:
+    """What must be fixed before a run: empty required fields and values the registry rejects."""
+    errors = []
+    for p in P.params_for(tab, family):
+        if p.fixed:
+            continue
+        value = values.get(p.name, p.default)
+        try:
+            value = p.check(value)
+        except ValueError as e:
+            errors.append(f"{p.label} ({p.name}): {e}")
+            continue
+        if p.required and p.is_default(value):
+            errors.append(f"{p.label} ({p.name}) is required")
+    if not (values.get("train_data_dir") or values.get("dataset_config") or values.get("in_json")):
+        errors.append("Give an image folder (train_data_dir) or a dataset config (dataset_config)")
+    return errors

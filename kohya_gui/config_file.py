@@ -1,0 +1,207 @@
+"""Save and open configuration TOML files against the registry.
+
+Format (the same for Save configuration, presets/ and the trainers' --config_file)::
+
+    [gui]                 # which tab and family; the trainers skip this table
+    tab = "lora"
+    family = "SDXL"
+
+    [model]               # trainer options, one table per accordion (the trainers flatten tables)
+    pretrained_model_name_or_path = "..."
+    ...
+    [accelerate]          # launch-only options; the trainers skip this table
+    num_processes = 2
+
+Only options that apply to the tab and family are written, and only when they differ from their default
+(family-implied ones such as v2 and network_module always). Writing is deterministic, so Save -> Open -> Save
+gives the same bytes. Opening validates everything before anything is applied: one bad key and nothing changes.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import tempfile
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tomlkit
+
+from . import params as P
+
+
+class ConfigError(ValueError):
+    """A configuration file that cannot be used; the message names the file, the key and what is allowed."""
+
+
+@dataclass
+class Config:
+    tab: str
+    family: str
+    values: dict[str, Any]  # every control parameter of the tab (defaults for those not in the file)
+
+
+def _toml_value(p: P.Param, value: Any) -> Any:
+    if p.kind == "float":
+        return float(value)
+    if p.kind == "list":
+        return list(value)
+    return value
+
+
+def to_toml(tab: str, family: str, values: dict[str, Any]) -> str:
+    """The file text for these values: [gui], then trainer tables in accordion order, then [accelerate]."""
+    doc = tomlkit.document()
+    gui = tomlkit.table()
+    gui.add("tab", tab)
+    gui.add("family", family)
+    doc.add(P.GUI_TABLE, gui)
+    tables: dict[str, Any] = {}
+    for p in P.params_for(tab, family):
+        if p.fixed:
+            value = p.fixed[family]
+        else:
+            value = p.check(values.get(p.name, p.default))
+            if value is None or (p.is_default(value) and not p.write_default):
+                continue
+        tables.setdefault(p.table, []).append((p, value))
+    order = [k for k in P.ACCORDIONS if k != P.LAUNCH_TABLE] + [P.LAUNCH_TABLE]
+    for key in order:
+        if key not in tables:
+            continue
+        t = tomlkit.table()
+        for p, value in tables[key]:
+            t.add(p.name, _toml_value(p, value))
+        doc.add(key, t)
+    return tomlkit.dumps(doc)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Writes to a temporary file in the same folder, then renames it over the target."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def save(path: str | os.PathLike, tab: str, family: str, values: dict[str, Any]) -> Path:
+    try:
+        text = to_toml(tab, family, values)
+    except ValueError as e:
+        raise ConfigError(f"{path}: cannot save: {e}") from e
+    return write_text_atomic(path, text)
+
+
+def _closest(name: str) -> str:
+    match = difflib.get_close_matches(name, list(P.BY_NAME), n=1, cutoff=0.6)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _flatten(source: str, data: dict) -> tuple[dict, dict, list[tuple[str, str, Any]], list[str]]:
+    """Splits parsed TOML into ([gui] table, [accelerate] table, [(table, key, value)] trainer keys, errors)."""
+    gui, launch, trainer, errors = {}, {}, [], []
+    for key, value in data.items():
+        if key == P.GUI_TABLE and isinstance(value, dict):
+            gui = value
+        elif key == P.LAUNCH_TABLE and isinstance(value, dict):
+            launch = value
+        elif isinstance(value, dict):  # a table (no option takes a table value)
+            for sub, v in value.items():
+                if isinstance(v, dict):
+                    errors.append(f"{source}: [{key}.{sub}]: nested tables are not allowed here")
+                else:
+                    trainer.append((key, sub, v))
+        else:
+            trainer.append(("", key, value))
+    return gui, launch, trainer, errors
+
+
+def infer_family(keys: dict[str, Any], fallback: str) -> str:
+    """Family of a plain sd-scripts TOML without a [gui] table."""
+    if keys.get("network_module") == "networks.lora_flux" or any(k in keys for k in ("clip_l", "t5xxl", "ae")):
+        return "FLUX.1"
+    if keys.get("v2") is True:
+        return "SD2.x"
+    return fallback
+
+
+def parse(text: str, source: str, tab: str | None = None, family: str = "SDXL") -> Config:
+    """Validates a configuration text. `tab`: the tab it is opened in (None = take the file's);
+    `family`: used when the file does not say. Raises ConfigError listing every problem."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{source}: not valid TOML: {e}") from e
+    gui, launch, trainer, errors = _flatten(source, data)
+
+    for key in gui:
+        if key not in ("tab", "family"):
+            errors.append(f"{source}: [gui] {key}: unknown key; allowed keys: 'tab', 'family'")
+    file_tab = gui.get("tab", tab or "lora")
+    if file_tab not in P.TABS:
+        errors.append(f"{source}: [gui] tab: {file_tab!r} is not one of the allowed values: "
+                      + ", ".join(map(repr, P.TABS)))
+        file_tab = tab or "lora"
+    elif tab is not None and file_tab != tab:
+        errors.append(f"{source}: [gui] tab: this file is for the {P.TAB_LABELS[file_tab]} tab; "
+                      f"open it there (this is the {P.TAB_LABELS[tab]} tab)")
+    flat = {k: v for _, k, v in trainer}
+    file_family = gui.get("family", infer_family(flat, family))
+    if file_family not in P.FAMILIES:
+        errors.append(f"{source}: [gui] family: {file_family!r} is not one of the allowed values: "
+                      + ", ".join(map(repr, P.FAMILIES)))
+        file_family = family
+    what = f"{P.TAB_LABELS[file_tab]} {file_family} ({P.script_for(file_tab, file_family)})"
+
+    values = P.defaults(file_tab)
+    seen: set[str] = set()
+    entries = [(P.LAUNCH_TABLE, k, v) for k, v in launch.items()] + trainer
+    for table, key, value in entries:
+        where = f"{source}: {'[' + table + '] ' if table else ''}{key}"
+        p = P.BY_NAME.get(key)
+        if p is None:
+            errors.append(f"{where}: unknown key{_closest(key)}")
+            continue
+        if key in seen:
+            errors.append(f"{where}: given twice")
+            continue
+        seen.add(key)
+        if (table == P.LAUNCH_TABLE) != (p.target == "launch"):
+            errors.append(f"{where}: belongs in the [{p.table}] table, not "
+                          + (f"[{table}]" if table else "at the top level")
+                          + (" (the trainer ignores [accelerate])" if table == P.LAUNCH_TABLE else ""))
+            continue
+        if not p.applies(file_tab, file_family):
+            errors.append(f"{where}: not used by {what}")
+            continue
+        if p.fixed:
+            if value != p.fixed[file_family]:
+                errors.append(f"{where}: must be {p.fixed[file_family]!r} for {file_family}")
+            continue
+        try:
+            values[key] = p.check(value)
+        except ValueError as e:
+            errors.append(f"{where}: {e}")
+    if errors:
+        raise ConfigError("\n".join(errors))
+    return Config(file_tab, file_family, values)
+
+
+def load(path: str | os.PathLike, tab: str | None = None, family: str = "SDXL") -> Config:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read: {e}") from e
+    return parse(text, str(path), tab, family)

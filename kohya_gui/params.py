@@ -1,0 +1,402 @@
+"""THE parameter registry: every training option is declared here exactly once.
+
+A declaration carries the option's name (= the trainer's CLI flag without ``--`` = its TOML key), kind, default
+(the trainer parser's own default, so leaving a default out of a file changes nothing), choices, label, help,
+the accordion it sits in, the tabs and model families that use it, and where it goes (trainer or
+``accelerate launch``). The Gradio controls, their visibility, save/open, the command and the validation
+messages are all derived from this list; nothing else in kohya_gui lists parameters.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from dataclasses import dataclass, field
+from typing import Any
+
+# ---- tabs, families, the script each (tab, family) runs -----------------------------------------------------
+
+TABS = ("lora", "dreambooth", "finetune")
+TAB_LABELS = {"lora": "LoRA", "dreambooth": "DreamBooth", "finetune": "Fine-tune"}
+FAMILIES = ("SD1.x", "SD2.x", "SDXL", "FLUX.1")
+COMPILE_FAMILIES = frozenset({"SDXL", "FLUX.1"})
+
+SCRIPTS = {
+    ("lora", "SD1.x"): "train_network.py",
+    ("lora", "SD2.x"): "train_network.py",
+    ("lora", "SDXL"): "sdxl_train_network.py",
+    ("lora", "FLUX.1"): "flux_train_network.py",
+    ("dreambooth", "SD1.x"): "train_db.py",
+    ("dreambooth", "SD2.x"): "train_db.py",
+    ("dreambooth", "SDXL"): "sdxl_train.py",
+    ("dreambooth", "FLUX.1"): "flux_train.py",
+    ("finetune", "SD1.x"): "fine_tune.py",
+    ("finetune", "SD2.x"): "fine_tune.py",
+    ("finetune", "SDXL"): "sdxl_train.py",
+    ("finetune", "FLUX.1"): "flux_train.py",
+}
+
+# Accordions in page order: key -> (title, open by default). The key is also the TOML table name.
+ACCORDIONS = {
+    "model": ("Model", True),
+    "folders": ("Folders", True),
+    "dataset": ("Dataset", False),
+    "parameters": ("Parameters", False),
+    "network": ("Network", False),
+    "flux": ("FLUX.1 options", False),
+    "advanced": ("Advanced", False),
+    "samples": ("Samples", False),
+    "accelerate": ("Accelerate launch", False),
+    "compile": ("Torch Compile Settings", False),
+}
+
+GUI_TABLE = "gui"  # [gui]: tab and family; the trainers skip it
+LAUNCH_TABLE = "accelerate"  # [accelerate]: launch-only options; the trainers skip it
+
+KINDS = ("bool", "int", "float", "str", "path", "dir", "choice", "list")
+
+ALL_TABS = frozenset(TABS)
+ALL_FAMILIES = frozenset(FAMILIES)
+SD = frozenset({"SD1.x", "SD2.x"})
+SD_SDXL = frozenset({"SD1.x", "SD2.x", "SDXL"})
+FLUX = frozenset({"FLUX.1"})
+LORA = frozenset({"lora"})
+FULL = frozenset({"dreambooth", "finetune"})
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str  # CLI flag without "--" and TOML key
+    kind: str  # one of KINDS
+    default: Any  # the trainer's argparse default ("" for an unset path/text, None for an unset number)
+    label: str
+    help: str = ""
+    accordion: str = "parameters"
+    tabs: frozenset = ALL_TABS
+    families: frozenset = ALL_FAMILIES
+    choices: tuple = ()
+    # where the value goes: "trainer" (TOML trainer table), "launch" ([accelerate] table and accelerate
+    # launch flags only) or "both" (trainer table and also passed to accelerate launch)
+    target: str = "trainer"
+    write_default: bool = False  # write even when equal to the default
+    required: bool = False  # Start/Print refuse to run when it is empty
+    # family-implied values: the control is not shown; the value is fixed by the family (e.g. v2 for SD2.x)
+    fixed: dict = field(default_factory=dict)
+    minimum: float | None = None
+    choice_labels: dict = field(default_factory=dict)  # how a choice is shown, when not as itself
+
+    # -- where it applies ------------------------------------------------------------------------------------
+    def applies(self, tab: str, family: str) -> bool:
+        if tab not in self.tabs:
+            return False
+        if self.fixed:
+            return family in self.fixed
+        return family in self.families
+
+    @property
+    def has_control(self) -> bool:
+        return not self.fixed
+
+    @property
+    def table(self) -> str:
+        if self.target == "launch":
+            return LAUNCH_TABLE
+        if self.accordion == LAUNCH_TABLE:  # "both" options shown with the launch options
+            return "parameters"
+        return self.accordion
+
+    # -- values ----------------------------------------------------------------------------------------------
+    def is_default(self, value: Any) -> bool:
+        if self.kind == "list":
+            return not value
+        if self.kind in ("str", "path", "dir"):
+            return (value or "") == (self.default or "")
+        if self.kind == "float" and value is not None and self.default is not None:
+            return math.isclose(float(value), float(self.default), rel_tol=0, abs_tol=0)
+        return value == self.default
+
+    def check(self, value: Any) -> Any:
+        """Validates a value read from a file or a control; returns it normalised. Raises ValueError."""
+        k = self.kind
+        if value is None:
+            if self.default is None or k in ("str", "path", "dir", "list"):
+                return self.default if k != "list" else []
+            raise ValueError(f"expected {self.type_words()}, got nothing")
+        if k == "bool":
+            if not isinstance(value, bool):
+                raise ValueError(f"expected true or false, got {value!r}")
+            return value
+        if k == "int":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+                raise ValueError(f"expected a whole number, got {value!r}")
+            value = int(value)
+        elif k == "float":
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"expected a number, got {value!r}")
+            value = float(value)
+        elif k in ("str", "path", "dir", "choice"):
+            if not isinstance(value, str):
+                raise ValueError(f"expected text, got {value!r}")
+            if k == "choice" and value not in self.choices:
+                raise ValueError(f"{value!r} is not one of the allowed values: {', '.join(map(repr, self.choices))}")
+            return value
+        elif k == "list":
+            if isinstance(value, str):
+                value = shlex.split(value)
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"expected a list of texts, got {value!r}")
+            return list(value)
+        if self.minimum is not None and value < self.minimum:
+            raise ValueError(f"must be at least {self.minimum:g}, got {value!r}")
+        return value
+
+    def type_words(self) -> str:
+        return {
+            "bool": "true or false",
+            "int": "a whole number",
+            "float": "a number",
+            "str": "text",
+            "path": "a file path",
+            "dir": "a folder path",
+            "choice": "one of " + ", ".join(map(repr, self.choices)),
+            "list": "a list of texts",
+        }[self.kind]
+
+    def cli_args(self, value: Any) -> list[str]:
+        """The trainer/launcher argv for a (non-default) value."""
+        flag = "--" + self.name
+        if self.kind == "bool":
+            return [flag] if value else []
+        if self.kind == "list":
+            return [flag, *value] if value else []
+        if value is None or value == "":
+            return []
+        return [flag, format_number(value) if self.kind == "float" else str(value)]
+
+
+def format_number(value: float) -> str:
+    """Shortest text that reads back as the same float (1e-4 -> '0.0001', 5e-05 -> '5e-05')."""
+    return repr(float(value))
+
+
+def _p(*args, **kw) -> Param:
+    return Param(*args, **kw)
+
+
+# ---- the registry ------------------------------------------------------------------------------------------
+
+PARAMS: tuple[Param, ...] = (
+    # Model
+    _p("pretrained_model_name_or_path", "path", "", "Pretrained model",
+       "Single-file checkpoint (.safetensors/.ckpt) or diffusers folder (FLUX.1: the BFL transformer file).",
+       "model", required=True),
+    _p("v2", "bool", False, "SD2.x model", "Implied by the SD2.x family.", "model", fixed={"SD2.x": True}),
+    _p("v_parameterization", "bool", False, "v-parameterization",
+       "Tick for SD2.x 768-v models (v-prediction).", "model", families=frozenset({"SD2.x"})),
+    _p("vae", "path", "", "VAE (optional)", "A separate VAE file or folder to use instead of the model's own.",
+       "model", families=SD_SDXL),
+    _p("clip_l", "path", "", "CLIP-L", "CLIP-L text encoder file (clip_l.safetensors).", "model", families=FLUX),
+    _p("t5xxl", "path", "", "T5-XXL", "T5-XXL text encoder file (t5xxl_fp16.safetensors).", "model", families=FLUX),
+    _p("ae", "path", "", "AE", "FLUX.1 autoencoder file (ae.safetensors).", "model", families=FLUX),
+    _p("fp8_base", "bool", False, "fp8 base model",
+       "Keep the frozen FLUX.1 transformer in fp8 to save memory.", "model", families=FLUX),
+    _p("network_module", "str", "", "Network module", "Implied by the family.", "network", tabs=LORA,
+       fixed={"SD1.x": "networks.lora", "SD2.x": "networks.lora", "SDXL": "networks.lora",
+              "FLUX.1": "networks.lora_flux"}),
+    # Folders
+    _p("train_data_dir", "dir", "", "Image folder",
+       "Folder with N_name subfolders (N = repeats) of images and captions.", "folders"),
+    _p("reg_data_dir", "dir", "", "Regularisation folder (optional)",
+       "Class images for prior preservation, in N_class subfolders.", "folders",
+       tabs=frozenset({"lora", "dreambooth"})),
+    _p("in_json", "path", "", "Metadata JSON (optional)",
+       "kohya's captions/metadata JSON (made with tools/merge_captions_to_metadata.py).", "folders",
+       tabs=frozenset({"finetune"})),
+    _p("dataset_config", "path", "", "Dataset config TOML (optional)",
+       "A --dataset_config file ([general], [[datasets]], [[datasets.subsets]]); replaces the image folder.",
+       "folders"),
+    _p("output_dir", "dir", "", "Output folder", "Where the trained files, the run's TOML and its log go.",
+       "folders", required=True),
+    _p("output_name", "str", "", "Output name", "File name of the result, without extension.", "folders",
+       required=True),
+    _p("overwrite_output", "bool", False, "Overwrite existing result",
+       "Replace a result file of the same name (otherwise the run stops before training).", "folders"),
+    _p("logging_dir", "dir", "", "TensorBoard log folder (optional)", "", "folders"),
+    # Dataset
+    _p("resolution", "str", "", "Resolution", "Training resolution as 'width,height' or one number.", "dataset"),
+    _p("caption_extension", "str", ".caption", "Caption extension", "Caption files next to the images.",
+       "dataset"),
+    _p("enable_bucket", "bool", False, "Aspect-ratio buckets", "Group images of similar aspect ratio.",
+       "dataset"),
+    _p("min_bucket_reso", "int", 256, "Min bucket resolution", "", "dataset", minimum=64),
+    _p("max_bucket_reso", "int", 1024, "Max bucket resolution", "", "dataset", minimum=64),
+    _p("shuffle_caption", "bool", False, "Shuffle caption tags", "Shuffle comma-separated tags.", "dataset"),
+    _p("keep_tokens", "int", 0, "Keep first N tags", "Tags kept in place when shuffling.", "dataset",
+       minimum=0),
+    _p("flip_aug", "bool", False, "Flip augmentation", "Random horizontal flips.", "dataset"),
+    _p("color_aug", "bool", False, "Colour augmentation", "Random hue shifts (not with cached latents).",
+       "dataset"),
+    _p("prior_loss_weight", "float", 1.0, "Prior loss weight", "Loss weight of regularisation images.",
+       "dataset", tabs=frozenset({"lora", "dreambooth"}), minimum=0),
+    _p("cache_latents", "bool", False, "Cache latents", "Encode the images once before training.", "dataset"),
+    _p("cache_latents_to_disk", "bool", False, "Cache latents to disk", "Keep the cached latents as files.",
+       "dataset"),
+    _p("cache_text_encoder_outputs", "bool", False, "Cache text-encoder outputs",
+       "Encode the captions once (the text encoders are then not trained).", "dataset",
+       families=frozenset({"SDXL", "FLUX.1"})),
+    _p("cache_text_encoder_outputs_to_disk", "bool", False, "Cache text-encoder outputs to disk", "",
+       "dataset", families=frozenset({"SDXL", "FLUX.1"})),
+    # Parameters
+    _p("train_batch_size", "int", 1, "Batch size", "", "parameters", minimum=1),
+    _p("max_train_steps", "int", 1600, "Max train steps", "", "parameters", minimum=1),
+    _p("max_train_epochs", "int", None, "Max train epochs (optional)", "Overrides max train steps when set.",
+       "parameters", minimum=1),
+    _p("learning_rate", "float", 2e-6, "Learning rate", "", "parameters", minimum=0),
+    _p("unet_lr", "float", None, "UNet / transformer learning rate (optional)", "", "parameters", tabs=LORA,
+       minimum=0),
+    _p("text_encoder_lr", "float", None, "Text-encoder learning rate (optional)", "", "parameters", tabs=LORA,
+       minimum=0),
+    _p("train_text_encoder", "bool", False, "Train text encoder", "", "parameters", tabs=FULL,
+       families=SD_SDXL),
+    _p("learning_rate_te1", "float", None, "Text encoder 1 learning rate (optional)", "", "parameters",
+       tabs=FULL, families=frozenset({"SDXL"}), minimum=0),
+    _p("learning_rate_te2", "float", None, "Text encoder 2 learning rate (optional)", "", "parameters",
+       tabs=FULL, families=frozenset({"SDXL"}), minimum=0),
+    _p("optimizer_type", "choice", "", "Optimizer", "AdamW8bit needs bitsandbytes, Prodigy needs prodigyopt.",
+       "parameters", choices=("", "AdamW", "AdamW8bit", "Adafactor", "Prodigy", "SGD"),
+       choice_labels={"": "AdamW (default)"}),
+    _p("optimizer_args", "list", [], "Optimizer arguments", "Space-separated key=value, e.g. weight_decay=0.01",
+       "parameters"),
+    _p("lr_scheduler", "choice", "constant", "LR scheduler", "", "parameters",
+       choices=("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")),
+    _p("lr_warmup_steps", "int", 0, "LR warmup steps", "", "parameters", minimum=0),
+    _p("gradient_accumulation_steps", "int", 1, "Gradient accumulation steps", "", "parameters", minimum=1),
+    _p("gradient_checkpointing", "bool", False, "Gradient checkpointing", "Less memory, a little slower.",
+       "parameters"),
+    _p("full_bf16", "bool", False, "Full bf16", "Keep the trained weights and gradients in bf16.", "parameters"),
+    _p("fused_backward_pass", "bool", False, "Fused backward pass",
+       "Adafactor only: apply updates during backward (saves memory for full SDXL training).", "parameters",
+       tabs=FULL, families=frozenset({"SDXL", "FLUX.1"})),
+    _p("seed", "int", None, "Seed (optional)", "", "parameters"),
+    _p("save_precision", "choice", "", "Save precision", "Empty = same as training.", "parameters",
+       choices=("", "float", "fp16", "bf16"), choice_labels={"": "same as training"}),
+    _p("save_model_as", "choice", "safetensors", "Save model as", "", "parameters",
+       choices=("safetensors", "ckpt", "diffusers")),
+    _p("save_every_n_epochs", "int", None, "Save every N epochs (optional)", "", "parameters", minimum=1),
+    _p("save_every_n_steps", "int", None, "Save every N steps (optional)", "", "parameters", minimum=1),
+    _p("save_state", "bool", False, "Save training state", "Also save the optimizer state to resume later.",
+       "parameters"),
+    _p("resume", "dir", "", "Resume from state folder (optional)", "", "parameters"),
+    # Network (LoRA)
+    _p("network_dim", "int", None, "Network rank (dim)", "LoRA rank; empty = trainer default (4).", "network",
+       tabs=LORA, minimum=1),
+    _p("network_alpha", "float", 1.0, "Network alpha", "Scales the LoRA update by alpha/dim.", "network",
+       tabs=LORA, minimum=0),
+    _p("network_dropout", "float", None, "Network dropout (optional)", "", "network", tabs=LORA, minimum=0),
+    _p("network_train_unet_only", "bool", False, "Train UNet / transformer only", "No text-encoder LoRA.",
+       "network", tabs=LORA),
+    _p("network_weights", "path", "", "Continue from LoRA (optional)", "Existing LoRA file to start from.",
+       "network", tabs=LORA),
+    _p("network_args", "list", [], "Network arguments",
+       "Space-separated key=value, e.g. train_blocks=single for FLUX.1.", "network", tabs=LORA),
+    # FLUX.1
+    _p("guidance_scale", "float", 3.5, "Guidance scale", "Guidance value given to FLUX.1 dev during training.",
+       "flux", families=FLUX),
+    _p("timestep_sampling", "choice", "sigma", "Timestep sampling", "", "flux", families=FLUX,
+       choices=("sigma", "uniform", "sigmoid", "shift", "flux_shift")),
+    _p("sigmoid_scale", "float", 1.0, "Sigmoid scale", "For sigmoid/shift timestep sampling.", "flux",
+       families=FLUX),
+    _p("discrete_flow_shift", "float", 3.0, "Discrete flow shift", "For shift timestep sampling.", "flux",
+       families=FLUX),
+    _p("model_prediction_type", "choice", "sigma_scaled", "Model prediction type", "", "flux", families=FLUX,
+       choices=("raw", "additive", "sigma_scaled")),
+    _p("t5xxl_max_token_length", "int", None, "T5-XXL max tokens (optional)",
+       "Empty = 512 for dev, 256 for schnell.", "flux", families=FLUX, minimum=1),
+    _p("apply_t5_attn_mask", "bool", False, "Apply T5 attention mask", "", "flux", families=FLUX),
+    _p("blocks_to_swap", "int", None, "Blocks to swap (optional)",
+       "Keep this many transformer blocks on the CPU and swap them in; saves memory.", "flux", families=FLUX,
+       minimum=0),
+    # Advanced
+    _p("mixed_precision", "choice", "no", "Mixed precision", "Also passed to accelerate launch.", "accelerate",
+       choices=("no", "fp16", "bf16"), target="both"),
+    _p("noise_offset", "float", None, "Noise offset (optional)", "", "advanced", families=SD_SDXL, minimum=0),
+    _p("min_snr_gamma", "float", None, "Min-SNR gamma (optional)", "5 is a common value.", "advanced",
+       families=SD_SDXL, minimum=0),
+    _p("tokenizer_cache_dir", "dir", "", "Tokenizer cache folder (optional)", "", "advanced"),
+    # Samples
+    _p("sample_prompts", "path", "", "Sample prompts file",
+       "One prompt per line, with kohya options --n --w --h --s --l --d.", "samples"),
+    _p("sample_every_n_steps", "int", None, "Sample every N steps (optional)", "", "samples", minimum=1),
+    _p("sample_every_n_epochs", "int", None, "Sample every N epochs (optional)", "", "samples", minimum=1),
+    # Accelerate launch
+    _p("num_processes", "int", 1, "Number of processes", "One per GPU.", "accelerate", target="launch",
+       write_default=False, minimum=1),
+    _p("num_machines", "int", 1, "Number of machines", "", "accelerate", target="launch", minimum=1),
+    _p("machine_rank", "int", 0, "Machine rank", "", "accelerate", target="launch", minimum=0),
+    _p("multi_gpu", "bool", False, "Multi-GPU", "Data-parallel over several GPUs.", "accelerate",
+       target="launch"),
+    _p("gpu_ids", "str", "", "GPU ids", "Comma-separated, e.g. 0,1", "accelerate", target="launch"),
+    _p("main_process_ip", "str", "", "Main process IP", "For several machines.", "accelerate", target="launch"),
+    _p("main_process_port", "int", None, "Main process port (optional)", "", "accelerate", target="launch",
+       minimum=1),
+    _p("num_cpu_threads_per_process", "int", 2, "CPU threads per process", "", "accelerate", target="launch",
+       write_default=False, minimum=1),
+    # Torch Compile Settings (SDXL and FLUX.1)
+    _p("compile", "bool", False, "Enable torch.compile",
+       "Compile the repeated transformer blocks. The first steps are slow while it compiles (seconds to a "
+       "minute); later steps are faster. Needs PyTorch 2.2+ and, on NVIDIA GPUs, Triton.",
+       "compile", families=COMPILE_FAMILIES),
+    _p("compile_backend", "choice", "inductor", "Compile backend",
+       "inductor: best speed (default). cudagraphs: CUDA graphs only. aot_eager/eager: for debugging.",
+       "compile", families=COMPILE_FAMILIES, choices=("inductor", "cudagraphs", "eager", "aot_eager")),
+    _p("compile_mode", "choice", "default", "Compile mode",
+       "default: balanced. reduce-overhead: CUDA graphs, the big win at small batch sizes. max-autotune: "
+       "longest compile. max-autotune-no-cudagraphs: without CUDA graphs.",
+       "compile", families=COMPILE_FAMILIES,
+       choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")),
+    _p("compile_dynamic", "choice", "auto", "Dynamic shapes",
+       "auto: torch decides (default). true: one graph for many bucket sizes. false: fastest for one resolution.",
+       "compile", families=COMPILE_FAMILIES, choices=("auto", "true", "false")),
+    _p("compile_fullgraph", "bool", False, "Fullgraph",
+       "Require each compiled block to be one graph; fails on graph breaks. Keep off unless debugging.",
+       "compile", families=COMPILE_FAMILIES),
+    _p("compile_cache_size_limit", "int", 0, "Cache size limit",
+       "How many recompiles per block before falling back to eager. 0 = torch default; 64 for many bucket "
+       "resolutions.", "compile", families=COMPILE_FAMILIES, minimum=0),
+    _p("compile_cache_dir", "dir", "", "Compile cache folder (optional)",
+       "Persistent compile cache so the next run starts warm (default: ~/.cache/sd-scripts/torch_compile).",
+       "compile", families=COMPILE_FAMILIES),
+    _p("cuda_allow_tf32", "bool", False, "Allow TF32", "Faster matmuls on Ampere or newer GPUs.", "compile",
+       families=COMPILE_FAMILIES),
+    _p("cuda_cudnn_benchmark", "bool", False, "cuDNN benchmark", "Let cuDNN pick the fastest kernels.",
+       "compile", families=COMPILE_FAMILIES),
+)
+
+BY_NAME: dict[str, Param] = {p.name: p for p in PARAMS}
+assert len(BY_NAME) == len(PARAMS), "a parameter is declared twice"
+assert all(p.kind in KINDS and p.accordion in ACCORDIONS for p in PARAMS)
+assert all(p.kind != "choice" or p.default in p.choices for p in PARAMS)
+
+CONTROL_PARAMS: tuple[Param, ...] = tuple(p for p in PARAMS if p.has_control)
+
+
+def script_for(tab: str, family: str) -> str:
+    return SCRIPTS[(tab, family)]
+
+
+def params_for(tab: str, family: str) -> list[Param]:
+    """Parameters that apply to this tab and family, in registry order (fixed ones included)."""
+    return [p for p in PARAMS if p.applies(tab, family)]
+
+
+def visible(p: Param, tab: str, family: str) -> bool:
+    return p.has_control and p.applies(tab, family)
+
+
+def accordion_visible(key: str, tab: str, family: str) -> bool:
+    return any(visible(p, tab, family) for p in CONTROL_PARAMS if p.accordion == key)
+
+
+def defaults(tab: str | None = None) -> dict[str, Any]:
+    return {p.name: (list(p.default) if p.kind == "list" else p.default) for p in CONTROL_PARAMS
+            if tab is None or tab in p.tabs}

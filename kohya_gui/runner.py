@@ -1,0 +1,300 @@
+"""Runs one training at a time: spawns it in its own process group, streams its output into memory and a log
+file, parses progress, and stops the whole process tree (SIGTERM, then SIGKILL after a grace period)."""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+# ---- progress lines ------------------------------------------------------------------------------------------
+# The trainers print plain lines such as "steps: 12/100 loss=0.1234 it/s=1.23 eta=00:40" (docs/ARCHITECTURE.md);
+# tqdm-style lines ("steps:  12%|##  | 12/100 [00:05<00:40,  2.15it/s, avr_loss=0.123]") are understood too.
+
+_NUM = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)"
+_STEPS = re.compile(r"\bsteps?\b[^\n]*?(\d+)\s*/\s*(\d+)", re.I)
+_LOSS = re.compile(r"\b(avr_loss|avg_loss|loss)\s*[=:]\s*" + _NUM, re.I)
+_ITS = re.compile(r"(?:\bit/s\s*[=:]\s*" + _NUM + r")|(?:" + _NUM + r"\s*it/s(?!\s*[=:]))", re.I)
+_SIT = re.compile(_NUM + r"\s*s/it", re.I)
+_ETA = re.compile(r"(?:\beta\s*[=:]\s*|<)(\d+(?::\d{1,2}){1,2})", re.I)
+
+
+def _clock_seconds(text: str) -> float:
+    seconds = 0.0
+    for part in text.split(":"):
+        seconds = seconds * 60 + float(part)
+    return seconds
+
+
+def parse_progress(line: str) -> dict | None:
+    """{'step', 'total', 'loss', 'its', 'eta_s'} from one progress line (missing parts None), or None."""
+    m = _STEPS.search(line)
+    if not m:
+        return None
+    out = {"step": int(m.group(1)), "total": int(m.group(2)), "loss": None, "its": None, "eta_s": None}
+    losses = {k.lower(): float(v) for k, v in _LOSS.findall(line)}  # prefer the running average
+    if losses:
+        out["loss"] = losses.get("avr_loss", losses.get("avg_loss", losses.get("loss")))
+    if im := _ITS.search(line):
+        out["its"] = float(im.group(1) or im.group(2))
+    elif sm := _SIT.search(line):
+        value = float(sm.group(1))
+        out["its"] = 1.0 / value if value > 0 else None
+    if em := _ETA.search(line):
+        out["eta_s"] = _clock_seconds(em.group(1))
+    elif out["its"]:
+        out["eta_s"] = max(out["total"] - out["step"], 0) / out["its"]
+    return out
+
+
+def format_eta(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+# ---- the runner ----------------------------------------------------------------------------------------------
+
+ERROR_WORDS = re.compile(r"error|exception|traceback|failed|killed|refus", re.I)
+OUTPUT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".png", ".jpg", ".webp")
+
+
+class RunnerBusy(RuntimeError):
+    pass
+
+
+@dataclass
+class RunState:
+    running: bool = False
+    commands: list = field(default_factory=list)
+    log_path: str | None = None
+    output_dir: str | None = None
+    started: float | None = None
+    ended: float | None = None
+    returncode: int | None = None
+    stopped: bool = False
+    progress: dict | None = None
+    outputs: list = field(default_factory=list)
+    error_lines: list = field(default_factory=list)
+    message: str = ""
+
+
+class Runner:
+    """One training at a time. Thread-safe; the GUI and the CLI share this class."""
+
+    def __init__(self, max_lines: int = 2000):
+        self._lock = threading.Lock()
+        self._lines: collections.deque[str] = collections.deque(maxlen=max_lines)
+        self._partial = ""  # an in-place progress line (ended by \r), shown after the lines
+        self._proc: subprocess.Popen | None = None
+        self._thread: threading.Thread | None = None
+        self._stop_requested = threading.Event()
+        self.state = RunState()
+        self.line_callback = None  # optional: called with every output line (the CLI echoes them)
+        self.version = 0  # bumped whenever the log or the state changes (lets the page skip idle refreshes)
+
+    # -- public ---------------------------------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        with self._lock:
+            return self.state.running
+
+    def start(self, commands: list[list[str]], log_path: str | os.PathLike, *, cwd=None, env=None,
+              output_dir: str | os.PathLike | None = None) -> None:
+        """Runs the argv lists one after another (a failing one ends the run). Raises RunnerBusy."""
+        with self._lock:
+            if self.state.running:
+                raise RunnerBusy("A training run is already active; stop it first or wait for it to finish.")
+            self._lines.clear()
+            self._partial = ""
+            self._stop_requested.clear()
+            self.version += 1
+            self.state = RunState(running=True, commands=[list(c) for c in commands], log_path=str(log_path),
+                                  output_dir=str(output_dir) if output_dir else None, started=time.time(),
+                                  message="starting")
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        self._thread = threading.Thread(target=self._run, args=(commands, Path(log_path), cwd, env), daemon=True)
+        self._thread.start()
+
+    def stop(self, grace: float = 10.0) -> bool:
+        """Ends the whole process tree: SIGTERM to the group, SIGKILL after `grace` seconds. Returns False when
+        nothing was running."""
+        with self._lock:
+            if not self.state.running:
+                return False
+            self._stop_requested.set()
+            proc = self._proc
+        if proc is not None:
+            _terminate_tree(proc, grace)
+        if self._thread is not None:
+            self._thread.join(timeout=grace + 10)
+        return True
+
+    def wait(self, timeout: float | None = None) -> RunState:
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.snapshot()
+
+    def snapshot(self) -> RunState:
+        with self._lock:
+            s = self.state
+            return RunState(**{**s.__dict__, "commands": list(s.commands), "outputs": list(s.outputs),
+                               "error_lines": list(s.error_lines),
+                               "progress": dict(s.progress) if s.progress else None})
+
+    def log_tail(self, n: int = 200) -> str:
+        with self._lock:
+            lines = list(self._lines)[-n:]
+            if self._partial:
+                lines.append(self._partial)
+        return "\n".join(lines)
+
+    # -- internals ------------------------------------------------------------------------------------------
+    def _add(self, text: str, in_place: bool, log) -> None:
+        text = text.rstrip()
+        if not text:
+            return
+        prog = parse_progress(text)
+        with self._lock:
+            self.version += 1
+            if prog:
+                self.state.progress = prog
+            if in_place:
+                self._partial = text
+            else:
+                self._partial = ""
+                self._lines.append(text)
+        if log is not None and not (in_place and prog is None):
+            log.write(text + "\n")
+            log.flush()
+        if self.line_callback is not None and not in_place:
+            self.line_callback(text)
+
+    def _run(self, commands, log_path: Path, cwd, env) -> None:
+        rc = None
+        with open(log_path, "a", encoding="utf-8") as log:
+            for argv in commands:
+                if self._stop_requested.is_set():
+                    break
+                self._add("$ " + " ".join(argv), False, log)
+                with self._lock:
+                    self.state.message = "running"
+                try:
+                    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, cwd=cwd, env=env, start_new_session=True)
+                except OSError as e:
+                    self._add(f"Could not start {argv[0]}: {e}", False, log)
+                    rc = 127
+                    break
+                with self._lock:
+                    self._proc = proc
+                if self._stop_requested.is_set():  # stop() came between the check and Popen
+                    _terminate_tree(proc, 5.0)
+                self._pump(proc, log)
+                rc = proc.wait()
+                _kill_group(proc.pid, signal.SIGKILL)  # leftovers of a finished run (no-op normally)
+                with self._lock:
+                    self._proc = None
+                if rc != 0:
+                    break
+            stopped = self._stop_requested.is_set()
+            with self._lock:
+                st = self.state
+                st.running, st.ended, st.returncode, st.stopped = False, time.time(), rc, stopped
+                st.outputs = _new_outputs(st.output_dir, st.started)
+                if rc not in (0, None) and not stopped:
+                    lines = list(self._lines)
+                    errs = [ln for ln in lines if ERROR_WORDS.search(ln)]
+                    st.error_lines = (errs or lines)[-12:]
+                self.version += 1
+                st.message = ("stopped" if stopped else "finished" if rc == 0 else f"failed (exit status {rc})")
+            log.write(f"# {st.message}\n")
+
+    def _pump(self, proc: subprocess.Popen, log) -> None:
+        buf = b""
+        fd = proc.stdout.fileno()
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            buf += chunk
+            while True:
+                idx = [i for i in (buf.find(b"\n"), buf.find(b"\r")) if i >= 0]
+                if not idx:
+                    break
+                i = min(idx)
+                piece, sep, buf = buf[:i], buf[i:i + 1], buf[i + 1:]
+                self._add(piece.decode("utf-8", "replace"), sep == b"\r", log)
+        if buf:
+            self._add(buf.decode("utf-8", "replace"), False, log)
+        proc.stdout.close()
+
+
+def _kill_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _terminate_tree(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM to the process group (and any descendant that left it), SIGKILL after `grace` seconds."""
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        descendants = []
+    _kill_group(proc.pid, signal.SIGTERM)
+    for d in descendants:
+        try:
+            d.terminate()
+        except psutil.Error:
+            pass
+    deadline = time.time() + grace
+    while time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    alive = [d for d in descendants if d.is_running() and d.status() != psutil.STATUS_ZOMBIE]
+    _kill_group(proc.pid, signal.SIGKILL)
+    for d in alive:
+        try:
+            d.kill()
+        except psutil.Error:
+            pass
+    if proc.poll() is None:
+        proc.kill()
+    psutil.wait_procs(alive, timeout=5)
+
+
+def _new_outputs(output_dir: str | None, since: float | None) -> list[str]:
+    """Result files written into the output folder during the run, newest last."""
+    if not output_dir or since is None or not Path(output_dir).is_dir():
+        return []
+    found = []
+    for path in Path(output_dir).rglob("*"):
+        try:
+            if path.is_file() and path.suffix.lower() in OUTPUT_SUFFIXES and path.stat().st_mtime >= since - 1:
+                found.append((path.stat().st_mtime, str(path)))
+        except OSError:
+            continue
+    return [p for _, p in sorted(found)][-50:]
+
+
+def training_env() -> dict[str, str]:
+    """The environment for a run: the venv's bin first on PATH (so "accelerate" is ours), unbuffered output."""
+    env = dict(os.environ)
+    bindir = str(Path(sys.executable).parent)
+    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    return env

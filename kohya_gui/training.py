@@ -1,0 +1,46 @@
+"""Starting a run from registry values: the GUI's Start button and `python -m kohya_gui train` share this."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from . import command, config_file, demo
+from .runner import Runner, RunnerBusy, training_env
+
+
+class RunError(ValueError):
+    """Settings that cannot be run; the message says what to fix."""
+
+
+def start(runner: Runner, tab: str, family: str, values: dict[str, Any]) -> list[str]:
+    """Validates, writes the run's TOML into the output folder, starts the run. Returns the argv it runs.
+    Raises RunError (bad settings) or RunnerBusy (a run is active)."""
+    errors = command.validation_errors(tab, family, values)
+    if errors:
+        raise RunError("Cannot start training:\n" + "\n".join(f"- {e}" for e in errors))
+    if runner.running:
+        raise RunnerBusy("A training run is already active; stop it first or wait for it to finish.")
+    existing = command.existing_result(values)
+    if existing and not values.get("overwrite_output"):
+        raise RunError(f"{existing} already exists; change the output name, or tick 'Overwrite existing result'")
+    config_path = command.run_config_path(values)
+    try:
+        config_file.save(config_path, tab, family, values)
+    except OSError as e:
+        raise RunError(f"Cannot write the run configuration {config_path}: {e}") from e
+    argv = command.build_argv(tab, family, values, config_path)
+    (Path(config_path).with_suffix(".command.txt")).write_text(command.printable(argv) + "\n", encoding="utf-8")
+    commands = demo.prepare_commands(family, values, config_path) + [argv]
+    runner.start(commands, command.log_path(values), env=run_env(), output_dir=values.get("output_dir"),
+                 cwd=os.getcwd())
+    return argv
+
+
+def run_env() -> dict[str, str]:
+    env = training_env()
+    from . import REPO  # the demo helper runs `python -m kohya_gui`, also when it is not installed
+
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    return env

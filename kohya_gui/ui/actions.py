@@ -1,0 +1,238 @@
+"""What the buttons do, as plain functions of (tab, family, control values). app.py wires them to components;
+tests call them directly. Control values always come in `tab_params(tab)` order."""
+
+from __future__ import annotations
+
+import shlex
+import time
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from .. import command, config_file, presets, training
+from .. import params as P
+from ..runner import Runner, RunnerBusy, format_eta
+
+RUNNER = Runner()  # one training at a time for the whole app
+
+
+def tab_params(tab: str) -> list[P.Param]:
+    """The controls of a tab, in page order (accordion order, then registry order)."""
+    order = list(P.ACCORDIONS)
+    return sorted((p for p in P.CONTROL_PARAMS if tab in p.tabs), key=lambda p: order.index(p.accordion))
+
+
+def tab_accordions(tab: str) -> list[str]:
+    used = {p.accordion for p in tab_params(tab)}
+    return [k for k in P.ACCORDIONS if k in used or k == "model"]
+
+
+# ---- values <-> controls -------------------------------------------------------------------------------------
+
+def to_ui(p: P.Param, value: Any) -> Any:
+    if p.kind == "list":
+        return shlex.join(value or [])
+    if p.kind in ("str", "path", "dir"):
+        return value or ""
+    return value
+
+
+def from_ui(p: P.Param, value: Any) -> Any:
+    """A control's value as the registry type (raises ValueError with the reason)."""
+    if p.kind in ("int", "float"):
+        if value is None or value == "":
+            return None if p.default is None else p.check(None)
+        if p.kind == "int":
+            if float(value) != int(float(value)):
+                raise ValueError(f"expected a whole number, got {value!r}")
+            return p.check(int(float(value)))
+        return p.check(float(value))
+    if p.kind == "list":
+        try:
+            return shlex.split(value or "")
+        except ValueError as e:
+            raise ValueError(f"cannot split {value!r}: {e}") from e
+    if p.kind in ("str", "path", "dir"):
+        return (value or "").strip()
+    return p.check(value)
+
+
+def values_from_ui(tab: str, ui_values) -> tuple[dict[str, Any], list[str]]:
+    """(values, errors): every control of the tab, converted; errors name the control."""
+    values, errors = {}, []
+    for p, v in zip(tab_params(tab), ui_values, strict=True):
+        try:
+            values[p.name] = from_ui(p, v)
+        except ValueError as e:
+            errors.append(f"{p.label} ({p.name}): {e}")
+            values[p.name] = p.default
+    return values, errors
+
+
+def visibility_updates(tab: str, family: str) -> list:
+    """gr.update(visible=...) for each control, then each accordion, then the script note."""
+    out = [gr.update(visible=P.visible(p, tab, family)) for p in tab_params(tab)]
+    out += [gr.update(visible=P.accordion_visible(k, tab, family) or k == "model") for k in tab_accordions(tab)]
+    out.append(gr.update(value=script_note(tab, family)))
+    return out
+
+
+def full_updates(tab: str, family: str, values: dict[str, Any]) -> list:
+    """Value and visibility of each control, then accordions, then the script note."""
+    vis = visibility_updates(tab, family)
+    n = len(tab_params(tab))
+    out = [gr.update(value=to_ui(p, values.get(p.name, p.default)), visible=P.visible(p, tab, family))
+           for p in tab_params(tab)]
+    return out + vis[n:]
+
+
+def script_note(tab: str, family: str) -> str:
+    return f"Runs `sd-scripts/{P.script_for(tab, family)}`"
+
+
+def no_change(tab: str) -> list:
+    return [gr.update() for _ in range(len(tab_params(tab)) + len(tab_accordions(tab)) + 1)]
+
+
+# ---- open / save ----------------------------------------------------------------------------------------------
+
+def open_config(tab: str, path: str, family: str) -> list:
+    """Returns [status, family update, *control updates, *accordion updates, script note]; on any error the
+    status says why and nothing else changes."""
+    path = (path or "").strip()
+    if not path:
+        return [error_md("Enter the path of a configuration file to open."), gr.update(), *no_change(tab)]
+    try:
+        cfg = config_file.load(path, tab, family)
+    except config_file.ConfigError as e:
+        gr.Warning(f"Could not open {path}")
+        return [error_md(str(e)), gr.update(), *no_change(tab)]
+    return [ok_md(f"Opened {path}"), gr.update(value=cfg.family), *full_updates(tab, cfg.family, cfg.values)]
+
+
+def open_preset(tab: str, name: str, family: str) -> list:
+    """Like open_config for presets/<tab>/<name>.toml; also puts a user path into the config path box."""
+    if not name:
+        return [gr.update(), gr.update(), gr.update(), *no_change(tab)]
+    try:
+        path = presets.preset_path(tab, name)
+    except FileNotFoundError as e:
+        return [gr.update(), error_md(str(e)), gr.update(), *no_change(tab)]
+    out = open_config(tab, str(path), family)
+    if out[1] != gr.update():  # opened
+        out[0] = ok_md(f"Loaded preset **{name}**. Save writes to the path above; the preset stays as it is.")
+        return [gr.update(value=presets.user_config_path(tab, name)), *out]
+    return [gr.update(), *out]
+
+
+def save_config(tab: str, path: str, family: str, *ui_values, overwrite: bool = True) -> str:
+    path = (path or "").strip()
+    if not path:
+        return error_md("Enter a path for the configuration file (e.g. configs/my-lora.toml).")
+    if not path.endswith(".toml"):
+        path += ".toml"
+    if not overwrite and Path(path).exists():
+        return error_md(f"{path} already exists. Save as never overwrites; choose a new name, or use Save.")
+    values, errors = values_from_ui(tab, ui_values)
+    if errors:
+        return error_md("Not saved:\n" + "\n".join(f"- {e}" for e in errors))
+    try:
+        config_file.save(path, tab, family, values)
+    except (config_file.ConfigError, OSError) as e:
+        return error_md(f"Not saved: {e}")
+    return ok_md(f"Saved {path}")
+
+
+# ---- command, start, stop ----------------------------------------------------------------------------------
+
+def print_command(tab: str, family: str, *ui_values) -> tuple[str, str]:
+    """(command text, status)."""
+    values, errors = values_from_ui(tab, ui_values)
+    errors += command.validation_errors(tab, family, values)
+    argv = command.build_argv(tab, family, values)
+    note = ok_md(f"Start training writes the configuration to `{command.run_config_path(values)}` and runs this.")
+    if errors:
+        note = error_md("The command is shown, but these must be fixed before a run:\n"
+                        + "\n".join(f"- {e}" for e in errors))
+    return command.printable(argv), note
+
+
+def start_training(tab: str, family: str, *ui_values) -> tuple[str, str]:
+    """(command text, status)."""
+    values, errors = values_from_ui(tab, ui_values)
+    if errors:
+        return gr.update(), error_md("Cannot start training:\n" + "\n".join(f"- {e}" for e in errors))
+    try:
+        argv = training.start(RUNNER, tab, family, values)
+    except (training.RunError, RunnerBusy) as e:
+        return gr.update(), error_md(str(e))
+    return command.printable(argv), ok_md(f"Training started; log: `{command.log_path(values)}`")
+
+
+def stop_training() -> str:
+    if RUNNER.stop():
+        return ok_md("Training stopped.")
+    return error_md("No training is running.")
+
+
+# ---- the run panel ---------------------------------------------------------------------------------------------
+
+def run_panel(seen: int = -1) -> tuple:
+    """(progress HTML, log text, result markdown, version) for the current or last run; parts that did not
+    change since version `seen` are skipped so the page keeps its scroll position."""
+    version = RUNNER.version
+    s = RUNNER.snapshot()
+    if version == seen:
+        return (progress_html(s) if s.running else gr.skip()), gr.skip(), gr.skip(), version
+    return progress_html(s), RUNNER.log_tail(300), result_md(s), version
+
+
+def progress_html(s) -> str:
+    if s.started is None:
+        return "<div class='kg-progress'><span class='kg-state'>No training run yet.</span></div>"
+    pr = s.progress or {}
+    step, total = pr.get("step"), pr.get("total")
+    frac = (step / total) if step is not None and total else 0.0
+    if not s.running and s.returncode == 0:
+        frac = 1.0
+    state = "running" if s.running else s.message
+    parts = [f"<span class='kg-state'>{state}</span>"]
+    if step is not None:
+        parts.append(f"step <b>{step}</b> / {total}")
+    if pr.get("loss") is not None:
+        parts.append(f"loss <b>{pr['loss']:.4f}</b>")
+    if pr.get("its"):
+        parts.append(f"<b>{pr['its']:.2f}</b> it/s")
+    if s.running and pr.get("eta_s") is not None:
+        parts.append(f"ETA <b>{format_eta(pr['eta_s'])}</b>")
+    elapsed = (s.ended or time.time()) - s.started
+    parts.append(f"elapsed {format_eta(elapsed)}")
+    return (f"<div class='kg-progress'><div class='kg-bar'><div style='width:{frac * 100:.1f}%'></div></div>"
+            f"<div class='kg-stats'>{' &middot; '.join(parts)}</div></div>")
+
+
+def result_md(s) -> str:
+    if s.started is None or s.running:
+        return ""
+    lines = [f"**Run {s.message}** (exit status {s.returncode if s.returncode is not None else '-'})"]
+    if s.outputs:
+        lines.append("Output files:")
+        lines += [f"- `{p}`" for p in s.outputs]
+    if s.error_lines:
+        lines.append("Last error lines:")
+        lines.append("```\n" + "\n".join(s.error_lines) + "\n```")
+    if s.log_path:
+        lines.append(f"Log: `{s.log_path}`")
+    return "\n".join(lines)
+
+
+def ok_md(text: str) -> str:
+    return text
+
+
+def error_md(text: str) -> str:
+    lines = text.split("\n")
+    head, rest = lines[0], lines[1:]
+    body = "\n".join(f"> {ln}" if not ln.startswith("- ") else f"> {ln}" for ln in rest)
+    return f"> **Error:** {head}" + ("\n>\n" + body if body else "")

@@ -1,0 +1,135 @@
+"""The Gradio Blocks, built from the registry: one tab per training kind, one accordion per registry accordion,
+one control per parameter. Visibility follows the family; the handlers live in actions.py."""
+
+from __future__ import annotations
+
+import functools
+
+import gradio as gr
+
+from .. import config_file, presets
+from .. import params as P
+from . import actions as A
+
+CSS = """
+.kg-progress {padding: 6px 2px;}
+.kg-bar {height: 10px; background: var(--neutral-200); border-radius: 5px; overflow: hidden; margin-bottom: 6px;}
+.kg-bar > div {height: 100%; background: var(--color-accent); transition: width .4s;}
+.kg-stats {font-size: 0.95em;}
+.kg-state {font-weight: 600; margin-right: 4px; text-transform: capitalize;}
+.kg-note {opacity: 0.8; font-size: 0.9em;}
+#kg-log textarea {font-family: var(--font-mono); font-size: 12px;}
+"""
+
+
+def make_control(tab: str, p: P.Param, value, family: str):
+    kw = dict(label=p.label, info=p.help or None, visible=P.visible(p, tab, family), elem_id=f"{tab}-{p.name}")
+    v = A.to_ui(p, value)
+    if p.kind == "bool":
+        return gr.Checkbox(value=bool(v), **kw)
+    if p.kind in ("int", "float"):
+        return gr.Number(value=v, precision=0 if p.kind == "int" else None, minimum=p.minimum,
+                         step=1 if p.kind == "int" else 0.0001, **kw)
+    if p.kind == "choice":
+        choices = [(p.choice_labels.get(c, c), c) for c in p.choices]
+        return gr.Dropdown(choices=choices, value=v, **kw)
+    placeholder = {"path": "path to a file", "dir": "path to a folder", "list": "key=value key2=value2"}
+    return gr.Textbox(value=v, placeholder=placeholder.get(p.kind), **kw)
+
+
+def initial_config(tab: str) -> config_file.Config:
+    """The tab's default preset (the demo), or the registry defaults if it cannot be read."""
+    try:
+        return config_file.load(presets.preset_path(tab, presets.DEFAULT_PRESET), tab)
+    except (FileNotFoundError, config_file.ConfigError):
+        return config_file.Config(tab, "SDXL", P.defaults(tab))
+
+
+def build_tab(tab: str) -> dict:
+    cfg = initial_config(tab)
+    family0, values0 = cfg.family, cfg.values
+    names = presets.list_presets(tab)
+    with gr.Row(equal_height=True):
+        preset = gr.Dropdown(choices=names, value=presets.DEFAULT_PRESET if presets.DEFAULT_PRESET in names else None,
+                             label="Preset", scale=2, elem_id=f"{tab}-preset")
+        path = gr.Textbox(label="Configuration file", scale=4, elem_id=f"{tab}-config-path",
+                          value=presets.user_config_path(tab, presets.DEFAULT_PRESET),
+                          placeholder="configs/my-run.toml")
+        with gr.Column(scale=2, min_width=260):
+            with gr.Row():
+                open_btn = gr.Button("Open", size="md", elem_id=f"{tab}-open", min_width=70)
+                save_btn = gr.Button("Save", size="md", elem_id=f"{tab}-save", min_width=70)
+                save_as_btn = gr.Button("Save as", size="md", elem_id=f"{tab}-save-as", min_width=70)
+    status = gr.Markdown(elem_id=f"{tab}-status")
+
+    controls, accordions = {}, {}
+    family = None
+    note = None
+    for key in A.tab_accordions(tab):
+        title, is_open = P.ACCORDIONS[key]
+        with gr.Accordion(title, open=is_open, visible=P.accordion_visible(key, tab, family0) or key == "model",
+                          elem_id=f"{tab}-acc-{key}") as acc:
+            accordions[key] = acc
+            if key == "model":
+                with gr.Row():
+                    family = gr.Dropdown(choices=list(P.FAMILIES), value=family0, label="Model family",
+                                         elem_id=f"{tab}-family", scale=1)
+                    note = gr.Markdown(A.script_note(tab, family0), elem_classes="kg-note")
+            params = [p for p in A.tab_params(tab) if p.accordion == key]
+            fields = [p for p in params if p.kind != "bool"]
+            flags = [p for p in params if p.kind == "bool"]
+            for i in range(0, len(fields), 3):
+                with gr.Row():
+                    for p in fields[i:i + 3]:
+                        controls[p.name] = make_control(tab, p, values0.get(p.name, p.default), family0)
+            for i in range(0, len(flags), 4):
+                with gr.Row():
+                    for p in flags[i:i + 4]:
+                        controls[p.name] = make_control(tab, p, values0.get(p.name, p.default), family0)
+
+    with gr.Row():
+        start_btn = gr.Button("Start training", variant="primary", elem_id=f"{tab}-start")
+        stop_btn = gr.Button("Stop training", variant="stop", elem_id=f"{tab}-stop")
+        print_btn = gr.Button("Print training command", elem_id=f"{tab}-print")
+    cmd = gr.Textbox(label="Training command", lines=2, max_lines=6, interactive=False, buttons=["copy"],
+                     elem_id=f"{tab}-command")
+
+    inputs = [controls[p.name] for p in A.tab_params(tab)]
+    layout_outputs = inputs + [accordions[k] for k in A.tab_accordions(tab)] + [note]
+
+    family.change(functools.partial(A.visibility_updates, tab), inputs=family, outputs=layout_outputs,
+                  show_progress="hidden")
+    open_btn.click(functools.partial(A.open_config, tab), inputs=[path, family],
+                   outputs=[status, family, *layout_outputs])
+    preset.input(functools.partial(A.open_preset, tab), inputs=[preset, family],
+                 outputs=[path, status, family, *layout_outputs])
+    save_btn.click(functools.partial(A.save_config, tab), inputs=[path, family, *inputs], outputs=status)
+    save_as_btn.click(functools.partial(A.save_config, tab, overwrite=False), inputs=[path, family, *inputs],
+                      outputs=status)
+    print_btn.click(functools.partial(A.print_command, tab), inputs=[family, *inputs], outputs=[cmd, status])
+    start_btn.click(functools.partial(A.start_training, tab), inputs=[family, *inputs], outputs=[cmd, status])
+    stop_btn.click(A.stop_training, outputs=status)
+    return {"controls": controls, "accordions": accordions, "family": family, "status": status, "command": cmd}
+
+
+def build_app() -> gr.Blocks:
+    with gr.Blocks(title="Kohya compile GUI") as app:
+        gr.Markdown("## Kohya training GUI &nbsp;<span class='kg-note'>SD1.x · SD2.x · SDXL · FLUX.1, "
+                    "with torch.compile</span>")
+        with gr.Tabs():
+            for tab in P.TABS:
+                with gr.Tab(P.TAB_LABELS[tab], id=tab, elem_id=f"tab-{tab}"):
+                    build_tab(tab)
+        with gr.Accordion("Training run", open=True, elem_id="run-panel"):
+            progress = gr.HTML(A.progress_html(A.RUNNER.snapshot()), elem_id="run-progress")
+            result = gr.Markdown(elem_id="run-result")
+            log = gr.Textbox(label="Log", lines=14, max_lines=14, autoscroll=True, interactive=False,
+                             elem_id="kg-log", buttons=["copy"])
+        seen = gr.State(-1)
+        timer = gr.Timer(1.0)
+        timer.tick(A.run_panel, inputs=seen, outputs=[progress, log, result, seen], show_progress="hidden")
+    return app
+
+
+def launch_kwargs() -> dict:
+    return {"css": CSS, "theme": gr.themes.Soft()}
