@@ -224,8 +224,7 @@ def setup_compile_environment(args) -> dict:
     if not getattr(args, "compile", False):
         return applied
 
-    import torch._dynamo
-    import torch._inductor.config as inductor_config
+    import torch._inductor.config as inductor_config  # binds only the alias (a plain `import torch.x` would shadow torch)
 
     cache_dir = resolve_cache_dir(args)
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
