@@ -1,0 +1,749 @@
+"""The shared LoRA training loop (`NetworkTrainer`) for SD1.x / SD2.x / SDXL, subclassed per model family.
+
+A subclass overrides only the per-family hooks:
+
+    family_for(args) -> str                            model family: "sd1", "sd2", "sdxl", "flux" ...
+    assert_extra_args(args)                            family checks, before any model loads (compile validation)
+    load_target_model(args, accelerator, weight_dtype) -> components (SDComponents-like: unet, vae,
+                                                       text_encoders, tokenizers, prediction_type)
+    encode_images(args, components, images) -> latents
+    encode_prompts(args, components, captions, with_grad) -> dict of tensors (also what is cached)
+    get_noise_scheduler(args, components)              training noise schedule
+    get_noise_pred_and_target(args, accelerator, noise_scheduler, latents, batch, te_outputs, components,
+                              weight_dtype) -> (model_pred, target, timesteps, weighting or None)
+                                                       noisy input + target (eps / v here; flow matching in FLUX)
+    call_unet(args, components, noisy_latents, timesteps, te_outputs, batch, weight_dtype) -> prediction
+    post_process_loss(loss, args, timesteps, noise_scheduler) -> loss    (Min-SNR here)
+    enable_gradient_checkpointing(args, components, train_text_encoder)
+    prepare_unet_with_accelerator(args, accelerator, components)         (SDXL: regional compile here)
+    on_step_start(args)                                (SDXL: compile_utils.mark_step_begin)
+    build_pipeline(args, components, scheduler)        diffusers pipeline for sample images
+    update_metadata(metadata, args)                    family/compile ss_* keys
+    default_output_name, lora_target_text_encoders(components)
+
+The pieces a full-model trainer also needs (args, optimizer, scheduler, saving, metadata, progress line, run
+TOML) live in train_util.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import math
+import os
+import sys
+import time
+import uuid
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from library import config_util, train_util
+from library.train_util import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingError(RuntimeError):
+    """Something that stops a run with a clear message (not a bug)."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# arguments
+
+
+def add_network_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--network_module", type=str, default=None, help="network module, e.g. networks.lora")
+    parser.add_argument("--network_dim", type=int, default=None, help="LoRA rank (default 4)")
+    parser.add_argument("--network_alpha", type=float, default=1, help="LoRA alpha (scale = alpha / dim)")
+    parser.add_argument("--network_dropout", type=float, default=None, help="dropout on the LoRA down output")
+    parser.add_argument("--network_args", type=str, default=None, nargs="*",
+                        help="network options as key=value, e.g. conv_dim=4 conv_alpha=1")
+    parser.add_argument("--network_weights", type=str, default=None, help="LoRA file to continue training from")
+    parser.add_argument("--dim_from_weights", action="store_true", help="take the dims from --network_weights")
+    parser.add_argument("--network_train_unet_only", action="store_true", help="train only the UNet LoRA")
+    parser.add_argument("--network_train_text_encoder_only", action="store_true",
+                        help="train only the text encoder LoRA")
+    parser.add_argument("--unet_lr", type=float, default=None, help="UNet LoRA learning rate")
+    parser.add_argument("--text_encoder_lr", type=float, default=None, help="text encoder LoRA learning rate")
+    parser.add_argument("--save_model_as", type=str, default="safetensors", choices=["safetensors", "ckpt", "pt"],
+                        help="file format of the LoRA")
+    parser.add_argument("--no_metadata", action="store_true", help="write no ss_* metadata")
+    parser.add_argument("--training_comment", type=str, default=None, help="ss_training_comment metadata")
+
+
+def setup_parser() -> argparse.ArgumentParser:
+    """The arguments every LoRA trainer shares; scripts add family flags (e.g. compile) on top."""
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    train_util.add_sd_models_arguments(parser)
+    config_util.add_dataset_arguments(parser)
+    train_util.add_training_arguments(parser)
+    train_util.add_optimizer_arguments(parser)
+    train_util.add_config_arguments(parser)
+    add_network_arguments(parser)
+    parser.set_defaults(learning_rate=1e-4)
+    return parser
+
+
+def parse_network_args(items: list[str] | None) -> dict[str, str]:
+    out = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ConfigError(f"--network_args: {item!r} must be key=value")
+        k, v = item.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# text encoding shared by SD1.x / SD2.x / SDXL
+
+
+def encode_clip(tokenizer, text_encoder, captions: list[str], max_token_length: int | None,
+                hidden_layer: int | None, final_norm: bool, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """CLIP hidden states for captions, with kohya's long-prompt handling: `--max_token_length 150/225` is
+    encoded as 2/3 chunks of 75 tokens (each with BOS/EOS) and concatenated to 1 + 75*n + 1 positions.
+
+    hidden_layer: index into hidden_states (None = last_hidden_state); final_norm applies the final layer norm
+    to it (SD1.x clip_skip). Returns (hidden [B, L, D], text_embeds of the first chunk or None).
+    """
+    max_len = (max_token_length or 75) + 2
+    ids = tokenizer(captions, padding="max_length", truncation=True, max_length=max_len,
+                    return_tensors="pt").input_ids.to(device)
+    n_chunks = (max_len - 2) // 75
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    hiddens, pooled = [], None
+    for c in range(n_chunks):
+        body = ids[:, 1 + 75 * c: 1 + 75 * (c + 1)]
+        last_real = body[:, -1:]
+        # the chunk ends with EOS unless its text already ended (then padding continues)
+        tail = torch.where((last_real == eos) | (last_real == pad), torch.full_like(last_real, pad),
+                           torch.full_like(last_real, eos))
+        chunk = torch.cat([ids[:, :1], body, tail], dim=1)
+        # an empty chunk still needs an EOS (pooling position)
+        chunk[:, 1] = torch.where(chunk[:, 1] == pad, torch.full_like(chunk[:, 1], eos), chunk[:, 1])
+        out = text_encoder(chunk, output_hidden_states=True, return_dict=True)
+        if hidden_layer is None:
+            h = out.last_hidden_state
+        else:
+            h = out.hidden_states[hidden_layer]
+            if final_norm:
+                h = text_encoder.text_model.final_layer_norm(h)
+        if c == 0:
+            pooled = getattr(out, "text_embeds", None)
+        hiddens.append(h)
+    if n_chunks == 1:
+        return hiddens[0], pooled
+    parts = [hiddens[0][:, :1]] + [h[:, 1:-1] for h in hiddens] + [hiddens[-1][:, -1:]]
+    return torch.cat(parts, dim=1), pooled
+
+
+class TrainState:
+    """The step counter saved with `--save_state` (accelerate custom checkpoint object)."""
+
+    def __init__(self):
+        self.global_step = 0
+        self.epoch = 0
+
+    def state_dict(self) -> dict:
+        return {"global_step": self.global_step, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.global_step = int(state["global_step"])
+        self.epoch = int(state["epoch"])
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+class NetworkTrainer:
+    """SD1.x / SD2.x LoRA trainer; subclasses change the per-family hooks (see the module doc)."""
+
+    default_output_name = "last"
+    model_label = "UNet"
+
+    # -- per-family hooks --------------------------------------------------------------------------------
+    def family_for(self, args) -> str:
+        return "sd2" if args.v2 else "sd1"
+
+    def assert_extra_args(self, args) -> None:
+        if args.v_parameterization and not args.v2:
+            logger.warning("--v_parameterization without --v2: training an SD1.x model with v-prediction")
+
+    def load_target_model(self, args, accelerator, weight_dtype):
+        from library.model_util import load_sd_components
+
+        return load_sd_components(args.pretrained_model_name_or_path, self.family_for(args), vae=args.vae,
+                                  tokenizer_cache_dir=args.tokenizer_cache_dir, dtype=torch.float32,
+                                  v_parameterization=args.v_parameterization)
+
+    def lora_target_text_encoders(self, components) -> list:
+        return list(components.text_encoders)
+
+    def encode_images(self, args, components, images: torch.Tensor) -> torch.Tensor:
+        vae = components.vae
+        with torch.no_grad():
+            latents = vae.encode(images.to(vae.device, vae.dtype)).latent_dist.sample()
+        return latents * vae.config.scaling_factor
+
+    def encode_prompts(self, args, components, captions: list[str], with_grad: bool = False) -> dict:
+        te, tok = components.text_encoders[0], components.tokenizers[0]
+        layer = -args.clip_skip if args.clip_skip and args.clip_skip > 1 else None
+        with torch.set_grad_enabled(with_grad):
+            hidden, _ = encode_clip(tok, te, captions, args.max_token_length, layer, True, te.device)
+        return {"encoder_hidden_states": hidden}
+
+    def get_noise_scheduler(self, args, components):
+        return train_util.noise_scheduler_for(self.prediction_type(args, components))
+
+    def prediction_type(self, args, components) -> str:
+        if args.v_parameterization:
+            return "v_prediction"
+        return getattr(components, "prediction_type", None) or "epsilon"
+
+    def call_unet(self, args, components, noisy_latents, timesteps, te_outputs, batch, weight_dtype):
+        hidden = te_outputs["encoder_hidden_states"].to(weight_dtype)
+        return components.unet(noisy_latents, timesteps, hidden).sample
+
+    def get_noise_pred_and_target(self, args, accelerator, noise_scheduler, latents, batch, te_outputs, components,
+                                  weight_dtype):
+        noise = torch.randn_like(latents)
+        if args.noise_offset:
+            noise = noise + args.noise_offset * torch.randn((latents.shape[0], latents.shape[1], 1, 1),
+                                                            device=latents.device, dtype=latents.dtype)
+        t_min = args.min_timestep or 0
+        t_max = args.max_timestep if args.max_timestep is not None else noise_scheduler.config.num_train_timesteps
+        timesteps = torch.randint(t_min, t_max, (latents.shape[0],), device=latents.device).long()
+        noisy = noise_scheduler.add_noise(latents, noise, timesteps)
+        with accelerator.autocast():
+            pred = self.call_unet(args, components, noisy.to(weight_dtype), timesteps, te_outputs, batch,
+                                  weight_dtype)
+        if noise_scheduler.config.prediction_type == "v_prediction":
+            target = noise_scheduler.get_velocity(latents, noise, timesteps)
+        else:
+            target = noise
+        return pred, target, timesteps, None
+
+    def post_process_loss(self, loss, args, timesteps, noise_scheduler):
+        if args.min_snr_gamma:
+            v = noise_scheduler.config.prediction_type == "v_prediction"
+            loss = loss * train_util.min_snr_weights(timesteps, noise_scheduler, args.min_snr_gamma, v)
+        return loss
+
+    def enable_gradient_checkpointing(self, args, components, train_text_encoder: bool) -> None:
+        components.unet.enable_gradient_checkpointing()
+        if train_text_encoder:
+            for te in self.lora_target_text_encoders(components):
+                te.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def prepare_unet_with_accelerator(self, args, accelerator, components) -> None:
+        """After accelerator.prepare: the UNet is frozen and on its device (the SDXL trainer compiles here)."""
+
+    def on_step_start(self, args) -> None:
+        pass
+
+    def build_pipeline(self, args, components, scheduler):
+        from diffusers import StableDiffusionPipeline
+
+        return StableDiffusionPipeline(vae=components.vae, text_encoder=components.text_encoders[0],
+                                       tokenizer=components.tokenizers[0], unet=components.unet, scheduler=scheduler,
+                                       safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+
+    def base_model_version(self, args) -> str:
+        if args.v2:
+            return "sd_v2" + ("_v" if args.v_parameterization else "")
+        return "sd_v1"
+
+    def update_metadata(self, metadata: dict, args) -> None:
+        metadata["ss_v2"] = str(bool(args.v2))
+
+    # -- the loop ----------------------------------------------------------------------------------------
+    def check_args(self, args) -> None:
+        """Everything that can be checked before data or models load."""
+        train_util.verify_training_args(args)
+        if not args.network_module:
+            raise ConfigError("--network_module is required, e.g. --network_module networks.lora")
+        if args.network_train_unet_only and args.network_train_text_encoder_only:
+            raise ConfigError("--network_train_unet_only and --network_train_text_encoder_only exclude each other")
+        caching_te = args.cache_text_encoder_outputs or args.cache_text_encoder_outputs_to_disk
+        if caching_te and not args.network_train_unet_only:
+            raise ConfigError("--cache_text_encoder_outputs needs --network_train_unet_only (a trained text "
+                              "encoder changes its outputs)")
+        if args.network_dropout is not None and not 0 <= args.network_dropout < 1:
+            raise ConfigError(f"--network_dropout must be in [0, 1), got {args.network_dropout}")
+        if args.network_weights and not os.path.isfile(args.network_weights):
+            raise ConfigError(f"--network_weights: file not found: {args.network_weights}")
+        if args.dim_from_weights and not args.network_weights:
+            raise ConfigError("--dim_from_weights needs --network_weights")
+        if args.pretrained_model_name_or_path is None:
+            raise ConfigError("--pretrained_model_name_or_path is required")
+        try:
+            importlib.import_module(args.network_module)
+        except ImportError as e:
+            raise ConfigError(f"--network_module {args.network_module}: cannot import it ({e})") from e
+        # a missing optimizer package is reported now, not after the models load
+        train_util._import_optimizer_class(train_util.optimizer_name(args))
+        self.assert_extra_args(args)
+
+    def output_ext(self, args) -> str:
+        return "." + args.save_model_as
+
+    def train(self, args) -> str:
+        """Runs the training; returns the path of the final LoRA file."""
+        train_util.setup_logging()
+        if getattr(args, "output_config", False):
+            return train_util.write_output_config(args)
+        self.check_args(args)
+        args.output_name = args.output_name or self.default_output_name
+        ext = self.output_ext(args)
+        final_path = os.path.join(args.output_dir, train_util.last_file_name(args.output_name, ext))
+        train_util.ensure_can_write(final_path, args.overwrite_output)
+        train_util.prepare_seed(args.seed)
+        session_id = uuid.uuid4().int & ((1 << 31) - 1)
+        training_started_at = time.time()
+
+        family = self.family_for(args)
+        group = config_util.build_dataset_group(args, family)
+        if len(group) == 0:
+            raise TrainingError("the dataset has no batches: no training images found")
+
+        os.makedirs(args.output_dir, exist_ok=True)
+        self.write_run_config(args)
+
+        from accelerate import Accelerator
+        from accelerate.utils import ProjectConfiguration
+
+        log_with = args.log_with or ("tensorboard" if args.logging_dir else None)
+        logging_dir = None
+        if args.logging_dir:
+            logging_dir = os.path.join(args.logging_dir, (args.log_prefix or "") + time.strftime("%Y%m%d%H%M%S"))
+        accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
+                                  mixed_precision=args.mixed_precision, log_with=log_with,
+                                  project_config=ProjectConfiguration(project_dir=args.output_dir,
+                                                                      logging_dir=logging_dir))
+        weight_dtype = train_util.weight_dtype_for(args)
+        device = accelerator.device
+
+        components = self.load_target_model(args, accelerator, weight_dtype)
+        unet, vae = components.unet, components.vae
+        text_encoders = self.lora_target_text_encoders(components)
+        prediction_type = self.prediction_type(args, components)
+
+        vae_dtype = torch.float32 if args.no_half_vae else weight_dtype
+        caching_latents = args.cache_latents or args.cache_latents_to_disk
+        if caching_latents:
+            vae.to(device, dtype=vae_dtype)
+            vae.requires_grad_(False).eval()
+            group.cache_latents(lambda images: self.encode_images(args, components, images),
+                                to_disk=args.cache_latents_to_disk, signature=self.cache_signature(args, "vae"))
+            vae.to("cpu")
+        caching_te = args.cache_text_encoder_outputs or args.cache_text_encoder_outputs_to_disk
+        for te in components.text_encoders:
+            te.requires_grad_(False)
+            te.to(device, dtype=weight_dtype)
+        if caching_te:
+            for te in components.text_encoders:
+                te.eval()
+            group.cache_text_encoder_outputs(lambda caps: self.encode_prompts(args, components, caps, False),
+                                             to_disk=args.cache_text_encoder_outputs_to_disk,
+                                             signature=self.cache_signature(args, "te"))
+            for te in components.text_encoders:
+                te.to("cpu")
+
+        # --- the network
+        network_module = importlib.import_module(args.network_module)
+        net_kwargs = parse_network_args(args.network_args)
+        if args.dim_from_weights:
+            network, _ = network_module.create_network_from_weights(1.0, args.network_weights, vae, text_encoders,
+                                                                    unet, **net_kwargs)
+        else:
+            network = network_module.create_network(1.0, args.network_dim, args.network_alpha, vae, text_encoders,
+                                                    unet, neuron_dropout=args.network_dropout, **net_kwargs)
+        train_unet = not args.network_train_text_encoder_only
+        train_text_encoder = not args.network_train_unet_only
+        network.apply_to(text_encoders, unet, train_text_encoder, train_unet)
+        if args.network_weights:
+            network.load_weights(args.network_weights)
+
+        unet.requires_grad_(False)
+        unet.to(device, dtype=weight_dtype)
+        if args.gradient_checkpointing:
+            self.enable_gradient_checkpointing(args, components, train_text_encoder)
+        unet.train(args.gradient_checkpointing)
+        for te in text_encoders:
+            te.train(train_text_encoder and args.gradient_checkpointing)
+        if not caching_latents:
+            vae.requires_grad_(False).eval()
+            vae.to(device, dtype=vae_dtype)
+        if train_text_encoder and caching_te:
+            raise ConfigError("--cache_text_encoder_outputs needs --network_train_unet_only")
+        if not caching_te:
+            for te in components.text_encoders:
+                te.to(device)
+
+        params = network.prepare_optimizer_params(args.text_encoder_lr, args.unet_lr, args.learning_rate)
+        if not params:
+            raise ConfigError("nothing to train: both learning rates are 0 or no LoRA modules were created")
+        opt_name, opt_class, optimizer = train_util.get_optimizer(args, params)
+
+        num_batches = len(group)
+        steps_per_epoch, max_train_steps, num_epochs = train_util.resolve_train_length(args, num_batches)
+        args.max_train_steps = max_train_steps
+        lr_scheduler = train_util.get_scheduler(args, optimizer, max_train_steps)
+
+        if args.full_fp16 or args.full_bf16:
+            network.to(weight_dtype)
+        network.prepare_grad_etc(text_encoders, unet)
+        network, optimizer, lr_scheduler = accelerator.prepare(network, optimizer, lr_scheduler)
+        if args.full_fp16:
+            _allow_fp16_grad_unscale(accelerator)
+        self.prepare_unet_with_accelerator(args, accelerator, components)
+
+        state = TrainState()
+        accelerator.register_for_checkpointing(state)
+        if args.resume:
+            logger.info("resuming from %s", args.resume)
+            accelerator.load_state(args.resume)
+            logger.info("resumed at step %d (epoch %d)", state.global_step, state.epoch)
+
+        dataloader = _make_dataloader(group, args)
+        noise_scheduler = self.get_noise_scheduler(args, components)
+
+        metadata = self.build_metadata(args, group, session_id, training_started_at, opt_class, opt_name,
+                                       num_batches, num_epochs, max_train_steps)
+        if accelerator.is_main_process and log_with:
+            accelerator.init_trackers(args.log_tracker_name or "network_train",
+                                      config=_tracker_config(args))
+
+        total_batch = args.train_batch_size * args.gradient_accumulation_steps * accelerator.num_processes
+        logger.info("running training: %d batches per epoch, %d epochs, %d steps, batch size %d "
+                    "(total with accumulation %d)", num_batches, num_epochs, max_train_steps,
+                    args.train_batch_size, total_batch)
+
+        from tqdm.auto import tqdm
+
+        global_step = state.global_step
+        first_epoch = global_step // steps_per_epoch
+        skip_batches = (global_step % steps_per_epoch) * args.gradient_accumulation_steps
+        progress = tqdm(total=max_train_steps, initial=global_step, smoothing=0,
+                        disable=not accelerator.is_local_main_process, desc="steps", file=sys.stderr)
+        line = train_util.ProgressLine(max_train_steps, num_epochs, start_step=global_step)
+        losses: list[float] = []
+        sample_kwargs = dict(components=components, accelerator=accelerator, network=network,
+                             prediction_type=prediction_type)
+
+        if args.sample_at_first:
+            self.sample_images(args, epoch=None, steps=global_step, **sample_kwargs)
+
+        last_loss = float("nan")
+        for epoch in range(first_epoch, num_epochs):
+            if global_step >= max_train_steps:
+                break
+            group.set_current_epoch(epoch + 1)
+            accelerator.unwrap_model(network).on_epoch_start(text_encoders, unet)
+            loader = dataloader
+            if skip_batches:
+                from accelerate import skip_first_batches
+
+                loader = skip_first_batches(dataloader, skip_batches)
+                skip_batches = 0
+            for batch in loader:
+                self.on_step_start(args)
+                with accelerator.accumulate(network):
+                    loss = self.training_step(args, accelerator, noise_scheduler, batch, components, weight_dtype,
+                                              train_text_encoder, caching_te, device)
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients and args.max_grad_norm:
+                        accelerator.clip_grad_norm_(network.parameters(), args.max_grad_norm)
+                    optimizer.step()
+                    lr_scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+
+                last_loss = loss.detach().item()
+                losses.append(last_loss)
+                if not accelerator.sync_gradients:
+                    continue
+                global_step += 1
+                state.global_step, state.epoch = global_step, epoch
+                progress.update(1)
+                window = losses[-steps_per_epoch * args.gradient_accumulation_steps:]
+                avr_loss = sum(window) / len(window)
+                lr = lr_scheduler.get_last_lr()[0]
+                progress.set_postfix(loss=f"{last_loss:.4f}", avr_loss=f"{avr_loss:.4f}", lr=f"{lr:.2e}")
+                if accelerator.is_main_process and line.should_print(global_step):
+                    progress.write(line.format(global_step, last_loss, avr_loss, lr, epoch + 1), file=sys.stdout)
+                    sys.stdout.flush()
+                if log_with:
+                    logs = {"loss/current": last_loss, "loss/average": avr_loss}
+                    for i, g_lr in enumerate(lr_scheduler.get_last_lr()):
+                        logs[f"lr/group{i}"] = g_lr
+                    accelerator.log(logs, step=global_step)
+
+                if args.save_every_n_steps and global_step % args.save_every_n_steps == 0 \
+                        and global_step < max_train_steps:
+                    self.save_checkpoint(args, accelerator, network, metadata, epoch + 1, global_step, ext,
+                                         by_step=True)
+                from library.sampling import should_sample
+
+                if should_sample(args, epoch=None, steps=global_step):
+                    self.sample_images(args, epoch=None, steps=global_step, **sample_kwargs)
+                if global_step >= max_train_steps:
+                    break
+
+            done_epoch = epoch + 1
+            state.epoch = done_epoch
+            if log_with:
+                accelerator.log({"loss/epoch": sum(losses[-num_batches:]) / max(1, len(losses[-num_batches:]))},
+                                step=global_step)
+            if args.save_every_n_epochs and done_epoch % args.save_every_n_epochs == 0 and done_epoch < num_epochs \
+                    and global_step < max_train_steps:
+                self.save_checkpoint(args, accelerator, network, metadata, done_epoch, global_step, ext,
+                                     by_step=False)
+            from library.sampling import should_sample
+
+            if should_sample(args, epoch=done_epoch, steps=global_step):
+                self.sample_images(args, epoch=done_epoch, steps=global_step, **sample_kwargs)
+
+        progress.close()
+        accelerator.wait_for_everyone()
+        final_epoch = max(state.epoch, 1)
+        if accelerator.is_main_process:
+            self.save_lora(args, accelerator, network, metadata, final_path, final_epoch, global_step)
+            if args.save_state or args.save_state_on_train_end:
+                self.save_state(args, accelerator, train_util.state_dir_name(args.output_name))
+        accelerator.end_training()
+        logger.info("model saved: %s", final_path)
+        return final_path
+
+    def training_step(self, args, accelerator, noise_scheduler, batch, components, weight_dtype,
+                      train_text_encoder, caching_te, device) -> torch.Tensor:
+        if batch.get("latents") is not None:  # cached by encode_images, already scaled
+            latents = batch["latents"].to(device, dtype=torch.float32)
+        else:
+            latents = self.encode_images(args, components, batch["images"]).to(torch.float32)
+        if torch.isnan(latents).any():
+            raise TrainingError("NaN in the latents: try --no_half_vae")
+        if batch.get("te_outputs") is not None:
+            te_outputs = {k: v.to(device) for k, v in batch["te_outputs"].items()}
+        else:
+            with accelerator.autocast():
+                te_outputs = self.encode_prompts(args, components, batch["captions"], with_grad=train_text_encoder)
+        pred, target, timesteps, weighting = self.get_noise_pred_and_target(
+            args, accelerator, noise_scheduler, latents, batch, te_outputs, components, weight_dtype)
+        loss = F.mse_loss(pred.float(), target.float(), reduction="none")
+        if weighting is not None:
+            loss = loss * weighting
+        loss = loss.mean(dim=list(range(1, loss.dim())))
+        loss = loss * batch["loss_weights"].to(loss.device)
+        loss = self.post_process_loss(loss, args, timesteps, noise_scheduler)
+        return loss.mean()
+
+    # -- outputs -----------------------------------------------------------------------------------------
+    def cache_signature(self, args, what: str) -> str:
+        return f"{self.family_for(args)}:{os.path.basename(str(args.pretrained_model_name_or_path))}:" \
+               f"{os.path.basename(str(args.vae or ''))}:{what}:{args.max_token_length}:{args.clip_skip}"
+
+    def write_run_config(self, args) -> str:
+        """`<output_name>_config.toml`: the exact options of this run (runs again with --config_file)."""
+        path = os.path.join(args.output_dir, f"{args.output_name}_config.toml")
+        if os.path.exists(path) and not args.overwrite_output:
+            if not args.resume:
+                raise train_util.OutputExistsError(
+                    f"{path} already exists (an earlier run with --output_name {args.output_name}); choose another "
+                    "--output_name or pass --overwrite_output")
+            path = os.path.join(args.output_dir, f"{args.output_name}_config-resume-{time.strftime('%Y%m%d%H%M%S')}.toml")
+        train_util.atomic_write_text(path, train_util.dumps_config(args))
+        logger.info("run options written to %s", path)
+        return path
+
+    def build_metadata(self, args, group, session_id, started_at, opt_class, opt_name, num_batches, num_epochs,
+                       max_train_steps) -> dict[str, str]:
+        optimizer_args = train_util.parse_optimizer_args(args.optimizer_args)
+        md: dict[str, Any] = {
+            "ss_session_id": session_id,
+            "ss_training_started_at": started_at,
+            "ss_output_name": args.output_name,
+            "ss_learning_rate": args.learning_rate,
+            "ss_text_encoder_lr": args.text_encoder_lr,
+            "ss_unet_lr": args.unet_lr,
+            "ss_num_epochs": num_epochs,
+            "ss_gradient_checkpointing": args.gradient_checkpointing,
+            "ss_gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "ss_max_train_steps": max_train_steps,
+            "ss_lr_warmup_steps": args.lr_warmup_steps,
+            "ss_lr_scheduler": args.lr_scheduler,
+            "ss_network_module": args.network_module,
+            "ss_network_dim": args.network_dim if args.network_dim is not None else 4,
+            "ss_network_alpha": args.network_alpha,
+            "ss_network_dropout": args.network_dropout,
+            "ss_network_args": parse_network_args(args.network_args) or None,
+            "ss_mixed_precision": args.mixed_precision,
+            "ss_full_fp16": args.full_fp16,
+            "ss_full_bf16": args.full_bf16,
+            "ss_base_model_version": self.base_model_version(args),
+            "ss_v2": args.v2,
+            "ss_clip_skip": args.clip_skip,
+            "ss_max_token_length": args.max_token_length,
+            "ss_cache_latents": args.cache_latents or args.cache_latents_to_disk,
+            "ss_seed": args.seed,
+            "ss_lowram": args.lowram,
+            "ss_noise_offset": args.noise_offset,
+            "ss_min_snr_gamma": args.min_snr_gamma,
+            "ss_training_comment": args.training_comment,
+            "ss_optimizer": opt_class + (f"({', '.join(f'{k}={v}' for k, v in optimizer_args.items())})"
+                                         if optimizer_args else ""),
+            "ss_max_grad_norm": args.max_grad_norm,
+            "ss_prior_loss_weight": args.prior_loss_weight,
+            "ss_sd_model_name": os.path.basename(str(args.pretrained_model_name_or_path).rstrip("/\\")),
+            "ss_vae_name": os.path.basename(args.vae) if args.vae else None,
+            "ss_num_batches_per_epoch": num_batches,
+            "ss_train_batch_size": args.train_batch_size,
+        }
+        md.update(group.metadata())
+        self.update_metadata(md, args)
+        return {k: train_util.metadata_value(v) for k, v in md.items() if v is not None}
+
+    def save_lora(self, args, accelerator, network, metadata, path, epoch, step) -> None:
+        md = {}
+        if not args.no_metadata:
+            md = dict(metadata)
+            md["ss_training_finished_at"] = str(time.time())
+            md["ss_steps"] = str(step)
+            md["ss_epoch"] = str(epoch)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        accelerator.unwrap_model(network).save_weights(path, train_util.save_dtype_for(args), md or None,
+                                                       overwrite=args.overwrite_output)
+        logger.info("saved %s", path)
+
+    def save_state(self, args, accelerator, name: str) -> str:
+        path = os.path.join(args.output_dir, name)
+        train_util.ensure_can_write(path, args.overwrite_output)
+        accelerator.save_state(path)
+        logger.info("training state saved: %s", path)
+        return path
+
+    def save_checkpoint(self, args, accelerator, network, metadata, epoch, step, ext, by_step: bool) -> None:
+        """An intermediate save (kohya names `-step00000010` / `-000001`), old ones pruned by save_last_n_*."""
+        accelerator.wait_for_everyone()
+        if not accelerator.is_main_process:
+            return
+        out = args.output_dir
+        if by_step:
+            path = os.path.join(out, train_util.step_file_name(args.output_name, step, ext))
+        else:
+            path = os.path.join(out, train_util.epoch_file_name(args.output_name, epoch, ext))
+        self.save_lora(args, accelerator, network, metadata, path, epoch, step)
+        if args.save_state:
+            self.save_state(args, accelerator, train_util.state_dir_name(
+                args.output_name, epoch=None if by_step else epoch, step=step if by_step else None))
+        # prune: only files this run wrote under the kohya names
+        if by_step and args.save_last_n_steps:
+            old = step - args.save_last_n_steps - args.save_every_n_steps + 1
+            old_step = (old // args.save_every_n_steps) * args.save_every_n_steps
+            if old_step > 0:
+                _remove(os.path.join(out, train_util.step_file_name(args.output_name, old_step, ext)))
+                _remove(os.path.join(out, train_util.state_dir_name(args.output_name, step=old_step)))
+        if not by_step and args.save_last_n_epochs:
+            old_epoch = epoch - args.save_every_n_epochs * args.save_last_n_epochs
+            if old_epoch > 0:
+                _remove(os.path.join(out, train_util.epoch_file_name(args.output_name, old_epoch, ext)))
+                _remove(os.path.join(out, train_util.state_dir_name(args.output_name, epoch=old_epoch)))
+
+    def sample_images(self, args, *, epoch, steps, components, accelerator, network, prediction_type) -> None:
+        if not args.sample_prompts or not accelerator.is_main_process:
+            return
+        from library import sampling
+
+        vae_device = components.vae.device
+        components.vae.to(accelerator.device)
+        tes_devices = [te.device for te in components.text_encoders]
+        for te in components.text_encoders:
+            te.to(accelerator.device)
+        try:
+            sampling.sample_images(args, build_pipeline=lambda sched: self.build_pipeline(args, components, sched),
+                                   device=accelerator.device, epoch=epoch, steps=steps,
+                                   prediction_type=prediction_type, autocast=accelerator.autocast,
+                                   networks=[accelerator.unwrap_model(network)])
+        finally:
+            components.vae.to(vae_device)
+            for te, d in zip(components.text_encoders, tes_devices):
+                te.to(d)
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _remove(path: str) -> None:
+    import shutil
+
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+        logger.info("removed old state %s", path)
+    elif os.path.isfile(path):
+        os.remove(path)
+        logger.info("removed old checkpoint %s", path)
+
+
+def _make_dataloader(group, args):
+    from library.datasets import make_dataloader
+
+    # the group itself shuffles per epoch (seeded), so resumed runs see the same order
+    return make_dataloader(group, num_workers=args.max_data_loader_n_workers,
+                           persistent_workers=args.persistent_data_loader_workers, shuffle=False)
+
+
+def _tracker_config(args) -> dict:
+    out = {}
+    for k, v in vars(args).items():
+        if isinstance(v, (int, float, str, bool)) and not k.startswith("_"):
+            out[k] = v
+    return out
+
+
+def _allow_fp16_grad_unscale(accelerator) -> None:
+    """--full_fp16: the LoRA weights themselves are fp16, which GradScaler refuses to unscale by default."""
+    scaler = getattr(accelerator, "scaler", None)
+    if scaler is None:
+        return
+    org = scaler._unscale_grads_
+
+    def unscale(optimizer, inv_scale, found_inf, allow_fp16):
+        return org(optimizer, inv_scale, found_inf, True)
+
+    scaler._unscale_grads_ = unscale
+
+
+def run(trainer: NetworkTrainer, parser: argparse.ArgumentParser, argv: list[str] | None = None) -> str | None:
+    """Parse (with --config_file) and train; clear errors exit with status 2 instead of a traceback."""
+    from library.datasets import DatasetError
+
+    train_util.setup_logging()
+    try:
+        args = train_util.parse_args(parser, argv)
+        return trainer.train(args)
+    except (ConfigError, DatasetError, TrainingError, train_util.OptionalPackageError,
+            train_util.OutputExistsError, _compile_error(), _network_args_error()) as e:
+        logger.error("%s", e)
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from e
+
+
+def _compile_error():
+    try:
+        from library.compile_utils import CompileConfigError
+
+        return CompileConfigError
+    except ImportError:  # pragma: no cover
+        return ConfigError
+
+
+def _network_args_error():
+    try:
+        from networks.lora import NetworkArgsError
+
+        return NetworkArgsError
+    except ImportError:  # pragma: no cover
+        return ConfigError
