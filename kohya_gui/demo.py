@@ -17,7 +17,8 @@ from . import REPO
 
 DEMO_DIR = Path("cache") / "demo"
 DEMO_PROMPTS = "a red circle on a blue background --w 64 --h 64 --s 4 --d 1\n"
-DEMO_IMAGES = {"n": 4, "size": 64, "repeats": 2, "name": "shapes"}
+DEMO_IMAGES = {"n": 4, "size": (64, 64), "repeats": 2, "name": "shapes"}
+SD_FAMILY_NAMES = {"SD1.x": "sd1", "SD2.x": "sd2", "SDXL": "sdxl"}  # library.tiny_models' family names
 
 
 def _demo_roots() -> list[Path]:
@@ -77,16 +78,16 @@ def make_assets(family: str, values: dict[str, Any], log=print) -> list[str]:
 
             layout = "single_file" if model.suffix in (".safetensors", ".ckpt") else "diffusers"
             log(f"demo: making a tiny {family} model at {model} ({layout}, CPU, random weights)")
-            result = tiny_models.make_tiny_sd(model, family, layout)
-            made.append(str(model))
-            tokenizers = values.get("tokenizer_cache_dir")
-            if tokenizers and not Path(tokenizers).exists() and isinstance(result, dict):
-                log(f"demo: tokenizers are in {result.get('tokenizer_cache_dir')}")
+            # make_tiny_sd(dir, family) writes dir/tiny_<family>.safetensors or dir/tiny_<family>_diffusers
+            result = tiny_models.make_tiny_sd(model.parent, SD_FAMILY_NAMES[family], layout)
+            if Path(result).resolve() != model.resolve():
+                raise RuntimeError(f"demo: the tiny model was written to {result}, but the preset expects {model}")
+            made.append(str(result))
     if "train_data_dir" in missing:
         from library import tiny_models
 
         dest = Path(missing["train_data_dir"])
-        log(f"demo: making {DEMO_IMAGES['n']} captioned {DEMO_IMAGES['size']}px images in {dest}")
+        log(f"demo: making {DEMO_IMAGES['n']} captioned {DEMO_IMAGES['size'][0]}px images in {dest}")
         tiny_models.make_captioned_images(dest, DEMO_IMAGES["n"], DEMO_IMAGES["size"], DEMO_IMAGES["repeats"],
                                           DEMO_IMAGES["name"])
         made.append(str(dest))

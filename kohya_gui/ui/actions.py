@@ -106,7 +106,6 @@ def open_config(tab: str, path: str, family: str) -> list:
     try:
         cfg = config_file.load(path, tab, family)
     except config_file.ConfigError as e:
-        gr.Warning(f"Could not open {path}")
         return [error_md(str(e)), gr.update(), *no_change(tab)]
     return [ok_md(f"Opened {path}"), gr.update(value=cfg.family), *full_updates(tab, cfg.family, cfg.values)]
 
