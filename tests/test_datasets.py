@@ -143,7 +143,7 @@ def test_bucketing_two_aspect_ratios(tmp_path):
                                       "--train_batch_size", "4"), "sdxl")
     sizes = set()
     seen = 0
-    for batch in make_dataloader(group, num_workers=0):  # batch_size=None DataLoader
+    for batch in torch.utils.data.DataLoader(group, batch_size=None, shuffle=True):  # items are whole batches
         imgs = batch["images"]
         b, _, h, w = imgs.shape
         seen += b

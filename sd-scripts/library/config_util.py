@@ -10,7 +10,6 @@ import argparse
 import difflib
 import logging
 import os
-import random
 import re
 import tomllib
 from typing import Any
@@ -388,9 +387,11 @@ def build_dataset_group(args, family: str) -> DatasetGroup:
             if cache_te and s.caption_is_random:
                 raise DatasetError(te_cache_conflict(s))
 
+    # Batch order and augmentations derive from (seed, epoch): every process of a multi-GPU run must agree,
+    # so no per-process random seed here (the DataLoader's own shuffle adds the run-to-run variation).
     seed = getattr(args, "seed", None)
     if seed is None:
-        seed = random.randint(0, 2**31 - 1)
+        seed = 0
     epoch_value = new_epoch_value()
     datasets = []
     for i, p in enumerate(params):

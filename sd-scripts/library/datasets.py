@@ -128,7 +128,7 @@ def te_outputs_npz_path(image_path: str) -> str:
 
 
 def _save_npz_atomic(path: str, arrays: dict) -> None:
-    tmp = path + ".tmp"
+    tmp = f"{path}.{os.getpid()}.tmp"  # unique per process: several ranks may cache at once
     with open(tmp, "wb") as f:
         np.savez(f, **arrays)
     os.replace(tmp, path)
@@ -773,12 +773,20 @@ def new_epoch_value():
     return multiprocessing.Value("i", 0)
 
 
+def collate_one(items: list) -> dict:
+    """collate_fn for batch_size=1: our items already are whole batches."""
+    return items[0]
+
+
 def make_dataloader(group: DatasetGroup, num_workers: int = 8, persistent_workers: bool = False,
                     shuffle: bool = True) -> torch.utils.data.DataLoader:
-    """DataLoader over whole batches (kohya: workers = min(--max_data_loader_n_workers, cpu count))."""
+    """DataLoader over whole batches (kohya: workers = min(--max_data_loader_n_workers, cpu count)).
+    Uses batch_size=1 + collate_one rather than batch_size=None so that accelerate can shard it
+    across processes (its BatchSamplerShard needs a batch sampler)."""
     n = max(0, min(int(num_workers), os.cpu_count() or 1))
     return torch.utils.data.DataLoader(
-        group, batch_size=None, shuffle=shuffle, num_workers=n, persistent_workers=persistent_workers and n > 0)
+        group, batch_size=1, shuffle=shuffle, collate_fn=collate_one, num_workers=n,
+        persistent_workers=persistent_workers and n > 0)
 
 
 def build_dataset_group(args, family: str) -> DatasetGroup:
