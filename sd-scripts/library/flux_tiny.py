@@ -26,7 +26,7 @@ def make_clip_tokenizer(dest: str | Path):
     vocab.update({c + "</w>": len(chars) + i for i, c in enumerate(chars)})
     vocab["<|startoftext|>"] = len(vocab)
     vocab["<|endoftext|>"] = len(vocab)  # highest id, as in the real CLIP vocabulary
-    tok = CLIPTokenizer(vocab=vocab, merges=[])
+    tok = CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
     tok.save_pretrained(str(dest))
     return tok
 
@@ -45,32 +45,50 @@ def make_t5_tokenizer(dest: str | Path):
     backend.post_processor = processors.TemplateProcessing(
         single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
     )
-    tok = T5TokenizerFast(tokenizer_object=backend, eos_token="</s>", pad_token="<pad>", unk_token="<unk>", extra_ids=0)
+    tok = T5TokenizerFast(tokenizer_object=backend, eos_token="</s>", pad_token="<pad>", unk_token="<unk>", extra_ids=0,
+                          model_max_length=512)
     tok.save_pretrained(str(dest))
     return tok
 
 
 def _randomize(model: torch.nn.Module, seed: int, std: float = 0.05) -> torch.nn.Module:
-    """Small random weights everywhere (diffusers zero-initialises some layers; a test model must not be inert)."""
+    """Small random weights everywhere (diffusers zero-initialises some layers; a test model must not be inert).
+
+    Drawing 500M random numbers for a 3072-wide test model takes tens of seconds on a busy CPU, so parameters
+    are tiled from one pool of random values whose prime length keeps rows from repeating in step."""
     g = torch.Generator().manual_seed(seed)
+    pool = torch.randn(1_000_003, generator=g) * std
+    norm_pool = 1.0 + 0.1 * torch.randn(4099, generator=g)
+    offset = 0
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.ndim == 1 and "norm" in name and name.endswith(".weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(std * torch.randn(p.shape, generator=g))
+            src = norm_pool if (p.ndim == 1 and "norm" in name and name.endswith(".weight")) else pool
+            flat = p.view(-1)
+            n = flat.numel()
+            start = 0
+            while start < n:
+                o = offset % src.numel()
+                k = min(n - start, src.numel() - o)
+                flat[start: start + k] = src[o: o + k]
+                start += k
+                offset += k + 7919  # shift the phase for every chunk
     return model
 
 
-def tiny_transformer(width=DEFAULT_WIDTH, num_double=1, num_single=1, t5_dim=32, clip_dim=64, guidance=True, seed=0):
+def tiny_transformer(width=DEFAULT_WIDTH, num_double=1, num_single=1, t5_dim=32, clip_dim=64, guidance=True, seed=0,
+                     dtype: torch.dtype = torch.float32):
+    """A random FluxTransformer2DModel; built on the meta device and filled in place (width 3072 costs no init)."""
+    from accelerate import init_empty_weights
     from diffusers import FluxTransformer2DModel
 
-    model = FluxTransformer2DModel(
+    with init_empty_weights():
+        model = FluxTransformer2DModel(
         patch_size=1, in_channels=64, num_layers=num_double, num_single_layers=num_single,
         attention_head_dim=flux_models.HEAD_DIM, num_attention_heads=width // flux_models.HEAD_DIM,
         joint_attention_dim=t5_dim, pooled_projection_dim=clip_dim, guidance_embeds=guidance,
         axes_dims_rope=list(flux_models.ROPE_AXES),
     )
+    model = model.to(dtype).to_empty(device="cpu")
     return _randomize(model, seed, std=0.5 / width**0.5)
 
 
