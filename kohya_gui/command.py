@@ -78,11 +78,11 @@ def validation_errors(tab: str, family: str, values: dict[str, Any]) -> list[str
             continue
         value = values.get(p.name, p.default)
         try:
-            value = p.check(value)
+            value = p.check(value, tab)
         except ValueError as e:
             errors.append(f"{p.label} ({p.name}): {e}")
             continue
-        if p.required and p.is_default(value):
+        if p.required and p.is_default(value, tab):
             errors.append(f"{p.label} ({p.name}) is required")
     if not (values.get("train_data_dir") or values.get("dataset_config") or values.get("in_json")):
         errors.append("Give an image folder (train_data_dir) or a dataset config (dataset_config)")

@@ -63,8 +63,8 @@ def to_toml(tab: str, family: str, values: dict[str, Any]) -> str:
         if p.fixed:
             value = p.fixed[family]
         else:
-            value = p.check(values.get(p.name, p.default))
-            if value is None or (p.is_default(value) and not p.write_default):
+            value = p.check(values.get(p.name, p.default), tab)
+            if value is None or (p.is_default(value, tab) and not p.write_default):
                 continue
         tables.setdefault(p.table, []).append((p, value))
     order = [k for k in P.ACCORDIONS if k != P.LAUNCH_TABLE] + [P.LAUNCH_TABLE]
@@ -188,7 +188,7 @@ def parse(text: str, source: str, tab: str | None = None, family: str = "SDXL") 
                 errors.append(f"{where}: must be {p.fixed[file_family]!r} for {file_family}")
             continue
         try:
-            values[key] = p.check(value)
+            values[key] = p.check(value, file_tab)
         except ValueError as e:
             errors.append(f"{where}: {e}")
     if errors:

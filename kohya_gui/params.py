@@ -9,7 +9,6 @@ messages are all derived from this list; nothing else in kohya_gui lists paramet
 
 from __future__ import annotations
 
-import math
 import shlex
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,6 +83,15 @@ class Param:
     fixed: dict = field(default_factory=dict)
     minimum: float | None = None
     choice_labels: dict = field(default_factory=dict)  # how a choice is shown, when not as itself
+    tab_choices: dict = field(default_factory=dict)  # tab -> choices, where a tab's trainer allows fewer
+    tab_defaults: dict = field(default_factory=dict)  # tab -> default, where a tab's trainer has its own
+
+    def default_for(self, tab: str | None) -> Any:
+        value = self.tab_defaults.get(tab, self.default)
+        return list(value) if self.kind == "list" else value
+
+    def choices_for(self, tab: str | None) -> tuple:
+        return tuple(self.tab_choices.get(tab, self.choices))
 
     # -- where it applies ------------------------------------------------------------------------------------
     def applies(self, tab: str, family: str) -> bool:
@@ -106,17 +114,19 @@ class Param:
         return self.accordion
 
     # -- values ----------------------------------------------------------------------------------------------
-    def is_default(self, value: Any) -> bool:
+    def is_default(self, value: Any, tab: str | None = None) -> bool:
+        default = self.default_for(tab)
         if self.kind == "list":
             return not value
         if self.kind in ("str", "path", "dir"):
-            return (value or "") == (self.default or "")
-        if self.kind == "float" and value is not None and self.default is not None:
-            return math.isclose(float(value), float(self.default), rel_tol=0, abs_tol=0)
-        return value == self.default
+            return (value or "") == (default or "")
+        if self.kind == "float" and value is not None and default is not None:
+            return float(value) == float(default)
+        return value == default
 
-    def check(self, value: Any) -> Any:
-        """Validates a value read from a file or a control; returns it normalised. Raises ValueError."""
+    def check(self, value: Any, tab: str | None = None) -> Any:
+        """Validates a value read from a file or a control (for `tab`, when given); returns it normalised.
+        Raises ValueError."""
         k = self.kind
         if value is None:
             if self.default is None or k in ("str", "path", "dir", "list"):
@@ -137,8 +147,9 @@ class Param:
         elif k in ("str", "path", "dir", "choice"):
             if not isinstance(value, str):
                 raise ValueError(f"expected text, got {value!r}")
-            if k == "choice" and value not in self.choices:
-                raise ValueError(f"{value!r} is not one of the allowed values: {', '.join(map(repr, self.choices))}")
+            allowed = self.choices_for(tab)
+            if k == "choice" and value not in allowed:
+                raise ValueError(f"{value!r} is not one of the allowed values: {', '.join(map(repr, allowed))}")
             return value
         elif k == "list":
             if isinstance(value, str):
@@ -251,7 +262,7 @@ PARAMS: tuple[Param, ...] = (
     _p("max_train_steps", "int", 1600, "Max train steps", "", "parameters", minimum=1),
     _p("max_train_epochs", "int", None, "Max train epochs (optional)", "Overrides max train steps when set.",
        "parameters", minimum=1),
-    _p("learning_rate", "float", 2e-6, "Learning rate", "", "parameters", minimum=0),
+    _p("learning_rate", "float", 2e-6, "Learning rate", "", "parameters", minimum=0, tab_defaults={"lora": 1e-4}),
     _p("unet_lr", "float", None, "UNet / transformer learning rate (optional)", "", "parameters", tabs=LORA,
        minimum=0),
     _p("text_encoder_lr", "float", None, "Text-encoder learning rate (optional)", "", "parameters", tabs=LORA,
@@ -281,7 +292,9 @@ PARAMS: tuple[Param, ...] = (
     _p("save_precision", "choice", "", "Save precision", "Empty = same as training.", "parameters",
        choices=("", "float", "fp16", "bf16"), choice_labels={"": "same as training"}),
     _p("save_model_as", "choice", "safetensors", "Save model as", "", "parameters",
-       choices=("safetensors", "ckpt", "diffusers")),
+       choices=("safetensors", "ckpt", "pt", "diffusers"),
+       tab_choices={"lora": ("safetensors", "ckpt", "pt"), "dreambooth": ("safetensors", "ckpt", "diffusers"),
+                    "finetune": ("safetensors", "ckpt", "diffusers")}),
     _p("save_every_n_epochs", "int", None, "Save every N epochs (optional)", "", "parameters", minimum=1),
     _p("save_every_n_steps", "int", None, "Save every N steps (optional)", "", "parameters", minimum=1),
     _p("save_state", "bool", False, "Save training state", "Also save the optimizer state to resume later.",
@@ -398,5 +411,4 @@ def accordion_visible(key: str, tab: str, family: str) -> bool:
 
 
 def defaults(tab: str | None = None) -> dict[str, Any]:
-    return {p.name: (list(p.default) if p.kind == "list" else p.default) for p in CONTROL_PARAMS
-            if tab is None or tab in p.tabs}
+    return {p.name: p.default_for(tab) for p in CONTROL_PARAMS if tab is None or tab in p.tabs}

@@ -14,17 +14,18 @@ NON_DEFAULT_TEXT = {
 }
 
 
-def non_default(p: P.Param):
+def non_default(p: P.Param, tab: str | None = None):
     """A valid value different from the parameter's default."""
+    default = p.default_for(tab)
     if p.kind == "bool":
-        return not p.default
+        return not default
     if p.kind == "int":
-        base = p.default if p.default is not None else int(p.minimum or 1)
+        base = default if default is not None else int(p.minimum or 1)
         return base + 3
     if p.kind == "float":
-        return 0.25 if p.default is None else float(p.default) * 2 + 0.5
+        return 0.25 if default is None else float(default) * 2 + 0.5
     if p.kind == "choice":
-        return next(c for c in reversed(p.choices) if c != p.default)
+        return next(c for c in reversed(p.choices_for(tab)) if c != default)
     if p.kind == "list":
         return ["alpha=1", "beta=0.9,0.99"]
     if p.kind == "path":
@@ -38,7 +39,7 @@ def all_non_default(tab: str, family: str) -> dict:
     values = P.defaults(tab)
     for p in P.params_for(tab, family):
         if p.has_control:
-            values[p.name] = non_default(p)
+            values[p.name] = non_default(p, tab)
     return values
 
 

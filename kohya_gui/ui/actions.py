@@ -38,7 +38,7 @@ def to_ui(p: P.Param, value: Any) -> Any:
     return value
 
 
-def from_ui(p: P.Param, value: Any) -> Any:
+def from_ui(p: P.Param, value: Any, tab: str | None = None) -> Any:
     """A control's value as the registry type (raises ValueError with the reason)."""
     if p.kind in ("int", "float"):
         if value is None or value == "":
@@ -55,7 +55,7 @@ def from_ui(p: P.Param, value: Any) -> Any:
             raise ValueError(f"cannot split {value!r}: {e}") from e
     if p.kind in ("str", "path", "dir"):
         return (value or "").strip()
-    return p.check(value)
+    return p.check(value, tab)
 
 
 def values_from_ui(tab: str, ui_values) -> tuple[dict[str, Any], list[str]]:
@@ -63,7 +63,7 @@ def values_from_ui(tab: str, ui_values) -> tuple[dict[str, Any], list[str]]:
     values, errors = {}, []
     for p, v in zip(tab_params(tab), ui_values, strict=True):
         try:
-            values[p.name] = from_ui(p, v)
+            values[p.name] = from_ui(p, v, tab)
         except ValueError as e:
             errors.append(f"{p.label} ({p.name}): {e}")
             values[p.name] = p.default

@@ -31,7 +31,7 @@ def make_control(tab: str, p: P.Param, value, family: str):
         return gr.Number(value=v, precision=0 if p.kind == "int" else None, minimum=p.minimum,
                          step=1 if p.kind == "int" else 0.0001, **kw)
     if p.kind == "choice":
-        choices = [(p.choice_labels.get(c, c), c) for c in p.choices]
+        choices = [(p.choice_labels.get(c, c), c) for c in p.choices_for(tab)]
         return gr.Dropdown(choices=choices, value=v, **kw)
     placeholder = {"path": "path to a file", "dir": "path to a folder", "list": "key=value key2=value2"}
     return gr.Textbox(value=v, placeholder=placeholder.get(p.kind), **kw)

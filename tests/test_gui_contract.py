@@ -1,0 +1,103 @@
+"""The GUI <-> trainer contract: for every tab x family, every visible registry parameter set to a non-default
+value, saved as the GUI saves it, is accepted by the target script's own parser (with the trainer's own
+--config_file reading) and comes back with the same value. The registry's defaults must also be the parser's
+defaults (a value left out of the file must mean the same thing to both sides), and the launch options must
+parse with accelerate's own `launch` parser. Skips only where the target script does not exist yet."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+
+import pytest
+from gui_helpers import all_non_default
+
+from kohya_gui import REPO, command, config_file
+from kohya_gui import params as P
+
+SD_SCRIPTS = REPO / "sd-scripts"
+
+
+def load_parser(script: str):
+    path = SD_SCRIPTS / script
+    if not path.exists():
+        pytest.skip(f"sd-scripts/{script} does not exist yet")
+    name = "gui_contract_" + script.removesuffix(".py")
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name].setup_parser()
+
+
+def same(expected, got) -> bool:
+    if isinstance(expected, float) and isinstance(got, (int, float)):
+        return math.isclose(expected, got, rel_tol=1e-12)
+    if expected in ("", []) and got is None:
+        return True
+    return expected == got
+
+
+def trainer_params(tab, family):
+    return [p for p in P.params_for(tab, family) if p.target != "launch"]
+
+
+@pytest.mark.parametrize("tab,family", sorted(P.SCRIPTS))
+def test_config_file_values_reach_the_trainer(tmp_path, tab, family):
+    from library import train_util
+
+    parser = load_parser(P.script_for(tab, family))
+    values = all_non_default(tab, family)
+    path = tmp_path / "run.toml"
+    config_file.save(path, tab, family, values)
+    args = train_util.parse_args(parser, ["--config_file", str(path)])
+    wrong = []
+    for p in trainer_params(tab, family):
+        expected = p.fixed[family] if p.fixed else values[p.name]
+        if not hasattr(args, p.name):
+            wrong.append(f"--{p.name}: the trainer has no such option")
+        elif not same(expected, getattr(args, p.name)):
+            wrong.append(f"--{p.name}: wrote {expected!r}, trainer read {getattr(args, p.name)!r}")
+    assert not wrong, f"{P.script_for(tab, family)} ({tab} {family}):\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("tab,family", sorted(P.SCRIPTS))
+def test_cli_flags_reach_the_trainer_and_defaults_agree(tab, family):
+    parser = load_parser(P.script_for(tab, family))
+    defaults = parser.parse_args([])
+    values = all_non_default(tab, family)
+    argv, wrong = [], []
+    for p in trainer_params(tab, family):
+        if not hasattr(defaults, p.name):
+            continue  # reported by the config-file test
+        if not p.fixed and not same(p.default_for(tab), getattr(defaults, p.name)):
+            wrong.append(f"--{p.name}: registry default {p.default_for(tab)!r}, "
+                         f"trainer default {getattr(defaults, p.name)!r}")
+        argv += p.cli_args(p.fixed[family] if p.fixed else values[p.name])
+    args = parser.parse_args(argv)
+    for p in trainer_params(tab, family):
+        if hasattr(args, p.name):
+            expected = p.fixed[family] if p.fixed else values[p.name]
+            if not same(expected, getattr(args, p.name)):
+                wrong.append(f"--{p.name}: passed {expected!r}, trainer read {getattr(args, p.name)!r}")
+    assert not wrong, f"{P.script_for(tab, family)} ({tab} {family}):\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("tab,family", [("lora", "SDXL"), ("dreambooth", "FLUX.1"), ("finetune", "SD1.x")])
+def test_launch_options_parse_with_accelerate(tab, family):
+    from accelerate.commands.launch import launch_command_parser
+
+    values = all_non_default(tab, family)
+    argv = command.build_argv(tab, family, values, "out/run.toml")
+    assert argv[:2] == ["accelerate", "launch"]
+    ns = launch_command_parser().parse_args(argv[2:])
+    assert ns.training_script.endswith(P.script_for(tab, family))
+    assert ns.training_script_args == ["--config_file", "out/run.toml"]
+    assert ns.num_processes == values["num_processes"] and ns.num_machines == values["num_machines"]
+    assert ns.mixed_precision == values["mixed_precision"] and ns.multi_gpu is True
+    assert ns.gpu_ids == values["gpu_ids"] and ns.main_process_port == values["main_process_port"]
+    assert ns.main_process_ip == values["main_process_ip"] and ns.machine_rank == values["machine_rank"]
+    assert ns.num_cpu_threads_per_process == values["num_cpu_threads_per_process"]
+    assert ns.dynamo_backend == "no"
