@@ -532,6 +532,8 @@ def test_bad_values_are_named(tmp_path):
         build_dataset_group(parse(*base, "--resolution", "big"), "sdxl")
     with pytest.raises(DatasetError, match="min_bucket_reso"):
         build_dataset_group(parse(*base, "--resolution", "128", "--enable_bucket"), "sdxl")
+    # an empty --resolution (a GUI text field left blank) means the family's default
+    assert build_dataset_group(parse(*base, "--resolution", ""), "sd1").datasets[0].params.resolution == (512, 512)
     with pytest.raises(DatasetError, match="unknown model family"):
         build_dataset_group(parse(*base), "sd3")
     (tmp_path / "train" / "0_none").mkdir()

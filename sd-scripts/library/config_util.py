@@ -239,7 +239,7 @@ def _cli_layer(args, family: str) -> dict:
     layer = {}
     for key in list(DATASET_KEYS) + list(_INHERITED_SUBSET_KEYS):
         value = getattr(args, _CLI_NAME.get(key, key), None)
-        if value is not None:
+        if value is not None and value != "":  # "" = unset (as the GUI leaves empty text fields)
             layer[key] = value
     if "resolution" in layer:
         layer["resolution"] = parse_resolution(layer["resolution"], "--resolution")

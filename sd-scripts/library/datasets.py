@@ -437,7 +437,10 @@ class ImageDataset(torch.utils.data.Dataset):
                 lat = torch.from_numpy(npz["latents"])
                 lat_f = torch.from_numpy(npz["latents_flipped"]) if "latents_flipped" in npz else None
                 box = tuple(int(v) for v in npz["crop_ltrb"])
-                resized = tuple(int(v) for v in npz["resized_size"]) if "resized_size" in npz else info.bucket
+                if "resized_size" in npz:
+                    resized = tuple(int(v) for v in npz["resized_size"])
+                else:  # npz written by kohya's scripts: center crop, so the resized size is l + r, t + b
+                    resized = (box[0] + box[2], box[1] + box[3])
             return lat, lat_f, resized, box
         return info.latents, info.latents_flipped, info.resized_size, info.crop_ltrb
 
