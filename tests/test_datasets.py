@@ -393,6 +393,19 @@ def test_in_json_with_merge_tool(tmp_path):
     group = build_dataset_group(parse("--in_json", out2, "--resolution", "64"), "sd1")
     assert group.num_train_images == 3
 
+    # the same metadata as a [[datasets.subsets]] metadata_file
+    cfg = write(str(tmp_path / "ft.toml"), f"""
+[[datasets]]
+resolution = 64
+  [[datasets.subsets]]
+  metadata_file = "meta.json"
+  image_dir = "{train}"
+  num_repeats = 2
+""")
+    group = build_dataset_group(parse("--dataset_config", cfg), "sd1")
+    assert Counter(c for b in all_batches(group) for c in b["captions"]) == {"first image, red, blue": 2,
+                                                                          "second image": 2}
+
     write(str(out), json.dumps({"missing": {"caption": "x"}}))
     with pytest.raises(DatasetError, match="no image found for key 'missing'"):
         build_dataset_group(parse("--in_json", out, "--train_data_dir", train, "--resolution", "64"), "sd1")
