@@ -40,11 +40,10 @@ def main(argv=None) -> int:
     runner = Runner()
     runner.line_callback = lambda line: print(line, flush=True)
     try:
-        argv = training.start(runner, cfg.tab, cfg.family, cfg.values)
+        training.start(runner, cfg.tab, cfg.family, cfg.values)
     except (training.RunError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print("$ " + command.printable(argv), flush=True)
 
     def on_signal(signum, frame):
         print("stopping the training process tree ...", file=sys.stderr, flush=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -188,7 +189,7 @@ class Runner:
             for argv in commands:
                 if self._stop_requested.is_set():
                     break
-                self._add("$ " + " ".join(argv), False, log)
+                self._add("$ " + shlex.join(argv), False, log)
                 with self._lock:
                     self.state.message = "running"
                 try:
@@ -216,6 +217,7 @@ class Runner:
                 st.outputs = _new_outputs(st.output_dir, st.started)
                 if rc not in (0, None) and not stopped:
                     lines = list(self._lines)
+                    lines = [ln for ln in lines if not ln.startswith("$ ")]
                     errs = [ln for ln in lines if ERROR_WORDS.search(ln)]
                     st.error_lines = (errs or lines)[-12:]
                 self.version += 1

@@ -1,0 +1,104 @@
+"""The runner: streams output into memory and a log file, parses progress, runs one training at a time, and
+Stop ends the whole process tree (children and grandchildren, also ones that ignore SIGTERM)."""
+
+from __future__ import annotations
+
+import re
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from kohya_gui.runner import Runner, RunnerBusy, format_eta, parse_progress
+
+# A parent that starts a child, which starts a grandchild that ignores SIGTERM; all print their pids, then the
+# parent prints progress lines until killed.
+TREE = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    level = int(sys.argv[1])
+    if level == 2:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print(f"pid{level}={os.getpid()}", flush=True)
+    if level < 2:
+        subprocess.Popen([sys.executable, __file__, str(level + 1)])
+    step = 0
+    while True:
+        step += 1
+        if level == 0:
+            print(f"steps: {step}/1000 loss=0.{step:04d} it/s=2.00 eta=0:08:{step % 60:02d}", flush=True)
+        time.sleep(0.2)
+""")
+
+
+def wait_for(cond, timeout=60.0):
+    end = time.time() + timeout
+    while time.time() < end:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_stop_kills_the_whole_tree_and_runs_one_at_a_time(tmp_path):
+    script = tmp_path / "tree.py"
+    script.write_text(TREE)
+    log = tmp_path / "out" / "run.log"
+    runner = Runner()
+    runner.start([[sys.executable, str(script), "0"]], log, output_dir=tmp_path / "out")
+    assert wait_for(lambda: len(re.findall(r"pid\d=", runner.log_tail())) == 3 and runner.snapshot().progress)
+    pids = [int(x) for x in re.findall(r"pid\d=(\d+)", runner.log_tail())]
+    assert all(alive(p) for p in pids)
+    with pytest.raises(RunnerBusy, match="already active"):
+        runner.start([[sys.executable, "-c", "print(1)"]], tmp_path / "other.log")
+
+    prog = runner.snapshot().progress
+    assert prog["total"] == 1000 and prog["step"] >= 1 and prog["its"] == 2.0 and prog["loss"] is not None
+    assert runner.stop(grace=1.0) is True
+    state = runner.snapshot()
+    assert not state.running and state.stopped and state.message == "stopped"
+    assert wait_for(lambda: not any(alive(p) for p in pids), 10), [p for p in pids if alive(p)]
+    text = log.read_text()
+    assert "pid0=" in text and "steps: 1/1000" in text and text.rstrip().endswith("# stopped")
+    assert runner.stop() is False  # nothing running any more
+
+
+def test_finished_and_failed_runs_report_status_outputs_and_errors(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    make = ("import pathlib, sys; pathlib.Path(sys.argv[1], 'lora.safetensors').write_bytes(b'x'); "
+            "print('steps: 2/2 loss=0.5 it/s=4.0 eta=0:00:00')")
+    runner = Runner()
+    runner.start([[sys.executable, "-c", "print('first command')"], [sys.executable, "-c", make, str(out)]],
+                 out / "a.log", output_dir=out)
+    state = runner.wait(60)
+    assert state.returncode == 0 and state.message == "finished" and not state.error_lines
+    assert state.outputs == [str(out / "lora.safetensors")]
+    assert "first command" in runner.log_tail() and state.progress["step"] == 2
+
+    fail = "import sys; print('loading'); print('ValueError: --network_dim must be positive', file=sys.stderr); sys.exit(3)"
+    runner.start([[sys.executable, "-c", fail], [sys.executable, "-c", "print('never')"]], out / "b.log",
+                 output_dir=out)
+    state = runner.wait(60)
+    assert state.returncode == 3 and state.message == "failed (exit status 3)"
+    assert state.error_lines == ["ValueError: --network_dim must be positive"]
+    assert "never" not in (out / "b.log").read_text()
+
+
+def test_progress_parser():
+    p = parse_progress("steps: 12/100 loss=0.1234 it/s=2.35 avr_loss=0.1300 lr=1.00e-04 epoch=1/5 eta=0:00:37")
+    assert p == {"step": 12, "total": 100, "loss": 0.13, "its": 2.35, "eta_s": 37.0}
+    p = parse_progress("steps:  12%|##  | 12/100 [00:05<00:40,  2.15it/s, avr_loss=0.123]")
+    assert p == {"step": 12, "total": 100, "loss": 0.123, "its": 2.15, "eta_s": 40.0}
+    p = parse_progress("steps: 3/10 loss=nan 2.00s/it")
+    assert p["its"] == 0.5 and p["eta_s"] == 14.0 and p["loss"] != p["loss"]
+    assert parse_progress("loading model from x.safetensors") is None
+    assert format_eta(3725) == "1:02:05" and format_eta(37) == "00:37" and format_eta(None) == "-"
