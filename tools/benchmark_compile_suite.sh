@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 OUTDIR=${2:-${OUT:-bench_out}}
 mkdir -p "$OUTDIR"
 PY=${PYTHON:-python3}
-CC=${COMPILE_CACHE_ROOT:-/tmp/compile_cache}
+CACHE_ROOT=${COMPILE_CACHE_ROOT:-/tmp/compile_cache}  # not CC: that is the C compiler variable triton reads
 STEPS=${STEPS:-15}
 WARMUP=${WARMUP:-4}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -20,16 +20,16 @@ run() {  # name, timeout, args...
 }
 case "${1:-}" in
   sdxl)
-    rm -rf "$CC"
-    run sdxl_bs1 240 --family sdxl --batch_size 1 --compile_mode reduce-overhead --compile_cache_dir "$CC/sdxl_bs1"
-    run sdxl_bs1_gc 240 --family sdxl --batch_size 1 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CC/sdxl_bs1_gc"
-    run sdxl_bs1_gc_warm 120 --family sdxl --batch_size 1 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CC/sdxl_bs1_gc" --phases compiled
-    run sdxl_bs4_gc 240 --family sdxl --batch_size 4 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CC/sdxl_bs4_gc"
+    rm -rf "$CACHE_ROOT"
+    run sdxl_bs1 240 --family sdxl --batch_size 1 --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs1"
+    run sdxl_bs1_gc 240 --family sdxl --batch_size 1 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs1_gc"
+    run sdxl_bs1_gc_warm 120 --family sdxl --batch_size 1 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs1_gc" --phases compiled
+    run sdxl_bs4_gc 240 --family sdxl --batch_size 4 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs4_gc"
     ;;
   flux)
-    rm -rf "$CC"
-    run flux_512 280 --family flux --resolution 512 --compile_mode reduce-overhead --compile_cache_dir "$CC/flux_512"
-    run flux_1024_gc 300 --family flux --resolution 1024 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CC/flux_1024_gc"
+    rm -rf "$CACHE_ROOT"
+    run flux_512 280 --family flux --resolution 512 --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/flux_512"
+    run flux_1024_gc 300 --family flux --resolution 1024 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/flux_1024_gc"
     ;;
   *) echo "usage: $0 sdxl|flux [OUTDIR]"; exit 2 ;;
 esac
