@@ -158,7 +158,7 @@ def images_from_dir(subset: SubsetParams) -> list[ImageInfo]:
 
 
 def _find_image_for_key(key: str, image_dir: Optional[str]) -> Optional[str]:
-    if os.path.isfile(key):
+    if os.path.isfile(key) and is_image_file(key):  # --full_path keys
         return key
     if image_dir:
         candidate = os.path.join(image_dir, key)
