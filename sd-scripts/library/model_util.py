@@ -613,15 +613,14 @@ def _components_from_single_file(path: Path, family: str, dtype) -> tuple[object
     else:
         hidden = sd[SD2_TE_PREFIX + "token_embedding.weight"].shape[1]
         hf = _hf_clip_from_open_clip(sd, SD2_TE_PREFIX, hidden)
-        n_file = _count(hf, "text_model.encoder.layers.")
-        last = f"text_model.encoder.layers.{n_file - 1}."
-        if n_file > 1 and not any(k.startswith(f"{SD2_TE_PREFIX}transformer.resblocks.{n_file}.") for k in sd) and \
-                any(k.startswith(f"{SD2_TE_PREFIX}transformer.resblocks.{n_file - 1}.") for k in sd):
-            # the file holds all open_clip layers; SD2 conditions on the penultimate one, so the last is kept aside
-            hf = {k: v for k, v in hf.items() if not k.startswith(last)}
-            for k, v in sd.items():
-                if k.startswith(f"{SD2_TE_PREFIX}transformer.resblocks.{n_file - 1}."):
-                    extra[k] = v
+        # SD2 conditions on the penultimate open_clip layer: the file holds one layer more than the diffusers
+        # text encoder. The last one is kept aside (extra_state) and written back on save.
+        n_file = _count(sd, SD2_TE_PREFIX + "transformer.resblocks.")
+        if n_file < 2:
+            raise ModelLoadError(f"{path}: the SD2 text encoder needs at least 2 layers, found {n_file}")
+        hf = {k: v for k, v in hf.items() if not k.startswith(f"text_model.encoder.layers.{n_file - 1}.")}
+        last = f"{SD2_TE_PREFIX}transformer.resblocks.{n_file - 1}."
+        extra.update({k: v for k, v in sd.items() if k.startswith(last)})
         for k in ("text_projection", "logit_scale"):
             if SD2_TE_PREFIX + k in sd:
                 extra[SD2_TE_PREFIX + k] = sd[SD2_TE_PREFIX + k]
@@ -636,6 +635,7 @@ def _components_from_single_file(path: Path, family: str, dtype) -> tuple[object
     vae_cfg = infer_vae_config(family, _sub(sd, VAE_PREFIX))
     vae_sd = convert_ldm_vae_checkpoint(sd, vae_cfg)
     vae = _build_diffusers(AutoencoderKL, vae_cfg, vae_sd, dtype, f"{path} (VAE)")
+    extra = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in extra.items()}
     return unet, vae, text_encoders, extra
 
 

@@ -92,7 +92,7 @@ def make_tiny_tokenizer(dest_dir, pad_token: str = "<|endoftext|>") -> Path:
         return dest_dir
     base = list(_bytes_to_unicode().values())
     vocab_list = base + [c + "</w>" for c in base]
-    merges = _learn_merges(_CORPUS.split(), 300)
+    merges = _learn_merges(_CORPUS.split(), 2000)  # stops when every corpus word is one token
     vocab_list += [a + b for a, b in merges]
     vocab_list += ["<|startoftext|>", "<|endoftext|>"]
     vocab = {tok: i for i, tok in enumerate(dict.fromkeys(vocab_list))}
