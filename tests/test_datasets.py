@@ -185,6 +185,13 @@ def test_sdxl_crop_conditioning_and_flip(tmp_path):
         img = group[0]["images"][0]
         flips.add(bool(img[0, 0, 0] > img[0, 0, -1]))  # red gradient runs left to right unless flipped
     assert flips == {True, False}
+    group = build_dataset_group(parse("--train_data_dir", tmp_path / "train", "--resolution", "64", "--color_aug"),
+                                "sdxl")
+    hues = set()
+    for epoch in range(6):
+        group.set_current_epoch(epoch)
+        hues.add(tuple(group[0]["images"][0, :, 10, 10].tolist()))
+    assert len(hues) > 1
 
 
 def test_epoch_reshuffles_and_caption_shuffle_keeps_tokens(tmp_path):
@@ -473,6 +480,16 @@ def test_latent_cache_in_memory_and_on_disk(tmp_path):
                                       "--cache_latents_to_disk"), "sdxl")
     group.cache_latents(avgpool_encoder(calls), to_disk=True, signature="vae-2")
     assert sum(calls) == 6
+
+    # an npz written by kohya's own scripts (no bucket_reso/signature keys) is reused when its shape fits
+    calls.clear()
+    with np.load(d / "c.npz") as npz:
+        kohya_style = {k: npz[k] for k in ("latents", "latents_flipped", "original_size", "crop_ltrb")}
+    np.savez(d / "c.npz", **kohya_style)
+    group = build_dataset_group(parse("--train_data_dir", tmp_path / "train", "--resolution", "64", "--flip_aug",
+                                      "--cache_latents_to_disk"), "sdxl")
+    group.cache_latents(avgpool_encoder(calls), to_disk=True)
+    assert sum(calls) == 4  # a and b (signature differs), not c
 
     # pixel-changing augmentations are refused before any model loads
     for aug in ("--color_aug", "--random_crop"):
