@@ -538,6 +538,23 @@ class FluxComponents:
     def is_schnell(self) -> bool:
         return not self.transformer.config.guidance_embeds
 
+    # the names the shared LoRA trainer (library.network_trainer) uses
+    @property
+    def unet(self):
+        return self.transformer
+
+    @property
+    def vae(self):
+        return self.ae
+
+    @property
+    def text_encoders(self) -> list:
+        return [self.clip_l, self.t5xxl]
+
+    @property
+    def tokenizers(self) -> list:
+        return [self.clip_tokenizer, self.t5_tokenizer]
+
 
 def load_flux_components(
     pretrained: str,

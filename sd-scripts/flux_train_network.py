@@ -1,0 +1,157 @@
+"""LoRA training for FLUX.1 (dev and schnell), kohya-ss/sd-scripts CLI, with regional torch.compile and block swap.
+
+    accelerate launch sd-scripts/flux_train_network.py --pretrained_model_name_or_path flux1-dev.safetensors \
+        --clip_l clip_l.safetensors --t5xxl t5xxl_fp16.safetensors --ae ae.safetensors \
+        --network_module networks.lora_flux --network_dim 16 --train_data_dir data --output_dir out \
+        --mixed_precision bf16 --gradient_checkpointing --fp8_base --blocks_to_swap 8 --compile
+
+or `--config_file cfg.toml` (flags on the command line win). A diffusers FluxPipeline folder works as
+--pretrained_model_name_or_path without --clip_l/--t5xxl/--ae.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from library import compile_utils, flux_models, flux_train_utils, network_trainer  # noqa: E402
+from library.network_trainer import NetworkTrainer  # noqa: E402
+from library.train_util import ConfigError  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+
+class FluxNetworkTrainer(NetworkTrainer):
+    """FLUX.1: flow matching on packed latents, T5-XXL + CLIP-L pooled conditioning, embedded guidance (dev),
+    LoRA on the transformer (and CLIP-L), fp8 base, block swap, regional compile of the double/single blocks."""
+
+    model_label = "FLUX"
+    default_output_name = "last"
+
+    def __init__(self):
+        self.compiled_blocks = 0
+        self.swapper = None
+        self._t5_len = 512
+
+    # -- checks and models -------------------------------------------------------------------------------
+    def family_for(self, args) -> str:
+        return "flux"
+
+    def assert_extra_args(self, args) -> None:
+        if args.v2 or args.v_parameterization:
+            raise ConfigError("--v2 / --v_parameterization are for SD2.x; flux_train_network.py trains FLUX.1")
+        if args.network_module and args.network_module != "networks.lora_flux":
+            logger.warning("--network_module %s: FLUX LoRA files in kohya's format come from networks.lora_flux",
+                           args.network_module)
+        if args.min_snr_gamma:
+            raise ConfigError("--min_snr_gamma is for noise-prediction models; FLUX trains with flow matching")
+        flux_train_utils.check_flux_args(args, ConfigError)
+        compile_utils.validate_compile_args(args)
+
+    def load_target_model(self, args, accelerator, weight_dtype):
+        try:
+            c = flux_models.load_flux_components(
+                args.pretrained_model_name_or_path, args.clip_l, args.t5xxl, args.ae, dtype=weight_dtype,
+                te_dtype=weight_dtype, ae_dtype=torch.float32 if args.no_half_vae else weight_dtype,
+                fp8_base=args.fp8_base, tokenizer_cache_dir=args.tokenizer_cache_dir)
+        except flux_models.FluxModelError as e:
+            raise ConfigError(str(e)) from e
+        self._t5_len = flux_train_utils.t5_max_length(args, c)
+        logger.info("FLUX.1 %s: %d double + %d single blocks, width %d", "schnell" if c.is_schnell else "dev",
+                    c.transformer.config.num_layers, c.transformer.config.num_single_layers,
+                    c.transformer.inner_dim)
+        return c
+
+    def lora_target_text_encoders(self, components) -> list:
+        return [components.clip_l]  # T5-XXL is never trained
+
+    # -- data ------------------------------------------------------------------------------------------------
+    def encode_images(self, args, components, images):
+        return flux_train_utils.encode_latents(components.ae, images)
+
+    def encode_prompts(self, args, components, captions, with_grad=False) -> dict:
+        with torch.set_grad_enabled(with_grad):
+            return flux_train_utils.encode_prompts(components.clip_l, components.t5xxl, components.clip_tokenizer,
+                                                   components.t5_tokenizer, captions, self._t5_len,
+                                                   args.apply_t5_attn_mask)
+
+    def cache_signature(self, args, what: str) -> str:
+        return flux_train_utils.cache_signature(args, what)
+
+    # -- training --------------------------------------------------------------------------------------------
+    def get_noise_scheduler(self, args, components):
+        return None  # sigmas are drawn by flux_train_utils.sample_sigmas
+
+    def get_noise_pred_and_target(self, args, accelerator, noise_scheduler, latents, batch, te_outputs, components,
+                                  weight_dtype):
+        pred, target, sigmas = flux_train_utils.noisy_input_pred_target(
+            args, components.transformer, latents, te_outputs, weight_dtype, accelerator.autocast)
+        return pred, target, sigmas, None
+
+    def post_process_loss(self, loss, args, timesteps, noise_scheduler):
+        return loss
+
+    def place_unet(self, args, components, device, weight_dtype) -> None:
+        self.swapper = flux_train_utils.place_transformer(components.transformer, device, weight_dtype,
+                                                          args.fp8_base, args.blocks_to_swap or 0)
+
+    def prepare_unet_with_accelerator(self, args, accelerator, components) -> None:
+        compile_utils.setup_compile_environment(args)
+        if args.compile:
+            self.compiled_blocks = compile_utils.compile_model_blocks(
+                components.transformer, args, model_name=self.model_label,
+                gradient_checkpointing=args.gradient_checkpointing, disable_linear=(args.blocks_to_swap or 0) > 0)
+
+    def on_step_start(self, args) -> None:
+        compile_utils.mark_step_begin(args)
+
+    # -- outputs ---------------------------------------------------------------------------------------------
+    def sample_images(self, args, *, epoch, steps, components, accelerator, prediction_type=None, **kwargs) -> None:
+        if not args.sample_prompts or not accelerator.is_main_process:
+            return
+        models = kwargs.get("models") or ([kwargs["network"]] if kwargs.get("network") is not None else [])
+        flux_train_utils.sample_images(args, components, device=accelerator.device, epoch=epoch, steps=steps,
+                                       autocast=accelerator.autocast,
+                                       networks=[accelerator.unwrap_model(m) for m in models])
+
+    def base_model_version(self, args) -> str:
+        return "flux1"
+
+    def update_metadata(self, metadata: dict, args) -> None:
+        metadata.update(compile_utils.compile_settings_metadata(args))
+        metadata.update({
+            "ss_guidance_scale": str(args.guidance_scale),
+            "ss_timestep_sampling": args.timestep_sampling,
+            "ss_sigmoid_scale": str(args.sigmoid_scale),
+            "ss_discrete_flow_shift": str(args.discrete_flow_shift),
+            "ss_model_prediction_type": args.model_prediction_type,
+            "ss_apply_t5_attn_mask": str(bool(args.apply_t5_attn_mask)),
+            "ss_t5xxl_max_token_length": str(self._t5_len),
+            "ss_fp8_base": str(bool(args.fp8_base)),
+            "ss_blocks_to_swap": str(args.blocks_to_swap or 0),
+        })
+        for key in ("ss_v2", "ss_clip_skip", "ss_max_token_length", "ss_vae_name"):
+            metadata.pop(key, None)
+        if self.compiled_blocks:
+            metadata["ss_compile_blocks"] = str(self.compiled_blocks)
+
+
+def setup_parser() -> argparse.ArgumentParser:
+    parser = network_trainer.setup_parser()
+    flux_train_utils.add_flux_arguments(parser)
+    compile_utils.add_compile_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> str | None:
+    """Train from command-line arguments; a bad option or input exits with status 2 and a clear message."""
+    return network_trainer.run(FluxNetworkTrainer(), setup_parser(), argv)
+
+
+if __name__ == "__main__":
+    main()
