@@ -1,6 +1,7 @@
 """Without a browser:
 
     python -m kohya_gui print-command CONFIG.toml   # prints the command Start training would run
+    python -m kohya_gui print-command --standalone CONFIG.toml   # the same run, every setting as a flag
     python -m kohya_gui train CONFIG.toml           # runs it with the GUI's runner (Ctrl+C stops the whole tree)
     python -m kohya_gui prepare-demo CONFIG.toml    # makes a demo preset's tiny model and images (used by runs)
 """
@@ -20,6 +21,8 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("action", choices=["print-command", "train", "prepare-demo"])
     parser.add_argument("config", help="a configuration TOML saved by the GUI (or a preset)")
+    parser.add_argument("--standalone", action="store_true",
+                        help="print-command: every setting as a flag instead of --config_file")
     args = parser.parse_args(argv)
     try:
         cfg = config_file.load(args.config)
@@ -29,7 +32,8 @@ def main(argv=None) -> int:
 
     if args.action == "print-command":
         errors = command.validation_errors(cfg.tab, cfg.family, cfg.values)
-        print(command.printable(command.build_argv(cfg.tab, cfg.family, cfg.values)))
+        build = command.standalone_argv if args.standalone else command.build_argv
+        print(command.printable(build(cfg.tab, cfg.family, cfg.values)))
         for e in errors:
             print(f"warning: {e}", file=sys.stderr)
         return 0

@@ -66,6 +66,26 @@ def build_argv(tab: str, family: str, values: dict[str, Any], config_path: str |
     return ["accelerate", "launch", *launch_args(values), script_path(tab, family), "--config_file", str(config_path)]
 
 
+def trainer_args(tab: str, family: str, values: dict[str, Any]) -> list[str]:
+    """Every trainer option that is not at its default, as command-line flags (family-implied ones always)."""
+    out = []
+    for p in P.params_for(tab, family):
+        if p.target == "launch":
+            continue
+        if p.fixed:
+            out += p.cli_args(p.fixed[family])
+            continue
+        value = p.check(values.get(p.name, p.default_for(tab)), tab)
+        if not p.is_default(value, tab):
+            out += p.cli_args(value)
+    return out
+
+
+def standalone_argv(tab: str, family: str, values: dict[str, Any]) -> list[str]:
+    """The same run with every setting as a flag: for another machine, no TOML file needed."""
+    return ["accelerate", "launch", *launch_args(values), script_path(tab, family), *trainer_args(tab, family, values)]
+
+
 def printable(argv: list[str]) -> str:
     return shlex.join(argv)
 

@@ -145,28 +145,33 @@ def save_config(tab: str, path: str, family: str, *ui_values, overwrite: bool = 
 
 # ---- command, start, stop ----------------------------------------------------------------------------------
 
-def print_command(tab: str, family: str, *ui_values) -> tuple[str, str]:
-    """(command text, status)."""
+def print_command(tab: str, family: str, *ui_values) -> tuple[str, str, str]:
+    """(command Start runs, stand-alone command with every setting as a flag, status)."""
     values, errors = values_from_ui(tab, ui_values)
-    errors += command.validation_errors(tab, family, values)
+    if errors:
+        return gr.update(), gr.update(), error_md("Fix these first:\n" + "\n".join(f"- {e}" for e in errors))
+    errors = command.validation_errors(tab, family, values)
     argv = command.build_argv(tab, family, values)
-    note = ok_md(f"Start training writes the configuration to `{command.run_config_path(values)}` and runs this.")
+    standalone = command.standalone_argv(tab, family, values)
+    note = ok_md(f"Start training writes the settings to `{command.run_config_path(values)}` and runs the first "
+                 "command; the second is the same run with every setting as a flag, for another machine.")
     if errors:
         note = error_md("The command is shown, but these must be fixed before a run:\n"
                         + "\n".join(f"- {e}" for e in errors))
-    return command.printable(argv), note
+    return command.printable(argv), command.printable(standalone), note
 
 
-def start_training(tab: str, family: str, *ui_values) -> tuple[str, str]:
-    """(command text, status)."""
+def start_training(tab: str, family: str, *ui_values) -> tuple[str, str, str]:
+    """(command, stand-alone command, status)."""
     values, errors = values_from_ui(tab, ui_values)
     if errors:
-        return gr.update(), error_md("Cannot start training:\n" + "\n".join(f"- {e}" for e in errors))
+        return gr.update(), gr.update(), error_md("Cannot start training:\n" + "\n".join(f"- {e}" for e in errors))
     try:
         argv = training.start(RUNNER, tab, family, values)
     except (training.RunError, RunnerBusy) as e:
-        return gr.update(), error_md(str(e))
-    return command.printable(argv), ok_md(f"Training started; log: `{command.log_path(values)}`")
+        return gr.update(), gr.update(), error_md(str(e))
+    return (command.printable(argv), command.printable(command.standalone_argv(tab, family, values)),
+            ok_md(f"Training started; log: `{command.log_path(values)}`"))
 
 
 def stop_training() -> str:

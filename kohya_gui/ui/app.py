@@ -16,7 +16,8 @@ CSS = """
 .kg-bar {height: 10px; background: var(--neutral-200); border-radius: 5px; overflow: hidden; margin-bottom: 6px;}
 .kg-bar > div {height: 100%; background: var(--color-accent); transition: width .4s;}
 .kg-stats {font-size: 0.95em;}
-.kg-state {font-weight: 600; margin-right: 4px; text-transform: capitalize;}
+.kg-state {font-weight: 600; margin-right: 4px;}
+.kg-state::first-letter {text-transform: uppercase;}
 .kg-note {opacity: 0.8; font-size: 0.9em;}
 #kg-log textarea {font-family: var(--font-mono); font-size: 12px;}
 """
@@ -43,6 +44,17 @@ def initial_config(tab: str) -> config_file.Config:
         return config_file.load(presets.preset_path(tab, presets.DEFAULT_PRESET), tab)
     except (FileNotFoundError, config_file.ConfigError):
         return config_file.Config(tab, "SDXL", P.defaults(tab))
+
+
+def _runs(params: list) -> list[list]:
+    """Splits params into runs of checkboxes and runs of other controls, keeping their order."""
+    runs: list[list] = []
+    for p in params:
+        if runs and (runs[-1][0].kind == "bool") == (p.kind == "bool"):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs
 
 
 def build_tab(tab: str) -> dict:
@@ -76,23 +88,23 @@ def build_tab(tab: str) -> dict:
                                          elem_id=f"{tab}-family", scale=1)
                     note = gr.Markdown(A.script_note(tab, family0), elem_classes="kg-note")
             params = [p for p in A.tab_params(tab) if p.accordion == key]
-            fields = [p for p in params if p.kind != "bool"]
-            flags = [p for p in params if p.kind == "bool"]
-            for i in range(0, len(fields), 3):
-                with gr.Row():
-                    for p in fields[i:i + 3]:
-                        controls[p.name] = make_control(tab, p, values0.get(p.name, p.default), family0)
-            for i in range(0, len(flags), 4):
-                with gr.Row():
-                    for p in flags[i:i + 4]:
-                        controls[p.name] = make_control(tab, p, values0.get(p.name, p.default), family0)
+            # registry order; consecutive text/number fields share rows of 3, consecutive checkboxes rows of 4
+            for group in _runs(params):
+                per_row = 4 if group[0].kind == "bool" else 3
+                for i in range(0, len(group), per_row):
+                    with gr.Row():
+                        for p in group[i:i + per_row]:
+                            controls[p.name] = make_control(tab, p, values0.get(p.name, p.default), family0)
 
     with gr.Row():
         start_btn = gr.Button("Start training", variant="primary", elem_id=f"{tab}-start")
         stop_btn = gr.Button("Stop training", variant="stop", elem_id=f"{tab}-stop")
         print_btn = gr.Button("Print training command", elem_id=f"{tab}-print")
-    cmd = gr.Textbox(label="Training command", lines=2, max_lines=6, interactive=False, buttons=["copy"],
-                     elem_id=f"{tab}-command")
+    with gr.Row():
+        cmd = gr.Textbox(label="Training command (what Start training runs)", lines=3, max_lines=6,
+                         interactive=False, buttons=["copy"], elem_id=f"{tab}-command")
+        standalone = gr.Textbox(label="Stand-alone command (every setting as a flag, no TOML needed)", lines=3,
+                                max_lines=6, interactive=False, buttons=["copy"], elem_id=f"{tab}-standalone")
 
     inputs = [controls[p.name] for p in A.tab_params(tab)]
     layout_outputs = inputs + [accordions[k] for k in A.tab_accordions(tab)] + [note]
@@ -106,8 +118,9 @@ def build_tab(tab: str) -> dict:
     save_btn.click(functools.partial(A.save_config, tab), inputs=[path, family, *inputs], outputs=status)
     save_as_btn.click(functools.partial(A.save_config, tab, overwrite=False), inputs=[path, family, *inputs],
                       outputs=status)
-    print_btn.click(functools.partial(A.print_command, tab), inputs=[family, *inputs], outputs=[cmd, status])
-    start_btn.click(functools.partial(A.start_training, tab), inputs=[family, *inputs], outputs=[cmd, status])
+    print_btn.click(functools.partial(A.print_command, tab), inputs=[family, *inputs], outputs=[cmd, standalone, status])
+    start_btn.click(functools.partial(A.start_training, tab), inputs=[family, *inputs],
+                    outputs=[cmd, standalone, status])
     stop_btn.click(A.stop_training, outputs=status)
     return {"controls": controls, "accordions": accordions, "family": family, "status": status, "command": cmd}
 
