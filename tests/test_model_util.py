@@ -246,6 +246,9 @@ def test_save_strips_orig_mod_and_refuses_to_overwrite(sd1_comps, tmp_path):
     save_sd_checkpoint(out, sd1_comps, overwrite=True)
     with pytest.raises(ValueError, match=r"allowed: \.safetensors, \.ckpt"):
         save_sd_checkpoint(tmp_path / "c.bin", sd1_comps)
+    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+        save_sd_checkpoint(tmp_path / "d.safetensors", sd1_comps, save_dtype="fp8")
+    assert not (tmp_path / "d.safetensors").exists()
 
 
 # ---- diffusers folders ------------------------------------------------------------------------------------
@@ -273,7 +276,7 @@ def test_saved_diffusers_folder_loads_in_diffusers_pipeline(sdxl_comps, tmp_path
     assert image.shape == (64, 64, 3) and np.isfinite(image).all()
     with pytest.raises(FileExistsError):
         save_sd_diffusers(folder, sdxl_comps)
-    half = save_sd_diffusers(tmp_path / "half", sdxl_comps, save_dtype=torch.float16)
+    half = save_sd_diffusers(tmp_path / "half", sdxl_comps, save_dtype="fp16")
     c = load_sd_components(half, "sdxl")
     assert c.unet.dtype == torch.float32  # loaded in the requested dtype ...
     from safetensors import safe_open

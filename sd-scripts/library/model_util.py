@@ -43,7 +43,7 @@ SDXL_TE2_PREFIX = "conditioner.embedders.1.model."  # open_clip keys follow
 # looked up (and, when downloaded, saved) at <cache>/<hub id with "/" -> "_">, as kohya's sd-scripts do.
 TOKENIZER_SOURCES = {
     "sd1": [("openai/clip-vit-large-patch14", None)],
-    "sd2": [("stabilityai/stable-diffusion-2-1", "tokenizer")],
+    "sd2": [("stabilityai/stable-diffusion-2", "tokenizer")],
     "sdxl": [("openai/clip-vit-large-patch14", None), ("laion/CLIP-ViT-bigG-14-laion2B-39B-b160k", None)],
 }
 TOKENIZER_MAX_LENGTH = 77
@@ -432,7 +432,27 @@ def _hf_clip_to_open_clip(hf_sd: dict) -> dict:
 
 
 def _unwrap(model):
-    return getattr(model, "_orig_mod", model)
+    """The plain model under torch.compile's OptimizedModule and DistributedDataParallel wrappers."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            return model
+
+
+_DTYPES = {"float": torch.float32, "fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16,
+           "float16": torch.float16, "half": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+def as_dtype(dtype):
+    """torch dtype from a dtype or kohya's --save_precision names (float, fp16, bf16); None stays None."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if str(dtype).lower() in _DTYPES:
+        return _DTYPES[str(dtype).lower()]
+    raise ValueError(f"unknown precision {dtype!r}; allowed: {', '.join(_DTYPES)}")
 
 
 _RESNET_LDM = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1",
@@ -831,6 +851,7 @@ def load_sd_components(path, family, *, vae=None, tokenizer_cache_dir=None, dtyp
 
 
 def _cast(sd: dict, dtype) -> dict:
+    dtype = as_dtype(dtype)
     return {k: (v.detach().to("cpu", dtype) if dtype is not None and v.is_floating_point() else v.detach().to("cpu")).contiguous()
             for k, v in sd.items()}
 
@@ -916,10 +937,10 @@ def save_sd_diffusers(folder, comps: SDComponents, *, save_dtype=None, overwrite
             te = _unwrap(te)
             sub = "text_encoder" if i == 0 else "text_encoder_2"
             te.save_pretrained(str(tmp / sub), state_dict=_cast(strip_orig_mod(te.state_dict()), save_dtype))
-            if save_dtype is not None:  # record the saved dtype in config.json
+            if as_dtype(save_dtype) is not None:  # record the saved dtype in config.json
                 cfg_path = tmp / sub / "config.json"
                 cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-                cfg["dtype"] = str(save_dtype).removeprefix("torch.")
+                cfg["dtype"] = str(as_dtype(save_dtype)).removeprefix("torch.")
                 cfg_path.write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
             comps.tokenizers[i].save_pretrained(str(tmp / ("tokenizer" if i == 0 else "tokenizer_2")))
         if folder.exists():
