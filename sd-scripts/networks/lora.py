@@ -119,6 +119,14 @@ def _kohya_unet_path(module_path: str, name_map: dict[str, str] | None) -> str:
     raise KeyError(f"no SGM name for UNet module {module_path!r}")
 
 
+def _text_encoder_names(te: nn.Module) -> dict[str, str]:
+    """Module path -> the canonical HF path ("text_model.encoder.layers.0...") kohya names are built from
+    (transformers >= 5.6 flattened CLIPTextModel and dropped the "text_model." level)."""
+    from library.model_util import text_encoder_hf_module_names
+
+    return text_encoder_hf_module_names(te)
+
+
 class LoRANetwork(nn.Module):
     def __init__(self, text_encoders: list[nn.Module], unet: nn.Module, multiplier: float = 1.0,
                  lora_dim: int = 4, alpha: float = 1.0, dropout: float | None = None,
@@ -138,6 +146,7 @@ class LoRANetwork(nn.Module):
 
         def make(prefix: str, root: nn.Module, targets: tuple[str, ...], name_map=None) -> list[LoRAModule]:
             loras = []
+            te_names = _text_encoder_names(root) if prefix != LORA_PREFIX_UNET else {}
             for name, module in root.named_modules():
                 if module.__class__.__name__ not in targets:
                     continue
@@ -150,6 +159,8 @@ class LoRANetwork(nn.Module):
                     path = f"{name}.{child_name}" if child_name else name
                     if prefix == LORA_PREFIX_UNET:
                         path = _kohya_unet_path(path, name_map)
+                    else:
+                        path = te_names.get(path, path)
                     lora_name = f"{prefix}_{path}".replace(".", "_")
                     if modules_dim is not None:
                         if lora_name not in modules_dim:
