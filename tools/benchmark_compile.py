@@ -83,6 +83,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny model shapes (CPU smoke test of this script)")
     p.add_argument("--text_len", type=int, default=None, help="text tokens (default: 77 SDXL, 512 FLUX)")
+    p.add_argument("--gc_blocks_only", action="store_true",
+                   help="with --gradient_checkpointing: the compiled phase checkpoints only the compiled blocks "
+                        "(diffusers' checkpointing of the resnets is turned off)")
     p.add_argument("--json_out", default=None)
     p.add_argument("--seed", type=int, default=0)
     compile_utils.add_compile_arguments(p)
@@ -276,6 +279,8 @@ def run_phase(model, optimizer, inputs, args, compiled: bool) -> dict:
         losses.append(float(loss.detach()))
         if i == 0:
             logger.info(f"{'compiled' if compiled else 'eager'}: first step {times[0]:.2f} s")
+            if compiled:
+                first_step_compile_stats = _compile_stats()
     timed = times[args.warmup:] or times
     med = statistics.median(timed)
     out = dict(
@@ -288,7 +293,26 @@ def run_phase(model, optimizer, inputs, args, compiled: bool) -> dict:
     )
     if cuda:
         out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    if compiled:
+        out["compile_stats_after_first_step"] = first_step_compile_stats
+        out["compile_stats_end"] = _compile_stats()
     return out
+
+
+def _compile_stats() -> dict:
+    """Cache hits/misses and where the compile time went (for the warm-start figures)."""
+    from torch._dynamo.utils import compile_times, counters
+
+    keep = {}
+    for group in ("inductor", "aot_autograd", "stats", "frames"):
+        for k, v in counters[group].items():
+            if group != "inductor" or "cache" in k:
+                keep[f"{group}.{k}"] = v
+    try:
+        keep["compile_times"] = compile_times(repr="str", aggregate=True)
+    except Exception as e:  # diagnostic only
+        keep["compile_times"] = f"unavailable: {e}"
+    return keep
 
 
 def main(argv=None):
@@ -333,6 +357,9 @@ def main(argv=None):
         result["eager"] = run_phase(model, optimizer, inputs, args, compiled=False)
     if "compiled" in args.phases:
         name = "SDXL UNet" if args.family == "sdxl" else "FLUX"
+        if args.gradient_checkpointing and args.gc_blocks_only:
+            model.disable_gradient_checkpointing()
+        result["gc_blocks_only"] = bool(args.gc_blocks_only)
         result["compiled_blocks"] = compile_utils.compile_model_blocks(
             model, args, model_name=name, gradient_checkpointing=args.gradient_checkpointing
         )

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind docs/BENCHMARKS.md, on one CUDA GPU. Usage: tools/benchmark_compile_suite.sh sdxl|flux [OUTDIR]
+# The runs behind docs/BENCHMARKS.md, on one CUDA GPU. Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|flux [OUTDIR]
 # Each configuration runs in its own process (eager and compiled in that one process) with a fresh compile
 # cache, so "first compiled step" is a cold compile; the warm-start run reuses the SDXL bs1+GC cache.
 set -u
@@ -26,10 +26,13 @@ case "${1:-}" in
     run sdxl_bs1_gc_warm 120 --family sdxl --batch_size 1 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs1_gc" --phases compiled
     run sdxl_bs4_gc 240 --family sdxl --batch_size 4 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs4_gc"
     ;;
+  sdxl_gc_blocks_only)  # checkpoint only the compiled blocks (resnets not checkpointed), then a warm restart
+    run sdxl_bs1_gcb 150 --family sdxl --batch_size 1 --gradient_checkpointing --gc_blocks_only --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs1_gcb" --phases compiled
+    run sdxl_bs1_gcb_warm 90 --family sdxl --batch_size 1 --gradient_checkpointing --gc_blocks_only --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs1_gcb" --phases compiled --steps 5
+    ;;
   flux)
-    rm -rf "$CACHE_ROOT"
-    run flux_512 280 --family flux --resolution 512 --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/flux_512"
-    run flux_1024_gc 300 --family flux --resolution 1024 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/flux_1024_gc"
+    run flux_512 200 --family flux --resolution 512 --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/flux_512"
+    run flux_1024_gc 220 --family flux --resolution 1024 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/flux_1024_gc"
     ;;
   *) echo "usage: $0 sdxl|flux [OUTDIR]"; exit 2 ;;
 esac
