@@ -260,6 +260,12 @@ def test_diffusers_folder_loads_like_the_single_file(sdxl_comps, sd1_comps, tiny
         assert c.source == str(folder)
         _assert_same_components(comps, c)
         assert c.tokenizers[0].get_vocab() == comps.tokenizers[0].get_vocab()
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(str(tiny_sd1_diffusers), local_files_only=True)
+    assert pipe.safety_checker is None
+    _assert_same_weights(pipe.unet, sd1_comps.unet)
+    _assert_same_weights(pipe.text_encoder, sd1_comps.text_encoders[0])
 
 
 def test_saved_diffusers_folder_loads_in_diffusers_pipeline(sdxl_comps, tmp_path):

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from library.compile_utils import strip_orig_mod  # noqa: F401 - the one shared helper; re-exported
+
 logger = logging.getLogger(__name__)
 
 SD_FAMILIES = ("sd1", "sd2", "sdxl")
@@ -112,12 +114,6 @@ def unet_attention_head_dim(family: str, block_out_channels) -> int | list:
 
 # --------------------------------------------------------------------------------------------------------------
 # reading files
-
-
-def strip_orig_mod(state_dict: dict) -> dict:
-    """Remove torch.compile's ``_orig_mod.`` from keys (compile_utils has the shared one; this keeps model_util
-    free of a dependency on the compile module)."""
-    return {k.replace("_orig_mod.", ""): v for k, v in state_dict.items()}
 
 
 def _load_ckpt(path: Path) -> dict:
