@@ -35,6 +35,7 @@ import os
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -141,6 +142,16 @@ def encode_clip(tokenizer, text_encoder, captions: list[str], max_token_length: 
     return torch.cat(parts, dim=1), pooled
 
 
+@dataclass
+class Trainable:
+    """What a trainer trains: `models` are registered for --save_state, accumulate gradients and have them
+    averaged over the processes; `param_groups` go to the optimizer."""
+
+    models: list
+    param_groups: list
+    train_text_encoder: bool
+
+
 class TrainState:
     """The step counter saved with `--save_state` (accelerate custom checkpoint object)."""
 
@@ -163,6 +174,7 @@ class NetworkTrainer:
     """SD1.x / SD2.x LoRA trainer; subclasses change the per-family hooks (see the module doc)."""
 
     default_output_name = "last"
+    tracker_name = "network_train"
     model_label = "UNet"
 
     # -- per-family hooks --------------------------------------------------------------------------------
@@ -291,8 +303,87 @@ class NetworkTrainer:
     def output_ext(self, args) -> str:
         return "." + args.save_model_as
 
+    # -- what is trained (the LoRA network here; library.full_trainer trains the models themselves) -------
+    def setup_trainable(self, args, accelerator, components, weight_dtype, caching_te: bool) -> Trainable:
+        """Creates what is trained and puts the UNet and the text encoders on their device and dtype, with
+        gradient checkpointing; returns the trained modules and the optimizer's param groups."""
+        device = accelerator.device
+        unet, vae = components.unet, components.vae
+        text_encoders = self.lora_target_text_encoders(components)
+        network_module = importlib.import_module(args.network_module)
+        net_kwargs = parse_network_args(args.network_args)
+        if args.dim_from_weights:
+            network, _ = network_module.create_network_from_weights(1.0, args.network_weights, vae, text_encoders,
+                                                                    unet, **net_kwargs)
+        else:
+            network = network_module.create_network(1.0, args.network_dim, args.network_alpha, vae, text_encoders,
+                                                    unet, neuron_dropout=args.network_dropout, **net_kwargs)
+        train_unet = not args.network_train_text_encoder_only
+        train_text_encoder = not args.network_train_unet_only
+        network.apply_to(text_encoders, unet, train_text_encoder, train_unet)
+        if args.network_weights:
+            network.load_weights(args.network_weights)
+
+        unet.requires_grad_(False)
+        unet.to(device, dtype=weight_dtype)
+        if args.gradient_checkpointing:
+            self.enable_gradient_checkpointing(args, components, train_text_encoder)
+        unet.train(args.gradient_checkpointing)
+        for te in text_encoders:
+            te.train(train_text_encoder and args.gradient_checkpointing)
+        if train_text_encoder and caching_te:
+            raise ConfigError("--cache_text_encoder_outputs needs --network_train_unet_only")
+        if not caching_te:
+            for te in components.text_encoders:
+                te.to(device)
+
+        params = network.prepare_optimizer_params(args.text_encoder_lr, args.unet_lr, args.learning_rate)
+        if not params:
+            raise ConfigError("nothing to train: both learning rates are 0 or no LoRA modules were created")
+        if args.full_fp16 or args.full_bf16:
+            network.to(weight_dtype)
+        network.prepare_grad_etc(text_encoders, unet)
+        network.to(device)
+        return Trainable(models=[network], param_groups=params, train_text_encoder=train_text_encoder)
+
+    def after_prepare(self, args, accelerator, trainable: Trainable, optimizer) -> None:
+        """After the optimizer is prepared and the UNet compiled (the full trainers add fused backward here)."""
+
+    def on_epoch_start(self, args, trainable: Trainable, components) -> None:
+        for network in trainable.models:
+            network.on_epoch_start(self.lora_target_text_encoders(components), components.unet)
+
+    def save_model(self, args, accelerator, trainable: Trainable, metadata, path, epoch, step) -> None:
+        """Writes the result (main process only)."""
+        self.save_lora(args, accelerator, trainable.models[0], metadata, path, epoch, step)
+
+    def make_accelerator(self, args):
+        """Data-parallel over the processes of `accelerate launch`. The trained modules are not wrapped in
+        DDP (LoRA runs inside the UNet's forward, not the network's): their gradients are averaged by
+        data_parallel.all_reduce_gradients instead; the dataloader is sharded by accelerate."""
+        from accelerate import Accelerator
+        from accelerate.utils import ProjectConfiguration
+
+        from library import data_parallel
+
+        log_with = args.log_with or ("tensorboard" if args.logging_dir else None)
+        logging_dir = None
+        if args.logging_dir:
+            logging_dir = os.path.join(args.logging_dir, (args.log_prefix or "") + time.strftime("%Y%m%d%H%M%S"))
+        accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
+                                  mixed_precision=args.mixed_precision, log_with=log_with,
+                                  project_config=ProjectConfiguration(project_dir=args.output_dir,
+                                                                      logging_dir=logging_dir))
+        try:
+            data_parallel.check_launch(accelerator)
+        except RuntimeError as e:
+            raise TrainingError(str(e)) from e
+        return accelerator
+
     def train(self, args) -> str:
-        """Runs the training; returns the path of the final LoRA file."""
+        """Runs the training; returns the path of the final result (the LoRA file here)."""
+        from library import data_parallel
+
         train_util.setup_logging()
         if getattr(args, "output_config", False):
             return train_util.write_output_config(args)
@@ -310,26 +401,16 @@ class NetworkTrainer:
         if len(group) == 0:
             raise TrainingError("the dataset has no batches: no training images found")
 
-        os.makedirs(args.output_dir, exist_ok=True)
-        self.write_run_config(args)
-
-        from accelerate import Accelerator
-        from accelerate.utils import ProjectConfiguration
-
+        accelerator = self.make_accelerator(args)
         log_with = args.log_with or ("tensorboard" if args.logging_dir else None)
-        logging_dir = None
-        if args.logging_dir:
-            logging_dir = os.path.join(args.logging_dir, (args.log_prefix or "") + time.strftime("%Y%m%d%H%M%S"))
-        accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
-                                  mixed_precision=args.mixed_precision, log_with=log_with,
-                                  project_config=ProjectConfiguration(project_dir=args.output_dir,
-                                                                      logging_dir=logging_dir))
+        os.makedirs(args.output_dir, exist_ok=True)
+        if accelerator.is_main_process:
+            self.write_run_config(args)
         weight_dtype = train_util.weight_dtype_for(args)
         device = accelerator.device
 
         components = self.load_target_model(args, accelerator, weight_dtype)
-        unet, vae = components.unet, components.vae
-        text_encoders = self.lora_target_text_encoders(components)
+        vae = components.vae
         prediction_type = self.prediction_type(args, components)
 
         vae_dtype = torch.float32 if args.no_half_vae else weight_dtype
@@ -353,75 +434,50 @@ class NetworkTrainer:
             for te in components.text_encoders:
                 te.to("cpu")
 
-        # --- the network
-        network_module = importlib.import_module(args.network_module)
-        net_kwargs = parse_network_args(args.network_args)
-        if args.dim_from_weights:
-            network, _ = network_module.create_network_from_weights(1.0, args.network_weights, vae, text_encoders,
-                                                                    unet, **net_kwargs)
-        else:
-            network = network_module.create_network(1.0, args.network_dim, args.network_alpha, vae, text_encoders,
-                                                    unet, neuron_dropout=args.network_dropout, **net_kwargs)
-        train_unet = not args.network_train_text_encoder_only
-        train_text_encoder = not args.network_train_unet_only
-        network.apply_to(text_encoders, unet, train_text_encoder, train_unet)
-        if args.network_weights:
-            network.load_weights(args.network_weights)
-
-        unet.requires_grad_(False)
-        unet.to(device, dtype=weight_dtype)
-        if args.gradient_checkpointing:
-            self.enable_gradient_checkpointing(args, components, train_text_encoder)
-        unet.train(args.gradient_checkpointing)
-        for te in text_encoders:
-            te.train(train_text_encoder and args.gradient_checkpointing)
+        trainable = self.setup_trainable(args, accelerator, components, weight_dtype, caching_te)
+        train_text_encoder = trainable.train_text_encoder
         if not caching_latents:
             vae.requires_grad_(False).eval()
             vae.to(device, dtype=vae_dtype)
-        if train_text_encoder and caching_te:
-            raise ConfigError("--cache_text_encoder_outputs needs --network_train_unet_only")
-        if not caching_te:
-            for te in components.text_encoders:
-                te.to(device)
 
-        params = network.prepare_optimizer_params(args.text_encoder_lr, args.unet_lr, args.learning_rate)
-        if not params:
-            raise ConfigError("nothing to train: both learning rates are 0 or no LoRA modules were created")
-        opt_name, opt_class, optimizer = train_util.get_optimizer(args, params)
-
-        num_batches = len(group)
+        opt_name, opt_class, optimizer = train_util.get_optimizer(args, trainable.param_groups)
+        # sharded over the processes: each sees len(group) / num_processes batches per epoch
+        dataloader = accelerator.prepare(_make_dataloader(group, args))
+        num_batches = len(dataloader)
         steps_per_epoch, max_train_steps, num_epochs = train_util.resolve_train_length(args, num_batches)
         args.max_train_steps = max_train_steps
+        # not prepared: accelerate would step it once per process; stepped here once per optimizer step
         lr_scheduler = train_util.get_scheduler(args, optimizer, max_train_steps)
-
-        if args.full_fp16 or args.full_bf16:
-            network.to(weight_dtype)
-        network.prepare_grad_etc(text_encoders, unet)
-        network, optimizer, lr_scheduler = accelerator.prepare(network, optimizer, lr_scheduler)
+        optimizer = accelerator.prepare(optimizer)
         if args.full_fp16:
             _allow_fp16_grad_unscale(accelerator)
         self.prepare_unet_with_accelerator(args, accelerator, components)
+        self.after_prepare(args, accelerator, trainable, optimizer)
+        trained_params = [p for m in trainable.models for p in m.parameters() if p.requires_grad]
 
         state = TrainState()
+        for model in trainable.models:
+            accelerator.register_for_checkpointing(model)
+        accelerator.register_for_checkpointing(lr_scheduler)
         accelerator.register_for_checkpointing(state)
         if args.resume:
             logger.info("resuming from %s", args.resume)
             accelerator.load_state(args.resume)
             logger.info("resumed at step %d (epoch %d)", state.global_step, state.epoch)
 
-        dataloader = _make_dataloader(group, args)
         noise_scheduler = self.get_noise_scheduler(args, components)
 
         metadata = self.build_metadata(args, group, session_id, training_started_at, opt_class, opt_name,
                                        num_batches, num_epochs, max_train_steps)
         if accelerator.is_main_process and log_with:
-            accelerator.init_trackers(args.log_tracker_name or "network_train",
+            accelerator.init_trackers(args.log_tracker_name or self.tracker_name,
                                       config=_tracker_config(args))
 
         total_batch = args.train_batch_size * args.gradient_accumulation_steps * accelerator.num_processes
         logger.info("running training: %d batches per epoch, %d epochs, %d steps, batch size %d "
-                    "(total with accumulation %d)", num_batches, num_epochs, max_train_steps,
+                    "(total with accumulation and processes %d)", num_batches, num_epochs, max_train_steps,
                     args.train_batch_size, total_batch)
+        data_parallel.log_process(accelerator, num_batches)
 
         from tqdm.auto import tqdm
 
@@ -432,8 +488,9 @@ class NetworkTrainer:
                         disable=not accelerator.is_local_main_process, desc="steps", file=sys.stderr)
         line = train_util.ProgressLine(max_train_steps, num_epochs, start_step=global_step)
         losses: list[float] = []
-        sample_kwargs = dict(components=components, accelerator=accelerator, network=network,
+        sample_kwargs = dict(components=components, accelerator=accelerator, models=trainable.models,
                              prediction_type=prediction_type)
+        fused = bool(getattr(args, "fused_backward_pass", False))
 
         if args.sample_at_first:
             self.sample_images(args, epoch=None, steps=global_step, **sample_kwargs)
@@ -443,7 +500,7 @@ class NetworkTrainer:
             if global_step >= max_train_steps:
                 break
             group.set_current_epoch(epoch + 1)
-            accelerator.unwrap_model(network).on_epoch_start(text_encoders, unet)
+            self.on_epoch_start(args, trainable, components)
             loader = dataloader
             if skip_batches:
                 from accelerate import skip_first_batches
@@ -452,15 +509,19 @@ class NetworkTrainer:
                 skip_batches = 0
             for batch in loader:
                 self.on_step_start(args)
-                with accelerator.accumulate(network):
+                with accelerator.accumulate(*trainable.models):
                     loss = self.training_step(args, accelerator, noise_scheduler, batch, components, weight_dtype,
                                               train_text_encoder, caching_te, device)
-                    accelerator.backward(loss)
-                    if accelerator.sync_gradients and args.max_grad_norm:
-                        accelerator.clip_grad_norm_(network.parameters(), args.max_grad_norm)
-                    optimizer.step()
-                    lr_scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
+                    accelerator.backward(loss)  # with fused backward the optimizer steps in here, per parameter
+                    if not fused:
+                        if accelerator.sync_gradients:
+                            data_parallel.all_reduce_gradients(trained_params, accelerator)
+                            if args.max_grad_norm:
+                                accelerator.clip_grad_norm_(trained_params, args.max_grad_norm)
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+                    if accelerator.sync_gradients:
+                        lr_scheduler.step()
 
                 last_loss = loss.detach().item()
                 losses.append(last_loss)
@@ -484,7 +545,7 @@ class NetworkTrainer:
 
                 if args.save_every_n_steps and global_step % args.save_every_n_steps == 0 \
                         and global_step < max_train_steps:
-                    self.save_checkpoint(args, accelerator, network, metadata, epoch + 1, global_step, ext,
+                    self.save_checkpoint(args, accelerator, trainable, metadata, epoch + 1, global_step, ext,
                                          by_step=True)
                 from library.sampling import should_sample
 
@@ -500,7 +561,7 @@ class NetworkTrainer:
                                 step=global_step)
             if args.save_every_n_epochs and done_epoch % args.save_every_n_epochs == 0 and done_epoch < num_epochs \
                     and global_step < max_train_steps:
-                self.save_checkpoint(args, accelerator, network, metadata, done_epoch, global_step, ext,
+                self.save_checkpoint(args, accelerator, trainable, metadata, done_epoch, global_step, ext,
                                      by_step=False)
             from library.sampling import should_sample
 
@@ -508,12 +569,14 @@ class NetworkTrainer:
                 self.sample_images(args, epoch=done_epoch, steps=global_step, **sample_kwargs)
 
         progress.close()
-        accelerator.wait_for_everyone()
+        data_parallel.log_process_done(accelerator, global_step, last_loss)
         final_epoch = max(state.epoch, 1)
+        accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            self.save_lora(args, accelerator, network, metadata, final_path, final_epoch, global_step)
-            if args.save_state or args.save_state_on_train_end:
-                self.save_state(args, accelerator, train_util.state_dir_name(args.output_name))
+            self.save_model(args, accelerator, trainable, metadata, final_path, final_epoch, global_step)
+        if args.save_state or args.save_state_on_train_end:
+            self.save_state(args, accelerator, train_util.state_dir_name(args.output_name))
+        accelerator.wait_for_everyone()
         accelerator.end_training()
         logger.info("model saved: %s", final_path)
         return final_path
@@ -567,19 +630,12 @@ class NetworkTrainer:
             "ss_training_started_at": started_at,
             "ss_output_name": args.output_name,
             "ss_learning_rate": args.learning_rate,
-            "ss_text_encoder_lr": args.text_encoder_lr,
-            "ss_unet_lr": args.unet_lr,
             "ss_num_epochs": num_epochs,
             "ss_gradient_checkpointing": args.gradient_checkpointing,
             "ss_gradient_accumulation_steps": args.gradient_accumulation_steps,
             "ss_max_train_steps": max_train_steps,
             "ss_lr_warmup_steps": args.lr_warmup_steps,
             "ss_lr_scheduler": args.lr_scheduler,
-            "ss_network_module": args.network_module,
-            "ss_network_dim": args.network_dim if args.network_dim is not None else 4,
-            "ss_network_alpha": args.network_alpha,
-            "ss_network_dropout": args.network_dropout,
-            "ss_network_args": parse_network_args(args.network_args) or None,
             "ss_mixed_precision": args.mixed_precision,
             "ss_full_fp16": args.full_fp16,
             "ss_full_bf16": args.full_bf16,
@@ -592,7 +648,7 @@ class NetworkTrainer:
             "ss_lowram": args.lowram,
             "ss_noise_offset": args.noise_offset,
             "ss_min_snr_gamma": args.min_snr_gamma,
-            "ss_training_comment": args.training_comment,
+            "ss_training_comment": getattr(args, "training_comment", None),
             "ss_optimizer": opt_class + (f"({', '.join(f'{k}={v}' for k, v in optimizer_args.items())})"
                                          if optimizer_args else ""),
             "ss_max_grad_norm": args.max_grad_norm,
@@ -602,9 +658,22 @@ class NetworkTrainer:
             "ss_num_batches_per_epoch": num_batches,
             "ss_train_batch_size": args.train_batch_size,
         }
+        md.update(self.method_metadata(args))
         md.update(group.metadata())
         self.update_metadata(md, args)
         return {k: train_util.metadata_value(v) for k, v in md.items() if v is not None}
+
+    def method_metadata(self, args) -> dict[str, Any]:
+        """The ss_* keys of what is trained (the LoRA network here)."""
+        return {
+            "ss_text_encoder_lr": args.text_encoder_lr,
+            "ss_unet_lr": args.unet_lr,
+            "ss_network_module": args.network_module,
+            "ss_network_dim": args.network_dim if args.network_dim is not None else 4,
+            "ss_network_alpha": args.network_alpha,
+            "ss_network_dropout": args.network_dropout,
+            "ss_network_args": parse_network_args(args.network_args) or None,
+        }
 
     def save_lora(self, args, accelerator, network, metadata, path, epoch, step) -> None:
         md = {}
@@ -619,27 +688,36 @@ class NetworkTrainer:
         logger.info("saved %s", path)
 
     def save_state(self, args, accelerator, name: str) -> str:
+        """accelerate's state (models, optimizer, scheduler, step, every process's RNG); all processes call it."""
         path = os.path.join(args.output_dir, name)
-        train_util.ensure_can_write(path, args.overwrite_output)
+        if accelerator.is_main_process:
+            train_util.ensure_can_write(path, args.overwrite_output)
+        accelerator.wait_for_everyone()
         accelerator.save_state(path)
         logger.info("training state saved: %s", path)
         return path
 
-    def save_checkpoint(self, args, accelerator, network, metadata, epoch, step, ext, by_step: bool) -> None:
-        """An intermediate save (kohya names `-step00000010` / `-000001`), old ones pruned by save_last_n_*."""
+    def save_checkpoint(self, args, accelerator, trainable, metadata, epoch, step, ext, by_step: bool) -> None:
+        """An intermediate save (kohya names `-step00000010` / `-000001`), old ones pruned by save_last_n_*.
+        Every process calls it; the model is written by the main process only."""
         accelerator.wait_for_everyone()
-        if not accelerator.is_main_process:
-            return
         out = args.output_dir
         if by_step:
             path = os.path.join(out, train_util.step_file_name(args.output_name, step, ext))
         else:
             path = os.path.join(out, train_util.epoch_file_name(args.output_name, epoch, ext))
-        self.save_lora(args, accelerator, network, metadata, path, epoch, step)
+        if accelerator.is_main_process:
+            self.save_model(args, accelerator, trainable, metadata, path, epoch, step)
         if args.save_state:
             self.save_state(args, accelerator, train_util.state_dir_name(
                 args.output_name, epoch=None if by_step else epoch, step=step if by_step else None))
-        # prune: only files this run wrote under the kohya names
+        if accelerator.is_main_process:
+            self.prune_checkpoints(args, epoch, step, ext, by_step)
+        accelerator.wait_for_everyone()
+
+    def prune_checkpoints(self, args, epoch, step, ext, by_step: bool) -> None:
+        """Only files this run wrote under the kohya names."""
+        out = args.output_dir
         if by_step and args.save_last_n_steps:
             old = step - args.save_last_n_steps - args.save_every_n_steps + 1
             old_step = (old // args.save_every_n_steps) * args.save_every_n_steps
@@ -652,7 +730,8 @@ class NetworkTrainer:
                 _remove(os.path.join(out, train_util.epoch_file_name(args.output_name, old_epoch, ext)))
                 _remove(os.path.join(out, train_util.state_dir_name(args.output_name, epoch=old_epoch)))
 
-    def sample_images(self, args, *, epoch, steps, components, accelerator, network, prediction_type) -> None:
+    def sample_images(self, args, *, epoch, steps, components, accelerator, models, prediction_type) -> None:
+        """Main process only; `models` (the trained modules) are put in eval mode while sampling."""
         if not args.sample_prompts or not accelerator.is_main_process:
             return
         from library import sampling
@@ -666,7 +745,7 @@ class NetworkTrainer:
             sampling.sample_images(args, build_pipeline=lambda sched: self.build_pipeline(args, components, sched),
                                    device=accelerator.device, epoch=epoch, steps=steps,
                                    prediction_type=prediction_type, autocast=accelerator.autocast,
-                                   networks=[accelerator.unwrap_model(network)])
+                                   networks=[accelerator.unwrap_model(m) for m in models])
         finally:
             components.vae.to(vae_device)
             for te, d in zip(components.text_encoders, tes_devices):

@@ -1,0 +1,87 @@
+"""Data-parallel training over the processes of `accelerate launch` (one per GPU, or `--cpu` with gloo).
+
+The trainers do not wrap their trained modules in DistributedDataParallel: a LoRA network runs inside the
+UNet's forward (the network's own forward is never called, so DDP would never synchronise it), and the
+full-model trainers step the optimizer per parameter inside backward with `--fused_backward_pass`. Instead,
+each process trains on its shard of the batches (accelerate's prepared dataloader) and the gradients are
+averaged here before the optimizer step, so every process holds the same weights after every step.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# gradients are averaged in flat buckets of about this many bytes (one collective per bucket)
+BUCKET_BYTES = 64 * 1024 * 1024
+
+
+def is_distributed(accelerator) -> bool:
+    return accelerator.num_processes > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def check_launch(accelerator) -> None:
+    """Several processes launched but accelerate did not join them (e.g. `--multi_gpu` on a machine without
+    GPUs): each would train alone and write the same files. Stop with the way out instead."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1 and accelerator.num_processes == 1:
+        raise RuntimeError(
+            f"{world} processes were launched (WORLD_SIZE={world}) but accelerate set up no distributed training "
+            "(no GPU found?). For data-parallel training on the CPU set ACCELERATE_USE_CPU=1 with "
+            "`accelerate launch --multi_gpu --num_processes N`; otherwise launch a single process.")
+
+
+def all_reduce_gradients(params, accelerator) -> None:
+    """Averages `.grad` of `params` over all processes, in place (nothing to do in a single process).
+    A parameter without a gradient counts as a zero gradient, so every process runs the same collectives."""
+    if not is_distributed(accelerator):
+        return
+    world = accelerator.num_processes
+    buckets: dict[tuple, list[torch.Tensor]] = {}
+    sizes: dict[tuple, int] = {}
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        key = (p.grad.dtype, p.grad.device)
+        buckets.setdefault(key, []).append(p.grad)
+        sizes[key] = sizes.get(key, 0) + p.grad.numel() * p.grad.element_size()
+        if sizes[key] >= BUCKET_BYTES:
+            _reduce_bucket(buckets.pop(key), world)
+            sizes[key] = 0
+    for grads in buckets.values():
+        _reduce_bucket(grads, world)
+
+
+def _reduce_bucket(grads: list[torch.Tensor], world: int) -> None:
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+    flat.div_(world)
+    offset = 0
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset:offset + n].view_as(g))
+        offset += n
+
+
+def all_reduce_gradient(grad: torch.Tensor, accelerator) -> None:
+    """Averages one gradient over all processes, in place (the fused backward pass, per parameter)."""
+    if is_distributed(accelerator):
+        torch.distributed.all_reduce(grad, op=torch.distributed.ReduceOp.SUM)
+        grad.div_(accelerator.num_processes)
+
+
+def log_process(accelerator, num_batches: int) -> None:
+    """One line per process, so a multi-process run shows that every rank trains."""
+    logger.info("process %d/%d (%s) trains %d batches per epoch", accelerator.process_index,
+                accelerator.num_processes, accelerator.device, num_batches)
+
+
+def log_process_done(accelerator, steps: int, last_loss: float) -> None:
+    logger.info("process %d/%d finished %d steps, last loss %.4f", accelerator.process_index,
+                accelerator.num_processes, steps, last_loss)
