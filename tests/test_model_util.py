@@ -390,6 +390,11 @@ def test_tiny_tokenizer_is_a_real_clip_tokenizer(tmp_path):
     assert ids[0] == tok.bos_token_id and tok.eos_token_id == max(tok.get_vocab().values())
     assert tok.tokenize("a photo of a red circle") == ["a</w>", "photo</w>", "of</w>", "a</w>", "red</w>", "circle</w>"]
     assert tok.decode(ids, skip_special_tokens=True) == "a photo of a red circle"
+    classic = tmp_path / "classic"  # the vocab.json + merges.txt pair alone gives the same tokenizer
+    classic.mkdir()
+    for name in ("vocab.json", "merges.txt"):
+        (classic / name).write_bytes((tmp_path / "tok" / name).read_bytes())
+    assert CLIPTokenizer.from_pretrained(str(classic))("a sks dog").input_ids == tok("a sks dog").input_ids
 
 
 def test_make_captioned_images(tmp_path):

@@ -7,6 +7,7 @@ compile through the same code paths as full-size checkpoints, fast on a CPU.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import uuid
@@ -88,7 +89,7 @@ def make_tiny_tokenizer(dest_dir, pad_token: str = "<|endoftext|>") -> Path:
     from transformers import CLIPTokenizer
 
     dest_dir = Path(dest_dir)
-    if (dest_dir / "vocab.json").is_file():
+    if (dest_dir / "vocab.json").is_file() and (dest_dir / "tokenizer.json").is_file():
         return dest_dir
     base = list(_bytes_to_unicode().values())
     vocab_list = base + [c + "</w>" for c in base]
@@ -99,6 +100,9 @@ def make_tiny_tokenizer(dest_dir, pad_token: str = "<|endoftext|>") -> Path:
     tok = CLIPTokenizer(vocab=vocab, merges=[tuple(m) for m in merges], pad_token=pad_token, model_max_length=77)
     tmp = dest_dir.with_name(f".{dest_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
     tok.save_pretrained(str(tmp))
+    # also the classic vocab.json + merges.txt pair, for tools that read CLIP tokenizers that way
+    (tmp / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    (tmp / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
     dest_dir.parent.mkdir(parents=True, exist_ok=True)
     if dest_dir.exists():
         shutil.rmtree(dest_dir)
