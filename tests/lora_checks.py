@@ -20,7 +20,7 @@ def build_pipeline(components):
     from diffusers import DDIMScheduler, StableDiffusionPipeline, StableDiffusionXLPipeline
 
     scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-                              clip_sample=False, set_alpha_to_one=False, prediction_type=components.prediction_type)
+                              clip_sample=False, set_alpha_to_one=False, steps_offset=1, prediction_type=components.prediction_type)
     if components.family == "sdxl":
         (te1, te2), (tok1, tok2) = components.text_encoders, components.tokenizers
         return StableDiffusionXLPipeline(vae=components.vae, text_encoder=te1, text_encoder_2=te2, tokenizer=tok1,
