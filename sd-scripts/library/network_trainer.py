@@ -132,7 +132,7 @@ def encode_clip(tokenizer, text_encoder, captions: list[str], max_token_length: 
         else:
             h = out.hidden_states[hidden_layer]
             if final_norm:
-                h = text_encoder.text_model.final_layer_norm(h)
+                h = getattr(text_encoder, "text_model", text_encoder).final_layer_norm(h)
         if c == 0:
             pooled = getattr(out, "text_embeds", None)
         hiddens.append(h)
@@ -158,13 +158,19 @@ class TrainState:
     def __init__(self):
         self.global_step = 0
         self.epoch = 0
+        self.generator: torch.Generator | None = None
 
     def state_dict(self) -> dict:
-        return {"global_step": self.global_step, "epoch": self.epoch}
+        out = {"global_step": self.global_step, "epoch": self.epoch}
+        if self.generator is not None:
+            out["noise_rng"] = self.generator.get_state()
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         self.global_step = int(state["global_step"])
         self.epoch = int(state["epoch"])
+        if self.generator is not None and "noise_rng" in state:
+            self.generator.set_state(state["noise_rng"])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -176,6 +182,10 @@ class NetworkTrainer:
     default_output_name = "last"
     tracker_name = "network_train"
     model_label = "UNet"
+    losses: list[float] = []  # per micro-step loss of the last train() call (tests, benchmarks)
+    # noise, timesteps and VAE sampling draw from this generator; it is saved with --save_state, so a resumed
+    # run continues with the same random numbers (the data order is seeded per epoch by the dataset)
+    noise_generator: torch.Generator | None = None
 
     # -- per-family hooks --------------------------------------------------------------------------------
     def family_for(self, args) -> str:
@@ -198,7 +208,7 @@ class NetworkTrainer:
     def encode_images(self, args, components, images: torch.Tensor) -> torch.Tensor:
         vae = components.vae
         with torch.no_grad():
-            latents = vae.encode(images.to(vae.device, vae.dtype)).latent_dist.sample()
+            latents = vae.encode(images.to(vae.device, vae.dtype)).latent_dist.sample(generator=self.noise_generator)
         return latents * vae.config.scaling_factor
 
     def encode_prompts(self, args, components, captions: list[str], with_grad: bool = False) -> dict:
@@ -222,13 +232,14 @@ class NetworkTrainer:
 
     def get_noise_pred_and_target(self, args, accelerator, noise_scheduler, latents, batch, te_outputs, components,
                                   weight_dtype):
-        noise = torch.randn_like(latents)
+        g = self.noise_generator
+        noise = torch.randn(latents.shape, generator=g, device=latents.device, dtype=latents.dtype)
         if args.noise_offset:
-            noise = noise + args.noise_offset * torch.randn((latents.shape[0], latents.shape[1], 1, 1),
+            noise = noise + args.noise_offset * torch.randn((latents.shape[0], latents.shape[1], 1, 1), generator=g,
                                                             device=latents.device, dtype=latents.dtype)
         t_min = args.min_timestep or 0
         t_max = args.max_timestep if args.max_timestep is not None else noise_scheduler.config.num_train_timesteps
-        timesteps = torch.randint(t_min, t_max, (latents.shape[0],), device=latents.device).long()
+        timesteps = torch.randint(t_min, t_max, (latents.shape[0],), generator=g, device=latents.device).long()
         noisy = noise_scheduler.add_noise(latents, noise, timesteps)
         with accelerator.autocast():
             pred = self.call_unet(args, components, noisy.to(weight_dtype), timesteps, te_outputs, batch,
@@ -250,6 +261,11 @@ class NetworkTrainer:
         if train_text_encoder:
             for te in self.lora_target_text_encoders(components):
                 te.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def place_unet(self, args, components, device, weight_dtype) -> None:
+        """Puts the frozen UNet on its device and dtype (FLUX: keeps fp8 weights, places only the blocks that
+        --blocks_to_swap leaves on the GPU)."""
+        components.unet.to(device, dtype=weight_dtype)
 
     def prepare_unet_with_accelerator(self, args, accelerator, components) -> None:
         """After accelerator.prepare: the UNet is frozen and on its device (the SDXL trainer compiles here)."""
@@ -296,6 +312,9 @@ class NetworkTrainer:
             importlib.import_module(args.network_module)
         except ImportError as e:
             raise ConfigError(f"--network_module {args.network_module}: cannot import it ({e})") from e
+        validate = getattr(importlib.import_module(args.network_module), "parse_network_kwargs", None)
+        if validate is not None:
+            validate(parse_network_args(args.network_args))
         # a missing optimizer package is reported now, not after the models load
         train_util._import_optimizer_class(train_util.optimizer_name(args))
         self.assert_extra_args(args)
@@ -325,7 +344,7 @@ class NetworkTrainer:
             network.load_weights(args.network_weights)
 
         unet.requires_grad_(False)
-        unet.to(device, dtype=weight_dtype)
+        self.place_unet(args, components, device, weight_dtype)
         if args.gradient_checkpointing:
             self.enable_gradient_checkpointing(args, components, train_text_encoder)
         unet.train(args.gradient_checkpointing)
@@ -456,6 +475,9 @@ class NetworkTrainer:
         trained_params = [p for m in trainable.models for p in m.parameters() if p.requires_grad]
 
         state = TrainState()
+        seed = args.seed if args.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+        self.noise_generator = torch.Generator(device=device).manual_seed(seed + accelerator.process_index)
+        state.generator = self.noise_generator
         for model in trainable.models:
             accelerator.register_for_checkpointing(model)
         accelerator.register_for_checkpointing(lr_scheduler)
@@ -525,6 +547,7 @@ class NetworkTrainer:
 
                 last_loss = loss.detach().item()
                 losses.append(last_loss)
+                self.losses = losses
                 if not accelerator.sync_gradients:
                     continue
                 global_step += 1
