@@ -366,6 +366,13 @@ def test_bad_inputs_give_clear_errors(tiny_sdxl_single_file, tiny_sd1_single_fil
     save_file({"lora_unet_x.lora_down.weight": torch.zeros(2, 2)}, str(lora_like))
     with pytest.raises(ModelLoadError, match="no Stable Diffusion text encoder weights"):
         load_sd_components(lora_like, "sdxl", tokenizer_cache_dir=toks)
+    from safetensors.torch import load_file
+
+    broken = tmp_path / "broken.safetensors"  # an SDXL file without its second text encoder's embeddings
+    save_file({k: v for k, v in load_file(str(tiny_sdxl_single_file)).items()
+               if not k.startswith("conditioner.embedders.1.model.token_embedding")}, str(broken))
+    with pytest.raises(ModelLoadError, match="broken.safetensors: incomplete SDXL checkpoint"):
+        load_sd_components(broken, "sdxl", tokenizer_cache_dir=toks)
     with pytest.raises(ModelLoadError, match="not a diffusers model"):
         load_sd_components(tmp_path, "sdxl")
 

@@ -817,7 +817,10 @@ def load_sd_components(path, family, *, vae=None, tokenizer_cache_dir=None, dtyp
     p = Path(str(path)).expanduser()
     extra = {}
     if p.is_file():
-        unet, vae_model, tes, extra = _components_from_single_file(p, family, dtype)
+        try:
+            unet, vae_model, tes, extra = _components_from_single_file(p, family, dtype)
+        except KeyError as e:
+            raise ModelLoadError(f"{p}: incomplete {FAMILY_LABELS[family]} checkpoint (missing weight {e})") from e
         model_dir, prediction = None, None
     elif p.is_dir():
         if not _is_diffusers_folder(p):
