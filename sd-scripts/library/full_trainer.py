@@ -1,0 +1,284 @@
+"""Full-model training (DreamBooth and fine-tune): the model's own weights are trained, not a LoRA.
+
+`FullTrainer` is a mixin put in front of a family's `NetworkTrainer` subclass, so the full trainers share the
+LoRA loop (network_trainer.NetworkTrainer.train: data, caching, optimizer, data-parallel gradients, saving
+cadence, --save_state/--resume, sampling, progress) and the family hooks (text encoding, UNet call, noise,
+compile), and change only what is trained and how it is saved:
+
+    class SDXLTrainer(FullTrainer, SDXLNetworkTrainer): ...        # sdxl_train.py
+    class SDTrainer(FullTrainer, NetworkTrainer): ...               # train_db.py, fine_tune.py
+
+A family adapts it with these hooks (defaults fit SD1.x / SD2.x / SDXL):
+
+    text_encoder_lrs(args) -> list[float | None]     per text encoder, None = frozen (SDXL: te1, te2)
+    trained_model(components) -> the denoiser        (components.unet; FLUX: its transformer)
+    save_full_model(args, components, path, metadata, save_dtype)   single file / diffusers folder
+    modelspec_metadata(args) -> dict                  modelspec.* keys of a saved checkpoint
+
+`--fused_backward_pass` (Adafactor): each parameter is stepped by the optimizer as soon as its gradient is
+complete (a post-accumulate-grad hook), then the gradient is freed, so the full set of gradients never exists.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import time
+from typing import Any
+
+import torch
+
+from library import config_util, data_parallel, train_util
+from library.network_trainer import Trainable
+from library.train_util import ConfigError
+
+logger = logging.getLogger(__name__)
+
+SAVE_MODEL_AS = ("safetensors", "ckpt", "diffusers")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# arguments
+
+
+def add_full_training_arguments(parser: argparse.ArgumentParser, *, text_encoders: int) -> None:
+    """Flags of the full trainers (kohya-ss/sd-scripts names); `text_encoders` = 2 gives SDXL's te1/te2 rates."""
+    parser.add_argument("--train_text_encoder", action="store_true", help="also train the text encoder(s)")
+    if text_encoders == 2:
+        parser.add_argument("--learning_rate_te1", type=float, default=None,
+                            help="learning rate of text encoder 1 (CLIP-L); default --learning_rate, 0 = frozen")
+        parser.add_argument("--learning_rate_te2", type=float, default=None,
+                            help="learning rate of text encoder 2 (OpenCLIP bigG); default --learning_rate, "
+                                 "0 = frozen")
+    else:
+        parser.add_argument("--learning_rate_te", type=float, default=None,
+                            help="learning rate of the text encoder; default --learning_rate, 0 = frozen")
+    parser.add_argument("--fused_backward_pass", action="store_true",
+                        help="Adafactor only: step each parameter during backward and free its gradient "
+                             "(saves the memory of all gradients; no gradient accumulation)")
+    parser.add_argument("--save_model_as", type=str, default="safetensors", choices=list(SAVE_MODEL_AS),
+                        help="single file (.safetensors / .ckpt, SGM/LDM keys) or a diffusers folder")
+    parser.add_argument("--no_metadata", action="store_true", help="write no ss_*/modelspec metadata")
+    parser.add_argument("--training_comment", type=str, default=None, help="ss_training_comment metadata")
+
+
+def setup_parser(*, text_encoders: int) -> argparse.ArgumentParser:
+    """The flags every full trainer shares; scripts add family flags (e.g. compile) on top."""
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    train_util.add_sd_models_arguments(parser)
+    config_util.add_dataset_arguments(parser)
+    train_util.add_training_arguments(parser)
+    train_util.add_optimizer_arguments(parser)
+    train_util.add_config_arguments(parser)
+    add_full_training_arguments(parser, text_encoders=text_encoders)
+    return parser
+
+
+# ----------------------------------------------------------------------------------------------------------
+# fused backward pass
+
+
+def step_one_parameter(optimizer: torch.optim.Optimizer, param: torch.Tensor, group: dict) -> None:
+    """optimizer.step() for one parameter of `group` (its state and the group's current lr are used)."""
+    saved = optimizer.param_groups
+    optimizer.param_groups = [{**group, "params": [param]}]
+    try:
+        optimizer.step()
+    finally:
+        optimizer.param_groups = saved
+
+
+def register_fused_backward(args, accelerator, optimizer) -> int:
+    """Hooks that average (multi-process), clip (per tensor) and apply each gradient as soon as it is
+    complete, then free it. Returns the number of hooked parameters."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
+    n = 0
+    for group in inner.param_groups:
+        for param in group["params"]:
+            if not param.requires_grad:
+                continue
+
+            def hook(tensor: torch.Tensor, group=group) -> None:
+                data_parallel.all_reduce_gradient(tensor.grad, accelerator)
+                if args.max_grad_norm:
+                    torch.nn.utils.clip_grad_norm_([tensor], args.max_grad_norm)
+                step_one_parameter(inner, tensor, group)
+                tensor.grad = None
+
+            param.register_post_accumulate_grad_hook(hook)
+            n += 1
+    logger.info("fused backward pass: the optimizer steps %d parameters during backward", n)
+    return n
+
+
+# ----------------------------------------------------------------------------------------------------------
+# modelspec (Stability AI's model metadata spec, read by ComfyUI / A1111 / CivitAI)
+
+_ARCHITECTURES = {
+    "sd1": ("stable-diffusion-v1", "https://github.com/CompVis/stable-diffusion"),
+    "sd2": ("stable-diffusion-v2-512", "https://github.com/Stability-AI/stablediffusion"),
+    "sd2v": ("stable-diffusion-v2-768-v", "https://github.com/Stability-AI/stablediffusion"),
+    "sdxl": ("stable-diffusion-xl-v1-base", "https://github.com/Stability-AI/generative-models"),
+}
+
+
+def sd_modelspec_metadata(family: str, *, v_prediction: bool, title: str, resolution: tuple[int, int],
+                          description: str | None = None) -> dict[str, str]:
+    key = "sd2v" if family == "sd2" and v_prediction else family
+    architecture, implementation = _ARCHITECTURES[key]
+    md = {
+        "modelspec.sai_model_spec": "1.0.0",
+        "modelspec.architecture": architecture,
+        "modelspec.implementation": implementation,
+        "modelspec.title": title,
+        "modelspec.resolution": f"{resolution[0]}x{resolution[1]}",
+        "modelspec.date": datetime.datetime.now().replace(microsecond=0).isoformat(),
+        "modelspec.prediction_type": "v" if v_prediction else "epsilon",
+    }
+    if description:
+        md["modelspec.description"] = description
+    return md
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+class FullTrainer:
+    """Mixin: trains the denoiser (and optionally the text encoders) of the family trainer it precedes."""
+
+    default_output_name = "last"
+    tracker_name = "finetuning"
+
+    # -- family hooks ------------------------------------------------------------------------------------
+    def text_encoder_lrs(self, args) -> list[float | None]:
+        """Learning rate per text encoder when --train_text_encoder (None or 0 = frozen)."""
+        lr = args.learning_rate_te if args.learning_rate_te is not None else args.learning_rate
+        return [lr]
+
+    def trained_model(self, components):
+        return components.unet
+
+    def save_full_model(self, args, components, path: str, metadata: dict[str, str] | None, save_dtype) -> None:
+        from library import model_util
+
+        if args.save_model_as == "diffusers":
+            model_util.save_sd_diffusers(path, components, save_dtype=save_dtype, overwrite=args.overwrite_output)
+        else:
+            model_util.save_sd_checkpoint(path, components, save_dtype=save_dtype, metadata=metadata,
+                                          overwrite=args.overwrite_output)
+
+    def modelspec_metadata(self, args) -> dict[str, str]:
+        resolution = config_util.parse_resolution(args.resolution) if args.resolution else \
+            (config_util.FAMILY_DEFAULT_RESOLUTION[self.family_for(args)],) * 2
+        v_pred = bool(args.v_parameterization)
+        return sd_modelspec_metadata(self.family_for(args), v_prediction=v_pred, title=args.output_name,
+                                     resolution=resolution, description=getattr(args, "training_comment", None))
+
+    # -- checks ------------------------------------------------------------------------------------------
+    def check_args(self, args) -> None:
+        train_util.verify_training_args(args)
+        if not args.pretrained_model_name_or_path:
+            raise ConfigError("--pretrained_model_name_or_path is required")
+        caching_te = args.cache_text_encoder_outputs or args.cache_text_encoder_outputs_to_disk
+        if caching_te and args.train_text_encoder:
+            raise ConfigError("--cache_text_encoder_outputs cannot be used with --train_text_encoder (a trained "
+                              "text encoder changes its outputs); drop one of them")
+        lrs = self.text_encoder_lrs(args)
+        for name in ("learning_rate_te", "learning_rate_te1", "learning_rate_te2"):
+            value = getattr(args, name, None)
+            if value is not None and value < 0:
+                raise ConfigError(f"--{name} must be 0 or more, got {value}")
+        if args.train_text_encoder and not any(lrs):
+            raise ConfigError("--train_text_encoder with every text-encoder learning rate 0: nothing of the text "
+                              "encoders would be trained; drop --train_text_encoder or give a rate above 0")
+        if args.fused_backward_pass:
+            opt = train_util.optimizer_name(args).lower()
+            if opt != "adafactor":
+                raise ConfigError(f"--fused_backward_pass works only with --optimizer_type Adafactor, got "
+                                  f"{train_util.optimizer_name(args)}")
+            if args.gradient_accumulation_steps > 1:
+                raise ConfigError("--fused_backward_pass applies each gradient during backward, so it cannot "
+                                  f"accumulate gradients: drop --gradient_accumulation_steps "
+                                  f"{args.gradient_accumulation_steps} or --fused_backward_pass")
+            if args.mixed_precision == "fp16":
+                raise ConfigError("--fused_backward_pass cannot be used with --mixed_precision fp16 (the loss "
+                                  "scaler needs all gradients before a step); use --mixed_precision bf16")
+        train_util._import_optimizer_class(train_util.optimizer_name(args))
+        self.assert_extra_args(args)
+
+    def output_ext(self, args) -> str:
+        return "" if args.save_model_as == "diffusers" else "." + args.save_model_as
+
+    # -- what is trained ---------------------------------------------------------------------------------
+    def setup_trainable(self, args, accelerator, components, weight_dtype, caching_te: bool) -> Trainable:
+        device = accelerator.device
+        # master weights in float32 under mixed precision; --full_bf16/--full_fp16 train in that dtype
+        train_dtype = weight_dtype if (args.full_bf16 or args.full_fp16) else torch.float32
+        self.components = components
+        model = self.trained_model(components)
+        model.requires_grad_(True)
+        model.to(device, dtype=train_dtype)
+        groups = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": args.learning_rate}]
+        models = [model]
+        trained_tes = []
+        if args.train_text_encoder:
+            for i, (te, lr) in enumerate(zip(components.text_encoders, self.text_encoder_lrs(args))):
+                if not lr:
+                    logger.info("text encoder %d: learning rate 0, kept frozen", i + 1)
+                    continue
+                te.requires_grad_(True)
+                te.to(device, dtype=train_dtype)
+                te.train()
+                groups.append({"params": [p for p in te.parameters() if p.requires_grad], "lr": lr})
+                models.append(te)
+                trained_tes.append(i + 1)
+        train_text_encoder = bool(trained_tes)
+        if args.gradient_checkpointing:
+            self.enable_gradient_checkpointing(args, components, train_text_encoder)
+        model.train()
+        if not caching_te:
+            for te in components.text_encoders:
+                te.to(device)
+        n_params = sum(p.numel() for g in groups for p in g["params"])
+        logger.info("training the %s%s: %.1fM parameters in %s", self.model_label,
+                    f" and text encoder(s) {trained_tes}" if trained_tes else "", n_params / 1e6,
+                    str(train_dtype).removeprefix("torch."))
+        return Trainable(models=models, param_groups=groups, train_text_encoder=train_text_encoder)
+
+    def after_prepare(self, args, accelerator, trainable: Trainable, optimizer) -> None:
+        if args.fused_backward_pass:
+            register_fused_backward(args, accelerator, optimizer)
+
+    def on_epoch_start(self, args, trainable: Trainable, components) -> None:
+        pass
+
+    # -- outputs -----------------------------------------------------------------------------------------
+    def method_metadata(self, args) -> dict[str, Any]:
+        md: dict[str, Any] = {
+            "ss_train_text_encoder": bool(args.train_text_encoder),
+            "ss_fused_backward_pass": bool(args.fused_backward_pass),
+        }
+        for name in ("learning_rate_te", "learning_rate_te1", "learning_rate_te2"):
+            if getattr(args, name, None) is not None:
+                md["ss_" + name] = getattr(args, name)
+        return md
+
+    def save_model(self, args, accelerator, trainable: Trainable, metadata, path, epoch, step) -> None:
+        """The whole model (main process only), written to a temporary name and renamed when complete."""
+        train_util.ensure_can_write(path, args.overwrite_output)
+        md = None
+        if not args.no_metadata and args.save_model_as != "diffusers":
+            md = dict(metadata)
+            md["ss_training_finished_at"] = str(time.time())
+            md["ss_steps"] = str(step)
+            md["ss_epoch"] = str(epoch)
+            md.update(self.modelspec_metadata(args))
+        self.save_full_model(args, self.components, path, md, train_util.save_dtype_for(args))
+        logger.info("saved %s", path)
+
+
+def run(trainer, parser: argparse.ArgumentParser, argv: list[str] | None = None) -> str | None:
+    """Parse (with --config_file) and train; clear errors exit with status 2 (network_trainer.run)."""
+    from library import network_trainer
+
+    return network_trainer.run(trainer, parser, argv)
