@@ -364,8 +364,17 @@ def test_bad_inputs_give_clear_errors(tiny_sdxl_single_file, tiny_sd1_single_fil
 
     lora_like = tmp_path / "lora.safetensors"
     save_file({"lora_unet_x.lora_down.weight": torch.zeros(2, 2)}, str(lora_like))
-    with pytest.raises(ModelLoadError, match="no Stable Diffusion text encoder weights"):
+    with pytest.raises(ModelLoadError, match="no Stable Diffusion text encoder weights.*LoRA .*--network_weights"):
         load_sd_components(lora_like, "sdxl", tokenizer_cache_dir=toks)
+    vae_only = tmp_path / "vae.safetensors"
+    save_file({"encoder.conv_in.weight": torch.zeros(2, 3, 3, 3), "decoder.conv_out.weight": torch.zeros(3, 2, 3, 3)}, str(vae_only))
+    with pytest.raises(ModelLoadError, match="VAE alone .*--vae"):
+        load_sd_components(vae_only, "sd1", tokenizer_cache_dir=toks)
+    flux = tmp_path / "flux.safetensors"
+    save_file({"double_blocks.0.img_attn.norm.key_norm.scale": torch.ones(4)}, str(flux))
+    assert mu.detect_family(flux) == "flux"
+    with pytest.raises(ModelLoadError, match=r"FLUX\.1 model .*SDXL was requested; use the FLUX\.1 script"):
+        load_sd_components(flux, "sdxl", tokenizer_cache_dir=toks)
     from safetensors.torch import load_file
 
     broken = tmp_path / "broken.safetensors"  # an SDXL file without its second text encoder's embeddings

@@ -25,7 +25,7 @@ from library.compile_utils import strip_orig_mod  # noqa: F401 - the one shared 
 logger = logging.getLogger(__name__)
 
 SD_FAMILIES = ("sd1", "sd2", "sdxl")
-FAMILY_LABELS = {"sd1": "SD1.x", "sd2": "SD2.x", "sdxl": "SDXL"}
+FAMILY_LABELS = {"sd1": "SD1.x", "sd2": "SD2.x", "sdxl": "SDXL", "flux": "FLUX.1"}
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 _COMPONENTS = {
     "sd1": ("unet", "vae", "text_encoder"),
@@ -175,7 +175,23 @@ def _family_from_keys(keys) -> str | None:
         return "sd1"
     if any(k.startswith("add_embedding.") for k in keys) or any(k.startswith("label_emb.") for k in keys):
         return "sdxl"
+    if any(k.startswith(("double_blocks.", "model.diffusion_model.double_blocks.")) for k in keys):
+        return "flux"
     return None
+
+
+def _describe_other(keys) -> str:
+    """What a file that is no full SD checkpoint looks like, for the error message."""
+    keys = list(keys)
+    if any(k.startswith(("lora_unet_", "lora_te")) for k in keys):
+        return "it looks like a LoRA (load it with --network_weights)"
+    if any("joint_blocks." in k for k in keys):
+        return "it looks like an SD3 model, which is not supported"
+    if keys and all(k.startswith(("encoder.", "decoder.", "quant_conv.", "post_quant_conv.", VAE_PREFIX)) for k in keys):
+        return "it looks like a VAE alone (pass it with --vae)"
+    if any(k.startswith(UNET_PREFIX) for k in keys):
+        return "it has a UNet but no text encoders"
+    return "is this a full SD1.x/SD2.x/SDXL checkpoint?"
 
 
 def _family_from_diffusers_folder(folder: Path) -> str | None:
@@ -198,7 +214,8 @@ def _is_diffusers_folder(path: Path) -> bool:
 
 
 def detect_family(path) -> str | None:
-    """"sd1" / "sd2" / "sdxl" from a single file's keys or a diffusers folder's configs; None when unknown."""
+    """"sd1" / "sd2" / "sdxl" from a single file's keys or a diffusers folder's configs ("flux" for a FLUX.1 file,
+    so that callers can say which script to use); None when unknown."""
     path = Path(path)
     if path.is_file():
         try:
@@ -213,9 +230,9 @@ def detect_family(path) -> str | None:
 def _check_detected_family(path, detected: str | None, family: str) -> None:
     if detected is not None and detected != family:
         hint = {"sdxl": "use the SDXL script (sdxl_train*.py)", "sd2": "add --v2 (SD2.x)",
-                "sd1": "leave out --v2 (SD1.x)"}[detected]
+                "sd1": "leave out --v2 (SD1.x)", "flux": "use the FLUX.1 script (flux_train*.py)"}[detected]
         raise ModelLoadError(
-            f"{path}: this is an {FAMILY_LABELS[detected]} model (detected from its weights), but "
+            f"{path}: this is {'a' if detected == 'flux' else 'an'} {FAMILY_LABELS[detected]} model (detected from its weights), but "
             f"{FAMILY_LABELS[family]} was requested; {hint}")
 
 
@@ -606,7 +623,7 @@ def _components_from_single_file(path: Path, family: str, dtype) -> tuple[object
     if detected is None:
         raise ModelLoadError(
             f"{path}: no Stable Diffusion text encoder weights found (expected keys starting with "
-            f"'cond_stage_model.' or 'conditioner.embedders.'); is this a full SD1.x/SD2.x/SDXL checkpoint?")
+            f"'cond_stage_model.' or 'conditioner.embedders.'); {_describe_other(sd.keys())}")
     _check_detected_family(path, detected, family)
     if not any(k.startswith(UNET_PREFIX) for k in sd):
         raise ModelLoadError(f"{path}: no UNet weights (keys starting with '{UNET_PREFIX}')")
