@@ -251,6 +251,17 @@ def test_save_strips_orig_mod_and_refuses_to_overwrite(sd1_comps, tmp_path):
     assert not (tmp_path / "d.safetensors").exists()
 
 
+def test_loads_files_with_orig_mod_keys(sd1_comps, tiny_sd1_single_file, tmp_path):
+    """Files saved from a torch.compile'd model by other tools carry "_orig_mod." in their keys."""
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(tiny_sd1_single_file))
+    bad = {k.replace("model.diffusion_model.", "model.diffusion_model._orig_mod."): v for k, v in sd.items()}
+    save_file(bad, str(tmp_path / "compiled.safetensors"))
+    c = load_sd_components(tmp_path / "compiled.safetensors", "sd1", tokenizer_cache_dir=_tok_dir(tiny_sd1_single_file))
+    _assert_same_weights(c.unet, sd1_comps.unet)
+
+
 # ---- diffusers folders ------------------------------------------------------------------------------------
 
 
