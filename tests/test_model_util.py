@@ -302,6 +302,24 @@ def test_saved_diffusers_folder_loads_in_diffusers_pipeline(sdxl_comps, tmp_path
         assert f.get_tensor("conv_in.weight").dtype == torch.float16  # ... from fp16 files
 
 
+def test_hub_id_is_downloaded_as_a_diffusers_folder(monkeypatch, sdxl_comps, tiny_sdxl_diffusers):
+    """A hub id goes through snapshot_download (replaced here by the local tiny folder: no network in tests)."""
+    import huggingface_hub
+
+    calls = []
+
+    def fake_snapshot_download(repo_id, allow_patterns=None, **kw):
+        calls.append((repo_id, allow_patterns))
+        return str(tiny_sdxl_diffusers)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    monkeypatch.setattr(mu, "_offline", lambda: False)
+    c = load_sd_components("someone/tiny-sdxl", "sdxl")
+    assert calls[0][0] == "someone/tiny-sdxl" and "unet/diffusion_pytorch_model.safetensors" in calls[0][1]
+    assert c.source == "someone/tiny-sdxl"
+    _assert_same_weights(c.unet, sdxl_comps.unet)
+
+
 # ---- diffusers' own single-file loader reads what we write ------------------------------------------------
 
 
