@@ -239,6 +239,12 @@ def save_safetensors_atomic(sd: dict, path: str | os.PathLike, metadata: dict | 
     os.replace(tmp, path)
 
 
+def _check_exists(path: str, flag: str) -> None:
+    """A path that names a model file must exist (otherwise it would be taken for a hub id)."""
+    if path.lower().endswith((".safetensors", ".sft", ".ckpt", ".pt", ".bin")) and not os.path.exists(path):
+        raise FluxModelError(f"{flag}: file not found: {path}")
+
+
 def _is_hub_id(s: str) -> bool:
     return not os.path.exists(s) and re.fullmatch(r"[\w.\-]+/[\w.\-]+", s) is not None
 
@@ -309,6 +315,7 @@ def load_flux_transformer(path: str, dtype: torch.dtype = torch.bfloat16, fp8_ba
     from diffusers import FluxTransformer2DModel
 
     path = str(path)
+    _check_exists(path, "--pretrained_model_name_or_path")
     if os.path.isfile(path):
         sd = strip_bfl_prefix(read_safetensors(path, "FLUX transformer (--pretrained_model_name_or_path)"))
         cfg = infer_transformer_config(sd, path)
@@ -428,6 +435,7 @@ def load_t5xxl(path: str, dtype: torch.dtype = torch.bfloat16):
 
 
 def _from_pretrained(cls, path: str, subfolder: str, dtype, flag: str):
+    _check_exists(path, flag)
     sub = _diffusers_subfolder(path, subfolder)
     if sub is None and not (Path(path).is_dir() and (Path(path) / "config.json").is_file()) and not _is_hub_id(path):
         raise FluxModelError(f"{flag}: {path} is not a .safetensors file, a model folder, or a hub id")
@@ -469,6 +477,7 @@ def load_ae(path: str, dtype: torch.dtype = torch.float32):
     from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
 
     path = str(path)
+    _check_exists(path, "--ae")
     if not os.path.isfile(path):
         sub = _diffusers_subfolder(path, "vae")
         if sub is None and not (Path(path).is_dir() and (Path(path) / "config.json").is_file()) and not _is_hub_id(path):

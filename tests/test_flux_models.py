@@ -1,0 +1,298 @@
+"""FLUX.1 model files, LoRA format and block swap, on tiny models built here (CPU, offline).
+
+- BFL single files (bf16, fp8-e4m3, dev and schnell; CLIP-L with and without `text_model.`) load into the same
+  weights as the diffusers folder; our diffusers -> BFL mapping round-trips and diffusers' from_single_file reads it.
+- The kohya FLUX LoRA (width 3072, as diffusers' converter assumes) loads in FluxPipeline.load_lora_weights with
+  no key left over, computes what our network computes, and changes the image.
+- Block swap keeps at most n - k blocks resident, every block is on the device when it runs forward or backward,
+  and loss and LoRA gradients equal the run without swapping (eager and compiled with aot_eager).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+
+import pytest
+import torch
+
+from library import block_swap, compile_utils, flux_models, flux_tiny, flux_train_utils
+from networks import lora_flux
+
+
+@pytest.fixture(scope="session")
+def tiny_flux(tmp_path_factory):
+    """Tiny FLUX.1-dev set: BFL single files + tokenizers + the same weights as a diffusers folder."""
+    return flux_tiny.make_tiny_flux(tmp_path_factory.mktemp("tiny_flux"), diffusers_folder=True)
+
+
+def _state(m):
+    return {k: v.float() for k, v in m.state_dict().items()}
+
+
+def _same(a, b):
+    sa, sb = _state(a), _state(b)
+    assert set(sa) == set(sb)
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+
+
+def test_single_files_and_diffusers_folder_load_the_same_weights(tiny_flux):
+    single = flux_models.load_flux_components(tiny_flux["transformer"], tiny_flux["clip_l"], tiny_flux["t5xxl"],
+                                              tiny_flux["ae"], dtype=torch.float32,
+                                              tokenizer_cache_dir=tiny_flux["tokenizer_cache_dir"])
+    folder = flux_models.load_flux_components(tiny_flux["diffusers"], dtype=torch.float32)
+    for a, b in ((single.transformer, folder.transformer), (single.clip_l, folder.clip_l),
+                 (single.t5xxl, folder.t5xxl), (single.ae, folder.ae)):
+        _same(a, b)
+    assert not single.is_schnell
+    assert single.ae.config.latent_channels == 16
+    assert single.ae.config.scaling_factor == pytest.approx(0.3611)
+    assert single.ae.config.shift_factor == pytest.approx(0.1159)
+    assert single.transformer.config.num_attention_heads == 1  # width 128 / 128
+    # the pooled CLIP output uses the tokenizer's EOS
+    assert single.clip_l.config.eos_token_id == single.clip_tokenizer.eos_token_id
+
+
+def test_bfl_round_trip(tiny_flux, tmp_path):
+    from diffusers import FluxTransformer2DModel
+    from safetensors.torch import load_file
+
+    bfl = load_file(tiny_flux["transformer"])
+    assert "double_blocks.0.img_attn.qkv.weight" in bfl and "single_blocks.0.linear1.weight" in bfl
+    back = flux_models.diffusers_to_bfl(flux_models.bfl_to_diffusers(bfl))
+    assert set(back) == set(bfl)
+    assert all(torch.equal(back[k], bfl[k]) for k in bfl)
+
+    model = flux_models.load_flux_transformer(tiny_flux["transformer"], dtype=torch.float32)
+    out = tmp_path / "saved.safetensors"
+    flux_models.save_flux_transformer_bfl(model, out)
+    ref = FluxTransformer2DModel.from_pretrained(tiny_flux["diffusers"], subfolder="transformer")
+    _same(flux_models.load_flux_transformer(str(out), dtype=torch.float32), ref)
+    # (diffusers' own single-file loader needs FLUX's width 3072: checked in the LoRA test's wide model)
+
+
+def test_fp8_schnell_and_unprefixed_clip(tmp_path):
+    paths = flux_tiny.make_tiny_flux(tmp_path, guidance=False, transformer_dtype=torch.float8_e4m3fn,
+                                     clip_prefix=False)
+    c = flux_models.load_flux_components(paths["transformer"], paths["clip_l"], paths["t5xxl"], paths["ae"],
+                                         dtype=torch.bfloat16, fp8_base=True,
+                                         tokenizer_cache_dir=paths["tokenizer_cache_dir"])
+    assert c.is_schnell and not c.transformer.config.guidance_embeds
+    lin = c.transformer.single_transformer_blocks[0].proj_out
+    assert lin.weight.dtype == torch.float8_e4m3fn
+    # fp8 base computes what the upcast weights compute
+    x = torch.randn(2, lin.in_features, dtype=torch.bfloat16)
+    ref = torch.nn.functional.linear(x, lin.weight.to(torch.bfloat16), lin.bias.to(torch.bfloat16))
+    assert torch.equal(lin(x), ref)
+    # without --fp8_base the fp8 file is upcast
+    t = flux_models.load_flux_transformer(paths["transformer"], dtype=torch.bfloat16)
+    assert t.single_transformer_blocks[0].proj_out.weight.dtype == torch.bfloat16
+    assert torch.equal(t.single_transformer_blocks[0].proj_out.weight, lin.weight.to(torch.bfloat16))
+
+
+def test_clear_errors(tiny_flux, tmp_path, monkeypatch):
+    with pytest.raises(flux_models.FluxModelError, match="--clip_l, --t5xxl, --ae required"):
+        flux_models.load_flux_components(tiny_flux["transformer"], tokenizer_cache_dir=tiny_flux["tokenizer_cache_dir"])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(flux_models.FluxModelError, match="tokenizer_cache_dir"):
+        flux_models.load_tokenizers(None, str(tmp_path))
+    with pytest.raises(flux_models.FluxModelError, match="not a FLUX.1 transformer"):
+        flux_models.load_flux_transformer(tiny_flux["clip_l"])
+    with pytest.raises(flux_models.FluxModelError, match="file not found"):
+        flux_models.load_ae(str(tmp_path / "nope.safetensors"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# LoRA
+
+
+def _randomize_lora(network, seed=0, std=0.02):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in network.named_parameters():
+            if "lora_up" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+def _inputs(transformer, dtype, h=4, w=4, txt=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cfg = transformer.config
+    latents = torch.randn(1, 16, h, w, generator=g).to(dtype)
+    te = {"t5_out": torch.randn(1, txt, cfg.joint_attention_dim, generator=g).to(dtype),
+          "pooled": torch.randn(1, cfg.pooled_projection_dim, generator=g).to(dtype)}
+    return latents, te, torch.tensor([0.6])
+
+
+def test_lora_loads_in_diffusers_flux_pipeline(tiny_flux, tmp_path):
+    """Width 3072 (diffusers' converter assumes it for single_blocks.linear1), one double + one single block."""
+    from diffusers import FluxPipeline
+    from peft.tuners.lora import LoraLayer
+    from safetensors import safe_open
+
+    dtype = torch.bfloat16
+    base = FluxPipeline.from_pretrained(tiny_flux["diffusers"], torch_dtype=dtype)
+    wide = flux_tiny.tiny_transformer(3072, 1, 1, base.text_encoder_2.config.d_model,
+                                      base.text_encoder.config.hidden_size, True, seed=0, dtype=dtype)
+    pipe = FluxPipeline(scheduler=base.scheduler, vae=base.vae, text_encoder=base.text_encoder,
+                        tokenizer=base.tokenizer, text_encoder_2=base.text_encoder_2, tokenizer_2=base.tokenizer_2,
+                        transformer=wide)
+
+    def image():
+        return pipe("a red circle", height=16, width=16, num_inference_steps=1, guidance_scale=3.5,
+                    generator=torch.Generator().manual_seed(1), output_type="pt", max_sequence_length=8).images
+
+    # our BFL writer (fp8 to halve the file), read back by diffusers' single-file loader (local config, offline)
+    wide_file = tmp_path / "wide_bfl.safetensors"
+    flux_models.save_flux_transformer_bfl(wide, wide_file, dtype=torch.float8_e4m3fn)
+    config_dir = tmp_path / "wide_config"
+    wide.save_config(str(config_dir))
+    from diffusers import FluxTransformer2DModel
+
+    theirs = FluxTransformer2DModel.from_single_file(str(wide_file), config=str(config_dir), torch_dtype=dtype)
+    expected = {k: v.to(torch.float8_e4m3fn).to(dtype) for k, v in wide.state_dict().items()}
+    got = theirs.state_dict()
+    assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in got)
+    del theirs, got, expected
+
+    before = image()
+    latents, te, sigma = _inputs(wide, dtype)
+    with torch.no_grad():
+        out_base = flux_train_utils.flux_forward(wide, latents, sigma, te, 3.5, dtype)
+
+    torch.manual_seed(0)
+    net = lora_flux.create_network(1.0, 4, 2.0, base.vae, [base.text_encoder, base.text_encoder_2], wide)
+    net.apply_to([base.text_encoder], wide, True, True)
+    _randomize_lora(net)
+    with torch.no_grad():
+        out_ours = flux_train_utils.flux_forward(wide, latents, sigma, te, 3.5, dtype)
+    path = tmp_path / "wide_lora.safetensors"
+    net.save_weights(str(path), torch.float32, {"ss_network_module": "networks.lora_flux"})
+    net.remove_from()
+
+    with safe_open(str(path), "pt") as f:
+        keys = set(f.keys())
+    assert {"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight",
+            "lora_unet_double_blocks_0_txt_mlp_2.lora_up.weight",
+            "lora_unet_single_blocks_0_linear1.lora_up.weight", "lora_unet_single_blocks_0_linear2.alpha",
+            "lora_te1_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight"} <= keys
+    assert not any(x in k for k in keys for x in ("img_mod", "txt_mod", "modulation"))
+
+    records = []
+
+    class Capture(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = Capture(logging.WARNING)
+    for name in ("diffusers", "peft"):
+        logging.getLogger(name).addHandler(handler)
+    try:
+        pipe.load_lora_weights(str(path))
+    finally:
+        for name in ("diffusers", "peft"):
+            logging.getLogger(name).removeHandler(handler)
+    assert not [r for r in records if "key" in r.lower() or "unsupported" in r.lower()], records
+    n_unet = sum(isinstance(m, LoraLayer) for m in pipe.transformer.modules())
+    n_te = sum(isinstance(m, LoraLayer) for m in pipe.text_encoder.modules())
+    # double block: 3 (qkv) + proj + 2 mlp per stream; single block: 4 (linear1) + linear2
+    assert n_unet == 12 + 5 and n_te == 12
+    with torch.no_grad():
+        out_diffusers = flux_train_utils.flux_forward(pipe.transformer, latents, sigma, te, 3.5, dtype)
+    assert not torch.allclose(out_ours, out_base, atol=1e-3)
+    assert torch.allclose(out_diffusers.float(), out_ours.float(), atol=3e-2, rtol=3e-2)
+    assert (image() - before).abs().max() > 0
+
+
+def test_lora_train_blocks_and_bad_args(tiny_flux):
+    t = flux_models.load_flux_transformer(tiny_flux["transformer"], dtype=torch.float32)
+    single = lora_flux.create_network(1.0, 4, 1, None, None, t, train_blocks="single")
+    assert single.unet_loras and all(m.lora_name.startswith("lora_unet_single_blocks_") for m in single.unet_loras)
+    double = lora_flux.create_network(1.0, 4, 1, None, None, t, train_blocks="double")
+    assert all(m.lora_name.startswith("lora_unet_double_blocks_") for m in double.unet_loras)
+    with pytest.raises(lora_flux.NetworkArgsError, match="allowed: all, single, double"):
+        lora_flux.create_network(1.0, 4, 1, None, None, t, train_blocks="middle")
+    with pytest.raises(lora_flux.NetworkArgsError, match="allowed: train_blocks"):
+        lora_flux.create_network(1.0, 4, 1, None, None, t, conv_dim="4")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# block swap
+
+
+def _swap_run(compiled: bool, swap: int, checkpointing: bool):
+    torch.manual_seed(0)
+    t = flux_tiny.tiny_transformer(128, 2, 2, 32, 64, True, seed=3)
+    t.requires_grad_(False)
+    torch.manual_seed(1)
+    net = lora_flux.create_network(1.0, 4, 4, None, None, t)
+    net.apply_to([], t, False, True)
+    _randomize_lora(net, seed=2, std=0.05)
+    swapper = None
+    if checkpointing:
+        t.enable_gradient_checkpointing()
+        t.train()
+    if swap:
+        swapper = block_swap.place_with_block_swap(t, swap, "cpu", "cpu", record_events=True)
+        seen = []
+
+        def check(i):
+            def hook(module, args):
+                assert swapper.location[i] == "device", f"block {i} ran forward while offloaded"
+                assert swapper.resident_swap_blocks() <= swapper.n - swapper.k + 1
+                seen.append(i)
+            return hook
+
+        for i, b in enumerate(block_swap.flux_blocks(t)):
+            b.register_forward_pre_hook(check(i))
+    if compiled:
+        p = argparse.ArgumentParser()
+        compile_utils.add_compile_arguments(p)
+        args = p.parse_args(["--compile", "--compile_backend", "aot_eager"])
+        compile_utils.compile_model_blocks(t, args, model_name="FLUX", gradient_checkpointing=checkpointing,
+                                           disable_linear=swap > 0)
+    losses, grads = [], None
+    for step in range(2):  # the second step starts from the placement the first one left
+        net.zero_grad(set_to_none=True)
+        latents, te, sigma = _inputs(t, torch.float32, seed=step)
+        loss = flux_train_utils.flux_forward(t, latents, sigma, te, 3.5, torch.float32).pow(2).mean()
+        loss.backward()
+        losses.append(loss.detach())
+        grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+    return losses, grads, swapper
+
+
+def _check_backward_residency(swapper):
+    """Replaying the move log: every block is on the device when its backward starts."""
+    loc = {}
+    backward_seen = 0
+    for what, i in swapper.events:
+        if what in ("in", "out"):
+            loc[i] = what
+        elif what in ("forward", "backward", "recompute"):
+            assert loc.get(i) == "in", f"block {i} used ({what}) while offloaded"
+            backward_seen += what == "backward"
+    return backward_seen
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
+def test_block_swap_same_loss_and_grads(compiled):
+    ref_losses, ref_grads, _ = _swap_run(compiled=False, swap=0, checkpointing=compiled)
+    losses, grads, swapper = _swap_run(compiled=compiled, swap=2, checkpointing=compiled)
+    for a, b in zip(ref_losses, losses):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert set(grads) == set(ref_grads) and grads
+    for k in grads:
+        assert torch.allclose(grads[k], ref_grads[k], rtol=1e-4, atol=1e-6), k
+    assert swapper.max_resident <= swapper.n - swapper.k  # 2 of 4 blocks on the device at most
+    assert _check_backward_residency(swapper) == 2 * 4  # every block's backward, both steps
+    moves = [e for e in swapper.events if e[0] in ("in", "out")]
+    assert ("out", 0) in moves and ("in", 3) in moves  # the rotation really happened
+    # after a full step the placement is back to the start: the first n - k blocks resident
+    assert swapper.location == ["device", "device", "offload", "offload"]
+
+
+def test_block_swap_bad_count():
+    t = flux_tiny.tiny_transformer(128, 1, 1, 32, 64, True)
+    t.requires_grad_(False)
+    with pytest.raises(block_swap.BlockSwapError, match="between 1 and 1"):
+        block_swap.place_with_block_swap(t, 2, "cpu")
