@@ -185,6 +185,8 @@ def _describe_other(keys) -> str:
     keys = list(keys)
     if any(k.startswith(("lora_unet_", "lora_te")) for k in keys):
         return "it looks like a LoRA (load it with --network_weights)"
+    if any(k.startswith("conditioner.embedders.0.model.") for k in keys):
+        return "it looks like the SDXL refiner, which is not supported"
     if any("joint_blocks." in k for k in keys):
         return "it looks like an SD3 model, which is not supported"
     if keys and all(k.startswith(("encoder.", "decoder.", "quant_conv.", "post_quant_conv.", VAE_PREFIX)) for k in keys):
@@ -398,7 +400,7 @@ def _hf_clip_from_open_clip(sd: dict, prefix: str, hidden: int) -> dict:
             hidden_size = hidden
 
     out = convert_open_clip_checkpoint(_Cfg, sd, prefix=prefix)
-    # diffusers drops SD2's text_projection by name (full size only); the projection lives in extra_state for SD2
+    # SD2's CLIPTextModel has no projection (diffusers skips it); the file's text_projection stays in extra_state
     if prefix == SD2_TE_PREFIX:
         out.pop("text_projection.weight", None)
     return out
