@@ -325,7 +325,7 @@ PARAMS: tuple[Param, ...] = (
        choices=("raw", "additive", "sigma_scaled")),
     _p("t5xxl_max_token_length", "int", None, "T5-XXL max tokens (optional)",
        "Empty = 512 for dev, 256 for schnell.", "flux", families=FLUX, minimum=1),
-    _p("blocks_to_swap", "int", None, "Blocks to swap (optional)",
+    _p("blocks_to_swap", "int", 0, "Blocks to swap",
        "Keep this many transformer blocks on the CPU and swap them in; saves memory.", "flux", families=FLUX,
        minimum=0),
     _p("apply_t5_attn_mask", "bool", False, "Apply T5 attention mask", "", "flux", families=FLUX),

@@ -112,6 +112,12 @@ class Runner:
         with self._lock:
             return self.state.running
 
+    @property
+    def pid(self) -> int | None:
+        """Process id of the command running now (it leads its own process group), or None."""
+        with self._lock:
+            return self._proc.pid if self._proc is not None else None
+
     def start(self, commands: list[list[str]], log_path: str | os.PathLike, *, cwd=None, env=None,
               output_dir: str | os.PathLike | None = None) -> None:
         """Runs the argv lists one after another (a failing one ends the run). Raises RunnerBusy."""

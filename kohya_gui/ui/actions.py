@@ -219,16 +219,15 @@ def progress_html(s) -> str:
 def result_md(s) -> str:
     if s.started is None or s.running:
         return ""
-    lines = [f"**Run {s.message}** (exit status {s.returncode if s.returncode is not None else '-'})"]
+    status = s.returncode if s.returncode is not None else "-"
+    parts = [f"**Run {s.message}** (exit status {status})"]
     if s.outputs:
-        lines.append("Output files:")
-        lines += [f"- `{p}`" for p in s.outputs]
+        parts.append("Output files:\n\n" + "\n".join(f"- `{p}`" for p in s.outputs))
     if s.error_lines:
-        lines.append("Last error lines:")
-        lines.append("```\n" + "\n".join(s.error_lines) + "\n```")
+        parts.append("Last error lines:\n\n```\n" + "\n".join(s.error_lines) + "\n```")
     if s.log_path:
-        lines.append(f"Log: `{s.log_path}`")
-    return "\n".join(lines)
+        parts.append(f"Log: `{s.log_path}`")
+    return "\n\n".join(parts)
 
 
 def ok_md(text: str) -> str:

@@ -23,6 +23,21 @@ CSS = """
 """
 
 
+# Keeps the log scrolled to its end, unless the user scrolled up to read (mouse wheel / touch / keys).
+FOLLOW_LOG_JS = """() => {
+  const t = document.querySelector('#kg-log textarea');
+  if (!t) return;
+  if (!t.dataset.follow) {
+    t.dataset.follow = '1';
+    const check = () => setTimeout(() => {
+      t.dataset.follow = (t.scrollTop + t.clientHeight >= t.scrollHeight - 40) ? '1' : '0';
+    }, 50);
+    ['wheel', 'touchmove', 'keyup', 'mouseup'].forEach(e => t.addEventListener(e, check));
+  }
+  if (t.dataset.follow === '1') t.scrollTop = t.scrollHeight;
+}"""
+
+
 def make_control(tab: str, p: P.Param, value, family: str):
     kw = dict(label=p.label, info=p.help or None, visible=P.visible(p, tab, family), elem_id=f"{tab}-{p.name}")
     v = A.to_ui(p, value)
@@ -140,7 +155,8 @@ def build_app() -> gr.Blocks:
                              elem_id="kg-log", buttons=["copy"])
         seen = gr.State(-1)
         timer = gr.Timer(1.0)
-        timer.tick(A.run_panel, inputs=seen, outputs=[progress, log, result, seen], show_progress="hidden")
+        timer.tick(A.run_panel, inputs=seen, outputs=[progress, log, result, seen], show_progress="hidden").then(
+            None, js=FOLLOW_LOG_JS)
     return app
 
 

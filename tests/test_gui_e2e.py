@@ -1,0 +1,195 @@
+"""End to end, with the real trainers: the runner stops a real training run mid-way and leaves no process behind;
+then a real browser (Playwright + Debian's chromium) drives `python gui.py --headless` on a free port: the
+compile accordion follows the family, Print shows --compile, Save then Open restores values, the demo preset's
+Start finishes and shows the LoRA path. All in one working folder so the demo files are made once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from kohya_gui import REPO, config_file, presets, training
+from kohya_gui.runner import Runner
+
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = REPO / "tests" / "_artifacts"
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    if not (REPO / "sd-scripts" / "sdxl_train_network.py").exists():
+        pytest.skip("sd-scripts/sdxl_train_network.py does not exist yet")
+    return tmp_path_factory.mktemp("gui_e2e")
+
+
+def wait_for(cond, timeout):
+    end = time.time() + timeout
+    while time.time() < end:
+        if cond():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_real_training_stops_mid_run_and_leaves_no_process(workdir, monkeypatch):
+    monkeypatch.chdir(workdir)  # the demo preset's relative paths (cache/demo, outputs/) land here
+    cfg = config_file.load(presets.preset_path("lora", "demo-sdxl-tiny"))
+    values = {**cfg.values, "max_train_steps": 500, "sample_every_n_steps": None, "output_name": "stopped"}
+    runner = Runner()
+    training.start(runner, cfg.tab, cfg.family, values)  # makes the demo files first, then trains
+    assert wait_for(lambda: (runner.snapshot().progress or {}).get("step", 0) >= 1 or not runner.running, 400), \
+        runner.log_tail()
+    assert runner.running, "the run ended before it could be stopped:\n" + runner.log_tail()
+    leader = psutil.Process(runner.pid)
+    tree = [leader, *leader.children(recursive=True)]
+    assert len(tree) >= 2  # accelerate launch + the training script
+    assert runner.stop(grace=10) is True
+    state = runner.snapshot()
+    assert state.stopped and state.message == "stopped" and state.progress["total"] == 500
+    gone, alive = psutil.wait_procs(tree, timeout=10)
+    assert not alive, alive
+    assert not (workdir / "outputs/demo-sdxl-tiny/stopped.safetensors").exists()
+    log = (workdir / "outputs/demo-sdxl-tiny/stopped.log").read_text()
+    assert "steps: 1/500" in log and log.rstrip().endswith("# stopped")
+    assert (workdir / "outputs/demo-sdxl-tiny/stopped.toml").is_file()
+
+
+# ---- the browser ---------------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def gui_url(workdir):
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} is missing (apt-get install chromium)")
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}
+    log = open(workdir / "gui.log", "w")
+    proc = subprocess.Popen([sys.executable, str(REPO / "gui.py"), "--headless", "--server_port", str(port)],
+                            cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def answers():
+        try:
+            with urllib.request.urlopen(url + "/config", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return proc.poll() is not None  # died: stop waiting, fail below
+
+    try:
+        assert wait_for(answers, 180) and proc.poll() is None, (workdir / "gui.log").read_text()
+        yield url
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(10)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def page(gui_url):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM,
+                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        pg = browser.new_page(viewport={"width": 1400, "height": 1000})
+        pg.set_default_timeout(30000)
+        pg.goto(gui_url)
+        pg.wait_for_selector("#lora-family")
+        yield pg
+        browser.close()
+
+
+def pick(page, elem_id: str, option: str):
+    page.locator(f"#{elem_id} input").click()
+    page.get_by_role("option", name=option, exact=True).click()
+
+
+def field(page, elem_id: str):
+    return page.locator(f"#{elem_id}").locator("input, textarea").first
+
+
+def test_compile_accordion_follows_family_and_print_shows_compile(page):
+    acc = page.locator("#lora-acc-compile")
+    assert acc.is_visible()  # the demo preset is SDXL
+    assert page.get_by_text("Torch Compile Settings").first.is_visible()
+    pick(page, "lora-family", "SD1.x")
+    acc.wait_for(state="hidden")
+    assert "sd-scripts/train_network.py" in page.locator("#lora-acc-model").inner_text()
+    pick(page, "lora-family", "SDXL")
+    acc.wait_for(state="visible")
+    acc.get_by_text("Torch Compile Settings").click()
+    page.locator("#lora-compile input[type=checkbox]").check()
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "lora-tab-compile-open.png"), full_page=True)
+    page.locator("#lora-print").click()
+    page.wait_for_function(
+        "() => document.querySelector('#lora-standalone textarea').value.includes('--compile')")
+    standalone = field(page, "lora-standalone").input_value()
+    assert "sd-scripts/sdxl_train_network.py" in standalone and "--compile" in standalone.split()
+    command = field(page, "lora-command").input_value()
+    assert command.startswith("accelerate launch ") and "--config_file" in command
+    page.locator("#lora-compile input[type=checkbox]").uncheck()
+
+
+def test_save_then_open_restores_values(page, workdir):
+    target = workdir / "configs" / "browser.toml"
+    field(page, "lora-config-path").fill(str(target))
+    page.locator("#lora-acc-network").get_by_text("Network").first.click()  # closed accordions render lazily
+    field(page, "lora-network_dim").fill("12")
+    pick(page, "lora-compile_mode", "reduce-overhead")
+    page.locator("#lora-save").click()
+    page.locator("#lora-status").get_by_text("Saved").wait_for()
+    saved = config_file.load(target)
+    assert saved.values["network_dim"] == 12 and saved.values["compile_mode"] == "reduce-overhead"
+    field(page, "lora-network_dim").fill("20")
+    pick(page, "lora-compile_mode", "default")
+    page.locator("#lora-open").click()
+    page.locator("#lora-status").get_by_text("Opened").wait_for()
+    page.wait_for_function("() => document.querySelector('#lora-network_dim input').value === '12'")
+    assert field(page, "lora-compile_mode").input_value() == "reduce-overhead"
+    # a bad file: the error names the key, nothing changes
+    bad = workdir / "configs" / "bad.toml"
+    bad.write_text('[network]\nnetwork_dimm = 3\n')
+    field(page, "lora-config-path").fill(str(bad))
+    page.locator("#lora-open").click()
+    page.locator("#lora-status").get_by_text("network_dimm").wait_for()
+    assert "network_dim" in page.locator("#lora-status").inner_text()
+    assert field(page, "lora-network_dim").input_value() == "12"
+
+
+def test_demo_preset_start_finishes_and_shows_the_lora(page, workdir):
+    pick(page, "lora-preset", "demo-sdxl-tiny")  # back to the demo as shipped
+    page.locator("#lora-status").get_by_text("Loaded preset").wait_for()
+    page.locator("#lora-start").click()
+    page.locator("#lora-status").get_by_text("Training started").wait_for()
+    result = page.locator("#run-result")
+    result.get_by_text("Run finished").wait_for(timeout=400_000)
+    lora = "outputs/demo-sdxl-tiny/demo-sdxl-lora.safetensors"
+    assert lora in result.inner_text()
+    assert (workdir / lora).is_file()
+    assert "steps: 4/4" in page.locator("#kg-log textarea").input_value() or "steps: 4/4" in (
+        workdir / "outputs/demo-sdxl-tiny/demo-sdxl-lora.log").read_text()
+    page.screenshot(path=str(ARTIFACTS / "lora-tab-demo-finished.png"), full_page=True)
