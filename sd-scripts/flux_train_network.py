@@ -45,7 +45,7 @@ class FluxNetworkTrainer(NetworkTrainer):
     def assert_extra_args(self, args) -> None:
         if args.v2 or args.v_parameterization:
             raise ConfigError("--v2 / --v_parameterization are for SD2.x; flux_train_network.py trains FLUX.1")
-        if args.network_module and args.network_module != "networks.lora_flux":
+        if getattr(args, "network_module", None) not in (None, "networks.lora_flux"):
             logger.warning("--network_module %s: FLUX LoRA files in kohya's format come from networks.lora_flux",
                            args.network_module)
         if args.min_snr_gamma:
@@ -97,8 +97,13 @@ class FluxNetworkTrainer(NetworkTrainer):
         return loss
 
     def place_unet(self, args, components, device, weight_dtype) -> None:
-        self.swapper = flux_train_utils.place_transformer(components.transformer, device, weight_dtype,
-                                                          args.fp8_base, args.blocks_to_swap or 0)
+        from library.block_swap import BlockSwapError
+
+        try:
+            self.swapper = flux_train_utils.place_transformer(components.transformer, device, weight_dtype,
+                                                              args.fp8_base, args.blocks_to_swap or 0)
+        except BlockSwapError as e:
+            raise ConfigError(str(e)) from e
 
     def prepare_unet_with_accelerator(self, args, accelerator, components) -> None:
         compile_utils.setup_compile_environment(args)

@@ -1,0 +1,110 @@
+"""Full fine-tune / DreamBooth of the FLUX.1 transformer, kohya-ss/sd-scripts CLI, with regional torch.compile.
+
+    accelerate launch sd-scripts/flux_train.py --pretrained_model_name_or_path flux1-dev.safetensors \
+        --clip_l clip_l.safetensors --t5xxl t5xxl_fp16.safetensors --ae ae.safetensors \
+        --train_data_dir data --output_dir out --output_name myflux --mixed_precision bf16 --full_bf16 \
+        --optimizer_type Adafactor --fused_backward_pass --gradient_checkpointing --compile
+
+The result is a BFL-layout single file (`double_blocks.N...`, `single_blocks.N...`) that ComfyUI/Forge, our
+loader and diffusers' FluxTransformer2DModel.from_single_file read. `--train_blocks single|double` trains only
+those blocks (everything else stays bit-identical to the base). The text encoders and the AE stay frozen.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from flux_train_network import FluxNetworkTrainer  # noqa: E402
+from library import compile_utils, flux_models, flux_train_utils, full_trainer, train_util  # noqa: E402
+from library.full_trainer import FullTrainer  # noqa: E402
+from library.train_util import ConfigError  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+TRAIN_BLOCKS = ("all", "single", "double")
+
+
+class FluxTrainer(FullTrainer, FluxNetworkTrainer):
+    """The shared full-model loop (library.full_trainer) with the FLUX.1 hooks of the LoRA trainer."""
+
+    model_label = "FLUX"
+
+    def assert_extra_args(self, args) -> None:
+        if args.train_text_encoder:
+            raise ConfigError("--train_text_encoder: flux_train.py trains the FLUX transformer only (CLIP-L and "
+                              "T5-XXL stay frozen); train a CLIP-L LoRA with flux_train_network.py instead")
+        if args.save_model_as != "safetensors":
+            raise ConfigError(f"--save_model_as {args.save_model_as}: flux_train.py writes a BFL single file; "
+                              "allowed: safetensors")
+        if args.fp8_base:
+            raise ConfigError("--fp8_base keeps frozen weights in fp8; a full fine-tune trains them: drop it")
+        if args.blocks_to_swap:
+            raise ConfigError("--blocks_to_swap needs frozen blocks (LoRA training); a full fine-tune trains them: "
+                              "use --fused_backward_pass and --gradient_checkpointing to save memory")
+        if args.train_blocks not in TRAIN_BLOCKS:
+            raise ConfigError(f"--train_blocks {args.train_blocks}: allowed: {', '.join(TRAIN_BLOCKS)}")
+        super().assert_extra_args(args)
+
+    def trained_model(self, components):
+        return components.transformer
+
+    def setup_trainable(self, args, accelerator, components, weight_dtype, caching_te: bool):
+        trainable = super().setup_trainable(args, accelerator, components, weight_dtype, caching_te)
+        if args.train_blocks != "all":
+            keep = "single_transformer_blocks." if args.train_blocks == "single" else "transformer_blocks."
+            for name, p in components.transformer.named_parameters():
+                p.requires_grad_(name.startswith(keep))
+            params = [p for p in components.transformer.parameters() if p.requires_grad]
+            trainable.param_groups[0]["params"] = params
+            logger.info("--train_blocks %s: %.2fM parameters trained, the rest of the transformer is frozen",
+                        args.train_blocks, sum(p.numel() for p in params) / 1e6)
+        return trainable
+
+    def save_full_model(self, args, components, path: str, metadata, save_dtype) -> None:
+        sd = {k: v.detach().to("cpu") for k, v in components.transformer.state_dict().items()}
+        bfl = flux_models.diffusers_to_bfl(compile_utils.strip_orig_mod(sd))
+        if save_dtype is not None:
+            bfl = {k: v.to(save_dtype) for k, v in bfl.items()}
+        train_util.save_safetensors_atomic(bfl, path, metadata, overwrite=args.overwrite_output)
+
+    def modelspec_metadata(self, args) -> dict[str, str]:
+        variant = "schnell" if getattr(self, "components", None) is not None and self.components.is_schnell \
+            else "dev"
+        md = {
+            "modelspec.sai_model_spec": "1.0.0",
+            "modelspec.architecture": f"flux-1-{variant}",
+            "modelspec.implementation": "https://github.com/black-forest-labs/flux",
+            "modelspec.title": args.output_name,
+            "modelspec.date": datetime.datetime.now().replace(microsecond=0).isoformat(),
+        }
+        if getattr(args, "training_comment", None):
+            md["modelspec.description"] = args.training_comment
+        return md
+
+    def method_metadata(self, args):
+        md = super().method_metadata(args)
+        md["ss_train_blocks"] = args.train_blocks
+        return md
+
+
+def setup_parser() -> argparse.ArgumentParser:
+    parser = full_trainer.setup_parser(text_encoders=1)
+    flux_train_utils.add_flux_arguments(parser)
+    parser.add_argument("--train_blocks", type=str, default="all", choices=TRAIN_BLOCKS,
+                        help="which transformer blocks are trained: all (the whole transformer), single or double")
+    compile_utils.add_compile_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> str | None:
+    """Train from command-line arguments; a bad option or input exits with status 2 and a clear message."""
+    return full_trainer.run(FluxTrainer(), setup_parser(), argv)
+
+
+if __name__ == "__main__":
+    main()
