@@ -246,6 +246,17 @@ def test_save_strips_orig_mod_and_refuses_to_overwrite(sd1_comps, tmp_path):
     save_sd_checkpoint(out, sd1_comps, overwrite=True)
     with pytest.raises(ValueError, match=r"allowed: \.safetensors, \.ckpt"):
         save_sd_checkpoint(tmp_path / "c.bin", sd1_comps)
+    import safetensors.torch
+
+    def failing_save(sd, filename, metadata=None):
+        open(filename, "wb").write(b"partial")
+        raise OSError("disk full")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(safetensors.torch, "save_file", failing_save)
+        with pytest.raises(OSError, match="disk full"):
+            save_sd_checkpoint(out, sd1_comps, overwrite=True)
+    assert out.read_bytes() != b"partial" and sorted(p.name for p in tmp_path.iterdir()) == ["c.safetensors"]
     with pytest.raises(ValueError, match="unknown precision 'fp8'"):
         save_sd_checkpoint(tmp_path / "d.safetensors", sd1_comps, save_dtype="fp8")
     assert not (tmp_path / "d.safetensors").exists()
