@@ -43,9 +43,11 @@ def all_reduce_gradients(params, accelerator) -> None:
     world = accelerator.num_processes
     buckets: dict[tuple, list[torch.Tensor]] = {}
     sizes: dict[tuple, int] = {}
+    no_grad = []
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+            no_grad.append(p)
         key = (p.grad.dtype, p.grad.device)
         buckets.setdefault(key, []).append(p.grad)
         sizes[key] = sizes.get(key, 0) + p.grad.numel() * p.grad.element_size()
@@ -54,6 +56,9 @@ def all_reduce_gradients(params, accelerator) -> None:
             sizes[key] = 0
     for grads in buckets.values():
         _reduce_bucket(grads, world)
+    for p in no_grad:  # unused on every process (e.g. SDXL's last CLIP-L layer): no gradient, as before
+        if not p.grad.any():
+            p.grad = None
 
 
 def _reduce_bucket(grads: list[torch.Tensor], world: int) -> None:
@@ -82,6 +87,12 @@ def log_process(accelerator, num_batches: int) -> None:
                 accelerator.num_processes, accelerator.device, num_batches)
 
 
-def log_process_done(accelerator, steps: int, last_loss: float) -> None:
-    logger.info("process %d/%d finished %d steps, last loss %.4f", accelerator.process_index,
-                accelerator.num_processes, steps, last_loss)
+def weights_checksum(params) -> float:
+    """Sum of all trained weights: equal on every process when their gradients were averaged."""
+    with torch.no_grad():
+        return float(sum(p.detach().double().sum().item() for p in params))
+
+
+def log_process_done(accelerator, steps: int, last_loss: float, params) -> None:
+    logger.info("process %d/%d finished %d steps, last loss %.4f, weights checksum %.10e", accelerator.process_index,
+                accelerator.num_processes, steps, last_loss, weights_checksum(params))

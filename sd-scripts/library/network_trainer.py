@@ -592,7 +592,7 @@ class NetworkTrainer:
                 self.sample_images(args, epoch=done_epoch, steps=global_step, **sample_kwargs)
 
         progress.close()
-        data_parallel.log_process_done(accelerator, global_step, last_loss)
+        data_parallel.log_process_done(accelerator, global_step, last_loss, trained_params)
         final_epoch = max(state.epoch, 1)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
