@@ -138,7 +138,13 @@ def test_compile_accordion_follows_family_and_print_shows_compile(page):
     pick(page, "lora-family", "SD1.x")
     acc.wait_for(state="hidden")
     assert "sd-scripts/train_network.py" in page.locator("#lora-acc-model").inner_text()
+    assert not page.locator("#lora-acc-flux").is_visible()
+    pick(page, "lora-family", "FLUX.1")
+    acc.wait_for(state="visible")
+    page.locator("#lora-acc-flux").wait_for(state="visible")
+    assert "sd-scripts/flux_train_network.py" in page.locator("#lora-acc-model").inner_text()
     pick(page, "lora-family", "SDXL")
+    page.locator("#lora-acc-flux").wait_for(state="hidden")
     acc.wait_for(state="visible")
     acc.get_by_text("Torch Compile Settings").click()
     page.locator("#lora-compile input[type=checkbox]").check()
@@ -152,6 +158,24 @@ def test_compile_accordion_follows_family_and_print_shows_compile(page):
     command = field(page, "lora-command").input_value()
     assert command.startswith("accelerate launch ") and "--config_file" in command
     page.locator("#lora-compile input[type=checkbox]").uncheck()
+
+
+def test_dreambooth_tab_compile_accordion_and_print(page):
+    page.get_by_role("tab", name="DreamBooth").click()
+    acc = page.locator("#dreambooth-acc-compile")
+    acc.wait_for(state="visible")  # its demo preset is SDXL too
+    pick(page, "dreambooth-family", "SD1.x")
+    acc.wait_for(state="hidden")
+    page.locator("#dreambooth-print").click()
+    page.wait_for_function(
+        "() => document.querySelector('#dreambooth-command textarea').value.includes('train_db.py')")
+    pick(page, "dreambooth-family", "SDXL")
+    acc.wait_for(state="visible")
+    page.locator("#dreambooth-print").click()
+    page.wait_for_function(
+        "() => document.querySelector('#dreambooth-command textarea').value.includes('sdxl_train.py')")
+    page.get_by_role("tab", name="LoRA").click()
+    page.locator("#lora-family").wait_for(state="visible")
 
 
 def test_save_then_open_restores_values(page, workdir):
