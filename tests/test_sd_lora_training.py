@@ -128,3 +128,30 @@ def test_encode_clip_long_prompts(tiny_sd1_single_file):
     # a short caption's first chunk is the plain 77-token encoding
     assert torch.allclose(long[0, :76], short[0, :76], atol=1e-5)
     assert not torch.allclose(skip2, short)
+
+
+def test_network_weights_continue(tmp_path, tiny_sd1_single_file, one_image):
+    """--network_weights starts from a LoRA file: with a vanishing learning rate the result is that file."""
+    import train_network
+    from library.model_util import load_sd_components
+    from library.network_trainer import NetworkTrainer, run
+    from networks import lora
+
+    comps = load_sd_components(str(tiny_sd1_single_file), "sd1",
+                               tokenizer_cache_dir=str(tiny_sd1_single_file.parent / "tokenizers"))
+    net = lora.create_network(1.0, 4, 4.0, comps.vae, comps.text_encoders[0], comps.unet)
+    net.apply_to(comps.text_encoders, comps.unet, True, True)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.normal_(0, 0.05)
+    start = tmp_path / "start.safetensors"
+    net.save_weights(str(start), None, {})
+    out = run(NetworkTrainer(), train_network.setup_parser(), argv_for(
+        tiny_sd1_single_file, tiny_sd1_single_file.parent / "tokenizers", tmp_path, one_image, "continued",
+        ["--max_train_steps", "1", "--network_weights", str(start), "--learning_rate", "1e-12",
+         "--optimizer_type", "SGDNesterov"]))
+    a, _ = read_lora(start)
+    b, _ = read_lora(out)
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-6), k

@@ -80,9 +80,12 @@ def test_sdxl_eager_subprocess_from_config_file(tmp_path, tiny_sdxl_single_file,
         f"output_dir = {json.dumps(str(out))}\noutput_name = \"mylora\"\nnetwork_module = \"networks.lora\"\n"
         "network_dim = 8\nnetwork_alpha = 4\nmax_train_steps = 2\nlearning_rate = 1e-2\nseed = 3\n"
         "optimizer_type = \"AdamW\"\noptimizer_args = [\"weight_decay=0.01\"]\nlr_scheduler = \"cosine\"\n")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a blue square --n blurry --w 64 --h 64 --s 2 --l 5 --d 11\n")
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run([sys.executable, "sd-scripts/sdxl_train_network.py", "--config_file", str(cfg),
-                           "--network_dim", "4"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                           "--network_dim", "4", "--sample_prompts", str(prompts), "--sample_every_n_steps", "2"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("steps: ")]
     assert lines and lines[-1].startswith("steps: 2/2 loss="), proc.stdout[-2000:]
@@ -111,6 +114,11 @@ def test_sdxl_eager_subprocess_from_config_file(tmp_path, tiny_sdxl_single_file,
     values = train_util.load_config_file(run_cfg, sdxl_train_network.setup_parser())
     assert values["network_dim"] == 4 and values["lr_scheduler"] == "cosine" and values["seed"] == 3
     assert not [p for p in out.iterdir() if p.name.startswith(".")], "temp files left behind"
+    samples = list((out / "sample").glob("mylora_000002_00_*_11.png"))
+    assert len(samples) == 1
+    from PIL import Image
+
+    assert Image.open(samples[0]).size == (64, 64)
 
     check_loads_in_diffusers(lora, load_components(tiny_sdxl_single_file))
 
