@@ -231,6 +231,15 @@ def test_sd2_v_round_trip_keeps_the_skipped_layer(tmp_path):
     assert torch.equal(saved[last], src[last].half())
     again = load_sd_components(out, "sd2", tokenizer_cache_dir=toks, dtype=torch.float16)
     assert again.unet.dtype == torch.float16 and again.text_encoders[0].dtype == torch.float16
+    # diffusers' own single-file loader reads the SD2 (open_clip) layout we write
+    from diffusers import StableDiffusionPipeline
+
+    folder = tm.make_tiny_sd(tmp_path / "m", "sd2", "diffusers")
+    resaved = save_sd_checkpoint(tmp_path / "fp32.safetensors", c)
+    pipe = StableDiffusionPipeline.from_single_file(str(resaved), config=str(folder), local_files_only=True)
+    _assert_same_weights(pipe.text_encoder, c.text_encoders[0])
+    _assert_same_weights(pipe.unet, c.unet)
+    assert pipe.scheduler.config.prediction_type == "v_prediction"
 
 
 def test_save_strips_orig_mod_and_refuses_to_overwrite(sd1_comps, tmp_path):
