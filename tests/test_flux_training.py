@@ -1,0 +1,165 @@
+"""FLUX.1 trainers end to end on a tiny FLUX (BFL single files, CPU, 2 steps):
+
+- LoRA eager from a --config_file with CLIP-L LoRA, --fp8_base and a sample image (flow-matching Euler, --g);
+- LoRA with --compile aot_eager + --blocks_to_swap 1 + gradient checkpointing + cached latents/T5 outputs;
+- LoRA with --compile inductor (the one inductor case);
+- full fine-tune with --train_blocks single: the saved BFL file reloads and differs from the base only in the
+  single blocks;
+- clear errors for missing files and impossible settings.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import flux_train
+import flux_train_network
+from library import flux_models, flux_tiny
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # 2 shared cores: one thread is much faster here
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def flux_set(tmp_path_factory):
+    return flux_tiny.make_tiny_flux(tmp_path_factory.mktemp("flux_train_models"))
+
+
+@pytest.fixture(scope="module")
+def flux_data(tmp_path_factory):
+    from library.tiny_models import make_captioned_images
+
+    return make_captioned_images(tmp_path_factory.mktemp("flux_data"), n=2, size=(32, 32), repeats=1, name="demo")
+
+
+def model_argv(paths):
+    return ["--pretrained_model_name_or_path", paths["transformer"], "--clip_l", paths["clip_l"],
+            "--t5xxl", paths["t5xxl"], "--ae", paths["ae"], "--tokenizer_cache_dir", paths["tokenizer_cache_dir"]]
+
+
+def lora_argv(paths, data, out, name, extra=()):
+    return [*model_argv(paths), "--train_data_dir", str(data), "--output_dir", str(out), "--output_name", name,
+            "--network_module", "networks.lora_flux", "--network_dim", "4", "--network_alpha", "2",
+            "--resolution", "32", "--max_train_steps", "2", "--learning_rate", "1e-3",
+            "--t5xxl_max_token_length", "16", "--max_data_loader_n_workers", "0", "--seed", "1", *extra]
+
+
+def read(path):
+    with safe_open(str(path), "pt") as f:
+        md = f.metadata() or {}
+    return load_file(str(path)), md
+
+
+def check_kohya_flux_keys(sd, te: bool):
+    names = {k.split(".")[0] for k in sd}
+    assert "lora_unet_double_blocks_0_img_attn_qkv" in names and "lora_unet_single_blocks_0_linear1" in names
+    assert all(n.startswith(("lora_unet_double_blocks_", "lora_unet_single_blocks_", "lora_te1_")) for n in names)
+    assert any(n.startswith("lora_te1_text_model_encoder_layers_") for n in names) == te
+    for n in names:
+        assert {f"{n}.lora_down.weight", f"{n}.lora_up.weight", f"{n}.alpha"} <= set(sd)
+    assert any(v.abs().sum() > 0 for k, v in sd.items() if k.endswith("lora_up.weight"))  # it trained
+
+
+def test_lora_eager_from_config_file_with_te_fp8_and_samples(flux_set, flux_data, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle --w 64 --h 64 --s 2 --g 3.5 --d 7\n")
+    cfg = tmp_path / "flux.toml"
+    argv = lora_argv(flux_set, flux_data, tmp_path / "out", "eager",
+                     ["--fp8_base", "--sample_prompts", str(prompts), "--sample_every_n_steps", "2",
+                      "--timestep_sampling", "shift", "--model_prediction_type", "raw", "--apply_t5_attn_mask"])
+    lines = []
+    it = iter(argv)
+    for a in it:
+        key = a[2:]
+        if a in ("--fp8_base", "--apply_t5_attn_mask"):
+            lines.append(f"{key} = true")
+        else:
+            v = next(it)
+            lines.append(f"{key} = {v}" if v.replace(".", "").replace("e-", "").isdigit() else f'{key} = "{v}"')
+    cfg.write_text("\n".join(lines) + "\n")
+    path = flux_train_network.main(["--config_file", str(cfg)])
+    sd, md = read(path)
+    check_kohya_flux_keys(sd, te=True)
+    assert md["ss_network_module"] == "networks.lora_flux" and md["ss_base_model_version"] == "flux1"
+    assert md["ss_fp8_base"] == "True" and md["ss_timestep_sampling"] == "shift"
+    assert md["ss_model_prediction_type"] == "raw" and md["ss_guidance_scale"] == "3.5"
+    samples = list((tmp_path / "out" / "sample").glob("eager_000002_00_*_7.png"))
+    assert len(samples) == 1
+
+
+def test_lora_compile_aot_eager_with_block_swap(flux_set, flux_data, tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    argv = lora_argv(flux_set, flux_data, tmp_path, "swap",
+                     ["--compile", "--compile_backend", "aot_eager", "--blocks_to_swap", "1",
+                      "--gradient_checkpointing", "--network_train_unet_only", "--cache_text_encoder_outputs",
+                      "--cache_latents", "--network_args", "train_blocks=all"])
+    path = flux_train_network.main(argv)
+    assert "Compiling FLUX with torch.compile: backend=aot_eager, mode=default" in caplog.text
+    assert "Linear layers in the compiled blocks run outside the graph" in caplog.text
+    assert "Block swap: 1 of 2 blocks swapped" in caplog.text
+    sd, md = read(path)
+    check_kohya_flux_keys(sd, te=False)
+    assert md["ss_blocks_to_swap"] == "1" and md["ss_compile_backend"] == "aot_eager"
+    assert not any("_orig_mod" in k for k in sd)
+
+
+def test_lora_compile_inductor(flux_set, flux_data, tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    argv = lora_argv(flux_set, flux_data, tmp_path, "ind",
+                     ["--compile", "--network_train_unet_only", "--network_args", "train_blocks=single"])
+    path = flux_train_network.main(argv)
+    assert "Compiling FLUX with torch.compile: backend=inductor, mode=default" in caplog.text
+    sd, md = read(path)
+    names = {k.split(".")[0] for k in sd}
+    assert names and all(n.startswith("lora_unet_single_blocks_") for n in names)
+    assert md["ss_compile"] == "True" and md["ss_network_args"] and "single" in md["ss_network_args"]
+
+
+def test_full_finetune_changes_only_trained_blocks(flux_set, flux_data, tmp_path):
+    argv = [*model_argv(flux_set), "--train_data_dir", str(flux_data), "--output_dir", str(tmp_path),
+            "--output_name", "ft", "--resolution", "32", "--max_train_steps", "2", "--learning_rate", "1e-3",
+            "--t5xxl_max_token_length", "16", "--max_data_loader_n_workers", "0", "--seed", "1",
+            "--train_blocks", "single", "--cache_latents", "--cache_text_encoder_outputs"]
+    path = flux_train.main(argv)
+    saved, md = read(path)
+    base = load_file(flux_set["transformer"])
+    assert set(saved) == set(base)
+    changed = {k for k in base if not torch.equal(saved[k], base[k])}
+    assert changed and all(k.startswith("single_blocks.") for k in changed)
+    assert md["modelspec.architecture"] == "flux-1-dev" and md["ss_train_blocks"] == "single"
+    # our loader reads it back (the diffusers single-file loader is checked on a width-3072 file in
+    # test_flux_models.py: its converter assumes FLUX's real width)
+    model = flux_models.load_flux_transformer(path, dtype=torch.float32)
+    assert torch.equal(model.single_transformer_blocks[0].proj_out.weight, saved["single_blocks.0.linear2.weight"])
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--blocks_to_swap", "5"], "between 1 and 1"),
+    (["--timestep_sampling", "cosine"], "invalid choice"),
+    (["--compile", "--blocks_to_swap", "1", "--compile_fullgraph"], "compile_fullgraph"),
+    (["--network_args", "train_blocks=middle"], "train_blocks"),
+])
+def test_bad_options_named(flux_set, flux_data, tmp_path, capsys, extra, match):
+    with pytest.raises(SystemExit) as e:
+        flux_train_network.main(lora_argv(flux_set, flux_data, tmp_path, "bad", extra))
+    assert e.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def test_single_file_needs_text_encoders(flux_set, flux_data, tmp_path, capsys):
+    argv = lora_argv(flux_set, flux_data, tmp_path, "noclip")
+    i = argv.index("--clip_l")
+    del argv[i:i + 2]
+    with pytest.raises(SystemExit):
+        flux_train_network.main(argv)
+    assert "--clip_l" in capsys.readouterr().err
