@@ -296,3 +296,42 @@ def test_block_swap_bad_count():
     t.requires_grad_(False)
     with pytest.raises(block_swap.BlockSwapError, match="between 1 and 1"):
         block_swap.place_with_block_swap(t, 2, "cpu")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# flow matching pieces
+
+
+def test_packing_and_ids_match_diffusers():
+    from diffusers import FluxPipeline
+
+    x = torch.randn(2, 16, 6, 8)
+    packed = flux_train_utils.pack_latents(x)
+    assert torch.equal(packed, FluxPipeline._pack_latents(x, 2, 16, 6, 8))
+    assert torch.equal(flux_train_utils.unpack_latents(packed, 6, 8), x)
+    ids = flux_train_utils.image_ids(6, 8, "cpu", torch.float32)
+    assert torch.equal(ids, FluxPipeline._prepare_latent_image_ids(2, 3, 4, "cpu", torch.float32))
+
+
+@pytest.mark.parametrize("mode", flux_train_utils.TIMESTEP_SAMPLING)
+def test_sigma_sampling(mode):
+    args = argparse.Namespace(timestep_sampling=mode, sigmoid_scale=1.0, discrete_flow_shift=3.0)
+    torch.manual_seed(0)
+    s = flux_train_utils.sample_sigmas(args, 4096, 64, 64, "cpu")
+    assert s.shape == (4096,) and s.min() > 0 and s.max() <= 1
+    mean = {"uniform": 0.5, "sigmoid": 0.5}
+    if mode in mean:
+        assert abs(s.mean().item() - mean[mode]) < 0.03
+    else:  # the shifted schedules push sigmas towards noise
+        assert s.mean().item() > 0.6
+
+
+def test_model_prediction_types():
+    pred, noisy, sigmas = torch.randn(2, 16, 4, 4), torch.randn(2, 16, 4, 4), torch.tensor([0.25, 0.75])
+    ns = argparse.Namespace
+    assert torch.equal(flux_train_utils.apply_model_prediction_type(ns(model_prediction_type="raw"), pred, noisy,
+                                                                    sigmas), pred)
+    assert torch.equal(flux_train_utils.apply_model_prediction_type(ns(model_prediction_type="additive"), pred,
+                                                                    noisy, sigmas), pred + noisy)
+    out = flux_train_utils.apply_model_prediction_type(ns(model_prediction_type="sigma_scaled"), pred, noisy, sigmas)
+    assert torch.allclose(out[1], noisy[1] - 0.75 * pred[1])
