@@ -299,11 +299,27 @@ def run_phase(model, optimizer, inputs, args, compiled: bool) -> dict:
     return out
 
 
+class _BypassReasons(logging.Handler):
+    """Collects inductor's 'Bypassing FX Graph Cache because ...' messages (why a warm start stays cold)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.reasons: list[str] = []
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if "Bypass" in msg and msg not in self.reasons:
+            self.reasons.append(msg[:500])
+
+
+_BYPASS = _BypassReasons()
+
+
 def _compile_stats() -> dict:
     """Cache hits/misses and where the compile time went (for the warm-start figures)."""
     from torch._dynamo.utils import compile_times, counters
 
-    keep = {}
+    keep = {"cache_bypass_reasons": list(_BYPASS.reasons)}
     for group in ("inductor", "aot_autograd", "stats", "frames"):
         for k, v in counters[group].items():
             if group != "inductor" or "cache" in k:
@@ -321,6 +337,10 @@ def main(argv=None):
     args = parse_args(argv)
     compile_utils.validate_compile_args(args)
     env = compile_utils.setup_compile_environment(args)
+    for name in ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache"):
+        lg = logging.getLogger(name)
+        lg.addHandler(_BYPASS)
+        lg.setLevel(min(lg.getEffectiveLevel(), logging.INFO))
     torch.manual_seed(args.seed)
 
     model = build_sdxl_unet(args) if args.family == "sdxl" else build_flux(args)

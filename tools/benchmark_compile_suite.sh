@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind docs/BENCHMARKS.md, on one CUDA GPU. Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|flux [OUTDIR]
+# The runs behind docs/BENCHMARKS.md, on one CUDA GPU. Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|flux [OUTDIR]
 # Each configuration runs in its own process (eager and compiled in that one process) with a fresh compile
 # cache, so "first compiled step" is a cold compile; the warm-start run reuses the SDXL bs1+GC cache.
 set -u
@@ -29,6 +29,12 @@ case "${1:-}" in
   sdxl_gc_blocks_only)  # checkpoint only the compiled blocks (resnets not checkpointed), then a warm restart
     run sdxl_bs1_gcb 150 --family sdxl --batch_size 1 --gradient_checkpointing --gc_blocks_only --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs1_gcb" --phases compiled
     run sdxl_bs1_gcb_warm 90 --family sdxl --batch_size 1 --gradient_checkpointing --gc_blocks_only --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs1_gcb" --phases compiled --steps 5
+    ;;
+  sdxl_warm)  # warm start where the FX/autograd cache applies (no checkpoint HOP), static shapes, GC cache bypass reason
+    run sdxl_bs1_cold 150 --family sdxl --batch_size 1 --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs1" --phases compiled
+    run sdxl_bs1_warm 90 --family sdxl --batch_size 1 --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs1" --phases compiled --steps 5
+    run sdxl_bs1_static 150 --family sdxl --batch_size 1 --compile_mode reduce-overhead --compile_dynamic false --compile_cache_dir "$CACHE_ROOT/sdxl_bs1_static" --phases compiled
+    run sdxl_bs1_gc_short 120 --family sdxl --batch_size 1 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs1_gc" --phases compiled --steps 3
     ;;
   flux)
     run flux_512 200 --family flux --resolution 512 --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/flux_512"
