@@ -156,7 +156,7 @@ def test_plain_sd_scripts_toml_opens(tmp_path):
     out = A.open_config("lora", path, "SDXL")
     assert out[1]["value"] == "FLUX.1"
     got = dict(zip([p.name for p in A.tab_params("lora")], ui_values_from_updates("lora", out)))
-    assert got["network_dim"] == 16 and got["compile"] is True and got["clip_l"] == "c.safetensors"
+    assert got["network_dim"] == "16" and got["compile"] is True and got["clip_l"] == "c.safetensors"
 
 
 def test_save_as_never_overwrites_and_bad_ui_values(tmp_path):
@@ -169,5 +169,13 @@ def test_save_as_never_overwrites_and_bad_ui_values(tmp_path):
     bad[[p.name for p in A.tab_params("lora")].index("max_train_steps")] = 2.5
     msg = A.save_config("lora", str(target), "SDXL", *bad)
     assert "max_train_steps" in msg and "whole number" in msg and target.read_text() == "keep me"
+    names = [p.name for p in A.tab_params("lora")]
+    for name, text, error in (("network_dim", "abc", "expected a whole number, got 'abc'"),
+                              ("max_train_epochs", "0", "must be at least 1"),
+                              ("train_batch_size", 0, "must be at least 1")):
+        bad = list(vals)
+        bad[names.index(name)] = text
+        msg = A.save_config("lora", str(target), "SDXL", *bad)
+        assert name in msg and error in msg and target.read_text() == "keep me", msg
     assert "Saved" in A.save_config("lora", str(target), "SDXL", *vals)
     assert target.read_text().startswith("[gui]")

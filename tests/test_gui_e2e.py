@@ -192,7 +192,7 @@ def test_save_then_open_restores_values(page, workdir):
     pick(page, "lora-compile_mode", "default")
     page.locator("#lora-open").click()
     page.locator("#lora-status").get_by_text("Opened").wait_for()
-    page.wait_for_function("() => document.querySelector('#lora-network_dim input').value === '12'")
+    page.wait_for_function("() => document.querySelector('#lora-network_dim textarea').value === '12'")
     assert field(page, "lora-compile_mode").input_value() == "reduce-overhead"
     # a bad file: the error names the key, nothing changes
     bad = workdir / "configs" / "bad.toml"

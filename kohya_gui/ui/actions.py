@@ -30,7 +30,14 @@ def tab_accordions(tab: str) -> list[str]:
 
 # ---- values <-> controls -------------------------------------------------------------------------------------
 
+def optional_number(p: P.Param) -> bool:
+    """Numbers whose default is "not set" get a text box: empty = not set (a number box cannot be empty)."""
+    return p.kind in ("int", "float") and p.default is None
+
+
 def to_ui(p: P.Param, value: Any) -> Any:
+    if optional_number(p):
+        return "" if value is None else (str(int(value)) if p.kind == "int" else P.format_number(value))
     if p.kind == "list":
         return shlex.join(value or [])
     if p.kind in ("str", "path", "dir"):
@@ -41,13 +48,19 @@ def to_ui(p: P.Param, value: Any) -> Any:
 def from_ui(p: P.Param, value: Any, tab: str | None = None) -> Any:
     """A control's value as the registry type (raises ValueError with the reason)."""
     if p.kind in ("int", "float"):
+        if isinstance(value, str):
+            value = value.strip()
         if value is None or value == "":
             return None if p.default is None else p.check(None)
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"expected {p.type_words()}, got {value!r}") from None
         if p.kind == "int":
-            if float(value) != int(float(value)):
+            if number != int(number):
                 raise ValueError(f"expected a whole number, got {value!r}")
-            return p.check(int(float(value)))
-        return p.check(float(value))
+            return p.check(int(number))
+        return p.check(number)
     if p.kind == "list":
         try:
             return shlex.split(value or "")

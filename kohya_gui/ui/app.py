@@ -43,9 +43,12 @@ def make_control(tab: str, p: P.Param, value, family: str):
     v = A.to_ui(p, value)
     if p.kind == "bool":
         return gr.Checkbox(value=bool(v), **kw)
+    if A.optional_number(p):
+        return gr.Textbox(value=v, placeholder="not set", **kw)
     if p.kind in ("int", "float"):
-        return gr.Number(value=v, precision=0 if p.kind == "int" else None, minimum=p.minimum,
-                         step=1 if p.kind == "int" else 0.0001, **kw)
+        # no minimum here: out-of-range values get the registry's message, which names the field
+        return gr.Number(value=v, precision=0 if p.kind == "int" else None, step=1 if p.kind == "int" else 0.0001,
+                         **kw)
     if p.kind == "choice":
         choices = [(p.choice_labels.get(c, c), c) for c in p.choices_for(tab)]
         return gr.Dropdown(choices=choices, value=v, **kw)
