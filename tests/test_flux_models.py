@@ -19,6 +19,14 @@ from library import block_swap, compile_utils, flux_models, flux_tiny, flux_trai
 from networks import lora_flux
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # 2 shared cores: one thread is much faster here
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_flux(tmp_path_factory):
     """Tiny FLUX.1-dev set: BFL single files + tokenizers + the same weights as a diffusers folder."""

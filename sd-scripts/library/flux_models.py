@@ -272,8 +272,10 @@ def _load_assign(model_cls_factory, sd: dict, source: str):
 
 
 def _fp8_linear_forward(self, x):
-    bias = None if self.bias is None else self.bias.to(x.dtype)
-    return F.linear(x, self.weight.to(x.dtype), bias)
+    # upcast straight to the compute dtype (autocast's when it is on), never to a wider one than needed
+    dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    bias = None if self.bias is None else self.bias.to(dt)
+    return F.linear(x.to(dt), self.weight.to(dt), bias)
 
 
 def apply_fp8_base(model: torch.nn.Module) -> int:
