@@ -75,12 +75,16 @@ def test_two_process_sdxl_dreambooth(tmp_path, tiny_sdxl_single_file, tiny_datas
     from library.tiny_models import make_captioned_images
 
     reg = make_captioned_images(tmp_path / "reg", n=2, size=(64, 64), repeats=1, name="dog")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a sks dog --w 64 --h 64 --s 2 --d 1\n")
     out = tmp_path / "out"
     proc = launch("sdxl_train.py", common(tiny_sdxl_single_file, tiny_dataset_dir, out, "db")
-                  + ["--reg_data_dir", reg, "--train_text_encoder", "--save_every_n_steps", 1])
+                  + ["--reg_data_dir", reg, "--train_text_encoder", "--save_every_n_steps", 1,
+                     "--sample_prompts", prompts, "--sample_every_n_steps", 2])
     check_both_ranks_trained(proc, batches_per_rank=8)  # 8 train + 8 balanced reg batches split over 2
     assert sorted(p.name for p in out.iterdir()) == ["db-step00000001.safetensors", "db.safetensors",
-                                                     "db_config.toml"]
+                                                     "db_config.toml", "sample"]
+    assert [p.suffix for p in (out / "sample").iterdir()] == [".png"]  # sampled once, by the main process
 
 
 def test_processes_that_accelerate_did_not_join_are_refused():
