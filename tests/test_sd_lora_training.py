@@ -47,7 +47,8 @@ def test_sd1_diffusers_folder_te_and_unet_epochs_samples(tmp_path, tiny_sd1_diff
         tiny_sd1_diffusers, None, tmp_path, one_image, "sd1lora",
         ["--max_train_epochs", "3", "--save_every_n_epochs", "1", "--save_last_n_epochs", "1",
          "--sample_prompts", str(prompts), "--sample_every_n_epochs", "3", "--sample_sampler", "euler_a",
-         "--clip_skip", "2", "--max_token_length", "150", "--min_snr_gamma", "5", "--noise_offset", "0.05"]))
+         "--clip_skip", "2", "--max_token_length", "150", "--min_snr_gamma", "5", "--noise_offset", "0.05",
+         "--gradient_checkpointing", "--logging_dir", str(tmp_path / "logs")]))
     assert Path(path) == tmp_path / "sd1lora.safetensors"
     assert len(trainer.losses) == 3
     # epoch saves with kohya names; --save_last_n_epochs 1 removed epoch 1
@@ -55,6 +56,7 @@ def test_sd1_diffusers_folder_te_and_unet_epochs_samples(tmp_path, tiny_sd1_diff
     assert not (tmp_path / "sd1lora-000001.safetensors").exists()
     samples = list((tmp_path / "sample").glob("sd1lora_e000003_00_*_5.png"))
     assert len(samples) == 1
+    assert list((tmp_path / "logs").rglob("events.out.tfevents.*"))  # TensorBoard
 
     sd, md = read_lora(path)
     names = {k.split(".")[0] for k in sd}

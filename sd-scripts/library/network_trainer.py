@@ -260,12 +260,26 @@ class NetworkTrainer:
         components.unet.enable_gradient_checkpointing()
         if train_text_encoder:
             for te in self.lora_target_text_encoders(components):
-                te.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                if hasattr(te, "activation_checkpointing_enable"):  # transformers >= 5.x name
+                    te.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+                else:
+                    te.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def place_unet(self, args, components, device, weight_dtype) -> None:
         """Puts the frozen UNet on its device and dtype (FLUX: keeps fp8 weights, places only the blocks that
         --blocks_to_swap leaves on the GPU)."""
         components.unet.to(device, dtype=weight_dtype)
+
+    def set_attention_backend(self, args, components) -> None:
+        """PyTorch SDPA is diffusers' default; --xformers switches the UNet to xformers when it is installed."""
+        unet = getattr(components, "unet", None)
+        if not args.xformers or unet is None:
+            return
+        try:
+            unet.enable_xformers_memory_efficient_attention()
+            logger.info("xformers attention enabled")
+        except Exception as e:  # noqa: BLE001 - not installed / no CUDA: SDPA still works
+            logger.warning("--xformers: cannot use xformers (%s); using PyTorch scaled-dot-product attention", e)
 
     def prepare_unet_with_accelerator(self, args, accelerator, components) -> None:
         """After accelerator.prepare: the UNet is frozen and on its device (the SDXL trainer compiles here)."""
@@ -429,6 +443,7 @@ class NetworkTrainer:
         device = accelerator.device
 
         components = self.load_target_model(args, accelerator, weight_dtype)
+        self.set_attention_backend(args, components)
         vae = components.vae
         prediction_type = self.prediction_type(args, components)
 
