@@ -283,6 +283,16 @@ def test_bad_options_named(tmp_path, tiny_dataset_dir, extra, error, match):
         _train(base_argv(tmp_path / "missing.safetensors", tmp_path / "out", tiny_dataset_dir, "x", extra=extra))
 
 
+def test_bad_sample_prompt_file_refused_early(tmp_path, tiny_dataset_dir):
+    from library.sample_prompts import PromptFileError
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat --w 63\n")
+    with pytest.raises(PromptFileError, match="width"):
+        _train(base_argv(tmp_path / "missing.safetensors", tmp_path / "out", tiny_dataset_dir, "x",
+                         extra=["--sample_prompts", str(prompts), "--sample_every_n_steps", "1"]))
+
+
 def test_cli_error_exits_cleanly(tmp_path, tiny_dataset_dir, capsys):
     import sdxl_train_network
 

@@ -329,6 +329,10 @@ class NetworkTrainer:
         validate = getattr(importlib.import_module(args.network_module), "parse_network_kwargs", None)
         if validate is not None:
             validate(parse_network_args(args.network_args))
+        if args.sample_prompts:
+            from library.sample_prompts import parse_prompt_file
+
+            parse_prompt_file(args.sample_prompts)  # PromptFileError names the file and line
         # a missing optimizer package is reported now, not after the models load
         train_util._import_optimizer_class(train_util.optimizer_name(args))
         self.assert_extra_args(args)
@@ -841,11 +845,17 @@ def run(trainer: NetworkTrainer, parser: argparse.ArgumentParser, argv: list[str
     try:
         args = train_util.parse_args(parser, argv)
         return trainer.train(args)
-    except (ConfigError, DatasetError, TrainingError, train_util.OptionalPackageError,
+    except (ConfigError, DatasetError, TrainingError, train_util.OptionalPackageError, _prompt_file_error(),
             train_util.OutputExistsError, _compile_error(), _network_args_error()) as e:
         logger.error("%s", e)
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from e
+
+
+def _prompt_file_error():
+    from library.sample_prompts import PromptFileError
+
+    return PromptFileError
 
 
 def _compile_error():
