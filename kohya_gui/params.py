@@ -354,6 +354,8 @@ PARAMS: tuple[Param, ...] = (
        write_default=False, minimum=1),
     _p("multi_gpu", "bool", False, "Multi-GPU", "Data-parallel over several GPUs.", "accelerate",
        target="launch"),
+    _p("cpu", "bool", False, "CPU only", "Train on the CPU even when a GPU is there (accelerate --cpu).",
+       "accelerate", target="launch"),
     # Torch Compile Settings (SDXL and FLUX.1)
     _p("compile", "bool", False, "Enable torch.compile",
        "Compile the repeated transformer blocks. The first steps are slow while it compiles (seconds to a "

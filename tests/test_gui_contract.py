@@ -105,4 +105,4 @@ def test_launch_options_parse_with_accelerate(tab, family):
     assert ns.gpu_ids == values["gpu_ids"] and ns.main_process_port == values["main_process_port"]
     assert ns.main_process_ip == values["main_process_ip"] and ns.machine_rank == values["machine_rank"]
     assert ns.num_cpu_threads_per_process == values["num_cpu_threads_per_process"]
-    assert ns.dynamo_backend == "no"
+    assert ns.dynamo_backend == "no" and ns.cpu is True
