@@ -13,6 +13,8 @@ Examples:
     python tools/benchmark_compile.py --family flux --resolution 512 --compile_mode reduce-overhead
     # warm start: a second process with the same cache, compiled phase only
     python tools/benchmark_compile.py --family sdxl --phases compiled --compile_cache_dir /tmp/cc --steps 3
+    # full fine-tune step (sdxl_train.py's 24 GB setup): bf16 weights, Adafactor, fused backward pass
+    python tools/benchmark_compile.py --family sdxl --full --gradient_checkpointing --compile_mode reduce-overhead
 
 Prints the median step ms, it/s, cold-compile seconds (first compiled step), peak memory
 (torch.cuda.max_memory_allocated) for eager and compiled, and the ratio; --json_out writes all figures.
@@ -86,6 +88,13 @@ def parse_args(argv=None):
     p.add_argument("--gc_blocks_only", action="store_true",
                    help="with --gradient_checkpointing: the compiled phase checkpoints only the compiled blocks "
                         "(diffusers' checkpointing of the resnets is turned off)")
+    p.add_argument("--full", action="store_true",
+                   help="full fine-tune instead of LoRA: every weight trained in bf16 (--full_bf16), Adafactor "
+                        "(relative_step=False, lr 1e-6) stepped per parameter in backward (--fused_backward_pass) "
+                        "with library.full_trainer's hooks, as sdxl_train.py does")
+    p.add_argument("--no_fused", action="store_true", help="with --full: a plain optimizer step after backward")
+    p.add_argument("--gc_freeze", action="store_true",
+                   help="gc.collect(); gc.freeze() after the warm-up steps (measures Python GC pauses)")
     p.add_argument("--json_out", default=None)
     p.add_argument("--seed", type=int, default=0)
     compile_utils.add_compile_arguments(p)
@@ -96,6 +105,9 @@ def parse_args(argv=None):
     bad = set(args.phases) - {"eager", "compiled"}
     if bad or not args.phases:
         p.error(f"--phases takes eager and/or compiled, got {sorted(bad) or args.phases}")
+    if args.no_fused and not args.full:
+        p.error("--no_fused applies only with --full")
+    args.fused = args.full and not args.no_fused
     return args
 
 
@@ -188,6 +200,24 @@ def _apply_kohya_lora(model, args):
 # ----------------------------------------------------------------------------------------------- inputs
 
 
+def setup_full(model, args):
+    """Every weight trainable in bf16, Adafactor as sdxl_train.py's 24 GB preset, optionally fused backward."""
+    from types import SimpleNamespace
+
+    from transformers.optimization import Adafactor
+
+    from library import full_trainer
+
+    model.requires_grad_(True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = Adafactor(params, lr=1e-6, relative_step=False, scale_parameter=False, warmup_init=False)
+    if args.fused:
+        # one process: data_parallel's all-reduce is a no-op; per-tensor clipping at 1.0 as the trainers do
+        full_trainer.register_fused_backward(SimpleNamespace(max_grad_norm=1.0), SimpleNamespace(num_processes=1),
+                                             optimizer)
+    return "full fine-tune, Adafactor" + (" fused backward" if args.fused else ""), params, optimizer
+
+
 def make_inputs(args, n_sets=3):
     """A few input sets to rotate through (cached latents + text-encoder outputs, random)."""
     g = torch.Generator(device=args.device).manual_seed(args.seed)
@@ -265,15 +295,21 @@ def run_phase(model, optimizer, inputs, args, compiled: bool) -> dict:
     losses = []
     total = args.warmup + args.steps
     for i in range(total):
+        if i == args.warmup and args.gc_freeze:
+            import gc
+
+            gc.collect()
+            gc.freeze()
         batch = inputs[i % len(inputs)]
         _sync(args)
         t0 = time.perf_counter()
         if compiled:
             compile_utils.mark_step_begin(args)
         loss = loss_fn(model, batch, args)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # with --full (fused) the optimizer steps each parameter in here
+        if not args.fused:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         _sync(args)
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
@@ -347,13 +383,16 @@ def main(argv=None):
     model.train()
     if args.gradient_checkpointing:
         model.enable_gradient_checkpointing()  # diffusers' way, used by the eager phase
-    impl, params = apply_lora(model, args)
-    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    if args.full:
+        impl, params, optimizer = setup_full(model, args)
+    else:
+        impl, params = apply_lora(model, args)
+        optimizer = torch.optim.AdamW(params, lr=1e-4)
     inputs = make_inputs(args)
     _sync(args)
     t_loaded = time.perf_counter()
     n_lora = sum(p.numel() for p in params)
-    logger.info(f"model ready in {t_loaded - t_start:.1f} s; LoRA ({impl}) rank {args.rank}: {n_lora / 1e6:.1f} M params")
+    logger.info(f"model ready in {t_loaded - t_start:.1f} s; {impl}: {n_lora / 1e6:.1f} M trained params")
 
     result = dict(
         device=torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else "cpu",
@@ -367,6 +406,8 @@ def main(argv=None):
         compile_mode=args.compile_mode,
         compile_dynamic=args.compile_dynamic,
         lora_impl=impl,
+        full=args.full,
+        fused_backward_pass=args.fused,
         lora_rank=args.rank,
         lora_params=n_lora,
         cache_dir=env.get("cache_dir"),
@@ -399,8 +440,9 @@ def main(argv=None):
 
 
 def print_summary(r):
+    what = r["lora_impl"] if r.get("full") else f"LoRA r{r['lora_rank']} ({r['lora_impl']})"
     head = (f"{r['family']} {r['resolution']}px bs{r['batch_size']}{' +GC' if r['gradient_checkpointing'] else ''} "
-            f"LoRA r{r['lora_rank']} ({r['lora_impl']}) on {r['device']}, torch {r['torch']}, "
+            f"{what} on {r['device']}, torch {r['torch']}, "
             f"compile {r['compile_backend']}/{r['compile_mode']}")
     print("\n" + head)
     print(f"{'phase':<10}{'step ms (median)':>18}{'it/s':>8}{'first step s':>14}{'peak GiB':>10}")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind docs/BENCHMARKS.md, on one CUDA GPU. Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|flux [OUTDIR]
+# The runs behind docs/BENCHMARKS.md, on one CUDA GPU. Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|flux [OUTDIR]
 # Each configuration runs in its own process (eager and compiled in that one process) with a fresh compile
 # cache, so "first compiled step" is a cold compile; the warm-start run reuses the SDXL bs1+GC cache.
 set -u
@@ -35,6 +35,12 @@ case "${1:-}" in
     run sdxl_bs1_warm 90 --family sdxl --batch_size 1 --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs1" --phases compiled --steps 5
     run sdxl_bs1_static 150 --family sdxl --batch_size 1 --compile_mode reduce-overhead --compile_dynamic false --compile_cache_dir "$CACHE_ROOT/sdxl_bs1_static" --phases compiled
     run sdxl_bs1_gc_short 120 --family sdxl --batch_size 1 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs1_gc" --phases compiled --steps 3
+    ;;
+  sdxl_final)  # after the RNG-state fix: GC cold + warm, bs4 GC, and a GC-pause check
+    run sdxl_bs1_gc 200 --family sdxl --batch_size 1 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs1_gc" --steps 20
+    run sdxl_bs1_gc_warm 80 --family sdxl --batch_size 1 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs1_gc" --phases compiled --steps 20
+    run sdxl_bs4_gc 150 --family sdxl --batch_size 4 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs4_gc" --phases compiled --steps 20
+    run sdxl_bs1_gcfreeze 130 --family sdxl --batch_size 1 --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs1" --phases compiled --steps 30 --gc_freeze
     ;;
   flux)
     run flux_512 200 --family flux --resolution 512 --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/flux_512"

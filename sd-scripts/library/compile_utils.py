@@ -288,7 +288,21 @@ def find_repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def _checkpointed_forward(self, *args, **kwargs):
     # One module-level function bound to every block, so all blocks share one traced graph.
-    return torch.utils.checkpoint.checkpoint(self._forward_inside_checkpoint, *args, use_reentrant=False, **kwargs)
+    return torch.utils.checkpoint.checkpoint(
+        self._forward_inside_checkpoint, *args, use_reentrant=False, preserve_rng_state=self._ckpt_rng, **kwargs
+    )
+
+
+def _uses_dropout(block: torch.nn.Module) -> bool:
+    """Whether a block draws random numbers in training (nn.Dropout, or a LoRA module's dropout settings)."""
+    for m in block.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        for attr in ("dropout", "rank_dropout", "module_dropout"):
+            v = getattr(m, attr, None)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+                return True
+    return False
 
 
 @torch._dynamo.disable
@@ -362,6 +376,9 @@ def compile_model_blocks(
         compile_kwargs["mode"] = mode
     for block in blocks:
         if gradient_checkpointing and not hasattr(block, "_forward_inside_checkpoint"):
+            # Saving/restoring the RNG state is only needed when the recompute draws random numbers (dropout);
+            # without it the graph stays cacheable (torch 2.11 cannot cache graphsafe_run_with_rng_state).
+            block._ckpt_rng = _uses_dropout(block)
             block._forward_inside_checkpoint = block.forward
             block.forward = types.MethodType(_checkpointed_forward, block)
         block.compile(**compile_kwargs)
