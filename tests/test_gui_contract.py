@@ -106,3 +106,29 @@ def test_launch_options_parse_with_accelerate(tab, family):
     assert ns.main_process_ip == values["main_process_ip"] and ns.machine_rank == values["machine_rank"]
     assert ns.num_cpu_threads_per_process == values["num_cpu_threads_per_process"]
     assert ns.dynamo_backend == "no" and ns.cpu is True
+
+
+def _all_presets():
+    from kohya_gui import presets
+
+    return [(tab, name) for tab in P.TABS for name in presets.list_presets(tab)]
+
+
+@pytest.mark.parametrize("tab,name", _all_presets())
+def test_presets_pass_the_trainers_checks(tab, name):
+    """Every shipped preset parses with its trainer and passes the option checks the trainer makes before any
+    model loads (files that only exist on the user's machine aside)."""
+    from library import compile_utils, train_util
+
+    from kohya_gui import presets
+
+    cfg = config_file.load(presets.preset_path(tab, name))
+    assert cfg.tab == tab
+    parser = load_parser(P.script_for(tab, cfg.family))
+    args = train_util.parse_args(parser, ["--config_file", str(presets.preset_path(tab, name))])
+    args.sample_prompts = args.resume = None  # files that are made on first use / exist on the user's machine
+    train_util.verify_training_args(args)
+    if cfg.family in P.COMPILE_FAMILIES:
+        compile_utils.validate_compile_args(args)
+    else:
+        assert not hasattr(args, "compile")
