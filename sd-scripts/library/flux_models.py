@@ -322,7 +322,15 @@ def load_flux_transformer(path: str, dtype: torch.dtype = torch.bfloat16, fp8_ba
         sd = strip_bfl_prefix(read_safetensors(path, "FLUX transformer (--pretrained_model_name_or_path)"))
         cfg = infer_transformer_config(sd, path)
         sd = bfl_to_diffusers(sd, source=path)
-        sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+
+        def cast(k, v):  # with fp8_base the Linear weights (all 2-D weights) go to fp8 directly, no bf16 copy
+            if not v.is_floating_point():
+                return v
+            if fp8_base and v.ndim == 2 and k.endswith(".weight"):
+                return v.to(FP8_DTYPE)
+            return v.to(dtype)
+
+        sd = {k: cast(k, v) for k, v in sd.items()}
         model = _load_assign(lambda: FluxTransformer2DModel(**cfg), sd, path)
     else:
         folder = _diffusers_subfolder(path, "transformer")
