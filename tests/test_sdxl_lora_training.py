@@ -167,7 +167,8 @@ def test_sdxl_compile_inductor(tmp_path, tiny_sdxl_single_file, tiny_dataset_dir
     check_loads_in_diffusers(path, load_components(tiny_sdxl_single_file))
 
 
-def test_sdxl_compile_two_buckets_dynamic_auto(tmp_path, tiny_sdxl_single_file, caplog):
+def test_sdxl_compile_two_buckets_dynamic_auto(tmp_path, tiny_sdxl_diffusers, caplog):
+    """Also the diffusers-folder layout of the model."""
     import sdxl_train_network
     from library import network_trainer
     from library.tiny_models import make_captioned_images
@@ -176,7 +177,7 @@ def test_sdxl_compile_two_buckets_dynamic_auto(tmp_path, tiny_sdxl_single_file, 
     make_captioned_images(data, n=1, size=(64, 64), repeats=1, name="square")
     make_captioned_images(data, n=1, size=(128, 32), repeats=1, name="wide")
     caplog.set_level(logging.INFO)
-    argv = base_argv(tiny_sdxl_single_file, tmp_path / "out", data, "buckets",
+    argv = base_argv(tiny_sdxl_diffusers, tmp_path / "out", data, "buckets",
                      extra=["--enable_bucket", "--bucket_reso_steps", "32", "--min_bucket_reso", "32",
                             "--max_bucket_reso", "128", "--compile", "--compile_backend", "aot_eager",
                             "--compile_dynamic", "auto", "--network_train_unet_only"])
@@ -186,8 +187,8 @@ def test_sdxl_compile_two_buckets_dynamic_auto(tmp_path, tiny_sdxl_single_file, 
     buckets = json.loads(md["ss_bucket_info"])["buckets"]
     assert sorted(tuple(b["resolution"]) for b in buckets.values()) == [(64, 64), (128, 32)]
     assert md["ss_compile_dynamic"] == "auto" and md["ss_steps"] == "2"
-    assert trainer.compiled_blocks == count_transformer_blocks(tiny_sdxl_single_file)
-    check_loads_in_diffusers(path, load_components(tiny_sdxl_single_file))
+    assert trainer.compiled_blocks == count_transformer_blocks(tiny_sdxl_diffusers)
+    check_loads_in_diffusers(path, load_components(tiny_sdxl_diffusers))
 
 
 def test_sdxl_resume_from_saved_state(tmp_path, tiny_sdxl_single_file, tiny_dataset_dir):
