@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import signal
 import sys
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -36,6 +38,19 @@ def exposure_warning(args: argparse.Namespace) -> str | None:
     return None
 
 
+def stop_run_on_exit(runner) -> None:
+    """A run lives in its own process group (so Stop can end all of it); end it when the GUI ends, too (Ctrl+C,
+    SIGTERM, normal exit), rather than leaving an unseen training process behind."""
+
+    def stop_run():
+        if runner.running:
+            print("The GUI is closing: stopping the training run ...", file=sys.stderr, flush=True)
+            runner.stop()
+
+    atexit.register(stop_run)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # so atexit handlers run on SIGTERM too
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -43,8 +58,10 @@ def main(argv=None) -> None:
     warning = exposure_warning(args)
     if warning:
         print(warning, file=sys.stderr, flush=True)
+    from kohya_gui.ui.actions import RUNNER
     from kohya_gui.ui.app import build_app, launch_kwargs
 
+    stop_run_on_exit(RUNNER)
     app = build_app()
     app.queue(default_concurrency_limit=4)
     app.launch(

@@ -3,10 +3,13 @@ the command is an argv list that quotes paths safely; Start refuses bad settings
 
 from __future__ import annotations
 
+import os
 import shlex
+import signal
 import subprocess
 import sys
 
+import psutil
 import pytest
 from gui_helpers import ui_values
 
@@ -76,3 +79,40 @@ def test_start_refuses_bad_settings_and_existing_results(tmp_path):
     assert not runner.running
     cmd, standalone, status = A.start_training("lora", "SDXL", *ui_values("lora", values))
     assert "already exists" in status and "Overwrite existing result" in status
+
+
+HARNESS = """
+import sys, time
+import gui
+from kohya_gui.runner import Runner
+runner = Runner()
+gui.stop_run_on_exit(runner)
+runner.start([[sys.executable, "-c", "import time; time.sleep(600)"]], sys.argv[1])
+while runner.pid is None:
+    time.sleep(0.05)
+print("RUN", runner.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_closing_the_gui_stops_its_run(tmp_path):
+    """SIGTERM to the GUI process ends the training run it started (no orphaned training process)."""
+    script = tmp_path / "harness.py"
+    script.write_text(HARNESS)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "run.log")], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        run_pid = None
+        for line in proc.stdout:
+            if line.startswith("RUN "):
+                run_pid = int(line.split()[1])
+                break
+        assert run_pid and psutil.pid_exists(run_pid)
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=60)[0]
+        assert "stopping the training run" in rest
+        assert not psutil.pid_exists(run_pid) or psutil.Process(run_pid).status() == psutil.STATUS_ZOMBIE
+    finally:
+        if proc.poll() is None:
+            proc.kill()
