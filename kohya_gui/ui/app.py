@@ -20,6 +20,7 @@ CSS = """
 .kg-state::first-letter {text-transform: uppercase;}
 .kg-note {opacity: 0.8; font-size: 0.9em;}
 #kg-log textarea {font-family: var(--font-mono); font-size: 12px;}
+.kg-config-buttons {align-self: flex-end; padding-bottom: 6px;}
 """
 
 
@@ -85,7 +86,7 @@ def build_tab(tab: str) -> dict:
         path = gr.Textbox(label="Configuration file", scale=4, elem_id=f"{tab}-config-path",
                           value=presets.user_config_path(tab, presets.DEFAULT_PRESET),
                           placeholder="configs/my-run.toml")
-        with gr.Column(scale=2, min_width=260):
+        with gr.Column(scale=2, min_width=260, elem_classes="kg-config-buttons"):
             with gr.Row():
                 open_btn = gr.Button("Open", size="md", elem_id=f"{tab}-open", min_width=70)
                 save_btn = gr.Button("Save", size="md", elem_id=f"{tab}-save", min_width=70)
