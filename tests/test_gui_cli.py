@@ -116,3 +116,13 @@ def test_closing_the_gui_stops_its_run(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_train_cli_refuses_incomplete_settings(tmp_path):
+    cfg = tmp_path / "incomplete.toml"
+    cfg.write_text('[gui]\ntab = "lora"\nfamily = "SDXL"\n[folders]\noutput_dir = "out"\n')
+    out = run_cli("train", str(cfg))
+    assert out.returncode == 2
+    assert "pretrained_model_name_or_path" in out.stderr and "is required" in out.stderr
+    assert "train_data_dir" in out.stderr
+    assert not (REPO / "out").exists()
