@@ -61,8 +61,10 @@ def test_two_process_sdxl_lora(tmp_path, tiny_sdxl_single_file, tiny_dataset_dir
     out = tmp_path / "out"
     proc = launch("sdxl_train_network.py", common(tiny_sdxl_single_file, tiny_dataset_dir, out, "lora")
                   + ["--network_module", "networks.lora", "--network_dim", 4, "--save_every_n_steps", 1,
-                     "--save_state"])
+                     "--save_state", "--compile", "--compile_backend", "eager"])
     check_both_ranks_trained(proc, batches_per_rank=4)  # 8 batches (4 images x 2 repeats) split over 2
+    # each process compiles its own UNet
+    assert (proc.stdout + proc.stderr).count("Compiling SDXL UNet with torch.compile: backend=eager") == 2
     assert sorted(p.name for p in out.iterdir()) == [
         "lora-state", "lora-step00000001-state", "lora-step00000001.safetensors", "lora.safetensors",
         "lora_config.toml"]
