@@ -188,6 +188,10 @@ class FullTrainer:
             value = getattr(args, name, None)
             if value is not None and value < 0:
                 raise ConfigError(f"--{name} must be 0 or more, got {value}")
+        given = [n for n in ("learning_rate_te", "learning_rate_te1", "learning_rate_te2") if getattr(args, n, None)]
+        if given and not args.train_text_encoder:
+            logger.warning("%s given without --train_text_encoder: the text encoders stay frozen",
+                           ", ".join("--" + n for n in given))
         if args.train_text_encoder and not any(lrs):
             raise ConfigError("--train_text_encoder with every text-encoder learning rate 0: nothing of the text "
                               "encoders would be trained; drop --train_text_encoder or give a rate above 0")
