@@ -81,6 +81,9 @@ class SDXLNetworkTrainer(NetworkTrainer):
         return StableDiffusionXLPipeline(vae=components.vae, text_encoder=te1, text_encoder_2=te2, tokenizer=tok1,
                                          tokenizer_2=tok2, unet=components.unet, scheduler=scheduler)
 
+    def sample_pipeline_kwargs(self, args) -> dict:
+        return {}  # the SDXL pipeline already uses the penultimate layers, as training does
+
     def base_model_version(self, args) -> str:
         return "sdxl_base_v1-0"
 

@@ -294,6 +294,10 @@ class NetworkTrainer:
                                        tokenizer=components.tokenizers[0], unet=components.unet, scheduler=scheduler,
                                        safety_checker=None, feature_extractor=None, requires_safety_checker=False)
 
+    def sample_pipeline_kwargs(self, args) -> dict:
+        """Extra pipeline call arguments for samples: kohya's --clip_skip 2 is diffusers' clip_skip=1."""
+        return {"clip_skip": args.clip_skip - 1} if args.clip_skip and args.clip_skip > 1 else {}
+
     def base_model_version(self, args) -> str:
         if args.v2:
             return "sd_v2" + ("_v" if args.v_parameterization else "")
@@ -787,7 +791,8 @@ class NetworkTrainer:
             sampling.sample_images(args, build_pipeline=lambda sched: self.build_pipeline(args, components, sched),
                                    device=accelerator.device, epoch=epoch, steps=steps,
                                    prediction_type=prediction_type, autocast=accelerator.autocast,
-                                   networks=[accelerator.unwrap_model(m) for m in models])
+                                   networks=[accelerator.unwrap_model(m) for m in models],
+                                   pipeline_kwargs=self.sample_pipeline_kwargs(args))
         finally:
             components.vae.to(vae_device)
             for te, d in zip(components.text_encoders, tes_devices):

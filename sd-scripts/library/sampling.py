@@ -73,7 +73,8 @@ def should_sample(args, *, epoch: int | None, steps: int) -> bool:
 
 @torch.no_grad()
 def sample_images(args, *, build_pipeline: Callable[[object], object], device: torch.device, epoch: int | None,
-                  steps: int, prediction_type: str = "epsilon", autocast=None, networks=()) -> list[str]:
+                  steps: int, prediction_type: str = "epsilon", autocast=None, networks=(),
+                  pipeline_kwargs: dict | None = None) -> list[str]:
     """Generates one image per prompt of args.sample_prompts and returns the saved paths.
 
     build_pipeline(scheduler) -> a diffusers pipeline over the live training components.
@@ -105,7 +106,7 @@ def sample_images(args, *, build_pipeline: Callable[[object], object], device: t
             kwargs = dict(prompt=p["prompt"], negative_prompt=p.get("negative_prompt") or None,
                           width=p.get("width", 512), height=p.get("height", 512),
                           num_inference_steps=p.get("sample_steps", 30), guidance_scale=p.get("scale", 7.5),
-                          generator=generator)
+                          generator=generator, **(pipeline_kwargs or {}))
             ctx = autocast() if autocast is not None else torch.autocast(device.type, enabled=False)
             with ctx:
                 image = pipe(**kwargs).images[0]
