@@ -96,7 +96,7 @@ def validation_errors(tab: str, family: str, values: dict[str, Any]) -> list[str
     for p in P.params_for(tab, family):
         if p.fixed:
             continue
-        value = values.get(p.name, p.default)
+        value = values.get(p.name, p.default_for(tab))
         try:
             value = p.check(value, tab)
         except ValueError as e:

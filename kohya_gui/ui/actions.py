@@ -79,7 +79,7 @@ def values_from_ui(tab: str, ui_values) -> tuple[dict[str, Any], list[str]]:
             values[p.name] = from_ui(p, v, tab)
         except ValueError as e:
             errors.append(f"{p.label} ({p.name}): {e}")
-            values[p.name] = p.default
+            values[p.name] = p.default_for(tab)
     return values, errors
 
 
@@ -95,7 +95,7 @@ def full_updates(tab: str, family: str, values: dict[str, Any]) -> list:
     """Value and visibility of each control, then accordions, then the script note."""
     vis = visibility_updates(tab, family)
     n = len(tab_params(tab))
-    out = [gr.update(value=to_ui(p, values.get(p.name, p.default)), visible=P.visible(p, tab, family))
+    out = [gr.update(value=to_ui(p, values.get(p.name, p.default_for(tab))), visible=P.visible(p, tab, family))
            for p in tab_params(tab)]
     return out + vis[n:]
 

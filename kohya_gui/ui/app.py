@@ -113,7 +113,7 @@ def build_tab(tab: str) -> dict:
                 for i in range(0, len(group), per_row):
                     with gr.Row():
                         for p in group[i:i + per_row]:
-                            controls[p.name] = make_control(tab, p, values0.get(p.name, p.default), family0)
+                            controls[p.name] = make_control(tab, p, values0.get(p.name, p.default_for(tab)), family0)
 
     with gr.Row():
         start_btn = gr.Button("Start training", variant="primary", elem_id=f"{tab}-start")
