@@ -17,6 +17,8 @@ import logging
 import os
 import sys
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from flux_train_network import FluxNetworkTrainer  # noqa: E402
@@ -43,9 +45,9 @@ class FluxTrainer(FullTrainer, FluxNetworkTrainer):
                               "allowed: safetensors")
         if args.fp8_base:
             raise ConfigError("--fp8_base keeps frozen weights in fp8; a full fine-tune trains them: drop it")
-        if args.blocks_to_swap:
-            raise ConfigError("--blocks_to_swap needs frozen blocks (LoRA training); a full fine-tune trains them: "
-                              "use --fused_backward_pass and --gradient_checkpointing to save memory")
+        if args.blocks_to_swap and not args.fused_backward_pass:
+            raise ConfigError("--blocks_to_swap in a full fine-tune needs --fused_backward_pass (with --optimizer_type "
+                              "Adafactor): each weight must be updated while its block is on the GPU")
         if args.train_blocks not in TRAIN_BLOCKS:
             raise ConfigError(f"--train_blocks {args.train_blocks}: allowed: {', '.join(TRAIN_BLOCKS)}")
         super().assert_extra_args(args)
@@ -54,16 +56,37 @@ class FluxTrainer(FullTrainer, FluxNetworkTrainer):
         return components.transformer
 
     def setup_trainable(self, args, accelerator, components, weight_dtype, caching_te: bool):
-        trainable = super().setup_trainable(args, accelerator, components, weight_dtype, caching_te)
-        if args.train_blocks != "all":
-            keep = "single_transformer_blocks." if args.train_blocks == "single" else "transformer_blocks."
-            for name, p in components.transformer.named_parameters():
-                p.requires_grad_(name.startswith(keep))
-            params = [p for p in components.transformer.parameters() if p.requires_grad]
-            trainable.param_groups[0]["params"] = params
-            logger.info("--train_blocks %s: %.2fM parameters trained, the rest of the transformer is frozen",
-                        args.train_blocks, sum(p.numel() for p in params) / 1e6)
-        return trainable
+        """The transformer (or its --train_blocks) is trained; with --blocks_to_swap only the resident blocks go
+        to the device (the shared FullTrainer.setup_trainable would move the whole model there first)."""
+        from library.block_swap import BlockSwapError, place_with_block_swap
+        from library.network_trainer import Trainable
+
+        device = accelerator.device
+        train_dtype = weight_dtype if (args.full_bf16 or args.full_fp16) else torch.float32
+        self.components = components
+        model = components.transformer
+        model.to(dtype=train_dtype)
+        keep = {"all": "", "single": "single_transformer_blocks.", "double": "transformer_blocks."}[args.train_blocks]
+        for name, p in model.named_parameters():
+            p.requires_grad_(name.startswith(keep))
+        if args.gradient_checkpointing:
+            self.enable_gradient_checkpointing(args, components, False)
+        model.train()
+        if args.blocks_to_swap:
+            try:
+                self.swapper = place_with_block_swap(model, args.blocks_to_swap, device, trainable=True)
+            except BlockSwapError as e:
+                raise ConfigError(str(e)) from e
+        else:
+            model.to(device)
+        if not caching_te:
+            for te in components.text_encoders:
+                te.to(device)
+        params = [p for p in model.parameters() if p.requires_grad]
+        logger.info("training the FLUX transformer (--train_blocks %s): %.2fM parameters in %s", args.train_blocks,
+                    sum(p.numel() for p in params) / 1e6, str(train_dtype).removeprefix("torch."))
+        return Trainable(models=[model], param_groups=[{"params": params, "lr": args.learning_rate}],
+                         train_text_encoder=False)
 
     def save_full_model(self, args, components, path: str, metadata, save_dtype) -> None:
         sd = {k: v.detach().to("cpu") for k, v in components.transformer.state_dict().items()}

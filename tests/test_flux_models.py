@@ -72,6 +72,11 @@ def test_bfl_round_trip(tiny_flux, tmp_path):
     assert all(torch.equal(back[k], bfl[k]) for k in bfl)
 
     model = flux_models.load_flux_transformer(tiny_flux["transformer"], dtype=torch.float32)
+    # the parts of a fused BFL weight get their own storage (an in-place step of one must not touch the others)
+    attn = model.single_transformer_blocks[0].attn
+    ptrs = {p.untyped_storage().data_ptr() for p in (attn.to_q.weight, attn.to_k.weight, attn.to_v.weight,
+                                                     model.single_transformer_blocks[0].proj_mlp.weight)}
+    assert len(ptrs) == 4
     out = tmp_path / "saved.safetensors"
     flux_models.save_flux_transformer_bfl(model, out)
     ref = FluxTransformer2DModel.from_pretrained(tiny_flux["diffusers"], subfolder="transformer")

@@ -125,12 +125,15 @@ def test_lora_compile_inductor(flux_set, flux_data, tmp_path, caplog):
     assert md["ss_compile"] == "True" and md["ss_network_args"] and "single" in md["ss_network_args"]
 
 
-def test_full_finetune_changes_only_trained_blocks(flux_set, flux_data, tmp_path):
-    argv = [*model_argv(flux_set), "--train_data_dir", str(flux_data), "--output_dir", str(tmp_path),
-            "--output_name", "ft", "--resolution", "32", "--max_train_steps", "2", "--learning_rate", "1e-3",
+def full_argv(paths, data, out, name, extra=()):
+    return [*model_argv(paths), "--train_data_dir", str(data), "--output_dir", str(out), "--output_name", name,
+            "--resolution", "32", "--max_train_steps", "2", "--learning_rate", "1e-3",
             "--t5xxl_max_token_length", "16", "--max_data_loader_n_workers", "0", "--seed", "1",
-            "--train_blocks", "single", "--cache_latents", "--cache_text_encoder_outputs"]
-    path = flux_train.main(argv)
+            "--cache_latents", "--cache_text_encoder_outputs", *extra]
+
+
+def test_full_finetune_changes_only_trained_blocks(flux_set, flux_data, tmp_path):
+    path = flux_train.main(full_argv(flux_set, flux_data, tmp_path, "ft", ["--train_blocks", "single"]))
     saved, md = read(path)
     base = load_file(flux_set["transformer"])
     assert set(saved) == set(base)
@@ -141,6 +144,18 @@ def test_full_finetune_changes_only_trained_blocks(flux_set, flux_data, tmp_path
     # test_flux_models.py: its converter assumes FLUX's real width)
     model = flux_models.load_flux_transformer(path, dtype=torch.float32)
     assert torch.equal(model.single_transformer_blocks[0].proj_out.weight, saved["single_blocks.0.linear2.weight"])
+
+
+def test_full_finetune_fused_backward_with_block_swap_equals_without(flux_set, flux_data, tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    fused = ["--optimizer_type", "Adafactor", "--optimizer_args", "relative_step=False", "scale_parameter=False",
+             "warmup_init=False", "--fused_backward_pass"]
+    plain = read(flux_train.main(full_argv(flux_set, flux_data, tmp_path, "plain", fused)))[0]
+    swapped = read(flux_train.main(full_argv(flux_set, flux_data, tmp_path, "swap", [*fused, "--blocks_to_swap", "1"])))[0]
+    assert "Block swap: 1 of 2 blocks swapped" in caplog.text
+    base = load_file(flux_set["transformer"])
+    assert all(torch.equal(plain[k], swapped[k]) for k in plain)
+    assert any(not torch.equal(plain[k], base[k]) for k in base if k.startswith("double_blocks."))
 
 
 @pytest.mark.parametrize("extra, match", [

@@ -6,9 +6,10 @@ block ``i < k`` has run it leaves and block ``n - k + i`` comes in, so it is the
 runs the same rotation in reverse (the blocks a step's backward needs come back in the reverse order). At no
 time are more than ``n - k`` swapped-region blocks on the device (plus one in flight).
 
-Only frozen blocks can be swapped (LoRA training: the LoRA weights live in the network, always on the device).
-The offloaded copy of each parameter is kept (pinned, on CUDA), so sending a block out costs no copy: the
-device tensor is just dropped. Bringing one in is an async copy on a side CUDA stream when the device is CUDA,
+Frozen blocks (LoRA training: the LoRA weights live in the network, always on the device) keep their offloaded
+copy (pinned, on CUDA), so sending a block out costs no copy: the device tensor is just dropped. Trained blocks
+(full fine-tune with a fused backward pass, which steps each parameter while its block is on the device) are
+copied back to that copy when they leave. Bringing one in is an async copy on a side CUDA stream when the device is CUDA,
 a plain ``.to()`` otherwise. Moves replace ``param.data``, so tensors autograd saved for backward follow.
 
 Hooks: a forward pre-hook on the root model (``prepare``: every forward starts from the initial placement),
@@ -35,14 +36,17 @@ class BlockSwapError(ValueError):
 
 class BlockSwapper:
     def __init__(self, blocks: list[nn.Module], blocks_to_swap: int, device, offload_device="cpu",
-                 record_events: bool = False):
+                 record_events: bool = False, trainable: bool = False):
         n = len(blocks)
         if not 1 <= blocks_to_swap <= n - 1:
             raise BlockSwapError(f"--blocks_to_swap {blocks_to_swap}: must be between 1 and {n - 1} "
                                  f"(the model has {n} swappable blocks and at least one must stay on the device)")
-        trainable = [name for b in blocks for name, p in b.named_parameters() if p.requires_grad]
-        if trainable:
-            raise BlockSwapError(f"--blocks_to_swap needs frozen blocks; trainable parameters found: {trainable[:3]}")
+        found = [name for b in blocks for name, p in b.named_parameters() if p.requires_grad]
+        if found and not trainable:
+            raise BlockSwapError(f"--blocks_to_swap needs frozen blocks; trainable parameters found: {found[:3]}")
+        # trained blocks (full fine-tune with a fused backward pass: each parameter is stepped while its block
+        # is on the device) are copied back to the offload copy whenever they leave
+        self.trainable = bool(found)
         self.blocks = list(blocks)
         self.n = n
         self.k = blocks_to_swap
@@ -98,6 +102,16 @@ class BlockSwapper:
         b = self.blocks[i]
         self._pending.pop(i, None)
         live = dict(_tensors(b))
+        if self.trainable:
+            if self.use_stream:
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self.stream):
+                    for name, c in self._offloaded[i].items():
+                        c.copy_(live[name].data, non_blocking=True)
+                        live[name].data.record_stream(self.stream)
+            else:
+                for name, c in self._offloaded[i].items():
+                    c.copy_(live[name].data)
         for name, c in self._offloaded[i].items():
             if self.use_stream:
                 # the compute stream may still read the device copy: let the allocator know before it is dropped
@@ -206,11 +220,11 @@ def flux_blocks(transformer: nn.Module) -> list[nn.Module]:
 
 
 def place_with_block_swap(transformer: nn.Module, blocks_to_swap: int, device, offload_device="cpu",
-                          record_events: bool = False) -> BlockSwapper:
+                          record_events: bool = False, trainable: bool = False) -> BlockSwapper:
     """Move a FLUX transformer to ``device`` except its swap-region blocks, and attach the swapper."""
     blocks = flux_blocks(transformer)
     in_blocks = {id(t) for b in blocks for _, t in _tensors(b)}
     for _, t in list(transformer.named_parameters()) + list(transformer.named_buffers()):
         if id(t) not in in_blocks:
             t.data = t.data.to(device)
-    return BlockSwapper(blocks, blocks_to_swap, device, offload_device, record_events).attach(transformer)
+    return BlockSwapper(blocks, blocks_to_swap, device, offload_device, record_events, trainable).attach(transformer)

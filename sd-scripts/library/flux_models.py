@@ -177,7 +177,9 @@ def bfl_to_diffusers(bfl_sd: dict, source: str = "state dict") -> dict:
         for kind in ("weight", "bias"):
             key = f"single_blocks.{i}.linear1.{kind}"
             t = sd.pop(key)
-            linear1[(i, kind)] = torch.split(t, [width, width, width, t.shape[0] - 3 * width], dim=0)
+            # own storage per part: views would share one version counter (in-place updates of one part, as a
+            # fused optimizer step does, would invalidate the others' saved tensors)
+            linear1[(i, kind)] = [x.clone() for x in torch.split(t, [width, width, width, t.shape[0] - 3 * width])]
             shape = (7 * 3072,) + tuple(t.shape[1:])
             sd[key] = torch.empty(shape, dtype=t.dtype, device="meta")
     out = convert_flux_transformer_checkpoint_to_diffusers(sd)
