@@ -286,10 +286,43 @@ def find_repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
+def _attention_ops() -> set:
+    names = (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    return {getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)}
+
+
+_ATTENTION_OPS = _attention_ops()
+
+
+def _save_attention_policy(ctx, op, *args, **kwargs):
+    # Keep attention outputs, recompute the rest of the block. Attention is the costliest op to recompute, its
+    # output is only as large as the hidden states, and not recomputing it keeps the graph free of the RNG-state
+    # wrapper that torch puts around recomputed SDPA (which the FX graph cache cannot store).
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _save_attention_context():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_save_attention_policy)
+
+
 def _checkpointed_forward(self, *args, **kwargs):
     # One module-level function bound to every block, so all blocks share one traced graph.
     return torch.utils.checkpoint.checkpoint(
-        self._forward_inside_checkpoint, *args, use_reentrant=False, preserve_rng_state=self._ckpt_rng, **kwargs
+        self._forward_inside_checkpoint,
+        *args,
+        use_reentrant=False,
+        preserve_rng_state=self._ckpt_rng,
+        context_fn=_save_attention_context,
+        **kwargs,
     )
 
 
