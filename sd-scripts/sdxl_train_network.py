@@ -81,8 +81,11 @@ class SDXLNetworkTrainer(NetworkTrainer):
         return StableDiffusionXLPipeline(vae=components.vae, text_encoder=te1, text_encoder_2=te2, tokenizer=tok1,
                                          tokenizer_2=tok2, unet=components.unet, scheduler=scheduler)
 
-    def sample_pipeline_kwargs(self, args) -> dict:
-        return {}  # the SDXL pipeline already uses the penultimate layers, as training does
+    def sample_prompt_embeds(self, args, components, prompt: str, negative_prompt: str) -> dict:
+        pos = self.encode_prompts(args, components, [prompt])
+        neg = self.encode_prompts(args, components, [negative_prompt])
+        return {"prompt_embeds": pos["encoder_hidden_states"], "pooled_prompt_embeds": pos["pooled"],
+                "negative_prompt_embeds": neg["encoder_hidden_states"], "negative_pooled_prompt_embeds": neg["pooled"]}
 
     def base_model_version(self, args) -> str:
         return "sdxl_base_v1-0"

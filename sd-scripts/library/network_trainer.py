@@ -294,9 +294,11 @@ class NetworkTrainer:
                                        tokenizer=components.tokenizers[0], unet=components.unet, scheduler=scheduler,
                                        safety_checker=None, feature_extractor=None, requires_safety_checker=False)
 
-    def sample_pipeline_kwargs(self, args) -> dict:
-        """Extra pipeline call arguments for samples: kohya's --clip_skip 2 is diffusers' clip_skip=1."""
-        return {"clip_skip": args.clip_skip - 1} if args.clip_skip and args.clip_skip > 1 else {}
+    def sample_prompt_embeds(self, args, components, prompt: str, negative_prompt: str) -> dict:
+        """Sample prompts are encoded as captions are in training (--clip_skip, --max_token_length)."""
+        pos = self.encode_prompts(args, components, [prompt])
+        neg = self.encode_prompts(args, components, [negative_prompt])
+        return {"prompt_embeds": pos["encoder_hidden_states"], "negative_prompt_embeds": neg["encoder_hidden_states"]}
 
     def base_model_version(self, args) -> str:
         if args.v2:
@@ -792,7 +794,8 @@ class NetworkTrainer:
                                    device=accelerator.device, epoch=epoch, steps=steps,
                                    prediction_type=prediction_type, autocast=accelerator.autocast,
                                    networks=[accelerator.unwrap_model(m) for m in models],
-                                   pipeline_kwargs=self.sample_pipeline_kwargs(args))
+                                   encode_prompt=lambda pos, neg: self.sample_prompt_embeds(args, components, pos,
+                                                                                            neg))
         finally:
             components.vae.to(vae_device)
             for te, d in zip(components.text_encoders, tes_devices):

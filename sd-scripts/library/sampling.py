@@ -74,10 +74,12 @@ def should_sample(args, *, epoch: int | None, steps: int) -> bool:
 @torch.no_grad()
 def sample_images(args, *, build_pipeline: Callable[[object], object], device: torch.device, epoch: int | None,
                   steps: int, prediction_type: str = "epsilon", autocast=None, networks=(),
-                  pipeline_kwargs: dict | None = None) -> list[str]:
+                  encode_prompt: Callable[[str, str], dict] | None = None) -> list[str]:
     """Generates one image per prompt of args.sample_prompts and returns the saved paths.
 
     build_pipeline(scheduler) -> a diffusers pipeline over the live training components.
+    encode_prompt(prompt, negative_prompt) -> pipeline embedding kwargs (prompt_embeds, ...) encoded the way
+    the trainer encodes captions (clip skip, long prompts); without it the pipeline encodes the text itself.
     The global RNG states are restored afterwards, so sampling does not change the training run.
     """
     from library.sample_prompts import parse_prompt_file
@@ -103,12 +105,15 @@ def sample_images(args, *, build_pipeline: Callable[[object], object], device: t
             pipe.set_progress_bar_config(disable=True)
             seed = p.get("seed")
             generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
-            kwargs = dict(prompt=p["prompt"], negative_prompt=p.get("negative_prompt") or None,
-                          width=p.get("width", 512), height=p.get("height", 512),
+            kwargs = dict(width=p.get("width", 512), height=p.get("height", 512),
                           num_inference_steps=p.get("sample_steps", 30), guidance_scale=p.get("scale", 7.5),
-                          generator=generator, **(pipeline_kwargs or {}))
+                          generator=generator)
             ctx = autocast() if autocast is not None else torch.autocast(device.type, enabled=False)
             with ctx:
+                if encode_prompt is not None:
+                    kwargs.update(encode_prompt(p["prompt"], p.get("negative_prompt") or ""))
+                else:
+                    kwargs.update(prompt=p["prompt"], negative_prompt=p.get("negative_prompt") or None)
                 image = pipe(**kwargs).images[0]
             path = os.path.join(out_dir, sample_image_name(args.output_name, epoch, steps, i, seed))
             tmp = path + ".tmp.png"
