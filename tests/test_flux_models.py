@@ -354,3 +354,16 @@ def test_model_prediction_types():
                                                                     noisy, sigmas), pred + noisy)
     out = flux_train_utils.apply_model_prediction_type(ns(model_prediction_type="sigma_scaled"), pred, noisy, sigmas)
     assert torch.allclose(out[1], noisy[1] - 0.75 * pred[1])
+
+
+def test_t5_attention_mask_hides_padding():
+    t = flux_tiny.tiny_transformer(128, 1, 1, 32, 64, True)
+    latents, te, sigma = _inputs(t, torch.float32)
+    te["t5_attn_mask"] = torch.tensor([[1, 1, 1, 0, 0, 0, 0, 0]])
+    other = dict(te, t5_out=te["t5_out"].clone())
+    other["t5_out"][:, 3:] += 10 * torch.randn(1, 5, 32)  # only the padding changes
+    with torch.no_grad():
+        a = flux_train_utils.flux_forward(t, latents, sigma, te, 3.5, torch.float32, apply_t5_attn_mask=True)
+        b = flux_train_utils.flux_forward(t, latents, sigma, other, 3.5, torch.float32, apply_t5_attn_mask=True)
+        c = flux_train_utils.flux_forward(t, latents, sigma, other, 3.5, torch.float32, apply_t5_attn_mask=False)
+    assert torch.allclose(a, b, atol=1e-6) and not torch.allclose(a, c, atol=1e-4)

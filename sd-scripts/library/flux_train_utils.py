@@ -156,10 +156,16 @@ def apply_model_prediction_type(args, pred, noisy, sigmas):
 
 
 def flux_forward(transformer, noisy: torch.Tensor, sigmas: torch.Tensor, te: dict, guidance: float | None,
-                 dtype: torch.dtype) -> torch.Tensor:
-    """Run the transformer on unpacked latents [B, 16, h, w]; returns the prediction in the same layout."""
+                 dtype: torch.dtype, apply_t5_attn_mask: bool = False) -> torch.Tensor:
+    """Run the transformer on unpacked latents [B, 16, h, w]; returns the prediction in the same layout.
+    apply_t5_attn_mask: T5 padding tokens are masked out of the joint attention (te["t5_attn_mask"])."""
     b, _, h, w = noisy.shape
     t5_out = te["t5_out"].to(noisy.device, dtype)
+    kwargs = None
+    if apply_t5_attn_mask and te.get("t5_attn_mask") is not None:
+        txt = te["t5_attn_mask"].to(noisy.device).bool()
+        img = torch.ones(b, (h // 2) * (w // 2), dtype=torch.bool, device=noisy.device)
+        kwargs = {"attention_mask": torch.cat([txt, img], dim=1)[:, None, None, :]}
     g = None
     if transformer.config.guidance_embeds:
         g = torch.full((b,), float(guidance if guidance is not None else 1.0), device=noisy.device, dtype=dtype)
@@ -171,6 +177,7 @@ def flux_forward(transformer, noisy: torch.Tensor, sigmas: torch.Tensor, te: dic
         img_ids=image_ids(h, w, noisy.device, dtype),
         txt_ids=torch.zeros(t5_out.shape[1], 3, device=noisy.device, dtype=dtype),
         guidance=g,
+        joint_attention_kwargs=kwargs,
         return_dict=False,
     )[0]
     return unpack_latents(out, h, w)
@@ -184,7 +191,7 @@ def noisy_input_pred_target(args, transformer, latents, te, dtype, autocast):
     s = sigmas.view(-1, 1, 1, 1)
     noisy = (1.0 - s) * latents + s * noise
     with autocast():
-        pred = flux_forward(transformer, noisy, sigmas, te, args.guidance_scale, dtype)
+        pred = flux_forward(transformer, noisy, sigmas, te, args.guidance_scale, dtype, args.apply_t5_attn_mask)
     pred = apply_model_prediction_type(args, pred.float(), noisy, sigmas)
     return pred, noise - latents, sigmas
 
