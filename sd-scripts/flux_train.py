@@ -89,6 +89,8 @@ class FluxTrainer(FullTrainer, FluxNetworkTrainer):
                          train_text_encoder=False)
 
     def save_full_model(self, args, components, path: str, metadata, save_dtype) -> None:
+        if getattr(self, "swapper", None) is not None:
+            self.swapper.synchronize()  # block copies still in flight must land before the weights are read
         sd = {k: v.detach().to("cpu") for k, v in components.transformer.state_dict().items()}
         bfl = flux_models.diffusers_to_bfl(compile_utils.strip_orig_mod(sd))
         if save_dtype is not None:

@@ -128,6 +128,13 @@ class BlockSwapper:
         if ev is not None:
             torch.cuda.current_stream(self.device).wait_event(ev)
 
+    def synchronize(self) -> None:
+        """Finish every copy in flight (before the host reads weights, e.g. to save the model)."""
+        if self.use_stream:
+            self.stream.synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
+        self._pending.clear()
+
     def resident_swap_blocks(self) -> int:
         return sum(1 for loc in self.location if loc == "device")
 
