@@ -145,6 +145,8 @@ class Param:
                 raise ValueError(f"expected a number, got {value!r}")
             value = float(value)
         elif k in ("str", "path", "dir", "choice"):
+            if k == "str" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                value = str(value)  # e.g. resolution = 1024 in a kohya TOML; the trainers read it the same way
             if not isinstance(value, str):
                 raise ValueError(f"expected text, got {value!r}")
             allowed = self.choices_for(tab)

@@ -152,11 +152,12 @@ def test_missing_file_and_empty_path(tmp_path):
 def test_plain_sd_scripts_toml_opens(tmp_path):
     """A flat kohya TOML without [gui] opens in the current tab, family inferred."""
     path = _write(tmp_path, 'pretrained_model_name_or_path = "flux1-dev.safetensors"\nclip_l = "c.safetensors"\n'
-                            'network_module = "networks.lora_flux"\nnetwork_dim = 16\ncompile = true\n')
+                            'network_module = "networks.lora_flux"\nnetwork_dim = 16\ncompile = true\n'
+                            'resolution = 512\n')
     out = A.open_config("lora", path, "SDXL")
     assert out[1]["value"] == "FLUX.1"
     got = dict(zip([p.name for p in A.tab_params("lora")], ui_values_from_updates("lora", out)))
-    assert got["network_dim"] == "16" and got["compile"] is True and got["clip_l"] == "c.safetensors"
+    assert got["network_dim"] == "16" and got["compile"] is True and got["resolution"] == "512" and got["clip_l"] == "c.safetensors"
 
 
 def test_save_as_never_overwrites_and_bad_ui_values(tmp_path):
