@@ -314,6 +314,10 @@ def _save_attention_context():
     return create_selective_checkpoint_contexts(_save_attention_policy)
 
 
+# lets the AOTAutograd cache store graphs that use this policy (bump when the policy changes)
+_save_attention_context.cache_hash = "sd-scripts/compile_utils/save-attention-v1"
+
+
 def _checkpointed_forward(self, *args, **kwargs):
     # One module-level function bound to every block, so all blocks share one traced graph.
     return torch.utils.checkpoint.checkpoint(
