@@ -97,6 +97,11 @@ def test_fp8_schnell_and_unprefixed_clip(tmp_path):
     x = torch.randn(2, lin.in_features, dtype=torch.bfloat16)
     ref = torch.nn.functional.linear(x, lin.weight.to(torch.bfloat16), lin.bias.to(torch.bfloat16))
     assert torch.equal(lin(x), ref)
+    # schnell has no guidance input; the fp8 base runs end to end
+    latents, te, sigma = _inputs(c.transformer, torch.bfloat16)
+    with torch.no_grad():
+        out = flux_train_utils.flux_forward(c.transformer, latents, sigma, te, 3.5, torch.bfloat16)
+    assert out.shape == latents.shape and torch.isfinite(out).all()
     # without --fp8_base the fp8 file is upcast
     t = flux_models.load_flux_transformer(paths["transformer"], dtype=torch.bfloat16)
     assert t.single_transformer_blocks[0].proj_out.weight.dtype == torch.bfloat16
