@@ -264,6 +264,18 @@ def test_existing_output_not_overwritten(tmp_path, tiny_dataset_dir):
     with pytest.raises(OutputExistsError, match="--overwrite_output"):
         _train(base_argv(tmp_path / "missing.safetensors", tmp_path, tiny_dataset_dir, "x"))
     assert (tmp_path / "x.safetensors").read_bytes() == b"earlier work"
+    # epoch / step saves of an unfinished earlier run are protected too (refused before any model loads)
+    (tmp_path / "y-step00000010.safetensors").write_bytes(b"earlier step save")
+    with pytest.raises(OutputExistsError, match="y-step00000010.safetensors"):
+        _train(base_argv(tmp_path / "missing.safetensors", tmp_path, tiny_dataset_dir, "y"))
+    # a config left by a run that failed (here: the model path) does not block the next try
+    from library.model_util import ModelLoadError
+
+    with pytest.raises(ModelLoadError):
+        _train(base_argv(tmp_path / "missing.safetensors", tmp_path, tiny_dataset_dir, "z"))
+    assert (tmp_path / "z_config.toml").is_file()
+    with pytest.raises(ModelLoadError):
+        _train(base_argv(tmp_path / "missing.safetensors", tmp_path, tiny_dataset_dir, "z"))
 
 
 @pytest.mark.parametrize("extra, error, match", [

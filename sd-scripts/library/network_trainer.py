@@ -434,7 +434,7 @@ class NetworkTrainer:
         args.output_name = args.output_name or self.default_output_name
         ext = self.output_ext(args)
         final_path = os.path.join(args.output_dir, train_util.last_file_name(args.output_name, ext))
-        train_util.ensure_can_write(final_path, args.overwrite_output)
+        train_util.check_outputs_free(args.output_dir, args.output_name, ext, args.overwrite_output, bool(args.resume))
         train_util.prepare_seed(args.seed)
         session_id = uuid.uuid4().int & ((1 << 31) - 1)
         training_started_at = time.time()
@@ -659,13 +659,9 @@ class NetworkTrainer:
 
     def write_run_config(self, args) -> str:
         """`<output_name>_config.toml`: the exact options of this run (runs again with --config_file)."""
+        # written anew by every run of this name (its results were checked free by check_outputs_free, so a
+        # config left here belongs to a run that did not finish, or to the run being resumed)
         path = os.path.join(args.output_dir, f"{args.output_name}_config.toml")
-        if os.path.exists(path) and not args.overwrite_output:
-            if not args.resume:
-                raise train_util.OutputExistsError(
-                    f"{path} already exists (an earlier run with --output_name {args.output_name}); choose another "
-                    "--output_name or pass --overwrite_output")
-            path = os.path.join(args.output_dir, f"{args.output_name}_config-resume-{time.strftime('%Y%m%d%H%M%S')}.toml")
         train_util.atomic_write_text(path, train_util.dumps_config(args))
         logger.info("run options written to %s", path)
         return path
@@ -854,10 +850,17 @@ def run(trainer: NetworkTrainer, parser: argparse.ArgumentParser, argv: list[str
         args = train_util.parse_args(parser, argv)
         return trainer.train(args)
     except (ConfigError, DatasetError, TrainingError, train_util.OptionalPackageError, _prompt_file_error(),
+            _model_load_error(),
             train_util.OutputExistsError, _compile_error(), _network_args_error()) as e:
         logger.error("%s", e)
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from e
+
+
+def _model_load_error():
+    from library.model_util import ModelLoadError
+
+    return ModelLoadError
 
 
 def _prompt_file_error():

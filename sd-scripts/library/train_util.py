@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import time
 import tomllib
@@ -501,6 +502,23 @@ def ensure_can_write(path: str | os.PathLike, overwrite: bool) -> None:
     if os.path.exists(path) and not overwrite:
         raise OutputExistsError(f"{path} already exists; choose another --output_name / --output_dir, "
                                 "or pass --overwrite_output to replace it")
+
+
+def check_outputs_free(output_dir: str, output_name: str, ext: str, overwrite: bool, resuming: bool) -> None:
+    """Before any model loads: the results this run will write must not exist yet (the final file, and without
+    --resume also epoch/step saves and state folders of an earlier run with the same name)."""
+    if overwrite or not os.path.isdir(output_dir):
+        return
+    final = os.path.join(output_dir, last_file_name(output_name, ext))
+    ensure_can_write(final, overwrite)
+    if resuming:
+        return
+    pattern = re.compile(re.escape(output_name) + r"-(step)?\d+(" + re.escape(ext) + r"|-state)$")
+    found = sorted(n for n in os.listdir(output_dir) if pattern.fullmatch(n))
+    if found:
+        raise OutputExistsError(f"{output_dir} already holds results of an earlier run named {output_name!r} "
+                                f"({', '.join(found[:3])}{', ...' if len(found) > 3 else ''}); choose another "
+                                "--output_name / --output_dir, --resume it, or pass --overwrite_output to replace them")
 
 
 def _tmp_name(path: str) -> str:
