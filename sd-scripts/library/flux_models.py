@@ -273,11 +273,27 @@ def _load_assign(model_cls_factory, sd: dict, source: str):
 # fp8 base
 
 
+class _FP8Linear(torch.autograd.Function):
+    """y = x W^T + b with W stored in fp8 and frozen: backward keeps the fp8 W (not an upcast copy per layer,
+    which would cost as much memory as a bf16 base) and upcasts it again for grad_x."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(weight)
+        return F.linear(x, weight.to(x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        return grad @ weight.to(grad.dtype), None, None
+
+
 def _fp8_linear_forward(self, x):
     # upcast straight to the compute dtype (autocast's when it is on), never to a wider one than needed
     dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     bias = None if self.bias is None else self.bias.to(dt)
-    return F.linear(x.to(dt), self.weight.to(dt), bias)
+    with torch.autocast(x.device.type, enabled=False):
+        return _FP8Linear.apply(x.to(dt), self.weight, bias)
 
 
 def apply_fp8_base(model: torch.nn.Module) -> int:
