@@ -16,7 +16,6 @@ the module map below that ``networks.lora_flux`` also uses to name LoRA keys.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -622,10 +621,6 @@ def load_flux_components(
     vae = load_ae(ae or folder, ae_dtype)
     return FluxComponents(transformer, clip, t5, vae, clip_tok, t5_tok)
 
-
-def read_json(path) -> dict:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
 
 
 def ae_diffusers_to_bfl(dsd: dict) -> dict:
