@@ -376,3 +376,28 @@ def test_t5_attention_mask_hides_padding():
         b = flux_train_utils.flux_forward(t, latents, sigma, other, 3.5, torch.float32, apply_t5_attn_mask=True)
         c = flux_train_utils.flux_forward(t, latents, sigma, other, 3.5, torch.float32, apply_t5_attn_mask=False)
     assert torch.allclose(a, b, atol=1e-6) and not torch.allclose(a, c, atol=1e-4)
+
+
+@pytest.mark.parametrize("guidance", [True, False], ids=["dev", "schnell"])
+def test_real_flux_shapes_on_meta(guidance):
+    """FLUX.1's real layout (19 double + 38 single blocks, width 3072) converts both ways and its config is read
+    back exactly, without allocating a byte (meta tensors)."""
+    from accelerate import init_empty_weights
+    from diffusers import FluxTransformer2DModel
+
+    with init_empty_weights():
+        real = FluxTransformer2DModel(guidance_embeds=guidance)
+    bfl = flux_models.diffusers_to_bfl(real.state_dict())
+    assert bfl["single_blocks.37.linear1.weight"].shape == (3 * 3072 + 4 * 3072, 3072)
+    assert bfl["double_blocks.18.img_attn.qkv.weight"].shape == (3 * 3072, 3072)
+    assert ("guidance_in.in_layer.weight" in bfl) == guidance
+    cfg = flux_models.infer_transformer_config(bfl)
+    for k, v in cfg.items():
+        expected = real.out_channels if k == "out_channels" else real.config[k]  # None there means in_channels
+        assert (list(v) if isinstance(v, (list, tuple)) else v) == (list(expected) if isinstance(expected, (list, tuple)) else expected), k
+    back = flux_models.bfl_to_diffusers({"model.diffusion_model." + k: v for k, v in bfl.items()})
+    ref = real.state_dict()
+    assert set(back) == set(ref) and all(back[k].shape == ref[k].shape for k in ref)
+    if guidance:  # kohya's module set on the real model: 8 per double block, 2 per single block
+        net = lora_flux.create_network(1.0, 2, 1, None, None, real)
+        assert len(net.unet_loras) == 19 * 8 + 38 * 2
