@@ -1,0 +1,282 @@
+"""library.compile_utils: flags, validation, regional compilation of the repeated blocks (CPU).
+
+One inductor case (tiny UNet); everything else uses aot_eager / eager so the file stays fast.
+"""
+import argparse
+import copy
+import logging
+
+import pytest
+import torch
+import torch._dynamo.testing
+
+from library import compile_utils as cu
+
+
+def _parse(*argv, blocks_to_swap=None):
+    parser = cu.add_compile_arguments(argparse.ArgumentParser())
+    if blocks_to_swap is not None:
+        parser.add_argument("--blocks_to_swap", type=int, default=0)
+    return parser.parse_args(list(argv))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------------------------------ flags / validation
+
+
+def test_defaults_and_choices():
+    a = _parse()
+    assert (a.compile, a.compile_backend, a.compile_mode, a.compile_dynamic) == (False, "inductor", "default", "auto")
+    assert (a.compile_fullgraph, a.compile_cache_size_limit, a.compile_cache_dir) == (False, 0, None)
+    assert (a.cuda_allow_tf32, a.cuda_cudnn_benchmark) == (False, False)
+    a = _parse("--compile", "--compile_backend", "aot_eager", "--compile_mode", "max-autotune-no-cudagraphs",
+               "--compile_dynamic", "false", "--compile_fullgraph", "--compile_cache_size_limit", "64",
+               "--compile_cache_dir", "/tmp/cc", "--cuda_allow_tf32", "--cuda_cudnn_benchmark")
+    assert a.compile_mode == "max-autotune-no-cudagraphs" and a.compile_cache_size_limit == 64
+    assert [cu.dynamic_value(_parse("--compile_dynamic", v)) for v in ("auto", "true", "false")] == [None, True, False]
+    with pytest.raises(SystemExit):
+        _parse("--compile_mode", "fast")
+    with pytest.raises(SystemExit):
+        _parse("--compile_backend", "tensorrt")
+
+
+@pytest.mark.parametrize(
+    "argv, swap, needles",
+    [
+        (["--compile_cache_size_limit", "-1"], None, ["--compile_cache_size_limit", "positive"]),
+        (["--compile", "--compile_mode", "reduce-overhead"], 4, ["--compile_mode reduce-overhead", "--blocks_to_swap 4", "max-autotune-no-cudagraphs"]),
+        (["--compile", "--compile_mode", "max-autotune"], 2, ["CUDA graphs", "--blocks_to_swap 2"]),
+        (["--compile", "--compile_backend", "cudagraphs"], 1, ["--compile_backend cudagraphs", "--blocks_to_swap 1"]),
+        (["--compile", "--compile_fullgraph"], 3, ["--compile_fullgraph", "--blocks_to_swap 3"]),
+        (["--compile", "--compile_backend", "aot_eager", "--compile_mode", "reduce-overhead"], None,
+         ["--compile_mode reduce-overhead", "--compile_backend inductor"]),
+    ],
+)
+def test_validation_errors_name_the_flags(argv, swap, needles):
+    args = _parse(*argv, blocks_to_swap=swap if swap is not None else None)
+    if swap is not None:
+        args.blocks_to_swap = swap
+    with pytest.raises(cu.CompileConfigError) as e:
+        cu.validate_compile_args(args)
+    for n in needles:
+        assert n in str(e.value)
+
+
+def test_validation_accepts_good_settings_and_block_swap_without_cudagraphs():
+    args = _parse("--compile", "--compile_mode", "max-autotune-no-cudagraphs", blocks_to_swap=True)
+    args.blocks_to_swap = 8
+    cu.validate_compile_args(args)  # no error
+    cu.validate_compile_args(_parse("--compile", "--compile_mode", "reduce-overhead"))
+    cu.validate_compile_args(_parse("--compile_mode", "reduce-overhead", blocks_to_swap=True))  # compile off
+
+
+def test_validation_missing_triton_and_old_torch(monkeypatch):
+    args = _parse("--compile")
+    args.device = "cuda"
+    monkeypatch.setattr(cu.importlib.util, "find_spec", lambda name: None if name == "triton" else object())
+    with pytest.raises(cu.CompileConfigError, match="needs triton"):
+        cu.validate_compile_args(args)
+    args.compile_backend = "aot_eager"
+    cu.validate_compile_args(args)  # aot_eager needs no triton
+    monkeypatch.setattr(cu, "_torch_version", lambda: (2, 0))
+    with pytest.raises(cu.CompileConfigError, match=r"torch >= 2\.2"):
+        cu.validate_compile_args(args)
+
+
+def test_setup_environment_cache_dir_and_limits(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cu.default_compile_cache_dir() == str(tmp_path / "xdg" / "sd-scripts" / "torch_compile")
+    cfg = torch._dynamo.config
+    old = (cu.recompile_limit(), cfg.accumulated_recompile_limit)
+    try:
+        args = _parse("--compile", "--compile_cache_dir", str(tmp_path / "cc"), "--compile_cache_size_limit", "64")
+        applied = cu.setup_compile_environment(args)
+        assert applied["cache_dir"] == str(tmp_path / "cc") and (tmp_path / "cc").is_dir()
+        import os
+
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cc")
+        assert torch._inductor.config.fx_graph_cache is True
+        assert cu.recompile_limit() == 64 and cfg.accumulated_recompile_limit >= 64
+    finally:
+        cfg.recompile_limit, cfg.accumulated_recompile_limit = old
+        torch._logging.set_logs()
+
+
+def test_strip_orig_mod():
+    sd = {"a._orig_mod.b.weight": 1, "c.weight": 2}
+    assert cu.strip_orig_mod(sd) == {"a.b.weight": 1, "c.weight": 2}
+    clean = {"x": 1}
+    assert cu.strip_orig_mod(clean) is clean
+
+
+# ------------------------------------------------------------------------------------------ tiny models
+
+
+def _tiny_unet():
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    return UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(16, 32),
+        down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=16, attention_head_dim=4, norm_num_groups=8, use_linear_projection=True,
+    )
+
+
+def _tiny_flux():
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    return FluxTransformer2DModel(
+        patch_size=1, in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=8, guidance_embeds=True,
+        axes_dims_rope=(2, 2, 4),
+    )
+
+
+def _grads(*modules):
+    return {f"{i}.{n}": p.grad.clone() for i, m in enumerate(modules) for n, p in m.named_parameters() if p.grad is not None}
+
+
+def _unet_step(model, seed=1, network=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 4, 8, 8, generator=g)
+    ctx = torch.randn(2, 5, 16, generator=g)
+    out = model(x, torch.tensor([10, 500]), ctx).sample
+    out.square().mean().backward()
+    return out.detach(), _grads(model, *([network] if network is not None else []))
+
+
+def _flux_step(model, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    n_img, n_txt = 16, 4
+    out = model(
+        hidden_states=torch.randn(1, n_img, 8, generator=g), encoder_hidden_states=torch.randn(1, n_txt, 16, generator=g),
+        pooled_projections=torch.randn(1, 8, generator=g), timestep=torch.tensor([0.3]),
+        img_ids=torch.stack([torch.zeros(n_img), torch.arange(n_img) // 4, torch.arange(n_img) % 4], -1),
+        txt_ids=torch.zeros(n_txt, 3), guidance=torch.tensor([3.5]),
+    ).sample
+    out.square().mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same(ref, got, tol=1e-5):
+    (o1, g1), (o2, g2) = ref, got
+    torch.testing.assert_close(o2, o1, atol=tol, rtol=tol)
+    assert g1.keys() == g2.keys() and len(g1) > 0
+    for k in g1:
+        torch.testing.assert_close(g2[k], g1[k], atol=tol, rtol=tol, msg=k)
+
+
+def _count(model, name):
+    return sum(1 for m in model.modules() if type(m).__name__ == name)
+
+
+def _with_lora(model):
+    """LoRA modules inside the blocks (the project's kohya-style network), trained; base frozen."""
+    from networks import lora
+
+    model.requires_grad_(False)
+    net = lora.create_network(1.0, 4, 4, None, [], model)
+    net.apply_to([], model, apply_text_encoder=False, apply_unet=True)
+    for m in net.modules():
+        if hasattr(m, "lora_up"):
+            torch.nn.init.normal_(m.lora_up.weight, std=0.1)  # non-zero so LoRA changes outputs and grads
+    net.requires_grad_(True)
+    return net
+
+
+def test_unet_aot_eager_matches_eager_log_line_and_clean_keys(caplog):
+    eager = _tiny_unet()
+    compiled = copy.deepcopy(eager)
+    ref = _unet_step(eager)
+    args = _parse("--compile", "--compile_backend", "aot_eager")
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    args.compile_backend = counter  # counts the graphs dynamo hands to aot_eager
+    with caplog.at_level(logging.INFO, logger="library.compile_utils"):
+        n = cu.compile_model_blocks(compiled, args, model_name="SDXL UNet")
+    assert n == _count(eager, "BasicTransformerBlock") == 7
+    _assert_same(ref, _unet_step(compiled))
+    _assert_same(_unet_step(eager, seed=2), _unet_step(compiled, seed=2))
+    # regional compilation: identical blocks share graphs (one per distinct block shape, not one per block)
+    assert 1 <= counter.frame_count < n
+    assert all(not k.startswith("_") and "_orig_mod" not in k for k in compiled.state_dict())
+    assert compiled.state_dict().keys() == eager.state_dict().keys()
+
+    args = _parse("--compile", "--compile_mode", "reduce-overhead")
+    m = _tiny_unet()
+    with caplog.at_level(logging.INFO, logger="library.compile_utils"):
+        cu.compile_model_blocks(m, args, model_name="SDXL UNet")
+    assert "Compiling SDXL UNet with torch.compile: backend=inductor, mode=reduce-overhead, dynamic=None, fullgraph=False" in caplog.messages
+    assert any(msg.startswith("Compiled 7 blocks of SDXL UNet") for msg in caplog.messages)
+
+
+def test_unet_lora_with_checkpointing_inside_compiled_region_same_grads():
+    eager, compiled = _tiny_unet(), _tiny_unet()
+    net_eager, net_compiled = _with_lora(eager), _with_lora(compiled)
+    net_compiled.load_state_dict(net_eager.state_dict())
+    ref = _unet_step(eager, network=net_eager)  # eager, no checkpointing
+    compiled.enable_gradient_checkpointing()  # diffusers' way first, as a trainer does
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    args = _parse("--compile", "--compile_backend", "aot_eager")
+    args.compile_backend = counter
+    n = cu.compile_model_blocks(compiled, args, model_name="SDXL UNet", gradient_checkpointing=True)
+    assert n == 7
+    # diffusers' own checkpointing of the blocks is off (no double checkpoint); resnets keep theirs
+    assert not any(m.gradient_checkpointing for m in compiled.modules() if type(m).__name__ == "Transformer2DModel")
+    assert any(m.gradient_checkpointing for m in compiled.modules() if type(m).__name__ == "CrossAttnDownBlock2D")
+    got = _unet_step(compiled, network=net_compiled)
+    _assert_same(ref, got)
+    assert any("lora_up" in k for k in got[1])  # LoRA weights inside the blocks got gradients
+    # the checkpoint is inside the compiled graph (a tagged activation-checkpoint region)
+    code = "\n".join(gm.code for gm in counter.graphs)
+    assert "checkpoint" in code
+    assert all("_orig_mod" not in k for k in compiled.state_dict())
+
+
+def test_flux_double_and_single_blocks_with_checkpointing():
+    eager = _tiny_flux()
+    compiled = copy.deepcopy(eager)
+    ref = _flux_step(eager)
+    args = _parse("--compile", "--compile_backend", "aot_eager", "--compile_dynamic", "false")
+    n = cu.compile_model_blocks(compiled, args, model_name="FLUX", gradient_checkpointing=True)
+    assert n == _count(eager, "FluxTransformerBlock") + _count(eager, "FluxSingleTransformerBlock") == 2
+    _assert_same(ref, _flux_step(compiled))
+
+
+def test_disable_linear_keeps_linears_out_of_graph(caplog):
+    eager = _tiny_flux()
+    compiled = copy.deepcopy(eager)
+    ref = _flux_step(eager)
+    args = _parse("--compile", "--compile_backend", "eager")
+    with caplog.at_level(logging.INFO, logger="library.compile_utils"):
+        cu.compile_model_blocks(compiled, args, model_name="FLUX", disable_linear=True)
+    assert any("Linear layers in the compiled blocks run outside the graph" in m for m in caplog.messages)
+    blocks = cu.find_repeated_blocks(compiled)
+    linears = [m for b in blocks for m in b.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(hasattr(m, "_forward_outside_compile") for m in linears)
+    _assert_same(ref, _flux_step(compiled))
+    assert compiled.state_dict().keys() == eager.state_dict().keys()
+
+
+def test_unknown_model_is_a_clear_error():
+    with pytest.raises(cu.CompileConfigError, match="declares no repeated blocks"):
+        cu.compile_model_blocks(torch.nn.Linear(2, 2), _parse("--compile"), model_name="X")
+
+
+def test_inductor_tiny_unet_matches_eager():
+    """The one inductor case: default mode on the CPU (C++ codegen), shared test cache dir."""
+    eager = _tiny_unet()
+    compiled = copy.deepcopy(eager)
+    ref = _unet_step(eager)
+    n = cu.compile_model_blocks(compiled, _parse("--compile", "--compile_dynamic", "false"), model_name="SDXL UNet")
+    assert n == 7
+    _assert_same(ref, _unet_step(compiled), tol=1e-4)
