@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind docs/BENCHMARKS.md, on one CUDA GPU. Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|flux [OUTDIR]
+# The runs behind docs/BENCHMARKS.md, on one CUDA GPU. Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux [OUTDIR]
 # Each configuration runs in its own process (eager and compiled in that one process) with a fresh compile
 # cache, so "first compiled step" is a cold compile; the warm-start run reuses the SDXL bs1+GC cache.
 set -u
@@ -51,6 +51,10 @@ case "${1:-}" in
   warm_gc)  # cold then warm start of SDXL bs1 with checkpointing (FX + AOTAutograd caches)
     run sdxl_bs1_gc_cold 150 --family sdxl --batch_size 1 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs1_gc" --phases compiled --steps 10
     run sdxl_bs1_gc_warm 90 --family sdxl --batch_size 1 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs1_gc" --phases compiled --steps 10
+    ;;
+  freeze)  # SDXL bs1 cold with gc.freeze() after the first compiled step (mark_step_begin)
+    run sdxl_bs1_freeze 150 --family sdxl --batch_size 1 --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs1" --phases compiled --steps 20
+    run flux_512_freeze 200 --family flux --resolution 512 --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/flux_512" --phases compiled --steps 20
     ;;
   flux)
     run flux_512 200 --family flux --resolution 512 --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/flux_512"
