@@ -52,7 +52,7 @@ case "${1:-}" in
     run sdxl_bs1_gc_cold 150 --family sdxl --batch_size 1 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs1_gc" --phases compiled --steps 10
     run sdxl_bs1_gc_warm 90 --family sdxl --batch_size 1 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs1_gc" --phases compiled --steps 10
     ;;
-  freeze)  # SDXL bs1 cold with gc.freeze() after the first compiled step (mark_step_begin)
+  freeze)  # SDXL bs1 / FLUX 512 compiled phase again (measured with a gc.freeze() experiment that was reverted)
     run sdxl_bs1_freeze 150 --family sdxl --batch_size 1 --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs1" --phases compiled --steps 20
     run flux_512_freeze 200 --family flux --resolution 512 --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/flux_512" --phases compiled --steps 20
     ;;

@@ -19,7 +19,6 @@ What the trainers call, in this order:
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.util
 import logging
 import os
@@ -429,22 +428,10 @@ def compile_model_blocks(
     return len(blocks)
 
 
-_steps_begun = 0
-
-
 def mark_step_begin(args) -> None:
     """Call at the start of each training step: tells CUDA graph trees that the previous step's outputs are done."""
-    global _steps_begun
-    if not (uses_cuda_graphs(args) and torch.cuda.is_available()):
-        return
-    if _steps_begun == 1:
-        # CUDA graphs are recorded from the second step on, and every recording runs gc.collect()
-        # (torch.cuda.graph), which walks all Python objects, the freshly compiled code's included: seconds per
-        # step with ~140 graphs. Freezing what exists after the first (compiling) step makes those collections cheap.
-        gc.collect()
-        gc.freeze()
-    _steps_begun += 1
-    torch.compiler.cudagraph_mark_step_begin()
+    if uses_cuda_graphs(args) and torch.cuda.is_available():
+        torch.compiler.cudagraph_mark_step_begin()
 
 
 def strip_orig_mod(state_dict: dict) -> dict:
