@@ -37,24 +37,19 @@ class NetworkArgsError(ValueError):
     """A bad `--network_args` entry; the message names it and lists the allowed keys."""
 
 
-class LoRAModule(nn.Module):
-    """out = org(x) + up(down(x)) * multiplier * alpha / dim."""
+class LoRABase(nn.Module):
+    """What every LoRA module here shares (networks.lora_flux builds on it too): alpha and scale, the
+    dropouts, and out = org + up(down(x)) * multiplier * alpha / dim. Subclasses make the two layers."""
 
-    def __init__(self, lora_name: str, org_module: nn.Module, multiplier: float = 1.0, lora_dim: int = 4,
-                 alpha: float | None = 1.0, dropout: float | None = None, rank_dropout: float | None = None,
-                 module_dropout: float | None = None):
+    is_conv = False
+
+    def __init__(self, lora_name: str, lora_down: nn.Module, lora_up: nn.Module, multiplier: float, lora_dim: int,
+                 alpha: float | torch.Tensor | None, dropout: float | None, rank_dropout: float | None,
+                 module_dropout: float | None):
         super().__init__()
         self.lora_name = lora_name
-        if isinstance(org_module, nn.Conv2d):
-            in_dim, out_dim = org_module.in_channels, org_module.out_channels
-            self.lora_down = nn.Conv2d(in_dim, lora_dim, org_module.kernel_size, org_module.stride,
-                                       org_module.padding, bias=False)
-            self.lora_up = nn.Conv2d(lora_dim, out_dim, (1, 1), (1, 1), bias=False)
-        else:
-            in_dim, out_dim = org_module.in_features, org_module.out_features
-            self.lora_down = nn.Linear(in_dim, lora_dim, bias=False)
-            self.lora_up = nn.Linear(lora_dim, out_dim, bias=False)
-        self.is_conv = isinstance(org_module, nn.Conv2d)
+        self.lora_down = lora_down
+        self.lora_up = lora_up
         nn.init.kaiming_uniform_(self.lora_down.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_up.weight)
         if alpha is None or alpha == 0:
@@ -67,6 +62,46 @@ class LoRAModule(nn.Module):
         self.dropout = dropout
         self.rank_dropout = rank_dropout
         self.module_dropout = module_dropout
+
+    def add_lora(self, org: torch.Tensor, x: torch.Tensor, up_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """org (the wrapped layer's output for x) plus the LoRA of x; `up_weight` replaces lora_up by these rows
+        of its weight (a split up-projection)."""
+        if self.module_dropout and self.training and torch.rand(()) < self.module_dropout:
+            return org
+        lx = self.lora_down(x.to(self.lora_down.weight.dtype) if not torch.is_autocast_enabled(x.device.type) else x)
+        if self.dropout and self.training:
+            lx = F.dropout(lx, p=self.dropout)
+        scale = self.scale
+        if self.rank_dropout and self.training:
+            if self.is_conv:
+                shape = (lx.size(0), self.lora_dim, 1, 1)
+            else:
+                shape = (lx.size(0),) + (1,) * (lx.dim() - 2) + (self.lora_dim,)
+            mask = (torch.rand(shape, device=lx.device) > self.rank_dropout).to(lx.dtype)
+            lx = lx * mask
+            scale = scale / (1.0 - self.rank_dropout)
+        lx = self.lora_up(lx) if up_weight is None else F.linear(lx, up_weight)
+        return org + (lx * (self.multiplier * scale)).to(org.dtype)
+
+
+class LoRAModule(LoRABase):
+    """out = org(x) + up(down(x)) * multiplier * alpha / dim."""
+
+    def __init__(self, lora_name: str, org_module: nn.Module, multiplier: float = 1.0, lora_dim: int = 4,
+                 alpha: float | None = 1.0, dropout: float | None = None, rank_dropout: float | None = None,
+                 module_dropout: float | None = None):
+        if isinstance(org_module, nn.Conv2d):
+            in_dim, out_dim = org_module.in_channels, org_module.out_channels
+            lora_down = nn.Conv2d(in_dim, lora_dim, org_module.kernel_size, org_module.stride,
+                                  org_module.padding, bias=False)
+            lora_up = nn.Conv2d(lora_dim, out_dim, (1, 1), (1, 1), bias=False)
+        else:
+            in_dim, out_dim = org_module.in_features, org_module.out_features
+            lora_down = nn.Linear(in_dim, lora_dim, bias=False)
+            lora_up = nn.Linear(lora_dim, out_dim, bias=False)
+        super().__init__(lora_name, lora_down, lora_up, multiplier, lora_dim, alpha, dropout, rank_dropout,
+                         module_dropout)
+        self.is_conv = isinstance(org_module, nn.Conv2d)
         # not a submodule: the network's state_dict holds only the LoRA weights
         self._org = [org_module]
         self.org_forward = None
@@ -85,23 +120,7 @@ class LoRAModule(nn.Module):
             self.org_forward = None
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        org = self.org_forward(x, *args, **kwargs)
-        if self.module_dropout and self.training and torch.rand(()) < self.module_dropout:
-            return org
-        lx = self.lora_down(x.to(self.lora_down.weight.dtype) if not torch.is_autocast_enabled(x.device.type) else x)
-        if self.dropout and self.training:
-            lx = F.dropout(lx, p=self.dropout)
-        scale = self.scale
-        if self.rank_dropout and self.training:
-            if self.is_conv:
-                shape = (lx.size(0), self.lora_dim, 1, 1)
-            else:
-                shape = (lx.size(0),) + (1,) * (lx.dim() - 2) + (self.lora_dim,)
-            mask = (torch.rand(shape, device=lx.device) > self.rank_dropout).to(lx.dtype)
-            lx = lx * mask
-            scale = scale / (1.0 - self.rank_dropout)
-        lx = self.lora_up(lx)
-        return org + (lx * (self.multiplier * scale)).to(org.dtype)
+        return self.add_lora(self.org_forward(x, *args, **kwargs), x)
 
 
 def _kohya_unet_path(module_path: str, name_map: dict[str, str] | None) -> str:
@@ -135,14 +154,8 @@ class LoRANetwork(nn.Module):
                  unet_name_map: dict[str, str] | None = None, modules_dim: dict[str, int] | None = None,
                  modules_alpha: dict[str, float] | None = None):
         super().__init__()
-        self.multiplier = multiplier
-        self.lora_dim = lora_dim
-        self.alpha = alpha
-        self.conv_lora_dim = conv_lora_dim
-        self.conv_alpha = conv_alpha
-        self.dropout = dropout
-        self.rank_dropout = rank_dropout
-        self.module_dropout = module_dropout
+        self._set_options(multiplier, lora_dim, alpha, dropout, rank_dropout, module_dropout, conv_lora_dim,
+                          conv_alpha)
 
         def make(prefix: str, root: nn.Module, targets: tuple[str, ...], name_map=None) -> list[LoRAModule]:
             loras = []
@@ -163,9 +176,10 @@ class LoRANetwork(nn.Module):
                         path = te_names.get(path, path)
                     lora_name = f"{prefix}_{path}".replace(".", "_")
                     if modules_dim is not None:
-                        if lora_name not in modules_dim:
+                        dim_alpha = file_dim_alpha(lora_name, modules_dim, modules_alpha)
+                        if dim_alpha is None:
                             continue
-                        dim, a = modules_dim[lora_name], modules_alpha.get(lora_name, modules_dim[lora_name])
+                        dim, a = dim_alpha
                     elif is_linear or is_1x1:
                         dim, a = lora_dim, alpha
                     elif conv_lora_dim:
@@ -191,6 +205,17 @@ class LoRANetwork(nn.Module):
             names.add(lora.lora_name)
         logger.info("LoRA: %d modules for the text encoder(s), %d for the UNet", len(self.text_encoder_loras),
                     len(self.unet_loras))
+
+    def _set_options(self, multiplier, lora_dim, alpha, dropout, rank_dropout, module_dropout, conv_lora_dim=None,
+                     conv_alpha=None) -> None:
+        self.multiplier = multiplier
+        self.lora_dim = lora_dim
+        self.alpha = alpha
+        self.conv_lora_dim = conv_lora_dim
+        self.conv_alpha = conv_alpha
+        self.dropout = dropout
+        self.rank_dropout = rank_dropout
+        self.module_dropout = module_dropout
 
     # -- applying -------------------------------------------------------------------------------------
     def apply_to(self, text_encoders, unet, apply_text_encoder: bool = True, apply_unet: bool = True) -> None:
@@ -303,19 +328,41 @@ def load_lora_state_dict(file: str) -> dict[str, torch.Tensor]:
     return strip_orig_mod(sd)
 
 
-def parse_network_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """`--network_args` values (text) -> typed values; unknown keys are an error."""
+def file_dim_alpha(lora_name: str, modules_dim: dict[str, int],
+                   modules_alpha: dict[str, float] | None) -> tuple[int, float] | None:
+    """(dim, alpha) of a module in a LoRA file (alpha defaults to dim), None when the file has no such module."""
+    if lora_name not in modules_dim:
+        return None
+    return modules_dim[lora_name], (modules_alpha or {}).get(lora_name, modules_dim[lora_name])
+
+
+def dims_from_weights(weights_sd: dict[str, torch.Tensor]) -> tuple[dict[str, int], dict[str, float]]:
+    """Per-module dims and alphas of a LoRA state dict (`--dim_from_weights`)."""
+    modules_dim, modules_alpha = {}, {}
+    for key, value in weights_sd.items():
+        name = key.split(".")[0]
+        if key.endswith("lora_down.weight"):
+            modules_dim[name] = value.shape[0]
+        elif key.endswith(".alpha"):
+            modules_alpha[name] = float(value)
+    return modules_dim, modules_alpha
+
+
+def parse_network_kwargs(kwargs: dict[str, Any], allowed: dict[str, type] = NETWORK_ARGS,
+                         module: str = "networks.lora") -> dict[str, Any]:
+    """`--network_args` values (text) -> typed values; keys not in `allowed` (of network `module`) are an
+    error, and so are dropout rates outside [0, 1)."""
     out = {}
     for key, value in kwargs.items():
-        if key not in NETWORK_ARGS:
-            raise NetworkArgsError(f"--network_args {key}={value}: unknown for networks.lora; "
-                                   f"allowed: {', '.join(NETWORK_ARGS)}")
+        if key not in allowed:
+            raise NetworkArgsError(f"--network_args {key}={value}: unknown for {module}; "
+                                   f"allowed: {', '.join(allowed)}")
         if value is None or value == "None":
             continue
         try:
-            out[key] = NETWORK_ARGS[key](value)
+            out[key] = allowed[key](value)
         except (TypeError, ValueError) as e:
-            raise NetworkArgsError(f"--network_args {key}={value}: not a {NETWORK_ARGS[key].__name__}") from e
+            raise NetworkArgsError(f"--network_args {key}={value}: not a {allowed[key].__name__}") from e
     for key in ("rank_dropout", "module_dropout"):
         if key in out and not 0 <= out[key] < 1:
             raise NetworkArgsError(f"--network_args {key}={out[key]}: must be in [0, 1)")
@@ -351,13 +398,7 @@ def create_network_from_weights(multiplier: float, file: str | None, vae, text_e
     text_encoders = list(text_encoder) if isinstance(text_encoder, (list, tuple)) else [text_encoder]
     if weights_sd is None:
         weights_sd = load_lora_state_dict(file)
-    modules_dim, modules_alpha = {}, {}
-    for key, value in weights_sd.items():
-        name = key.split(".")[0]
-        if key.endswith("lora_down.weight"):
-            modules_dim[name] = value.shape[0]
-        elif key.endswith(".alpha"):
-            modules_alpha[name] = float(value)
+    modules_dim, modules_alpha = dims_from_weights(weights_sd)
     opts = parse_network_kwargs(kwargs)
     network = LoRANetwork(text_encoders, unet, multiplier=multiplier, modules_dim=modules_dim,
                           modules_alpha=modules_alpha, rank_dropout=opts.get("rank_dropout"),

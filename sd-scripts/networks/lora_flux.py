@@ -18,11 +18,9 @@ what kohya, ComfyUI, Forge and diffusers' kohya-FLUX converter expect:
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from library import flux_models
@@ -38,7 +36,7 @@ EXCLUDED_BFL_MODULES = ("img_mod", "txt_mod", "modulation")
 NETWORK_ARGS = {"train_blocks": str, "rank_dropout": float, "module_dropout": float}
 
 
-class FluxLoRAModule(nn.Module):
+class FluxLoRAModule(lora_sd.LoRABase):
     """LoRA over one BFL Linear that diffusers may hold as several Linear layers fed the same input.
 
     org_i(x) + up[rows of part i](down(x)) * multiplier * alpha / dim, for each diffusers part i."""
@@ -46,26 +44,14 @@ class FluxLoRAModule(nn.Module):
     def __init__(self, lora_name: str, org_modules: list[nn.Linear], multiplier: float = 1.0, lora_dim: int = 4,
                  alpha: float | None = 1.0, dropout: float | None = None, rank_dropout: float | None = None,
                  module_dropout: float | None = None):
-        super().__init__()
         in_dims = {m.in_features for m in org_modules}
         if len(in_dims) != 1:
             raise ValueError(f"{lora_name}: parts have different input widths {sorted(in_dims)}")
-        self.lora_name = lora_name
-        self.split = [m.out_features for m in org_modules]
-        self.lora_down = nn.Linear(in_dims.pop(), lora_dim, bias=False)
-        self.lora_up = nn.Linear(lora_dim, sum(self.split), bias=False)
-        nn.init.kaiming_uniform_(self.lora_down.weight, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_up.weight)
-        if alpha is None or alpha == 0:
-            alpha = lora_dim
-        alpha = float(alpha.detach().float().item() if isinstance(alpha, torch.Tensor) else alpha)
-        self.lora_dim = lora_dim
-        self.scale = alpha / lora_dim
-        self.register_buffer("alpha", torch.tensor(alpha))
-        self.multiplier = multiplier
-        self.dropout = dropout
-        self.rank_dropout = rank_dropout
-        self.module_dropout = module_dropout
+        split = [m.out_features for m in org_modules]
+        super().__init__(lora_name, nn.Linear(in_dims.pop(), lora_dim, bias=False),
+                         nn.Linear(lora_dim, sum(split), bias=False), multiplier, lora_dim, alpha, dropout,
+                         rank_dropout, module_dropout)
+        self.split = split
         self._orgs = list(org_modules)  # plain list: not submodules, the network holds only LoRA weights
         self._org_forwards: list | None = None
         self._offsets = [sum(self.split[:i]) for i in range(len(self.split))]
@@ -89,21 +75,10 @@ class FluxLoRAModule(nn.Module):
 
     def forward_part(self, i: int, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         org = self._org_forwards[i](x, *args, **kwargs)
-        if self.module_dropout and self.training and torch.rand(()) < self.module_dropout:
-            return org
-        w = self.lora_down.weight
-        lx = F.linear(x if torch.is_autocast_enabled(x.device.type) else x.to(w.dtype), w)
-        if self.dropout and self.training:
-            lx = F.dropout(lx, p=self.dropout)
-        scale = self.scale
-        if self.rank_dropout and self.training:
-            shape = (lx.size(0),) + (1,) * (lx.dim() - 2) + (self.lora_dim,)
-            lx = lx * (torch.rand(shape, device=lx.device) > self.rank_dropout).to(lx.dtype)
-            scale = scale / (1.0 - self.rank_dropout)
-        up = self.lora_up.weight
+        up = None
         if len(self.split) > 1:
-            up = up[self._offsets[i]: self._offsets[i] + self.split[i]]
-        return org + (F.linear(lx, up) * (self.multiplier * scale)).to(org.dtype)
+            up = self.lora_up.weight[self._offsets[i]: self._offsets[i] + self.split[i]]
+        return self.add_lora(org, x, up)
 
 
 class LoRANetworkFlux(lora_sd.LoRANetwork):
@@ -116,22 +91,13 @@ class LoRANetworkFlux(lora_sd.LoRANetwork):
         nn.Module.__init__(self)
         if train_blocks not in TRAIN_BLOCKS:
             raise NetworkArgsError(f"--network_args train_blocks={train_blocks}: allowed: {', '.join(TRAIN_BLOCKS)}")
-        self.multiplier = multiplier
-        self.lora_dim = lora_dim
-        self.alpha = alpha
-        self.conv_lora_dim = None
-        self.conv_alpha = None
-        self.dropout = dropout
-        self.rank_dropout = rank_dropout
-        self.module_dropout = module_dropout
+        self._set_options(multiplier, lora_dim, alpha, dropout, rank_dropout, module_dropout)
         self.train_blocks = train_blocks
 
         def dim_alpha(name):
             if modules_dim is None:
                 return lora_dim, alpha
-            if name not in modules_dim:
-                return None
-            return modules_dim[name], (modules_alpha or {}).get(name, modules_dim[name])
+            return lora_sd.file_dim_alpha(name, modules_dim, modules_alpha)
 
         def new(name, parts):
             da = dim_alpha(name)
@@ -177,22 +143,9 @@ class LoRANetworkFlux(lora_sd.LoRANetwork):
 
 
 def parse_network_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    out = {}
-    for key, value in kwargs.items():
-        if key not in NETWORK_ARGS:
-            raise NetworkArgsError(f"--network_args {key}={value}: unknown for networks.lora_flux; "
-                                   f"allowed: {', '.join(NETWORK_ARGS)}")
-        if value is None or value == "None":
-            continue
-        try:
-            out[key] = NETWORK_ARGS[key](value)
-        except (TypeError, ValueError) as e:
-            raise NetworkArgsError(f"--network_args {key}={value}: not a {NETWORK_ARGS[key].__name__}") from e
+    out = lora_sd.parse_network_kwargs(kwargs, NETWORK_ARGS, "networks.lora_flux")
     if out.get("train_blocks", "all") not in TRAIN_BLOCKS:
         raise NetworkArgsError(f"--network_args train_blocks={out['train_blocks']}: allowed: {', '.join(TRAIN_BLOCKS)}")
-    for key in ("rank_dropout", "module_dropout"):
-        if key in out and not 0 <= out[key] < 1:
-            raise NetworkArgsError(f"--network_args {key}={out[key]}: must be in [0, 1)")
     return out
 
 
@@ -219,13 +172,7 @@ def create_network_from_weights(multiplier: float, file: str | None, ae, text_en
     """A network shaped like a LoRA file (dims and alphas per module)."""
     if weights_sd is None:
         weights_sd = load_lora_state_dict(file)
-    modules_dim, modules_alpha = {}, {}
-    for key, value in weights_sd.items():
-        name = key.split(".")[0]
-        if key.endswith("lora_down.weight"):
-            modules_dim[name] = value.shape[0]
-        elif key.endswith(".alpha"):
-            modules_alpha[name] = float(value)
+    modules_dim, modules_alpha = lora_sd.dims_from_weights(weights_sd)
     opts = parse_network_kwargs(kwargs)
     network = LoRANetworkFlux(_text_encoders(text_encoders), flux, multiplier=multiplier, modules_dim=modules_dim,
                               modules_alpha=modules_alpha, rank_dropout=opts.get("rank_dropout"),
