@@ -190,6 +190,31 @@ def test_sd1_dreambooth_with_reg_images_ckpt(tmp_path, tiny_sd1_single_file, tin
     assert same_weights(unet, trained.unet)
 
 
+def test_sd1_dreambooth_trains_text_encoder_by_default(tmp_path, tiny_sd1_single_file, tiny_dataset_dir):
+    """kohya's train_db.py: the text encoder is trained without --train_text_encoder."""
+    final = Path(train("train_db", base_args(tiny_sd1_single_file, tiny_dataset_dir, tmp_path / "out", "db")))
+    base = load(tiny_sd1_single_file, "sd1")
+    trained = load_with_tokenizers(final, "sd1", Path(tiny_sd1_single_file).parent / "tokenizers")
+    assert changed(trained.unet, base.unet) and changed(trained.text_encoders[0], base.text_encoders[0])
+    assert header(final)[1]["ss_train_text_encoder"] == "True"
+
+
+def test_sd1_dreambooth_stop_text_encoder_training(tmp_path, tiny_sd1_single_file, tiny_dataset_dir, caplog):
+    """--stop_text_encoder_training 1: the text encoder changes in step 1 and not in step 2 (the UNet does)."""
+    out = tmp_path / "out"
+    with caplog.at_level(logging.INFO):
+        final = Path(train("train_db", base_args(tiny_sd1_single_file, tiny_dataset_dir, out, "db")
+                           + ["--stop_text_encoder_training", 1, "--save_every_n_steps", 1]))
+    assert "stop text encoder training at step 1" in caplog.text
+    tokenizers = Path(tiny_sd1_single_file).parent / "tokenizers"
+    base = load(tiny_sd1_single_file, "sd1")
+    step1 = load_with_tokenizers(out / "db-step00000001.safetensors", "sd1", tokenizers)
+    step2 = load_with_tokenizers(final, "sd1", tokenizers)
+    assert changed(step1.text_encoders[0], base.text_encoders[0])
+    assert same_weights(step2.text_encoders[0], step1.text_encoders[0])
+    assert changed(step2.unet, step1.unet)
+
+
 def test_sd1_finetune_captions_save_state_and_resume(tmp_path, tiny_sd1_single_file, tiny_sd1_diffusers,
                                                      tiny_dataset_dir, caplog):
     """Captions next to the images; --save_state, then --resume continues at step 2 into a new name."""

@@ -10,6 +10,7 @@ compile), and change only what is trained and how it is saved:
 
 A family adapts it with these hooks (defaults fit SD1.x / SD2.x / SDXL):
 
+    trains_text_encoder(args) -> bool                 text encoder(s) trained from the start (--train_text_encoder)
     text_encoder_lrs(args) -> list[float | None]     per text encoder, None = frozen (SDXL: te1, te2)
     trained_model(components) -> the denoiser        (components.unet; FLUX: its transformer)
     save_full_model(args, components, path, metadata, save_dtype)   single file / diffusers folder
@@ -150,6 +151,11 @@ class FullTrainer:
     tracker_name = "finetuning"
 
     # -- family hooks ------------------------------------------------------------------------------------
+    def trains_text_encoder(self, args) -> bool:
+        """Whether the text encoder(s) are trained from the first step: --train_text_encoder (train_db.py:
+        unless --stop_text_encoder_training is negative)."""
+        return bool(args.train_text_encoder)
+
     def text_encoder_lrs(self, args) -> list[float | None]:
         """Learning rate per text encoder when --train_text_encoder (None or 0 = frozen)."""
         lr = args.learning_rate_te if args.learning_rate_te is not None else args.learning_rate
@@ -180,7 +186,8 @@ class FullTrainer:
         if not args.pretrained_model_name_or_path:
             raise ConfigError("--pretrained_model_name_or_path is required")
         caching_te = args.cache_text_encoder_outputs or args.cache_text_encoder_outputs_to_disk
-        if caching_te and args.train_text_encoder:
+        train_te = self.trains_text_encoder(args)
+        if caching_te and train_te:
             raise ConfigError("--cache_text_encoder_outputs cannot be used with --train_text_encoder (a trained "
                               "text encoder changes its outputs); drop one of them")
         lrs = self.text_encoder_lrs(args)
@@ -189,10 +196,10 @@ class FullTrainer:
             if value is not None and value < 0:
                 raise ConfigError(f"--{name} must be 0 or more, got {value}")
         given = [n for n in ("learning_rate_te", "learning_rate_te1", "learning_rate_te2") if getattr(args, n, None)]
-        if given and not args.train_text_encoder:
+        if given and not train_te:
             logger.warning("%s given without --train_text_encoder: the text encoders stay frozen",
                            ", ".join("--" + n for n in given))
-        if args.train_text_encoder and not any(lrs):
+        if train_te and not any(lrs):
             raise ConfigError("--train_text_encoder with every text-encoder learning rate 0: nothing of the text "
                               "encoders would be trained; drop --train_text_encoder or give a rate above 0")
         if args.fused_backward_pass:
@@ -225,7 +232,7 @@ class FullTrainer:
         groups = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": args.learning_rate}]
         models = [model]
         trained_tes = []
-        if args.train_text_encoder:
+        if self.trains_text_encoder(args):
             for i, (te, lr) in enumerate(zip(components.text_encoders, self.text_encoder_lrs(args))):
                 if not lr:
                     logger.info("text encoder %d: learning rate 0, kept frozen", i + 1)
@@ -259,7 +266,7 @@ class FullTrainer:
     # -- outputs -----------------------------------------------------------------------------------------
     def method_metadata(self, args) -> dict[str, Any]:
         md: dict[str, Any] = {
-            "ss_train_text_encoder": bool(args.train_text_encoder),
+            "ss_train_text_encoder": self.trains_text_encoder(args),
             "ss_fused_backward_pass": bool(args.fused_backward_pass),
         }
         for name in ("learning_rate_te", "learning_rate_te1", "learning_rate_te2"):

@@ -17,6 +17,7 @@ A subclass overrides only the per-family hooks:
     enable_gradient_checkpointing(args, components, train_text_encoder)
     prepare_unet_with_accelerator(args, accelerator, components)         (SDXL: regional compile here)
     on_step_start(args)                                (SDXL: compile_utils.mark_step_begin)
+    keep_training_text_encoder(args, global_step) -> bool   False freezes the text encoder from this step on
     build_pipeline(args, components, scheduler)        diffusers pipeline for sample images
     update_metadata(metadata, args)                    family/compile ss_* keys
     default_output_name, lora_target_text_encoders(components)
@@ -283,6 +284,11 @@ class NetworkTrainer:
 
     def prepare_unet_with_accelerator(self, args, accelerator, components) -> None:
         """After accelerator.prepare: the UNet is frozen and on its device (the SDXL trainer compiles here)."""
+
+    def keep_training_text_encoder(self, args, global_step: int) -> bool:
+        """Asked before each step while a text encoder is trained; False freezes it from this step on
+        (train_db.py: --stop_text_encoder_training)."""
+        return True
 
     def on_step_start(self, args) -> None:
         pass
@@ -555,6 +561,8 @@ class NetworkTrainer:
                 loader = skip_first_batches(dataloader, skip_batches)
                 skip_batches = 0
             for batch in loader:
+                if train_text_encoder and not self.keep_training_text_encoder(args, global_step):
+                    train_text_encoder = False
                 self.on_step_start(args)
                 with accelerator.accumulate(*trainable.models):
                     loss = self.training_step(args, accelerator, noise_scheduler, batch, components, weight_dtype,
