@@ -93,8 +93,6 @@ def parse_args(argv=None):
                         "(relative_step=False, lr 1e-6) stepped per parameter in backward (--fused_backward_pass) "
                         "with library.full_trainer's hooks, as sdxl_train.py does")
     p.add_argument("--no_fused", action="store_true", help="with --full: a plain optimizer step after backward")
-    p.add_argument("--compile_resnets", action="store_true",
-                   help="SDXL: also compile the ResnetBlock2D modules as regions (experiment)")
     p.add_argument("--gc_freeze", action="store_true",
                    help="gc.collect(); gc.freeze() after the warm-up steps (measures Python GC pauses)")
     p.add_argument("--json_out", default=None)
@@ -423,12 +421,8 @@ def main(argv=None):
         if args.gradient_checkpointing and args.gc_blocks_only:
             model.disable_gradient_checkpointing()
         result["gc_blocks_only"] = bool(args.gc_blocks_only)
-        names = None
-        if args.compile_resnets and args.family == "sdxl":
-            names = ("BasicTransformerBlock", "ResnetBlock2D")
-        result["compile_resnets"] = bool(names)
         result["compiled_blocks"] = compile_utils.compile_model_blocks(
-            model, args, model_name=name, gradient_checkpointing=args.gradient_checkpointing, block_names=names
+            model, args, model_name=name, gradient_checkpointing=args.gradient_checkpointing
         )
         result["compiled"] = run_phase(model, optimizer, inputs, args, compiled=True)
         # time to first step after the model is loaded (the warm-start figure when the cache is warm)

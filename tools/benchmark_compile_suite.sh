@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind docs/BENCHMARKS.md, on one CUDA GPU. Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|resnets|flux [OUTDIR]
+# The runs behind docs/BENCHMARKS.md, on one CUDA GPU. Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux [OUTDIR]
 # Each configuration runs in its own process (eager and compiled in that one process) with a fresh compile
 # cache, so "first compiled step" is a cold compile; the warm-start run reuses the SDXL bs1+GC cache.
 set -u
@@ -55,11 +55,6 @@ case "${1:-}" in
   freeze)  # SDXL bs1 / FLUX 512 compiled phase again (measured with a gc.freeze() experiment that was reverted)
     run sdxl_bs1_freeze 150 --family sdxl --batch_size 1 --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs1" --phases compiled --steps 20
     run flux_512_freeze 200 --family flux --resolution 512 --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/flux_512" --phases compiled --steps 20
-    ;;
-  resnets)  # experiment: ResnetBlock2D compiled as regions too
-    run sdxl_bs1_res 150 --family sdxl --batch_size 1 --compile_mode reduce-overhead --compile_resnets --compile_cache_size_limit 32 --compile_cache_dir "$CACHE_ROOT/sdxl_bs1_res" --phases compiled --steps 20
-    run sdxl_bs1_gc_res 150 --family sdxl --batch_size 1 --gradient_checkpointing --compile_mode reduce-overhead --compile_resnets --compile_cache_size_limit 32 --compile_cache_dir "$CACHE_ROOT/sdxl_bs1_gc_res" --phases compiled --steps 20
-    run sdxl_bs4_gc_res 150 --family sdxl --batch_size 4 --gradient_checkpointing --compile_mode reduce-overhead --compile_resnets --compile_cache_size_limit 32 --compile_cache_dir "$CACHE_ROOT/sdxl_bs4_gc_res" --phases compiled --steps 15
     ;;
   flux)
     run flux_512 200 --family flux --resolution 512 --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/flux_512"

@@ -380,7 +380,6 @@ def compile_model_blocks(
     model_name: str,
     gradient_checkpointing: bool = False,
     disable_linear: bool = False,
-    block_names: tuple[str, ...] | None = None,
 ) -> int:
     """Compile the repeated transformer blocks of `model` in place; return the number of compiled blocks.
 
@@ -389,10 +388,9 @@ def compile_model_blocks(
     CUDA graphs overwrites outputs that are still needed; it is switched off for these blocks (and a model that
     already had it on is treated as gradient_checkpointing=True). Call this after enable_gradient_checkpointing.
     disable_linear: keep Linear layers out of the graph (block swap moves their weights between devices).
-    block_names: class names of the modules to compile (default: the model's repeated transformer blocks).
     """
-    names = tuple(block_names) if block_names else repeated_block_names(model)
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    names = repeated_block_names(model)
+    blocks = find_repeated_blocks(model)
     if not blocks:
         raise CompileConfigError(f"{model_name}: none of the repeated blocks {list(names)} were found in the model")
 
