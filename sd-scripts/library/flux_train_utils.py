@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import random
 
 import torch
 
@@ -215,55 +214,41 @@ def sample_images(args, components, *, device, epoch, steps, autocast=None, netw
     """FLUX samples (flow-matching Euler, FluxPipeline over the live models): kohya prompt lines with --g for the
     embedded guidance and --l with --n for true CFG. Saved under <output_dir>/sample/; RNG states restored."""
     from library.sample_prompts import parse_prompt_file
-    from library.sampling import sample_image_name
+    from library.sampling import sampling_state, save_sample_image
 
     prompts = parse_prompt_file(args.sample_prompts)
     if not prompts:
         return []
-    out_dir = os.path.join(args.output_dir, "sample")
-    os.makedirs(out_dir, exist_ok=True)
-    cpu_state, py_state = torch.get_rng_state(), random.getstate()
-    cuda_state = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    modes = [(n, n.training) for n in networks]
-    for n in networks:
-        n.eval()
-    moved = []
-    for m in (components.vae, components.clip_l, components.t5xxl):
-        if m.device != torch.device(device):
-            moved.append((m, m.device))
-            m.to(device)
-    pipe = build_pipeline(components)
-    pipe.set_progress_bar_config(disable=True)
+    os.makedirs(os.path.join(args.output_dir, "sample"), exist_ok=True)
     paths = []
-    try:
-        for i, p in enumerate(prompts):
-            seed = p.get("seed")
-            gen = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
-            neg = p.get("negative_prompt") or None
-            kwargs = dict(prompt=p["prompt"], width=p.get("width", 512), height=p.get("height", 512),
-                          num_inference_steps=p.get("sample_steps", 20),
-                          guidance_scale=p.get("guidance_scale", 3.5), generator=gen,
-                          max_sequence_length=t5_max_length(args, components))
-            if neg:
-                kwargs.update(negative_prompt=neg, true_cfg_scale=p.get("scale", 1.0))
-            ctx = autocast() if autocast is not None else torch.autocast(torch.device(device).type, enabled=False)
-            with ctx:
-                image = pipe(**kwargs).images[0]
-            path = os.path.join(out_dir, sample_image_name(args.output_name, epoch, steps, i, seed))
-            tmp = path + ".tmp.png"
-            image.save(tmp)
-            os.replace(tmp, path)
-            paths.append(path)
-            logger.info("sample image: %s (prompt %r)", path, p["prompt"])
-    finally:
-        for m, d in moved:
-            m.to(d)
-        for n, mode in modes:
-            n.train(mode)
-        torch.set_rng_state(cpu_state)
-        random.setstate(py_state)
-        if cuda_state is not None:
-            torch.cuda.set_rng_state_all(cuda_state)
+    with sampling_state(networks):
+        moved = []
+        for m in (components.vae, components.clip_l, components.t5xxl):
+            if m.device != torch.device(device):
+                moved.append((m, m.device))
+                m.to(device)
+        try:
+            pipe = build_pipeline(components)
+            pipe.set_progress_bar_config(disable=True)
+            for i, p in enumerate(prompts):
+                seed = p.get("seed")
+                gen = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
+                neg = p.get("negative_prompt") or None
+                kwargs = dict(prompt=p["prompt"], width=p.get("width", 512), height=p.get("height", 512),
+                              num_inference_steps=p.get("sample_steps", 20),
+                              guidance_scale=p.get("guidance_scale", 3.5), generator=gen,
+                              max_sequence_length=t5_max_length(args, components))
+                if neg:
+                    kwargs.update(negative_prompt=neg, true_cfg_scale=p.get("scale", 1.0))
+                ctx = autocast() if autocast is not None else torch.autocast(torch.device(device).type,
+                                                                             enabled=False)
+                with ctx:
+                    image = pipe(**kwargs).images[0]
+                paths.append(save_sample_image(image, args, epoch=epoch, steps=steps, index=i, seed=seed,
+                                               prompt=p["prompt"]))
+        finally:
+            for m, d in moved:
+                m.to(d)
     return paths
 
 

@@ -5,12 +5,13 @@ File names follow kohya: `<output_name>_<e000001 | 000010>_<i:02d>_<YYYYmmddHHMM
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
 import random
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -71,6 +72,39 @@ def should_sample(args, *, epoch: int | None, steps: int) -> bool:
     return bool(n) and epoch % n == 0
 
 
+@contextlib.contextmanager
+def sampling_state(networks=()) -> Iterator[None]:
+    """`networks` in eval mode while sampling; afterwards their modes and the global RNG states (CPU, CUDA,
+    Python) are restored, so sampling does not change the training run."""
+    cpu_state = torch.get_rng_state()
+    cuda_state = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    py_state = random.getstate()
+    was_training = [(n, n.training) for n in networks]
+    for n in networks:
+        n.eval()
+    try:
+        yield
+    finally:
+        for n, mode in was_training:
+            n.train(mode)
+        torch.set_rng_state(cpu_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state_all(cuda_state)
+        random.setstate(py_state)
+
+
+def save_sample_image(image, args, *, epoch: int | None, steps: int, index: int, seed: int | None,
+                      prompt: str) -> str:
+    """Writes a sample to <output_dir>/sample/ under kohya's name (temporary name, then renamed)."""
+    out_dir = os.path.join(args.output_dir, "sample")
+    path = os.path.join(out_dir, sample_image_name(args.output_name, epoch, steps, index, seed))
+    tmp = path + ".tmp.png"
+    image.save(tmp)
+    os.replace(tmp, path)
+    logger.info("sample image: %s (prompt %r)", path, prompt)
+    return path
+
+
 @torch.no_grad()
 def sample_images(args, *, build_pipeline: Callable[[object], object], device: torch.device, epoch: int | None,
                   steps: int, prediction_type: str = "epsilon", autocast=None, networks=(),
@@ -88,17 +122,9 @@ def sample_images(args, *, build_pipeline: Callable[[object], object], device: t
     if not prompts:
         logger.warning("--sample_prompts %s has no prompts", args.sample_prompts)
         return []
-    out_dir = os.path.join(args.output_dir, "sample")
-    os.makedirs(out_dir, exist_ok=True)
-
-    cpu_state = torch.get_rng_state()
-    cuda_state = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    py_state = random.getstate()
-    was_training = [(n, n.training) for n in networks]
-    for n in networks:
-        n.eval()
+    os.makedirs(os.path.join(args.output_dir, "sample"), exist_ok=True)
     paths = []
-    try:
+    with sampling_state(networks):
         for i, p in enumerate(prompts):
             sampler = p.get("sample_sampler") or args.sample_sampler
             pipe = build_pipeline(make_sample_scheduler(sampler, prediction_type))
@@ -115,17 +141,6 @@ def sample_images(args, *, build_pipeline: Callable[[object], object], device: t
                 else:
                     kwargs.update(prompt=p["prompt"], negative_prompt=p.get("negative_prompt") or None)
                 image = pipe(**kwargs).images[0]
-            path = os.path.join(out_dir, sample_image_name(args.output_name, epoch, steps, i, seed))
-            tmp = path + ".tmp.png"
-            image.save(tmp)
-            os.replace(tmp, path)
-            paths.append(path)
-            logger.info("sample image: %s (prompt %r)", path, p["prompt"])
-    finally:
-        for n, mode in was_training:
-            n.train(mode)
-        torch.set_rng_state(cpu_state)
-        if cuda_state is not None:
-            torch.cuda.set_rng_state_all(cuda_state)
-        random.setstate(py_state)
+            paths.append(save_sample_image(image, args, epoch=epoch, steps=steps, index=i, seed=seed,
+                                           prompt=p["prompt"]))
     return paths
