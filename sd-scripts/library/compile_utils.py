@@ -413,8 +413,7 @@ def compile_model_blocks(
         compile_kwargs["mode"] = mode
     for block in blocks:
         if gradient_checkpointing and not hasattr(block, "_forward_inside_checkpoint"):
-            # Saving/restoring the RNG state is only needed when the recompute draws random numbers (dropout);
-            # without it the graph stays cacheable (torch 2.11 cannot cache graphsafe_run_with_rng_state).
+            # Saving/restoring the RNG state is only needed when the recompute draws random numbers (dropout).
             block._ckpt_rng = _uses_dropout(block)
             block._forward_inside_checkpoint = block.forward
             block.forward = types.MethodType(_checkpointed_forward, block)
