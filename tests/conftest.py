@@ -21,6 +21,18 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".venv" / "inductor-
 import pytest  # noqa: E402
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test: the CI box has 2 cores shared by many processes, and one thread is
+    much faster there than two (`pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_models_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("tiny_models")

@@ -19,12 +19,7 @@ from library import block_swap, compile_utils, flux_models, flux_tiny, flux_trai
 from networks import lora_flux
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 shared cores: one thread is much faster here
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="session")

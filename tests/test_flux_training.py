@@ -21,12 +21,7 @@ import flux_train_network
 from library import flux_models, flux_tiny
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 shared cores: one thread is much faster here
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -17,13 +17,7 @@ from lora_checks import check_loads_in_diffusers, read_lora
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # the CI box has 2 cores shared by many processes: one thread is ~10x faster than two here
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
