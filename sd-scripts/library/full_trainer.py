@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from library import config_util, data_parallel, train_util
+from library import config_util, data_parallel, network_trainer, train_util
 from library.network_trainer import Trainable
 from library.train_util import ConfigError
 
@@ -65,12 +65,7 @@ def add_full_training_arguments(parser: argparse.ArgumentParser, *, text_encoder
 
 def setup_parser(*, text_encoders: int) -> argparse.ArgumentParser:
     """The flags every full trainer shares; scripts add family flags (e.g. compile) on top."""
-    parser = argparse.ArgumentParser(allow_abbrev=False)
-    train_util.add_sd_models_arguments(parser)
-    config_util.add_dataset_arguments(parser)
-    train_util.add_training_arguments(parser)
-    train_util.add_optimizer_arguments(parser)
-    train_util.add_config_arguments(parser)
+    parser = network_trainer.base_parser()
     add_full_training_arguments(parser, text_encoders=text_encoders)
     return parser
 
@@ -290,6 +285,4 @@ class FullTrainer:
 
 def run(trainer, parser: argparse.ArgumentParser, argv: list[str] | None = None) -> str | None:
     """Parse (with --config_file) and train; clear errors exit with status 2 (network_trainer.run)."""
-    from library import network_trainer
-
     return network_trainer.run(trainer, parser, argv)

@@ -76,14 +76,20 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--training_comment", type=str, default=None, help="ss_training_comment metadata")
 
 
-def setup_parser() -> argparse.ArgumentParser:
-    """The arguments every LoRA trainer shares; scripts add family flags (e.g. compile) on top."""
+def base_parser() -> argparse.ArgumentParser:
+    """The arguments of every trainer, LoRA and full (models, dataset, training, optimizer, --config_file)."""
     parser = argparse.ArgumentParser(allow_abbrev=False)
     train_util.add_sd_models_arguments(parser)
     config_util.add_dataset_arguments(parser)
     train_util.add_training_arguments(parser)
     train_util.add_optimizer_arguments(parser)
     train_util.add_config_arguments(parser)
+    return parser
+
+
+def setup_parser() -> argparse.ArgumentParser:
+    """The arguments every LoRA trainer shares; scripts add family flags (e.g. compile) on top."""
+    parser = base_parser()
     add_network_arguments(parser)
     parser.set_defaults(learning_rate=1e-4)
     return parser
