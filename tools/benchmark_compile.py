@@ -15,9 +15,15 @@ Examples:
     python tools/benchmark_compile.py --family sdxl --phases compiled --compile_cache_dir /tmp/cc --steps 3
     # full fine-tune step (sdxl_train.py's 24 GB setup): bf16 weights, Adafactor, fused backward pass
     python tools/benchmark_compile.py --family sdxl --full --gradient_checkpointing --compile_mode reduce-overhead
+    # FLUX.1 LoRA presets: fp8 base (24 GB), fp8 base + block swap (16 / 12 GB; CUDA graphs are refused with it)
+    python tools/benchmark_compile.py --family flux --rank 16 --gradient_checkpointing --fp8_base --phases compiled
+    python tools/benchmark_compile.py --family flux --rank 16 --gradient_checkpointing --fp8_base --blocks_to_swap 18 \
+        --compile_mode default --phases compiled
 
 Prints the median step ms, it/s, cold-compile seconds (first compiled step), peak memory
-(torch.cuda.max_memory_allocated) for eager and compiled, and the ratio; --json_out writes all figures.
+(torch.cuda.max_memory_allocated and max_memory_reserved) for eager and compiled, and the ratio; --json_out
+writes all figures. --fp8_base and --blocks_to_swap place the FLUX transformer as flux_train_network.py does
+(library.flux_models.apply_fp8_base, library.flux_train_utils.place_transformer / library.block_swap).
 """
 
 from __future__ import annotations
@@ -93,6 +99,10 @@ def parse_args(argv=None):
                         "(relative_step=False, lr 1e-6) stepped per parameter in backward (--fused_backward_pass) "
                         "with library.full_trainer's hooks, as sdxl_train.py does")
     p.add_argument("--no_fused", action="store_true", help="with --full: a plain optimizer step after backward")
+    p.add_argument("--fp8_base", action="store_true",
+                   help="--family flux: frozen Linear weights in float8_e4m3fn (flux_models.apply_fp8_base)")
+    p.add_argument("--blocks_to_swap", type=int, default=0,
+                   help="--family flux: blocks kept on the CPU and swapped in around their forward/backward")
     p.add_argument("--gc_freeze", action="store_true",
                    help="gc.collect(); gc.freeze() after the warm-up steps (measures Python GC pauses)")
     p.add_argument("--json_out", default=None)
@@ -108,6 +118,10 @@ def parse_args(argv=None):
     if args.no_fused and not args.full:
         p.error("--no_fused applies only with --full")
     args.fused = args.full and not args.no_fused
+    if (args.fp8_base or args.blocks_to_swap) and (args.family != "flux" or args.full):
+        p.error("--fp8_base and --blocks_to_swap apply only to --family flux LoRA")
+    if args.blocks_to_swap < 0:
+        p.error(f"--blocks_to_swap must be 0 or more, got {args.blocks_to_swap}")
     return args
 
 
@@ -139,7 +153,15 @@ def build_flux(args):
             model = FluxTransformer2DModel(**cfg)
     finally:
         torch.set_default_dtype(prev)
-    return model.to(torch.bfloat16)
+    model = model.to(torch.bfloat16)
+    if args.fp8_base:
+        from library import flux_models
+
+        n = flux_models.apply_fp8_base(model)
+        logger.info(f"fp8 base: {n} Linear layers in {flux_models.FP8_DTYPE}")
+        if torch.device(args.device).type == "cuda":
+            torch.cuda.empty_cache()  # give back the bf16 build to other processes on the GPU
+    return model
 
 
 def _lora_targets(model, family) -> list[str]:
@@ -289,7 +311,11 @@ def _sync(args):
 
 def run_phase(model, optimizer, inputs, args, compiled: bool) -> dict:
     cuda = torch.device(args.device).type == "cuda"
-    if cuda:
+    if cuda:  # drop cached blocks (the bf16 build before fp8 / block swap) so the reserved peak is this phase's
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     times = []
     losses = []
@@ -329,6 +355,7 @@ def run_phase(model, optimizer, inputs, args, compiled: bool) -> dict:
     )
     if cuda:
         out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
     if compiled:
         out["compile_stats_after_first_step"] = first_step_compile_stats
         out["compile_stats_end"] = _compile_stats()
@@ -388,6 +415,10 @@ def main(argv=None):
     else:
         impl, params = apply_lora(model, args)
         optimizer = torch.optim.AdamW(params, lr=1e-4)
+    if args.blocks_to_swap:  # after the LoRA is applied, as NetworkTrainer.setup_trainable -> place_unet
+        from library import flux_train_utils
+
+        flux_train_utils.place_transformer(model, args.device, torch.bfloat16, args.fp8_base, args.blocks_to_swap)
     inputs = make_inputs(args)
     _sync(args)
     t_loaded = time.perf_counter()
@@ -408,6 +439,8 @@ def main(argv=None):
         lora_impl=impl,
         full=args.full,
         fused_backward_pass=args.fused,
+        fp8_base=args.fp8_base,
+        blocks_to_swap=args.blocks_to_swap,
         lora_rank=args.rank,
         lora_params=n_lora,
         cache_dir=env.get("cache_dir"),
@@ -422,7 +455,8 @@ def main(argv=None):
             model.disable_gradient_checkpointing()
         result["gc_blocks_only"] = bool(args.gc_blocks_only)
         result["compiled_blocks"] = compile_utils.compile_model_blocks(
-            model, args, model_name=name, gradient_checkpointing=args.gradient_checkpointing
+            model, args, model_name=name, gradient_checkpointing=args.gradient_checkpointing,
+            disable_linear=args.blocks_to_swap > 0,
         )
         result["compiled"] = run_phase(model, optimizer, inputs, args, compiled=True)
         # time to first step after the model is loaded (the warm-start figure when the cache is warm)
@@ -441,16 +475,18 @@ def main(argv=None):
 
 def print_summary(r):
     what = r["lora_impl"] if r.get("full") else f"LoRA r{r['lora_rank']} ({r['lora_impl']})"
-    head = (f"{r['family']} {r['resolution']}px bs{r['batch_size']}{' +GC' if r['gradient_checkpointing'] else ''} "
+    extra = (" fp8 base" if r.get("fp8_base") else "") + (f" swap {r['blocks_to_swap']}" if r.get("blocks_to_swap") else "")
+    head = (f"{r['family']} {r['resolution']}px bs{r['batch_size']}{' +GC' if r['gradient_checkpointing'] else ''}{extra} "
             f"{what} on {r['device']}, torch {r['torch']}, "
             f"compile {r['compile_backend']}/{r['compile_mode']}")
     print("\n" + head)
-    print(f"{'phase':<10}{'step ms (median)':>18}{'it/s':>8}{'first step s':>14}{'peak GiB':>10}")
+    print(f"{'phase':<10}{'step ms (median)':>18}{'it/s':>8}{'first step s':>14}{'peak GiB':>10}{'reserved GiB':>14}")
     for phase in ("eager", "compiled"):
         if phase in r:
             x = r[phase]
             peak = f"{x['peak_mem_gib']:.2f}" if "peak_mem_gib" in x else "-"
-            print(f"{phase:<10}{x['step_ms_median']:>18.1f}{x['it_per_s']:>8.2f}{x['first_step_s']:>14.2f}{peak:>10}")
+            res = f"{x['peak_reserved_gib']:.2f}" if "peak_reserved_gib" in x else "-"
+            print(f"{phase:<10}{x['step_ms_median']:>18.1f}{x['it_per_s']:>8.2f}{x['first_step_s']:>14.2f}{peak:>10}{res:>14}")
     if "speedup" in r:
         print(f"speedup (eager / compiled): {r['speedup']:.2f}x; cold compile (first compiled step): "
               f"{r['compiled']['first_step_s']:.1f} s; compiled blocks: {r['compiled_blocks']}")

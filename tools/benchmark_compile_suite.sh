@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind docs/BENCHMARKS.md, on one CUDA GPU. Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux [OUTDIR]
+# The runs behind docs/BENCHMARKS.md, on one CUDA GPU. Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets [OUTDIR]
 # Each configuration runs in its own process (eager and compiled in that one process) with a fresh compile
 # cache, so "first compiled step" is a cold compile; the warm-start run reuses the SDXL bs1+GC cache.
 set -u
@@ -59,6 +59,22 @@ case "${1:-}" in
   flux)
     run flux_512 200 --family flux --resolution 512 --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/flux_512"
     run flux_1024_gc 220 --family flux --resolution 1024 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/flux_1024_gc"
+    ;;
+  flux_presets)  # FLUX.1 LoRA presets' memory at 1024 px (rank 16): fp8 base, +block swap; in parallel on one GPU
+    # (peak memory is per process; step ms is then shared-GPU time). Each starts once the last has its model
+    # built (the bf16 build before fp8 takes 24 GB for a moment). nvidia-smi samples add each CUDA context.
+    P="--family flux --resolution 1024 --rank 16 --gradient_checkpointing --fp8_base --phases compiled"
+    nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits -lms 500 >/tmp/smi.csv 2>/dev/null &
+    SMI=$!
+    built() { until grep -q "model ready" "$OUTDIR/$1.log" 2>/dev/null || ! kill -0 "$2" 2>/dev/null; do sleep 1; done; }
+    run flux_1024_fp8_ro 300 $P --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/a" & W=$!
+    built flux_1024_fp8_ro $!
+    run flux_1024_fp8_swap8 300 $P --blocks_to_swap 8 --compile_mode default --compile_cache_dir "$CACHE_ROOT/b" & W="$W $!"
+    built flux_1024_fp8_swap8 $!
+    run flux_1024_fp8_swap18 300 $P --blocks_to_swap 18 --compile_mode default --compile_cache_dir "$CACHE_ROOT/c" & W="$W $!"
+    wait $W
+    kill "$SMI" 2>/dev/null
+    echo "nvidia-smi peak MiB per process:"; sort -t, -k1,1 -k2,2n /tmp/smi.csv | awk -F, '{m[$1]=$2} END {for (p in m) print p, m[p]}'
     ;;
   *) echo "usage: $0 sdxl|flux [OUTDIR]"; exit 2 ;;
 esac
