@@ -506,13 +506,7 @@ def load_ae(path: str, dtype: torch.dtype = torch.float32):
     path = str(path)
     _check_exists(path, "--ae")
     if not os.path.isfile(path):
-        sub = _diffusers_subfolder(path, "vae")
-        if sub is None and not (Path(path).is_dir() and (Path(path) / "config.json").is_file()) and not _is_hub_id(path):
-            raise FluxModelError(f"--ae: {path} is not a .safetensors file, a model folder, or a hub id")
-        try:
-            return AutoencoderKL.from_pretrained(sub or path, torch_dtype=dtype).requires_grad_(False)
-        except OSError as e:
-            raise FluxModelError(f"--ae: cannot load {path}: {e}") from e
+        return _from_pretrained(AutoencoderKL, path, "vae", dtype, "--ae")
     sd = _strip(read_safetensors(path, "AE (--ae)"), ("first_stage_model.", "vae."))
     cfg = infer_ae_config(sd, path)
     converted = convert_ldm_vae_checkpoint(sd, cfg)
