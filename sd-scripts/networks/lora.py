@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -146,6 +146,16 @@ def _text_encoder_names(te: nn.Module) -> dict[str, str]:
     return text_encoder_hf_module_names(te)
 
 
+def target_layers(root: nn.Module, targets: tuple[str, ...]) -> Iterator[tuple[str, nn.Module]]:
+    """(module path, layer) of every Linear / Conv2d inside the modules of `root` whose class is in `targets`."""
+    for name, module in root.named_modules():
+        if module.__class__.__name__ not in targets:
+            continue
+        for child_name, child in module.named_modules():
+            if isinstance(child, (nn.Linear, nn.Conv2d)):
+                yield (f"{name}.{child_name}" if child_name else name), child
+
+
 class LoRANetwork(nn.Module):
     def __init__(self, text_encoders: list[nn.Module], unet: nn.Module, multiplier: float = 1.0,
                  lora_dim: int = 4, alpha: float = 1.0, dropout: float | None = None,
@@ -160,34 +170,27 @@ class LoRANetwork(nn.Module):
         def make(prefix: str, root: nn.Module, targets: tuple[str, ...], name_map=None) -> list[LoRAModule]:
             loras = []
             te_names = _text_encoder_names(root) if prefix != LORA_PREFIX_UNET else {}
-            for name, module in root.named_modules():
-                if module.__class__.__name__ not in targets:
+            for path, child in target_layers(root, targets):
+                is_linear = isinstance(child, nn.Linear)
+                is_1x1 = not is_linear and tuple(child.kernel_size) == (1, 1)
+                if prefix == LORA_PREFIX_UNET:
+                    path = _kohya_unet_path(path, name_map)
+                else:
+                    path = te_names.get(path, path)
+                lora_name = f"{prefix}_{path}".replace(".", "_")
+                if modules_dim is not None:
+                    dim_alpha = file_dim_alpha(lora_name, modules_dim, modules_alpha)
+                    if dim_alpha is None:
+                        continue
+                    dim, a = dim_alpha
+                elif is_linear or is_1x1:
+                    dim, a = lora_dim, alpha
+                elif conv_lora_dim:
+                    dim, a = conv_lora_dim, conv_alpha
+                else:
                     continue
-                for child_name, child in module.named_modules():
-                    is_linear = isinstance(child, nn.Linear)
-                    is_conv = isinstance(child, nn.Conv2d)
-                    if not (is_linear or is_conv):
-                        continue
-                    is_1x1 = is_conv and tuple(child.kernel_size) == (1, 1)
-                    path = f"{name}.{child_name}" if child_name else name
-                    if prefix == LORA_PREFIX_UNET:
-                        path = _kohya_unet_path(path, name_map)
-                    else:
-                        path = te_names.get(path, path)
-                    lora_name = f"{prefix}_{path}".replace(".", "_")
-                    if modules_dim is not None:
-                        dim_alpha = file_dim_alpha(lora_name, modules_dim, modules_alpha)
-                        if dim_alpha is None:
-                            continue
-                        dim, a = dim_alpha
-                    elif is_linear or is_1x1:
-                        dim, a = lora_dim, alpha
-                    elif conv_lora_dim:
-                        dim, a = conv_lora_dim, conv_alpha
-                    else:
-                        continue
-                    loras.append(LoRAModule(lora_name, child, multiplier, dim, a, dropout, rank_dropout,
-                                            module_dropout))
+                loras.append(LoRAModule(lora_name, child, multiplier, dim, a, dropout, rank_dropout,
+                                        module_dropout))
             return loras
 
         self.text_encoder_loras: list[LoRAModule] = []

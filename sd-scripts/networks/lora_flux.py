@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from library import flux_models
+from library.model_util import text_encoder_hf_module_names
 from networks import lora as lora_sd
 from networks.lora import NetworkArgsError, load_lora_state_dict
 
@@ -105,22 +106,17 @@ class LoRANetworkFlux(lora_sd.LoRANetwork):
                 return None
             return FluxLoRAModule(name, parts, multiplier, da[0], da[1], dropout, rank_dropout, module_dropout)
 
-        # CLIP-L (text encoder 1). transformers 5 models have no "text_model." level; kohya's names do.
+        # CLIP-L (text encoder 1), named after the canonical HF paths ("text_model.encoder...") as kohya does
         self.text_encoder_loras: list[FluxLoRAModule] = []
         if text_encoders:
             clip = text_encoders[0]
-            for name, module in clip.named_modules():
-                if module.__class__.__name__ not in lora_sd.TEXT_ENCODER_TARGET_MODULES:
+            te_names = text_encoder_hf_module_names(clip)
+            for path, child in lora_sd.target_layers(clip, lora_sd.TEXT_ENCODER_TARGET_MODULES):
+                if not isinstance(child, nn.Linear):
                     continue
-                for child_name, child in module.named_modules():
-                    if not isinstance(child, nn.Linear):
-                        continue
-                    path = f"{name}.{child_name}"
-                    if not path.startswith("text_model."):
-                        path = "text_model." + path
-                    m = new(f"{LORA_PREFIX_CLIP_L}_{path}".replace(".", "_"), [child])
-                    if m is not None:
-                        self.text_encoder_loras.append(m)
+                m = new(f"{LORA_PREFIX_CLIP_L}_{te_names.get(path, path)}".replace(".", "_"), [child])
+                if m is not None:
+                    self.text_encoder_loras.append(m)
 
         # FLUX transformer, named after the BFL modules
         cfg = flux.config
