@@ -60,7 +60,7 @@ case "${1:-}" in
     run flux_512 200 --family flux --resolution 512 --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/flux_512"
     run flux_1024_gc 220 --family flux --resolution 1024 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/flux_1024_gc"
     ;;
-  flux_presets)  # FLUX.1 LoRA presets' memory at 1024 px (rank 16): fp8 base, +block swap; in parallel on one GPU
+  flux_presets)  # FLUX.1 LoRA presets' memory at 1024 px (rank 16): fp8 base (24 GB), + swap 24 (16 GB), 44 (12 GB); parallel
     # (peak memory is per process; step ms is then shared-GPU time). Each starts once the last has its model
     # built (the bf16 build before fp8 takes 24 GB for a moment). nvidia-smi samples add each CUDA context.
     P="--family flux --resolution 1024 --rank 16 --gradient_checkpointing --fp8_base --phases compiled"
@@ -69,9 +69,9 @@ case "${1:-}" in
     built() { until grep -q "model ready" "$OUTDIR/$1.log" 2>/dev/null || ! kill -0 "$2" 2>/dev/null; do sleep 1; done; }
     run flux_1024_fp8_ro 300 $P --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/a" & W=$!
     built flux_1024_fp8_ro $!
-    run flux_1024_fp8_swap8 300 $P --blocks_to_swap 8 --compile_mode default --compile_cache_dir "$CACHE_ROOT/b" & W="$W $!"
-    built flux_1024_fp8_swap8 $!
-    run flux_1024_fp8_swap18 300 $P --blocks_to_swap 18 --compile_mode default --compile_cache_dir "$CACHE_ROOT/c" & W="$W $!"
+    run flux_1024_fp8_swap24 300 $P --blocks_to_swap 24 --compile_mode default --compile_cache_dir "$CACHE_ROOT/b" & W="$W $!"
+    built flux_1024_fp8_swap24 $!
+    run flux_1024_fp8_swap44 300 $P --blocks_to_swap 44 --compile_mode default --compile_cache_dir "$CACHE_ROOT/c" & W="$W $!"
     wait $W
     kill "$SMI" 2>/dev/null
     echo "nvidia-smi peak MiB per process:"; sort -t, -k1,1 -k2,2n /tmp/smi.csv | awk -F, '{m[$1]=$2} END {for (p in m) print p, m[p]}'
