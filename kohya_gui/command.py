@@ -106,4 +106,9 @@ def validation_errors(tab: str, family: str, values: dict[str, Any]) -> list[str
             errors.append(f"{p.label} ({p.name}) is required")
     if not (values.get("train_data_dir") or values.get("dataset_config") or values.get("in_json")):
         errors.append("Give an image folder (train_data_dir) or a dataset config (dataset_config)")
+    processes = values.get("num_processes") or 1
+    if values.get("cpu") and isinstance(processes, int) and processes > 1:
+        # accelerate launch --cpu starts a single process whatever --num_processes says
+        errors.append(f"CPU only (cpu) runs one process; Number of processes (num_processes) is {processes}: "
+                      "set it to 1 (several CPU processes: ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu)")
     return errors

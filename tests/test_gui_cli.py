@@ -81,6 +81,16 @@ def test_start_refuses_bad_settings_and_existing_results(tmp_path):
     assert "already exists" in status and "Overwrite existing result" in status
 
 
+def test_cpu_with_several_processes_is_refused():
+    # accelerate launch --cpu starts one process whatever --num_processes says: say so before a run starts
+    values = {**P.defaults("lora"), "pretrained_model_name_or_path": "m.safetensors", "train_data_dir": "d",
+              "output_dir": "out", "output_name": "x", "cpu": True, "num_processes": 2}
+    errors = command.validation_errors("lora", "SDXL", values)
+    assert any("cpu" in e and "num_processes" in e and "2" in e for e in errors), errors
+    assert not command.validation_errors("lora", "SDXL", {**values, "num_processes": 1})
+    assert not command.validation_errors("lora", "SDXL", {**values, "cpu": False})
+
+
 HARNESS = """
 import sys, time
 import gui
