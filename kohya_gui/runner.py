@@ -264,24 +264,25 @@ def _terminate_tree(proc: subprocess.Popen, grace: float) -> None:
     except psutil.Error:
         descendants = []
     _kill_group(proc.pid, signal.SIGTERM)
-    for d in descendants:
-        try:
-            d.terminate()
-        except psutil.Error:
-            pass
+    _signal_each(descendants, psutil.Process.terminate)
     deadline = time.time() + grace
     while time.time() < deadline and proc.poll() is None:
         time.sleep(0.1)
     alive = [d for d in descendants if d.is_running() and d.status() != psutil.STATUS_ZOMBIE]
     _kill_group(proc.pid, signal.SIGKILL)
-    for d in alive:
-        try:
-            d.kill()
-        except psutil.Error:
-            pass
+    _signal_each(alive, psutil.Process.kill)
     if proc.poll() is None:
         proc.kill()
     psutil.wait_procs(alive, timeout=5)
+
+
+def _signal_each(processes: list, send) -> None:
+    """send(p) for each process; one that has already gone is skipped."""
+    for p in processes:
+        try:
+            send(p)
+        except psutil.Error:
+            pass
 
 
 def _new_outputs(output_dir: str | None, since: float | None) -> list[str]:
