@@ -11,6 +11,8 @@ Examples:
     python tools/benchmark_compile.py --family sdxl --resolution 1024 --batch_size 1 --compile_mode reduce-overhead
     python tools/benchmark_compile.py --family sdxl --batch_size 4 --gradient_checkpointing --compile_mode reduce-overhead
     python tools/benchmark_compile.py --family flux --resolution 512 --compile_mode reduce-overhead
+    # data-parallel on 2 GPUs (gradients averaged by library.data_parallel, as under accelerate launch)
+    torchrun --nproc_per_node 2 tools/benchmark_compile.py --family sdxl --phases compiled
     # warm start: a second process with the same cache, compiled phase only
     python tools/benchmark_compile.py --family sdxl --phases compiled --compile_cache_dir /tmp/cc --steps 3
     # full fine-tune step (sdxl_train.py's 24 GB setup): bf16 weights, Adafactor, fused backward pass
@@ -36,6 +38,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "sd-scripts"))
@@ -43,9 +46,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from library import compile_utils  # noqa: E402
+from library import compile_utils, data_parallel  # noqa: E402
 
 logger = logging.getLogger("benchmark_compile")
+
+# Set by setup_data_parallel() when torchrun starts several processes (one per GPU); the gradients are then
+# averaged with library.data_parallel exactly as the trainers do it under `accelerate launch`.
+_DATA_PARALLEL = SimpleNamespace(num_processes=1)
+_RANK = 0
 
 FLUX_DEV_CONFIG = dict(
     patch_size=1,
@@ -105,6 +113,12 @@ def parse_args(argv=None):
                    help="--family flux: blocks kept on the CPU and swapped in around their forward/backward")
     p.add_argument("--gc_freeze", action="store_true",
                    help="gc.collect(); gc.freeze() after the warm-up steps (measures Python GC pauses)")
+    p.add_argument("--channels_last", action="store_true",
+                   help="--family sdxl: the UNet in channels-last memory format (NHWC convolutions)")
+    p.add_argument("--cudnn_sdp", choices=("auto", "on", "off"), default="auto",
+                   help="cuDNN SDPA backend: auto = as the trainers set it (off where its backward is known to crash)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after the timed steps of each phase, profile N more steps: top kernels and GPU busy share")
     p.add_argument("--json_out", default=None)
     p.add_argument("--seed", type=int, default=0)
     compile_utils.add_compile_arguments(p)
@@ -122,6 +136,8 @@ def parse_args(argv=None):
         p.error("--fp8_base and --blocks_to_swap apply only to --family flux LoRA")
     if args.blocks_to_swap < 0:
         p.error(f"--blocks_to_swap must be 0 or more, got {args.blocks_to_swap}")
+    if args.channels_last and args.family != "sdxl":
+        p.error("--channels_last applies only to --family sdxl")
     return args
 
 
@@ -224,8 +240,6 @@ def _apply_kohya_lora(model, args):
 
 def setup_full(model, args):
     """Every weight trainable in bf16, Adafactor as sdxl_train.py's 24 GB preset, optionally fused backward."""
-    from types import SimpleNamespace
-
     from transformers.optimization import Adafactor
 
     from library import full_trainer
@@ -234,9 +248,8 @@ def setup_full(model, args):
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = Adafactor(params, lr=1e-6, relative_step=False, scale_parameter=False, warmup_init=False)
     if args.fused:
-        # one process: data_parallel's all-reduce is a no-op; per-tensor clipping at 1.0 as the trainers do
-        full_trainer.register_fused_backward(SimpleNamespace(max_grad_norm=1.0), SimpleNamespace(num_processes=1),
-                                             optimizer)
+        # per-tensor clipping at 1.0 as the trainers do; each gradient is all-reduced first under torchrun
+        full_trainer.register_fused_backward(SimpleNamespace(max_grad_norm=1.0), _DATA_PARALLEL, optimizer)
     return "full fine-tune, Adafactor" + (" fused backward" if args.fused else ""), params, optimizer
 
 
@@ -309,7 +322,19 @@ def _sync(args):
         torch.cuda.synchronize()
 
 
-def run_phase(model, optimizer, inputs, args, compiled: bool) -> dict:
+def train_step(model, optimizer, params, batch, args, compiled: bool) -> torch.Tensor:
+    if compiled:
+        compile_utils.mark_step_begin(args)
+    loss = loss_fn(model, batch, args)
+    loss.backward()  # with --full (fused) the optimizer steps each parameter in here (after its all-reduce)
+    if not args.fused:
+        data_parallel.all_reduce_gradients(params, _DATA_PARALLEL)  # no-op in one process, as in the trainers
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def run_phase(model, optimizer, params, inputs, args, compiled: bool) -> dict:
     cuda = torch.device(args.device).type == "cuda"
     if cuda:  # drop cached blocks (the bf16 build before fp8 / block swap) so the reserved peak is this phase's
         import gc
@@ -326,16 +351,9 @@ def run_phase(model, optimizer, inputs, args, compiled: bool) -> dict:
 
             gc.collect()
             gc.freeze()
-        batch = inputs[i % len(inputs)]
         _sync(args)
         t0 = time.perf_counter()
-        if compiled:
-            compile_utils.mark_step_begin(args)
-        loss = loss_fn(model, batch, args)
-        loss.backward()  # with --full (fused) the optimizer steps each parameter in here
-        if not args.fused:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        loss = train_step(model, optimizer, params, inputs[i % len(inputs)], args, compiled)
         _sync(args)
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
@@ -349,6 +367,7 @@ def run_phase(model, optimizer, inputs, args, compiled: bool) -> dict:
         step_ms_median=med * 1000,
         step_ms_min=min(timed) * 1000,
         it_per_s=1.0 / med,
+        images_per_s=_DATA_PARALLEL.num_processes * args.batch_size / med,
         first_step_s=times[0],
         step_s=times,
         loss_finite=all(map(lambda x: x == x and abs(x) != float("inf"), losses)),
@@ -359,7 +378,34 @@ def run_phase(model, optimizer, inputs, args, compiled: bool) -> dict:
     if compiled:
         out["compile_stats_after_first_step"] = first_step_compile_stats
         out["compile_stats_end"] = _compile_stats()
+    if args.profile:
+        out["profile"] = profile_steps(model, optimizer, params, inputs, args, compiled)
     return out
+
+
+def profile_steps(model, optimizer, params, inputs, args, compiled: bool) -> dict:
+    """Profiles --profile more steps: wall time, the share of it the GPU was busy, the top kernels."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(args)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for i in range(args.profile):
+            train_step(model, optimizer, params, inputs[i % len(inputs)], args, compiled)
+        _sync(args)
+        wall_us = (time.perf_counter() - t0) * 1e6
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    busy_us, end = 0.0, float("-inf")
+    for a, b in spans:  # union of kernel intervals (kernels on several streams may overlap)
+        if b > end:
+            busy_us += b - max(a, end)
+            end = b
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70)
+    if _RANK == 0:
+        print(f"\nprofile ({'compiled' if compiled else 'eager'}, {args.profile} steps): wall {wall_us / 1e3:.1f} ms, "
+              f"GPU busy {busy_us / 1e3:.1f} ms ({100 * busy_us / wall_us:.0f}%), {len(spans)} kernels\n{table}")
+    return dict(steps=args.profile, wall_ms=wall_us / 1e3, gpu_busy_ms=busy_us / 1e3, kernels=len(spans), table=table)
 
 
 class _BypassReasons(logging.Handler):
@@ -394,12 +440,35 @@ def _compile_stats() -> dict:
     return keep
 
 
+def setup_data_parallel(args) -> None:
+    """Under torchrun (WORLD_SIZE > 1): one process per GPU, NCCL, different random inputs per process."""
+    global _RANK
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return
+    _RANK = int(os.environ["RANK"])
+    if torch.device(args.device).type == "cuda":
+        local = int(os.environ["LOCAL_RANK"])
+        args.device = f"cuda:{local}"
+        torch.cuda.set_device(local)
+        torch.distributed.init_process_group("nccl", device_id=torch.device(args.device))
+    else:  # CPU smoke run of this mode
+        torch.distributed.init_process_group("gloo")
+    _DATA_PARALLEL.num_processes = world
+    args.seed += _RANK
+    if _RANK != 0:
+        logging.getLogger().setLevel(logging.WARNING)
+
+
 def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     t_start = time.perf_counter()
     args = parse_args(argv)
+    setup_data_parallel(args)
     compile_utils.validate_compile_args(args)
     env = compile_utils.setup_compile_environment(args)
+    if args.cudnn_sdp != "auto":
+        torch.backends.cuda.enable_cudnn_sdp(args.cudnn_sdp == "on")
     for name in ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache"):
         lg = logging.getLogger(name)
         lg.addHandler(_BYPASS)
@@ -408,6 +477,8 @@ def main(argv=None):
 
     model = build_sdxl_unet(args) if args.family == "sdxl" else build_flux(args)
     model.train()
+    if args.channels_last:
+        model.to(memory_format=torch.channels_last)
     if args.gradient_checkpointing:
         model.enable_gradient_checkpointing()  # diffusers' way, used by the eager phase
     if args.full:
@@ -444,11 +515,14 @@ def main(argv=None):
         lora_rank=args.rank,
         lora_params=n_lora,
         cache_dir=env.get("cache_dir"),
-        cudnn_sdp_disabled=env.get("cudnn_sdp") is False,
+        cudnn_sdp=torch.backends.cuda.cudnn_sdp_enabled() if torch.device(args.device).type == "cuda" else None,
+        cudnn_benchmark=torch.backends.cudnn.benchmark,
+        channels_last=args.channels_last,
+        world_size=_DATA_PARALLEL.num_processes,
         model_ready_s=t_loaded - t_start,
     )
     if "eager" in args.phases:
-        result["eager"] = run_phase(model, optimizer, inputs, args, compiled=False)
+        result["eager"] = run_phase(model, optimizer, params, inputs, args, compiled=False)
     if "compiled" in args.phases:
         name = "SDXL UNet" if args.family == "sdxl" else "FLUX"
         if args.gradient_checkpointing and args.gc_blocks_only:
@@ -458,12 +532,14 @@ def main(argv=None):
             model, args, model_name=name, gradient_checkpointing=args.gradient_checkpointing,
             disable_linear=args.blocks_to_swap > 0,
         )
-        result["compiled"] = run_phase(model, optimizer, inputs, args, compiled=True)
+        result["compiled"] = run_phase(model, optimizer, params, inputs, args, compiled=True)
         # time to first step after the model is loaded (the warm-start figure when the cache is warm)
         result["compiled"]["time_to_first_step_s"] = result["compiled"]["first_step_s"]
     if "eager" in result and "compiled" in result:
         result["speedup"] = result["eager"]["step_ms_median"] / result["compiled"]["step_ms_median"]
 
+    if _RANK != 0:  # every process trained; one reports
+        return result
     print_summary(result)
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
@@ -476,17 +552,22 @@ def main(argv=None):
 def print_summary(r):
     what = r["lora_impl"] if r.get("full") else f"LoRA r{r['lora_rank']} ({r['lora_impl']})"
     extra = (" fp8 base" if r.get("fp8_base") else "") + (f" swap {r['blocks_to_swap']}" if r.get("blocks_to_swap") else "")
+    extra += (" channels-last" if r.get("channels_last") else "") + (" cudnn-sdp" if r.get("cudnn_sdp") else "")
+    extra += " cudnn-benchmark" if r.get("cudnn_benchmark") else ""
+    extra += f" x{r['world_size']} GPUs data-parallel" if r.get("world_size", 1) > 1 else ""
     head = (f"{r['family']} {r['resolution']}px bs{r['batch_size']}{' +GC' if r['gradient_checkpointing'] else ''}{extra} "
             f"{what} on {r['device']}, torch {r['torch']}, "
             f"compile {r['compile_backend']}/{r['compile_mode']}")
     print("\n" + head)
-    print(f"{'phase':<10}{'step ms (median)':>18}{'it/s':>8}{'first step s':>14}{'peak GiB':>10}{'reserved GiB':>14}")
+    print(f"{'phase':<10}{'step ms (median)':>18}{'it/s':>8}{'images/s':>10}{'first step s':>14}{'peak GiB':>10}"
+          f"{'reserved GiB':>14}")
     for phase in ("eager", "compiled"):
         if phase in r:
             x = r[phase]
             peak = f"{x['peak_mem_gib']:.2f}" if "peak_mem_gib" in x else "-"
             res = f"{x['peak_reserved_gib']:.2f}" if "peak_reserved_gib" in x else "-"
-            print(f"{phase:<10}{x['step_ms_median']:>18.1f}{x['it_per_s']:>8.2f}{x['first_step_s']:>14.2f}{peak:>10}{res:>14}")
+            print(f"{phase:<10}{x['step_ms_median']:>18.1f}{x['it_per_s']:>8.2f}{x['images_per_s']:>10.2f}"
+                  f"{x['first_step_s']:>14.2f}{peak:>10}{res:>14}")
     if "speedup" in r:
         print(f"speedup (eager / compiled): {r['speedup']:.2f}x; cold compile (first compiled step): "
               f"{r['compiled']['first_step_s']:.1f} s; compiled blocks: {r['compiled_blocks']}")
@@ -494,3 +575,5 @@ def print_summary(r):
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

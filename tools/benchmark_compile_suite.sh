@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind docs/BENCHMARKS.md, on one CUDA GPU. Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets [OUTDIR]
+# The runs behind docs/BENCHMARKS.md, on one CUDA GPU. Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|full_sdxl|dp2 [OUTDIR]
 # Each configuration runs in its own process (eager and compiled in that one process) with a fresh compile
 # cache, so "first compiled step" is a cold compile; the warm-start run reuses the SDXL bs1+GC cache.
 set -u
@@ -76,5 +76,26 @@ case "${1:-}" in
     kill "$SMI" 2>/dev/null
     echo "nvidia-smi peak MiB per process:"; sort -t, -k1,1 -k2,2n /tmp/smi.csv | awk -F, '{m[$1]=$2} END {for (p in m) print p, m[p]}'
     ;;
-  *) echo "usage: $0 sdxl|flux [OUTDIR]"; exit 2 ;;
+  tune_sdxl)  # SDXL bs1 compiled with cuDNN SDPA / cudnn.benchmark / channels-last, one shared cache; then GC and bs4
+    C="--family sdxl --compile_mode reduce-overhead --phases compiled --compile_cache_dir $CACHE_ROOT/tune"
+    run sdxl_bs1_control 150 $C --profile 3
+    run sdxl_bs1_all 150 $C --cudnn_sdp on --cuda_cudnn_benchmark --channels_last --profile 3
+    run sdxl_bs1_gc_all 150 $C --gradient_checkpointing --cudnn_sdp on --cuda_cudnn_benchmark --channels_last
+    run sdxl_bs4_gc_all 150 $C --batch_size 4 --gradient_checkpointing --cudnn_sdp on --cuda_cudnn_benchmark --channels_last
+    run sdxl_bs1_sdp 120 $C --cudnn_sdp on
+    run sdxl_bs1_chl 120 $C --channels_last --cuda_cudnn_benchmark
+    ;;
+  full_sdxl)  # issue 6: SDXL full fine-tune (sdxl_train.py's 24 GB setup), 1024 px bs1, eager and compiled
+    run sdxl_full_gc 300 --family sdxl --full --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/full" --steps 8 --warmup 3
+    ;;
+  dp2)  # issue 6: SDXL LoRA data-parallel on 2 GPUs vs 1, compile on in both (the 1-GPU run warms the cache)
+    D="--family sdxl --batch_size ${BS:-1} --compile_mode reduce-overhead --phases compiled --compile_cache_dir $CACHE_ROOT/dp ${DP_ARGS:-}"
+    run sdxl_dp1 200 $D
+    echo "=== sdxl_dp2: torchrun --nproc_per_node 2 $D"
+    timeout 200 $PY -m torch.distributed.run --nproc_per_node 2 tools/benchmark_compile.py --steps "$STEPS" \
+      --warmup "$WARMUP" --json_out "$OUTDIR/sdxl_dp2.json" $D >"$OUTDIR/sdxl_dp2.log" 2>&1
+    echo "exit $? (sdxl_dp2)"; grep -v "__recompiles\]" "$OUTDIR/sdxl_dp2.log" | tail -6
+    $PY -c "import json,sys; a,b=(json.load(open(f'$OUTDIR/sdxl_dp{n}.json'))['compiled']['images_per_s'] for n in (1,2)); print(f'images/s 1 GPU {a:.2f}, 2 GPUs {b:.2f}: {b/a:.2f}x')"
+    ;;
+  *) echo "usage: $0 sdxl|flux|tune_sdxl|full_sdxl|dp2|... [OUTDIR]"; exit 2 ;;
 esac
