@@ -117,6 +117,8 @@ def parse_args(argv=None):
                    help="--family sdxl: the UNet in channels-last memory format (NHWC convolutions)")
     p.add_argument("--cudnn_sdp", choices=("auto", "on", "off"), default="auto",
                    help="cuDNN SDPA backend: auto = as the trainers set it (off where its backward is known to crash)")
+    p.add_argument("--adamw", choices=("trainer", "foreach"), default="trainer",
+                   help="LoRA optimizer: AdamW as library.train_util.get_optimizer builds it (fused), or torch's default foreach")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after the timed steps of each phase, profile N more steps: top kernels and GPU busy share")
     p.add_argument("--json_out", default=None)
@@ -485,7 +487,14 @@ def main(argv=None):
         impl, params, optimizer = setup_full(model, args)
     else:
         impl, params = apply_lora(model, args)
-        optimizer = torch.optim.AdamW(params, lr=1e-4)
+        if args.adamw == "foreach":
+            optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+        else:
+            from library import train_util
+
+            opt_args = SimpleNamespace(optimizer_type="AdamW", optimizer_args=None, learning_rate=1e-4,
+                                       lr_scheduler="constant", use_8bit_adam=False)
+            optimizer = train_util.get_optimizer(opt_args, params)[2]
     if args.blocks_to_swap:  # after the LoRA is applied, as NetworkTrainer.setup_trainable -> place_unet
         from library import flux_train_utils
 
@@ -510,6 +519,8 @@ def main(argv=None):
         lora_impl=impl,
         full=args.full,
         fused_backward_pass=args.fused,
+        optimizer=type(optimizer).__name__ + (" fused" if optimizer.defaults.get("fused") else
+                                               " foreach" if optimizer.defaults.get("foreach") else ""),
         fp8_base=args.fp8_base,
         blocks_to_swap=args.blocks_to_swap,
         lora_rank=args.rank,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind docs/BENCHMARKS.md, on one CUDA GPU. Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|full_sdxl|dp2 [OUTDIR]
+# The runs behind docs/BENCHMARKS.md, on one CUDA GPU. Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|full_sdxl|dp2 [OUTDIR]
 # Each configuration runs in its own process (eager and compiled in that one process) with a fresh compile
 # cache, so "first compiled step" is a cold compile; the warm-start run reuses the SDXL bs1+GC cache.
 set -u
@@ -84,6 +84,15 @@ case "${1:-}" in
     run sdxl_bs4_gc_all 150 $C --batch_size 4 --gradient_checkpointing --cudnn_sdp on --cuda_cudnn_benchmark --channels_last
     run sdxl_bs1_sdp 120 $C --cudnn_sdp on
     run sdxl_bs1_chl 120 $C --channels_last --cuda_cudnn_benchmark
+    ;;
+  fused)  # fused AdamW (the trainers' default now) vs foreach; checkpointing of the compiled blocks only (gcb)
+    C="--family sdxl --compile_mode reduce-overhead --phases compiled --compile_cache_dir $CACHE_ROOT/fused"
+    run sdxl_bs1_fused 110 $C --profile 3
+    run sdxl_bs1_foreach 110 $C --adamw foreach --profile 3
+    run sdxl_bs1_gc_fused 110 $C --gradient_checkpointing
+    run sdxl_bs4_gc_fused 110 $C --batch_size 4 --gradient_checkpointing --profile 2
+    run sdxl_bs4_gcb_fused 110 $C --batch_size 4 --gradient_checkpointing --gc_blocks_only
+    run sdxl_bs1_gcb_fused 110 $C --gradient_checkpointing --gc_blocks_only
     ;;
   full_sdxl)  # issue 6: SDXL full fine-tune (sdxl_train.py's 24 GB setup), 1024 px bs1, eager and compiled
     run sdxl_full_gc 300 --family sdxl --full --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/full" --steps 8 --warmup 3

@@ -395,6 +395,14 @@ def optimizer_name(args: argparse.Namespace) -> str:
     return name
 
 
+def _can_fuse(cls, params, kwargs: dict) -> bool:
+    """torch's AdamW/Adam on CUDA (or CPU) float tensors, with no fused/foreach choice in --optimizer_args."""
+    if cls not in (torch.optim.AdamW, torch.optim.Adam) or {"fused", "foreach", "differentiable"} & kwargs.keys():
+        return False
+    tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
+    return bool(tensors) and all(t.device.type in ("cuda", "cpu") and t.is_floating_point() for t in tensors)
+
+
 def get_optimizer(args: argparse.Namespace, params) -> tuple[str, str, torch.optim.Optimizer]:
     """-> (name, "module.Class" for metadata, optimizer). `params` is a list of param groups or tensors."""
     name = optimizer_name(args)
@@ -416,6 +424,9 @@ def get_optimizer(args: argparse.Namespace, params) -> tuple[str, str, torch.opt
                 args.lr_scheduler = "adafactor"
     if args.lr_scheduler == "adafactor" and key != "adafactor":
         raise ConfigError("--lr_scheduler adafactor works only with --optimizer_type Adafactor")
+    if _can_fuse(cls, params, kwargs):
+        # a few kernels for all tensors: torch's default (foreach) took ~19 ms of an SDXL LoRA step on an H100
+        kwargs["fused"] = True
     try:
         optimizer = cls(params, lr=lr, **kwargs) if lr is not None else cls(params, **kwargs)
     except TypeError as e:
