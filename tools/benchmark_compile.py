@@ -324,20 +324,19 @@ def _sync(args):
         torch.cuda.synchronize()
 
 
-def train_step(model, optimizer, averager, batch, args, compiled: bool) -> torch.Tensor:
+def train_step(model, optimizer, params, batch, args, compiled: bool) -> torch.Tensor:
     if compiled:
         compile_utils.mark_step_begin(args)
     loss = loss_fn(model, batch, args)
-    averager.start(sync=True)
     loss.backward()  # with --full (fused) the optimizer steps each parameter in here (after its all-reduce)
     if not args.fused:
-        averager.finish()  # no-op in one process, as in the trainers
+        data_parallel.all_reduce_gradients(params, _DATA_PARALLEL)  # no-op in one process, as in the trainers
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return loss
 
 
-def run_phase(model, optimizer, averager, inputs, args, compiled: bool) -> dict:
+def run_phase(model, optimizer, params, inputs, args, compiled: bool) -> dict:
     cuda = torch.device(args.device).type == "cuda"
     if cuda:  # drop cached blocks (the bf16 build before fp8 / block swap) so the reserved peak is this phase's
         import gc
@@ -356,7 +355,7 @@ def run_phase(model, optimizer, averager, inputs, args, compiled: bool) -> dict:
             gc.freeze()
         _sync(args)
         t0 = time.perf_counter()
-        loss = train_step(model, optimizer, averager, inputs[i % len(inputs)], args, compiled)
+        loss = train_step(model, optimizer, params, inputs[i % len(inputs)], args, compiled)
         _sync(args)
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
@@ -382,11 +381,11 @@ def run_phase(model, optimizer, averager, inputs, args, compiled: bool) -> dict:
         out["compile_stats_after_first_step"] = first_step_compile_stats
         out["compile_stats_end"] = _compile_stats()
     if args.profile:
-        out["profile"] = profile_steps(model, optimizer, averager, inputs, args, compiled)
+        out["profile"] = profile_steps(model, optimizer, params, inputs, args, compiled)
     return out
 
 
-def profile_steps(model, optimizer, averager, inputs, args, compiled: bool) -> dict:
+def profile_steps(model, optimizer, params, inputs, args, compiled: bool) -> dict:
     """Profiles --profile more steps: wall time, the share of it the GPU was busy, the top kernels."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -395,7 +394,7 @@ def profile_steps(model, optimizer, averager, inputs, args, compiled: bool) -> d
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for i in range(args.profile):
-            train_step(model, optimizer, averager, inputs[i % len(inputs)], args, compiled)
+            train_step(model, optimizer, params, inputs[i % len(inputs)], args, compiled)
         _sync(args)
         wall_us = (time.perf_counter() - t0) * 1e6
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
@@ -500,8 +499,6 @@ def main(argv=None):
         from library import flux_train_utils
 
         flux_train_utils.place_transformer(model, args.device, torch.bfloat16, args.fp8_base, args.blocks_to_swap)
-    # as network_trainer: one averager over the trained params (with --full fused, each gradient in its own hook)
-    averager = data_parallel.GradientAverager([] if args.fused else params, _DATA_PARALLEL)
     inputs = make_inputs(args)
     _sync(args)
     t_loaded = time.perf_counter()
@@ -536,7 +533,7 @@ def main(argv=None):
         model_ready_s=t_loaded - t_start,
     )
     if "eager" in args.phases:
-        result["eager"] = run_phase(model, optimizer, averager, inputs, args, compiled=False)
+        result["eager"] = run_phase(model, optimizer, params, inputs, args, compiled=False)
     if "compiled" in args.phases:
         name = "SDXL UNet" if args.family == "sdxl" else "FLUX"
         if args.gradient_checkpointing and args.gc_blocks_only:
@@ -546,7 +543,7 @@ def main(argv=None):
             model, args, model_name=name, gradient_checkpointing=args.gradient_checkpointing,
             disable_linear=args.blocks_to_swap > 0,
         )
-        result["compiled"] = run_phase(model, optimizer, averager, inputs, args, compiled=True)
+        result["compiled"] = run_phase(model, optimizer, params, inputs, args, compiled=True)
         # time to first step after the model is loaded (the warm-start figure when the cache is warm)
         result["compiled"]["time_to_first_step_s"] = result["compiled"]["first_step_s"]
     if "eager" in result and "compiled" in result:

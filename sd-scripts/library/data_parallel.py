@@ -35,86 +35,43 @@ def check_launch(accelerator) -> None:
             "`accelerate launch --multi_gpu --num_processes N`; otherwise launch a single process.")
 
 
-class GradientAverager:
-    """Averages `.grad` of `params` over all processes, overlapping the communication with backward.
+def all_reduce_gradients(params, accelerator) -> None:
+    """Averages `.grad` of `params` over all processes, in place (nothing to do in a single process).
+    A parameter without a gradient counts as a zero gradient, so every process runs the same collectives."""
+    if not is_distributed(accelerator):
+        return
+    world = accelerator.num_processes
+    buckets: dict[tuple, list[torch.Tensor]] = {}
+    sizes: dict[tuple, int] = {}
+    no_grad = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+            no_grad.append(p)
+        key = (p.grad.dtype, p.grad.device)
+        buckets.setdefault(key, []).append(p.grad)
+        sizes[key] = sizes.get(key, 0) + p.grad.numel() * p.grad.element_size()
+        if sizes[key] >= BUCKET_BYTES:
+            _reduce_bucket(buckets.pop(key), world)
+            sizes[key] = 0
+    for grads in buckets.values():
+        _reduce_bucket(grads, world)
+    for p in no_grad:  # unused on every process (e.g. SDXL's last CLIP-L layer): no gradient, as before
+        if not p.grad.any():
+            p.grad = None
 
-    The parameters are cut into buckets of about BUCKET_BYTES, in reverse order (the order backward usually
-    produces their gradients). On a step armed with `start(sync=True)`, a hook counts each gradient as autograd
-    accumulates it; once a bucket is complete it is flattened and all-reduced asynchronously, while backward
-    goes on. `finish()` reduces the buckets that never completed (a parameter without a gradient counts as zero,
-    so every process runs the same collectives, in the same order), waits, and writes the averages back.
-    In a single process it does nothing."""
 
-    def __init__(self, params, accelerator):
-        self.world = accelerator.num_processes
-        self.enabled = is_distributed(accelerator)
-        self.buckets: list[list[torch.nn.Parameter]] = []
-        self._armed = False
-        if not self.enabled:
-            return
-        open_buckets: dict[tuple, list] = {}
-        sizes: dict[tuple, int] = {}
-        for p in reversed(list(params)):
-            key = (p.dtype, p.device)
-            bucket = open_buckets.setdefault(key, [])
-            bucket.append(p)
-            sizes[key] = sizes.get(key, 0) + p.numel() * p.element_size()
-            if sizes[key] >= BUCKET_BYTES:
-                self.buckets.append(open_buckets.pop(key))
-                sizes[key] = 0
-        self.buckets.extend(b for b in open_buckets.values() if b)
-        self._bucket_of = {}
-        for i, bucket in enumerate(self.buckets):
-            for p in bucket:
-                self._bucket_of[p] = i
-                p.register_post_accumulate_grad_hook(self._on_grad)
-        self._reset()
-
-    def _reset(self) -> None:
-        self._ready = [0] * len(self.buckets)
-        self._pending: dict[int, tuple] = {}  # bucket index -> (async work, flat averaged buffer)
-
-    def start(self, sync: bool) -> None:
-        """Call before backward: sync=True on the step whose gradients are averaged (accelerator.sync_gradients)."""
-        self._armed = self.enabled and sync
-
-    def _on_grad(self, p: torch.nn.Parameter) -> None:
-        if not self._armed:
-            return  # an accumulation micro-step: gradients are averaged once, on the sync step
-        i = self._bucket_of[p]
-        self._ready[i] += 1
-        if self._ready[i] == len(self.buckets[i]):
-            self._launch(i)
-
-    def _launch(self, i: int) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[i]]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        work = torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM, async_op=True)
-        self._pending[i] = (work, flat)
-
-    def finish(self) -> None:
-        """Call after backward, before clipping and the optimizer step."""
-        if not self._armed:
-            return
-        for i in range(len(self.buckets)):  # same order on every process
-            if i not in self._pending:
-                self._launch(i)
-        for i, bucket in enumerate(self.buckets):
-            work, flat = self._pending[i]
-            work.wait()
-            flat.div_(self.world)
-            offset = 0
-            for p in bucket:
-                n = p.numel()
-                avg = flat[offset:offset + n].view_as(p)
-                offset += n
-                if p.grad is not None:
-                    p.grad.copy_(avg)
-                elif avg.any():  # unused here, used elsewhere
-                    p.grad = avg.clone()
-                # unused on every process (e.g. SDXL's last CLIP-L layer): no gradient, as before
-        self._armed = False
-        self._reset()
+def _reduce_bucket(grads: list[torch.Tensor], world: int) -> None:
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+    flat.div_(world)
+    offset = 0
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset:offset + n].view_as(g))
+        offset += n
 
 
 def all_reduce_gradient(grad: torch.Tensor, accelerator) -> None:

@@ -415,7 +415,7 @@ class NetworkTrainer:
     def make_accelerator(self, args):
         """Data-parallel over the processes of `accelerate launch`. The trained modules are not wrapped in
         DDP (LoRA runs inside the UNet's forward, not the network's): their gradients are averaged by
-        a data_parallel.GradientAverager instead; the dataloader is sharded by accelerate."""
+        data_parallel.all_reduce_gradients instead; the dataloader is sharded by accelerate."""
         from accelerate import Accelerator
         from accelerate.utils import ProjectConfiguration
 
@@ -510,8 +510,6 @@ class NetworkTrainer:
         self.prepare_unet_with_accelerator(args, accelerator, components)
         self.after_prepare(args, accelerator, trainable, optimizer)
         trained_params = [p for m in trainable.models for p in m.parameters() if p.requires_grad]
-        fused = bool(getattr(args, "fused_backward_pass", False))  # then each gradient is averaged in its own hook
-        averager = data_parallel.GradientAverager([] if fused else trained_params, accelerator)
 
         state = TrainState()
         seed = args.seed if args.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
@@ -551,6 +549,7 @@ class NetworkTrainer:
         losses: list[float] = []
         sample_kwargs = dict(components=components, accelerator=accelerator, models=trainable.models,
                              prediction_type=prediction_type)
+        fused = bool(getattr(args, "fused_backward_pass", False))
 
         if args.sample_at_first:
             self.sample_images(args, epoch=None, steps=global_step, **sample_kwargs)
@@ -574,11 +573,10 @@ class NetworkTrainer:
                 with accelerator.accumulate(*trainable.models):
                     loss = self.training_step(args, accelerator, noise_scheduler, batch, components, weight_dtype,
                                               train_text_encoder, caching_te, device)
-                    averager.start(sync=accelerator.sync_gradients)
                     accelerator.backward(loss)  # with fused backward the optimizer steps in here, per parameter
                     if not fused:
                         if accelerator.sync_gradients:
-                            averager.finish()
+                            data_parallel.all_reduce_gradients(trained_params, accelerator)
                             if args.max_grad_norm:
                                 accelerator.clip_grad_norm_(trained_params, args.max_grad_norm)
                         optimizer.step()
