@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind docs/BENCHMARKS.md, on one CUDA GPU. Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|full_sdxl|dp2 [OUTDIR]
+# The runs behind docs/BENCHMARKS.md, on one CUDA GPU. Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|fused_final|full_sdxl|dp2 [OUTDIR]
 # Each configuration runs in its own process (eager and compiled in that one process) with a fresh compile
 # cache, so "first compiled step" is a cold compile; the warm-start run reuses the SDXL bs1+GC cache.
 set -u
@@ -93,6 +93,13 @@ case "${1:-}" in
     run sdxl_bs4_gc_fused 110 $C --batch_size 4 --gradient_checkpointing --profile 2
     run sdxl_bs4_gcb_fused 110 $C --batch_size 4 --gradient_checkpointing --gc_blocks_only
     run sdxl_bs1_gcb_fused 110 $C --gradient_checkpointing --gc_blocks_only
+    ;;
+  fused_final)  # with fused AdamW: FLUX 512 and SDXL bs1 / bs1+GC / bs4+GC, eager and compiled, fresh caches
+    rm -rf "$CACHE_ROOT"
+    run flux_512 190 --family flux --resolution 512 --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/flux_512"
+    run sdxl_bs1 120 --family sdxl --batch_size 1 --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs1"
+    run sdxl_bs1_gc 120 --family sdxl --batch_size 1 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs1_gc"
+    run sdxl_bs4_gc 130 --family sdxl --batch_size 4 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs4_gc"
     ;;
   full_sdxl)  # issue 6: SDXL full fine-tune (sdxl_train.py's 24 GB setup), 1024 px bs1, eager and compiled
     run sdxl_full_gc 300 --family sdxl --full --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/full" --steps 8 --warmup 3
