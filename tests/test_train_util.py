@@ -1,5 +1,5 @@
 """train_util: --config_file (flat / sectioned, CLI wins, GUI tables skipped, named errors), --output_config,
-optimizers (incl. missing packages), schedulers, atomic saving, hashes, the progress line, steps/epochs."""
+optimizers (incl. missing packages, fused AdamW), schedulers, atomic saving, hashes, the progress line, steps/epochs."""
 from __future__ import annotations
 
 import hashlib
@@ -115,6 +115,22 @@ def test_optimizers(parser):
     _, _, opt = train_util.get_optimizer(args, params)
     assert args.lr_scheduler == "adafactor"
     assert train_util.get_scheduler(args, opt, 10).__class__.__name__ == "AdafactorSchedule"
+
+
+def test_adamw_is_fused_unless_optimizer_args_choose(parser):
+    """AdamW gets torch's fused kernels (one launch for all tensors); --optimizer_args fused/foreach win."""
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(3))], "lr": 0.1},
+              {"params": [torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))], "lr": 0.2}]
+    _, _, opt = train_util.get_optimizer(parser.parse_args([]), groups)
+    assert opt.defaults["fused"] is True
+    for p in (g["params"][0] for g in groups):
+        p.grad = torch.ones_like(p)
+    opt.step()  # fused step runs on these (CPU, fp32 and bf16) tensors
+    assert all((g["params"][0] < 0).all() for g in groups)
+    _, _, opt = train_util.get_optimizer(parser.parse_args(["--optimizer_args", "foreach=True"]), groups)
+    assert opt.defaults["foreach"] is True and not opt.defaults["fused"]
+    _, _, opt = train_util.get_optimizer(parser.parse_args(["--optimizer_type", "SGDNesterov"]), groups)
+    assert "fused" not in opt.defaults or not opt.defaults["fused"]
 
 
 def test_optimizer_errors(parser, monkeypatch):
