@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind docs/BENCHMARKS.md, on one CUDA GPU. Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|fused_final|full_sdxl|dp2 [OUTDIR]
+# The runs behind docs/BENCHMARKS.md, on one CUDA GPU (dp2: two). Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|fused_final|full_sdxl|dp2 [OUTDIR]
 # Each configuration runs in its own process (eager and compiled in that one process) with a fresh compile
 # cache, so "first compiled step" is a cold compile; the warm-start run reuses the SDXL bs1+GC cache.
 set -u
