@@ -48,6 +48,16 @@ class PromptFileError(ValueError):
     """A bad prompt file: the message names the file, the line (or entry) and what is allowed."""
 
 
+def _number(value, kind):
+    """int/float of `value`, or None when it is not one (booleans are not numbers here)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        return None
+
+
 def _convert(key: str, value, where: str):
     def fail(expected):
         raise PromptFileError(f"{where}: {key} must be {expected}, got {value!r}")
@@ -57,36 +67,24 @@ def _convert(key: str, value, where: str):
             fail("text")
         return value.strip()
     if key in ("width", "height"):
-        try:
-            v = int(value) if not isinstance(value, bool) else None
-        except (TypeError, ValueError):
-            v = None
+        v = _number(value, int)
         if v is None or v < 64 or v % 8:
             fail("a whole number of pixels >= 64 and divisible by 8")
         return v
     if key == "sample_steps":
-        try:
-            v = int(value) if not isinstance(value, bool) else None
-        except (TypeError, ValueError):
-            v = None
+        v = _number(value, int)
         if v is None or v < 1:
             fail("a whole number >= 1")
         return v
     if key == "seed":
         if value is None:
             return None
-        try:
-            v = int(value) if not isinstance(value, bool) else None
-        except (TypeError, ValueError):
-            v = None
+        v = _number(value, int)
         if v is None or v < 0:
             fail("a whole number >= 0")
         return v
     if key in ("scale", "guidance_scale"):
-        try:
-            v = float(value) if not isinstance(value, bool) else None
-        except (TypeError, ValueError):
-            v = None
+        v = _number(value, float)
         if v is None or v != v or v < 0:
             fail("a number >= 0")
         return v
