@@ -121,6 +121,8 @@ def parse_args(argv=None):
                    help="LoRA optimizer: AdamW as library.train_util.get_optimizer builds it (fused), or torch's default foreach")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after the timed steps of each phase, profile N more steps: top kernels and GPU busy share")
+    p.add_argument("--inductor_config", action="append", default=[], metavar="KEY=VALUE",
+                   help="experiment: set torch._inductor.config.KEY (dotted, e.g. triton.slow_path_cudagraph_asserts=False)")
     p.add_argument("--json_out", default=None)
     p.add_argument("--seed", type=int, default=0)
     compile_utils.add_compile_arguments(p)
@@ -469,6 +471,19 @@ def main(argv=None):
     setup_data_parallel(args)
     compile_utils.validate_compile_args(args)
     env = compile_utils.setup_compile_environment(args)
+    for item in args.inductor_config:
+        import ast
+
+        import torch._inductor.config as inductor_config
+
+        key, _, value = item.partition("=")
+        *path, leaf = key.split(".")
+        target = inductor_config
+        for part in path:
+            target = getattr(target, part)
+        if not hasattr(target, leaf):
+            raise SystemExit(f"--inductor_config: torch._inductor.config has no {key}")
+        setattr(target, leaf, ast.literal_eval(value))
     if args.cudnn_sdp != "auto":
         torch.backends.cuda.enable_cudnn_sdp(args.cudnn_sdp == "on")
     for name in ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache"):
@@ -530,6 +545,7 @@ def main(argv=None):
         cudnn_benchmark=torch.backends.cudnn.benchmark,
         channels_last=args.channels_last,
         world_size=_DATA_PARALLEL.num_processes,
+        inductor_config=args.inductor_config,
         model_ready_s=t_loaded - t_start,
     )
     if "eager" in args.phases:

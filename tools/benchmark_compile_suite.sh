@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind docs/BENCHMARKS.md, on one CUDA GPU (dp2: two). Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|fused_final|full_sdxl|dp2 [OUTDIR]
+# The runs behind docs/BENCHMARKS.md, on one CUDA GPU (dp2: two). Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|fused_final|sdp|full_sdxl|dp2 [OUTDIR]
 # Each configuration runs in its own process (eager and compiled in that one process) with a fresh compile
 # cache, so "first compiled step" is a cold compile; the warm-start run reuses the SDXL bs1+GC cache.
 set -u
@@ -100,6 +100,15 @@ case "${1:-}" in
     run sdxl_bs1 120 --family sdxl --batch_size 1 --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs1"
     run sdxl_bs1_gc 120 --family sdxl --batch_size 1 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs1_gc"
     run sdxl_bs4_gc 130 --family sdxl --batch_size 4 --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/sdxl_bs4_gc"
+    ;;
+  sdp)  # session 3: cuDNN SDPA for SDXL on its own (bs4+GC is GPU-bound), cudnn.benchmark, cudagraph slow-path asserts off
+    C="--family sdxl --compile_mode reduce-overhead --phases compiled --gradient_checkpointing"
+    rm -rf "$CACHE_ROOT"
+    run sdxl_bs4_gc 120 $C --batch_size 4 --compile_cache_dir "$CACHE_ROOT/flash"
+    run sdxl_bs4_gc_sdp 120 $C --batch_size 4 --cudnn_sdp on --compile_cache_dir "$CACHE_ROOT/cudnn" --profile 2
+    run sdxl_bs4_gc_sdp_bench 100 $C --batch_size 4 --cudnn_sdp on --cuda_cudnn_benchmark --compile_cache_dir "$CACHE_ROOT/cudnn"
+    run sdxl_bs1_gc_sdp 100 $C --cudnn_sdp on --compile_cache_dir "$CACHE_ROOT/cudnn" --profile 3
+    run sdxl_bs1_gc_noassert 100 $C --compile_cache_dir "$CACHE_ROOT/flash" --inductor_config triton.slow_path_cudagraph_asserts=False
     ;;
   full_sdxl)  # issue 6: SDXL full fine-tune (sdxl_train.py's 24 GB setup), 1024 px bs1, eager and compiled
     run sdxl_full_gc 300 --family sdxl --full --gradient_checkpointing --compile_mode reduce-overhead --compile_cache_dir "$CACHE_ROOT/full" --steps 8 --warmup 3
