@@ -123,6 +123,8 @@ def parse_args(argv=None):
                    help="after the timed steps of each phase, profile N more steps: top kernels and GPU busy share")
     p.add_argument("--inductor_config", action="append", default=[], metavar="KEY=VALUE",
                    help="experiment: set torch._inductor.config.KEY (dotted, e.g. triton.slow_path_cudagraph_asserts=False)")
+    p.add_argument("--keep_cache_on_capture", action="store_true",
+                   help="experiment: torch.cuda.empty_cache() is a no-op in the compiled phase (each CUDA graph capture calls it)")
     p.add_argument("--json_out", default=None)
     p.add_argument("--seed", type=int, default=0)
     compile_utils.add_compile_arguments(p)
@@ -559,6 +561,9 @@ def main(argv=None):
             model, args, model_name=name, gradient_checkpointing=args.gradient_checkpointing,
             disable_linear=args.blocks_to_swap > 0,
         )
+        if args.keep_cache_on_capture:
+            torch.cuda.empty_cache()
+            torch.cuda.empty_cache = lambda: None
         result["compiled"] = run_phase(model, optimizer, params, inputs, args, compiled=True)
         # time to first step after the model is loaded (the warm-start figure when the cache is warm)
         result["compiled"]["time_to_first_step_s"] = result["compiled"]["first_step_s"]
