@@ -466,6 +466,25 @@ def setup_data_parallel(args) -> None:
         logging.getLogger().setLevel(logging.WARNING)
 
 
+def apply_inductor_config(items: list[str]) -> None:
+    """--inductor_config KEY=VALUE: set torch._inductor.config.KEY (dotted) to the Python literal VALUE."""
+    import ast
+
+    import torch._inductor.config as inductor_config
+
+    for item in items:
+        key, sep, value = item.partition("=")
+        target, *path = [inductor_config, *key.split(".")]
+        for part in path[:-1]:
+            target = getattr(target, part, None)
+        if not sep or target is None or not hasattr(target, path[-1]):
+            raise SystemExit(f"--inductor_config takes KEY=VALUE with KEY in torch._inductor.config; got {item!r}")
+        try:
+            setattr(target, path[-1], ast.literal_eval(value))
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"--inductor_config {item!r}: VALUE must be a Python literal (True, 0, 'text')") from None
+
+
 def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     t_start = time.perf_counter()
@@ -473,19 +492,7 @@ def main(argv=None):
     setup_data_parallel(args)
     compile_utils.validate_compile_args(args)
     env = compile_utils.setup_compile_environment(args)
-    for item in args.inductor_config:
-        import ast
-
-        import torch._inductor.config as inductor_config
-
-        key, _, value = item.partition("=")
-        *path, leaf = key.split(".")
-        target = inductor_config
-        for part in path:
-            target = getattr(target, part)
-        if not hasattr(target, leaf):
-            raise SystemExit(f"--inductor_config: torch._inductor.config has no {key}")
-        setattr(target, leaf, ast.literal_eval(value))
+    apply_inductor_config(args.inductor_config)
     if args.cudnn_sdp != "auto":
         torch.backends.cuda.enable_cudnn_sdp(args.cudnn_sdp == "on")
     for name in ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache"):
@@ -548,6 +555,7 @@ def main(argv=None):
         channels_last=args.channels_last,
         world_size=_DATA_PARALLEL.num_processes,
         inductor_config=args.inductor_config,
+        keep_cache_on_capture=args.keep_cache_on_capture,
         model_ready_s=t_loaded - t_start,
     )
     if "eager" in args.phases:

@@ -1,0 +1,57 @@
+"""tools/benchmark_compile.py on the CPU: tiny shapes, eager and compiled phases in one process, the ratio."""
+import json
+import os
+import subprocess
+import sys
+
+from conftest import REPO
+
+SCRIPT = REPO / "tools" / "benchmark_compile.py"
+
+
+def _run(*argv, cwd):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, str(SCRIPT), *argv], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_tiny_sdxl_eager_and_compiled_with_checkpointing(tmp_path):
+    out = tmp_path / "r.json"
+    r = _run("--family", "sdxl", "--tiny", "--device", "cpu", "--resolution", "64", "--steps", "1", "--warmup", "1",
+             "--gradient_checkpointing", "--compile_backend", "aot_eager", "--compile_mode", "default",
+             "--compile_cache_dir", str(tmp_path / "cache"),
+             "--inductor_config", "triton.slow_path_cudagraph_asserts=False", "--json_out", str(out), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["family"] == "sdxl" and res["gradient_checkpointing"] and res["optimizer"] == "AdamW fused"
+    assert res["inductor_config"] == ["triton.slow_path_cudagraph_asserts=False"]
+    for phase in ("eager", "compiled"):
+        assert len(res[phase]["step_s"]) == 2 and res[phase]["loss_finite"] and res[phase]["step_ms_median"] > 0
+    assert res["compiled_blocks"] > 0
+    assert res["speedup"] == res["eager"]["step_ms_median"] / res["compiled"]["step_ms_median"]
+    assert "speedup (eager / compiled):" in r.stdout and "Compiled" in r.stderr
+
+
+def _benchmark_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchmark_compile", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_inductor_config_sets_the_key_and_names_the_flag_on_bad_input():
+    import pytest
+    import torch._inductor.config as inductor_config
+
+    bench = _benchmark_module()
+    with inductor_config.patch({"triton.slow_path_cudagraph_asserts": True}):
+        bench.apply_inductor_config(["triton.slow_path_cudagraph_asserts=False"])
+        assert inductor_config.triton.slow_path_cudagraph_asserts is False
+    for bad, needle in (("triton.no_such_option=1", "KEY=VALUE with KEY in torch._inductor.config"),
+                        ("no_such_group.x=1", "KEY=VALUE with KEY in torch._inductor.config"),
+                        ("triton.slow_path_cudagraph_asserts", "KEY=VALUE"),
+                        ("triton.slow_path_cudagraph_asserts=Flase", "VALUE must be a Python literal")):
+        with pytest.raises(SystemExit, match=needle):
+            bench.apply_inductor_config([bad])
