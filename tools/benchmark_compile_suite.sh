@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind docs/BENCHMARKS.md, on one CUDA GPU (dp2: two). Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|fused_final|sdp|record|full_sdxl|dp2 [OUTDIR]
+# The runs behind docs/BENCHMARKS.md, on one CUDA GPU (dp2: two). Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|fused_final|sdp|sdp_bs4|record|full_sdxl|dp2 [OUTDIR]
 # Each configuration runs in its own process (eager and compiled in that one process) with a fresh compile
 # cache, so "first compiled step" is a cold compile; the warm-start run reuses the SDXL bs1+GC cache.
 set -u
@@ -109,6 +109,12 @@ case "${1:-}" in
     run sdxl_bs4_gc_sdp_bench 100 $C --batch_size 4 --cudnn_sdp on --cuda_cudnn_benchmark --compile_cache_dir "$CACHE_ROOT/cudnn"
     run sdxl_bs1_gc_sdp 100 $C --cudnn_sdp on --compile_cache_dir "$CACHE_ROOT/cudnn" --profile 3
     run sdxl_bs1_gc_noassert 100 $C --compile_cache_dir "$CACHE_ROOT/flash" --inductor_config triton.slow_path_cudagraph_asserts=False
+    ;;
+  sdp_bs4)  # session 3: bs4+GC with flash attention vs cuDNN SDPA on one machine (run22)
+    C="--family sdxl --compile_mode reduce-overhead --phases compiled --gradient_checkpointing --batch_size 4 --profile 2"
+    rm -rf "$CACHE_ROOT"
+    run sdxl_bs4_gc_flash 150 $C --compile_cache_dir "$CACHE_ROOT/flash"
+    run sdxl_bs4_gc_cudnn 150 $C --cudnn_sdp on --compile_cache_dir "$CACHE_ROOT/cudnn"
     ;;
   record)  # session 3: what the 2nd compiled step (CUDA graph recording) spends its time on
     C="--family sdxl --compile_mode reduce-overhead --phases compiled --compile_cache_dir $CACHE_ROOT/record"
