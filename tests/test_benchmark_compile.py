@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
 
 SCRIPT = REPO / "tools" / "benchmark_compile.py"
@@ -27,9 +28,9 @@ def test_tiny_sdxl_eager_and_compiled_with_checkpointing(tmp_path):
     assert res["inductor_config"] == ["triton.slow_path_cudagraph_asserts=False"]
     for phase in ("eager", "compiled"):
         assert len(res[phase]["step_s"]) == 2 and res[phase]["loss_finite"] and res[phase]["step_ms_median"] > 0
-    assert res["compiled_blocks"] > 0
+    assert res["compiled_blocks"] > 0 and f"Compiled {res['compiled_blocks']} blocks of SDXL UNet" in r.stderr
     assert res["speedup"] == res["eager"]["step_ms_median"] / res["compiled"]["step_ms_median"]
-    assert "speedup (eager / compiled):" in r.stdout and "Compiled" in r.stderr
+    assert "speedup (eager / compiled):" in r.stdout
 
 
 def _benchmark_module():
@@ -42,7 +43,6 @@ def _benchmark_module():
 
 
 def test_inductor_config_sets_the_key_and_names_the_flag_on_bad_input():
-    import pytest
     import torch._inductor.config as inductor_config
 
     bench = _benchmark_module()
