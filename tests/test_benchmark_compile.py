@@ -55,3 +55,22 @@ def test_inductor_config_sets_the_key_and_names_the_flag_on_bad_input():
                         ("triton.slow_path_cudagraph_asserts=Flase", "VALUE must be a Python literal")):
         with pytest.raises(SystemExit, match=needle):
             bench.apply_inductor_config([bad])
+
+
+def test_attention_only_lora_keeps_the_attention_projections():
+    bench = _benchmark_module()
+    base = ["--family", "sdxl", "--tiny", "--device", "cpu"]
+    found = {}
+    for extra in ([], ["--attention_only_lora"]):
+        args = bench.parse_args(base + extra)
+        model = bench.build_sdxl_unet(args)
+        _, params = bench.apply_lora(model, args)
+        # kohya LoRA replaces the adapted layer's forward with the LoRA module's bound forward
+        adapted = [n for n, m in model.named_modules() if hasattr(getattr(m.forward, "__self__", None), "lora_name")]
+        found[bool(extra)] = (sum(p.numel() for p in params), adapted)
+    (full_params, full), (attn_params, attn) = found[False], found[True]
+    assert 0 < attn_params < full_params and 0 < len(attn) < len(full)
+    assert all(n.endswith((".to_q", ".to_k", ".to_v", ".to_out.0")) for n in attn)
+    assert any(n.endswith(".ff.net.2") for n in full) and any(n.endswith(".proj_in") for n in full)
+    with pytest.raises(SystemExit):
+        bench.parse_args(base + ["--attention_only_lora", "--lora_impl", "peft"])

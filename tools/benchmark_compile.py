@@ -93,6 +93,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=20, help="timed steps per phase")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per phase (the first compiled one is the cold compile)")
     p.add_argument("--rank", type=int, default=32, help="LoRA rank")
+    p.add_argument("--attention_only_lora", action="store_true",
+                   help="--family sdxl: LoRA on the attention projections only (to_q/to_k/to_v/to_out.0, what "
+                        "diffusers' SDXL LoRA script trains), not on every Linear of the Transformer2DModels as kohya")
     p.add_argument("--lora_impl", choices=("auto", "kohya", "peft"), default="auto",
                    help="auto: the project's networks.lora / networks.lora_flux when present, else peft")
     p.add_argument("--phases", default="eager,compiled", help="comma list of eager, compiled")
@@ -142,6 +145,8 @@ def parse_args(argv=None):
         p.error("--fp8_base and --blocks_to_swap apply only to --family flux LoRA")
     if args.blocks_to_swap < 0:
         p.error(f"--blocks_to_swap must be 0 or more, got {args.blocks_to_swap}")
+    if args.attention_only_lora and (args.family != "sdxl" or args.full or args.lora_impl == "peft"):
+        p.error("--attention_only_lora applies only to --family sdxl LoRA with the project's networks.lora")
     if args.channels_last and args.family != "sdxl":
         p.error("--channels_last applies only to --family sdxl")
     return args
@@ -224,6 +229,9 @@ def apply_lora(model, args) -> tuple[str, list[torch.nn.Parameter]]:
     return "peft", params
 
 
+_ATTENTION_PROJECTIONS = ("_to_q", "_to_k", "_to_v", "_to_out_0")  # kohya LoRA names of attn1/attn2 projections
+
+
 def _apply_kohya_lora(model, args):
     """The project's own LoRA modules (networks/lora.py, networks/lora_flux.py), kohya's create_network API."""
     import importlib
@@ -235,6 +243,8 @@ def _apply_kohya_lora(model, args):
         network = mod.create_network(1.0, args.rank, args.rank, None, [], model)
     else:
         network = mod.create_network(1.0, args.rank, args.rank, None, [], model)
+    if args.attention_only_lora:
+        network.unet_loras = [lora for lora in network.unet_loras if lora.lora_name.endswith(_ATTENTION_PROJECTIONS)]
     network.apply_to([], model, apply_text_encoder=False, apply_unet=True)
     network.to(args.device, dtype=torch.float32)
     network.requires_grad_(True)
@@ -540,7 +550,7 @@ def main(argv=None):
         compile_backend=args.compile_backend,
         compile_mode=args.compile_mode,
         compile_dynamic=args.compile_dynamic,
-        lora_impl=impl,
+        lora_impl=impl + (", attention projections only" if args.attention_only_lora else ""),
         full=args.full,
         fused_backward_pass=args.fused,
         optimizer=type(optimizer).__name__ + (" fused" if optimizer.defaults.get("fused") else

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind docs/BENCHMARKS.md, on one CUDA GPU (dp2: two). Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|fused_final|sdp|sdp_bs4|record|full_sdxl|dp2 [OUTDIR]
+# The runs behind docs/BENCHMARKS.md, on one CUDA GPU (dp2: two). Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|fused_final|sdp|sdp_bs4|attn_lora|record|full_sdxl|dp2 [OUTDIR]
 # Each configuration runs in its own process (eager and compiled in that one process) with a fresh compile
 # cache, so "first compiled step" is a cold compile; the warm-start run reuses the SDXL bs1+GC cache.
 set -u
@@ -115,6 +115,12 @@ case "${1:-}" in
     rm -rf "$CACHE_ROOT"
     run sdxl_bs4_gc_flash 150 $C --compile_cache_dir "$CACHE_ROOT/flash"
     run sdxl_bs4_gc_cudnn 150 $C --cudnn_sdp on --compile_cache_dir "$CACHE_ROOT/cudnn"
+    ;;
+  attn_lora)  # session 3: the checkpointed SDXL targets with LoRA on the attention projections only (run23)
+    C="--family sdxl --compile_mode reduce-overhead --phases compiled --gradient_checkpointing --attention_only_lora"
+    rm -rf "$CACHE_ROOT"
+    run sdxl_bs4_gc_attn 150 $C --batch_size 4 --compile_cache_dir "$CACHE_ROOT/attn"
+    run sdxl_bs1_gc_attn 150 $C --compile_cache_dir "$CACHE_ROOT/attn"
     ;;
   record)  # session 3: what the 2nd compiled step (CUDA graph recording) spends its time on
     C="--family sdxl --compile_mode reduce-overhead --phases compiled --compile_cache_dir $CACHE_ROOT/record"
