@@ -213,7 +213,7 @@ def apply_lora(model, args) -> tuple[str, list[torch.nn.Parameter]]:
             params = _apply_kohya_lora(model, args)
             return "kohya networks." + ("lora" if args.family == "sdxl" else "lora_flux"), params
         except Exception as e:  # auto: fall back to peft while the project's module is missing or incomplete
-            if impl == "kohya":
+            if impl == "kohya" or args.attention_only_lora:
                 raise
             logger.warning(f"project LoRA module not usable ({type(e).__name__}: {e}); using peft LoRA")
     from peft import LoraConfig, inject_adapter_in_model
