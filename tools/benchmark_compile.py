@@ -239,10 +239,7 @@ def _apply_kohya_lora(model, args):
     mod = importlib.import_module("networks.lora" if args.family == "sdxl" else "networks.lora_flux")
     if not hasattr(mod, "create_network"):
         raise ImportError(f"{mod.__name__} has no create_network yet")
-    if args.family == "sdxl":
-        network = mod.create_network(1.0, args.rank, args.rank, None, [], model)
-    else:
-        network = mod.create_network(1.0, args.rank, args.rank, None, [], model)
+    network = mod.create_network(1.0, args.rank, args.rank, None, [], model)
     if args.attention_only_lora:
         network.unet_loras = [lora for lora in network.unet_loras if lora.lora_name.endswith(_ATTENTION_PROJECTIONS)]
     network.apply_to([], model, apply_text_encoder=False, apply_unet=True)

@@ -425,7 +425,8 @@ def get_optimizer(args: argparse.Namespace, params) -> tuple[str, str, torch.opt
     if args.lr_scheduler == "adafactor" and key != "adafactor":
         raise ConfigError("--lr_scheduler adafactor works only with --optimizer_type Adafactor")
     if _can_fuse(cls, params, kwargs):
-        # a few kernels for all tensors: torch's default (foreach) took ~19 ms of an SDXL LoRA step on an H100
+        # a few kernels for all tensors: with torch's default (foreach) a compiled SDXL LoRA step on an H100
+        # took 161 ms instead of 113 ms (docs/BENCHMARKS.md, run13)
         kwargs["fused"] = True
     try:
         optimizer = cls(params, lr=lr, **kwargs) if lr is not None else cls(params, **kwargs)
