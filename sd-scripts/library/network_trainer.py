@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from library import config_util, train_util
+from library import config_util, parity, train_util
 from library.train_util import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -84,6 +84,7 @@ def base_parser() -> argparse.ArgumentParser:
     train_util.add_training_arguments(parser)
     train_util.add_optimizer_arguments(parser)
     train_util.add_config_arguments(parser)
+    parity.add_refused_arguments(parser)
     return parser
 
 

@@ -25,6 +25,8 @@ from typing import Any, Iterable
 
 import torch
 
+from library import parity
+
 logger = logging.getLogger(__name__)
 
 # Tables of a config TOML that belong to the GUI / launcher, never to the trainer.
@@ -55,13 +57,21 @@ def setup_logging(level: int = logging.INFO) -> None:
 
 
 def int_or_float(value: str) -> int | float:
-    """`--lr_warmup_steps 100` (steps) or `0.05` (a ratio of the total steps)."""
+    """`--lr_warmup_steps 100` (steps), `0.05` or `5%` (a ratio of the total steps), as upstream reads them:
+    a value of 1 or more must be a whole number of steps."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return value
+    text = str(value).strip()
+    if text.endswith("%"):
+        try:
+            return float(text[:-1]) / 100.0
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not a valid percentage") from None
     try:
-        return int(value)
+        number = float(text)
+        return int(text) if number >= 1 else number
     except ValueError:
-        return float(value)
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of steps or a ratio below 1") from None
 
 
 def add_sd_models_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,7 +97,7 @@ def add_optimizer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr_warmup_steps", type=int_or_float, default=0,
                         help="warmup steps, or a ratio of the total steps when below 1")
     parser.add_argument("--lr_scheduler_num_cycles", type=int, default=1, help="restarts for cosine_with_restarts")
-    parser.add_argument("--lr_scheduler_power", type=float, default=1.0, help="power of the polynomial scheduler")
+    parser.add_argument("--lr_scheduler_power", type=float, default=1, help="power of the polynomial scheduler")
 
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
@@ -256,11 +266,13 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
     """Parses the command line; with `--config_file` the file's values are the defaults and the command
     line wins. With `--output_config` the options are written to the `--config_file` path instead."""
     args = parser.parse_args(argv)
-    if not args.config_file or args.output_config:
-        return args
-    values = load_config_file(args.config_file, parser)
-    merged = parser.parse_args(argv, namespace=argparse.Namespace(**values))
-    return merged
+    if args.config_file and not args.output_config:
+        values = load_config_file(args.config_file, parser)
+        args = parser.parse_args(argv, namespace=argparse.Namespace(**values))
+    refused = parity.refusal_message(args)
+    if refused:
+        raise ConfigError(refused)
+    return args
 
 
 def args_to_config(args: argparse.Namespace) -> dict[str, Any]:

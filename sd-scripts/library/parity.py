@@ -1,0 +1,200 @@
+"""Where our seven scripts' options knowingly differ from kohya-ss/sd-scripts (upstream), in one place.
+
+Upstream's option tables (`../shared/parity/upstream-flags/<script>.json`) are the specification: every
+upstream option parses here with the same option strings, type, default, choices and nargs, and does what
+upstream's does. The exceptions are the three tables below; `tests/test_upstream_parity.py` checks the
+parsers against upstream with them, and `tools/gen_parity.py` renders them into `docs/PARITY.md`.
+
+- REFUSED: accepted with upstream's type and default (so an upstream config that leaves them at their
+  defaults runs), but a non-default value stops the run before anything loads: exit 2 with the reason and
+  what to use instead (`check_refused`, called by `train_util.parse_args`).
+- DIFFERENT: parsed (or behaving) differently on purpose, each with its reason.
+- NOT_YET: upstream options not (yet) at parity here. The test fails when one of them has in fact reached
+  parity, so the table cannot go stale: remove the name when its option lands.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+# the seven scripts, as upstream names them
+SCRIPTS = ("sdxl_train_network", "train_network", "flux_train_network", "sdxl_train", "train_db", "fine_tune",
+           "flux_train")
+
+_DEEPSPEED = ("DeepSpeed/ZeRO is not supported: train on several GPUs through `accelerate launch --multi_gpu` "
+              "(data parallel); a later release brings a distributed engine for full fine-tunes")
+
+# option -> why it is refused and what to use instead
+REFUSED: dict[str, str] = {
+    "deepspeed": _DEEPSPEED,
+    "zero_stage": _DEEPSPEED,
+    "offload_optimizer_device": _DEEPSPEED,
+    "offload_optimizer_nvme_path": _DEEPSPEED,
+    "offload_param_device": _DEEPSPEED,
+    "offload_param_nvme_path": _DEEPSPEED,
+    "zero3_init_flag": _DEEPSPEED,
+    "zero3_save_16bit_model": _DEEPSPEED,
+    "dataset_class": ("custom dataset classes are written against upstream's internal dataset classes, which "
+                      "this project does not have; describe the data with --dataset_config (TOML), "
+                      "--train_data_dir or --in_json instead"),
+}
+
+
+@dataclass(frozen=True)
+class Different:
+    """An option that differs from upstream on purpose. `fields` names what the parser declares differently
+    ("default", "choices", "type", "nargs", "action", "opts"); empty = parsed as upstream, behaves differently."""
+
+    reason: str
+    fields: tuple[str, ...] = ()
+
+
+DIFFERENT: dict[str, Different] = {
+}
+
+# upstream options not at parity yet (missing, or parsed differently until their owner lands them);
+# one name per line, remove it when the option lands
+NOT_YET: frozenset[str] = frozenset({
+    "adaptive_noise_scale",
+    "alpha_mask",
+    "async_upload",
+    "base_weights",
+    "base_weights_multiplier",
+    "block_lr",
+    "blockwise_fused_optimizers",
+    "cache_info",
+    "caption_extention",
+    "conditioning_data_dir",
+    "console_log_file",
+    "console_log_level",
+    "console_log_simple",
+    "controlnet_model_name_or_path",
+    "cpu_offload_checkpointing",
+    "debiased_estimation_loss",
+    "diffusers_xformers",
+    "disable_mmap_load_safetensors",
+    "double_blocks_to_swap",
+    "dynamo_backend",
+    "enable_wildcard",
+    "face_crop_aug_range",
+    "fp16_master_weights_and_gradients",
+    "fp8_base",
+    "fp8_base_unet",
+    "fused_backward_pass",
+    "fused_optimizer_groups",
+    "huber_c",
+    "huber_scale",
+    "huber_schedule",
+    "huggingface_path_in_repo",
+    "huggingface_repo_id",
+    "huggingface_repo_type",
+    "huggingface_repo_visibility",
+    "huggingface_token",
+    "initial_epoch",
+    "initial_step",
+    "ip_noise_gamma",
+    "ip_noise_gamma_random_strength",
+    "keep_tokens_separator",
+    "log_config",
+    "log_tracker_config",
+    "logit_mean",
+    "logit_std",
+    "loss_type",
+    "lr_decay_steps",
+    "lr_scheduler_args",
+    "lr_scheduler_min_lr_ratio",
+    "lr_scheduler_timescale",
+    "lr_scheduler_type",
+    "masked_loss",
+    "max_validation_steps",
+    "mem_eff_save",
+    "metadata_author",
+    "metadata_description",
+    "metadata_is_negative_embedding",
+    "metadata_license",
+    "metadata_merged_from",
+    "metadata_preprocessor",
+    "metadata_tags",
+    "metadata_thumbnail",
+    "metadata_title",
+    "metadata_trigger_phrase",
+    "metadata_usage_hint",
+    "mode_scale",
+    "model_type",
+    "multires_noise_discount",
+    "multires_noise_iterations",
+    "no_token_padding",
+    "noise_offset_random_strength",
+    "resize_interpolation",
+    "resume_from_huggingface",
+    "save_last_n_epochs_state",
+    "save_last_n_steps_state",
+    "save_n_epoch_ratio",
+    "save_state_to_huggingface",
+    "scale_v_pred_loss_like_noise_pred",
+    "scale_weight_norms",
+    "secondary_separator",
+    "single_blocks_to_swap",
+    "skip_cache_check",
+    "skip_latents_validity_check",
+    "skip_until_initial_step",
+    "split_mode",
+    "text_encoder_batch_size",
+    "token_warmup_min",
+    "token_warmup_step",
+    "torch_compile",
+    "use_lion_optimizer",
+    "use_safetensors",
+    "v_pred_like_loss",
+    "vae_batch_size",
+    "validate_every_n_epochs",
+    "validate_every_n_steps",
+    "validation_seed",
+    "validation_split",
+    "wandb_api_key",
+    "wandb_run_name",
+    "weighted_captions",
+    "weighting_scheme",
+    "zero_terminal_snr",
+    "save_model_as",
+    "learning_rate",
+    "text_encoder_lr",
+    "blocks_to_swap",
+    "ddp_timeout",
+    "ddp_gradient_as_bucket_view",
+    "ddp_static_graph",
+    "debug_dataset",
+})
+
+
+def add_refused_arguments(parser: argparse.ArgumentParser) -> None:
+    """Upstream's DeepSpeed/ZeRO options and --dataset_class, with upstream's types and defaults (refused
+    unless left at their defaults, see REFUSED)."""
+    parser.add_argument("--deepspeed", action="store_true", help="refused: " + REFUSED["deepspeed"])
+    parser.add_argument("--zero_stage", type=int, default=2, choices=[0, 1, 2, 3], help="refused (DeepSpeed)")
+    parser.add_argument("--offload_optimizer_device", type=str, default=None, choices=[None, "cpu", "nvme"],
+                        help="refused (DeepSpeed)")
+    parser.add_argument("--offload_optimizer_nvme_path", type=str, default=None, help="refused (DeepSpeed)")
+    parser.add_argument("--offload_param_device", type=str, default=None, choices=[None, "cpu", "nvme"],
+                        help="refused (DeepSpeed)")
+    parser.add_argument("--offload_param_nvme_path", type=str, default=None, help="refused (DeepSpeed)")
+    parser.add_argument("--zero3_init_flag", action="store_true", help="refused (DeepSpeed)")
+    parser.add_argument("--zero3_save_16bit_model", action="store_true", help="refused (DeepSpeed)")
+    parser.add_argument("--dataset_class", type=str, default=None, help="refused: " + REFUSED["dataset_class"])
+
+
+def refused_options_set(args: argparse.Namespace) -> list[str]:
+    """The refused options given a value other than upstream's default."""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_refused_arguments(probe)
+    defaults = {a.dest: a.default for a in probe._actions}
+    return [name for name in REFUSED if getattr(args, name, defaults[name]) != defaults[name]]
+
+
+def refusal_message(args: argparse.Namespace) -> str | None:
+    """One line naming the refused options that were set and what to use instead, or None."""
+    names = refused_options_set(args)
+    if not names:
+        return None
+    reasons = dict.fromkeys(REFUSED[n] for n in names)  # ordered, without repeats
+    return f"{', '.join('--' + n for n in names)}: {'; '.join(reasons)}"

@@ -1,0 +1,240 @@
+"""Generates docs/PARITY.md: every kohya-ss/sd-scripts (upstream) option of the seven scripts and its status here.
+
+    python tools/gen_parity.py            # writes docs/PARITY.md
+    python tools/gen_parity.py --check    # exit 1 when docs/PARITY.md is stale or a parser differs unexplained
+
+Inputs: upstream's option tables (`../shared/parity/upstream-flags/<script>.json`, beside the repository),
+our scripts' `setup_parser()`, and the exception tables of `sd-scripts/library/parity.py` (REFUSED,
+DIFFERENT, NOT_YET). tests/test_upstream_parity.py uses the same comparison.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SD_SCRIPTS = REPO / "sd-scripts"
+
+
+def _shared_dir() -> Path:
+    """`shared/` beside the checkout (CI: a clean clone with shared/ next to it); in a git worktree, beside
+    the main checkout."""
+    here = REPO.parent / "shared"
+    git = REPO / ".git"
+    if not here.is_dir() and git.is_file():  # a worktree: ".git" is "gitdir: <main>/.git/worktrees/<name>"
+        gitdir = Path(git.read_text().split("gitdir:", 1)[1].strip())
+        return gitdir.parents[2].parent / "shared"
+    return here
+
+
+UPSTREAM_FLAGS = _shared_dir() / "parity" / "upstream-flags"
+PARITY_MD = REPO / "docs" / "PARITY.md"
+FIELDS = ("opts", "type", "default", "choices", "nargs", "action")
+
+if str(SD_SCRIPTS) not in sys.path:
+    sys.path.insert(0, str(SD_SCRIPTS))
+
+from library import parity  # noqa: E402
+
+# statuses; the last two are errors the test reports
+SAME, REFUSED, DIFFERENT, NOT_YET, MISSING, DIFFERS = ("same", "refused", "different", "not yet", "MISSING",
+                                                       "DIFFERS")
+
+
+@dataclass(frozen=True)
+class Row:
+    option: str
+    status: str
+    note: str = ""
+
+
+def load_upstream(flags_dir: Path = UPSTREAM_FLAGS) -> dict[str, dict[str, dict]]:
+    return {s: json.loads((flags_dir / f"{s}.json").read_text()) for s in parity.SCRIPTS}
+
+
+def load_parsers() -> dict[str, argparse.ArgumentParser]:
+    return {s: importlib.import_module(s).setup_parser() for s in parity.SCRIPTS}
+
+
+def describe(action: argparse.Action) -> dict:
+    """One of our parser's options in the format of upstream's tables (default as repr, choices as str)."""
+    t = action.type
+    return {"opts": list(action.option_strings),
+            "type": None if t is None else getattr(t, "__name__", repr(t)),
+            "default": repr(action.default),
+            "choices": None if action.choices is None else [str(c) for c in action.choices],
+            "nargs": action.nargs,
+            "action": type(action).__name__}
+
+
+def _type_key(entry: dict) -> str | None:
+    t = entry["type"]
+    if entry["action"] == "_StoreAction" and t in (None, "Path"):
+        # a plain store keeps the text (type None) and a pathlib.Path reads any text as well: both are "str"
+        # to a user, and keeping str makes the run's TOML write the path back as text
+        return "str"
+    return t
+
+
+def field_diffs(upstream: dict, ours: dict) -> dict[str, tuple]:
+    """The fields where our option is declared differently from upstream's: {field: (upstream, ours)}."""
+    out = {}
+    for f in FIELDS:
+        u, o = upstream[f], ours[f]
+        if f == "type":
+            u, o = _type_key(upstream), _type_key(ours)
+        if u != o:
+            out[f] = (upstream[f], ours[f])
+    return out
+
+
+def _fmt_diffs(diffs: dict[str, tuple]) -> str:
+    return "; ".join(f"{f}: upstream {u!s}, here {o!s}" for f, (u, o) in diffs.items())
+
+
+def script_rows(upstream: dict[str, dict], parser: argparse.ArgumentParser) -> list[Row]:
+    """The status of every upstream option of one script."""
+    ours = {a.dest: describe(a) for a in parser._actions if a.option_strings and a.dest != "help"}
+    rows = []
+    for name in sorted(upstream):
+        if name not in ours:
+            if name in parity.NOT_YET:
+                rows.append(Row(name, NOT_YET))
+            else:
+                rows.append(Row(name, MISSING, "not accepted and not in parity.NOT_YET"))
+            continue
+        diffs = field_diffs(upstream[name], ours[name])
+        if name in parity.REFUSED:
+            rows.append(Row(name, DIFFERS, _fmt_diffs(diffs)) if diffs else Row(name, REFUSED, parity.REFUSED[name]))
+        elif name in parity.DIFFERENT:
+            spec = parity.DIFFERENT[name]
+            unexplained = {f: d for f, d in diffs.items() if f not in spec.fields}
+            if unexplained:
+                rows.append(Row(name, DIFFERS, _fmt_diffs(unexplained)))
+            else:
+                rows.append(Row(name, DIFFERENT, "; ".join(x for x in (spec.reason, _fmt_diffs(diffs)) if x)))
+        elif name in parity.NOT_YET:
+            rows.append(Row(name, NOT_YET, f"parsed differently for now ({_fmt_diffs(diffs)})" if diffs else ""))
+        elif diffs:
+            rows.append(Row(name, DIFFERS, _fmt_diffs(diffs)))
+        else:
+            rows.append(Row(name, SAME))
+    return rows
+
+
+def all_rows(upstream_all: dict, parsers: dict) -> dict[str, list[Row]]:
+    return {s: script_rows(upstream_all[s], parsers[s]) for s in parity.SCRIPTS}
+
+
+def table_problems(upstream_all: dict, parsers: dict) -> list[str]:
+    """Stale entries of parity's tables: a NOT_YET option at parity in every script upstream has it in, a
+    DIFFERENT option whose declared fields match everywhere, names upstream does not have, names in two tables."""
+    problems = []
+    known = set().union(*(set(u) for u in upstream_all.values()))
+    tables = {"REFUSED": set(parity.REFUSED), "DIFFERENT": set(parity.DIFFERENT), "NOT_YET": set(parity.NOT_YET)}
+    for table, names in tables.items():
+        for name in sorted(names - known):
+            problems.append(f"parity.{table}: {name!r} is no upstream option of the seven scripts")
+    for a, b in (("REFUSED", "DIFFERENT"), ("REFUSED", "NOT_YET"), ("DIFFERENT", "NOT_YET")):
+        for name in sorted(tables[a] & tables[b]):
+            problems.append(f"{name!r} is in both parity.{a} and parity.{b}")
+    for name in sorted(parity.NOT_YET & known):
+        if all(_at_parity(upstream_all[s][name], parsers[s], name) for s in parity.SCRIPTS
+               if name in upstream_all[s]):
+            problems.append(f"parity.NOT_YET: {name!r} has landed (parses as upstream in every script that has "
+                            "it): remove it from the table")
+    for name, spec in parity.DIFFERENT.items():
+        if not spec.fields:
+            continue
+        declared_differ = any(
+            set(spec.fields) & set(field_diffs(upstream_all[s][name], _ours(parsers[s], name)))
+            for s in parity.SCRIPTS if name in upstream_all[s] and _ours(parsers[s], name) is not None)
+        if not declared_differ:
+            problems.append(f"parity.DIFFERENT: {name!r} no longer differs in {spec.fields}: update the entry")
+    return problems
+
+
+def _ours(parser: argparse.ArgumentParser, name: str) -> dict | None:
+    for a in parser._actions:
+        if a.dest == name and a.option_strings:
+            return describe(a)
+    return None
+
+
+def _at_parity(upstream: dict, parser: argparse.ArgumentParser, name: str) -> bool:
+    ours = _ours(parser, name)
+    return ours is not None and not field_diffs(upstream, ours)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# docs/PARITY.md
+
+_STATUS_WORD = {SAME: "same", REFUSED: "refused", DIFFERENT: "different", NOT_YET: "not yet",
+                MISSING: "**missing**", DIFFERS: "**differs**"}
+
+
+def render(upstream_all: dict, parsers: dict) -> str:
+    rows = all_rows(upstream_all, parsers)
+    out = [
+        "# Option parity with kohya-ss/sd-scripts",
+        "",
+        "Generated by `tools/gen_parity.py` from our scripts' parsers, the tables in `sd-scripts/library/parity.py`",
+        "and upstream's option tables (kohya-ss/sd-scripts 48d368f); do not edit by hand. `tests/test_upstream_parity.py`",
+        "fails when this file is stale or a parser differs from upstream without an entry in those tables.",
+        "",
+        "Status: **same** = accepted with upstream's option strings, type, default, choices and nargs, and implemented;",
+        "**refused** = accepted with upstream's type and default, but a non-default value stops the run (exit 2) with",
+        "the reason and what to use instead; **different** = differs on purpose (reason given); **not yet** = not",
+        "accepted yet (a command line or config file that sets it stops with exit 2 naming it), or parsed",
+        "differently for now (the note says how).",
+        "",
+        "| script | upstream options | same | different | refused | not yet |",
+        "|---|---|---|---|---|---|",
+    ]
+    for s in parity.SCRIPTS:
+        counts = {st: sum(r.status == st for r in rows[s]) for st in _STATUS_WORD}
+        out.append(f"| `{s}.py` | {len(rows[s])} | {counts[SAME]} | {counts[DIFFERENT]} | {counts[REFUSED]} | "
+                   f"{counts[NOT_YET]} |")
+    for s in parity.SCRIPTS:
+        out += ["", f"## {s}.py", "", "| option | status | note |", "|---|---|---|"]
+        for r in rows[s]:
+            note = r.note.replace("|", "\\|")
+            out.append(f"| `--{r.option}` | {_STATUS_WORD[r.status]} | {note} |")
+        extra = sorted(a.option_strings[0] for a in parsers[s]._actions
+                       if a.option_strings and a.dest != "help" and a.dest not in upstream_all[s])
+        if extra:
+            out += ["", "Options only here: " + ", ".join(f"`{o}`" for o in extra) + "."]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="only check that docs/PARITY.md is up to date")
+    ap.add_argument("--upstream_flags", type=Path, default=UPSTREAM_FLAGS)
+    a = ap.parse_args(argv)
+    if not a.upstream_flags.is_dir():
+        print(f"upstream option tables not found: {a.upstream_flags}", file=sys.stderr)
+        return 2
+    upstream_all, parsers = load_upstream(a.upstream_flags), load_parsers()
+    text = render(upstream_all, parsers)
+    problems = table_problems(upstream_all, parsers)
+    for s, rs in all_rows(upstream_all, parsers).items():
+        problems += [f"{s}: --{r.option}: {r.status}: {r.note}" for r in rs if r.status in (MISSING, DIFFERS)]
+    for p in problems:
+        print(p, file=sys.stderr)
+    if a.check:
+        stale = not PARITY_MD.exists() or PARITY_MD.read_text() != text
+        if stale:
+            print(f"{PARITY_MD} is stale: run python tools/gen_parity.py", file=sys.stderr)
+        return 1 if stale or problems else 0
+    PARITY_MD.write_text(text)
+    print(f"wrote {PARITY_MD}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
