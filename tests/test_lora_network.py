@@ -136,11 +136,11 @@ def test_optimizer_groups(sdxl):
     net = lora.create_network(1.0, 4, 1.0, sdxl.vae, sdxl.text_encoders, sdxl.unet)
     net.apply_to(sdxl.text_encoders, sdxl.unet, True, True)
     try:
-        groups = net.prepare_optimizer_params(5e-5, 1e-4, 1e-3)
-        assert [g["lr"] for g in groups] == [5e-5, 1e-4]
+        groups, names = net.prepare_optimizer_params(5e-5, 1e-4, 1e-3)
+        assert [g["lr"] for g in groups] == [5e-5, 1e-4] and names == ["textencoder", "unet"]
         n_te = sum(p.numel() for m in net.text_encoder_loras for p in m.parameters())
         assert sum(p.numel() for p in groups[0]["params"]) == n_te
-        groups = net.prepare_optimizer_params(0.0, None, 1e-3)  # TE lr 0: frozen, left out
+        groups, _ = net.prepare_optimizer_params(0.0, None, 1e-3)  # TE lr 0: frozen, left out
         assert [g["lr"] for g in groups] == [1e-3]
         assert not any(p.requires_grad for m in net.text_encoder_loras for p in m.parameters())
     finally:

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from library import config_util, parity, train_util
+from library import config_util, network_options, parity, train_util
 from library.train_util import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -74,6 +74,9 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
                         help="file format of the LoRA")
     parser.add_argument("--no_metadata", action="store_true", help="write no ss_* metadata")
     parser.add_argument("--training_comment", type=str, default=None, help="ss_training_comment metadata")
+    from library.network_options import add_network_option_arguments
+
+    add_network_option_arguments(parser)  # --scale_weight_norms --base_weights --base_weights_multiplier
 
 
 def base_parser() -> argparse.ArgumentParser:
@@ -158,6 +161,7 @@ class Trainable:
     models: list
     param_groups: list
     train_text_encoder: bool
+    lr_descriptions: list | None = None  # names of the param groups in the lr logs (lr/unet, lr/unet plus, ...)
 
 
 class TrainState:
@@ -339,6 +343,7 @@ class NetworkTrainer:
             raise ConfigError(f"--network_weights: file not found: {args.network_weights}")
         if args.dim_from_weights and not args.network_weights:
             raise ConfigError("--dim_from_weights needs --network_weights")
+        network_options.check_network_option_args(args, ConfigError)
         if args.pretrained_model_name_or_path is None:
             raise ConfigError("--pretrained_model_name_or_path is required")
         try:
@@ -372,8 +377,14 @@ class NetworkTrainer:
             network, _ = network_module.create_network_from_weights(1.0, args.network_weights, vae, text_encoders,
                                                                     unet, **net_kwargs)
         else:
+            if not hasattr(network_module, "NETWORK_ARGS") and "dropout" not in net_kwargs:
+                # sd-scripts hands --network_dropout to other modules (LyCORIS) as the "dropout" network arg
+                net_kwargs["dropout"] = args.network_dropout
             network = network_module.create_network(1.0, args.network_dim, args.network_alpha, vae, text_encoders,
                                                     unet, neuron_dropout=args.network_dropout, **net_kwargs)
+        if args.scale_weight_norms and not network_options.supports_max_norm(network):
+            logger.warning("--scale_weight_norms: %s does not support it; ignored", args.network_module)
+            args.scale_weight_norms = None
         train_unet = not args.network_train_text_encoder_only
         train_text_encoder = not args.network_train_unet_only
         network.apply_to(text_encoders, unet, train_text_encoder, train_unet)
@@ -394,13 +405,27 @@ class NetworkTrainer:
                 te.to(device)
 
         params = network.prepare_optimizer_params(args.text_encoder_lr, args.unet_lr, args.learning_rate)
+        params, lr_descriptions = params if isinstance(params, tuple) else (params, None)
         if not params:
             raise ConfigError("nothing to train: both learning rates are 0 or no LoRA modules were created")
         if args.full_fp16 or args.full_bf16:
             network.to(weight_dtype)
         network.prepare_grad_etc(text_encoders, unet)
+        in_groups = {id(p) for g in params for p in g["params"]}
+        for p in network.parameters():  # a group left out (lr 0) is not trained: no gradients for it
+            if id(p) not in in_groups:
+                p.requires_grad_(False)
         network.to(device)
-        return Trainable(models=[network], param_groups=params, train_text_encoder=train_text_encoder)
+        return Trainable(models=[network], param_groups=params, train_text_encoder=train_text_encoder,
+                         lr_descriptions=lr_descriptions)
+
+    def merge_base_weights(self, args, components, weight_dtype) -> None:
+        """--base_weights: merged into the models right after they load (before any caching)."""
+        if not getattr(args, "base_weights", None):
+            return
+        network_module = importlib.import_module(args.network_module)
+        network_options.merge_base_weights(args, network_module, components.vae,
+                                           self.lora_target_text_encoders(components), components.unet)
 
     def after_prepare(self, args, accelerator, trainable: Trainable, optimizer) -> None:
         """After the optimizer is prepared and the UNet compiled (the full trainers add fused backward here)."""
@@ -466,6 +491,7 @@ class NetworkTrainer:
         device = accelerator.device
 
         components = self.load_target_model(args, accelerator, weight_dtype)
+        self.merge_base_weights(args, components, weight_dtype)
         self.set_attention_backend(args, components)
         vae = components.vae
         prediction_type = self.prediction_type(args, components)
@@ -580,6 +606,7 @@ class NetworkTrainer:
                             data_parallel.all_reduce_gradients(trained_params, accelerator)
                             if args.max_grad_norm:
                                 accelerator.clip_grad_norm_(trained_params, args.max_grad_norm)
+                            network_options.after_grad_sync(trainable.models)
                         optimizer.step()
                         optimizer.zero_grad(set_to_none=True)
                     if accelerator.sync_gradients:
@@ -590,20 +617,24 @@ class NetworkTrainer:
                 self.losses = losses
                 if not accelerator.sync_gradients:
                     continue
+                norm_postfix, norm_logs = network_options.after_optimizer_step(
+                    args, [accelerator.unwrap_model(m) for m in trainable.models], device) if not fused else ({}, {})
                 global_step += 1
                 state.global_step, state.epoch = global_step, epoch
                 progress.update(1)
                 window = losses[-steps_per_epoch * args.gradient_accumulation_steps:]
                 avr_loss = sum(window) / len(window)
                 lr = lr_scheduler.get_last_lr()[0]
-                progress.set_postfix(loss=f"{last_loss:.4f}", avr_loss=f"{avr_loss:.4f}", lr=f"{lr:.2e}")
+                progress.set_postfix(loss=f"{last_loss:.4f}", avr_loss=f"{avr_loss:.4f}", lr=f"{lr:.2e}",
+                                     **norm_postfix)
                 if accelerator.is_main_process and line.should_print(global_step):
                     progress.write(line.format(global_step, last_loss, avr_loss, lr, epoch + 1), file=sys.stdout)
                     sys.stdout.flush()
                 if log_with:
-                    logs = {"loss/current": last_loss, "loss/average": avr_loss}
+                    logs = {"loss/current": last_loss, "loss/average": avr_loss, **norm_logs}
+                    names = trainable.lr_descriptions
                     for i, g_lr in enumerate(lr_scheduler.get_last_lr()):
-                        logs[f"lr/group{i}"] = g_lr
+                        logs[f"lr/{names[i]}" if names and i < len(names) else f"lr/group{i}"] = g_lr
                     accelerator.log(logs, step=global_step)
 
                 if args.save_every_n_steps and global_step % args.save_every_n_steps == 0 \
@@ -732,6 +763,7 @@ class NetworkTrainer:
             "ss_network_alpha": args.network_alpha,
             "ss_network_dropout": args.network_dropout,
             "ss_network_args": parse_network_args(args.network_args) or None,
+            "ss_scale_weight_norms": args.scale_weight_norms,
         }
 
     def save_lora(self, args, accelerator, network, metadata, path, epoch, step) -> None:

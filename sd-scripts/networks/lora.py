@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from networks import lora_blocks
+
 logger = logging.getLogger(__name__)
 
 UNET_TARGET_MODULES = ("Transformer2DModel",)
@@ -30,7 +32,14 @@ TEXT_ENCODER_TARGET_MODULES = ("CLIPAttention", "CLIPMLP")
 LORA_PREFIX_UNET = "lora_unet"
 LORA_PREFIX_TEXT_ENCODER = "lora_te"
 
-NETWORK_ARGS = {"conv_dim": int, "conv_alpha": float, "rank_dropout": float, "module_dropout": float}
+# every --network_args key of sd-scripts' networks.lora, with its type
+NETWORK_ARGS = {
+    "conv_dim": int, "conv_alpha": float, "rank_dropout": float, "module_dropout": float,
+    "loraplus_lr_ratio": float, "loraplus_unet_lr_ratio": float, "loraplus_text_encoder_lr_ratio": float,
+    "block_dims": str, "block_alphas": str, "conv_block_dims": str, "conv_block_alphas": str,
+    "down_lr_weight": str, "mid_lr_weight": str, "up_lr_weight": str, "block_lr_zero_threshold": float,
+}
+LORAPLUS_ARGS = ("loraplus_lr_ratio", "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio")
 
 
 class NetworkArgsError(ValueError):
@@ -83,6 +92,40 @@ class LoRABase(nn.Module):
         lx = self.lora_up(lx) if up_weight is None else F.linear(lx, up_weight)
         return org + (lx * (self.multiplier * scale)).to(org.dtype)
 
+    def delta_weight(self) -> torch.Tensor:
+        """up @ down * alpha / dim in float32, shaped like the wrapped layer's weight (all parts stacked)."""
+        down, up = self.lora_down.weight.float(), self.lora_up.weight.float()
+        if down.dim() == 2:
+            w = up @ down
+        elif down.shape[2:] == (1, 1):
+            w = (up.flatten(1) @ down.flatten(1))[:, :, None, None]
+        else:  # k x k down, 1x1 up
+            w = F.conv2d(down.permute(1, 0, 2, 3), up).permute(1, 0, 2, 3)
+        return w * self.scale
+
+    def weight_parts(self) -> list[tuple[nn.Module, slice]]:
+        """(wrapped layer, rows of delta_weight() that belong to it)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def apply_max_norm(self, max_norm: float, device) -> tuple[bool, float]:
+        """--scale_weight_norms: scales up and down by sqrt(max_norm / |delta|) when the norm of the delta weight
+        is over max_norm; returns (scaled, norm after scaling)."""
+        norm = self.delta_weight().to(device).norm()
+        ratio = (norm.clamp(min=max_norm / 2).clamp(max=max_norm) / norm.clamp(min=max_norm / 2)).item()
+        if ratio != 1:
+            for p in (self.lora_down.weight, self.lora_up.weight):
+                p.mul_(ratio ** 0.5)
+        return ratio != 1, norm.item() * ratio
+
+    @torch.no_grad()
+    def merge_to_org(self) -> None:
+        """Adds multiplier * delta weight to the wrapped layer(s) (--base_weights)."""
+        delta = self.delta_weight() * self.multiplier
+        for module, rows in self.weight_parts():
+            w = module.weight
+            w.data = (w.data.float() + delta[rows].to(w.device)).to(w.dtype)
+
 
 class LoRAModule(LoRABase):
     """out = org(x) + up(down(x)) * multiplier * alpha / dim."""
@@ -109,6 +152,9 @@ class LoRAModule(LoRABase):
     @property
     def org_module(self) -> nn.Module:
         return self._org[0]
+
+    def weight_parts(self) -> list[tuple[nn.Module, slice]]:
+        return [(self.org_module, slice(None))]
 
     def apply_to(self) -> None:
         self.org_forward = self.org_module.forward
@@ -156,38 +202,93 @@ def target_layers(root: nn.Module, targets: tuple[str, ...]) -> Iterator[tuple[s
                 yield (f"{name}.{child_name}" if child_name else name), child
 
 
+def assemble_param_groups(loras: list, lr: float | None, plus_ratio: float | None, label: str,
+                          reg_lrs: dict[str, float] | None = None) -> tuple[list[dict], list[str]]:
+    """Optimizer param groups of `loras` as sd-scripts builds them: with a LoRA+ ratio the lora_up weights get
+    their own group at lr * ratio ("<label> plus"); with `reg_lrs` (regex -> lr, networks.lora_flux) the modules
+    whose name matches a regex (first match wins) get that lr, in groups "<label> reg_lr_<i>" placed first.
+    Groups whose lr is 0 or None are left out (their weights are not trained)."""
+    import re
+
+    regs = list((reg_lrs or {}).items())
+    buckets: dict[tuple, list] = {}
+    for lora in loras:
+        reg = next((i for i, (rx, _) in enumerate(regs) if re.search(rx, lora.lora_name)), None)
+        for name, p in lora.named_parameters():
+            plus = plus_ratio is not None and "lora_up" in name
+            buckets.setdefault((reg, plus), []).append(p)
+    groups, descriptions = [], []
+    order = sorted(buckets, key=lambda k: (k[0] is None, k[0] or 0, k[1]))
+    for reg, plus in order:
+        group_lr = lr if reg is None else regs[reg][1]
+        if group_lr is not None and plus:
+            group_lr = group_lr * plus_ratio
+        if not group_lr:
+            continue
+        desc = label + ("" if reg is None else f" reg_lr_{reg}") + (" plus" if plus else "")
+        groups.append({"params": buckets[(reg, plus)], "lr": group_lr})
+        descriptions.append(desc)
+    return groups, descriptions
+
+
+def max_norm_regularization(loras: list, max_norm_value: float, device) -> tuple[int, float, float]:
+    """--scale_weight_norms over the modules: (number of modules scaled, mean and max norm after scaling)."""
+    keys_scaled, norms = 0, []
+    for lora in loras:
+        scaled, norm = lora.apply_max_norm(max_norm_value, device)
+        keys_scaled += int(scaled)
+        norms.append(norm)
+    if not norms:
+        return 0, 0.0, 0.0
+    return keys_scaled, sum(norms) / len(norms), max(norms)
+
+
 class LoRANetwork(nn.Module):
     def __init__(self, text_encoders: list[nn.Module], unet: nn.Module, multiplier: float = 1.0,
                  lora_dim: int = 4, alpha: float = 1.0, dropout: float | None = None,
                  rank_dropout: float | None = None, module_dropout: float | None = None,
                  conv_lora_dim: int | None = None, conv_alpha: float | None = None,
                  unet_name_map: dict[str, str] | None = None, modules_dim: dict[str, int] | None = None,
-                 modules_alpha: dict[str, float] | None = None):
+                 modules_alpha: dict[str, float] | None = None, block_dims: list[int] | None = None,
+                 block_alphas: list[float] | None = None, conv_block_dims: list[int] | None = None,
+                 conv_block_alphas: list[float] | None = None, is_sdxl: bool = False):
         super().__init__()
         self._set_options(multiplier, lora_dim, alpha, dropout, rank_dropout, module_dropout, conv_lora_dim,
                           conv_alpha)
+        self.is_sdxl = is_sdxl
+        skipped: list[str] = []
+
+        def dim_alpha(lora_name: str, is_unet: bool, is_linear_like: bool):
+            """(dim, alpha) of a target layer; dim None/0 = no LoRA. The rules of sd-scripts' networks.lora:
+            file dims (--dim_from_weights) > block dims (UNet) > network_dim / conv_dim."""
+            if modules_dim is not None:
+                return file_dim_alpha(lora_name, modules_dim, modules_alpha) or (None, None)
+            if is_unet and block_dims is not None:
+                idx = lora_blocks.block_index(lora_name, is_sdxl)
+                if is_linear_like:
+                    return block_dims[idx], block_alphas[idx]
+                if conv_block_dims is not None:
+                    return conv_block_dims[idx], conv_block_alphas[idx]
+                return None, None
+            if is_linear_like:
+                return lora_dim, alpha
+            if conv_lora_dim:
+                return conv_lora_dim, conv_alpha
+            return None, None
 
         def make(prefix: str, root: nn.Module, targets: tuple[str, ...], name_map=None) -> list[LoRAModule]:
             loras = []
-            te_names = _text_encoder_names(root) if prefix != LORA_PREFIX_UNET else {}
+            is_unet = prefix == LORA_PREFIX_UNET
+            te_names = _text_encoder_names(root) if not is_unet else {}
             for path, child in target_layers(root, targets):
                 is_linear = isinstance(child, nn.Linear)
                 is_1x1 = not is_linear and tuple(child.kernel_size) == (1, 1)
-                if prefix == LORA_PREFIX_UNET:
-                    path = _kohya_unet_path(path, name_map)
-                else:
-                    path = te_names.get(path, path)
+                path = _kohya_unet_path(path, name_map) if is_unet else te_names.get(path, path)
                 lora_name = f"{prefix}_{path}".replace(".", "_")
-                if modules_dim is not None:
-                    dim_alpha = file_dim_alpha(lora_name, modules_dim, modules_alpha)
-                    if dim_alpha is None:
-                        continue
-                    dim, a = dim_alpha
-                elif is_linear or is_1x1:
-                    dim, a = lora_dim, alpha
-                elif conv_lora_dim:
-                    dim, a = conv_lora_dim, conv_alpha
-                else:
+                dim, a = dim_alpha(lora_name, is_unet, is_linear or is_1x1)
+                if not dim:
+                    if dim == 0 or modules_dim is None and (is_linear or is_1x1):
+                        skipped.append(lora_name)
                     continue
                 loras.append(LoRAModule(lora_name, child, multiplier, dim, a, dropout, rank_dropout,
                                         module_dropout))
@@ -198,16 +299,24 @@ class LoRANetwork(nn.Module):
             prefix = LORA_PREFIX_TEXT_ENCODER if len(text_encoders) == 1 else f"{LORA_PREFIX_TEXT_ENCODER}{i + 1}"
             self.text_encoder_loras += make(prefix, te, TEXT_ENCODER_TARGET_MODULES)
         unet_targets = UNET_TARGET_MODULES
-        if conv_lora_dim or modules_dim is not None:
+        if conv_lora_dim or modules_dim is not None or conv_block_dims is not None:
             unet_targets = UNET_TARGET_MODULES + UNET_CONV_TARGET_MODULES
         self.unet_loras: list[LoRAModule] = make(LORA_PREFIX_UNET, unet, unet_targets, unet_name_map)
+        self._check_unique_names()
+        if block_dims is not None:
+            logger.info("LoRA block dims %s, alphas %s; conv block dims %s, alphas %s", block_dims, block_alphas,
+                        conv_block_dims, conv_block_alphas)
+        if skipped:
+            logger.info("%d LoRA modules skipped (block lr weight or dim 0), e.g. %s", len(skipped), skipped[:3])
+        logger.info("LoRA: %d modules for the text encoder(s), %d for the UNet", len(self.text_encoder_loras),
+                    len(self.unet_loras))
+
+    def _check_unique_names(self) -> None:
         names = set()
         for lora in self.text_encoder_loras + self.unet_loras:
             if lora.lora_name in names:
                 raise ValueError(f"duplicated LoRA name {lora.lora_name}")
             names.add(lora.lora_name)
-        logger.info("LoRA: %d modules for the text encoder(s), %d for the UNet", len(self.text_encoder_loras),
-                    len(self.unet_loras))
 
     def _set_options(self, multiplier, lora_dim, alpha, dropout, rank_dropout, module_dropout, conv_lora_dim=None,
                      conv_alpha=None) -> None:
@@ -219,6 +328,8 @@ class LoRANetwork(nn.Module):
         self.dropout = dropout
         self.rank_dropout = rank_dropout
         self.module_dropout = module_dropout
+        self.loraplus_lr_ratio = self.loraplus_unet_lr_ratio = self.loraplus_text_encoder_lr_ratio = None
+        self.block_lr_weight: list[float] | None = None
 
     # -- applying -------------------------------------------------------------------------------------
     def apply_to(self, text_encoders, unet, apply_text_encoder: bool = True, apply_unet: bool = True) -> None:
@@ -239,22 +350,68 @@ class LoRANetwork(nn.Module):
         for lora in self.text_encoder_loras + self.unet_loras:
             lora.multiplier = multiplier
 
+    def is_mergeable(self) -> bool:
+        return True
+
+    @torch.no_grad()
+    def merge_to(self, text_encoders, unet, weights_sd: dict[str, torch.Tensor], dtype=None, device=None) -> None:
+        """Adds the LoRA of `weights_sd` (times this network's multiplier) into the wrapped layers' weights
+        (--base_weights); a network made by create_network_from_weights has exactly the file's modules."""
+        for lora in self.text_encoder_loras + self.unet_loras:
+            prefix = lora.lora_name + "."
+            sd = {k[len(prefix):]: v for k, v in weights_sd.items() if k.startswith(prefix)}
+            if not sd:
+                continue
+            lora.load_state_dict(sd, strict=False)
+            lora.scale = float(lora.alpha) / lora.lora_dim
+            lora.merge_to_org()
+        logger.info("merged %d LoRA modules into the model", len(self.text_encoder_loras) + len(self.unet_loras))
+
     # -- training -------------------------------------------------------------------------------------
-    def prepare_optimizer_params(self, text_encoder_lr: float | None, unet_lr: float | None,
-                                 default_lr: float) -> list[dict[str, Any]]:
-        """Param groups; a group whose lr is 0 is left out (and its weights are frozen)."""
-        groups = []
-        for loras, lr in ((self.text_encoder_loras, text_encoder_lr), (self.unet_loras, unet_lr)):
-            if not loras:
-                continue
-            lr = default_lr if lr is None else lr
-            params = [p for lora in loras for p in lora.parameters()]
-            if lr == 0:
-                for p in params:
-                    p.requires_grad_(False)
-                continue
-            groups.append({"params": params, "lr": lr})
-        return groups
+    def set_loraplus_lr_ratio(self, loraplus_lr_ratio, loraplus_unet_lr_ratio, loraplus_text_encoder_lr_ratio):
+        self.loraplus_lr_ratio = loraplus_lr_ratio
+        self.loraplus_unet_lr_ratio = loraplus_unet_lr_ratio
+        self.loraplus_text_encoder_lr_ratio = loraplus_text_encoder_lr_ratio
+        logger.info("LoRA+ lr ratio: UNet %s, text encoder %s", loraplus_unet_lr_ratio or loraplus_lr_ratio,
+                    loraplus_text_encoder_lr_ratio or loraplus_lr_ratio)
+
+    def set_block_lr_weight(self, block_lr_weight: list[float] | None) -> None:
+        self.block_lr_weight = block_lr_weight
+
+    def prepare_optimizer_params(self, text_encoder_lr, unet_lr: float | None,
+                                 default_lr: float) -> tuple[list[dict[str, Any]], list[str]]:
+        """(param groups, their descriptions) as sd-scripts makes them: text encoder, then UNet (one group per
+        block with block lr weights), LoRA+ up weights in " plus" groups; a group whose lr is 0 is left out
+        (its weights are frozen). `text_encoder_lr` may be a list (sd-scripts' nargs="*"): its first value."""
+        if isinstance(text_encoder_lr, (list, tuple)):
+            text_encoder_lr = text_encoder_lr[0] if text_encoder_lr else None
+        self.requires_grad_(True)
+        groups, descriptions = [], []
+
+        def add(loras, lr, ratio, label):
+            g, d = assemble_param_groups(loras, lr, ratio, label)
+            groups.extend(g)
+            descriptions.extend(d)
+
+        if self.text_encoder_loras:
+            add(self.text_encoder_loras, default_lr if text_encoder_lr is None else text_encoder_lr,
+                self.loraplus_text_encoder_lr_ratio or self.loraplus_lr_ratio, "textencoder")
+        if self.unet_loras:
+            lr = default_lr if unet_lr is None else unet_lr
+            ratio = self.loraplus_unet_lr_ratio or self.loraplus_lr_ratio
+            if self.block_lr_weight is None:
+                add(self.unet_loras, lr, ratio, "unet")
+            else:
+                by_block: dict[int, list] = {}
+                for lora in self.unet_loras:
+                    by_block.setdefault(lora_blocks.block_index(lora.lora_name, self.is_sdxl), []).append(lora)
+                for idx, loras in by_block.items():
+                    add(loras, lr * self.block_lr_weight[idx], ratio, f"unet_block{idx}")
+        in_groups = {id(p) for g in groups for p in g["params"]}
+        for p in self.parameters():
+            if id(p) not in in_groups:
+                p.requires_grad_(False)
+        return groups, descriptions
 
     def prepare_grad_etc(self, text_encoders, unet) -> None:
         self.requires_grad_(True)
@@ -264,6 +421,10 @@ class LoRANetwork(nn.Module):
 
     def get_trainable_params(self):
         return [p for p in self.parameters() if p.requires_grad]
+
+    def apply_max_norm_regularization(self, max_norm_value: float, device) -> tuple[int, float, float]:
+        """--scale_weight_norms: (modules scaled, mean norm, max norm), as sd-scripts logs them."""
+        return max_norm_regularization(self.text_encoder_loras + self.unet_loras, max_norm_value, device)
 
     # -- files ----------------------------------------------------------------------------------------
     def load_weights(self, file: str) -> None:
@@ -354,7 +515,8 @@ def dims_from_weights(weights_sd: dict[str, torch.Tensor]) -> tuple[dict[str, in
 def parse_network_kwargs(kwargs: dict[str, Any], allowed: dict[str, type] = NETWORK_ARGS,
                          module: str = "networks.lora") -> dict[str, Any]:
     """`--network_args` values (text) -> typed values; keys not in `allowed` (of network `module`) are an
-    error, and so are dropout rates outside [0, 1)."""
+    error, and so are dropout rates outside [0, 1) and block lists that do not parse (checked before any model
+    loads; the number of block values is checked when the network is made, it depends on the model)."""
     out = {}
     for key, value in kwargs.items():
         if key not in allowed:
@@ -369,16 +531,33 @@ def parse_network_kwargs(kwargs: dict[str, Any], allowed: dict[str, type] = NETW
     for key in ("rank_dropout", "module_dropout"):
         if key in out and not 0 <= out[key] < 1:
             raise NetworkArgsError(f"--network_args {key}={out[key]}: must be in [0, 1)")
+    try:
+        for is_sdxl in (False, True):
+            lora_blocks.block_lr_weights(is_sdxl, out, quiet=True)
+    except lora_blocks.BlockArgsError as e:
+        raise NetworkArgsError(str(e)) from e
     return out
 
 
 def _unet_name_map(unet: nn.Module, text_encoders) -> dict[str, str] | None:
     """SDXL (two text encoders) names its UNet LoRA modules after the SGM layout."""
-    if isinstance(text_encoders, (list, tuple)) and len(text_encoders) == 2:
+    if _is_sdxl(text_encoders):
         from library.model_util import unet_sgm_module_names
 
         return unet_sgm_module_names(unet)
     return None
+
+
+def _is_sdxl(text_encoders) -> bool:
+    return isinstance(text_encoders, (list, tuple)) and len(text_encoders) == 2
+
+
+def _training_options(network: LoRANetwork, opts: dict[str, Any], block_lr: list[float] | None) -> None:
+    """LoRA+ ratios and block lr weights (also for a network made from a file: they only shape the optimizer)."""
+    if any(opts.get(k) is not None for k in LORAPLUS_ARGS):
+        network.set_loraplus_lr_ratio(*(opts.get(k) for k in LORAPLUS_ARGS))
+    if block_lr is not None:
+        network.set_block_lr_weight(block_lr)
 
 
 def create_network(multiplier: float, network_dim: int | None, network_alpha: float | None, vae, text_encoder,
@@ -386,25 +565,43 @@ def create_network(multiplier: float, network_dim: int | None, network_alpha: fl
     """kohya's entry point: `text_encoder` is one model or a list (two for SDXL); kwargs are --network_args."""
     text_encoders = list(text_encoder) if isinstance(text_encoder, (list, tuple)) else [text_encoder]
     opts = parse_network_kwargs(kwargs)
+    is_sdxl = _is_sdxl(text_encoder)
+    network_dim = network_dim or 4
+    network_alpha = 1.0 if network_alpha is None else network_alpha
     conv_dim = opts.get("conv_dim")
-    conv_alpha = opts.get("conv_alpha", 1.0 if conv_dim else None)
-    return LoRANetwork(text_encoders, unet, multiplier=multiplier, lora_dim=network_dim or 4,
-                       alpha=1.0 if network_alpha is None else network_alpha, dropout=neuron_dropout,
-                       rank_dropout=opts.get("rank_dropout"), module_dropout=opts.get("module_dropout"),
-                       conv_lora_dim=conv_dim, conv_alpha=conv_alpha,
-                       unet_name_map=_unet_name_map(unet, text_encoder))
+    conv_alpha = opts.get("conv_alpha", 1.0) if conv_dim else None
+    block_lr = lora_blocks.block_lr_weights(is_sdxl, opts)
+    blocks = {}
+    if opts.get("block_dims") is not None or block_lr is not None:
+        try:
+            dims, alphas, conv_dims, conv_alphas = lora_blocks.block_dims_alphas(
+                is_sdxl, opts, network_dim, network_alpha, conv_dim, conv_alpha, block_lr)
+        except lora_blocks.BlockArgsError as e:
+            raise NetworkArgsError(str(e)) from e
+        blocks = dict(block_dims=dims, block_alphas=alphas, conv_block_dims=conv_dims, conv_block_alphas=conv_alphas)
+    network = LoRANetwork(text_encoders, unet, multiplier=multiplier, lora_dim=network_dim, alpha=network_alpha,
+                          dropout=neuron_dropout, rank_dropout=opts.get("rank_dropout"),
+                          module_dropout=opts.get("module_dropout"), conv_lora_dim=conv_dim, conv_alpha=conv_alpha,
+                          unet_name_map=_unet_name_map(unet, text_encoder), is_sdxl=is_sdxl, **blocks)
+    _training_options(network, opts, block_lr)
+    return network
 
 
 def create_network_from_weights(multiplier: float, file: str | None, vae, text_encoder, unet,
-                                weights_sd: dict | None = None, for_inference: bool = False, **kwargs):
-    """A network shaped like a LoRA file (dims and alphas per module): `--dim_from_weights`."""
+                                weights_sd: dict | None = None, for_inference: bool = False,
+                                neuron_dropout: float | None = None, **kwargs):
+    """A network shaped like a LoRA file (dims and alphas per module): `--dim_from_weights`, `--base_weights`.
+    Unlike sd-scripts (which applies only the block lr weights here), the dropouts and LoRA+ ratios of
+    --network_args apply too: they shape training, not the file."""
     text_encoders = list(text_encoder) if isinstance(text_encoder, (list, tuple)) else [text_encoder]
     if weights_sd is None:
         weights_sd = load_lora_state_dict(file)
     modules_dim, modules_alpha = dims_from_weights(weights_sd)
     opts = parse_network_kwargs(kwargs)
+    is_sdxl = _is_sdxl(text_encoder)
     network = LoRANetwork(text_encoders, unet, multiplier=multiplier, modules_dim=modules_dim,
-                          modules_alpha=modules_alpha, rank_dropout=opts.get("rank_dropout"),
+                          modules_alpha=modules_alpha, dropout=neuron_dropout, rank_dropout=opts.get("rank_dropout"),
                           module_dropout=opts.get("module_dropout"),
-                          unet_name_map=_unet_name_map(unet, text_encoder))
+                          unet_name_map=_unet_name_map(unet, text_encoder), is_sdxl=is_sdxl)
+    _training_options(network, opts, lora_blocks.block_lr_weights(is_sdxl, opts))
     return network, weights_sd
