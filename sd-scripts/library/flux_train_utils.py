@@ -37,8 +37,9 @@ def add_flux_arguments(parser) -> None:
     g.add_argument("--discrete_flow_shift", type=float, default=3.0, help="shift of the flow schedule (sigma, shift)")
     g.add_argument("--model_prediction_type", type=str, default="sigma_scaled", choices=MODEL_PREDICTION_TYPES,
                    help="raw: the output as it is; additive: output + noisy input; sigma_scaled: -sigma * output + noisy input")
-    g.add_argument("--blocks_to_swap", type=int, default=0,
-                   help="transformer blocks kept off the GPU and swapped in around their forward/backward (saves memory)")
+    g.add_argument("--blocks_to_swap", type=int, default=None,
+                   help="transformer blocks kept off the GPU and swapped in around their forward/backward (saves "
+                        "memory; default none)")
     g.add_argument("--fp8_base", action="store_true", help="keep the frozen FLUX base Linear weights in float8_e4m3fn")
 
 

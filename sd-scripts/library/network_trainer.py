@@ -69,7 +69,10 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--network_train_text_encoder_only", action="store_true",
                         help="train only the text encoder LoRA")
     parser.add_argument("--unet_lr", type=float, default=None, help="UNet LoRA learning rate")
-    parser.add_argument("--text_encoder_lr", type=float, default=None, help="text encoder LoRA learning rate")
+    parser.add_argument("--text_encoder_lr", type=float, default=None, nargs="*",
+                        help="text encoder LoRA learning rate: one value for all text encoders, or one per text "
+                             "encoder where the network module supports it (upstream: networks with "
+                             "prepare_optimizer_params_with_multiple_te_lrs); default --learning_rate")
     parser.add_argument("--save_model_as", type=str, default="safetensors", choices=["safetensors", "ckpt", "pt"],
                         help="file format of the LoRA")
     parser.add_argument("--no_metadata", action="store_true", help="write no ss_* metadata")
@@ -95,8 +98,16 @@ def setup_parser() -> argparse.ArgumentParser:
     """The arguments every LoRA trainer shares; scripts add family flags (e.g. compile) on top."""
     parser = base_parser()
     add_network_arguments(parser)
-    parser.set_defaults(learning_rate=1e-4)
     return parser
+
+
+def text_encoder_lr(args) -> float | None:
+    """`--text_encoder_lr` for a network with one text-encoder learning rate: the first value (upstream reads
+    the list this way, for config files that wrote one number too); None = --learning_rate."""
+    value = args.text_encoder_lr
+    if value is None or isinstance(value, (int, float)):
+        return value
+    return value[0] if value else None
 
 
 def parse_network_args(items: list[str] | None) -> dict[str, str]:
@@ -404,7 +415,14 @@ class NetworkTrainer:
             for te in components.text_encoders:
                 te.to(device)
 
-        params = network.prepare_optimizer_params(args.text_encoder_lr, args.unet_lr, args.learning_rate)
+        if hasattr(network, "prepare_optimizer_params_with_multiple_te_lrs"):
+            params = network.prepare_optimizer_params_with_multiple_te_lrs(args.text_encoder_lr, args.unet_lr,
+                                                                          args.learning_rate)
+        else:
+            if args.text_encoder_lr and len(args.text_encoder_lr) > 1:
+                logger.warning("--text_encoder_lr %s: %s takes one learning rate for all text encoders; using %s",
+                               " ".join(map(str, args.text_encoder_lr)), args.network_module, args.text_encoder_lr[0])
+            params = network.prepare_optimizer_params(text_encoder_lr(args), args.unet_lr, args.learning_rate)
         params, lr_descriptions = params if isinstance(params, tuple) else (params, None)
         if not params:
             raise ConfigError("nothing to train: both learning rates are 0 or no LoRA modules were created")
@@ -756,7 +774,7 @@ class NetworkTrainer:
     def method_metadata(self, args) -> dict[str, Any]:
         """The ss_* keys of what is trained (the LoRA network here)."""
         return {
-            "ss_text_encoder_lr": args.text_encoder_lr,
+            "ss_text_encoder_lr": text_encoder_lr(args),
             "ss_unet_lr": args.unet_lr,
             "ss_network_module": args.network_module,
             "ss_network_dim": args.network_dim if args.network_dim is not None else 4,
