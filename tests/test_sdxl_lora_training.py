@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -84,6 +85,9 @@ def test_sdxl_eager_subprocess_from_config_file(tmp_path, tiny_sdxl_single_file,
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("steps: ")]
     assert lines and lines[-1].startswith("steps: 2/2 loss="), proc.stdout[-2000:]
     assert " it/s=" in lines[-1]
+    # the run's own timing summary (library.step_timer): a 2-step run keeps its 2nd step in the median
+    assert re.search(r"^median step \d+\.\d ms \(steps 2-2\); first step \d+\.\d s$", proc.stdout, re.M), \
+        proc.stdout[-2000:]
 
     lora = out / "mylora.safetensors"
     sd, md = read_lora(lora)

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from library import config_util, network_options, parity, train_util
+from library.step_timer import StepTimer
 from library.train_util import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -600,11 +601,13 @@ class NetworkTrainer:
             self.sample_images(args, epoch=None, steps=global_step, **sample_kwargs)
 
         last_loss = float("nan")
+        timer = StepTimer(global_step)
         for epoch in range(first_epoch, num_epochs):
             if global_step >= max_train_steps:
                 break
             group.set_current_epoch(epoch + 1)
             self.on_epoch_start(args, trainable, components)
+            timer.restart()  # epoch-end saves and samples are not step time
             loader = dataloader
             if skip_batches:
                 from accelerate import skip_first_batches
@@ -638,6 +641,7 @@ class NetworkTrainer:
                 norm_postfix, norm_logs = network_options.after_optimizer_step(
                     args, [accelerator.unwrap_model(m) for m in trainable.models], device) if not fused else ({}, {})
                 global_step += 1
+                timer.step_done()
                 state.global_step, state.epoch = global_step, epoch
                 progress.update(1)
                 window = losses[-steps_per_epoch * args.gradient_accumulation_steps:]
@@ -659,10 +663,12 @@ class NetworkTrainer:
                         and global_step < max_train_steps:
                     self.save_checkpoint(args, accelerator, trainable, metadata, epoch + 1, global_step, ext,
                                          by_step=True)
+                    timer.restart()
                 from library.sampling import should_sample
 
                 if should_sample(args, epoch=None, steps=global_step):
                     self.sample_images(args, epoch=None, steps=global_step, **sample_kwargs)
+                    timer.restart()
                 if global_step >= max_train_steps:
                     break
 
@@ -681,6 +687,9 @@ class NetworkTrainer:
                 self.sample_images(args, epoch=done_epoch, steps=global_step, **sample_kwargs)
 
         progress.close()
+        summary = timer.summary()
+        if summary and accelerator.is_main_process:
+            print(summary, flush=True)  # stdout, under the last progress line
         data_parallel.log_process_done(accelerator, global_step, last_loss, trained_params)
         final_epoch = max(state.epoch, 1)
         accelerator.wait_for_everyone()
