@@ -32,6 +32,7 @@ class FluxNetworkTrainer(NetworkTrainer):
 
     model_label = "FLUX"
     default_output_name = "last"
+    flow_matching = True
 
     def __init__(self):
         self.compiled_blocks = 0
@@ -48,8 +49,6 @@ class FluxNetworkTrainer(NetworkTrainer):
         if getattr(args, "network_module", None) not in (None, "networks.lora_flux"):
             logger.warning("--network_module %s: FLUX LoRA files in kohya's format come from networks.lora_flux",
                            args.network_module)
-        if args.min_snr_gamma:
-            raise ConfigError("--min_snr_gamma is for noise-prediction models; FLUX trains with flow matching")
         flux_train_utils.check_flux_args(args, ConfigError)
         compile_utils.validate_compile_args(args)
 
@@ -88,10 +87,14 @@ class FluxNetworkTrainer(NetworkTrainer):
         return None  # sigmas are drawn by flux_train_utils.sample_sigmas
 
     def get_noise_pred_and_target(self, args, accelerator, noise_scheduler, latents, batch, te_outputs, components,
-                                  weight_dtype):
-        pred, target, sigmas = flux_train_utils.noisy_input_pred_target(
-            args, components.transformer, latents, te_outputs, weight_dtype, accelerator.autocast)
-        return pred, target, sigmas, None
+                                  weight_dtype, fixed_timestep=None):
+        return flux_train_utils.noisy_input_pred_target(args, components.transformer, latents, te_outputs,
+                                                        weight_dtype, accelerator.autocast, fixed_timestep)
+
+    def huber_threshold(self, args, timesteps, noise_scheduler):
+        from library import losses
+
+        return losses.huber_threshold(args, timesteps * 1000, 1000)  # upstream's FLUX timesteps are sigma * 1000
 
     def post_process_loss(self, loss, args, timesteps, noise_scheduler):
         return loss
@@ -135,6 +138,10 @@ class FluxNetworkTrainer(NetworkTrainer):
             "ss_sigmoid_scale": str(args.sigmoid_scale),
             "ss_discrete_flow_shift": str(args.discrete_flow_shift),
             "ss_model_prediction_type": args.model_prediction_type,
+            "ss_weighting_scheme": args.weighting_scheme,
+            "ss_logit_mean": str(args.logit_mean),
+            "ss_logit_std": str(args.logit_std),
+            "ss_mode_scale": str(args.mode_scale),
             "ss_apply_t5_attn_mask": str(bool(args.apply_t5_attn_mask)),
             "ss_t5xxl_max_token_length": str(self._t5_len),
             "ss_fp8_base": str(bool(args.fp8_base)),

@@ -216,12 +216,3 @@ def test_progress_line_format():
     assert re.fullmatch(r"steps: 12/100 loss=0\.1234 it/s=\d+\.\d\d avr_loss=0\.1300 lr=1\.00e-04 epoch=1/5 "
                         r"eta=(\d\d:\d\d:\d\d|\?)", text), text
     assert line.should_print(1) and line.should_print(100)
-
-
-def test_min_snr_weights():
-    sched = train_util.noise_scheduler_for("epsilon")
-    t = torch.tensor([0, 500, 999])
-    w = train_util.min_snr_weights(t, sched, 5.0, v_prediction=False)
-    assert w[0] < 1 and w[2] == pytest.approx(1.0)  # low noise (high SNR) is down-weighted
-    wv = train_util.min_snr_weights(t, sched, 5.0, v_prediction=True)
-    assert torch.all(wv < w + 1e-6)

@@ -32,7 +32,7 @@ from library.datasets import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["add_dataset_arguments", "build_dataset_group", "load_dataset_config", "parse_resolution",
+__all__ = ["add_dataset_arguments", "build_dataset_group", "build_dataset_groups", "load_dataset_config", "parse_resolution",
            "DatasetError", "FAMILY_DEFAULT_RESOLUTION"]
 
 # Default --resolution when neither the CLI nor the dataset config sets one.
@@ -110,6 +110,7 @@ SUBSET_KEYS: dict[str, Any] = {
 DATASET_KEYS: dict[str, Any] = {
     "resolution": _RESO, "batch_size": int, "enable_bucket": bool, "min_bucket_reso": int,
     "max_bucket_reso": int, "bucket_reso_steps": int, "bucket_no_upscale": bool,
+    "validation_split": float, "validation_seed": int,  # library.validation
 }
 _SUBSET_ONLY = ("image_dir", "metadata_file")
 _INHERITED_SUBSET_KEYS = {k: v for k, v in SUBSET_KEYS.items() if k not in _SUBSET_ONLY}
@@ -281,6 +282,8 @@ def _make_dataset_params(values: dict, subsets: list[SubsetParams], where: str) 
     p.resolution = tuple(p.resolution)
     if p.batch_size < 1:
         raise DatasetError(f"{where}: batch_size / --train_batch_size must be >= 1, got {p.batch_size}")
+    if not 0.0 <= p.validation_split < 1.0:
+        raise DatasetError(f"{where}: validation_split must be at least 0 and below 1, got {p.validation_split}")
     steps = p.bucket_reso_steps
     if steps <= 0 or steps % 8:
         raise DatasetError(f"{where}: bucket_reso_steps must be a positive multiple of 8, got {steps}")
@@ -367,6 +370,14 @@ def _dataset_params_from_config(path: str, cli: dict) -> list[DatasetParams]:
 
 def build_dataset_group(args, family: str) -> DatasetGroup:
     """Scans the dataset described by args (see module doc); raises DatasetError before any model loads."""
+    return build_dataset_groups(args, family)[0]
+
+
+def build_dataset_groups(args, family: str) -> tuple[DatasetGroup, DatasetGroup | None]:
+    """(training group, validation group or None): `validation_split` holds images of each image_dir subset
+    out of training (library.validation.split_images); raises DatasetError before any model loads."""
+    from library.validation import split_images
+
     family = _normalize_family(family)
     cli = _cli_layer(args, family)
     config_path = getattr(args, "dataset_config", None)
@@ -393,11 +404,19 @@ def build_dataset_group(args, family: str) -> DatasetGroup:
     if seed is None:
         seed = 0
     epoch_value = new_epoch_value()
-    datasets = []
+    datasets, val_datasets = [], []
     for i, p in enumerate(params):
-        images = []
+        images, val_images = [], []
         for s in p.subsets:
-            images.extend(images_from_metadata(s) if s.metadata_file else images_from_dir(s))
+            found = images_from_metadata(s) if s.metadata_file else images_from_dir(s)
+            if p.validation_split and s.metadata_file:
+                logger.warning("validation_split: the metadata_file subset %s is not split (image_dir subsets "
+                               "only)", s.name)
+            elif p.validation_split and not s.is_reg:
+                vseed = p.validation_seed if p.validation_seed is not None else seed
+                found, held = split_images(found, p.validation_split, vseed)
+                val_images.extend(held)
+            images.extend(found)
         n_train = sum(1 for im in images if not im.is_reg)
         n_reg = len(images) - n_train
         if n_train == 0:
@@ -407,6 +426,14 @@ def build_dataset_group(args, family: str) -> DatasetGroup:
         if n_reg:
             balance_reg_images(images)
         datasets.append(ImageDataset(p, images, float(_arg(args, "prior_loss_weight", 1.0)), seed, i, epoch_value))
+        if val_images:
+            val_datasets.append((p, val_images, i))
     group = DatasetGroup(datasets, epoch_value)
     group.log_summary()
-    return group
+    val_group = None
+    if val_datasets:
+        val_epoch = new_epoch_value()
+        val_group = DatasetGroup([ImageDataset(p, ims, 1.0, seed, i, val_epoch) for p, ims, i in val_datasets],
+                                 val_epoch)
+        logger.info("validation split: %d images held out of training", sum(len(ims) for _, ims, _ in val_datasets))
+    return group, val_group

@@ -93,6 +93,8 @@ class DatasetParams:
     bucket_reso_steps: int = 64
     bucket_no_upscale: bool = False
     subsets: list[SubsetParams] = field(default_factory=list)
+    validation_split: float = 0.0  # share of each image_dir subset held out for the validation loss
+    validation_seed: Optional[int] = None
 
 
 @dataclass

@@ -19,6 +19,9 @@ logger = logging.getLogger(__name__)
 
 TIMESTEP_SAMPLING = ("sigma", "uniform", "sigmoid", "shift", "flux_shift")
 MODEL_PREDICTION_TYPES = ("raw", "additive", "sigma_scaled")
+# SD3-paper weighting schemes (upstream's choices): logit_normal / mode change which sigmas --timestep_sampling
+# sigma draws; sigma_sqrt / cosmap weight the loss (with --model_prediction_type sigma_scaled); none / uniform: neither
+WEIGHTING_SCHEMES = ("sigma_sqrt", "logit_normal", "mode", "cosmap", "none", "uniform")
 
 
 def add_flux_arguments(parser) -> None:
@@ -35,6 +38,12 @@ def add_flux_arguments(parser) -> None:
                         "(sigmoid of a normal), shift (sigmoid + --discrete_flow_shift), flux_shift (resolution-dependent shift)")
     g.add_argument("--sigmoid_scale", type=float, default=1.0, help="scale of the normal in sigmoid/shift/flux_shift sampling")
     g.add_argument("--discrete_flow_shift", type=float, default=3.0, help="shift of the flow schedule (sigma, shift)")
+    g.add_argument("--weighting_scheme", type=str, default="uniform", choices=WEIGHTING_SCHEMES,
+                   help="SD3 weighting: logit_normal / mode shape the sigmas drawn by --timestep_sampling sigma; "
+                        "sigma_sqrt / cosmap weight the loss (with --model_prediction_type sigma_scaled)")
+    g.add_argument("--logit_mean", type=float, default=0.0, help="mean of the logit_normal weighting scheme")
+    g.add_argument("--logit_std", type=float, default=1.0, help="standard deviation of the logit_normal scheme")
+    g.add_argument("--mode_scale", type=float, default=1.29, help="scale of the mode weighting scheme")
     g.add_argument("--model_prediction_type", type=str, default="sigma_scaled", choices=MODEL_PREDICTION_TYPES,
                    help="raw: the output as it is; additive: output + noisy input; sigma_scaled: -sigma * output + noisy input")
     g.add_argument("--blocks_to_swap", type=int, default=None,
@@ -50,6 +59,8 @@ def check_flux_args(args, error_cls) -> None:
         raise error_cls(f"--t5xxl_max_token_length must be between 1 and 512, got {args.t5xxl_max_token_length}")
     if args.sigmoid_scale <= 0:
         raise error_cls(f"--sigmoid_scale must be positive, got {args.sigmoid_scale}")
+    if getattr(args, "logit_std", 1.0) <= 0:
+        raise error_cls(f"--logit_std must be positive, got {args.logit_std}")
     if args.discrete_flow_shift <= 0:
         raise error_cls(f"--discrete_flow_shift must be positive, got {args.discrete_flow_shift}")
     if args.fp8_base and not hasattr(torch, "float8_e4m3fn"):
@@ -126,6 +137,31 @@ def _flux_mu(image_seq_len: int, x1=256, y1=0.5, x2=4096, y2=1.15) -> float:
     return m * image_seq_len + (y1 - m * x1)
 
 
+def timestep_density(args, batch_size: int, device) -> torch.Tensor:
+    """u in [0, 1) per sample by --weighting_scheme (SD3 paper, sec. 3.1): logit_normal = sigmoid(N(logit_mean,
+    logit_std)); mode = 1 - u - mode_scale * (cos^2(pi u / 2) - 1 + u) of a uniform u; else uniform."""
+    scheme = getattr(args, "weighting_scheme", "uniform")
+    if scheme == "logit_normal":
+        return torch.sigmoid(torch.randn(batch_size, device=device) * args.logit_std + args.logit_mean)
+    u = torch.rand(batch_size, device=device)
+    if scheme == "mode":
+        u = 1 - u - args.mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
+    return u
+
+
+def loss_weighting(args, sigmas: torch.Tensor) -> torch.Tensor | None:
+    """The loss weight per sample ([B, 1, 1, 1]) of --weighting_scheme sigma_sqrt (sigma^-2) or cosmap
+    (2 / (pi (1 - 2 sigma + 2 sigma^2))), used with --model_prediction_type sigma_scaled (as upstream);
+    None = weight 1 (no multiply)."""
+    scheme = getattr(args, "weighting_scheme", "uniform")
+    if args.model_prediction_type != "sigma_scaled" or scheme not in ("sigma_sqrt", "cosmap"):
+        return None
+    s = sigmas.view(-1, 1, 1, 1).float()
+    if scheme == "sigma_sqrt":
+        return s ** -2.0
+    return 2 / (math.pi * (1 - 2 * s + 2 * s ** 2))
+
+
 def sample_sigmas(args, batch_size: int, h: int, w: int, device) -> torch.Tensor:
     """sigma in (0, 1] per sample, by --timestep_sampling (h, w: latent size)."""
     mode = args.timestep_sampling
@@ -140,9 +176,14 @@ def sample_sigmas(args, batch_size: int, h: int, w: int, device) -> torch.Tensor
     elif mode == "flux_shift":
         s = torch.sigmoid(args.sigmoid_scale * torch.randn(batch_size, device=device))
         s = _time_shift(_flux_mu((h // 2) * (w // 2)), 1.0, s)
-    else:  # "sigma": uniform over the 1000 training timesteps of the shifted flow schedule
+    else:  # "sigma": one of the 1000 training timesteps of the shifted flow schedule
         shift = args.discrete_flow_shift
-        t = torch.randint(1, 1001, (batch_size,), device=device).float() / 1000.0
+        if getattr(args, "weighting_scheme", "uniform") in ("logit_normal", "mode"):
+            # upstream indexes the schedule's descending timesteps with u * 1000 (u -> 1 is the least noise)
+            index = (timestep_density(args, batch_size, device) * 1000).long().clamp(0, 999)
+            t = (1000 - index).float() / 1000.0
+        else:  # uniform u: the same distribution, drawn as before these schemes existed
+            t = torch.randint(1, 1001, (batch_size,), device=device).float() / 1000.0
         s = shift * t / (1 + (shift - 1) * t)
     return s.clamp(1e-5, 1.0)
 
@@ -183,17 +224,23 @@ def flux_forward(transformer, noisy: torch.Tensor, sigmas: torch.Tensor, te: dic
     return unpack_latents(out, h, w)
 
 
-def noisy_input_pred_target(args, transformer, latents, te, dtype, autocast):
-    """One flow-matching training forward: returns (prediction, target, sigmas)."""
+def noisy_input_pred_target(args, transformer, latents, te, dtype, autocast, fixed_timestep: int | None = None):
+    """One flow-matching training forward: returns (prediction, target, sigmas, loss weighting or None).
+    --ip_noise_gamma perturbs the noise of the input only; fixed_timestep t: every sigma is t / 1000 (validation)."""
+    from library.noise import input_perturbation
+
     noise = torch.randn_like(latents)
     b, _, h, w = latents.shape
-    sigmas = sample_sigmas(args, b, h, w, latents.device)
+    if fixed_timestep is None:
+        sigmas = sample_sigmas(args, b, h, w, latents.device)
+    else:
+        sigmas = torch.full((b,), fixed_timestep / 1000.0, device=latents.device)
     s = sigmas.view(-1, 1, 1, 1)
-    noisy = (1.0 - s) * latents + s * noise
+    noisy = (1.0 - s) * latents + s * input_perturbation(args, noise)
     with autocast():
         pred = flux_forward(transformer, noisy, sigmas, te, args.guidance_scale, dtype, args.apply_t5_attn_mask)
     pred = apply_model_prediction_type(args, pred.float(), noisy, sigmas)
-    return pred, noise - latents, sigmas
+    return pred, noise - latents, sigmas, loss_weighting(args, sigmas)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -171,13 +171,14 @@ class FullTrainer:
     def modelspec_metadata(self, args) -> dict[str, str]:
         resolution = config_util.parse_resolution(args.resolution) if args.resolution else \
             (config_util.FAMILY_DEFAULT_RESOLUTION[self.family_for(args)],) * 2
-        v_pred = bool(args.v_parameterization)
+        v_pred = bool(args.v_parameterization)  # the trained prediction type (NetworkTrainer.use_prediction_type)
         return sd_modelspec_metadata(self.family_for(args), v_prediction=v_pred, title=args.output_name,
                                      resolution=resolution, description=getattr(args, "training_comment", None))
 
     # -- checks ------------------------------------------------------------------------------------------
     def check_args(self, args) -> None:
         train_util.verify_training_args(args)
+        self.check_objective_args(args)
         if not args.pretrained_model_name_or_path:
             raise ConfigError("--pretrained_model_name_or_path is required")
         caching_te = args.cache_text_encoder_outputs or args.cache_text_encoder_outputs_to_disk

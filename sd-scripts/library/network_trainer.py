@@ -10,10 +10,13 @@ A subclass overrides only the per-family hooks:
     encode_prompts(args, components, captions, with_grad) -> dict of tensors (also what is cached)
     get_noise_scheduler(args, components)              training noise schedule
     get_noise_pred_and_target(args, accelerator, noise_scheduler, latents, batch, te_outputs, components,
-                              weight_dtype) -> (model_pred, target, timesteps, weighting or None)
-                                                       noisy input + target (eps / v here; flow matching in FLUX)
+                              weight_dtype, fixed_timestep=None) -> (model_pred, target, timesteps, weighting)
+                                                       noisy input + target (eps / v here; flow matching in FLUX);
+                                                       fixed_timestep: every sample at that timestep (validation)
     call_unet(args, components, noisy_latents, timesteps, te_outputs, batch, weight_dtype) -> prediction
-    post_process_loss(loss, args, timesteps, noise_scheduler) -> loss    (Min-SNR here)
+    huber_threshold(args, timesteps, noise_scheduler) -> [B] or None     (library.losses)
+    apply_loss_mask(args, loss, batch) -> loss         element-wise loss before the per-sample mean (masked loss)
+    post_process_loss(loss, args, timesteps, noise_scheduler) -> loss    (SNR weights, library.losses)
     enable_gradient_checkpointing(args, components, train_text_encoder)
     prepare_unet_with_accelerator(args, accelerator, components)         (SDXL: regional compile here)
     on_step_start(args)                                (SDXL: compile_utils.mark_step_begin)
@@ -40,9 +43,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from library import config_util, network_options, parity, train_util
+from library import config_util, losses, network_options, noise, parity, train_util, validation
 from library.step_timer import StepTimer
 from library.train_util import ConfigError
 
@@ -89,6 +91,8 @@ def base_parser() -> argparse.ArgumentParser:
     train_util.add_sd_models_arguments(parser)
     config_util.add_dataset_arguments(parser)
     train_util.add_training_arguments(parser)
+    noise.add_noise_arguments(parser)
+    losses.add_loss_arguments(parser)
     train_util.add_optimizer_arguments(parser)
     train_util.add_config_arguments(parser)
     parity.add_refused_arguments(parser)
@@ -99,6 +103,7 @@ def setup_parser() -> argparse.ArgumentParser:
     """The arguments every LoRA trainer shares; scripts add family flags (e.g. compile) on top."""
     parser = base_parser()
     add_network_arguments(parser)
+    validation.add_validation_arguments(parser)
     return parser
 
 
@@ -207,6 +212,7 @@ class NetworkTrainer:
     tracker_name = "network_train"
     model_label = "UNet"
     losses: list[float] = []  # per micro-step loss of the last train() call (tests, benchmarks)
+    flow_matching = False  # FLUX: no DDPM schedule, so noise.DDPM_ONLY_OPTIONS and the SNR weights do nothing
     # noise, timesteps and VAE sampling draw from this generator; it is saved with --save_state, so a resumed
     # run continues with the same random numbers (the data order is seeded per epoch by the dataset)
     noise_generator: torch.Generator | None = None
@@ -243,7 +249,8 @@ class NetworkTrainer:
         return {"encoder_hidden_states": hidden}
 
     def get_noise_scheduler(self, args, components):
-        return train_util.noise_scheduler_for(self.prediction_type(args, components))
+        return noise.prepare_noise_scheduler(train_util.noise_scheduler_for(self.prediction_type(args, components)),
+                                             getattr(args, "zero_terminal_snr", False))
 
     def prediction_type(self, args, components) -> str:
         if args.v_parameterization:
@@ -255,30 +262,32 @@ class NetworkTrainer:
         return components.unet(noisy_latents, timesteps, hidden).sample
 
     def get_noise_pred_and_target(self, args, accelerator, noise_scheduler, latents, batch, te_outputs, components,
-                                  weight_dtype):
+                                  weight_dtype, fixed_timestep=None):
         g = self.noise_generator
-        noise = torch.randn(latents.shape, generator=g, device=latents.device, dtype=latents.dtype)
-        if args.noise_offset:
-            noise = noise + args.noise_offset * torch.randn((latents.shape[0], latents.shape[1], 1, 1), generator=g,
-                                                            device=latents.device, dtype=latents.dtype)
-        t_min = args.min_timestep or 0
-        t_max = args.max_timestep if args.max_timestep is not None else noise_scheduler.config.num_train_timesteps
-        timesteps = torch.randint(t_min, t_max, (latents.shape[0],), generator=g, device=latents.device).long()
-        noisy = noise_scheduler.add_noise(latents, noise, timesteps)
+        eps = noise.make_noise(args, latents, g)
+        timesteps = noise.sample_timesteps(args, latents.shape[0], noise_scheduler.config.num_train_timesteps,
+                                           latents.device, g, fixed=fixed_timestep)
+        noisy = noise_scheduler.add_noise(latents, noise.input_perturbation(args, eps, g), timesteps)
         with accelerator.autocast():
             pred = self.call_unet(args, components, noisy.to(weight_dtype), timesteps, te_outputs, batch,
                                   weight_dtype)
         if noise_scheduler.config.prediction_type == "v_prediction":
-            target = noise_scheduler.get_velocity(latents, noise, timesteps)
+            target = noise_scheduler.get_velocity(latents, eps, timesteps)
         else:
-            target = noise
+            target = eps
         return pred, target, timesteps, None
 
-    def post_process_loss(self, loss, args, timesteps, noise_scheduler):
-        if args.min_snr_gamma:
-            v = noise_scheduler.config.prediction_type == "v_prediction"
-            loss = loss * train_util.min_snr_weights(timesteps, noise_scheduler, args.min_snr_gamma, v)
+    def huber_threshold(self, args, timesteps, noise_scheduler):
+        return losses.huber_threshold(args, timesteps, noise_scheduler.config.num_train_timesteps,
+                                      noise_scheduler.alphas_cumprod)
+
+    def apply_loss_mask(self, args, loss, batch):
+        """The element-wise loss [B, C, h, w] before its per-sample mean (the masked-loss hook)."""
         return loss
+
+    def post_process_loss(self, loss, args, timesteps, noise_scheduler):
+        v = noise_scheduler.config.prediction_type == "v_prediction"
+        return losses.apply_snr_weights(loss, args, timesteps, noise_scheduler, v)
 
     def enable_gradient_checkpointing(self, args, components, train_text_encoder: bool) -> None:
         components.unet.enable_gradient_checkpointing()
@@ -338,9 +347,25 @@ class NetworkTrainer:
         metadata["ss_v2"] = str(bool(args.v2))
 
     # -- the loop ----------------------------------------------------------------------------------------
+    def check_objective_args(self, args) -> None:
+        """Loss, noise and validation options (library.losses / noise / validation), before models load."""
+        losses.check_loss_args(args, ConfigError, flow_matching=self.flow_matching)
+        noise.check_noise_args(args, ConfigError, flow_matching=self.flow_matching)
+        validation.check_validation_args(args, ConfigError)
+
+    def use_prediction_type(self, args, prediction_type: str) -> None:
+        """The prediction type that trains is the one the metadata reports: a v-prediction model (e.g. its
+        diffusers scheduler config) trains as --v_parameterization, and every reader of that flag agrees."""
+        if prediction_type == "v_prediction" and not args.v_parameterization:
+            logger.info("the model is a v-prediction model: training with v-parameterization")
+            if args.v_pred_like_loss:
+                raise TrainingError("--v_pred_like_loss cannot be used with a v-prediction model")
+            args.v_parameterization = True
+
     def check_args(self, args) -> None:
         """Everything that can be checked before data or models load."""
         train_util.verify_training_args(args)
+        self.check_objective_args(args)
         if not args.network_module:
             raise ConfigError("--network_module is required, e.g. --network_module networks.lora")
         if args.network_train_unet_only and args.network_train_text_encoder_only:
@@ -497,7 +522,8 @@ class NetworkTrainer:
         training_started_at = time.time()
 
         family = self.family_for(args)
-        group = config_util.build_dataset_group(args, family)
+        group, val_group = config_util.build_dataset_groups(args, family)
+        groups = [g for g in (group, val_group) if g is not None]  # what is cached
         if len(group) == 0:
             raise TrainingError("the dataset has no batches: no training images found")
 
@@ -514,13 +540,15 @@ class NetworkTrainer:
         self.set_attention_backend(args, components)
         vae = components.vae
         prediction_type = self.prediction_type(args, components)
+        self.use_prediction_type(args, prediction_type)
 
         vae_dtype = torch.float32 if args.no_half_vae else weight_dtype
         caching_latents = args.cache_latents or args.cache_latents_to_disk
         if caching_latents:
             vae.to(device, dtype=vae_dtype)
             vae.requires_grad_(False).eval()
-            group.cache_latents(lambda images: self.encode_images(args, components, images),
+            for g in groups:
+                g.cache_latents(lambda images: self.encode_images(args, components, images),
                                 to_disk=args.cache_latents_to_disk, signature=self.cache_signature(args, "vae"))
             vae.to("cpu")
         caching_te = args.cache_text_encoder_outputs or args.cache_text_encoder_outputs_to_disk
@@ -530,7 +558,8 @@ class NetworkTrainer:
         if caching_te:
             for te in components.text_encoders:
                 te.eval()
-            group.cache_text_encoder_outputs(lambda caps: self.encode_prompts(args, components, caps, False),
+            for g in groups:
+                g.cache_text_encoder_outputs(lambda caps: self.encode_prompts(args, components, caps, False),
                                              to_disk=args.cache_text_encoder_outputs_to_disk,
                                              signature=self.cache_signature(args, "te"))
             for te in components.text_encoders:
@@ -571,9 +600,13 @@ class NetworkTrainer:
             logger.info("resumed at step %d (epoch %d)", state.global_step, state.epoch)
 
         noise_scheduler = self.get_noise_scheduler(args, components)
+        validator = validation.build_validator(args, val_group, accelerator, lambda g: _make_dataloader(g, args),
+                                               seed, self.num_train_timesteps(noise_scheduler))
 
         metadata = self.build_metadata(args, group, session_id, training_started_at, opt_class, opt_name,
                                        num_batches, num_epochs, max_train_steps)
+        metadata.update({k: train_util.metadata_value(v) for k, v in validation.metadata(args, val_group).items()
+                         if v is not None})
         if accelerator.is_main_process and log_with:
             accelerator.init_trackers(args.log_tracker_name or self.tracker_name,
                                       config=_tracker_config(args))
@@ -600,8 +633,10 @@ class NetworkTrainer:
         if args.sample_at_first:
             self.sample_images(args, epoch=None, steps=global_step, **sample_kwargs)
 
-        last_loss = float("nan")
+        last_loss = avr_loss = float("nan")
         timer = StepTimer(global_step)
+        val_args = (args, accelerator, validator, noise_scheduler, components, weight_dtype, caching_te, device,
+                    trainable.models)
         for epoch in range(first_epoch, num_epochs):
             if global_step >= max_train_steps:
                 break
@@ -650,7 +685,8 @@ class NetworkTrainer:
                 progress.set_postfix(loss=f"{last_loss:.4f}", avr_loss=f"{avr_loss:.4f}", lr=f"{lr:.2e}",
                                      **norm_postfix)
                 if accelerator.is_main_process and line.should_print(global_step):
-                    progress.write(line.format(global_step, last_loss, avr_loss, lr, epoch + 1), file=sys.stdout)
+                    progress.write(line.format(global_step, last_loss, avr_loss, lr, epoch + 1,
+                                               validator.last_loss if validator else None), file=sys.stdout)
                     sys.stdout.flush()
                 if log_with:
                     logs = {"loss/current": last_loss, "loss/average": avr_loss, **norm_logs}
@@ -658,6 +694,10 @@ class NetworkTrainer:
                     for i, g_lr in enumerate(lr_scheduler.get_last_lr()):
                         logs[f"lr/{names[i]}" if names and i < len(names) else f"lr/group{i}"] = g_lr
                     accelerator.log(logs, step=global_step)
+                if validator is not None and validator.due_after_step(global_step):
+                    validator.report(accelerator, self.validation_loss(*val_args), avr_loss, global_step=global_step,
+                                     epoch=epoch + 1, at_epoch_end=False)
+                    timer.restart()
 
                 if args.save_every_n_steps and global_step % args.save_every_n_steps == 0 \
                         and global_step < max_train_steps:
@@ -674,6 +714,9 @@ class NetworkTrainer:
 
             done_epoch = epoch + 1
             state.epoch = done_epoch
+            if validator is not None and validator.due_after_epoch(done_epoch):
+                validator.report(accelerator, self.validation_loss(*val_args), avr_loss, global_step=global_step,
+                                 epoch=done_epoch, at_epoch_end=True)
             if log_with:
                 accelerator.log({"loss/epoch": sum(losses[-num_batches:]) / max(1, len(losses[-num_batches:]))},
                                 step=global_step)
@@ -702,8 +745,22 @@ class NetworkTrainer:
         logger.info("model saved: %s", final_path)
         return final_path
 
+    def num_train_timesteps(self, noise_scheduler) -> int:
+        return noise_scheduler.config.num_train_timesteps if noise_scheduler is not None else 1000
+
+    def validation_loss(self, args, accelerator, validator, noise_scheduler, components, weight_dtype, caching_te,
+                        device, models) -> float:
+        """One validation pass (library.validation): the training step's loss at each fixed timestep, without
+        gradients (text encoders too), `models` in eval mode."""
+        def step(batch, timestep):
+            self.on_step_start(args)
+            return self.training_step(args, accelerator, noise_scheduler, batch, components, weight_dtype, False,
+                                      caching_te, device, fixed_timestep=timestep)
+
+        return validator.run(step, models, self, accelerator)
+
     def training_step(self, args, accelerator, noise_scheduler, batch, components, weight_dtype,
-                      train_text_encoder, caching_te, device) -> torch.Tensor:
+                      train_text_encoder, caching_te, device, fixed_timestep=None) -> torch.Tensor:
         if batch.get("latents") is not None:  # cached by encode_images, already scaled
             latents = batch["latents"].to(device, dtype=torch.float32)
         else:
@@ -716,10 +773,14 @@ class NetworkTrainer:
             with accelerator.autocast():
                 te_outputs = self.encode_prompts(args, components, batch["captions"], with_grad=train_text_encoder)
         pred, target, timesteps, weighting = self.get_noise_pred_and_target(
-            args, accelerator, noise_scheduler, latents, batch, te_outputs, components, weight_dtype)
-        loss = F.mse_loss(pred.float(), target.float(), reduction="none")
+            args, accelerator, noise_scheduler, latents, batch, te_outputs, components, weight_dtype,
+            fixed_timestep=fixed_timestep)
+        huber_c = self.huber_threshold(args, timesteps, noise_scheduler) if args.loss_type in losses.HUBER_TYPES \
+            else None
+        loss = losses.conditional_loss(pred.float(), target.float(), args.loss_type, huber_c)
         if weighting is not None:
             loss = loss * weighting
+        loss = self.apply_loss_mask(args, loss, batch)
         loss = loss.mean(dim=list(range(1, loss.dim())))
         loss = loss * batch["loss_weights"].to(loss.device)
         loss = self.post_process_loss(loss, args, timesteps, noise_scheduler)
@@ -763,8 +824,6 @@ class NetworkTrainer:
             "ss_cache_latents": args.cache_latents or args.cache_latents_to_disk,
             "ss_seed": args.seed,
             "ss_lowram": args.lowram,
-            "ss_noise_offset": args.noise_offset,
-            "ss_min_snr_gamma": args.min_snr_gamma,
             "ss_training_comment": getattr(args, "training_comment", None),
             "ss_optimizer": opt_class + (f"({', '.join(f'{k}={v}' for k, v in optimizer_args.items())})"
                                          if optimizer_args else ""),
@@ -775,6 +834,8 @@ class NetworkTrainer:
             "ss_num_batches_per_epoch": num_batches,
             "ss_train_batch_size": args.train_batch_size,
         }
+        md.update(losses.metadata(args))
+        md.update(noise.metadata(args))
         md.update(self.method_metadata(args))
         md.update(group.metadata())
         self.update_metadata(md, args)

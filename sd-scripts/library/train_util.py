@@ -101,8 +101,9 @@ def add_optimizer_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
-    """Output, saving, steps, precision, logging, noise and sampling flags (the dataset flags, including
-    --train_batch_size and the data loader workers, come from config_util.add_dataset_arguments)."""
+    """Output, saving, steps, precision, logging and sampling flags (the dataset flags, including
+    --train_batch_size and the data loader workers, come from config_util.add_dataset_arguments; noise and
+    timesteps from library.noise, the loss from library.losses)."""
     parser.add_argument("--output_dir", type=str, default=None, help="folder for the results")
     parser.add_argument("--output_name", type=str, default=None, help="base name of the result files")
     parser.add_argument("--overwrite_output", action="store_true",
@@ -138,10 +139,6 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tracker (default tensorboard when --logging_dir is set)")
     parser.add_argument("--log_prefix", type=str, default=None, help="prefix of the log folder's run name")
     parser.add_argument("--log_tracker_name", type=str, default=None, help="tracker project name")
-    parser.add_argument("--noise_offset", type=float, default=None, help="noise offset (e.g. 0.05)")
-    parser.add_argument("--min_snr_gamma", type=float, default=None, help="Min-SNR weighting gamma (e.g. 5)")
-    parser.add_argument("--min_timestep", type=int, default=None, help="smallest timestep sampled (default 0)")
-    parser.add_argument("--max_timestep", type=int, default=None, help="largest timestep + 1 (default 1000)")
     parser.add_argument("--no_half_vae", action="store_true", help="keep the VAE in float32 under mixed precision")
     parser.add_argument("--lowram", action="store_true", help="accepted for compatibility")
     parser.add_argument("--highvram", action="store_true", help="accepted for compatibility")
@@ -338,10 +335,6 @@ def verify_training_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--sample_prompts: file not found: {args.sample_prompts}")
     if args.lr_scheduler not in SCHEDULER_NAMES:
         raise ConfigError(f"--lr_scheduler {args.lr_scheduler!r} is not supported; allowed: {', '.join(SCHEDULER_NAMES)}")
-    mint = 0 if args.min_timestep is None else args.min_timestep
-    maxt = 1000 if args.max_timestep is None else args.max_timestep
-    if not 0 <= mint < maxt <= 1000:
-        raise ConfigError(f"--min_timestep/--max_timestep must satisfy 0 <= min < max <= 1000, got {mint}, {maxt}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -641,7 +634,8 @@ class ProgressLine:
 
         steps: 12/100 loss=0.1234 it/s=2.35 avr_loss=0.1300 lr=1.00e-04 epoch=1/5 eta=0:00:37
 
-    Printed to stdout on the first step, the last step, and at most once per `interval` seconds between.
+    With a validation loss (library.validation) the line also carries the last one, `val_loss=0.1400`, after
+    avr_loss. Printed to stdout on the first step, the last step, and at most once per `interval` seconds between.
     """
 
     def __init__(self, max_steps: int, num_epochs: int, interval: float = 1.0, start_step: int = 0):
@@ -657,11 +651,13 @@ class ProgressLine:
         done = step - self.start_step
         return done / elapsed if elapsed > 0 and done > 0 else 0.0
 
-    def format(self, step: int, loss: float, avr_loss: float, lr: float, epoch: int) -> str:
+    def format(self, step: int, loss: float, avr_loss: float, lr: float, epoch: int,
+               val_loss: float | None = None) -> str:
         its = self.its(step)
         remaining = self.max_steps - step
         eta = time.strftime("%H:%M:%S", time.gmtime(remaining / its)) if its > 0 else "?"
-        return (f"steps: {step}/{self.max_steps} loss={loss:.4f} it/s={its:.2f} avr_loss={avr_loss:.4f} "
+        val = f" val_loss={val_loss:.4f}" if val_loss is not None else ""
+        return (f"steps: {step}/{self.max_steps} loss={loss:.4f} it/s={its:.2f} avr_loss={avr_loss:.4f}{val} "
                 f"lr={lr:.2e} epoch={epoch}/{self.num_epochs} eta={eta}")
 
     def should_print(self, step: int) -> bool:
@@ -689,12 +685,3 @@ def noise_scheduler_for(prediction_type: str):
 
     return DDPMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
                          num_train_timesteps=1000, clip_sample=False, prediction_type=prediction_type)
-
-
-def min_snr_weights(timesteps: torch.Tensor, noise_scheduler, gamma: float, v_prediction: bool) -> torch.Tensor:
-    """Min-SNR-gamma loss weights (Hang et al. 2023) per sample."""
-    alphas_cumprod = noise_scheduler.alphas_cumprod.to(timesteps.device)
-    ac = alphas_cumprod[timesteps].float()
-    snr = ac / (1.0 - ac)
-    clipped = torch.clamp(snr, max=gamma)
-    return clipped / (snr + 1.0) if v_prediction else clipped / snr
