@@ -50,12 +50,21 @@ class Different:
 
 
 DIFFERENT: dict[str, Different] = {
+    "v_pred_like_loss": Different("train_db.py and fine_tune.py apply it as the other scripts do (upstream parses it "
+                                  "there but never applies it)"),
+    "huber_schedule": Different("FLUX with --loss_type huber/smooth_l1 and the snr schedule (a DDPM schedule) is "
+                                "refused before anything loads; upstream raises at the first step"),
+    "validation_split": Different("the training and validation images are disjoint (upstream's rounding can put one "
+                                  "image in both); a metadata_file (fine-tune) subset is not split (upstream "
+                                  "validates on the whole of it)"),
+    "validate_every_n_steps": Different("each logged validation average is that of one pass (upstream's first "
+                                        "epoch averages all passes so far); FLUX validates at the fixed timesteps "
+                                        "(sigma = t / 1000), which upstream's FLUX path ignores (random sigmas)"),
 }
 
 # upstream options not at parity yet (missing, or parsed differently until their owner lands them);
 # one name per line, remove it when the option lands
 NOT_YET: frozenset[str] = frozenset({
-    "adaptive_noise_scale",
     "alpha_mask",
     "async_upload",
     "block_lr",
@@ -68,7 +77,6 @@ NOT_YET: frozenset[str] = frozenset({
     "console_log_simple",
     "controlnet_model_name_or_path",
     "cpu_offload_checkpointing",
-    "debiased_estimation_loss",
     "diffusers_xformers",
     "disable_mmap_load_safetensors",
     "double_blocks_to_swap",
@@ -80,9 +88,6 @@ NOT_YET: frozenset[str] = frozenset({
     "fp8_base_unet",
     "fused_backward_pass",
     "fused_optimizer_groups",
-    "huber_c",
-    "huber_scale",
-    "huber_schedule",
     "huggingface_path_in_repo",
     "huggingface_repo_id",
     "huggingface_repo_type",
@@ -90,21 +95,15 @@ NOT_YET: frozenset[str] = frozenset({
     "huggingface_token",
     "initial_epoch",
     "initial_step",
-    "ip_noise_gamma",
-    "ip_noise_gamma_random_strength",
     "keep_tokens_separator",
     "log_config",
     "log_tracker_config",
-    "logit_mean",
-    "logit_std",
-    "loss_type",
     "lr_decay_steps",
     "lr_scheduler_args",
     "lr_scheduler_min_lr_ratio",
     "lr_scheduler_timescale",
     "lr_scheduler_type",
     "masked_loss",
-    "max_validation_steps",
     "mem_eff_save",
     "metadata_author",
     "metadata_description",
@@ -117,19 +116,14 @@ NOT_YET: frozenset[str] = frozenset({
     "metadata_title",
     "metadata_trigger_phrase",
     "metadata_usage_hint",
-    "mode_scale",
     "model_type",
-    "multires_noise_discount",
-    "multires_noise_iterations",
     "no_token_padding",
-    "noise_offset_random_strength",
     "resize_interpolation",
     "resume_from_huggingface",
     "save_last_n_epochs_state",
     "save_last_n_steps_state",
     "save_n_epoch_ratio",
     "save_state_to_huggingface",
-    "scale_v_pred_loss_like_noise_pred",
     "secondary_separator",
     "single_blocks_to_swap",
     "skip_cache_check",
@@ -142,17 +136,10 @@ NOT_YET: frozenset[str] = frozenset({
     "torch_compile",
     "use_lion_optimizer",
     "use_safetensors",
-    "v_pred_like_loss",
     "vae_batch_size",
-    "validate_every_n_epochs",
-    "validate_every_n_steps",
-    "validation_seed",
-    "validation_split",
     "wandb_api_key",
     "wandb_run_name",
     "weighted_captions",
-    "weighting_scheme",
-    "zero_terminal_snr",
     "save_model_as",
     "ddp_timeout",
     "ddp_gradient_as_bucket_view",
