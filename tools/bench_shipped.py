@@ -93,13 +93,14 @@ def trainer_argv(args, phase: str, workdir: Path) -> list[str]:
 
 
 def run_phase(args, phase: str, workdir: Path) -> dict:
-    script = Path(args.scripts_dir) / "sdxl_train_network.py"
+    scripts_dir = Path(args.scripts_dir).resolve()
+    script = scripts_dir / "sdxl_train_network.py"
     cmd = [sys.executable, str(script)] + trainer_argv(args, phase, workdir)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
     points, summary, tail = [], None, []
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=str(Path(args.scripts_dir).parent))
+                            cwd=str(scripts_dir.parent))
     for line in proc.stdout:
         now = time.perf_counter() - t0
         line = line.rstrip("\n")
