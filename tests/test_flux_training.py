@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 import flux_train
 import flux_train_network
+from library.network_trainer import run as network_run
 from library import flux_models, flux_tiny
 
 
@@ -89,6 +90,25 @@ def test_lora_eager_from_config_file_with_te_fp8_and_samples(flux_set, flux_data
     assert md["ss_model_prediction_type"] == "raw" and md["ss_guidance_scale"] == "3.5"
     samples = list((tmp_path / "out" / "sample").glob("eager_000002_00_*_7.png"))
     assert len(samples) == 1
+
+
+def test_lora_validation_weighting_huber_and_input_perturbation(flux_set, flux_data, tmp_path, caplog):
+    """FLUX's loss options end to end: validation loss at fixed sigmas, logit_normal sigma sampling, an exponential
+    Huber loss and input perturbation; the DDPM-only options are accepted and ignored with a warning (as upstream)."""
+    caplog.set_level(logging.INFO)
+    trainer = flux_train_network.FluxNetworkTrainer()
+    path = network_run(trainer, flux_train_network.setup_parser(), lora_argv(
+        flux_set, flux_data, tmp_path, "val",
+        ["--validation_split", "0.5", "--validate_every_n_steps", "1", "--weighting_scheme", "logit_normal",
+         "--logit_mean", "0.2", "--loss_type", "huber", "--huber_schedule", "exponential", "--ip_noise_gamma", "0.1",
+         "--min_snr_gamma", "5", "--logging_dir", str(tmp_path / "logs")]))
+    _, md = read(path)
+    assert md["ss_weighting_scheme"] == "logit_normal" and md["ss_logit_mean"] == "0.2"
+    assert md["ss_loss_type"] == "huber" and md["ss_ip_noise_gamma"] == "0.1"
+    assert md["ss_num_validation_images"] == "1"
+    assert "validation after step 1: val_loss=" in caplog.text and "timesteps [200, 400, 600, 800]" in caplog.text
+    assert "--min_snr_gamma: no effect on FLUX" in caplog.text
+    assert len(trainer.losses) == 2 and all(v == v for v in trainer.losses)  # finite, not NaN
 
 
 def test_lora_compile_aot_eager_with_block_swap(flux_set, flux_data, tmp_path, caplog):
