@@ -8,18 +8,17 @@
 
 The SNR table is the one of the schedule *before* `--zero_terminal_snr` rescales it (upstream computes
 `all_snr` first and fixes the betas afterwards), so these weights never divide by the zero terminal SNR.
-FLUX (flow matching) uses only the loss type: upstream's FLUX trainers ignore the SNR weights.
+FLUX (flow matching) uses only the loss type: upstream's FLUX trainers ignore the SNR weights (so do we, with a
+warning: noise.warn_flow_matching_ignores).
 """
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
 
 LOSS_TYPES = ("l1", "l2", "huber", "smooth_l1")
 HUBER_TYPES = ("huber", "smooth_l1")
@@ -61,11 +60,7 @@ def check_loss_args(args, error_cls, *, flow_matching: bool = False) -> None:
             raise error_cls(f"--loss_type {args.loss_type} with --huber_schedule snr needs a DDPM noise schedule; "
                             "FLUX trains with flow matching: use --huber_schedule constant or exponential")
     if flow_matching:
-        given = [f"--{n}" for n in SNR_WEIGHT_OPTIONS if getattr(args, n, None)]
-        if given:
-            logger.warning("%s: no effect on FLUX (flow matching), ignored as kohya-ss/sd-scripts does",
-                           ", ".join(given))
-        return
+        return  # the SNR weights are ignored there (noise.warn_flow_matching_ignores)
     if args.scale_v_pred_loss_like_noise_pred and not args.v_parameterization:
         raise error_cls("--scale_v_pred_loss_like_noise_pred can be used only with --v_parameterization")
     if args.v_pred_like_loss and args.v_parameterization:

@@ -69,13 +69,20 @@ def check_noise_args(args, error_cls, *, flow_matching: bool = False) -> None:
     if args.multires_noise_iterations is not None and args.multires_noise_iterations < 0:
         raise error_cls(f"--multires_noise_iterations must be 0 or more, got {args.multires_noise_iterations}")
     if flow_matching:
-        given = [f"--{n}" for n in DDPM_ONLY_OPTIONS if getattr(args, n, None)]
-        if given:
-            logger.warning("%s: no effect on FLUX (flow matching), ignored as kohya-ss/sd-scripts does",
-                           ", ".join(given))
+        warn_flow_matching_ignores(args)
         return
     if args.zero_terminal_snr and not args.v_parameterization:
         logger.warning("--zero_terminal_snr without --v_parameterization: training will be unexpected")
+
+
+def warn_flow_matching_ignores(args) -> None:
+    """Upstream's FLUX trainers accept the DDPM-only noise options and the SNR loss weights and ignore them:
+    so do we, with a warning naming the ones that were set."""
+    from library.losses import SNR_WEIGHT_OPTIONS
+
+    given = [f"--{n}" for n in DDPM_ONLY_OPTIONS + SNR_WEIGHT_OPTIONS if getattr(args, n, None)]
+    if given:
+        logger.warning("%s: no effect on FLUX (flow matching), ignored as kohya-ss/sd-scripts does", ", ".join(given))
 
 
 # ---------------------------------------------------------------------------------------------------------------
