@@ -368,3 +368,13 @@ def test_v_prediction_model_trains_and_reports_v():
     assert trainer.base_model_version(args) == "sd_v2_v"
     assert trainer.modelspec_metadata(args)["modelspec.prediction_type"] == "v"
     assert trainer.modelspec_metadata(args)["modelspec.architecture"] == "stable-diffusion-v2-768-v"
+
+
+def test_flux_huber_threshold_uses_sigma_times_1000():
+    """Upstream's FLUX timesteps are sigma * 1000: the exponential threshold is c^sigma * scale."""
+    import flux_train_network
+
+    sigmas = torch.tensor([0.1, 0.5, 1.0])
+    args = ns(loss_type="huber", huber_schedule="exponential", huber_c=0.2, huber_scale=2.0)
+    got = flux_train_network.FluxNetworkTrainer().huber_threshold(args, sigmas, None)
+    assert torch.allclose(got, 0.2 ** sigmas * 2.0, rtol=1e-5)
