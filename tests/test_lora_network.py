@@ -2,6 +2,8 @@
 dropouts), optimizer groups, files (save/load, hashes, --dim_from_weights) and bad --network_args."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -161,7 +163,7 @@ def test_unet_only_and_conv_dim(sdxl):
         net.remove_from()
 
 
-def test_save_load_round_trip_and_mismatch(tmp_path, sd1):
+def test_save_load_round_trip_and_mismatch(tmp_path, sd1, caplog):
     from library.train_util import model_hashes
 
     net = lora.create_network(1.0, 4, 2.0, sd1.vae, sd1.text_encoders[0], sd1.unet)
@@ -210,8 +212,13 @@ def test_save_load_round_trip_and_mismatch(tmp_path, sd1):
     unet_only = lora.create_network(1.0, 4, 1.0, sd1.vae, sd1.text_encoders[0], sd1.unet)
     unet_only.apply_to(sd1.text_encoders, sd1.unet, apply_text_encoder=False, apply_unet=True)
     try:
-        with pytest.raises(ValueError, match="keys do not belong to this network"):
+        # keys the network lacks (here the text encoder's): a warning naming their count, the rest loads (upstream)
+        n_te = sum(1 for k in sd if k.startswith("lora_te"))
+        with caplog.at_level(logging.WARNING, logger="networks.lora"):
             unet_only.load_weights(str(path))
+        assert f"{n_te} keys do not belong to this network" in caplog.text and n_te > 0
+        for k, v in unet_only.state_dict().items():
+            assert torch.equal(v.half(), sd[k]), k
     finally:
         unet_only.remove_from()
 

@@ -312,4 +312,4 @@ def test_cli_error_exits_cleanly(tmp_path, tiny_dataset_dir, capsys):
     with pytest.raises(SystemExit) as e:
         sdxl_train_network.main(["--config_file", str(cfg)])
     assert e.value.code == 2
-    assert "unknown key 'network_dimm'; did you mean 'network_dim'?" in capsys.readouterr().err
+    assert "unknown key 'network_dimm' (did you mean 'network_dim'?)" in capsys.readouterr().err

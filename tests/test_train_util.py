@@ -55,8 +55,8 @@ def test_config_flat_and_sectioned_merge_order(tmp_path, parser):
 
 
 @pytest.mark.parametrize("text, match", [
-    ("netwrk_dim = 4\n", r"unknown key 'netwrk_dim'; did you mean 'network_dim'\?"),
-    ("[training]\ncompile_mod = 'default'\n", r"unknown key 'compile_mod'; did you mean 'compile_mode'\?"),
+    ("netwrk_dim = 4\n", r"unknown key 'netwrk_dim' \(did you mean 'network_dim'\?\)"),
+    ("[training]\ncompile_mod = 'default'\n", r"unknown key 'compile_mod' \(did you mean 'compile_mode'\?\)"),
     ("network_dim = 'four'\n", r"network_dim = 'four' must be an integer"),
     ("compile = 1\n", r"compile = 1 must be true or false"),
     ("mixed_precision = 'fp8'\n", r"mixed_precision = 'fp8' is not allowed; allowed values: no, fp16, bf16"),

@@ -789,6 +789,17 @@ def load_tokenizers(family: str, *, model_dir=None, tokenizer_cache_dir=None) ->
     return out
 
 
+def _from_subfolder(cls, folder: Path, sub: str, **kwargs):
+    """cls.from_pretrained(folder, subfolder=sub) in eval mode; a file that cannot be read (truncated, damaged)
+    is a ModelLoadError naming the folder instead of a traceback."""
+    try:
+        return cls.from_pretrained(str(folder), subfolder=sub, **kwargs).eval()
+    except Exception as e:  # noqa: BLE001 - any failure to read a diffusers component is a broken model folder
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise ModelLoadError(f"{folder / sub}: cannot load the weights ({reason}); a file there may be truncated "
+                             "or damaged (an interrupted download or copy?)") from e
+
+
 def _load_diffusers_folder(folder: Path, family: str, dtype):
     from diffusers import AutoencoderKL, UNet2DConditionModel
 
@@ -797,12 +808,12 @@ def _load_diffusers_folder(folder: Path, family: str, dtype):
     for sub in _COMPONENTS[family]:
         if not (folder / sub / "config.json").is_file():
             raise ModelLoadError(f"{folder}: diffusers folder has no {sub}/config.json")
-    unet = UNet2DConditionModel.from_pretrained(str(folder), subfolder="unet", torch_dtype=dtype).eval()
-    vae = AutoencoderKL.from_pretrained(str(folder), subfolder="vae", torch_dtype=dtype).eval()
+    unet = _from_subfolder(UNet2DConditionModel, folder, "unet", torch_dtype=dtype)
+    vae = _from_subfolder(AutoencoderKL, folder, "vae", torch_dtype=dtype)
     tes = []
     for sub in _COMPONENTS[family][2:]:
         cfg = json.loads((folder / sub / "config.json").read_text(encoding="utf-8"))
-        tes.append(_clip_class(cfg).from_pretrained(str(folder), subfolder=sub, dtype=dtype).eval())
+        tes.append(_from_subfolder(_clip_class(cfg), folder, sub, dtype=dtype))
     prediction = None
     sched = folder / "scheduler" / "scheduler_config.json"
     if sched.is_file():

@@ -374,6 +374,10 @@ class NetworkTrainer:
         if caching_te and not args.network_train_unet_only:
             raise ConfigError("--cache_text_encoder_outputs needs --network_train_unet_only (a trained text "
                               "encoder changes its outputs)")
+        if args.network_dim is not None and (args.network_dim < 0 or (
+                args.network_dim == 0 and args.network_module.startswith("networks.lora"))):
+            # upstream's networks.lora skips every module of rank 0: nothing would train
+            raise ConfigError(f"--network_dim must be 1 or more (the LoRA rank), got {args.network_dim}")
         if args.network_dropout is not None and not 0 <= args.network_dropout < 1:
             raise ConfigError(f"--network_dropout must be in [0, 1), got {args.network_dropout}")
         if args.network_weights and not os.path.isfile(args.network_weights):

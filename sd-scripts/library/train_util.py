@@ -246,16 +246,25 @@ def load_config_file(path: str | os.PathLike, parser: argparse.ArgumentParser) -
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
     actions = _option_actions(parser)
-    values = {}
+    values, problems = {}, []
+    # every bad key is reported, in one message
     for key, value in _flatten_config(data, path).items():
         if key in _NOT_IN_RUN_CONFIG:
-            raise ConfigError(f"{path}: {key!r} cannot be set inside a config file")
+            problems.append(f"{key!r} cannot be set inside a config file")
+            continue
         action = actions.get(key)
         if action is None:
             close = difflib.get_close_matches(key, list(actions), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"{path}: unknown key {key!r}{hint}")
-        values[key] = _coerce_config_value(key, value, action, path)
+            problems.append(f"unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            continue
+        try:
+            values[key] = _coerce_config_value(key, value, action, path)
+        except ConfigError as e:
+            problems.append(str(e).removeprefix(f"{path}: "))
+    if len(problems) == 1:
+        raise ConfigError(f"{path}: {problems[0]}")
+    if problems:
+        raise ConfigError(f"{path}: {len(problems)} bad keys: " + "; ".join(problems))
     return values
 
 
@@ -310,11 +319,44 @@ def write_output_config(args: argparse.Namespace) -> str:
 # ----------------------------------------------------------------------------------------------------------
 # checks done before any model loads
 
+# every learning-rate option of the seven scripts (each may be absent from a given parser)
+LEARNING_RATE_OPTIONS = ("learning_rate", "unet_lr", "text_encoder_lr", "learning_rate_te", "learning_rate_te1",
+                         "learning_rate_te2")
+
+
+def check_output_dir(output_dir: str) -> None:
+    """The results can be written there: a folder (or a path that can become one) we may write to. Nothing
+    is created here."""
+    path = os.path.abspath(output_dir)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"--output_dir {output_dir} is a file, not a folder")
+    existing = path
+    while not os.path.exists(existing):
+        parent = os.path.dirname(existing)
+        if parent == existing:
+            break
+        existing = parent
+    if not os.path.isdir(existing):
+        raise ConfigError(f"--output_dir {output_dir} cannot be created: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == path else f"cannot be created: {existing} is not writable"
+        raise ConfigError(f"--output_dir {output_dir} {what}")
+
 
 def verify_training_args(args: argparse.Namespace) -> None:
     """Option combinations that cannot work, with the flag names in the message."""
     if not args.output_dir:
         raise ConfigError("--output_dir is required: the folder for the results")
+    check_output_dir(args.output_dir)
+    name = getattr(args, "output_name", None)
+    if name and (os.sep in name or "/" in name or (os.altsep and os.altsep in name) or name in (".", "..")):
+        raise ConfigError(f"--output_name {name!r} must be a file name without a folder; put the folder in "
+                          "--output_dir")
+    for lr_name in LEARNING_RATE_OPTIONS:
+        value = getattr(args, lr_name, None)
+        values = value if isinstance(value, list) else [value]
+        if any(v is not None and (v < 0 or not math.isfinite(v)) for v in values):
+            raise ConfigError(f"--{lr_name} must be 0 or more, got {value}")
     if args.full_fp16 and args.full_bf16:
         raise ConfigError("--full_fp16 and --full_bf16 exclude each other")
     if args.full_fp16 and args.mixed_precision != "fp16":

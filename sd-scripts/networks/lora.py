@@ -46,6 +46,10 @@ class NetworkArgsError(ValueError):
     """A bad `--network_args` entry; the message names it and lists the allowed keys."""
 
 
+class NetworkWeightsError(NetworkArgsError):
+    """`--network_weights` that cannot be loaded into the network (a shape that differs)."""
+
+
 class LoRABase(nn.Module):
     """What every LoRA module here shares (networks.lora_flux builds on it too): alpha and scale, the
     dropouts, and out = org + up(down(x)) * multiplier * alpha / dim. Subclasses make the two layers."""
@@ -428,17 +432,21 @@ class LoRANetwork(nn.Module):
 
     # -- files ----------------------------------------------------------------------------------------
     def load_weights(self, file: str) -> None:
-        """Loads a kohya LoRA file into this network (`--network_weights`); every key must fit."""
+        """Loads a kohya LoRA file into this network (`--network_weights`). As upstream (load_state_dict with
+        strict=False), keys this network lacks are skipped with a warning and training goes on; a key whose
+        shape differs is an error."""
         sd = load_lora_state_dict(file)
         own = self.state_dict()
         unexpected = sorted(set(sd) - set(own))
         if unexpected:
-            raise ValueError(f"--network_weights {file}: {len(unexpected)} keys do not belong to this network "
-                             f"(different targets or text-encoder/UNet selection?), e.g. {unexpected[:3]}")
+            logger.warning("--network_weights %s: %d keys do not belong to this network and are ignored "
+                           "(different targets or text-encoder/UNet selection?), e.g. %s",
+                           file, len(unexpected), unexpected[:3])
+            sd = {k: v for k, v in sd.items() if k in own}
         for k, v in sd.items():
             if v.shape != own[k].shape:
-                raise ValueError(f"--network_weights {file}: {k} has shape {tuple(v.shape)}, this network has "
-                                 f"{tuple(own[k].shape)} (different --network_dim?)")
+                raise NetworkWeightsError(f"--network_weights {file}: {k} has shape {tuple(v.shape)}, this network "
+                                          f"has {tuple(own[k].shape)} (different --network_dim?)")
         missing = sorted(set(own) - set(sd))
         if missing:
             logger.warning("--network_weights %s: %d keys missing, kept at their initial values (e.g. %s)",
