@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from library import full_trainer  # noqa: E402
+from library import config_util, full_trainer  # noqa: E402
 from library.full_trainer import FullTrainer  # noqa: E402
 from library.network_trainer import NetworkTrainer  # noqa: E402
 
@@ -27,6 +27,7 @@ class FineTuneTrainer(FullTrainer, NetworkTrainer):
     """SD1.x / SD2.x family hooks with the full-model training of library.full_trainer."""
 
     tracker_name = "finetuning"
+    dataset_kinds = (config_util.FINETUNING,)  # upstream: --dataset_config subsets need metadata_file here
 
 
 def setup_parser() -> argparse.ArgumentParser:

@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from library import compile_utils, network_trainer  # noqa: E402
+from library.captions import weighted_for  # noqa: E402
 from library.network_trainer import NetworkTrainer, encode_clip  # noqa: E402
 from library.train_util import ConfigError  # noqa: E402
 
@@ -46,9 +47,11 @@ class SDXLNetworkTrainer(NetworkTrainer):
 
     def encode_prompts(self, args, components, captions, with_grad=False) -> dict:
         (te1, te2), (tok1, tok2) = components.text_encoders, components.tokenizers
+        weighted = weighted_for(args, "sdxl")
         with torch.set_grad_enabled(with_grad):
-            h1, _ = encode_clip(tok1, te1, captions, args.max_token_length, -2, False, te1.device)
-            h2, pooled = encode_clip(tok2, te2, captions, args.max_token_length, -2, False, te2.device)
+            h1, _ = encode_clip(tok1, te1, captions, args.max_token_length, -2, False, te1.device, weighted=weighted)
+            h2, pooled = encode_clip(tok2, te2, captions, args.max_token_length, -2, False, te2.device,
+                                     weighted=weighted)
         return {"encoder_hidden_states": torch.cat([h1, h2.to(h1.dtype)], dim=-1), "pooled": pooled}
 
     def call_unet(self, args, components, noisy_latents, timesteps, te_outputs, batch, weight_dtype):

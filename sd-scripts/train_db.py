@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from library import full_trainer  # noqa: E402
+from library import captions, config_util, full_trainer  # noqa: E402
 from library.full_trainer import FullTrainer  # noqa: E402
 from library.network_trainer import NetworkTrainer  # noqa: E402
 from library.train_util import ConfigError  # noqa: E402
@@ -33,6 +33,7 @@ class DreamBoothTrainer(FullTrainer, NetworkTrainer):
     """SD1.x / SD2.x family hooks with the full-model training of library.full_trainer."""
 
     tracker_name = "dreambooth"
+    dataset_kinds = (config_util.DREAMBOOTH,)  # upstream: no fine-tuning (metadata_file) subsets here
 
     def trains_text_encoder(self, args) -> bool:
         stop = args.stop_text_encoder_training
@@ -59,6 +60,7 @@ def setup_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stop_text_encoder_training", type=int, default=None,
                         help="freeze the text encoder after this many steps; negative: never train it "
                              "(default: trained for the whole run)")
+    captions.add_no_token_padding_argument(parser)
     return parser
 
 

@@ -77,12 +77,14 @@ def test_flags_and_kohya_defaults():
 # ----------------------------------------------------------------------------- folders and captions
 
 
-def test_repeats_and_captions_from_both_extensions(tmp_path):
+def test_repeats_and_captions_only_from_caption_extension(tmp_path):
+    """Upstream's rule: the --caption_extension file (first line), else the folder's class tokens; a file with
+    another extension is never read."""
     d = tmp_path / "train" / "3_sks cat"
     make_image(str(d / "a.png"), (64, 64))
     write(str(d / "a.caption"), "a photo of sks cat\nsecond line ignored")
     make_image(str(d / "b.jpg"), (64, 64))
-    write(str(d / "b.txt"), "sks cat on a sofa")  # .txt read although --caption_extension is .caption
+    write(str(d / "b.txt"), "sks cat on a sofa")  # not read: --caption_extension is .caption
     make_image(str(d / "c.png"), (64, 64))  # no caption: the folder's class tokens
     write(str(d / "notes.md"), "not an image")
     group = build_dataset_group(parse("--train_data_dir", tmp_path / "train", "--resolution", "64",
@@ -94,14 +96,25 @@ def test_repeats_and_captions_from_both_extensions(tmp_path):
         assert batch["images"].shape[1:] == (3, 64, 64)
         assert batch["images"].min() >= -1 and batch["images"].max() <= 1
         counts.update(batch["captions"])
-    assert counts == {"a photo of sks cat": 3, "sks cat on a sofa": 3, "sks cat": 3}
+    assert counts == {"a photo of sks cat": 3, "sks cat": 6}
 
-    # the configured extension wins over the fallback
+    # --caption_extension txt: only .txt files; the deprecated --caption_extention spelling wins when given
     write(str(d / "a.txt"), "from txt")
-    group = build_dataset_group(parse("--train_data_dir", tmp_path / "train", "--resolution", "64",
-                                      "--caption_extension", "txt"), "sd1")
-    caps = {c for b in all_batches(group) for c in b["captions"]}
-    assert "from txt" in caps and "a photo of sks cat" not in caps
+    for flag in ("--caption_extension", "--caption_extention"):
+        group = build_dataset_group(parse("--train_data_dir", tmp_path / "train", "--resolution", "64",
+                                          flag, "txt"), "sd1")
+        caps = Counter(c for b in all_batches(group) for c in b["captions"])
+        assert caps == {"from txt": 3, "sks cat on a sofa": 3, "sks cat": 3}
+
+    # a folder named '3_' has no class tokens: an image without a caption file gets an empty caption
+    d2 = tmp_path / "train2" / "3_"
+    make_image(str(d2 / "x.png"), (64, 64))
+    group = build_dataset_group(parse("--train_data_dir", tmp_path / "train2", "--resolution", "64"), "sd1")
+    assert {c for b in all_batches(group) for c in b["captions"]} == {""}
+    # an empty (0-byte) caption file is an error naming it, as upstream
+    write(str(d2 / "x.caption"), "")
+    with pytest.raises(DatasetError, match="caption file is empty: .*x.caption"):
+        build_dataset_group(parse("--train_data_dir", tmp_path / "train2", "--resolution", "64"), "sd1")
 
 
 def test_folder_without_repeat_prefix_is_an_error(tmp_path):
@@ -319,13 +332,13 @@ resolution = 64
     msg = str(e.value)
     assert "'num_repeat'" in msg and "num_repeats" in msg and "caption_extension" in msg and "bad.toml" in msg
     write(cfg, '[general]\nresolution = 64\nfoo = 1\n[[datasets]]\n[[datasets.subsets]]\nimage_dir = "imgs"\n')
-    with pytest.raises(DatasetError, match=r"unknown key 'foo' in \[general\].*Allowed keys: .*batch_size"):
+    with pytest.raises(DatasetError, match=r"unknown key 'foo' in \[general\].*Allowed keys in \[general\]: .*batch_size"):
         load_dataset_config(cfg)
     write(cfg, '[[datasets]]\n[[datasets.subsets]]\nimage_dir = "imgs"\nbatch_size = 2\n')
-    with pytest.raises(DatasetError, match="'batch_size' is a dataset setting"):
+    with pytest.raises(DatasetError, match="'batch_size' in .* is a dataset setting"):
         load_dataset_config(cfg)
     write(cfg, '[[datasets]]\n[[datasets.subsets]]\nimage_dir = "imgs"\nnum_repeats = "3"\n')
-    with pytest.raises(DatasetError, match="'num_repeats' must be int"):
+    with pytest.raises(DatasetError, match="'num_repeats' must be an integer"):
         load_dataset_config(cfg)
     write(cfg, '[[datasets]]\nresolution = "big"\n[[datasets.subsets]]\nimage_dir = "imgs"\n')
     with pytest.raises(DatasetError, match="resolution must be 'W,H'"):
@@ -388,7 +401,7 @@ def test_in_json_with_merge_tool(tmp_path):
     group = build_dataset_group(parse("--in_json", out, "--train_data_dir", train, *BUCKET_ARGS,
                                       "--dataset_repeats", "3"), "sdxl")
     captions = Counter(c for b in all_batches(group) for c in b["captions"])
-    assert captions == {"first image, red, blue": 3, "second image": 3}
+    assert captions == {"first image,red, blue": 3, "second image": 3}  # upstream: caption + separator + tags
     assert json.loads(group.metadata()["ss_dataset_dirs"]) == {"meta.json": {"n_repeats": 3, "img_count": 2}}
 
     # --full_path --recursive keys work without --train_data_dir
@@ -410,7 +423,7 @@ resolution = 64
   num_repeats = 2
 """)
     group = build_dataset_group(parse("--dataset_config", cfg), "sd1")
-    assert Counter(c for b in all_batches(group) for c in b["captions"]) == {"first image, red, blue": 2,
+    assert Counter(c for b in all_batches(group) for c in b["captions"]) == {"first image,red, blue": 2,
                                                                           "second image": 2}
 
     write(str(out), json.dumps({"missing": {"caption": "x"}}))

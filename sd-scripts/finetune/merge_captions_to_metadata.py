@@ -3,8 +3,8 @@
     python sd-scripts/finetune/merge_captions_to_metadata.py TRAIN_DIR OUT_JSON \
         [--in_json existing.json] [--caption_extension .caption] [--full_path] [--recursive]
 
-Each image's caption file (same name, --caption_extension; .caption/.txt also read when it is missing)
-becomes metadata[image_key]["caption"]. image_key is the file name without extension, or the full path
+Each image's caption file (same name, --caption_extension only, as upstream) becomes
+metadata[image_key]["caption"]; every non-blank line is kept (one is chosen per step with enable_wildcard). image_key is the file name without extension, or the full path
 with --full_path (needed when names repeat across subfolders with --recursive). Other fields of an
 existing --in_json (tags, train_resolution, ...) are kept. The output is written to a temporary file and
 renamed, so a failed run never leaves a half-written JSON.
@@ -19,7 +19,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from library.dataset_files import DatasetError, find_caption, list_images, normalize_caption_extension  # noqa: E402
+from library.captions import find_caption, normalize_caption_extension, resolve_caption_extension_alias  # noqa: E402
+from library.dataset_files import DatasetError, list_images  # noqa: E402
 
 logger = logging.getLogger("merge_captions_to_metadata")
 
@@ -50,7 +51,7 @@ def merge_captions(train_dir: str, in_json: str | None, caption_extension: str, 
         if key in keys_seen:
             raise DatasetError(f"images {keys_seen[key]} and {path} have the same key {key!r}; use --full_path")
         keys_seen[key] = path
-        caption = find_caption(path, ext)
+        caption = find_caption(path, ext, enable_wildcard=True)  # upstream keeps the whole file
         if caption is None:
             missing.append(path)
             continue
@@ -76,6 +77,8 @@ def setup_parser() -> argparse.ArgumentParser:
     parser.add_argument("out_json", type=str, help="metadata JSON to write")
     parser.add_argument("--in_json", type=str, default=None, help="existing metadata to merge into")
     parser.add_argument("--caption_extension", type=str, default=".caption", help="caption file extension")
+    parser.add_argument("--caption_extention", type=str, default=None,
+                        help="deprecated spelling of --caption_extension (wins when set, as upstream)")
     parser.add_argument("--full_path", action="store_true", help="use the image's full path as its key")
     parser.add_argument("--recursive", action="store_true", help="also read images in subfolders")
     parser.add_argument("--debug", action="store_true", help="print each caption")
@@ -85,6 +88,7 @@ def setup_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = setup_parser().parse_args(argv)
+    resolve_caption_extension_alias(args)
     try:
         metadata, merged, missing = merge_captions(args.train_data_dir, args.in_json, args.caption_extension,
                                                    args.full_path, args.recursive)

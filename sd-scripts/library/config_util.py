@@ -7,13 +7,16 @@ command-line flags, then kohya's defaults. Without --dataset_config the dataset 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
+import json
 import logging
 import os
 import re
 import tomllib
 from typing import Any
 
+from library import captions
 from library.datasets import (
     DatasetError,
     DatasetGroup,
@@ -26,7 +29,6 @@ from library.datasets import (
     is_image_file,
     latent_cache_conflict,
     new_epoch_value,
-    normalize_caption_extension,
     te_cache_conflict,
 )
 
@@ -54,8 +56,6 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                    help="dataset TOML: [general], [[datasets]], [[datasets.subsets]] (overrides the folder flags)")
     g.add_argument("--in_json", type=str, default=None,
                    help="fine-tune metadata JSON {image_key: {caption, tags}} (see finetune/merge_captions_to_metadata.py)")
-    g.add_argument("--caption_extension", type=str, default=".caption",
-                   help="caption file extension; .caption and .txt are also read when this one is missing")
     g.add_argument("--resolution", type=str, default=None,
                    help="training resolution 'W,H' or 'N' (default by model: 512 SD1, 768 SD2, 1024 SDXL/FLUX)")
     g.add_argument("--enable_bucket", action="store_true", help="aspect-ratio buckets")
@@ -64,16 +64,6 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     g.add_argument("--bucket_reso_steps", type=int, default=64, help="bucket sides are multiples of this")
     g.add_argument("--bucket_no_upscale", action="store_true",
                    help="one bucket per image size, never upscaling small images")
-    g.add_argument("--shuffle_caption", action="store_true", help="shuffle the comma-separated caption tags")
-    g.add_argument("--keep_tokens", type=int, default=0, help="keep the first N tags in place when shuffling")
-    g.add_argument("--caption_separator", type=str, default=",", help="tag separator in captions")
-    g.add_argument("--caption_prefix", type=str, default=None, help="text put before every caption")
-    g.add_argument("--caption_suffix", type=str, default=None, help="text put after every caption")
-    g.add_argument("--caption_dropout_rate", type=float, default=0.0, help="probability of an empty caption")
-    g.add_argument("--caption_dropout_every_n_epochs", type=int, default=0,
-                   help="drop all captions every N epochs (0 = never)")
-    g.add_argument("--caption_tag_dropout_rate", type=float, default=0.0,
-                   help="probability of dropping each tag (not the kept ones)")
     g.add_argument("--flip_aug", action="store_true", help="random horizontal flips")
     g.add_argument("--color_aug", action="store_true", help="random hue shifts (not with latent caching)")
     g.add_argument("--random_crop", action="store_true", help="random instead of center crop (not with latent caching)")
@@ -93,31 +83,91 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                    help="cache text encoder outputs in <image>_te_outputs.npz and reuse them")
     g.add_argument("--class_tokens", type=str, default=None,
                    help="caption for images that have no caption file or metadata caption")
+    captions.add_caption_arguments(parser)
     return parser
 
 
 # ----------------------------------------------------------------------------- schema
+# Upstream's ConfigSanitizer, as a table: each key with its type, where it may be written and which dataset
+# kinds take it. A dataset's kind follows from its subsets: all with `conditioning_data_dir` -> controlnet
+# (scripts with --masked_loss), all with `metadata_file` -> fine-tuning, none with it -> DreamBooth.
+# Adding an upstream key is one line here (plus its field in datasets.SubsetParams / DatasetParams).
 
 _RESO = "resolution"  # a type tag: int N, [W, H] or "W,H"
+_NUMBER = "number"    # int or float, read as float
 
-SUBSET_KEYS: dict[str, Any] = {
-    "image_dir": str, "metadata_file": str, "num_repeats": int, "caption_extension": str,
-    "shuffle_caption": bool, "keep_tokens": int, "caption_separator": str, "caption_prefix": str,
-    "caption_suffix": str, "caption_dropout_rate": float, "caption_dropout_every_n_epochs": int,
-    "caption_tag_dropout_rate": float, "flip_aug": bool, "color_aug": bool, "random_crop": bool,
-    "is_reg": bool, "class_tokens": str,
+DREAMBOOTH, FINETUNING, CONTROLNET = "dreambooth", "finetuning", "controlnet"
+ALL_KINDS = frozenset({DREAMBOOTH, FINETUNING, CONTROLNET})
+_CAPTION_FILE_KINDS = frozenset({DREAMBOOTH, CONTROLNET})
+
+# levels: "subset" = [[datasets.subsets]], [[datasets]] and [general] (a subset setting with defaults above it);
+# "subset_only" = only [[datasets.subsets]]; "dataset" = [[datasets]] and [general].
+_SUBSET, _SUBSET_ONLY, _DATASET = "subset", "subset_only", "dataset"
+
+
+@dataclasses.dataclass(frozen=True)
+class KeySpec:
+    type: Any
+    level: str
+    kinds: frozenset = ALL_KINDS
+
+
+SCHEMA: dict[str, KeySpec] = {
+    # subset settings (upstream SUBSET_ASCENDABLE_SCHEMA + caption dropout)
+    "num_repeats": KeySpec(int, _SUBSET),
+    "shuffle_caption": KeySpec(bool, _SUBSET),
+    "keep_tokens": KeySpec(int, _SUBSET),
+    "keep_tokens_separator": KeySpec(str, _SUBSET),
+    "secondary_separator": KeySpec(str, _SUBSET),
+    "caption_separator": KeySpec(str, _SUBSET),
+    "enable_wildcard": KeySpec(bool, _SUBSET),
+    "token_warmup_min": KeySpec(int, _SUBSET),
+    "token_warmup_step": KeySpec(_NUMBER, _SUBSET),
+    "caption_prefix": KeySpec(str, _SUBSET),
+    "caption_suffix": KeySpec(str, _SUBSET),
+    "custom_attributes": KeySpec(dict, _SUBSET),
+    "color_aug": KeySpec(bool, _SUBSET),
+    "flip_aug": KeySpec(bool, _SUBSET),
+    "random_crop": KeySpec(bool, _SUBSET),
+    "caption_dropout_rate": KeySpec(_NUMBER, _SUBSET),
+    "caption_dropout_every_n_epochs": KeySpec(int, _SUBSET),
+    "caption_tag_dropout_rate": KeySpec(_NUMBER, _SUBSET),
+    # subset settings of the kinds that read caption files (upstream DB_/CN_SUBSET_ASCENDABLE_SCHEMA)
+    "caption_extension": KeySpec(str, _SUBSET, _CAPTION_FILE_KINDS),
+    "class_tokens": KeySpec(str, _SUBSET, frozenset({DREAMBOOTH})),
+    # per subset only (upstream *_SUBSET_DISTINCT_SCHEMA)
+    "image_dir": KeySpec(str, _SUBSET_ONLY),
+    "is_reg": KeySpec(bool, _SUBSET_ONLY, frozenset({DREAMBOOTH})),
+    "metadata_file": KeySpec(str, _SUBSET_ONLY, frozenset({FINETUNING})),
+    # dataset settings (upstream DATASET_ASCENDABLE_SCHEMA)
+    "resolution": KeySpec(_RESO, _DATASET),
+    "batch_size": KeySpec(int, _DATASET),
+    "enable_bucket": KeySpec(bool, _DATASET),
+    "min_bucket_reso": KeySpec(int, _DATASET),
+    "max_bucket_reso": KeySpec(int, _DATASET),
+    "bucket_reso_steps": KeySpec(int, _DATASET),
+    "bucket_no_upscale": KeySpec(bool, _DATASET),
+    "network_multiplier": KeySpec(_NUMBER, _DATASET),
+    "validation_split": KeySpec(_NUMBER, _DATASET),  # library.validation
+    "validation_seed": KeySpec(int, _DATASET),
 }
-DATASET_KEYS: dict[str, Any] = {
-    "resolution": _RESO, "batch_size": int, "enable_bucket": bool, "min_bucket_reso": int,
-    "max_bucket_reso": int, "bucket_reso_steps": int, "bucket_no_upscale": bool,
-    "validation_split": float, "validation_seed": int,  # library.validation
-}
-_SUBSET_ONLY = ("image_dir", "metadata_file")
-_INHERITED_SUBSET_KEYS = {k: v for k, v in SUBSET_KEYS.items() if k not in _SUBSET_ONLY}
-GENERAL_KEYS = {**DATASET_KEYS, **_INHERITED_SUBSET_KEYS}
-DATASETS_KEYS = {**DATASET_KEYS, **_INHERITED_SUBSET_KEYS, "subsets": list}
+_REQUIRED = {DREAMBOOTH: ("image_dir",), FINETUNING: ("metadata_file",), CONTROLNET: ("image_dir",)}
+_KIND_LABEL = {DREAMBOOTH: "DreamBooth (image_dir + caption files)", FINETUNING: "fine-tuning (metadata_file)",
+               CONTROLNET: "ControlNet (conditioning_data_dir)"}
+
+SUBSET_KEYS = {k: s.type for k, s in SCHEMA.items() if s.level in (_SUBSET, _SUBSET_ONLY)}
+DATASET_KEYS = {k: s.type for k, s in SCHEMA.items() if s.level == _DATASET}
+_INHERITED_SUBSET_KEYS = {k: s.type for k, s in SCHEMA.items() if s.level == _SUBSET}
+_PATH_KEYS = ("image_dir", "metadata_file")  # relative paths: to the working folder, else to the config file
 # dataset key -> CLI flag (dest) that is its fallback
-_CLI_NAME = {"batch_size": "train_batch_size"}
+_CLI_NAME = {"batch_size": "train_batch_size", "num_repeats": "dataset_repeats"}
+
+
+def allowed_keys(where: str, kinds) -> dict[str, Any]:
+    """Keys allowed in `where` ('general', 'datasets', 'subsets') for datasets of `kinds`."""
+    levels = {"general": (_SUBSET, _DATASET), "datasets": (_SUBSET, _DATASET),
+              "subsets": (_SUBSET, _SUBSET_ONLY)}[where]
+    return {k: s.type for k, s in SCHEMA.items() if s.level in levels and s.kinds & frozenset(kinds)}
 
 
 def _closest(key: str, allowed) -> str:
@@ -125,17 +175,16 @@ def _closest(key: str, allowed) -> str:
     return f" Did you mean '{match[0]}'?" if match else ""
 
 
-def _check_keys(table: dict, allowed: dict, where: str, path: str) -> None:
-    for key in table:
-        if key not in allowed:
-            hint = ""
-            if where == "[[datasets.subsets]]" and key in DATASET_KEYS:
-                hint = f" '{key}' is a dataset setting: put it in [[datasets]] or [general]."
-            elif key in _SUBSET_ONLY:
-                hint = f" '{key}' belongs in [[datasets.subsets]]."
-            raise DatasetError(
-                f"{path}: unknown key '{key}' in {where}.{hint or _closest(key, allowed)} "
-                f"Allowed keys: {', '.join(sorted(allowed))}")
+def _unknown_key_problem(key: str, allowed: dict, where: str, level: str, kinds) -> str:
+    spec = SCHEMA.get(key)
+    if spec is None:
+        return f"unknown key '{key}' in {where}.{_closest(key, allowed)}"
+    if spec.level == _DATASET and level == "subsets":
+        return f"'{key}' in {where} is a dataset setting: put it in [[datasets]] or [general]"
+    if spec.level == _SUBSET_ONLY and level != "subsets":
+        return f"'{key}' in {where} belongs in [[datasets.subsets]]"
+    names = " or ".join(_KIND_LABEL[k] for k in sorted(kinds))
+    return f"'{key}' in {where} is not used by {names} datasets"
 
 
 def parse_resolution(value, field: str = "resolution") -> tuple[int, int]:
@@ -165,57 +214,118 @@ def parse_resolution(value, field: str = "resolution") -> tuple[int, int]:
     return w, h
 
 
+_TYPE_NAMES = {bool: "true or false", int: "an integer", _NUMBER: "a number", str: "a string",
+               dict: "a table", list: "a list"}
+
+
 def _check_type(key: str, value, kind, where: str) -> Any:
     if kind is _RESO:
         return parse_resolution(value, f"{where} {key}")
     ok = {
         bool: isinstance(value, bool),
         int: isinstance(value, int) and not isinstance(value, bool),
-        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        _NUMBER: isinstance(value, (int, float)) and not isinstance(value, bool),
         str: isinstance(value, str),
+        dict: isinstance(value, dict),
         list: isinstance(value, list),
     }[kind]
     if not ok:
-        raise DatasetError(f"{where}: '{key}' must be {kind.__name__}, got {value!r}")
-    return float(value) if kind is float else value
+        raise DatasetError(f"{where}: '{key}' must be {_TYPE_NAMES[kind]}, got {value!r}")
+    return float(value) if kind is _NUMBER else value
 
 
-def load_dataset_config(path: str) -> dict:
-    """Reads and checks a dataset TOML; every unknown key is an error naming it and the allowed keys."""
+def _dataset_kind(subsets: list, kinds, where: str) -> str:
+    """The kind of a [[datasets]] entry from its subsets, as upstream decides it."""
+    if CONTROLNET in kinds and subsets and all("conditioning_data_dir" in s for s in subsets):
+        return CONTROLNET
+    with_md = sum(1 for s in subsets if "metadata_file" in s)
+    if with_md and with_md < len(subsets):
+        raise DatasetError(f"{where}: DreamBooth subsets (image_dir) and fine-tuning subsets (metadata_file) "
+                           "cannot be mixed in one dataset; put them in separate [[datasets]]")
+    if with_md:
+        return FINETUNING if FINETUNING in kinds else DREAMBOOTH  # the DreamBooth schema then refuses the key
+    return DREAMBOOTH if DREAMBOOTH in kinds else FINETUNING  # ... or the fine-tuning one asks for metadata_file
+
+
+def _read_config_file(path: str) -> dict:
     if not os.path.isfile(path):
         raise DatasetError(f"--dataset_config file does not exist: {path}")
     try:
-        with open(path, "rb") as f:
-            config = tomllib.load(f)
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise DatasetError(f"{path}: not valid TOML: {e}") from e
-    _check_keys(config, {"general": dict, "datasets": list}, "the top level", path)
+        if path.lower().endswith(".json"):  # upstream reads JSON dataset configs too
+            with open(path, "r", encoding="utf-8") as f:
+                config = json.load(f)
+        else:
+            with open(path, "rb") as f:
+                config = tomllib.load(f)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DatasetError(f"{path}: not valid {'JSON' if path.lower().endswith('.json') else 'TOML'}: {e}") from e
+    if not isinstance(config, dict):
+        raise DatasetError(f"{path}: must hold a table with [general] and [[datasets]]")
+    return config
+
+
+def load_dataset_config(path: str, kinds=(DREAMBOOTH, FINETUNING)) -> dict:
+    """Reads and checks a dataset TOML (or JSON) for a script that trains on datasets of `kinds`; every bad key
+    and value in the file is reported in one DatasetError (each with a suggestion where there is one)."""
+    kinds = frozenset(kinds)
+    config = _read_config_file(path)
+    problems: list[str] = []
+    bad_levels: dict[str, dict] = {}
+
+    def check_table(table: dict, level: str, where: str, table_kinds) -> None:
+        allowed = allowed_keys(level, table_kinds)
+        for key in list(table):
+            if level == "datasets" and key == "subsets":
+                continue
+            if key not in allowed:
+                problems.append(_unknown_key_problem(key, allowed, where, level, table_kinds))
+                if key not in SCHEMA:
+                    bad_levels.setdefault(where.split(" #")[0], allowed)
+                continue
+            try:
+                table[key] = _check_type(key, table[key], allowed[key], where)
+            except DatasetError as e:
+                problems.append(str(e))
+
+    for key in config:
+        if key not in ("general", "datasets"):
+            problems.append(f"unknown top-level key '{key}'.{_closest(key, ('general', 'datasets'))} "
+                            "Use [general] and [[datasets]] / [[datasets.subsets]]")
     general = config.get("general", {})
     if not isinstance(general, dict):
-        raise DatasetError(f"{path}: [general] must be a table")
-    _check_keys(general, GENERAL_KEYS, "[general]", path)
-    for k, v in general.items():
-        general[k] = _check_type(k, v, GENERAL_KEYS[k], f"{path} [general]")
+        problems.append("[general] must be a table")
+        general = {}
+    check_table(general, "general", "[general]", kinds)
     datasets = config.get("datasets", [])
-    if not isinstance(datasets, list) or not datasets:
-        raise DatasetError(f"{path}: needs at least one [[datasets]] table with [[datasets.subsets]]")
+    if not isinstance(datasets, list) or not datasets or not all(isinstance(d, dict) for d in datasets):
+        problems.append("needs at least one [[datasets]] table with [[datasets.subsets]]")
+        datasets = []
     for i, ds in enumerate(datasets):
-        where = f"{path} [[datasets]] #{i + 1}"
-        _check_keys(ds, DATASETS_KEYS, "[[datasets]]", path)
-        for k, v in ds.items():
-            ds[k] = _check_type(k, v, DATASETS_KEYS[k], where)
+        where = f"[[datasets]] #{i + 1}"
         subsets = ds.get("subsets", [])
-        if not subsets:
-            raise DatasetError(f"{where}: has no [[datasets.subsets]] (each needs image_dir or metadata_file)")
+        if not isinstance(subsets, list) or not subsets or not all(isinstance(s, dict) for s in subsets):
+            problems.append(f"{where} has no [[datasets.subsets]] (each needs image_dir or metadata_file)")
+            subsets = []
+        try:
+            kind = _dataset_kind(subsets, kinds, where)
+        except DatasetError as e:
+            problems.append(str(e))
+            continue
+        check_table(ds, "datasets", where, {kind})
         for j, sub in enumerate(subsets):
-            swhere = f"{where} subset #{j + 1}"
-            if not isinstance(sub, dict):
-                raise DatasetError(f"{swhere}: must be a table")
-            _check_keys(sub, SUBSET_KEYS, "[[datasets.subsets]]", path)
-            for k, v in sub.items():
-                sub[k] = _check_type(k, v, SUBSET_KEYS[k], swhere)
-            if "image_dir" not in sub and "metadata_file" not in sub:
-                raise DatasetError(f"{swhere}: needs image_dir (images + caption files) or metadata_file (--in_json style)")
+            swhere = f"[[datasets.subsets]] #{j + 1} of {where}"
+            check_table(sub, "subsets", swhere, {kind})
+            missing = [k for k in _REQUIRED[kind] if k not in sub]
+            if missing:
+                need = " and ".join(missing)
+                problems.append(f"{swhere} needs {need} ({_KIND_LABEL[kind]} dataset)")
+        ds["__kind__"] = kind
+    if problems:
+        allowed_lines = [f"Allowed keys in {where}: {', '.join(sorted(allowed))}"
+                         for where, allowed in bad_levels.items()]
+        if len(problems) == 1:
+            raise DatasetError(" ".join([f"{path}: {problems[0]}"] + allowed_lines))
+        raise DatasetError(f"{path}: {len(problems)} problems:\n  " + "\n  ".join(problems + allowed_lines))
     return config
 
 
@@ -248,8 +358,6 @@ def _cli_layer(args, family: str) -> dict:
         n = FAMILY_DEFAULT_RESOLUTION[family]
         logger.info("--resolution not set: using %dx%d for %s", n, n, family)
         layer["resolution"] = (n, n)
-    layer.pop("num_repeats", None)
-    layer.pop("is_reg", None)
     return layer
 
 
@@ -264,7 +372,7 @@ def _resolve_path(path: str, base_dir: str | None) -> str:
 
 def _make_subset(values: dict, where: str) -> SubsetParams:
     s = SubsetParams(**{k: v for k, v in values.items() if k in SUBSET_KEYS})
-    s.caption_extension = normalize_caption_extension(s.caption_extension)
+    s.caption_extension = captions.normalize_caption_extension(s.caption_extension)
     if s.num_repeats < 1:
         raise DatasetError(f"{where}: num_repeats must be >= 1, got {s.num_repeats}")
     if s.keep_tokens < 0:
@@ -274,6 +382,8 @@ def _make_subset(values: dict, where: str) -> SubsetParams:
     for rate in ("caption_dropout_rate", "caption_tag_dropout_rate"):
         if not 0.0 <= getattr(s, rate) <= 1.0:
             raise DatasetError(f"{where}: {rate} must be between 0 and 1, got {getattr(s, rate)}")
+    if s.token_warmup_step < 0 or s.token_warmup_min < 0:
+        raise DatasetError(f"{where}: token_warmup_step and token_warmup_min must be >= 0")
     return s
 
 
@@ -349,18 +459,20 @@ def _dataset_params_from_args(args, cli: dict) -> list[DatasetParams]:
     return [_make_dataset_params(cli, subsets, "dataset")]
 
 
-def _dataset_params_from_config(path: str, cli: dict) -> list[DatasetParams]:
-    config = load_dataset_config(path)
+def _dataset_params_from_config(path: str, cli: dict, kinds) -> list[DatasetParams]:
+    config = load_dataset_config(path, kinds)
     base_dir = os.path.dirname(os.path.abspath(path))
     general = config.get("general", {})
     result = []
     for i, ds in enumerate(config["datasets"]):
+        kind = ds.pop("__kind__")
         ds_values = {**cli, **general, **{k: v for k, v in ds.items() if k != "subsets"}}
+        subset_keys = allowed_keys("subsets", {kind})  # e.g. no caption_extension for fine-tuning subsets
         subsets = []
         for j, sub in enumerate(ds["subsets"]):
-            values = {k: v for k, v in ds_values.items() if k in _INHERITED_SUBSET_KEYS}
+            values = {k: v for k, v in ds_values.items() if k in _INHERITED_SUBSET_KEYS and k in subset_keys}
             values.update(sub)
-            for key in _SUBSET_ONLY:
+            for key in _PATH_KEYS:
                 if values.get(key):
                     values[key] = _resolve_path(values[key], base_dir)
             subsets.append(_make_subset(values, f"{path} [[datasets]] #{i + 1} subset #{j + 1}"))
@@ -368,23 +480,27 @@ def _dataset_params_from_config(path: str, cli: dict) -> list[DatasetParams]:
     return result
 
 
-def build_dataset_group(args, family: str) -> DatasetGroup:
+def build_dataset_group(args, family: str, kinds=(DREAMBOOTH, FINETUNING)) -> DatasetGroup:
     """Scans the dataset described by args (see module doc); raises DatasetError before any model loads."""
-    return build_dataset_groups(args, family)[0]
+    return build_dataset_groups(args, family, kinds)[0]
 
 
-def build_dataset_groups(args, family: str) -> tuple[DatasetGroup, DatasetGroup | None]:
+def build_dataset_groups(args, family: str, kinds=(DREAMBOOTH, FINETUNING)) -> tuple[DatasetGroup, DatasetGroup | None]:
     """(training group, validation group or None): `validation_split` holds images of each image_dir subset
-    out of training (library.validation.split_images); raises DatasetError before any model loads."""
+    out of training (library.validation.split_images); raises DatasetError before any model loads.
+    kinds: the dataset kinds the script trains on (train_db.py: DreamBooth only, fine_tune.py: fine-tuning
+    only, the others both; upstream adds ControlNet subsets with --masked_loss)."""
     from library.validation import split_images
 
     family = _normalize_family(family)
+    captions.resolve_caption_extension_alias(args)
+    captions.check_caption_args(args, family)
     cli = _cli_layer(args, family)
     config_path = getattr(args, "dataset_config", None)
     if config_path:
         if getattr(args, "train_data_dir", None) or getattr(args, "in_json", None):
             logger.warning("--dataset_config is set: ignoring --train_data_dir/--reg_data_dir/--in_json")
-        params = _dataset_params_from_config(str(config_path), cli)
+        params = _dataset_params_from_config(str(config_path), cli, kinds)
     else:
         params = _dataset_params_from_args(args, cli)
 

@@ -1,4 +1,4 @@
-"""Image and caption files (no torch here, so command-line tools start fast)."""
+"""Image files (no torch here, so command-line tools start fast); caption files: library/captions.py."""
 from __future__ import annotations
 
 import logging
@@ -10,7 +10,6 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 logger = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
-CAPTION_FALLBACK_EXTENSIONS = (".caption", ".txt")
 _EXIF_ORIENTATION = 0x0112
 
 
@@ -37,37 +36,6 @@ def list_images(directory: str, recursive: bool = False) -> list[str]:
             if is_image_file(f) and not f.startswith(".") and os.path.isfile(p):
                 found.append(p)
     return sorted(found)
-
-
-def normalize_caption_extension(ext: Optional[str]) -> str:
-    ext = (ext or ".caption").strip()
-    return ext if ext.startswith(".") else "." + ext
-
-
-def read_caption_file(path: str) -> str:
-    """First non-empty line of a caption file (kohya reads the first line)."""
-    try:
-        with open(path, "r", encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
-                if line:
-                    return line
-    except UnicodeDecodeError as e:
-        raise DatasetError(f"caption file is not UTF-8 text: {path} ({e})") from e
-    except OSError as e:
-        raise DatasetError(f"cannot read caption file {path}: {e}") from e
-    logger.warning("caption file is empty, using an empty caption: %s", path)
-    return ""
-
-
-def find_caption(image_path: str, caption_extension: str) -> Optional[str]:
-    """Caption next to the image: the configured extension first, then .caption / .txt."""
-    base = os.path.splitext(image_path)[0]
-    exts = [caption_extension] + [e for e in CAPTION_FALLBACK_EXTENSIONS if e != caption_extension]
-    for ext in exts:
-        if os.path.isfile(base + ext):
-            return read_caption_file(base + ext)
-    return None
 
 
 def read_image_size(path: str) -> tuple[int, int]:

@@ -22,16 +22,14 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
+from library import captions
+from library.captions import find_caption, normalize_caption_extension, read_caption_file  # noqa: F401
 from library.dataset_files import (  # noqa: F401  (re-exported: the data API lives here)
-    CAPTION_FALLBACK_EXTENSIONS,
     IMAGE_EXTENSIONS,
     DatasetError,
-    find_caption,
     is_image_file,
     list_images,
     load_image_rgb,
-    normalize_caption_extension,
-    read_caption_file,
     read_image_size,
 )
 
@@ -58,6 +56,12 @@ class SubsetParams:
     caption_dropout_rate: float = 0.0
     caption_dropout_every_n_epochs: int = 0
     caption_tag_dropout_rate: float = 0.0
+    keep_tokens_separator: str = ""
+    secondary_separator: Optional[str] = None
+    enable_wildcard: bool = False
+    token_warmup_min: int = 1
+    token_warmup_step: float = 0
+    custom_attributes: Optional[dict] = None  # passed through to the batch (upstream: for custom trainers)
     flip_aug: bool = False
     color_aug: bool = False
     random_crop: bool = False
@@ -73,12 +77,7 @@ class SubsetParams:
 
     @property
     def caption_is_random(self) -> bool:
-        return bool(
-            self.shuffle_caption
-            or self.caption_dropout_rate > 0
-            or self.caption_dropout_every_n_epochs > 0
-            or self.caption_tag_dropout_rate > 0
-        )
+        return captions.caption_varies(self)
 
 
 @dataclass
@@ -92,6 +91,7 @@ class DatasetParams:
     max_bucket_reso: int = 1024
     bucket_reso_steps: int = 64
     bucket_no_upscale: bool = False
+    network_multiplier: float = 1.0  # the network's multiplier while training on this dataset's batches
     subsets: list[SubsetParams] = field(default_factory=list)
     validation_split: float = 0.0  # share of each image_dir subset held out for the validation loss
     validation_seed: Optional[int] = None
@@ -100,7 +100,7 @@ class DatasetParams:
 @dataclass
 class ImageInfo:
     path: str
-    caption: str  # caption as read (before prefix/suffix/shuffle)
+    caption: str  # caption as read (before prefix/suffix/shuffle; all lines with enable_wildcard)
     subset: SubsetParams
     num_repeats: int
     size: tuple[int, int]  # original (w, h) after EXIF orientation
@@ -112,6 +112,7 @@ class ImageInfo:
     resized_size: tuple[int, int] = (0, 0)  # (w, h) before the crop of the cached latents
     te_outputs: Optional[dict] = None
     te_npz: Optional[str] = None
+    tags: Optional[str] = None  # fine-tuning metadata tags (ss_tag_frequency counts them)
 
     @property
     def is_reg(self) -> bool:
@@ -148,12 +149,18 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
 
 def images_from_dir(subset: SubsetParams) -> list[ImageInfo]:
     """A DreamBooth-style subset: every image in image_dir, caption file or class_tokens."""
-    infos = []
+    infos, missing = [], []
     for path in list_images(subset.image_dir):
-        caption = find_caption(path, subset.caption_extension)
-        if caption is None:
-            caption = subset.class_tokens or ""
+        caption = find_caption(path, subset.caption_extension, subset.enable_wildcard)
+        if caption is None:  # upstream: the class tokens, else an empty caption (no other extension is read)
+            missing.append(path)
+            caption = subset.class_tokens if subset.class_tokens is not None else ""
         infos.append(ImageInfo(path, caption, subset, subset.num_repeats, read_image_size(path)))
+    if missing:
+        use = f"the class tokens {subset.class_tokens!r}" if subset.class_tokens else "an empty caption"
+        shown = ", ".join(os.path.basename(p) for p in missing[:5]) + (" ..." if len(missing) > 5 else "")
+        logger.warning("%d images in %s have no %s caption file; using %s: %s", len(missing), subset.image_dir,
+                       subset.caption_extension, use, shown)
     if not infos:
         logger.warning("no images in %s (extensions: %s)", subset.image_dir, ", ".join(IMAGE_EXTENSIONS))
     return infos
@@ -180,8 +187,15 @@ def images_from_metadata(subset: SubsetParams) -> list[ImageInfo]:
         raise DatasetError(f"metadata file (--in_json / metadata_file) does not exist: {path}")
     try:
         with open(path, "r", encoding="utf-8") as f:
-            metadata = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            if path.endswith(".jsonl"):  # upstream's JSONL form: one {"image_path", "caption", "tags"} per line
+                metadata = {}
+                for line in f:
+                    if line.strip():
+                        md = json.loads(line)
+                        metadata[md["image_path"]] = md
+            else:
+                metadata = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise DatasetError(f"metadata file is not valid JSON: {path} ({e})") from e
     if not isinstance(metadata, dict):
         raise DatasetError(f"metadata file must hold a JSON object {{image_key: {{caption, tags}}}}: {path}")
@@ -194,15 +208,11 @@ def images_from_metadata(subset: SubsetParams) -> list[ImageInfo]:
             where = f" in {subset.image_dir}" if subset.image_dir else ""
             raise DatasetError(f"metadata file {path}: no image found for key {key!r}{where}")
         caption, tags = md.get("caption"), md.get("tags")
-        if caption is None:
-            caption = tags
-        elif tags:
-            caption = f"{caption}, {tags}"
-        if caption is None:
-            caption = subset.class_tokens or ""
-        if not isinstance(caption, str):
+        if not isinstance(caption, (str, type(None))) or not isinstance(tags, (str, type(None))):
             raise DatasetError(f"metadata file {path}: caption/tags of {key!r} must be strings")
-        infos.append(ImageInfo(image_path, caption, subset, subset.num_repeats, read_image_size(image_path)))
+        caption = captions.metadata_caption(caption, tags, subset.caption_separator, subset.enable_wildcard)
+        infos.append(ImageInfo(image_path, caption, subset, subset.num_repeats, read_image_size(image_path),
+                               tags=tags or None))
     if not infos:
         logger.warning("metadata file has no images: %s", path)
     return infos
@@ -273,6 +283,7 @@ class ImageDataset(torch.utils.data.Dataset):
         self.seed = seed
         self.index = index
         self._epoch = epoch_value  # multiprocessing.Value shared with DataLoader workers
+        self._step = self._max_steps = multiprocessing.Value("i", 0)  # replaced by the group's shared values
         self._batches_epoch = None
         self._batches: list[list[int]] = []
         self.latents_cached = False
@@ -336,30 +347,12 @@ class ImageDataset(torch.utils.data.Dataset):
     # --- captions
     @staticmethod
     def base_caption(info: ImageInfo) -> str:
-        s = info.subset
-        caption = info.caption
-        if s.caption_prefix:
-            caption = f"{s.caption_prefix} {caption}"
-        if s.caption_suffix:
-            caption = f"{caption} {s.caption_suffix}"
-        return caption
+        """The caption of an image whose subset does not vary captions (what the text-encoder cache encodes)."""
+        return captions.process_caption(info.caption, info.subset, epoch=0, rng=random.Random(0))
 
     def process_caption(self, info: ImageInfo, epoch: int, rng: random.Random) -> str:
-        s = info.subset
-        caption = self.base_caption(info)
-        if (s.caption_dropout_rate > 0 and rng.random() < s.caption_dropout_rate) or (
-            s.caption_dropout_every_n_epochs > 0 and epoch > 0 and epoch % s.caption_dropout_every_n_epochs == 0
-        ):
-            return ""
-        if s.shuffle_caption or s.caption_tag_dropout_rate > 0:
-            tokens = [t.strip() for t in caption.split(s.caption_separator) if t.strip()]
-            fixed, rest = tokens[: s.keep_tokens], tokens[s.keep_tokens:]
-            if s.caption_tag_dropout_rate > 0:
-                rest = [t for t in rest if rng.random() >= s.caption_tag_dropout_rate]
-            if s.shuffle_caption:
-                rng.shuffle(rest)
-            caption = (s.caption_separator + " ").join(fixed + rest)
-        return caption
+        return captions.process_caption(info.caption, info.subset, epoch=epoch, step=self._step.value,
+                                        max_train_steps=self._max_steps.value, rng=rng)
 
     # --- pixels
     def crop_plan(self, info: ImageInfo, rng: Optional[random.Random]):
@@ -421,7 +414,10 @@ class ImageDataset(torch.utils.data.Dataset):
         te_outputs = None
         if te_list:
             te_outputs = {k: torch.stack([t[k] for t in te_list]) for k in te_list[0]}
+        n = len(captions)
         return {
+            "network_multipliers": torch.full((n,), float(self.params.network_multiplier)),
+            "custom_attributes": [self.images[i].subset.custom_attributes or {} for i in batches[index]],
             "images": torch.stack(images) if images else None,
             "latents": torch.stack(latents) if latents else None,
             "captions": captions,
@@ -488,6 +484,10 @@ class DatasetGroup(torch.utils.data.Dataset):
     def __init__(self, datasets: list[ImageDataset], epoch_value):
         self.datasets = datasets
         self._epoch = epoch_value
+        # current optimizer step and run length, for token warm-up (shared with DataLoader workers)
+        self._step, self._max_steps = multiprocessing.Value("i", 0), multiprocessing.Value("i", 0)
+        for d in datasets:
+            d._step, d._max_steps = self._step, self._max_steps
         self._offsets = np.cumsum([0] + [len(d) for d in datasets]).tolist()
 
     def __len__(self) -> int:
@@ -504,6 +504,13 @@ class DatasetGroup(torch.utils.data.Dataset):
     def set_current_epoch(self, epoch: int) -> None:
         """Reshuffles batches for `epoch` (also in persistent DataLoader workers: the value is shared)."""
         self._epoch.value = int(epoch)
+
+    def set_current_step(self, step: int) -> None:
+        """The optimizer step the next batches are for (token warm-up)."""
+        self._step.value = int(step)
+
+    def set_max_train_steps(self, max_train_steps: int) -> None:
+        self._max_steps.value = int(max_train_steps)
 
     @property
     def num_train_images(self) -> int:
@@ -586,6 +593,11 @@ class DatasetGroup(torch.utils.data.Dataset):
         for _, info in self.all_images():
             if info.subset.caption_is_random:
                 raise DatasetError(te_cache_conflict(info.subset))
+            if info.subset.enable_wildcard and captions.has_wildcard(info.caption):
+                # deliberate: upstream would cache the caption text with its '{a|b}' and line breaks as written
+                raise DatasetError(f"{info.path}: its caption has several lines or '{{a|b}}' wildcards "
+                                   "(enable_wildcard), so it changes every step and cannot be cached with "
+                                   "--cache_text_encoder_outputs")
         if to_disk:
             _check_unique_npz_paths([info.path for _, info in self.all_images()], te_outputs_npz_path)
         todo = []
@@ -641,9 +653,10 @@ class DatasetGroup(torch.utils.data.Dataset):
                 entry = dirs.setdefault(s.name, {"n_repeats": s.num_repeats, "img_count": 0})
                 entry["img_count"] += len(infos)
                 freq = tag_freq.setdefault(s.name, {})
-                for info in infos:
-                    for tag in info.caption.split(","):
-                        tag = tag.strip()
+                for info in infos:  # upstream: lower-cased tags; of the metadata tags for fine-tuning subsets
+                    text = (info.tags or "") if s.metadata_file else info.caption
+                    for tag in text.split(","):
+                        tag = tag.strip().lower()
                         if tag:
                             freq[tag] = freq.get(tag, 0) + 1
         buckets = {
@@ -714,9 +727,9 @@ def latent_cache_conflict(subset: SubsetParams) -> str:
 
 def te_cache_conflict(subset: SubsetParams) -> str:
     opts = [o for o in ("shuffle_caption", "caption_dropout_rate", "caption_dropout_every_n_epochs",
-                        "caption_tag_dropout_rate") if getattr(subset, o)]
+                        "caption_tag_dropout_rate", "token_warmup_step") if getattr(subset, o)]
     return (f"{', '.join(opts)} cannot be used with --cache_text_encoder_outputs (subset {subset.name}): "
-            "cached text-encoder outputs need fixed captions. Turn off caption shuffling/dropout "
+            "cached text-encoder outputs need fixed captions. Turn off caption shuffling/dropout/warm-up "
             "or the text-encoder cache.")
 
 

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from library import config_util, losses, network_options, noise, parity, train_util, validation
+from library.captions import apply_token_weights, weighted_for, weighted_token_ids
 from library.step_timer import StepTimer
 from library.train_util import ConfigError
 
@@ -131,16 +132,29 @@ def parse_network_args(items: list[str] | None) -> dict[str, str]:
 
 
 def encode_clip(tokenizer, text_encoder, captions: list[str], max_token_length: int | None,
-                hidden_layer: int | None, final_norm: bool, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+                hidden_layer: int | None, final_norm: bool, device, *, weighted: bool = False,
+                pad_to_longest: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """CLIP hidden states for captions, with kohya's long-prompt handling: `--max_token_length 150/225` is
     encoded as 2/3 chunks of 75 tokens (each with BOS/EOS) and concatenated to 1 + 75*n + 1 positions.
 
     hidden_layer: index into hidden_states (None = last_hidden_state); final_norm applies the final layer norm
-    to it (SD1.x clip_skip). Returns (hidden [B, L, D], text_embeds of the first chunk or None).
+    to it (SD1.x clip_skip). weighted: upstream's `(word:1.2)` syntax (--weighted_captions) scales each token's
+    hidden state (the pooled output is not weighted, as upstream). pad_to_longest (train_db --no_token_padding):
+    one chunk padded only to the longest caption of the batch. Returns (hidden [B, L, D], text_embeds of the
+    first chunk or None).
     """
     max_len = (max_token_length or 75) + 2
-    ids = tokenizer(captions, padding="max_length", truncation=True, max_length=max_len,
-                    return_tensors="pt").input_ids.to(device)
+    weights = None
+    if weighted:
+        ids, weights = weighted_token_ids(tokenizer, captions, max_len)
+        ids = ids.to(device)
+    elif pad_to_longest:
+        ids = tokenizer(captions, padding="longest", truncation=True, max_length=tokenizer.model_max_length,
+                        return_tensors="pt").input_ids.to(device)
+        return _clip_hidden(text_encoder, ids, hidden_layer, final_norm)
+    else:
+        ids = tokenizer(captions, padding="max_length", truncation=True, max_length=max_len,
+                        return_tensors="pt").input_ids.to(device)
     n_chunks = (max_len - 2) // 75
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
@@ -154,20 +168,29 @@ def encode_clip(tokenizer, text_encoder, captions: list[str], max_token_length: 
         chunk = torch.cat([ids[:, :1], body, tail], dim=1)
         # an empty chunk still needs an EOS (pooling position)
         chunk[:, 1] = torch.where(chunk[:, 1] == pad, torch.full_like(chunk[:, 1], eos), chunk[:, 1])
-        out = text_encoder(chunk, output_hidden_states=True, return_dict=True)
-        if hidden_layer is None:
-            h = out.last_hidden_state
-        else:
-            h = out.hidden_states[hidden_layer]
-            if final_norm:
-                h = getattr(text_encoder, "text_model", text_encoder).final_layer_norm(h)
+        h, chunk_pooled = _clip_hidden(text_encoder, chunk, hidden_layer, final_norm)
         if c == 0:
-            pooled = getattr(out, "text_embeds", None)
+            pooled = chunk_pooled
         hiddens.append(h)
     if n_chunks == 1:
-        return hiddens[0], pooled
-    parts = [hiddens[0][:, :1]] + [h[:, 1:-1] for h in hiddens] + [hiddens[-1][:, -1:]]
-    return torch.cat(parts, dim=1), pooled
+        hidden = hiddens[0]
+    else:
+        parts = [hiddens[0][:, :1]] + [h[:, 1:-1] for h in hiddens] + [hiddens[-1][:, -1:]]
+        hidden = torch.cat(parts, dim=1)
+    if weights is not None:  # positions of hidden and of the weighted token ids correspond one to one
+        hidden = apply_token_weights(hidden, weights)
+    return hidden, pooled
+
+
+def _clip_hidden(text_encoder, ids, hidden_layer, final_norm):
+    out = text_encoder(ids, output_hidden_states=True, return_dict=True)
+    if hidden_layer is None:
+        h = out.last_hidden_state
+    else:
+        h = out.hidden_states[hidden_layer]
+        if final_norm:
+            h = getattr(text_encoder, "text_model", text_encoder).final_layer_norm(h)
+    return h, getattr(out, "text_embeds", None)
 
 
 @dataclass
@@ -210,6 +233,7 @@ class NetworkTrainer:
 
     default_output_name = "last"
     tracker_name = "network_train"
+    dataset_kinds = (config_util.DREAMBOOTH, config_util.FINETUNING)  # what --dataset_config may hold
     model_label = "UNet"
     losses: list[float] = []  # per micro-step loss of the last train() call (tests, benchmarks)
     flow_matching = False  # FLUX: no DDPM schedule, so noise.DDPM_ONLY_OPTIONS and the SNR weights do nothing
@@ -241,11 +265,15 @@ class NetworkTrainer:
             latents = vae.encode(images.to(vae.device, vae.dtype)).latent_dist.sample(generator=self.noise_generator)
         return latents * vae.config.scaling_factor
 
-    def encode_prompts(self, args, components, captions: list[str], with_grad: bool = False) -> dict:
+    def encode_prompts(self, args, components, captions: list[str], with_grad: bool = False, *,
+                       pad_to_longest: bool | None = None) -> dict:
         te, tok = components.text_encoders[0], components.tokenizers[0]
         layer = -args.clip_skip if args.clip_skip and args.clip_skip > 1 else None
+        if pad_to_longest is None:
+            pad_to_longest = bool(getattr(args, "no_token_padding", False))
         with torch.set_grad_enabled(with_grad):
-            hidden, _ = encode_clip(tok, te, captions, args.max_token_length, layer, True, te.device)
+            hidden, _ = encode_clip(tok, te, captions, args.max_token_length, layer, True, te.device,
+                                    weighted=weighted_for(args, self.family_for(args)), pad_to_longest=pad_to_longest)
         return {"encoder_hidden_states": hidden}
 
     def get_noise_scheduler(self, args, components):
@@ -333,9 +361,10 @@ class NetworkTrainer:
                                        safety_checker=None, feature_extractor=None, requires_safety_checker=False)
 
     def sample_prompt_embeds(self, args, components, prompt: str, negative_prompt: str) -> dict:
-        """Sample prompts are encoded as captions are in training (--clip_skip, --max_token_length)."""
-        pos = self.encode_prompts(args, components, [prompt])
-        neg = self.encode_prompts(args, components, [negative_prompt])
+        """Sample prompts are encoded as captions are in training (--clip_skip, --max_token_length), padded
+        (the pipeline needs prompt and negative prompt of one length)."""
+        pos = self.encode_prompts(args, components, [prompt], pad_to_longest=False)
+        neg = self.encode_prompts(args, components, [negative_prompt], pad_to_longest=False)
         return {"prompt_embeds": pos["encoder_hidden_states"], "negative_prompt_embeds": neg["encoder_hidden_states"]}
 
     def base_model_version(self, args) -> str:
@@ -526,7 +555,7 @@ class NetworkTrainer:
         training_started_at = time.time()
 
         family = self.family_for(args)
-        group, val_group = config_util.build_dataset_groups(args, family)
+        group, val_group = config_util.build_dataset_groups(args, family, self.dataset_kinds)
         groups = [g for g in (group, val_group) if g is not None]  # what is cached
         if len(group) == 0:
             raise TrainingError("the dataset has no batches: no training images found")
@@ -581,6 +610,7 @@ class NetworkTrainer:
         num_batches = len(dataloader)
         steps_per_epoch, max_train_steps, num_epochs = train_util.resolve_train_length(args, num_batches)
         args.max_train_steps = max_train_steps
+        group.set_max_train_steps(max_train_steps)  # token warm-up
         # not prepared: accelerate would step it once per process; stepped here once per optimizer step
         lr_scheduler = train_util.get_scheduler(args, optimizer, max_train_steps)
         optimizer = accelerator.prepare(optimizer)
@@ -645,6 +675,7 @@ class NetworkTrainer:
             if global_step >= max_train_steps:
                 break
             group.set_current_epoch(epoch + 1)
+            group.set_current_step(global_step)
             self.on_epoch_start(args, trainable, components)
             timer.restart()  # epoch-end saves and samples are not step time
             loader = dataloader
@@ -657,6 +688,7 @@ class NetworkTrainer:
                 if train_text_encoder and not self.keep_training_text_encoder(args, global_step):
                     train_text_encoder = False
                 self.on_step_start(args)
+                set_network_multiplier(trainable.models, batch)
                 with accelerator.accumulate(*trainable.models):
                     loss = self.training_step(args, accelerator, noise_scheduler, batch, components, weight_dtype,
                                               train_text_encoder, caching_te, device)
@@ -681,6 +713,7 @@ class NetworkTrainer:
                     args, [accelerator.unwrap_model(m) for m in trainable.models], device) if not fused else ({}, {})
                 global_step += 1
                 timer.step_done()
+                group.set_current_step(global_step)  # for the batches loaded from now on (token warm-up)
                 state.global_step, state.epoch = global_step, epoch
                 progress.update(1)
                 window = losses[-steps_per_epoch * args.gradient_accumulation_steps:]
@@ -792,8 +825,9 @@ class NetworkTrainer:
 
     # -- outputs -----------------------------------------------------------------------------------------
     def cache_signature(self, args, what: str) -> str:
+        weighted = ":weighted" if what == "te" and weighted_for(args, self.family_for(args)) else ""
         return f"{self.family_for(args)}:{os.path.basename(str(args.pretrained_model_name_or_path))}:" \
-               f"{os.path.basename(str(args.vae or ''))}:{what}:{args.max_token_length}:{args.clip_skip}"
+               f"{os.path.basename(str(args.vae or ''))}:{what}:{args.max_token_length}:{args.clip_skip}{weighted}"
 
     def write_run_config(self, args) -> str:
         """`<output_name>_config.toml`: the exact options of this run (runs again with --config_file)."""
@@ -938,6 +972,18 @@ class NetworkTrainer:
 
 
 # ----------------------------------------------------------------------------------------------------------
+
+
+def set_network_multiplier(models: list, batch: dict) -> None:
+    """The dataset's `network_multiplier` for this batch (a batch comes from one dataset). Only a network with
+    `set_multiplier` (networks.lora) takes it, and only when it changes, so the default of 1.0 costs nothing."""
+    multipliers = batch.get("network_multipliers")
+    if multipliers is None or not len(multipliers):
+        return
+    value = float(multipliers[0])
+    for model in models:
+        if hasattr(model, "set_multiplier") and getattr(model, "multiplier", 1.0) != value:
+            model.set_multiplier(value)
 
 
 def _remove(path: str) -> None:
