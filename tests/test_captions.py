@@ -145,12 +145,10 @@ def test_prompt_attention_parser_matches_upstream_examples():
 
 
 @pytest.fixture(scope="module")
-def tiny_clip(tmp_path_factory):
+def tiny_clip(tiny_sd1_single_file):
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-    from library.tiny_models import make_tiny_tokenizer
-
-    tok = CLIPTokenizer.from_pretrained(str(make_tiny_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer")))
+    tok = CLIPTokenizer.from_pretrained(str(tiny_sd1_single_file.parent / "tokenizers" / "tokenizer"))
     torch.manual_seed(0)
     cfg = CLIPTextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, max_position_embeddings=77, eos_token_id=tok.eos_token_id,
@@ -214,31 +212,6 @@ def test_weighted_and_padding_options(capsys, caplog):
     bad = SimpleNamespace(no_token_padding=True, cache_text_encoder_outputs=True)
     with pytest.raises(DatasetError, match="--no_token_padding cannot be used with --cache_text_encoder_outputs"):
         captions.check_caption_args(bad, "sd1")
-
-
-def test_caption_options_exist_in_the_scripts_as_upstream():
-    import importlib
-
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    flags_dir = os.path.join(os.path.dirname(root), "shared", "parity", "upstream-flags")
-    names = ("keep_tokens_separator", "secondary_separator", "enable_wildcard", "weighted_captions",
-             "token_warmup_min", "token_warmup_step", "caption_extention", "caption_extension", "no_token_padding")
-    for script in ("train_network", "sdxl_train_network", "flux_train_network", "sdxl_train", "train_db",
-                   "fine_tune", "flux_train"):
-        parser = importlib.import_module(script).setup_parser()
-        dests = {a.dest: a for a in parser._actions}
-        upstream = None
-        path = os.path.join(flags_dir, f"{script}.json")
-        if os.path.isfile(path):
-            with open(path) as f:
-                upstream = json.load(f)
-        for name in names:
-            if upstream is not None:
-                assert (name in dests) == (name in upstream), (script, name)
-                if name in upstream:
-                    assert repr(dests[name].default) == upstream[name]["default"], (script, name)
-            else:
-                assert (name in dests) == (name != "no_token_padding" or script == "train_db")
 
 
 # ----------------------------------------------------------------------------- caption files and datasets
@@ -368,18 +341,19 @@ def test_script_kinds_and_mixed_datasets(tmp_path):
     load_dataset_config(db, (config_util.DREAMBOOTH,))
     with pytest.raises(DatasetError, match="needs metadata_file"):  # fine_tune.py
         load_dataset_config(db, (config_util.FINETUNING,))
-    with pytest.raises(DatasetError, match="unknown key 'caption_extension' in \\[general\\]"):
+    with pytest.raises(DatasetError, match="'caption_extension' in \\[general\\] is not used by fine-tuning"):
         load_dataset_config(db, (config_util.FINETUNING,))
     with pytest.raises(DatasetError, match="'metadata_file' .* is not used by DreamBooth"):  # train_db.py
         load_dataset_config(ft, (config_util.DREAMBOOTH,))
-    mixed = json.loads(open(db).read())
-    mixed["datasets"][0]["subsets"].append({"metadata_file": "m.json"})
-    path = write(str(tmp_path / "mixed.toml"), "")
-    import tomli_w  # noqa: F401  (only to skip when absent)
-    with open(path, "wb") as f:
-        tomli_w.dump(mixed, f)
-    with pytest.raises(DatasetError, match="cannot be mixed"):
-        load_dataset_config(path)
+    mixed = write(str(tmp_path / "mixed.toml"), f"""
+[[datasets]]
+  [[datasets.subsets]]
+  image_dir = "{tmp_path / 'imgs'}"
+  [[datasets.subsets]]
+  metadata_file = "m.json"
+""")
+    with pytest.raises(DatasetError, match="cannot be mixed in one dataset"):
+        load_dataset_config(mixed)
 
 
 def test_several_bad_keys_in_one_message(tmp_path):
@@ -436,3 +410,58 @@ network_multiplier = -1.0
     assert net.multiplier == -1.0 and all(m.multiplier == -1.0 for m in getattr(net, "unet_loras", []))
     set_network_multiplier([net], b1)
     assert net.multiplier == 0.5
+
+
+# ----------------------------------------------------------------------------- one tiny run
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+def test_sd1_lora_run_with_caption_options(tmp_path, tiny_sd1_single_file):
+    """train_network.py with an upstream-style dataset config: the loop feeds the step to token warm-up,
+    the dataset's network_multiplier to the LoRA, and --weighted_captions to the text encoding."""
+    import train_network
+    from library.network_trainer import NetworkTrainer, run
+
+    make_image(str(tmp_path / "imgs" / "a.png"), (64, 64))
+    write(str(tmp_path / "imgs" / "a.txt"), "sks (toy:1.2) ||| red;;;blue, circle, square ||| best")
+    cfg = write(str(tmp_path / "ds.toml"), f"""
+[general]
+resolution = 64
+caption_extension = ".txt"
+keep_tokens_separator = "|||"
+secondary_separator = ";;;"
+shuffle_caption = true
+token_warmup_min = 1
+token_warmup_step = 4
+[[datasets]]
+network_multiplier = 0.5
+  [[datasets.subsets]]
+  image_dir = "{tmp_path / 'imgs'}"
+""")
+
+    class Recording(NetworkTrainer):
+        seen: list = []
+
+        def setup_trainable(self, *a, **kw):
+            self.trainable = super().setup_trainable(*a, **kw)
+            return self.trainable
+
+        def encode_prompts(self, args, components, caps, with_grad=False, **kw):
+            self.seen.append((list(caps), self.trainable.models[0].multiplier, args.weighted_captions))
+            return super().encode_prompts(args, components, caps, with_grad, **kw)
+
+    trainer = Recording()
+    run(trainer, train_network.setup_parser(), [
+        "--pretrained_model_name_or_path", str(tiny_sd1_single_file),
+        "--tokenizer_cache_dir", str(tiny_sd1_single_file.parent / "tokenizers"), "--dataset_config", cfg,
+        "--output_dir", str(tmp_path / "out"), "--network_module", "networks.lora", "--network_dim", "2",
+        "--max_train_steps", "6", "--max_data_loader_n_workers", "0", "--seed", "1", "--weighted_captions"])
+    counts = []
+    for caps, multiplier, weighted in trainer.seen:
+        assert multiplier == 0.5 and weighted
+        tags = caps[0].split(", ")
+        assert tags[0] == "sks (toy:1.2)"
+        assert tags[-1] == "best" and set(tags[1:-1]) <= {"red,blue", "circle", "square"}
+        counts.append(len(tags) - 2)
+    assert len(counts) == 6 and counts[0] == 1 and counts[-1] == 3 and counts == sorted(counts)

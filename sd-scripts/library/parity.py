@@ -60,6 +60,12 @@ DIFFERENT: dict[str, Different] = {
     "validate_every_n_steps": Different("each logged validation average is that of one pass (upstream's first "
                                         "epoch averages all passes so far); FLUX validates at the fixed timesteps "
                                         "(sigma = t / 1000), which upstream's FLUX path ignores (random sigmas)"),
+    "no_token_padding": Different(
+        "does what its help says (captions padded only to the longest one in the batch, as diffusers' "
+        "DreamBooth); upstream's current train_db.py parses it but no longer applies it"),
+    "weighted_captions": Different(
+        "FLUX.1: a warning and captions encoded as written (upstream's flux_train.py ignores it and "
+        "flux_train_network.py stops with NotImplementedError unless text-encoder outputs are cached)"),
 }
 
 # upstream options not at parity yet (missing, or parsed differently until their owner lands them);
@@ -70,7 +76,6 @@ NOT_YET: frozenset[str] = frozenset({
     "block_lr",
     "blockwise_fused_optimizers",
     "cache_info",
-    "caption_extention",
     "conditioning_data_dir",
     "console_log_file",
     "console_log_level",
@@ -81,7 +86,6 @@ NOT_YET: frozenset[str] = frozenset({
     "disable_mmap_load_safetensors",
     "double_blocks_to_swap",
     "dynamo_backend",
-    "enable_wildcard",
     "face_crop_aug_range",
     "fp16_master_weights_and_gradients",
     "fp8_base",
@@ -95,7 +99,6 @@ NOT_YET: frozenset[str] = frozenset({
     "huggingface_token",
     "initial_epoch",
     "initial_step",
-    "keep_tokens_separator",
     "log_config",
     "log_tracker_config",
     "lr_decay_steps",
@@ -117,29 +120,24 @@ NOT_YET: frozenset[str] = frozenset({
     "metadata_trigger_phrase",
     "metadata_usage_hint",
     "model_type",
-    "no_token_padding",
     "resize_interpolation",
     "resume_from_huggingface",
     "save_last_n_epochs_state",
     "save_last_n_steps_state",
     "save_n_epoch_ratio",
     "save_state_to_huggingface",
-    "secondary_separator",
     "single_blocks_to_swap",
     "skip_cache_check",
     "skip_latents_validity_check",
     "skip_until_initial_step",
     "split_mode",
     "text_encoder_batch_size",
-    "token_warmup_min",
-    "token_warmup_step",
     "torch_compile",
     "use_lion_optimizer",
     "use_safetensors",
     "vae_batch_size",
     "wandb_api_key",
     "wandb_run_name",
-    "weighted_captions",
     "save_model_as",
     "ddp_timeout",
     "ddp_gradient_as_bucket_view",
