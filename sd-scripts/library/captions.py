@@ -99,6 +99,9 @@ def check_caption_args(args, family: str) -> None:
     if getattr(args, "weighted_captions", False) and family == "flux":
         logger.warning("--weighted_captions has no effect for FLUX.1 (upstream does not weight FLUX captions "
                        "either): captions are encoded as written")
+    if getattr(args, "no_token_padding", False) and getattr(args, "max_token_length", None):
+        logger.warning("--max_token_length is ignored with --no_token_padding (one chunk of at most 77 tokens, "
+                       "padded to the longest caption of the batch)")
     if getattr(args, "no_token_padding", False) and (getattr(args, "cache_text_encoder_outputs", False)
                                                      or getattr(args, "cache_text_encoder_outputs_to_disk", False)):
         raise DatasetError("--no_token_padding cannot be used with --cache_text_encoder_outputs: cached outputs "
