@@ -284,8 +284,8 @@ def test_fine_tuning_metadata_captions_with_tags_and_wildcards(tmp_path):
 # ----------------------------------------------------------------------------- dataset config schema
 
 UPSTREAM_KEYS = {  # upstream's ConfigSanitizer at 48d368f: key -> (levels, kinds); the keys other parts own
-    # (face_crop_aug_range, resize_interpolation, cache_info, alpha_mask, conditioning_data_dir,
-    # validation_seed, validation_split) are checked where they are implemented
+    # (face_crop_aug_range, resize_interpolation, cache_info, alpha_mask, conditioning_data_dir) are checked
+    # where they are implemented
     **{k: ("gds", "db ft") for k in (
         "num_repeats", "shuffle_caption", "keep_tokens", "keep_tokens_separator", "secondary_separator",
         "caption_separator", "enable_wildcard", "token_warmup_min", "token_warmup_step", "caption_prefix",
@@ -295,7 +295,7 @@ UPSTREAM_KEYS = {  # upstream's ConfigSanitizer at 48d368f: key -> (levels, kind
     "image_dir": ("s", "db ft"), "is_reg": ("s", "db"), "metadata_file": ("s", "ft"),
     **{k: ("gd", "db ft") for k in ("resolution", "batch_size", "enable_bucket", "min_bucket_reso",
                                      "max_bucket_reso", "bucket_reso_steps", "bucket_no_upscale",
-                                     "network_multiplier")},
+                                     "network_multiplier", "validation_split", "validation_seed")},
 }
 VALUES = {int: 2, bool: True, str: "x", dict: {"a": 1}, "number": 0.5, "resolution": 64}
 

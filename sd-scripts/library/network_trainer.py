@@ -610,7 +610,8 @@ class NetworkTrainer:
         num_batches = len(dataloader)
         steps_per_epoch, max_train_steps, num_epochs = train_util.resolve_train_length(args, num_batches)
         args.max_train_steps = max_train_steps
-        group.set_max_train_steps(max_train_steps)  # token warm-up
+        for g in groups:  # token warm-up (upstream's validation batches follow the training step too)
+            g.set_max_train_steps(max_train_steps)
         # not prepared: accelerate would step it once per process; stepped here once per optimizer step
         lr_scheduler = train_util.get_scheduler(args, optimizer, max_train_steps)
         optimizer = accelerator.prepare(optimizer)
@@ -675,7 +676,8 @@ class NetworkTrainer:
             if global_step >= max_train_steps:
                 break
             group.set_current_epoch(epoch + 1)
-            group.set_current_step(global_step)
+            for g in groups:
+                g.set_current_step(global_step)
             self.on_epoch_start(args, trainable, components)
             timer.restart()  # epoch-end saves and samples are not step time
             loader = dataloader
@@ -713,7 +715,8 @@ class NetworkTrainer:
                     args, [accelerator.unwrap_model(m) for m in trainable.models], device) if not fused else ({}, {})
                 global_step += 1
                 timer.step_done()
-                group.set_current_step(global_step)  # for the batches loaded from now on (token warm-up)
+                for g in groups:  # for the batches loaded from now on (token warm-up)
+                    g.set_current_step(global_step)
                 state.global_step, state.epoch = global_step, epoch
                 progress.update(1)
                 window = losses[-steps_per_epoch * args.gradient_accumulation_steps:]
