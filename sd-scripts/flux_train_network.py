@@ -38,6 +38,7 @@ class FluxNetworkTrainer(NetworkTrainer):
         self.compiled_blocks = 0
         self.swapper = None
         self._t5_len = 512
+        self.train_t5xxl = False
 
     # -- checks and models -------------------------------------------------------------------------------
     def family_for(self, args) -> str:
@@ -49,6 +50,7 @@ class FluxNetworkTrainer(NetworkTrainer):
         if getattr(args, "network_module", None) not in (None, "networks.lora_flux"):
             logger.warning("--network_module %s: FLUX LoRA files in kohya's format come from networks.lora_flux",
                            args.network_module)
+        self.train_t5xxl = _network_arg_true(args, "train_t5xxl")
         flux_train_utils.check_flux_args(args, ConfigError)
         compile_utils.validate_compile_args(args)
 
@@ -67,7 +69,8 @@ class FluxNetworkTrainer(NetworkTrainer):
         return c
 
     def lora_target_text_encoders(self, components) -> list:
-        return [components.clip_l]  # T5-XXL is never trained
+        # T5-XXL only with --network_args train_t5xxl=True (in train mode its dropout would change the outputs)
+        return [components.clip_l, components.t5xxl] if self.train_t5xxl else [components.clip_l]
 
     # -- data ------------------------------------------------------------------------------------------------
     def encode_images(self, args, components, images):
@@ -151,6 +154,11 @@ class FluxNetworkTrainer(NetworkTrainer):
             metadata.pop(key, None)
         if self.compiled_blocks:
             metadata["ss_compile_blocks"] = str(self.compiled_blocks)
+
+
+def _network_arg_true(args, key: str) -> bool:
+    value = network_trainer.parse_network_args(getattr(args, "network_args", None)).get(key, "")
+    return value.strip().lower() in ("true", "1", "yes")
 
 
 def setup_parser() -> argparse.ArgumentParser:

@@ -198,7 +198,9 @@ def test_lora_loads_in_diffusers_flux_pipeline(tiny_flux, tmp_path):
             "lora_unet_double_blocks_0_txt_mlp_2.lora_up.weight",
             "lora_unet_single_blocks_0_linear1.lora_up.weight", "lora_unet_single_blocks_0_linear2.alpha",
             "lora_te1_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight"} <= keys
-    assert not any(x in k for k in keys for x in ("img_mod", "txt_mod", "modulation"))
+    # modulation layers are trained by default, as in sd-scripts
+    assert {"lora_unet_double_blocks_0_img_mod_lin.lora_down.weight", "lora_unet_double_blocks_0_txt_mod_lin.alpha",
+            "lora_unet_single_blocks_0_modulation_lin.lora_up.weight"} <= keys
 
     records = []
 
@@ -217,8 +219,8 @@ def test_lora_loads_in_diffusers_flux_pipeline(tiny_flux, tmp_path):
     assert not [r for r in records if "key" in r.lower() or "unsupported" in r.lower()], records
     n_unet = sum(isinstance(m, LoraLayer) for m in pipe.transformer.modules())
     n_te = sum(isinstance(m, LoraLayer) for m in pipe.text_encoder.modules())
-    # double block: 3 (qkv) + proj + 2 mlp per stream; single block: 4 (linear1) + linear2
-    assert n_unet == 12 + 5 and n_te == 12
+    # double block: 3 (qkv) + proj + 2 mlp + mod per stream; single block: 4 (linear1) + linear2 + modulation
+    assert n_unet == 14 + 6 and n_te == 12
     with torch.no_grad():
         out_diffusers = flux_train_utils.flux_forward(pipe.transformer, latents, sigma, te, 3.5, dtype)
     assert not torch.allclose(out_ours, out_base, atol=1e-3)
@@ -235,7 +237,7 @@ def test_lora_train_blocks_and_bad_args(tiny_flux):
     with pytest.raises(lora_flux.NetworkArgsError, match="allowed: all, single, double"):
         lora_flux.create_network(1.0, 4, 1, None, None, t, train_blocks="middle")
     with pytest.raises(lora_flux.NetworkArgsError, match="allowed: train_blocks"):
-        lora_flux.create_network(1.0, 4, 1, None, None, t, conv_dim="4")
+        lora_flux.create_network(1.0, 4, 1, None, None, t, conv_dimm="4")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -393,6 +395,6 @@ def test_real_flux_shapes_on_meta(guidance):
     back = flux_models.bfl_to_diffusers({"model.diffusion_model." + k: v for k, v in bfl.items()})
     ref = real.state_dict()
     assert set(back) == set(ref) and all(back[k].shape == ref[k].shape for k in ref)
-    if guidance:  # kohya's module set on the real model: 8 per double block, 2 per single block
+    if guidance:  # kohya's module set on the real model: 10 per double block, 3 per single block
         net = lora_flux.create_network(1.0, 2, 1, None, None, real)
-        assert len(net.unet_loras) == 19 * 8 + 38 * 2
+        assert len(net.unet_loras) == 19 * 10 + 38 * 3

@@ -502,7 +502,7 @@ class NetworkTrainer:
             return
         network_module = importlib.import_module(args.network_module)
         network_options.merge_base_weights(args, network_module, components.vae,
-                                           self.lora_target_text_encoders(components), components.unet)
+                                           list(components.text_encoders), components.unet)
 
     def after_prepare(self, args, accelerator, trainable: Trainable, optimizer) -> None:
         """After the optimizer is prepared and the UNet compiled (the full trainers add fused backward here)."""

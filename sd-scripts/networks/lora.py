@@ -50,6 +50,11 @@ class NetworkWeightsError(NetworkArgsError):
     """`--network_weights` that cannot be loaded into the network (a shape that differs)."""
 
 
+def _layers(module: nn.Module) -> list[nn.Module]:
+    """The layer itself, or the layers of a ModuleList (a LoRA split into parts)."""
+    return list(module) if isinstance(module, nn.ModuleList) else [module]
+
+
 class LoRABase(nn.Module):
     """What every LoRA module here shares (networks.lora_flux builds on it too): alpha and scale, the
     dropouts, and out = org + up(down(x)) * multiplier * alpha / dim. Subclasses make the two layers."""
@@ -63,8 +68,10 @@ class LoRABase(nn.Module):
         self.lora_name = lora_name
         self.lora_down = lora_down
         self.lora_up = lora_up
-        nn.init.kaiming_uniform_(self.lora_down.weight, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_up.weight)
+        for layer in _layers(lora_down):
+            nn.init.kaiming_uniform_(layer.weight, a=math.sqrt(5))
+        for layer in _layers(lora_up):
+            nn.init.zeros_(layer.weight)
         if alpha is None or alpha == 0:
             alpha = lora_dim
         alpha = float(alpha.detach().float().item() if isinstance(alpha, torch.Tensor) else alpha)
@@ -76,12 +83,14 @@ class LoRABase(nn.Module):
         self.rank_dropout = rank_dropout
         self.module_dropout = module_dropout
 
-    def add_lora(self, org: torch.Tensor, x: torch.Tensor, up_weight: torch.Tensor | None = None) -> torch.Tensor:
+    def add_lora(self, org: torch.Tensor, x: torch.Tensor, up_weight: torch.Tensor | None = None,
+                 down: nn.Module | None = None, up: nn.Module | None = None) -> torch.Tensor:
         """org (the wrapped layer's output for x) plus the LoRA of x; `up_weight` replaces lora_up by these rows
-        of its weight (a split up-projection)."""
+        of its weight (a split up-projection); `down`/`up` replace lora_down/lora_up (one part of a split LoRA)."""
         if self.module_dropout and self.training and torch.rand(()) < self.module_dropout:
             return org
-        lx = self.lora_down(x.to(self.lora_down.weight.dtype) if not torch.is_autocast_enabled(x.device.type) else x)
+        down = self.lora_down if down is None else down
+        lx = down(x.to(down.weight.dtype) if not torch.is_autocast_enabled(x.device.type) else x)
         if self.dropout and self.training:
             lx = F.dropout(lx, p=self.dropout)
         scale = self.scale
@@ -93,7 +102,10 @@ class LoRABase(nn.Module):
             mask = (torch.rand(shape, device=lx.device) > self.rank_dropout).to(lx.dtype)
             lx = lx * mask
             scale = scale / (1.0 - self.rank_dropout)
-        lx = self.lora_up(lx) if up_weight is None else F.linear(lx, up_weight)
+        if up_weight is not None:
+            lx = F.linear(lx, up_weight)
+        else:
+            lx = (self.lora_up if up is None else up)(lx)
         return org + (lx * (self.multiplier * scale)).to(org.dtype)
 
     def delta_weight(self) -> torch.Tensor:
@@ -118,7 +130,7 @@ class LoRABase(nn.Module):
         norm = self.delta_weight().to(device).norm()
         ratio = (norm.clamp(min=max_norm / 2).clamp(max=max_norm) / norm.clamp(min=max_norm / 2)).item()
         if ratio != 1:
-            for p in (self.lora_down.weight, self.lora_up.weight):
+            for p in list(self.lora_down.parameters()) + list(self.lora_up.parameters()):
                 p.mul_(ratio ** 0.5)
         return ratio != 1, norm.item() * ratio
 
@@ -435,7 +447,7 @@ class LoRANetwork(nn.Module):
         """Loads a kohya LoRA file into this network (`--network_weights`). As upstream (load_state_dict with
         strict=False), keys this network lacks are skipped with a warning and training goes on; a key whose
         shape differs is an error."""
-        sd = load_lora_state_dict(file)
+        sd = self._file_to_own(load_lora_state_dict(file))
         own = self.state_dict()
         unexpected = sorted(set(sd) - set(own))
         if unexpected:
@@ -457,10 +469,17 @@ class LoRANetwork(nn.Module):
             lora.scale = float(lora.alpha) / lora.lora_dim
         logger.info("loaded LoRA weights from %s", file)
 
+    def _file_to_own(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """File layout -> this network's state_dict layout (networks.lora_flux splits qkv LoRAs here)."""
+        return sd
+
+    def _own_to_file(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return sd
+
     def lora_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         from library.compile_utils import strip_orig_mod
 
-        sd = strip_orig_mod(self.state_dict())
+        sd = self._own_to_file(strip_orig_mod(self.state_dict()))
         out = {}
         for k, v in sd.items():
             v = v.detach().clone().to("cpu")
