@@ -1,16 +1,15 @@
 """train_util: --config_file (flat / sectioned, CLI wins, GUI tables skipped, named errors), --output_config,
-optimizers (incl. missing packages, fused AdamW), schedulers, atomic saving, hashes, the progress line, steps/epochs."""
+atomic saving, hashes, the progress line, steps/epochs."""
 from __future__ import annotations
 
 import hashlib
 import re
-import sys
 
 import pytest
 import torch
 
 from library import train_util
-from library.train_util import ConfigError, OptionalPackageError, OutputExistsError
+from library.train_util import ConfigError, OutputExistsError
 
 
 @pytest.fixture(scope="module")
@@ -89,90 +88,6 @@ def test_output_config_and_run_config_round_trip(tmp_path, parser):
             assert getattr(back, key) == value, key
     with pytest.raises(OutputExistsError):  # never over an existing file
         train_util.write_output_config(args)
-
-
-def test_optimizers(parser):
-    params = [torch.nn.Parameter(torch.zeros(3))]
-    cases = {
-        "AdamW": "torch.optim.adamw.AdamW",
-        "SGDNesterov": "torch.optim.sgd.SGD",
-        "Adafactor": "transformers.optimization.Adafactor",
-        "Prodigy": "prodigyopt.prodigy.Prodigy",
-        "torch.optim.RAdam": "torch.optim.radam.RAdam",
-    }
-    for name, cls in cases.items():
-        args = parser.parse_args(["--optimizer_type", name, "--learning_rate", "0.5"])
-        _, full, opt = train_util.get_optimizer(args, params)
-        assert full == cls
-    args = parser.parse_args(["--optimizer_type", "SGDNesterov", "--optimizer_args", "momentum=0.5", "weight_decay=0.01"])
-    _, _, opt = train_util.get_optimizer(args, params)
-    assert opt.defaults["momentum"] == 0.5 and opt.defaults["nesterov"] is True and opt.defaults["weight_decay"] == 0.01
-    args = parser.parse_args(["--optimizer_args", "betas=0.8,0.9"])
-    _, full, opt = train_util.get_optimizer(args, params)
-    assert full == "torch.optim.adamw.AdamW" and opt.defaults["betas"] == (0.8, 0.9)
-    # Adafactor with relative_step picks its own schedule
-    args = parser.parse_args(["--optimizer_type", "adafactor", "--optimizer_args", "relative_step=True"])
-    _, _, opt = train_util.get_optimizer(args, params)
-    assert args.lr_scheduler == "adafactor"
-    assert train_util.get_scheduler(args, opt, 10).__class__.__name__ == "AdafactorSchedule"
-
-
-def test_adamw_is_fused_unless_optimizer_args_choose(parser):
-    """AdamW gets torch's fused kernels (one launch for all tensors); --optimizer_args fused/foreach win."""
-    groups = [{"params": [torch.nn.Parameter(torch.zeros(3))], "lr": 0.1},
-              {"params": [torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))], "lr": 0.2}]
-    _, _, opt = train_util.get_optimizer(parser.parse_args([]), groups)
-    assert opt.defaults["fused"] is True
-    for p in (g["params"][0] for g in groups):
-        p.grad = torch.ones_like(p)
-    opt.step()  # fused step runs on these (CPU, fp32 and bf16) tensors
-    assert all((g["params"][0] < 0).all() for g in groups)
-    _, _, opt = train_util.get_optimizer(parser.parse_args(["--optimizer_args", "foreach=True"]), groups)
-    assert opt.defaults["foreach"] is True and not opt.defaults["fused"]
-    _, _, opt = train_util.get_optimizer(parser.parse_args(["--optimizer_type", "SGDNesterov"]), groups)
-    assert "fused" not in opt.defaults or not opt.defaults["fused"]
-
-
-def test_optimizer_errors(parser, monkeypatch):
-    params = [torch.nn.Parameter(torch.zeros(3))]
-    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
-    monkeypatch.setitem(sys.modules, "bitsandbytes.optim", None)
-    monkeypatch.setitem(sys.modules, "lion_pytorch", None)
-    for name, package in (("AdamW8bit", "bitsandbytes"), ("Lion", "lion-pytorch")):
-        with pytest.raises(OptionalPackageError, match=f"needs the Python package '{package}'.*pip install {package}"):
-            train_util.get_optimizer(parser.parse_args(["--optimizer_type", name]), params)
-    with pytest.raises(ConfigError, match="not supported; allowed: AdamW, AdamW8bit"):
-        train_util.get_optimizer(parser.parse_args(["--optimizer_type", "Adamm"]), params)
-    with pytest.raises(ConfigError, match="not accepted by torch.optim.adamw.AdamW"):
-        train_util.get_optimizer(parser.parse_args(["--optimizer_args", "colour=3"]), params)
-    with pytest.raises(ConfigError, match="must be key=value"):
-        train_util.parse_optimizer_args(["oops"])
-
-
-def test_schedulers(parser):
-    def lrs(argv, steps=10):
-        args = parser.parse_args(["--learning_rate", "1.0", *argv])
-        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-        sched = train_util.get_scheduler(args, opt, steps)
-        out = []
-        for _ in range(steps):
-            out.append(sched.get_last_lr()[0])
-            opt.step()
-            sched.step()
-        return out
-
-    assert lrs(["--lr_scheduler", "constant"]) == [1.0] * 10
-    warm = lrs(["--lr_scheduler", "constant_with_warmup", "--lr_warmup_steps", "4"])
-    assert warm[:5] == [0.0, 0.25, 0.5, 0.75, 1.0] and warm[-1] == 1.0
-    assert lrs(["--lr_scheduler", "constant_with_warmup", "--lr_warmup_steps", "0.2"])[:3] == [0.0, 0.5, 1.0]
-    lin = lrs(["--lr_scheduler", "linear"])
-    assert lin[0] == 1.0 and lin[5] == pytest.approx(0.5)
-    cos = lrs(["--lr_scheduler", "cosine"])
-    assert cos[5] == pytest.approx(0.5) and cos[9] < 0.05
-    restarts = lrs(["--lr_scheduler", "cosine_with_restarts", "--lr_scheduler_num_cycles", "2"])
-    assert restarts[5] == pytest.approx(1.0) and restarts[4] < 0.2
-    poly = lrs(["--lr_scheduler", "polynomial", "--lr_scheduler_power", "2"])
-    assert poly[5] < lin[5]
 
 
 def test_train_length():

@@ -54,9 +54,6 @@ def add_full_training_arguments(parser: argparse.ArgumentParser, *, text_encoder
     else:
         parser.add_argument("--learning_rate_te", type=float, default=None,
                             help="learning rate of the text encoder; default --learning_rate, 0 = frozen")
-    parser.add_argument("--fused_backward_pass", action="store_true",
-                        help="Adafactor only: step each parameter during backward and free its gradient "
-                             "(saves the memory of all gradients; no gradient accumulation)")
     parser.add_argument("--save_model_as", type=str, default="safetensors", choices=list(SAVE_MODEL_AS),
                         help="single file (.safetensors / .ckpt, SGM/LDM keys) or a diffusers folder")
     parser.add_argument("--no_metadata", action="store_true", help="write no ss_*/modelspec metadata")
@@ -144,6 +141,7 @@ class FullTrainer:
 
     default_output_name = "last"
     tracker_name = "finetuning"
+    fuses_backward = True  # --fused_backward_pass steps each parameter inside backward (register_fused_backward)
 
     # -- family hooks ------------------------------------------------------------------------------------
     def trains_text_encoder(self, args) -> bool:
@@ -198,19 +196,11 @@ class FullTrainer:
         if train_te and not any(lrs):
             raise ConfigError("--train_text_encoder with every text-encoder learning rate 0: nothing of the text "
                               "encoders would be trained; drop --train_text_encoder or give a rate above 0")
-        if args.fused_backward_pass:
-            opt = train_util.optimizer_name(args).lower()
-            if opt != "adafactor":
-                raise ConfigError(f"--fused_backward_pass works only with --optimizer_type Adafactor, got "
-                                  f"{train_util.optimizer_name(args)}")
-            if args.gradient_accumulation_steps > 1:
-                raise ConfigError("--fused_backward_pass applies each gradient during backward, so it cannot "
-                                  f"accumulate gradients: drop --gradient_accumulation_steps "
-                                  f"{args.gradient_accumulation_steps} or --fused_backward_pass")
-            if args.mixed_precision == "fp16":
-                raise ConfigError("--fused_backward_pass cannot be used with --mixed_precision fp16 (the loss "
-                                  "scaler needs all gradients before a step); use --mixed_precision bf16")
-        train_util._import_optimizer_class(train_util.optimizer_name(args))
+        # (optimizers.check_optimizer_args, run by verify_training_args, has upstream's Adafactor-only and
+        # no-accumulation rules)
+        if args.fused_backward_pass and args.mixed_precision == "fp16":
+            raise ConfigError("--fused_backward_pass cannot be used with --mixed_precision fp16 (the loss "
+                              "scaler needs all gradients before a step); use --mixed_precision bf16")
         self.assert_extra_args(args)
 
     def output_ext(self, args) -> str:

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from library import config_util, losses, network_options, noise, parity, train_util, validation
+from library import config_util, losses, network_options, noise, optimizers, parity, schedulers, train_util, validation
 from library.captions import apply_token_weights, weighted_for, weighted_token_ids
 from library.step_timer import StepTimer
 from library.train_util import ConfigError
@@ -94,7 +94,8 @@ def base_parser() -> argparse.ArgumentParser:
     train_util.add_training_arguments(parser)
     noise.add_noise_arguments(parser)
     losses.add_loss_arguments(parser)
-    train_util.add_optimizer_arguments(parser)
+    optimizers.add_optimizer_arguments(parser)
+    schedulers.add_scheduler_arguments(parser)
     train_util.add_config_arguments(parser)
     parity.add_refused_arguments(parser)
     return parser
@@ -427,12 +428,17 @@ class NetworkTrainer:
             from library.sample_prompts import parse_prompt_file
 
             parse_prompt_file(args.sample_prompts)  # PromptFileError names the file and line
-        # a missing optimizer package is reported now, not after the models load
-        train_util._import_optimizer_class(train_util.optimizer_name(args))
+        if args.fused_backward_pass and not self.fuses_backward:
+            logger.info("--fused_backward_pass: checked as upstream; a LoRA is stepped after backward as upstream's "
+                        "LoRA scripts do (its gradients are small)")
         self.assert_extra_args(args)
 
     def output_ext(self, args) -> str:
         return "." + args.save_model_as
+
+    # upstream's LoRA scripts accept and check --fused_backward_pass but their loop never fuses; the full
+    # trainers (library.full_trainer) do
+    fuses_backward = False
 
     # -- what is trained (the LoRA network here; library.full_trainer trains the models themselves) -------
     def setup_trainable(self, args, accelerator, components, weight_dtype, caching_te: bool) -> Trainable:
@@ -604,7 +610,7 @@ class NetworkTrainer:
             vae.requires_grad_(False).eval()
             vae.to(device, dtype=vae_dtype)
 
-        opt_name, opt_class, optimizer = train_util.get_optimizer(args, trainable.param_groups)
+        opt_name, opt_class, optimizer = optimizers.get_optimizer(args, trainable.param_groups)
         # sharded over the processes: each sees len(group) / num_processes batches per epoch
         dataloader = accelerator.prepare(_make_dataloader(group, args))
         num_batches = len(dataloader)
@@ -612,8 +618,8 @@ class NetworkTrainer:
         args.max_train_steps = max_train_steps
         for g in groups:  # token warm-up (upstream's validation batches follow the training step too)
             g.set_max_train_steps(max_train_steps)
-        # not prepared: accelerate would step it once per process; stepped here once per optimizer step
-        lr_scheduler = train_util.get_scheduler(args, optimizer, max_train_steps)
+        # not prepared by accelerate (our loop steps it: schedulers.step follows accelerate's rule exactly)
+        lr_scheduler = schedulers.get_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
         optimizer = accelerator.prepare(optimizer)
         if args.full_fp16:
             _allow_fp16_grad_unscale(accelerator)
@@ -621,6 +627,8 @@ class NetworkTrainer:
         self.after_prepare(args, accelerator, trainable, optimizer)
         trained_params = [p for m in trainable.models for p in m.parameters() if p.requires_grad]
 
+        self.optimizers = [optimizer]
+        optimizer_train, _ = optimizers.train_eval_fns(self.optimizers, args)
         state = TrainState()
         seed = args.seed if args.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
         self.noise_generator = torch.Generator(device=device).manual_seed(seed + accelerator.process_index)
@@ -632,6 +640,7 @@ class NetworkTrainer:
         if args.resume:
             logger.info("resuming from %s", args.resume)
             accelerator.load_state(args.resume)
+            optimizer_train()  # a schedule-free optimizer's state was saved in eval mode
             logger.info("resumed at step %d (epoch %d)", state.global_step, state.epoch)
 
         noise_scheduler = self.get_noise_scheduler(args, components)
@@ -663,7 +672,7 @@ class NetworkTrainer:
         losses: list[float] = []
         sample_kwargs = dict(components=components, accelerator=accelerator, models=trainable.models,
                              prediction_type=prediction_type)
-        fused = bool(getattr(args, "fused_backward_pass", False))
+        fused = bool(getattr(args, "fused_backward_pass", False)) and self.fuses_backward
 
         if args.sample_at_first:
             self.sample_images(args, epoch=None, steps=global_step, **sample_kwargs)
@@ -703,8 +712,8 @@ class NetworkTrainer:
                             network_options.after_grad_sync(trainable.models)
                         optimizer.step()
                         optimizer.zero_grad(set_to_none=True)
-                    if accelerator.sync_gradients:
-                        lr_scheduler.step()
+                    schedulers.step(lr_scheduler, optimizer, num_processes=accelerator.num_processes,
+                                    sync_gradients=accelerator.sync_gradients)
 
                 last_loss = loss.detach().item()
                 losses.append(last_loss)
@@ -776,10 +785,11 @@ class NetworkTrainer:
         data_parallel.log_process_done(accelerator, global_step, last_loss, trained_params)
         final_epoch = max(state.epoch, 1)
         accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            self.save_model(args, accelerator, trainable, metadata, final_path, final_epoch, global_step)
-        if args.save_state or args.save_state_on_train_end:
-            self.save_state(args, accelerator, train_util.state_dir_name(args.output_name))
+        with self.eval_weights(args):
+            if accelerator.is_main_process:
+                self.save_model(args, accelerator, trainable, metadata, final_path, final_epoch, global_step)
+            if args.save_state or args.save_state_on_train_end:
+                self.save_state(args, accelerator, train_util.state_dir_name(args.output_name))
         accelerator.wait_for_everyone()
         accelerator.end_training()
         logger.info("model saved: %s", final_path)
@@ -920,6 +930,10 @@ class NetworkTrainer:
     def save_checkpoint(self, args, accelerator, trainable, metadata, epoch, step, ext, by_step: bool) -> None:
         """An intermediate save (kohya names `-step00000010` / `-000001`), old ones pruned by save_last_n_*.
         Every process calls it; the model is written by the main process only."""
+        with self.eval_weights(args):
+            self._save_checkpoint(args, accelerator, trainable, metadata, epoch, step, ext, by_step)
+
+    def _save_checkpoint(self, args, accelerator, trainable, metadata, epoch, step, ext, by_step: bool) -> None:
         accelerator.wait_for_everyone()
         out = args.output_dir
         if by_step:
@@ -950,12 +964,21 @@ class NetworkTrainer:
                 _remove(os.path.join(out, train_util.epoch_file_name(args.output_name, old_epoch, ext)))
                 _remove(os.path.join(out, train_util.state_dir_name(args.output_name, epoch=old_epoch)))
 
+    def eval_weights(self, args):
+        """Context: the model holds a schedule-free optimizer's evaluation weights (sampling, saving), as
+        upstream; nothing changes with other optimizers."""
+        return optimizers.eval_mode(getattr(self, "optimizers", []), args)
+
     def sample_images(self, args, *, epoch, steps, components, accelerator, models, prediction_type) -> None:
         """Main process only; `models` (the trained modules) are put in eval mode while sampling."""
         if not args.sample_prompts or not accelerator.is_main_process:
             return
         from library import sampling
 
+        with self.eval_weights(args):
+            self._sample_images(args, sampling, epoch, steps, components, accelerator, models, prediction_type)
+
+    def _sample_images(self, args, sampling, epoch, steps, components, accelerator, models, prediction_type) -> None:
         vae_device = components.vae.device
         components.vae.to(accelerator.device)
         tes_devices = [te.device for te in components.text_encoders]

@@ -1,5 +1,6 @@
-"""Pieces every trainer shares: argparse groups, `--config_file` TOML reading, optimizers, LR schedulers,
-output naming, atomic saving, `ss_*` metadata and hashes, the plain progress line, the run's TOML.
+"""Pieces every trainer shares: argparse groups, `--config_file` TOML reading, output naming, atomic saving,
+`ss_*` metadata and hashes, the plain progress line, the run's TOML (optimizers: library.optimizers, LR
+schedulers: library.schedulers).
 
 Full-model trainers (sdxl_train.py, train_db.py, fine_tune.py) reuse these as they are; the LoRA loop lives
 in `network_trainer.py`.
@@ -7,7 +8,6 @@ in `network_trainer.py`.
 from __future__ import annotations
 
 import argparse
-import ast
 import difflib
 import hashlib
 import importlib
@@ -21,7 +21,7 @@ import sys
 import time
 import tomllib
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -56,24 +56,6 @@ def setup_logging(level: int = logging.INFO) -> None:
 # argparse groups (kohya-ss/sd-scripts flag names and defaults)
 
 
-def int_or_float(value: str) -> int | float:
-    """`--lr_warmup_steps 100` (steps), `0.05` or `5%` (a ratio of the total steps), as upstream reads them:
-    a value of 1 or more must be a whole number of steps."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return value
-    text = str(value).strip()
-    if text.endswith("%"):
-        try:
-            return float(text[:-1]) / 100.0
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{value!r} is not a valid percentage") from None
-    try:
-        number = float(text)
-        return int(text) if number >= 1 else number
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of steps or a ratio below 1") from None
-
-
 def add_sd_models_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--v2", action="store_true", help="the model is Stable Diffusion 2.x")
     parser.add_argument("--v_parameterization", action="store_true", help="v-prediction model (SD2.x 768-v)")
@@ -85,19 +67,23 @@ def add_sd_models_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_optimizer_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--optimizer_type", type=str, default="",
-                        help=f"one of {', '.join(OPTIMIZER_NAMES)} or a full class path (module.Class); default AdamW")
-    parser.add_argument("--use_8bit_adam", action="store_true", help="same as --optimizer_type AdamW8bit")
-    parser.add_argument("--learning_rate", type=float, default=2.0e-6, help="learning rate")
-    parser.add_argument("--max_grad_norm", type=float, default=1.0, help="gradient clipping (0 = off)")
-    parser.add_argument("--optimizer_args", type=str, default=None, nargs="*",
-                        help='extra optimizer arguments as key=value, e.g. "weight_decay=0.01 betas=0.9,0.999"')
-    parser.add_argument("--lr_scheduler", type=str, default="constant",
-                        help=f"one of {', '.join(SCHEDULER_NAMES)}")
-    parser.add_argument("--lr_warmup_steps", type=int_or_float, default=0,
-                        help="warmup steps, or a ratio of the total steps when below 1")
-    parser.add_argument("--lr_scheduler_num_cycles", type=int, default=1, help="restarts for cosine_with_restarts")
-    parser.add_argument("--lr_scheduler_power", type=float, default=1, help="power of the polynomial scheduler")
+    """The optimizer and LR-scheduler flags (library.optimizers, library.schedulers)."""
+    from library import optimizers, schedulers
+
+    optimizers.add_optimizer_arguments(parser)
+    schedulers.add_scheduler_arguments(parser)
+
+
+# moved to library.optimizers / library.schedulers; these names still work from here
+_MOVED = {"get_optimizer": "optimizers", "parse_optimizer_args": "optimizers", "optimizer_name": "optimizers",
+          "OPTIMIZER_NAMES": "optimizers", "_can_fuse": "optimizers", "get_scheduler": "schedulers",
+          "SCHEDULER_NAMES": "schedulers", "int_or_float": "schedulers"}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        return getattr(importlib.import_module(f"library.{_MOVED[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
@@ -375,136 +361,14 @@ def verify_training_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--resume: state folder not found: {args.resume}")
     if args.sample_prompts and not os.path.isfile(args.sample_prompts):
         raise ConfigError(f"--sample_prompts: file not found: {args.sample_prompts}")
-    if args.lr_scheduler not in SCHEDULER_NAMES:
-        raise ConfigError(f"--lr_scheduler {args.lr_scheduler!r} is not supported; allowed: {', '.join(SCHEDULER_NAMES)}")
+    from library import optimizers, schedulers
 
-
-# ----------------------------------------------------------------------------------------------------------
-# optimizers and schedulers
-
-# lower-case name -> (module, class, pip package or None)
-_OPTIMIZERS = {
-    "adamw": ("torch.optim", "AdamW", None),
-    "adamw8bit": ("bitsandbytes.optim", "AdamW8bit", "bitsandbytes"),
-    "pagedadamw8bit": ("bitsandbytes.optim", "PagedAdamW8bit", "bitsandbytes"),
-    "adafactor": ("transformers.optimization", "Adafactor", None),
-    "prodigy": ("prodigyopt", "Prodigy", "prodigyopt"),
-    "sgdnesterov": ("torch.optim", "SGD", None),
-    "sgdnesterov8bit": ("bitsandbytes.optim", "SGD8bit", "bitsandbytes"),
-    "sgd": ("torch.optim", "SGD", None),
-    "lion": ("lion_pytorch", "Lion", "lion-pytorch"),
-    "lion8bit": ("bitsandbytes.optim", "Lion8bit", "bitsandbytes"),
-}
-OPTIMIZER_NAMES = ["AdamW", "AdamW8bit", "PagedAdamW8bit", "Adafactor", "Prodigy", "SGDNesterov",
-                   "SGDNesterov8bit", "SGD", "Lion", "Lion8bit"]
-SCHEDULER_NAMES = ["constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial",
-                   "adafactor"]
-
-
-def parse_optimizer_args(items: Iterable[str] | None) -> dict[str, Any]:
-    """`key=value` pairs; values are Python literals (numbers, True, tuples as `0.9,0.999`) or text."""
-    out: dict[str, Any] = {}
-    for item in items or []:
-        if "=" not in item:
-            raise ConfigError(f"--optimizer_args: {item!r} must be key=value")
-        key, raw = item.split("=", 1)
-        key, raw = key.strip(), raw.strip()
-        try:
-            value = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            value = raw
-        out[key] = value
-    return out
-
-
-def _import_optimizer_class(name: str):
-    key = name.lower()
-    if key in _OPTIMIZERS:
-        module_name, class_name, package = _OPTIMIZERS[key]
-    elif "." in name:
-        module_name, class_name = name.rsplit(".", 1)
-        package = module_name.split(".")[0]
-    else:
-        raise ConfigError(f"--optimizer_type {name!r} is not supported; allowed: {', '.join(OPTIMIZER_NAMES)} "
-                          "or a full class path like torch.optim.RAdam")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise OptionalPackageError(f"--optimizer_type {name} needs the Python package {package!r}, which is not "
-                                   f"installed (pip install {package})") from e
-    if not hasattr(module, class_name):
-        raise ConfigError(f"--optimizer_type {name}: {module_name} has no {class_name}")
-    return getattr(module, class_name)
-
-
-def optimizer_name(args: argparse.Namespace) -> str:
-    name = args.optimizer_type or ("AdamW8bit" if getattr(args, "use_8bit_adam", False) else "AdamW")
-    return name
-
-
-def _can_fuse(cls, params, kwargs: dict) -> bool:
-    """torch's AdamW/Adam on CUDA (or CPU) float tensors, with no fused/foreach choice in --optimizer_args."""
-    if cls not in (torch.optim.AdamW, torch.optim.Adam) or {"fused", "foreach", "differentiable"} & kwargs.keys():
-        return False
-    tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
-    return bool(tensors) and all(t.device.type in ("cuda", "cpu") and t.is_floating_point() for t in tensors)
-
-
-def get_optimizer(args: argparse.Namespace, params) -> tuple[str, str, torch.optim.Optimizer]:
-    """-> (name, "module.Class" for metadata, optimizer). `params` is a list of param groups or tensors."""
-    name = optimizer_name(args)
-    cls = _import_optimizer_class(name)
-    kwargs = parse_optimizer_args(args.optimizer_args)
-    key = name.lower()
-    lr = args.learning_rate
-    if key.startswith("sgdnesterov"):
-        kwargs.setdefault("momentum", 0.9)
-        kwargs.setdefault("nesterov", True)
-    if key == "adafactor":
-        kwargs.setdefault("relative_step", False)
-        kwargs.setdefault("scale_parameter", False)
-        kwargs.setdefault("warmup_init", False)
-        if kwargs["relative_step"]:
-            lr = None  # Adafactor computes its own step size
-            if args.lr_scheduler != "adafactor":
-                logger.info("Adafactor with relative_step=True: using the adafactor scheduler")
-                args.lr_scheduler = "adafactor"
-    if args.lr_scheduler == "adafactor" and key != "adafactor":
-        raise ConfigError("--lr_scheduler adafactor works only with --optimizer_type Adafactor")
-    if _can_fuse(cls, params, kwargs):
-        # a few kernels for all tensors: with torch's default (foreach) a compiled SDXL LoRA step on an H100
-        # took 161 ms instead of 113 ms (docs/BENCHMARKS.md, run13)
-        kwargs["fused"] = True
-    try:
-        optimizer = cls(params, lr=lr, **kwargs) if lr is not None else cls(params, **kwargs)
-    except TypeError as e:
-        raise ConfigError(f"--optimizer_args {kwargs} not accepted by {cls.__module__}.{cls.__name__}: {e}") from e
-    logger.info("optimizer %s.%s, lr %s, args %s", cls.__module__, cls.__name__, lr, kwargs)
-    return name, f"{cls.__module__}.{cls.__name__}", optimizer
-
-
-def get_scheduler(args: argparse.Namespace, optimizer: torch.optim.Optimizer, num_training_steps: int):
-    """diffusers' schedulers; `--lr_warmup_steps` below 1 is a ratio of the total steps."""
-    warmup = args.lr_warmup_steps or 0
-    if isinstance(warmup, float) and warmup < 1:
-        warmup = int(warmup * num_training_steps)
-    warmup = int(warmup)
-    name = args.lr_scheduler
-    if name == "adafactor":
-        from transformers.optimization import AdafactorSchedule
-
-        return AdafactorSchedule(optimizer, initial_lr=args.learning_rate)
-    if name == "constant" and warmup:
-        logger.warning("--lr_warmup_steps is ignored by the constant scheduler; use constant_with_warmup")
-    from diffusers.optimization import get_scheduler as diffusers_get_scheduler
-
-    kwargs = {}
-    if name == "cosine_with_restarts":
-        kwargs["num_cycles"] = args.lr_scheduler_num_cycles
-    if name == "polynomial":
-        kwargs["power"] = args.lr_scheduler_power
-    return diffusers_get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=num_training_steps,
-                                   **kwargs)
+    optimizers.check_optimizer_args(args)  # a missing optimizer package is reported now, not after models load
+    schedulers.check_scheduler_args(args)
+    mint = 0 if args.min_timestep is None else args.min_timestep
+    maxt = 1000 if args.max_timestep is None else args.max_timestep
+    if not 0 <= mint < maxt <= 1000:
+        raise ConfigError(f"--min_timestep/--max_timestep must satisfy 0 <= min < max <= 1000, got {mint}, {maxt}")
 
 
 # ----------------------------------------------------------------------------------------------------------
