@@ -295,3 +295,41 @@ def test_schedulefree_eval_mode_around_a_save(parser, tmp_path):
     train, evaluate = optimizers.train_eval_fns(opt, _args(parser, "--optimizer_type", "AdamW"))
     evaluate()
     assert opt.param_groups[0]["train_mode"] is True
+
+
+# ----------------------------------------------------------------------------------------------------------
+# end to end
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+def test_lora_trains_with_schedulefree_and_saves_its_eval_weights(tmp_path, tiny_sd1_single_file, tiny_dataset_dir):
+    """A tiny SD1 LoRA run with AdamWScheduleFree: it trains, and the saved file holds the optimizer's evaluation
+    weights (upstream switches to eval mode around saving), not the weights the gradients are taken at."""
+    from lora_checks import read_lora
+
+    import train_network
+    from library.network_trainer import NetworkTrainer, run
+
+    trainer = NetworkTrainer()
+    path = run(trainer, train_network.setup_parser(), [
+        "--pretrained_model_name_or_path", str(tiny_sd1_single_file),
+        "--tokenizer_cache_dir", str(tiny_sd1_single_file.parent / "tokenizers"),
+        "--train_data_dir", str(tiny_dataset_dir), "--output_dir", str(tmp_path), "--output_name", "sf",
+        "--network_module", "networks.lora", "--network_dim", "4", "--network_alpha", "4", "--resolution", "64",
+        "--max_train_steps", "3", "--learning_rate", "1e-2", "--max_data_loader_n_workers", "0", "--seed", "1",
+        "--optimizer_type", "AdamWScheduleFree", "--optimizer_args", "warmup_steps=0", "weight_decay=0.01"])
+    sd, md = read_lora(path)
+    assert md["ss_optimizer"].startswith("schedulefree.") and "AdamWScheduleFree(warmup_steps=0" in md["ss_optimizer"]
+    opt = trainer.optimizers[0].optimizer
+    params = [p for g in opt.param_groups for p in g["params"]]
+    ups = [t for k, t in sd.items() if k.endswith("lora_up.weight")]
+    assert any(t.abs().sum() > 0 for t in ups)  # trained (lora_up starts at zero)
+
+    def saved_match():
+        return all(any(p.shape == t.shape and torch.allclose(p.detach().float(), t.float(), atol=1e-6)
+                       for p in params) for k, t in sd.items() if not k.endswith(".alpha"))
+
+    assert opt.param_groups[0]["train_mode"] is True and not saved_match()
+    opt.eval()
+    assert saved_match()
