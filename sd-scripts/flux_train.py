@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from flux_train_network import FluxNetworkTrainer  # noqa: E402
-from library import compile_utils, flux_models, flux_train_utils, full_trainer, train_util  # noqa: E402
+from library import compile_utils, flux_models, flux_train_utils, full_trainer, optimizers, train_util  # noqa: E402
 from library.full_trainer import FullTrainer  # noqa: E402
 from library.train_util import ConfigError  # noqa: E402
 
@@ -48,12 +48,35 @@ class FluxTrainer(FullTrainer, FluxNetworkTrainer):
         if args.blocks_to_swap and not args.fused_backward_pass:
             raise ConfigError("--blocks_to_swap in a full fine-tune needs --fused_backward_pass (with --optimizer_type "
                               "Adafactor): each weight must be updated while its block is on the GPU")
+        if self.fused_optimizer_groups(args) and optimizers.is_schedulefree(args):
+            raise ConfigError("--blockwise_fused_optimizers cannot be used with a schedule-free optimizer "
+                              f"({optimizers.optimizer_type(args)}), as upstream")
+        if args.fused_optimizer_groups:
+            logger.warning("--fused_optimizer_groups has no effect in flux_train.py (upstream: \"this option is not "
+                           "working\"); use --blockwise_fused_optimizers")
         if args.train_blocks not in TRAIN_BLOCKS:
             raise ConfigError(f"--train_blocks {args.train_blocks}: allowed: {', '.join(TRAIN_BLOCKS)}")
         super().assert_extra_args(args)
 
     def trained_model(self, components):
         return components.transformer
+
+    def fused_optimizer_groups(self, args) -> bool:
+        return bool(args.blockwise_fused_optimizers) and not args.fused_backward_pass
+
+    def optimizer_param_groups(self, args, trainable):
+        """--blockwise_fused_optimizers: one optimizer per double block, per single block, and one for the rest
+        (upstream's grouping; one learning rate for all, as upstream)."""
+        if not self.fused_optimizer_groups(args):
+            return [trainable.param_groups]
+        by_block: dict[tuple[str, int], list] = {}
+        for name, param in self.components.transformer.named_parameters():
+            if not param.requires_grad:
+                continue
+            head, _, rest = name.partition(".")
+            key = {"transformer_blocks": "double", "single_transformer_blocks": "single"}.get(head, "other")
+            by_block.setdefault((key, int(rest.split(".")[0]) if key != "other" else -1), []).append(param)
+        return [[{"params": params, "lr": args.learning_rate}] for params in by_block.values()]
 
     def setup_trainable(self, args, accelerator, components, weight_dtype, caching_te: bool):
         """The transformer (or its --train_blocks) is trained; with --blocks_to_swap only the resident blocks go
@@ -122,6 +145,10 @@ def setup_parser() -> argparse.ArgumentParser:
     flux_train_utils.add_flux_arguments(parser)
     parser.add_argument("--train_blocks", type=str, default="all", choices=TRAIN_BLOCKS,
                         help="which transformer blocks are trained: all (the whole transformer), single or double")
+    full_trainer.add_fused_optimizer_groups_argument(parser)
+    parser.add_argument("--blockwise_fused_optimizers", action="store_true",
+                        help="one optimizer per transformer block, each stepped inside backward as soon as its "
+                             "block's gradients are complete (any optimizer; saves the memory of all gradients)")
     compile_utils.add_compile_arguments(parser)
     return parser
 

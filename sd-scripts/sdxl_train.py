@@ -15,6 +15,7 @@ also trains the text encoders. Or `--config_file cfg.toml` (flags on the command
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -22,7 +23,61 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from library import compile_utils, full_trainer  # noqa: E402
 from library.full_trainer import FullTrainer  # noqa: E402
+from library.train_util import ConfigError  # noqa: E402
 from sdxl_train_network import SDXLNetworkTrainer  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+# upstream's --block_lr: one rate per SGM block of the UNet
+UNET_NUM_BLOCKS_FOR_BLOCK_LR = 23
+
+
+def parse_block_lr(text: str) -> list[float]:
+    try:
+        lrs = [float(v) for v in text.split(",")]
+    except ValueError:
+        lrs = []
+    if len(lrs) != UNET_NUM_BLOCKS_FOR_BLOCK_LR or any(lr < 0 for lr in lrs):
+        raise ConfigError(f"--block_lr needs {UNET_NUM_BLOCKS_FOR_BLOCK_LR} comma-separated learning rates of 0 or "
+                          f"more (time/label embeddings, input_blocks 0-8, middle_block 0-2, output_blocks 0-8, "
+                          f"out), got {text!r}")
+    return lrs
+
+
+def block_index(sgm_name: str) -> int:
+    """Upstream's block of an SGM UNet parameter: 0 embeddings, 1-9 input_blocks, 10-12 middle_block,
+    13-21 output_blocks, 22 out."""
+    head, _, rest = sgm_name.partition(".")
+    if head in ("time_embed", "label_emb"):
+        return 0
+    offsets = {"input_blocks": 1, "middle_block": 10, "output_blocks": 13}
+    if head in offsets:
+        return offsets[head] + int(rest.split(".")[0])
+    if head == "out":
+        return 22
+    raise ValueError(f"unexpected SDXL UNet parameter {sgm_name}")
+
+
+def block_lr_param_groups(unet, lrs: list[float]) -> list[dict]:
+    """One param group per block with a rate above 0, in block order; the blocks at 0 are frozen.
+    (Upstream leaves them trainable but outside the optimizer: their gradients are computed, never applied
+    nor cleared, and count in the clipping norm; freezing them trains the same blocks without that.)"""
+    from library.model_util import unet_sgm_module_names
+
+    sgm_modules = unet_sgm_module_names(unet)
+    blocks: list[list] = [[] for _ in lrs]
+    for name, param in unet.named_parameters():
+        module, _, leaf = name.rpartition(".")
+        blocks[block_index(f"{sgm_modules[module]}.{leaf}")].append(param)
+    groups = []
+    for i, (lr, params) in enumerate(zip(lrs, blocks)):
+        if lr == 0:
+            for p in params:
+                p.requires_grad_(False)
+        elif params:
+            groups.append({"params": params, "lr": lr})
+    logger.info("--block_lr: %d UNet blocks trained, %d frozen", len(groups), lrs.count(0))
+    return groups
 
 
 class SDXLTrainer(FullTrainer, SDXLNetworkTrainer):
@@ -30,6 +85,17 @@ class SDXLTrainer(FullTrainer, SDXLNetworkTrainer):
     accelerator.prepare) with the full-model training of library.full_trainer."""
 
     tracker_name = "sdxl_finetuning"
+
+    def assert_extra_args(self, args) -> None:
+        if args.block_lr:
+            parse_block_lr(args.block_lr)
+        super().assert_extra_args(args)
+
+    def setup_trainable(self, args, accelerator, components, weight_dtype, caching_te: bool):
+        trainable = super().setup_trainable(args, accelerator, components, weight_dtype, caching_te)
+        if args.block_lr:  # the UNet's group (the first) becomes one group per block
+            trainable.param_groups[0:1] = block_lr_param_groups(components.unet, parse_block_lr(args.block_lr))
+        return trainable
 
     def text_encoder_lrs(self, args) -> list[float | None]:
         def rate(value):
@@ -40,6 +106,10 @@ class SDXLTrainer(FullTrainer, SDXLNetworkTrainer):
 
 def setup_parser() -> argparse.ArgumentParser:
     parser = full_trainer.setup_parser(text_encoders=2)
+    parser.add_argument("--block_lr", type=str, default=None,
+                        help=f"learning rates of the UNet's {UNET_NUM_BLOCKS_FOR_BLOCK_LR} blocks, comma-separated "
+                             "(0 = the block is not trained)")
+    full_trainer.add_fused_optimizer_groups_argument(parser)
     compile_utils.add_compile_arguments(parser)
     return parser
 

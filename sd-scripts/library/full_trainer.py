@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
+import math
 import time
 from typing import Any
 
@@ -102,6 +103,68 @@ def register_fused_backward(args, accelerator, optimizer) -> int:
             n += 1
     logger.info("fused backward pass: the optimizer steps %d parameters during backward", n)
     return n
+
+
+def register_grouped_fused_backward(args, accelerator, optimizers: list) -> list[int]:
+    """Upstream's fused optimizer groups (sdxl_train --fused_optimizer_groups, flux_train
+    --blockwise_fused_optimizers): each optimizer steps, inside backward, as soon as every parameter it holds has
+    its gradient (each gradient averaged over the processes and clipped on its own first), then frees them.
+    Returns the per-optimizer counters; `reset_counts` empties them at the start of each step, as upstream."""
+    counts = [0] * len(optimizers)
+    sizes = [0] * len(optimizers)
+    for i, optimizer in enumerate(optimizers):
+        inner = getattr(optimizer, "optimizer", optimizer)
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not param.requires_grad:
+                    continue
+                sizes[i] += 1
+
+                def hook(tensor: torch.Tensor, i=i) -> None:
+                    if accelerator.sync_gradients:
+                        data_parallel.all_reduce_gradient(tensor.grad, accelerator)
+                        if args.max_grad_norm:
+                            torch.nn.utils.clip_grad_norm_([tensor], args.max_grad_norm)
+                    counts[i] += 1
+                    if counts[i] == sizes[i]:
+                        # accelerate's optimizer steps (and zeroes) only when gradients are synchronised
+                        optimizers[i].step()
+                        optimizers[i].zero_grad(set_to_none=True)
+
+                param.register_post_accumulate_grad_hook(hook)
+    logger.info("fused optimizer groups: %d optimizers step during backward (%s parameters each)", len(optimizers),
+                ", ".join(map(str, sizes)))
+    return counts
+
+
+def add_fused_optimizer_groups_argument(parser: argparse.ArgumentParser) -> None:
+    """sdxl_train.py and flux_train.py (flux_train: accepted, no effect, as upstream)."""
+    parser.add_argument("--fused_optimizer_groups", type=int, default=None,
+                        help="number of optimizers that step inside backward, each over a part of the parameters "
+                             "(saves the memory of all gradients, any optimizer)")
+
+
+def split_param_groups(param_groups: list[dict], n: int) -> list[dict]:
+    """Upstream's --fused_optimizer_groups split: about len/n tensors per group, in order, and a new group
+    wherever the learning rate changes (so there can be more than n)."""
+    total = sum(len(g["params"]) for g in param_groups)
+    per_group = math.ceil(total / n)
+    out: list[dict] = []
+    current: list = []
+    current_lr = None
+    for group in param_groups:
+        for param in group["params"]:
+            if current and group["lr"] != current_lr:
+                out.append({"params": current, "lr": current_lr})
+                current = []
+            current_lr = group["lr"]
+            current.append(param)
+            if len(current) == per_group:
+                out.append({"params": current, "lr": current_lr})
+                current = []
+    if current:
+        out.append({"params": current, "lr": current_lr})
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -198,9 +261,18 @@ class FullTrainer:
                               "encoders would be trained; drop --train_text_encoder or give a rate above 0")
         # (optimizers.check_optimizer_args, run by verify_training_args, has upstream's Adafactor-only and
         # no-accumulation rules)
-        if args.fused_backward_pass and args.mixed_precision == "fp16":
-            raise ConfigError("--fused_backward_pass cannot be used with --mixed_precision fp16 (the loss "
-                              "scaler needs all gradients before a step); use --mixed_precision bf16")
+        fused_flag = "--fused_backward_pass" if args.fused_backward_pass else \
+            "--fused_optimizer_groups" if getattr(args, "fused_optimizer_groups", None) else \
+            "--blockwise_fused_optimizers" if getattr(args, "blockwise_fused_optimizers", False) else None
+        if fused_flag and args.mixed_precision == "fp16":
+            # (upstream lets it run; its GradScaler would unscale and update once per group, not once per step)
+            raise ConfigError(f"{fused_flag} cannot be used with --mixed_precision fp16 (the loss scaler needs "
+                              "all gradients before a step); use --mixed_precision bf16")
+        if getattr(args, "fused_optimizer_groups", None) is not None and args.fused_optimizer_groups < 1:
+            raise ConfigError(f"--fused_optimizer_groups must be 1 or more, got {args.fused_optimizer_groups}")
+        if args.fused_backward_pass and fused_flag and (getattr(args, "fused_optimizer_groups", None) or
+                                                       getattr(args, "blockwise_fused_optimizers", False)):
+            logger.warning("--fused_backward_pass is used; the fused optimizer groups are not (as upstream)")
         self.assert_extra_args(args)
 
     def output_ext(self, args) -> str:
@@ -242,9 +314,28 @@ class FullTrainer:
                     str(train_dtype).removeprefix("torch."))
         return Trainable(models=models, param_groups=groups, train_text_encoder=train_text_encoder)
 
+    def fused_optimizer_groups(self, args) -> bool:
+        """Several optimizers stepped inside backward (--fused_optimizer_groups N; FLUX: blockwise)."""
+        return bool(getattr(args, "fused_optimizer_groups", None)) and not args.fused_backward_pass
+
+    def steps_in_backward(self, args) -> bool:
+        return bool(args.fused_backward_pass) or self.fused_optimizer_groups(args)
+
+    def optimizer_param_groups(self, args, trainable: Trainable) -> list[list[dict]]:
+        if self.fused_optimizer_groups(args):
+            return [[g] for g in split_param_groups(trainable.param_groups, args.fused_optimizer_groups)]
+        return [trainable.param_groups]
+
     def after_prepare(self, args, accelerator, trainable: Trainable, optimizer) -> None:
-        if args.fused_backward_pass:
+        if args.fused_backward_pass:  # upstream: it wins over the optimizer groups
             register_fused_backward(args, accelerator, optimizer)
+        elif self.fused_optimizer_groups(args):
+            self.fused_counts = register_grouped_fused_backward(args, accelerator, self.optimizers)
+
+    def on_step_start(self, args) -> None:
+        for i in range(len(getattr(self, "fused_counts", []))):
+            self.fused_counts[i] = 0
+        super().on_step_start(args)
 
     def on_epoch_start(self, args, trainable: Trainable, components) -> None:
         pass

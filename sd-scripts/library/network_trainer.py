@@ -428,7 +428,7 @@ class NetworkTrainer:
             from library.sample_prompts import parse_prompt_file
 
             parse_prompt_file(args.sample_prompts)  # PromptFileError names the file and line
-        if args.fused_backward_pass and not self.fuses_backward:
+        if args.fused_backward_pass and not self.steps_in_backward(args):
             logger.info("--fused_backward_pass: checked as upstream; a LoRA is stepped after backward as upstream's "
                         "LoRA scripts do (its gradients are small)")
         self.assert_extra_args(args)
@@ -436,9 +436,14 @@ class NetworkTrainer:
     def output_ext(self, args) -> str:
         return "." + args.save_model_as
 
-    # upstream's LoRA scripts accept and check --fused_backward_pass but their loop never fuses; the full
-    # trainers (library.full_trainer) do
-    fuses_backward = False
+    def steps_in_backward(self, args) -> bool:
+        """Whether the optimizer(s) step inside backward (the full trainers' fused backward / optimizer groups).
+        Upstream's LoRA scripts accept and check --fused_backward_pass, but their loop never fuses."""
+        return False
+
+    def optimizer_param_groups(self, args, trainable: Trainable) -> list[list[dict]]:
+        """The param groups of each optimizer: one optimizer over all of them here."""
+        return [trainable.param_groups]
 
     # -- what is trained (the LoRA network here; library.full_trainer trains the models themselves) -------
     def setup_trainable(self, args, accelerator, components, weight_dtype, caching_te: bool) -> Trainable:
@@ -610,7 +615,9 @@ class NetworkTrainer:
             vae.requires_grad_(False).eval()
             vae.to(device, dtype=vae_dtype)
 
-        opt_name, opt_class, optimizer = optimizers.get_optimizer(args, trainable.param_groups)
+        # one optimizer, or one per part of the model for the full trainers' fused optimizer groups
+        built = [optimizers.get_optimizer(args, groups) for groups in self.optimizer_param_groups(args, trainable)]
+        opt_name, opt_class = built[0][:2]
         # sharded over the processes: each sees len(group) / num_processes batches per epoch
         dataloader = accelerator.prepare(_make_dataloader(group, args))
         num_batches = len(dataloader)
@@ -619,15 +626,16 @@ class NetworkTrainer:
         for g in groups:  # token warm-up (upstream's validation batches follow the training step too)
             g.set_max_train_steps(max_train_steps)
         # not prepared by accelerate (our loop steps it: schedulers.step follows accelerate's rule exactly)
-        lr_scheduler = schedulers.get_scheduler(args, optimizer, max_train_steps, accelerator.num_processes)
-        optimizer = accelerator.prepare(optimizer)
+        lr_scheduler = schedulers.group([schedulers.get_scheduler(args, b[2], max_train_steps,
+                                                                  accelerator.num_processes) for b in built])
+        self.optimizers = [accelerator.prepare(b[2]) for b in built]
+        optimizer = self.optimizers[0]
         if args.full_fp16:
             _allow_fp16_grad_unscale(accelerator)
         self.prepare_unet_with_accelerator(args, accelerator, components)
         self.after_prepare(args, accelerator, trainable, optimizer)
         trained_params = [p for m in trainable.models for p in m.parameters() if p.requires_grad]
 
-        self.optimizers = [optimizer]
         optimizer_train, _ = optimizers.train_eval_fns(self.optimizers, args)
         state = TrainState()
         seed = args.seed if args.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
@@ -672,7 +680,7 @@ class NetworkTrainer:
         losses: list[float] = []
         sample_kwargs = dict(components=components, accelerator=accelerator, models=trainable.models,
                              prediction_type=prediction_type)
-        fused = bool(getattr(args, "fused_backward_pass", False)) and self.fuses_backward
+        fused = self.steps_in_backward(args)
 
         if args.sample_at_first:
             self.sample_images(args, epoch=None, steps=global_step, **sample_kwargs)
@@ -712,7 +720,7 @@ class NetworkTrainer:
                             network_options.after_grad_sync(trainable.models)
                         optimizer.step()
                         optimizer.zero_grad(set_to_none=True)
-                    schedulers.step(lr_scheduler, optimizer, num_processes=accelerator.num_processes,
+                    schedulers.step(lr_scheduler, self.optimizers, num_processes=accelerator.num_processes,
                                     sync_gradients=accelerator.sync_gradients)
 
                 last_loss = loss.detach().item()

@@ -249,12 +249,41 @@ def _build(name, args, optimizer, max_train_steps, num_processes, kwargs):
     raise ConfigError(f"--lr_scheduler {name!r} is not supported; allowed: {', '.join(SCHEDULER_NAMES)}")
 
 
+class SchedulerGroup:
+    """The schedulers of several optimizers (fused optimizer groups), stepped and saved together."""
+
+    def __init__(self, schedulers: list):
+        self.schedulers = schedulers
+
+    def step(self, *args, **kwargs) -> None:
+        for s in self.schedulers:
+            s.step(*args, **kwargs)
+
+    def get_last_lr(self) -> list[float]:
+        return [lr for s in self.schedulers for lr in s.get_last_lr()]
+
+    def state_dict(self) -> dict:
+        return {"schedulers": [s.state_dict() for s in self.schedulers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for s, sd in zip(self.schedulers, state["schedulers"], strict=True):
+            s.load_state_dict(sd)
+
+
+def group(lr_schedulers: list):
+    """One scheduler as it is (its saved state keeps its format), several as a SchedulerGroup."""
+    return lr_schedulers[0] if len(lr_schedulers) == 1 else SchedulerGroup(lr_schedulers)
+
+
 def step(lr_scheduler, optimizers, *, num_processes: int, sync_gradients: bool = True) -> int:
     """Steps `lr_scheduler` as accelerate's AcceleratedScheduler does; returns how many times it stepped.
 
     Not synchronised (gradient accumulation): no step (accelerate only bumps `_step_count`). An optimizer whose
     step the fp16 GradScaler skipped (`step_was_skipped`): no step. Otherwise `num_processes` steps, but a
     scheduler with `total_steps` (OneCycleLR) never past them."""
+    if isinstance(lr_scheduler, SchedulerGroup):
+        return sum(step(s, optimizers, num_processes=num_processes, sync_gradients=sync_gradients)
+                   for s in lr_scheduler.schedulers)
     inner = getattr(lr_scheduler, "scheduler", lr_scheduler)
     if not sync_gradients:
         if hasattr(inner, "_step_count"):
