@@ -66,6 +66,19 @@ DIFFERENT: dict[str, Different] = {
     "weighted_captions": Different(
         "FLUX.1: a warning and captions encoded as written (upstream's flux_train.py ignores it and "
         "flux_train_network.py stops with NotImplementedError unless text-encoder outputs are cached)"),
+    "block_lr": Different("a UNet block at rate 0 is frozen (upstream leaves it trainable outside the optimizer: "
+                          "its gradients are computed, never applied nor cleared, and count in the clipping norm)"),
+    "fused_backward_pass": Different("the full trainers refuse it with --mixed_precision fp16 before anything loads "
+                                     "(the loss scaler needs all gradients before a step)"),
+    "fused_optimizer_groups": Different("refused with --mixed_precision fp16 (upstream's GradScaler would unscale and "
+                                        "update once per group); flux_train accepts it without effect, as upstream"),
+    "lr_scheduler": Different("reduce_lr_on_plateau and cosine_warmup_with_min_lr, and a warmup with constant, "
+                              "adafactor or --lr_scheduler_type, stop before anything loads with the reason "
+                              "(upstream fails when it builds the scheduler)"),
+    "optimizer_type": Different("schedule-free optimizers hold their evaluation weights for sampling and saving in "
+                                "every script (upstream: the LoRA and FLUX scripts), switched only around them "
+                                "(upstream switches every step, which changes only rounding); --optimizer_args "
+                                "true/false are booleans (upstream needs True/False)"),
 }
 
 # upstream options not at parity yet (missing, or parsed differently until their owner lands them);
@@ -73,8 +86,6 @@ DIFFERENT: dict[str, Different] = {
 NOT_YET: frozenset[str] = frozenset({
     "alpha_mask",
     "async_upload",
-    "block_lr",
-    "blockwise_fused_optimizers",
     "cache_info",
     "conditioning_data_dir",
     "console_log_file",
@@ -90,8 +101,6 @@ NOT_YET: frozenset[str] = frozenset({
     "fp16_master_weights_and_gradients",
     "fp8_base",
     "fp8_base_unet",
-    "fused_backward_pass",
-    "fused_optimizer_groups",
     "huggingface_path_in_repo",
     "huggingface_repo_id",
     "huggingface_repo_type",
@@ -101,11 +110,6 @@ NOT_YET: frozenset[str] = frozenset({
     "initial_step",
     "log_config",
     "log_tracker_config",
-    "lr_decay_steps",
-    "lr_scheduler_args",
-    "lr_scheduler_min_lr_ratio",
-    "lr_scheduler_timescale",
-    "lr_scheduler_type",
     "masked_loss",
     "mem_eff_save",
     "metadata_author",
@@ -133,7 +137,6 @@ NOT_YET: frozenset[str] = frozenset({
     "split_mode",
     "text_encoder_batch_size",
     "torch_compile",
-    "use_lion_optimizer",
     "use_safetensors",
     "vae_batch_size",
     "wandb_api_key",
