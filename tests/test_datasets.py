@@ -117,12 +117,43 @@ def test_repeats_and_captions_only_from_caption_extension(tmp_path):
         build_dataset_group(parse("--train_data_dir", tmp_path / "train2", "--resolution", "64"), "sd1")
 
 
-def test_folder_without_repeat_prefix_is_an_error(tmp_path):
+def test_folders_without_repeat_prefix_are_ignored_as_upstream(tmp_path, caplog):
     make_image(str(tmp_path / "train" / "5_ok" / "a.png"), (64, 64))
     make_image(str(tmp_path / "train" / "cats" / "a.png"), (64, 64))
+    make_image(str(tmp_path / "train" / "0_off" / "a.png"), (64, 64))
+    with caplog.at_level("WARNING"):
+        group = build_dataset_group(parse("--train_data_dir", tmp_path / "train", "--resolution", "64"), "sd1")
+    assert [s.name for s in group.datasets[0].params.subsets] == ["5_ok"] and group.num_train_images == 5
+    assert "ignoring folders without a repeat count >= 1 ('N_name'): 0_off, cats" in caplog.text
+    # nothing usable left: one error with the hint
+    (tmp_path / "train" / "5_ok" / "a.png").unlink()
+    (tmp_path / "train" / "5_ok").rmdir()
     with pytest.raises(DatasetError) as e:
         build_dataset_group(parse("--train_data_dir", tmp_path / "train", "--resolution", "64"), "sd1")
-    assert "'cats'" in str(e.value) and "10_cats" in str(e.value)
+    assert "'10_0_off'" in str(e.value) and "ignored: 0_off, cats" in str(e.value)
+
+
+def test_config_subsets_with_zero_repeats_or_repeated_are_skipped(tmp_path):
+    make_image(str(tmp_path / "a" / "x.png"), (64, 64))
+    make_image(str(tmp_path / "b" / "y.png"), (64, 64))
+    cfg = write(str(tmp_path / "ds.toml"), f"""
+[general]
+resolution = 64
+[[datasets]]
+  [[datasets.subsets]]
+  image_dir = "{tmp_path / 'a'}"
+  num_repeats = 2
+  [[datasets.subsets]]
+  image_dir = "{tmp_path / 'a'}"
+  num_repeats = 7
+  [[datasets.subsets]]
+  image_dir = "{tmp_path / 'b'}"
+  num_repeats = 0
+""")
+    group = build_dataset_group(parse("--dataset_config", cfg), "sd1")
+    subsets = group.datasets[0].params.subsets
+    assert [(s.image_dir, s.num_repeats) for s in subsets] == [(str(tmp_path / "a"), 2)]
+    assert group.num_train_images == 2
 
 
 def test_unreadable_image_names_the_file(tmp_path):
@@ -579,9 +610,8 @@ def test_bad_values_are_named(tmp_path):
     assert build_dataset_group(parse(*base, "--resolution", ""), "sd1").datasets[0].params.resolution == (512, 512)
     with pytest.raises(DatasetError, match="unknown model family"):
         build_dataset_group(parse(*base), "sd3")
-    (tmp_path / "train" / "0_none").mkdir()
-    with pytest.raises(DatasetError, match="num_repeats must be >= 1"):
-        build_dataset_group(parse(*base, "--resolution", "64"), "sdxl")
+    (tmp_path / "train" / "0_none").mkdir()  # ignored, as upstream (see test_folders_without_repeat_prefix...)
+    assert build_dataset_group(parse(*base, "--resolution", "64"), "sdxl").num_train_images == 1
 
 
 # ----------------------------------------------------------------------------- prompt files

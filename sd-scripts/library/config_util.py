@@ -373,8 +373,6 @@ def _resolve_path(path: str, base_dir: str | None) -> str:
 def _make_subset(values: dict, where: str) -> SubsetParams:
     s = SubsetParams(**{k: v for k, v in values.items() if k in SUBSET_KEYS})
     s.caption_extension = captions.normalize_caption_extension(s.caption_extension)
-    if s.num_repeats < 1:
-        raise DatasetError(f"{where}: num_repeats must be >= 1, got {s.num_repeats}")
     if s.keep_tokens < 0:
         raise DatasetError(f"{where}: keep_tokens must be >= 0, got {s.keep_tokens}")
     if s.caption_dropout_every_n_epochs < 0:
@@ -415,7 +413,7 @@ def _folder_subsets(root: str, is_reg: bool, base: dict, flag: str) -> list[Subs
     """kohya layout: every subfolder of root is 'N_name' (N repeats, name = class tokens)."""
     if not os.path.isdir(root):
         raise DatasetError(f"{flag} folder does not exist: {root}")
-    subsets, loose = [], []
+    subsets, loose, skipped = [], [], []
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)
         if name.startswith("."):
@@ -425,19 +423,41 @@ def _folder_subsets(root: str, is_reg: bool, base: dict, flag: str) -> list[Subs
                 loose.append(name)
             continue
         m = _FOLDER_RE.match(name)
-        if not m:
-            raise DatasetError(
-                f"{flag}: folder '{name}' in {root} has no repeat count; name it 'N_name', "
-                f"for example '10_{name}' (10 repeats per epoch)")
+        if not m or int(m.group(1)) < 1:  # upstream ignores these folders (with a warning)
+            skipped.append(name)
+            continue
         values = dict(base, image_dir=path, num_repeats=int(m.group(1)), is_reg=is_reg)
         if m.group(2).strip():
             values["class_tokens"] = m.group(2).strip()
         subsets.append(_make_subset(values, f"{flag} folder '{name}'"))
+    if skipped:
+        logger.warning("%s: ignoring folders without a repeat count >= 1 ('N_name'): %s", flag, ", ".join(skipped))
     if not subsets:
-        hint = (f" ({len(loose)} images lie directly in it: move them into a subfolder such as '10_name')"
-                if loose else "")
+        if skipped:
+            hint = (f" (name a folder 'N_name', for example '10_{skipped[0]}' for 10 repeats per epoch; "
+                    f"ignored: {', '.join(skipped)})")
+        elif loose:
+            hint = f" ({len(loose)} images lie directly in it: move them into a subfolder such as '10_name')"
+        else:
+            hint = ""
         raise DatasetError(f"{flag} {root} has no 'N_name' image folders{hint}")
     return subsets
+
+
+def _usable_subsets(subsets: list[SubsetParams], where: str) -> list[SubsetParams]:
+    """Upstream skips (with a warning) subsets with num_repeats < 1 and repeats of an earlier subset of the
+    same dataset (same image_dir, or same metadata_file)."""
+    kept, seen = [], set()
+    for s in subsets:
+        key = s.metadata_file or s.image_dir
+        if s.num_repeats < 1:
+            logger.warning("%s: ignoring subset %s: num_repeats is %d", where, key, s.num_repeats)
+        elif key in seen:
+            logger.warning("%s: ignoring the repeated subset %s (the first one is used)", where, key)
+        else:
+            seen.add(key)
+            kept.append(s)
+    return kept
 
 
 def _dataset_params_from_args(args, cli: dict) -> list[DatasetParams]:
@@ -456,7 +476,7 @@ def _dataset_params_from_args(args, cli: dict) -> list[DatasetParams]:
     reg_dir = getattr(args, "reg_data_dir", None)
     if reg_dir:
         subsets += _folder_subsets(reg_dir, True, subset_base, "--reg_data_dir")
-    return [_make_dataset_params(cli, subsets, "dataset")]
+    return [_make_dataset_params(cli, _usable_subsets(subsets, "dataset"), "dataset")]
 
 
 def _dataset_params_from_config(path: str, cli: dict, kinds) -> list[DatasetParams]:
@@ -476,7 +496,8 @@ def _dataset_params_from_config(path: str, cli: dict, kinds) -> list[DatasetPara
                 if values.get(key):
                     values[key] = _resolve_path(values[key], base_dir)
             subsets.append(_make_subset(values, f"{path} [[datasets]] #{i + 1} subset #{j + 1}"))
-        result.append(_make_dataset_params(ds_values, subsets, f"{path} [[datasets]] #{i + 1}"))
+        where = f"{path} [[datasets]] #{i + 1}"
+        result.append(_make_dataset_params(ds_values, _usable_subsets(subsets, where), where))
     return result
 
 
