@@ -465,3 +465,19 @@ network_multiplier = 0.5
         assert tags[-1] == "best" and set(tags[1:-1]) <= {"red,blue", "circle", "square"}
         counts.append(len(tags) - 2)
     assert len(counts) == 6 and counts[0] == 1 and counts[-1] == 3 and counts == sorted(counts)
+
+
+def test_debug_dataset_logs_batches_and_trains_nothing(tmp_path, caplog):
+    import train_network
+    from library.network_trainer import NetworkTrainer, run
+
+    make_image(str(tmp_path / "train" / "2_cls" / "a.png"), (64, 64))
+    write(str(tmp_path / "train" / "2_cls" / "a.caption"), "x, {y|z}")
+    with caplog.at_level("INFO"):
+        result = run(NetworkTrainer(), train_network.setup_parser(), [
+            "--pretrained_model_name_or_path", str(tmp_path / "no_model.safetensors"), "--train_data_dir",
+            str(tmp_path / "train"), "--resolution", "64", "--output_dir", str(tmp_path / "out"), "--network_module",
+            "networks.lora", "--enable_wildcard", "--debug_dataset"])
+    assert result is None and not (tmp_path / "out").exists()
+    assert "debug_dataset: 2 batches in epoch 1" in caplog.text
+    assert "caption: 'x, y'" in caplog.text or "caption: 'x, z'" in caplog.text

@@ -83,6 +83,9 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                    help="cache text encoder outputs in <image>_te_outputs.npz and reuse them")
     g.add_argument("--class_tokens", type=str, default=None,
                    help="caption for images that have no caption file or metadata caption")
+    g.add_argument("--debug_dataset", action="store_true",
+                   help="print every batch of the first epoch (images, sizes, crops, captions as served) and "
+                        "stop without loading a model or training")
     captions.add_caption_arguments(parser)
     return parser
 

@@ -718,6 +718,24 @@ class DatasetGroup(torch.utils.data.Dataset):
                 logger.info("  mean aspect-ratio error: %.4f", d.mean_ar_error)
 
 
+def debug_dataset(group: DatasetGroup, epoch: int = 1) -> None:
+    """--debug_dataset: logs every batch of `epoch` as training would see it (upstream shows the images in a
+    window on Windows and loops over epochs until a key is pressed; here one epoch is logged and the run ends)."""
+    group.set_current_epoch(epoch)
+    group.set_current_step(0)
+    logger.info("debug_dataset: %d batches in epoch %d", len(group), epoch)
+    for k in range(len(group)):
+        b = group[k]
+        logger.info("batch %d/%d", k + 1, len(group))
+        for j, path in enumerate(b["image_paths"]):
+            shape = tuple(b["images"][j].shape) if b["images"] is not None else tuple(b["latents"][j].shape)
+            logger.info("  %s: %s, loss weight %.3g, caption: %r, original size (h, w) %s, crop top left %s, "
+                        "target size %s, network multiplier %.3g, custom attributes %s", path, shape,
+                        float(b["loss_weights"][j]), b["captions"][j], tuple(b["original_sizes_hw"][j].tolist()),
+                        tuple(b["crop_top_lefts"][j].tolist()), tuple(b["target_sizes_hw"][j].tolist()),
+                        float(b["network_multipliers"][j]), b["custom_attributes"][j])
+
+
 def latent_cache_conflict(subset: SubsetParams) -> str:
     opts = [o for o in ("color_aug", "random_crop") if getattr(subset, o)]
     return (f"{' and '.join(opts)} cannot be used with --cache_latents / --cache_latents_to_disk "

@@ -570,6 +570,11 @@ class NetworkTrainer:
         groups = [g for g in (group, val_group) if g is not None]  # what is cached
         if len(group) == 0:
             raise TrainingError("the dataset has no batches: no training images found")
+        if getattr(args, "debug_dataset", False):
+            from library.datasets import debug_dataset
+
+            debug_dataset(group)
+            return None
 
         accelerator = self.make_accelerator(args)
         log_with = args.log_with or ("tensorboard" if args.logging_dir else None)

@@ -63,6 +63,9 @@ DIFFERENT: dict[str, Different] = {
     "no_token_padding": Different(
         "does what its help says (captions padded only to the longest one in the batch, as diffusers' "
         "DreamBooth); upstream's current train_db.py parses it but no longer applies it"),
+    "debug_dataset": Different(
+        "logs every batch of the first epoch (captions as served, sizes, crops) and ends without loading a "
+        "model; upstream also shows the images in a window on Windows and loops over the epochs until Escape"),
     "weighted_captions": Different(
         "FLUX.1: a warning and captions encoded as written (upstream's flux_train.py ignores it and "
         "flux_train_network.py stops with NotImplementedError unless text-encoder outputs are cached)"),
@@ -145,7 +148,6 @@ NOT_YET: frozenset[str] = frozenset({
     "ddp_timeout",
     "ddp_gradient_as_bucket_view",
     "ddp_static_graph",
-    "debug_dataset",
 })
 
 
