@@ -170,3 +170,30 @@ def test_group_option_errors(tmp_path, capsys, script, extra, message):
     with pytest.raises(SystemExit) as e:
         importlib.import_module(script).main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_fused_adafactor_rounds_bf16_weights_stochastically():
+    """Upstream's fused Adafactor writes bfloat16 weights with stochastic rounding: an update far below a bfloat16
+    step (2**-7 at 1.0) moves some weights and leaves the mean where float32 would have it; round-to-nearest
+    would leave every weight at 1.0."""
+    from transformers.optimization import Adafactor
+
+    torch.manual_seed(0)
+    source = torch.full((20000,), 1.0 + 2 ** -9)  # a quarter of the way from 1.0 to the next bfloat16 value
+    target = torch.empty_like(source, dtype=torch.bfloat16)
+    full_trainer.copy_stochastic_(target, source)
+    assert set(target.float().unique().tolist()) == {1.0, 1.0 + 2 ** -7}
+    assert target.float().mean().item() == pytest.approx(1.0 + 2 ** -9, abs=2e-4)
+
+    param = torch.nn.Parameter(torch.ones(64, 64, dtype=torch.bfloat16))
+    opt = Adafactor([param], lr=1e-4, relative_step=False, scale_parameter=False, warmup_init=False)
+    param.grad = torch.ones_like(param)
+    full_trainer.step_one_parameter(opt, param, opt.param_groups[0])
+    assert param.dtype == torch.bfloat16 and param.grad is not None
+    assert (param != 1.0).any() and (param == 1.0).any()
+    assert opt.state[param]["exp_avg_sq_row"].dtype == torch.float32
+    nearest = torch.nn.Parameter(torch.ones(64, 64, dtype=torch.bfloat16))
+    opt2 = Adafactor([nearest], lr=1e-4, relative_step=False, scale_parameter=False, warmup_init=False)
+    nearest.grad = torch.ones_like(nearest)
+    opt2.step()
+    assert (nearest == 1.0).all()  # what the plain step does

@@ -333,3 +333,14 @@ def test_lora_trains_with_schedulefree_and_saves_its_eval_weights(tmp_path, tiny
     assert opt.param_groups[0]["train_mode"] is True and not saved_match()
     opt.eval()
     assert saved_match()
+
+
+def test_d_times_lr_is_logged_for_prodigy(parser):
+    groups = [{"params": [torch.nn.Parameter(torch.ones(3))], "lr": 1.0},
+              {"params": [torch.nn.Parameter(torch.ones(2))], "lr": 1.0}]
+    _, _, opt = optimizers.get_optimizer(_args(parser, "--optimizer_type", "Prodigy"), groups)
+    _two_steps(opt, [g["params"][0] for g in groups])
+    logs = optimizers.d_lr_logs([opt], ["unet"])
+    assert logs == {"lr/d*lr/unet": opt.param_groups[0]["d"] * 1.0, "lr/d*lr/group1": opt.param_groups[1]["d"] * 1.0}
+    assert logs["lr/d*lr/unet"] > 1e-6  # d grew from Prodigy's d0 = 1e-6
+    assert optimizers.d_lr_logs([torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=1.0)]) == {}

@@ -72,14 +72,30 @@ def setup_parser(*, text_encoders: int) -> argparse.ArgumentParser:
 # fused backward pass
 
 
+def copy_stochastic_(target: torch.Tensor, source: torch.Tensor) -> None:
+    """float32 `source` into bfloat16 `target`, each value rounded down or up at random with the odds of its
+    distance to the two (unbiased), so updates smaller than a bfloat16 step still add up over many steps."""
+    bits = source.contiguous().view(torch.int32)
+    noisy = bits + torch.randint_like(bits, 0, 1 << 16)  # random low 16 bits: carries into the kept bits or not
+    target.copy_(noisy.bitwise_and_(-65536).view(torch.float32))  # keep the high 16 bits (bfloat16's)
+
+
 def step_one_parameter(optimizer: torch.optim.Optimizer, param: torch.Tensor, group: dict) -> None:
-    """optimizer.step() for one parameter of `group` (its state and the group's current lr are used)."""
+    """optimizer.step() for one parameter of `group` (its state and the group's current lr are used).
+    A bfloat16 weight is stepped in float32 and written back with stochastic rounding, as upstream's fused
+    Adafactor does (round-to-nearest would drop every update below half a bfloat16 step)."""
     saved = optimizer.param_groups
     optimizer.param_groups = [{**group, "params": [param]}]
+    low = param.data if param.dtype == torch.bfloat16 else None
+    if low is not None:
+        param.data = low.float()
     try:
         optimizer.step()
     finally:
         optimizer.param_groups = saved
+        if low is not None:
+            full, param.data = param.data, low
+            copy_stochastic_(low, full)
 
 
 def register_fused_backward(args, accelerator, optimizer) -> int:

@@ -755,6 +755,7 @@ class NetworkTrainer:
                     names = trainable.lr_descriptions
                     for i, g_lr in enumerate(lr_scheduler.get_last_lr()):
                         logs[f"lr/{names[i]}" if names and i < len(names) else f"lr/group{i}"] = g_lr
+                    logs.update(optimizers.d_lr_logs(self.optimizers, names))
                     accelerator.log(logs, step=global_step)
                 if validator is not None and validator.due_after_step(global_step):
                     validator.report(accelerator, self.validation_loss(*val_args), avr_loss, global_step=global_step,

@@ -295,6 +295,14 @@ def get_optimizer(args: argparse.Namespace, params) -> tuple[str, str, torch.opt
     return name, f"{cls.__module__}.{cls.__name__}", optimizer
 
 
+def d_lr_logs(optimizers, names: list[str] | None = None) -> dict[str, float]:
+    """`lr/d*lr/<group>`: the step size D-Adaptation and Prodigy actually use (their `d` times the rate), which
+    upstream logs next to `lr/<group>`."""
+    groups = [g for o in optimizers for g in _unwrap(o).param_groups]
+    return {f"lr/d*lr/{names[i] if names and i < len(names) else f'group{i}'}": g["d"] * g["lr"]
+            for i, g in enumerate(groups) if "d" in g and g.get("lr") is not None}
+
+
 # ----------------------------------------------------------------------------------------------------------
 # schedule-free: eval mode (the averaged weights) for sampling and saving
 
