@@ -39,11 +39,11 @@ def launch(script: str, args: list, *, cpu_env: bool = True, timeout: int = 300)
                           cwd=REPO)
 
 
-def common(model: Path, data: Path, out: Path, name: str) -> list:
+def common(model: Path, data: Path, out: Path, name: str, seed: int | None = 3) -> list:
     return ["--pretrained_model_name_or_path", model, "--tokenizer_cache_dir", model.parent / "tokenizers",
             "--train_data_dir", data, "--caption_extension", ".txt", "--resolution", "64", "--output_dir", out,
             "--output_name", name, "--max_train_steps", 2, "--max_data_loader_n_workers", 0, "--learning_rate", 1e-3,
-            "--seed", 3]
+            *(["--seed", seed] if seed is not None else [])]
 
 
 def check_both_ranks_trained(proc: subprocess.CompletedProcess, batches_per_rank: int) -> None:
@@ -80,10 +80,13 @@ def test_two_process_sdxl_dreambooth(tmp_path, tiny_sdxl_single_file, tiny_datas
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a sks dog --w 64 --h 64 --s 2 --d 1\n")
     out = tmp_path / "out"
-    proc = launch("sdxl_train.py", common(tiny_sdxl_single_file, tiny_dataset_dir, out, "db")
+    proc = launch("sdxl_train.py", common(tiny_sdxl_single_file, tiny_dataset_dir, out, "db", seed=None)
                   + ["--reg_data_dir", reg, "--train_text_encoder", "--save_every_n_steps", 1,
                      "--sample_prompts", prompts, "--sample_every_n_steps", 2])
     check_both_ranks_trained(proc, batches_per_rank=8)  # 8 train + 8 balanced reg batches split over 2
+    # no --seed: the main process draws one and every process uses it (they must agree on the data order)
+    seeds = re.findall(r"seed: (\d+) \(random", proc.stdout + proc.stderr)
+    assert len(seeds) == 2 and seeds[0] == seeds[1], seeds
     assert sorted(p.name for p in out.iterdir()) == ["db-step00000001.safetensors", "db.safetensors",
                                                      "db_config.toml", "sample"]
     assert [p.suffix for p in (out / "sample").iterdir()] == [".png"]  # sampled once, by the main process

@@ -539,7 +539,8 @@ def build_dataset_groups(args, family: str, kinds=(DREAMBOOTH, FINETUNING)) -> t
                 raise DatasetError(te_cache_conflict(s))
 
     # Batch order and augmentations derive from (seed, epoch): every process of a multi-GPU run must agree,
-    # so no per-process random seed here (the DataLoader's own shuffle adds the run-to-run variation).
+    # so no per-process random seed here; the trainers set args.seed first (train_util.prepare_seed: a random
+    # seed, shared by the processes, when --seed is not given), 0 is only for callers that did not.
     seed = getattr(args, "seed", None)
     if seed is None:
         seed = 0

@@ -561,10 +561,12 @@ class NetworkTrainer:
         ext = self.output_ext(args)
         final_path = os.path.join(args.output_dir, train_util.last_file_name(args.output_name, ext))
         train_util.check_outputs_free(args.output_dir, args.output_name, ext, args.overwrite_output, bool(args.resume))
-        train_util.prepare_seed(args.seed)
         session_id = uuid.uuid4().int & ((1 << 31) - 1)
         training_started_at = time.time()
 
+        accelerator = self.make_accelerator(args)
+        # before the dataset: its batch order and augmentations follow the seed (a random one without --seed)
+        train_util.prepare_seed(args, accelerator)
         family = self.family_for(args)
         group, val_group = config_util.build_dataset_groups(args, family, self.dataset_kinds)
         groups = [g for g in (group, val_group) if g is not None]  # what is cached
@@ -576,7 +578,6 @@ class NetworkTrainer:
             debug_dataset(group)
             return None
 
-        accelerator = self.make_accelerator(args)
         log_with = args.log_with or ("tensorboard" if args.logging_dir else None)
         os.makedirs(args.output_dir, exist_ok=True)
         if accelerator.is_main_process:
@@ -643,7 +644,7 @@ class NetworkTrainer:
 
         optimizer_train, _ = optimizers.train_eval_fns(self.optimizers, args)
         state = TrainState()
-        seed = args.seed if args.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+        seed = args.seed
         self.noise_generator = torch.Generator(device=device).manual_seed(seed + accelerator.process_index)
         state.generator = self.noise_generator
         for model in trainable.models:

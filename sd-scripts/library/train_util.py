@@ -578,11 +578,24 @@ class ProgressLine:
 # misc
 
 
-def prepare_seed(seed: int | None) -> None:
-    if seed is not None:
-        from accelerate.utils import set_seed
+def prepare_seed(args: argparse.Namespace, accelerator=None) -> int:
+    """Seeds python, numpy and torch with `--seed`; without it, as upstream, with a random seed, which is then
+    set in args (the metadata's ss_seed and the run's TOML carry it, so the run can be repeated). Every process
+    of a multi-GPU run gets the main process's seed (they must agree on the data order)."""
+    import random
 
-        set_seed(seed)
+    from accelerate.utils import broadcast_object_list, set_seed
+
+    if args.seed is None:
+        drawn = [random.SystemRandom().randint(0, 2**32 - 1)]
+        if accelerator is not None and accelerator.num_processes > 1:
+            broadcast_object_list(drawn)
+        args.seed = drawn[0]
+        logger.info("seed: %d (random: no --seed given)", args.seed)
+    else:
+        logger.info("seed: %d", args.seed)
+    set_seed(args.seed)
+    return args.seed
 
 
 def noise_scheduler_for(prediction_type: str):
