@@ -94,3 +94,19 @@ def test_unseeded_run_writes_its_seed(tmp_path, tiny_sd1_single_file, tiny_datas
     _, md = read_lora(path)
     assert md["ss_seed"] == str(seed)
     assert f"seed = {seed}" in (tmp_path / "last_config.toml").read_text()  # the run can be repeated
+
+
+def test_ddp_timeout_reaches_the_process_group(tmp_path):
+    from datetime import timedelta
+
+    from library import data_parallel
+
+    parser = _lora_parser("sdxl_train_network")
+    args = parser.parse_args(["--ddp_timeout", "30", "--output_dir", str(tmp_path)])
+    (handler,) = data_parallel.accelerator_kwargs_handlers(args)
+    # only the timeout is passed on (accelerate keeps choosing the backend: gloo on CPU, nccl on GPUs)
+    assert handler.to_kwargs() == {"timeout": timedelta(minutes=30)}
+    accelerator = network_trainer.NetworkTrainer().make_accelerator(args)
+    assert accelerator.init_handler.timeout == timedelta(minutes=30)
+    assert data_parallel.accelerator_kwargs_handlers(parser.parse_args(["--ddp_static_graph"])) == []
+

@@ -18,6 +18,32 @@ logger = logging.getLogger(__name__)
 BUCKET_BYTES = 64 * 1024 * 1024
 
 
+def add_ddp_arguments(parser) -> None:
+    """Upstream's DDP options. The timeout applies to the process group; the two DDP-wrapper options are
+    accepted for upstream compatibility and change nothing, since nothing is wrapped in DDP here."""
+    parser.add_argument("--ddp_timeout", type=int, default=None,
+                        help="timeout of the multi-process group in minutes (default: accelerate's)")
+    parser.add_argument("--ddp_gradient_as_bucket_view", action="store_true",
+                        help="accepted for compatibility; no effect (the trained modules are not wrapped in DDP)")
+    parser.add_argument("--ddp_static_graph", action="store_true",
+                        help="accepted for compatibility; no effect (the trained modules are not wrapped in DDP)")
+
+
+def accelerator_kwargs_handlers(args) -> list:
+    """The accelerate kwargs handlers for the DDP options (upstream: a timeout of --ddp_timeout minutes)."""
+    handlers = []
+    if getattr(args, "ddp_timeout", None):
+        from datetime import timedelta
+
+        from accelerate.utils import InitProcessGroupKwargs
+
+        handlers.append(InitProcessGroupKwargs(timeout=timedelta(minutes=args.ddp_timeout)))
+    if getattr(args, "ddp_gradient_as_bucket_view", False) or getattr(args, "ddp_static_graph", False):
+        logger.info("--ddp_gradient_as_bucket_view/--ddp_static_graph have no effect here: the trained modules "
+                    "are not wrapped in DistributedDataParallel (gradients are averaged by data_parallel)")
+    return handlers
+
+
 def is_distributed(accelerator) -> bool:
     return accelerator.num_processes > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
 

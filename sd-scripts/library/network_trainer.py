@@ -44,7 +44,8 @@ from typing import Any
 
 import torch
 
-from library import config_util, losses, network_options, noise, optimizers, parity, schedulers, train_util, validation
+from library import (config_util, data_parallel, losses, network_options, noise, optimizers, parity,
+                     schedulers, train_util, validation)
 from library.captions import apply_token_weights, weighted_for, weighted_token_ids
 from library.step_timer import StepTimer
 from library.train_util import ConfigError
@@ -98,6 +99,7 @@ def base_parser() -> argparse.ArgumentParser:
     schedulers.add_scheduler_arguments(parser)
     train_util.add_config_arguments(parser)
     parity.add_refused_arguments(parser)
+    data_parallel.add_ddp_arguments(parser)
     return parser
 
 
@@ -542,7 +544,8 @@ class NetworkTrainer:
         accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
                                   mixed_precision=args.mixed_precision, log_with=log_with,
                                   project_config=ProjectConfiguration(project_dir=args.output_dir,
-                                                                      logging_dir=logging_dir))
+                                                                      logging_dir=logging_dir),
+                                  kwargs_handlers=data_parallel.accelerator_kwargs_handlers(args))
         try:
             data_parallel.check_launch(accelerator)
         except RuntimeError as e:

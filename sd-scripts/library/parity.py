@@ -49,7 +49,13 @@ class Different:
     fields: tuple[str, ...] = ()
 
 
+_NO_DDP = ("accepted and without effect: the trained modules are not wrapped in DistributedDataParallel (a LoRA "
+           "network's forward is never called, so DDP would never synchronise it); library/data_parallel.py "
+           "averages the gradients instead")
+
 DIFFERENT: dict[str, Different] = {
+    "ddp_gradient_as_bucket_view": Different(_NO_DDP),
+    "ddp_static_graph": Different(_NO_DDP),
     "v_pred_like_loss": Different("train_db.py and fine_tune.py apply it as the other scripts do (upstream parses it "
                                   "there but never applies it)"),
     "huber_schedule": Different("FLUX with --loss_type huber/smooth_l1 and the snr schedule (a DDPM schedule) is "
@@ -145,9 +151,6 @@ NOT_YET: frozenset[str] = frozenset({
     "wandb_api_key",
     "wandb_run_name",
     "save_model_as",
-    "ddp_timeout",
-    "ddp_gradient_as_bucket_view",
-    "ddp_static_graph",
 })
 
 
