@@ -109,4 +109,3 @@ def test_ddp_timeout_reaches_the_process_group(tmp_path):
     accelerator = network_trainer.NetworkTrainer().make_accelerator(args)
     assert accelerator.init_handler.timeout == timedelta(minutes=30)
     assert data_parallel.accelerator_kwargs_handlers(parser.parse_args(["--ddp_static_graph"])) == []
-

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _argv(model, data, out, *extra, tokenizers=True):
     argv = ["--pretrained_model_name_or_path", str(model), "--train_data_dir", str(data), "--output_dir", str(out),
             "--output_name", "lora", "--network_module", "networks.lora", "--resolution", "64",
-            "--max_train_steps", "1", "--max_data_loader_n_workers", "0", "--learning_rate", "1e-3", *extra]
+            "--caption_extension", ".txt", "--max_train_steps", "1", "--max_data_loader_n_workers", "0", "--learning_rate", "1e-3", *extra]
     if tokenizers:
         argv += ["--tokenizer_cache_dir", str(model.parent / "tokenizers")]
     return argv
