@@ -237,6 +237,21 @@ def test_adamw_is_fused_unless_optimizer_args_choose(parser):
     assert "fused" not in opt.defaults or not opt.defaults["fused"]
 
 
+def test_ss_optimizer_as_upstream_writes_it(parser):
+    """module.Class(k=v,k=v) with upstream's additions to --optimizer_args (not our fused=True)."""
+    def value(*argv):
+        args = _args(parser, *argv)
+        return optimizers.metadata_value(optimizers.get_optimizer(args, [torch.nn.Parameter(torch.ones(2))])[1], args)
+
+    assert value() == "torch.optim.adamw.AdamW"
+    assert value("--optimizer_args", "weight_decay=0.01", "betas=0.9,0.99") == \
+        "torch.optim.adamw.AdamW(weight_decay=0.01,betas=(0.9, 0.99))"
+    assert value("--optimizer_type", "SGDNesterov") == "torch.optim.sgd.SGD(momentum=0.9)"
+    assert value("--optimizer_type", "Adafactor") == "transformers.optimization.Adafactor(relative_step=True)"
+    assert value("--optimizer_type", "Adafactor", "--optimizer_args", "relative_step=False", "warmup_init=True") == \
+        "transformers.optimization.Adafactor(relative_step=True,warmup_init=True)"
+
+
 def test_old_train_util_names_still_work(parser):
     from library import train_util
 
@@ -320,7 +335,8 @@ def test_lora_trains_with_schedulefree_and_saves_its_eval_weights(tmp_path, tiny
         "--max_train_steps", "3", "--learning_rate", "1e-2", "--max_data_loader_n_workers", "0", "--seed", "1",
         "--optimizer_type", "AdamWScheduleFree", "--optimizer_args", "warmup_steps=0", "weight_decay=0.01"])
     sd, md = read_lora(path)
-    assert md["ss_optimizer"].startswith("schedulefree.") and "AdamWScheduleFree(warmup_steps=0" in md["ss_optimizer"]
+    assert md["ss_optimizer"].startswith("schedulefree.") and \
+        md["ss_optimizer"].endswith(".AdamWScheduleFree(warmup_steps=0,weight_decay=0.01)")
     opt = trainer.optimizers[0].optimizer
     params = [p for g in opt.param_groups for p in g["params"]]
     ups = [t for k, t in sd.items() if k.endswith("lora_up.weight")]

@@ -871,7 +871,6 @@ class NetworkTrainer:
 
     def build_metadata(self, args, group, session_id, started_at, opt_class, opt_name, num_batches, num_epochs,
                        max_train_steps) -> dict[str, str]:
-        optimizer_args = train_util.parse_optimizer_args(args.optimizer_args)
         md: dict[str, Any] = {
             "ss_session_id": session_id,
             "ss_training_started_at": started_at,
@@ -894,8 +893,7 @@ class NetworkTrainer:
             "ss_seed": args.seed,
             "ss_lowram": args.lowram,
             "ss_training_comment": getattr(args, "training_comment", None),
-            "ss_optimizer": opt_class + (f"({', '.join(f'{k}={v}' for k, v in optimizer_args.items())})"
-                                         if optimizer_args else ""),
+            "ss_optimizer": optimizers.metadata_value(opt_class, args),
             "ss_max_grad_norm": args.max_grad_norm,
             "ss_prior_loss_weight": args.prior_loss_weight,
             "ss_sd_model_name": os.path.basename(str(args.pretrained_model_name_or_path).rstrip("/\\")),

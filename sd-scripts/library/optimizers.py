@@ -210,12 +210,33 @@ def check_optimizer_args(args: argparse.Namespace) -> None:
                               f"{args.gradient_accumulation_steps} or --fused_backward_pass")
 
 
+def resolved_optimizer_args(args: argparse.Namespace) -> dict[str, Any]:
+    """--optimizer_args with upstream's additions: SGDNesterov(8bit) momentum 0.9, Adafactor relative_step=True
+    unless given (and turned on by warmup_init=True). Upstream writes these into ss_optimizer."""
+    kwargs = parse_optimizer_args(args.optimizer_args)
+    known = canonical_name(optimizer_type(args))
+    if known:
+        for key, value in OPTIMIZERS[known].defaults.items():
+            kwargs.setdefault(key, value)
+    if known == "AdaFactor":
+        kwargs.setdefault("relative_step", True)
+        if kwargs.get("warmup_init", False):
+            kwargs["relative_step"] = True
+    return kwargs
+
+
 def adafactor_relative_step(args: argparse.Namespace) -> bool:
     """Upstream's Adafactor: relative_step defaults to True, and warmup_init=True turns it on."""
     if canonical_name(optimizer_type(args)) != "AdaFactor":
         return False
-    kwargs = parse_optimizer_args(args.optimizer_args)
-    return bool(kwargs.get("relative_step", True) or kwargs.get("warmup_init", False))
+    return bool(resolved_optimizer_args(args)["relative_step"])
+
+
+def metadata_value(class_path: str, args: argparse.Namespace) -> str:
+    """ss_optimizer as upstream writes it: `module.Class(key=value,key=value)` (the arguments with upstream's
+    additions; our fused=True for AdamW is not one)."""
+    kwargs = resolved_optimizer_args(args)
+    return class_path + (f"({','.join(f'{k}={v}' for k, v in kwargs.items())})" if kwargs else "")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -241,15 +262,13 @@ def get_optimizer(args: argparse.Namespace, params) -> tuple[str, str, torch.opt
     name = optimizer_type(args)
     known = canonical_name(name) or ""
     cls = optimizer_class(name)
-    kwargs = parse_optimizer_args(args.optimizer_args)
-    lr = args.learning_rate
+    given = parse_optimizer_args(args.optimizer_args)
+    kwargs = resolved_optimizer_args(args)
+    for key in kwargs.keys() - given.keys():
+        logger.info("%s: %s=%s (upstream's default)", known, key, kwargs[key])
     if known:
-        spec = OPTIMIZERS[known]
-        for key, value in spec.defaults.items():
-            if key not in kwargs:
-                logger.info("%s: %s=%s (default)", known, key, value)
-                kwargs[key] = value
-        kwargs.update(spec.forced)
+        kwargs.update(OPTIMIZERS[known].forced)
+    lr = args.learning_rate
 
     if known.startswith("DAdapt") or known == "Prodigy":
         lrs = _group_lrs(params, lr)
@@ -259,10 +278,6 @@ def get_optimizer(args: argparse.Namespace, params) -> tuple[str, str, torch.opt
             logger.warning("%s uses only the first learning rate (%s) of the %d given", known, lrs[0], len(set(lrs)))
 
     if known == "AdaFactor":
-        kwargs.setdefault("relative_step", True)
-        if not kwargs["relative_step"] and kwargs.get("warmup_init", False):
-            logger.info("Adafactor: warmup_init=True needs relative_step=True; turning it on")
-            kwargs["relative_step"] = True
         if kwargs["relative_step"]:
             # Adafactor computes its own step size: the learning rates are not used (the adafactor scheduler
             # reports the rate it uses, see library.schedulers)
