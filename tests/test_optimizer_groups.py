@@ -157,7 +157,7 @@ def test_sdxl_train_block_lr_with_fused_optimizer_groups(tmp_path, tiny_sdxl_sin
 
 @pytest.mark.parametrize("script,extra,message", [
     ("sdxl_train", ["--block_lr", "1,2,3"], "--block_lr needs 23"),
-    ("sdxl_train", ["--fused_optimizer_groups", "0"], "--fused_optimizer_groups must be 1 or more"),
+    ("sdxl_train", ["--fused_optimizer_groups", "-1"], "--fused_optimizer_groups must be 1 or more (0 = off)"),
     ("sdxl_train", ["--fused_optimizer_groups", "2", "--mixed_precision", "fp16"], "use --mixed_precision bf16"),
     ("flux_train", ["--blockwise_fused_optimizers", "--optimizer_type", "AdamWScheduleFree"],
      "cannot be used with a schedule-free optimizer"),

@@ -178,6 +178,10 @@ def test_optimizer_args_values(parser):
         ["betas=0.8,0.9", "decouple=True", "relative_step=false", "weight_decay=1e-2", "eps=[1e-30, 1e-3]",
          "mode=fast", "d_coef=2"]) == {"betas": (0.8, 0.9), "decouple": True, "relative_step": False,
                                        "weight_decay": 0.01, "eps": [1e-30, 1e-3], "mode": "fast", "d_coef": 2}
+    # as a config file may hold them: one string, an empty entry; a space inside a value stays
+    assert optimizers.parse_optimizer_args(["weight_decay=0.1 betas=0.9,0.99", "", "eps=(1e-8, 1e-6)"]) == \
+        {"weight_decay": 0.1, "betas": (0.9, 0.99), "eps": (1e-8, 1e-6)}
+    assert optimizers.parse_optimizer_args([""]) == {} and optimizers.parse_optimizer_args("T_max=5") == {"T_max": 5}
     params = [torch.nn.Parameter(torch.zeros(3))]
     _, _, opt = optimizers.get_optimizer(_args(parser, "--optimizer_type", "SGDNesterov", "--optimizer_args",
                                                "momentum=0.5", "weight_decay=0.01"), params)

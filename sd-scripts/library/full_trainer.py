@@ -284,8 +284,8 @@ class FullTrainer:
             # (upstream lets it run; its GradScaler would unscale and update once per group, not once per step)
             raise ConfigError(f"{fused_flag} cannot be used with --mixed_precision fp16 (the loss scaler needs "
                               "all gradients before a step); use --mixed_precision bf16")
-        if getattr(args, "fused_optimizer_groups", None) is not None and args.fused_optimizer_groups < 1:
-            raise ConfigError(f"--fused_optimizer_groups must be 1 or more, got {args.fused_optimizer_groups}")
+        if getattr(args, "fused_optimizer_groups", None) is not None and args.fused_optimizer_groups < 0:
+            raise ConfigError(f"--fused_optimizer_groups must be 1 or more (0 = off), got {args.fused_optimizer_groups}")
         if args.fused_backward_pass and fused_flag and (getattr(args, "fused_optimizer_groups", None) or
                                                        getattr(args, "blockwise_fused_optimizers", False)):
             logger.warning("--fused_backward_pass is used; the fused optimizer groups are not (as upstream)")

@@ -21,6 +21,7 @@ import ast
 import contextlib
 import importlib
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -148,7 +149,12 @@ def _literal(raw: str) -> Any:
 def parse_key_values(items: Iterable[str] | None, option: str = "--optimizer_args") -> dict[str, Any]:
     """`key=value` pairs; values are Python literals (numbers, True, lists, `0.9,0.999` = a tuple) or text."""
     out: dict[str, Any] = {}
-    for item in items or []:
+    if isinstance(items, str):
+        items = [items]
+    # a config file may hold them as one string ("a=1 b=2") or with an empty entry; a space inside a value
+    # ("betas=(0.9, 0.99)") stays
+    split = [part for item in items or [] for part in re.split(r"\s+(?=[A-Za-z_]\w*=)", item.strip()) if part]
+    for item in split:
         if "=" not in item:
             raise ConfigError(f"{option}: {item!r} must be key=value")
         key, raw = item.split("=", 1)
