@@ -1,7 +1,6 @@
 """Captions (library/captions.py) and the dataset config schema (library/config_util.py), against upstream's rules:
 keep_tokens_separator, secondary_separator, wildcards, token warm-up, weighted captions, caption files without
 fallback, --no_token_padding, every upstream [general]/[[datasets]]/[[datasets.subsets]] key at its levels."""
-import argparse
 import json
 import math
 import os
@@ -14,17 +13,10 @@ import torch
 
 from library import captions, config_util
 from library.captions import parse_prompt_attention, process_caption
-from library.config_util import SCHEMA, add_dataset_arguments, build_dataset_group, load_dataset_config
+from library.config_util import SCHEMA, build_dataset_group, load_dataset_config
 from library.datasets import DatasetError, SubsetParams
 
-from test_datasets import all_batches, make_image, write
-
-
-def parse(*argv):
-    parser = argparse.ArgumentParser()
-    add_dataset_arguments(parser)
-    parser.add_argument("--seed", type=int, default=1)
-    return parser.parse_args([str(a) for a in argv])
+from test_datasets import all_batches, make_image, parse, write
 
 
 def subset(**kw):

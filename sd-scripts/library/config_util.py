@@ -154,7 +154,8 @@ SCHEMA: dict[str, KeySpec] = {
     "validation_split": KeySpec(_NUMBER, _DATASET),  # library.validation
     "validation_seed": KeySpec(int, _DATASET),
 }
-_REQUIRED = {DREAMBOOTH: ("image_dir",), FINETUNING: ("metadata_file",), CONTROLNET: ("image_dir",)}
+_REQUIRED = {DREAMBOOTH: ("image_dir",), FINETUNING: ("metadata_file",),
+             CONTROLNET: ("image_dir", "conditioning_data_dir")}
 _KIND_LABEL = {DREAMBOOTH: "DreamBooth (image_dir + caption files)", FINETUNING: "fine-tuning (metadata_file)",
                CONTROLNET: "ControlNet (conditioning_data_dir)"}
 

@@ -571,7 +571,9 @@ class NetworkTrainer:
         # before the dataset: its batch order and augmentations follow the seed (a random one without --seed)
         train_util.prepare_seed(args, accelerator)
         family = self.family_for(args)
-        group, val_group = config_util.build_dataset_groups(args, family, self.dataset_kinds)
+        kinds = self.dataset_kinds + ((config_util.CONTROLNET,) if getattr(args, "masked_loss", False) else ())
+        group, val_group = config_util.build_dataset_groups(args, family, kinds)  # upstream: ControlNet subsets
+        # (conditioning_data_dir) with --masked_loss
         groups = [g for g in (group, val_group) if g is not None]  # what is cached
         if len(group) == 0:
             raise TrainingError("the dataset has no batches: no training images found")
