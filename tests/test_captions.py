@@ -473,3 +473,24 @@ def test_debug_dataset_logs_batches_and_trains_nothing(tmp_path, caplog):
     assert result is None and not (tmp_path / "out").exists()
     assert "debug_dataset: 2 batches in epoch 1" in caplog.text
     assert "caption: 'x, y'" in caplog.text or "caption: 'x, z'" in caplog.text
+
+
+def test_sdxl_weighted_captions_scale_both_encoders_not_the_pooled_output(tiny_clip):
+    from transformers import CLIPTextModelWithProjection
+
+    import sdxl_train_network
+
+    tok, te1 = tiny_clip
+    torch.manual_seed(1)
+    te2 = CLIPTextModelWithProjection(te1.config).eval()
+    comps = SimpleNamespace(text_encoders=[te1, te2], tokenizers=[tok, tok])
+    trainer = sdxl_train_network.SDXLNetworkTrainer()
+    args = SimpleNamespace(max_token_length=None, weighted_captions=True)
+    with torch.no_grad():
+        w = trainer.encode_prompts(args, comps, ["a (red:2.0) cat"])
+        args.weighted_captions = False
+        plain = trainer.encode_prompts(args, comps, ["a red cat"])
+    red = 1 + len(tok("a").input_ids) - 2  # position of the first 'red' token
+    torch.testing.assert_close(w["encoder_hidden_states"][0, red], 2.0 * plain["encoder_hidden_states"][0, red])
+    torch.testing.assert_close(w["encoder_hidden_states"][0, :red], plain["encoder_hidden_states"][0, :red])
+    torch.testing.assert_close(w["pooled"], plain["pooled"])
