@@ -75,7 +75,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
     "DAdaptAdanIP": OptimizerSpec(_DADAPT_EXP, "DAdaptAdanIP"),
     "DAdaptLion": OptimizerSpec(_DADAPT, "DAdaptLion"),
     "DAdaptSGD": OptimizerSpec(_DADAPT, "DAdaptSGD"),
-    "AdaFactor": OptimizerSpec("transformers.optimization", "Adafactor"),
+    "AdaFactor": OptimizerSpec("transformers.optimization", "Adafactor", defaults={"relative_step": True}),
     "Prodigy": OptimizerSpec("prodigyopt", "Prodigy"),
     "RAdamScheduleFree": OptimizerSpec(_SF, "RAdamScheduleFree"),
     "AdamWScheduleFree": OptimizerSpec(_SF, "AdamWScheduleFree"),
@@ -224,10 +224,8 @@ def resolved_optimizer_args(args: argparse.Namespace) -> dict[str, Any]:
     if known:
         for key, value in OPTIMIZERS[known].defaults.items():
             kwargs.setdefault(key, value)
-    if known == "AdaFactor":
-        kwargs.setdefault("relative_step", True)
-        if kwargs.get("warmup_init", False):
-            kwargs["relative_step"] = True
+    if known == "AdaFactor" and kwargs.get("warmup_init", False):
+        kwargs["relative_step"] = True
     return kwargs
 
 
@@ -272,6 +270,8 @@ def get_optimizer(args: argparse.Namespace, params) -> tuple[str, str, torch.opt
     kwargs = resolved_optimizer_args(args)
     for key in kwargs.keys() - given.keys():
         logger.info("%s: %s=%s (upstream's default)", known, key, kwargs[key])
+    if given.get("relative_step") is False and kwargs.get("relative_step"):
+        logger.info("Adafactor: warmup_init=True needs relative_step=True; turning it on (as upstream)")
     if known:
         kwargs.update(OPTIMIZERS[known].forced)
     lr = args.learning_rate

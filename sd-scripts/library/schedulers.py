@@ -105,9 +105,6 @@ def effective_name(args: argparse.Namespace) -> str:
     from library import optimizers
 
     if optimizers.adafactor_relative_step(args):
-        if not args.lr_scheduler.startswith("adafactor") and not args.lr_scheduler_type:
-            logger.info("Adafactor with relative_step=True: using the adafactor scheduler instead of %s",
-                        args.lr_scheduler)
         return "adafactor"
     return "adafactor" if args.lr_scheduler.startswith("adafactor:") else args.lr_scheduler
 
@@ -198,6 +195,9 @@ def get_scheduler(args: argparse.Namespace, optimizer: torch.optim.Optimizer, ma
         return ConstantLRReporter(optimizer)
     kwargs = parse_scheduler_args(args)
     name = effective_name(args)
+    if name != args.lr_scheduler.split(":")[0] and not args.lr_scheduler_type:
+        logger.info("Adafactor with relative_step=True: the adafactor scheduler is used instead of %s",
+                    args.lr_scheduler)
     try:
         if args.lr_scheduler_type:
             cls = scheduler_class(args.lr_scheduler_type)
