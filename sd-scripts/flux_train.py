@@ -12,7 +12,6 @@ those blocks (everything else stays bit-identical to the base). The text encoder
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import os
 import sys
@@ -22,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from flux_train_network import FluxNetworkTrainer  # noqa: E402
-from library import compile_utils, flux_models, flux_train_utils, full_trainer, optimizers, train_util  # noqa: E402
+from library import compile_utils, flux_models, flux_train_utils, full_trainer, optimizers, saving, train_util  # noqa: E402
 from library.full_trainer import FullTrainer  # noqa: E402
 from library.train_util import ConfigError  # noqa: E402
 
@@ -40,9 +39,10 @@ class FluxTrainer(FullTrainer, FluxNetworkTrainer):
         if args.train_text_encoder:
             raise ConfigError("--train_text_encoder: flux_train.py trains the FLUX transformer only (CLIP-L and "
                               "T5-XXL stay frozen); train a CLIP-L LoRA with flux_train_network.py instead")
-        if args.save_model_as != "safetensors":
-            raise ConfigError(f"--save_model_as {args.save_model_as}: flux_train.py writes a BFL single file; "
-                              "allowed: safetensors")
+        if args.save_model_as not in (None, "safetensors"):
+            # upstream's flux_train.py ignores --save_model_as the same way
+            logger.warning("--save_model_as %s: flux_train.py writes a BFL .safetensors single file",
+                           args.save_model_as)
         if args.fp8_base:
             raise ConfigError("--fp8_base keeps frozen weights in fp8; a full fine-tune trains them: drop it")
         if args.blocks_to_swap and not args.fused_backward_pass:
@@ -111,28 +111,23 @@ class FluxTrainer(FullTrainer, FluxNetworkTrainer):
         return Trainable(models=[model], param_groups=[{"params": params, "lr": args.learning_rate}],
                          train_text_encoder=False)
 
+    def output_format(self, args) -> tuple[str, str]:
+        return "single", ".safetensors"
+
     def save_full_model(self, args, components, path: str, metadata, save_dtype) -> None:
         if getattr(self, "swapper", None) is not None:
             self.swapper.synchronize()  # block copies still in flight must land before the weights are read
+        if args.mem_eff_save:
+            # one BFL tensor at a time, made from the live weights: no second copy of the model in memory
+            sd = compile_utils.strip_orig_mod(components.transformer.state_dict())
+            saving.save_safetensors_streaming(path, flux_models.diffusers_to_bfl_entries(sd, save_dtype), metadata,
+                                              overwrite=args.overwrite_output)
+            return
         sd = {k: v.detach().to("cpu") for k, v in components.transformer.state_dict().items()}
         bfl = flux_models.diffusers_to_bfl(compile_utils.strip_orig_mod(sd))
         if save_dtype is not None:
             bfl = {k: v.to(save_dtype) for k, v in bfl.items()}
         train_util.save_safetensors_atomic(bfl, path, metadata, overwrite=args.overwrite_output)
-
-    def modelspec_metadata(self, args) -> dict[str, str]:
-        variant = "schnell" if getattr(self, "components", None) is not None and self.components.is_schnell \
-            else "dev"
-        md = {
-            "modelspec.sai_model_spec": "1.0.0",
-            "modelspec.architecture": f"flux-1-{variant}",
-            "modelspec.implementation": "https://github.com/black-forest-labs/flux",
-            "modelspec.title": args.output_name,
-            "modelspec.date": datetime.datetime.now().replace(microsecond=0).isoformat(),
-        }
-        if getattr(args, "training_comment", None):
-            md["modelspec.description"] = args.training_comment
-        return md
 
     def method_metadata(self, args):
         md = super().method_metadata(args)
@@ -143,6 +138,7 @@ class FluxTrainer(FullTrainer, FluxNetworkTrainer):
 def setup_parser() -> argparse.ArgumentParser:
     parser = full_trainer.setup_parser(text_encoders=1)
     flux_train_utils.add_flux_arguments(parser)
+    saving.add_mem_eff_save_argument(parser)
     parser.add_argument("--train_blocks", type=str, default="all", choices=TRAIN_BLOCKS,
                         help="which transformer blocks are trained: all (the whole transformer), single or double")
     full_trainer.add_fused_optimizer_groups_argument(parser)

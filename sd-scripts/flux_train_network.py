@@ -133,9 +133,14 @@ class FluxNetworkTrainer(NetworkTrainer):
     def base_model_version(self, args) -> str:
         return "flux1"
 
+    def modelspec_variant(self) -> str | None:
+        components = getattr(self, "components", None)
+        return None if components is None else "schnell" if components.is_schnell else "dev"
+
     def update_metadata(self, metadata: dict, args) -> None:
         metadata.update(compile_utils.compile_settings_metadata(args))
         metadata.update({
+            "ss_model_type": str(getattr(args, "model_type", "flux")),  # upstream's --model_type (flux/chroma)
             "ss_guidance_scale": str(args.guidance_scale),
             "ss_timestep_sampling": args.timestep_sampling,
             "ss_sigmoid_scale": str(args.sigmoid_scale),

@@ -191,24 +191,53 @@ def bfl_to_diffusers(bfl_sd: dict, source: str = "state dict") -> dict:
     return out
 
 
-def diffusers_to_bfl(dsd: dict) -> dict:
-    """diffusers FluxTransformer2DModel state dict -> BFL single-file layout (the inverse of ``bfl_to_diffusers``)."""
-    dsd = dict(dsd)
-    num_double = _count_blocks(dsd, "transformer_blocks.")
-    num_single = _count_blocks(dsd, "single_transformer_blocks.")
-    guidance = any(k.startswith("time_text_embed.guidance_embedder.") for k in dsd)
-    out = {}
+def _diffusers_to_bfl_plan(keys) -> dict[str, tuple[list[str], str]]:
+    """BFL key -> (the diffusers keys it is made of, how: "cat" along dim 0 / "swap" the halves)."""
+    keys = set(keys)
+    num_double = _count_blocks(keys, "transformer_blocks.")
+    num_single = _count_blocks(keys, "single_transformer_blocks.")
+    guidance = any(k.startswith("time_text_embed.guidance_embedder.") for k in keys)
+    plan: dict[str, tuple[list[str], str]] = {}
     for bfl, parts in bfl_linear_map(num_double, num_single, guidance).items():
         for kind in ("weight", "bias"):
-            ts = [dsd.pop(f"{p}.{kind}") for p in parts]
-            out[f"{bfl}.{kind}"] = ts[0] if len(ts) == 1 else torch.cat(ts, dim=0)
+            plan[f"{bfl}.{kind}"] = ([f"{p}.{kind}" for p in parts], "cat")
     for bfl, d in _bfl_norm_map(num_double, num_single).items():
-        out[bfl] = dsd.pop(d)
+        plan[bfl] = ([d], "cat")
     for kind in ("weight", "bias"):
-        out[f"final_layer.adaLN_modulation.1.{kind}"] = _swap_halves(dsd.pop(f"norm_out.linear.{kind}"))
-    if dsd:
-        raise FluxModelError(f"cannot save as BFL: unknown transformer keys {', '.join(sorted(dsd)[:10])}")
-    return out
+        plan[f"final_layer.adaLN_modulation.1.{kind}"] = ([f"norm_out.linear.{kind}"], "swap")
+    unknown = keys - {k for parts, _ in plan.values() for k in parts}
+    if unknown:
+        raise FluxModelError(f"cannot save as BFL: unknown transformer keys {', '.join(sorted(unknown)[:10])}")
+    return plan
+
+
+def _make_bfl_tensor(ts: list, how: str) -> torch.Tensor:
+    if how == "swap":
+        return _swap_halves(ts[0])
+    return ts[0] if len(ts) == 1 else torch.cat(ts, dim=0)
+
+
+def diffusers_to_bfl(dsd: dict) -> dict:
+    """diffusers FluxTransformer2DModel state dict -> BFL single-file layout (the inverse of ``bfl_to_diffusers``)."""
+    return {bfl: _make_bfl_tensor([dsd[k] for k in parts], how)
+            for bfl, (parts, how) in _diffusers_to_bfl_plan(dsd).items()}
+
+
+def diffusers_to_bfl_entries(dsd: dict, dtype: torch.dtype | None = None) -> list:
+    """The BFL tensors of ``diffusers_to_bfl`` as library.saving.TensorEntry items, each made (on the CPU, in
+    `dtype`) only when it is written: for saving without a second copy of the model (--mem_eff_save)."""
+    from library.saving import TensorEntry
+
+    entries = []
+    for bfl, (parts, how) in _diffusers_to_bfl_plan(dsd).items():
+        ts = [dsd[k] for k in parts]
+        shape = (sum(t.shape[0] for t in ts), *ts[0].shape[1:])
+
+        def make(ts=ts, how=how):
+            return _make_bfl_tensor([t.detach().to("cpu", dtype or t.dtype) for t in ts], how)
+
+        entries.append(TensorEntry(bfl, shape, dtype or ts[0].dtype, make))
+    return entries
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ A family adapts it with these hooks (defaults fit SD1.x / SD2.x / SDXL):
     text_encoder_lrs(args) -> list[float | None]     per text encoder, None = frozen (SDXL: te1, te2)
     trained_model(components) -> the denoiser        (components.unet; FLUX: its transformer)
     save_full_model(args, components, path, metadata, save_dtype)   single file / diffusers folder
-    modelspec_metadata(args) -> dict                  modelspec.* keys of a saved checkpoint
+    modelspec_variant() -> str | None                 FLUX: "dev" / "schnell" (modelspec architecture)
 
 `--fused_backward_pass` (Adafactor): each parameter is stepped by the optimizer as soon as its gradient is
 complete (a post-accumulate-grad hook), then the gradient is freed, so the full set of gradients never exists.
@@ -22,7 +22,6 @@ complete (a post-accumulate-grad hook), then the gradient is freed, so the full 
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import math
 import time
@@ -30,13 +29,12 @@ from typing import Any
 
 import torch
 
-from library import config_util, data_parallel, network_trainer, train_util
+from library import data_parallel, network_trainer, saving, train_util
+from library import metadata as metadata_util
 from library.network_trainer import Trainable
 from library.train_util import ConfigError
 
 logger = logging.getLogger(__name__)
-
-SAVE_MODEL_AS = ("safetensors", "ckpt", "diffusers")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -55,8 +53,7 @@ def add_full_training_arguments(parser: argparse.ArgumentParser, *, text_encoder
     else:
         parser.add_argument("--learning_rate_te", type=float, default=None,
                             help="learning rate of the text encoder; default --learning_rate, 0 = frozen")
-    parser.add_argument("--save_model_as", type=str, default="safetensors", choices=list(SAVE_MODEL_AS),
-                        help="single file (.safetensors / .ckpt, SGM/LDM keys) or a diffusers folder")
+    saving.add_sd_saving_arguments(parser)  # --save_model_as (default: as the input model), --use_safetensors
     parser.add_argument("--no_metadata", action="store_true", help="write no ss_*/modelspec metadata")
     parser.add_argument("--training_comment", type=str, default=None, help="ss_training_comment metadata")
 
@@ -184,35 +181,6 @@ def split_param_groups(param_groups: list[dict], n: int) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# modelspec (Stability AI's model metadata spec, read by ComfyUI / A1111 / CivitAI)
-
-_ARCHITECTURES = {
-    "sd1": ("stable-diffusion-v1", "https://github.com/CompVis/stable-diffusion"),
-    "sd2": ("stable-diffusion-v2-512", "https://github.com/Stability-AI/stablediffusion"),
-    "sd2v": ("stable-diffusion-v2-768-v", "https://github.com/Stability-AI/stablediffusion"),
-    "sdxl": ("stable-diffusion-xl-v1-base", "https://github.com/Stability-AI/generative-models"),
-}
-
-
-def sd_modelspec_metadata(family: str, *, v_prediction: bool, title: str, resolution: tuple[int, int],
-                          description: str | None = None) -> dict[str, str]:
-    key = "sd2v" if family == "sd2" and v_prediction else family
-    architecture, implementation = _ARCHITECTURES[key]
-    md = {
-        "modelspec.sai_model_spec": "1.0.0",
-        "modelspec.architecture": architecture,
-        "modelspec.implementation": implementation,
-        "modelspec.title": title,
-        "modelspec.resolution": f"{resolution[0]}x{resolution[1]}",
-        "modelspec.date": datetime.datetime.now().replace(microsecond=0).isoformat(),
-        "modelspec.prediction_type": "v" if v_prediction else "epsilon",
-    }
-    if description:
-        md["modelspec.description"] = description
-    return md
-
-
-# ----------------------------------------------------------------------------------------------------------
 
 
 class FullTrainer:
@@ -239,18 +207,11 @@ class FullTrainer:
     def save_full_model(self, args, components, path: str, metadata: dict[str, str] | None, save_dtype) -> None:
         from library import model_util
 
-        if args.save_model_as == "diffusers":
+        if self.output_format(args)[0] == "diffusers":
             model_util.save_sd_diffusers(path, components, save_dtype=save_dtype, overwrite=args.overwrite_output)
         else:
             model_util.save_sd_checkpoint(path, components, save_dtype=save_dtype, metadata=metadata,
                                           overwrite=args.overwrite_output)
-
-    def modelspec_metadata(self, args) -> dict[str, str]:
-        resolution = config_util.parse_resolution(args.resolution) if args.resolution else \
-            (config_util.FAMILY_DEFAULT_RESOLUTION[self.family_for(args)],) * 2
-        v_pred = bool(args.v_parameterization)  # the trained prediction type (NetworkTrainer.use_prediction_type)
-        return sd_modelspec_metadata(self.family_for(args), v_prediction=v_pred, title=args.output_name,
-                                     resolution=resolution, description=getattr(args, "training_comment", None))
 
     # -- checks ------------------------------------------------------------------------------------------
     def check_args(self, args) -> None:
@@ -291,8 +252,14 @@ class FullTrainer:
             logger.warning("--fused_backward_pass is used; the fused optimizer groups are not (as upstream)")
         self.assert_extra_args(args)
 
+    def output_format(self, args) -> tuple[str, str]:
+        """("single", ".safetensors" | ".ckpt") or ("diffusers", ""): --save_model_as, unset = as the input
+        model (library.saving.full_model_format)."""
+        return saving.full_model_format(args.save_model_as, getattr(args, "use_safetensors", False),
+                                        args.pretrained_model_name_or_path)
+
     def output_ext(self, args) -> str:
-        return "" if args.save_model_as == "diffusers" else "." + args.save_model_as
+        return self.output_format(args)[1]
 
     # -- what is trained ---------------------------------------------------------------------------------
     def setup_trainable(self, args, accelerator, components, weight_dtype, caching_te: bool) -> Trainable:
@@ -357,6 +324,10 @@ class FullTrainer:
         pass
 
     # -- outputs -----------------------------------------------------------------------------------------
+    def build_metadata(self, *a, **kw) -> dict[str, str]:
+        md = super().build_metadata(*a, **kw)
+        return {k: v for k, v in md.items() if k not in metadata_util.NETWORK_KEYS}
+
     def method_metadata(self, args) -> dict[str, Any]:
         md: dict[str, Any] = {
             "ss_train_text_encoder": self.trains_text_encoder(args),
@@ -371,12 +342,12 @@ class FullTrainer:
         """The whole model (main process only), written to a temporary name and renamed when complete."""
         train_util.ensure_can_write(path, args.overwrite_output)
         md = None
-        if not args.no_metadata and args.save_model_as != "diffusers":
+        if not args.no_metadata and self.output_format(args)[0] != "diffusers":
             md = dict(metadata)
             md["ss_training_finished_at"] = str(time.time())
             md["ss_steps"] = str(step)
             md["ss_epoch"] = str(epoch)
-            md.update(self.modelspec_metadata(args))
+            md.update(self.modelspec(args, lora=False))
         self.save_full_model(args, self.components, path, md, train_util.save_dtype_for(args))
         logger.info("saved %s", path)
 

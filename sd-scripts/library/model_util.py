@@ -965,12 +965,17 @@ def save_sd_diffusers(folder, comps: SDComponents, *, save_dtype=None, overwrite
         for i, te in enumerate(comps.text_encoders):
             te = _unwrap(te)
             sub = "text_encoder" if i == 0 else "text_encoder_2"
-            te.save_pretrained(str(tmp / sub), state_dict=_cast(strip_orig_mod(te.state_dict()), save_dtype))
-            if as_dtype(save_dtype) is not None:  # record the saved dtype in config.json
-                cfg_path = tmp / sub / "config.json"
-                cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-                cfg["dtype"] = str(as_dtype(save_dtype)).removeprefix("torch.")
-                cfg_path.write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+            # weights under their canonical "text_model." keys (transformers >= 5.6 would drop the prefix, which
+            # upstream's pinned transformers 4.x and other tools need), config.json beside them
+            te.config.architectures = [type(te).__name__]
+            te.config.save_pretrained(str(tmp / sub))
+            save_file(_cast(clip_state_dict(te), save_dtype), str(tmp / sub / "model.safetensors"),
+                      metadata={"format": "pt"})
+            cfg_path = tmp / sub / "config.json"
+            cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+            dtype = as_dtype(save_dtype) or next(te.parameters()).dtype
+            cfg["dtype"] = cfg["torch_dtype"] = str(dtype).removeprefix("torch.")  # 5.x and 4.x names
+            cfg_path.write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
             comps.tokenizers[i].save_pretrained(str(tmp / ("tokenizer" if i == 0 else "tokenizer_2")))
         if folder.exists():
             old = _tmp_name(folder)

@@ -44,8 +44,9 @@ from typing import Any
 
 import torch
 
-from library import (config_util, data_parallel, losses, network_options, noise, optimizers, parity,
-                     schedulers, train_util, validation)
+from library import (config_util, data_parallel, huggingface_util, losses, network_options, noise, optimizers,
+                     parity, saving, schedulers, train_util, validation)
+from library import metadata as metadata_util
 from library.captions import apply_token_weights, weighted_for, weighted_token_ids
 from library.step_timer import StepTimer
 from library.train_util import ConfigError
@@ -78,9 +79,10 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
                         help="text encoder LoRA learning rate: one value for all text encoders, or one per text "
                              "encoder where the network module supports it (upstream: networks with "
                              "prepare_optimizer_params_with_multiple_te_lrs); default --learning_rate")
-    parser.add_argument("--save_model_as", type=str, default="safetensors", choices=["safetensors", "ckpt", "pt"],
+    parser.add_argument("--save_model_as", type=str, default="safetensors", choices=[None, "ckpt", "pt", "safetensors"],
                         help="file format of the LoRA")
-    parser.add_argument("--no_metadata", action="store_true", help="write no ss_* metadata")
+    parser.add_argument("--no_metadata", action="store_true",
+                        help="write only the minimum ss_* keys (base model, network) and the modelspec keys")
     parser.add_argument("--training_comment", type=str, default=None, help="ss_training_comment metadata")
     from library.network_options import add_network_option_arguments
 
@@ -100,6 +102,9 @@ def base_parser() -> argparse.ArgumentParser:
     train_util.add_config_arguments(parser)
     parity.add_refused_arguments(parser)
     data_parallel.add_ddp_arguments(parser)
+    saving.add_saving_arguments(parser)
+    metadata_util.add_metadata_arguments(parser)
+    huggingface_util.add_huggingface_arguments(parser)
     return parser
 
 
@@ -108,13 +113,14 @@ def setup_parser() -> argparse.ArgumentParser:
     parser = base_parser()
     add_network_arguments(parser)
     validation.add_validation_arguments(parser)
+    saving.add_initial_step_arguments(parser)
     return parser
 
 
 def text_encoder_lr(args) -> float | None:
     """`--text_encoder_lr` for a network with one text-encoder learning rate: the first value (upstream reads
     the list this way, for config files that wrote one number too); None = --learning_rate."""
-    value = args.text_encoder_lr
+    value = getattr(args, "text_encoder_lr", None)  # the full trainers have none
     if value is None or isinstance(value, (int, float)):
         return value
     return value[0] if value else None
@@ -592,10 +598,12 @@ class NetworkTrainer:
 
         components = self.load_target_model(args, accelerator, weight_dtype)
         self.merge_base_weights(args, components, weight_dtype)
+        self.components = components
         self.set_attention_backend(args, components)
         vae = components.vae
         prediction_type = self.prediction_type(args, components)
         self.use_prediction_type(args, prediction_type)
+        self.trained_prediction_type = prediction_type  # what the modelspec metadata states
 
         vae_dtype = torch.float32 if args.no_half_vae else weight_dtype
         caching_latents = args.cache_latents or args.cache_latents_to_disk
@@ -634,6 +642,7 @@ class NetworkTrainer:
         num_batches = len(dataloader)
         steps_per_epoch, max_train_steps, num_epochs = train_util.resolve_train_length(args, num_batches)
         args.max_train_steps = max_train_steps
+        saving.apply_save_n_epoch_ratio(args, num_epochs)
         for g in groups:  # token warm-up (upstream's validation batches follow the training step too)
             g.set_max_train_steps(max_train_steps)
         # not prepared by accelerate (our loop steps it: schedulers.step follows accelerate's rule exactly)
@@ -658,7 +667,7 @@ class NetworkTrainer:
         accelerator.register_for_checkpointing(state)
         if args.resume:
             logger.info("resuming from %s", args.resume)
-            accelerator.load_state(args.resume)
+            accelerator.load_state(huggingface_util.resume_state_dir(args))
             optimizer_train()  # a schedule-free optimizer's state was saved in eval mode
             logger.info("resumed at step %d (epoch %d)", state.global_step, state.epoch)
 
@@ -666,15 +675,14 @@ class NetworkTrainer:
         validator = validation.build_validator(args, val_group, accelerator, lambda g: _make_dataloader(g, args),
                                                seed, self.num_train_timesteps(noise_scheduler))
 
+        total_batch = args.train_batch_size * args.gradient_accumulation_steps * accelerator.num_processes
         metadata = self.build_metadata(args, group, session_id, training_started_at, opt_class, opt_name,
-                                       num_batches, num_epochs, max_train_steps)
-        metadata.update({k: train_util.metadata_value(v) for k, v in validation.metadata(args, val_group).items()
-                         if v is not None})
+                                       num_batches, num_epochs, max_train_steps, total_batch)
+        metadata.update({k: train_util.metadata_value(v) for k, v in validation.metadata(args, val_group).items()})
         if accelerator.is_main_process and log_with:
             accelerator.init_trackers(args.log_tracker_name or self.tracker_name,
                                       config=_tracker_config(args))
 
-        total_batch = args.train_batch_size * args.gradient_accumulation_steps * accelerator.num_processes
         logger.info("running training: %d batches per epoch, %d epochs, %d steps, batch size %d "
                     "(total with accumulation and processes %d)", num_batches, num_epochs, max_train_steps,
                     args.train_batch_size, total_batch)
@@ -682,9 +690,8 @@ class NetworkTrainer:
 
         from tqdm.auto import tqdm
 
-        global_step = state.global_step
-        first_epoch = global_step // steps_per_epoch
-        skip_batches = (global_step % steps_per_epoch) * args.gradient_accumulation_steps
+        start = saving.start_position(args, steps_per_epoch, state.global_step, max_train_steps)
+        global_step, first_epoch, skip_batches = start.global_step, start.epoch, start.skip_batches
         progress = tqdm(total=max_train_steps, initial=global_step, smoothing=0,
                         disable=not accelerator.is_local_main_process, desc="steps", file=sys.stderr)
         line = train_util.ProgressLine(max_train_steps, num_epochs, start_step=global_step)
@@ -768,8 +775,7 @@ class NetworkTrainer:
                                      epoch=epoch + 1, at_epoch_end=False)
                     timer.restart()
 
-                if args.save_every_n_steps and global_step % args.save_every_n_steps == 0 \
-                        and global_step < max_train_steps:
+                if args.save_every_n_steps and global_step % args.save_every_n_steps == 0:  # the last step too
                     self.save_checkpoint(args, accelerator, trainable, metadata, epoch + 1, global_step, ext,
                                          by_step=True)
                     timer.restart()
@@ -808,8 +814,10 @@ class NetworkTrainer:
         with self.eval_weights(args):
             if accelerator.is_main_process:
                 self.save_model(args, accelerator, trainable, metadata, final_path, final_epoch, global_step)
+                huggingface_util.upload(args, final_path, os.path.basename(final_path), force_sync=True)
             if args.save_state or args.save_state_on_train_end:
                 self.save_state(args, accelerator, train_util.state_dir_name(args.output_name))
+        huggingface_util.wait_for_uploads()
         accelerator.wait_for_everyone()
         accelerator.end_training()
         logger.info("model saved: %s", final_path)
@@ -872,82 +880,65 @@ class NetworkTrainer:
         return path
 
     def build_metadata(self, args, group, session_id, started_at, opt_class, opt_name, num_batches, num_epochs,
-                       max_train_steps) -> dict[str, str]:
-        md: dict[str, Any] = {
-            "ss_session_id": session_id,
-            "ss_training_started_at": started_at,
-            "ss_output_name": args.output_name,
-            "ss_learning_rate": args.learning_rate,
-            "ss_num_epochs": num_epochs,
-            "ss_gradient_checkpointing": args.gradient_checkpointing,
-            "ss_gradient_accumulation_steps": args.gradient_accumulation_steps,
-            "ss_max_train_steps": max_train_steps,
-            "ss_lr_warmup_steps": args.lr_warmup_steps,
-            "ss_lr_scheduler": args.lr_scheduler,
-            "ss_mixed_precision": args.mixed_precision,
-            "ss_full_fp16": args.full_fp16,
-            "ss_full_bf16": args.full_bf16,
-            "ss_base_model_version": self.base_model_version(args),
-            "ss_v2": args.v2,
-            "ss_clip_skip": args.clip_skip,
-            "ss_max_token_length": args.max_token_length,
-            "ss_cache_latents": args.cache_latents or args.cache_latents_to_disk,
-            "ss_seed": args.seed,
-            "ss_lowram": args.lowram,
-            "ss_training_comment": getattr(args, "training_comment", None),
-            "ss_optimizer": optimizers.metadata_value(opt_class, args),
-            "ss_max_grad_norm": args.max_grad_norm,
-            "ss_prior_loss_weight": args.prior_loss_weight,
-            "ss_sd_model_name": os.path.basename(str(args.pretrained_model_name_or_path).rstrip("/\\")),
-            "ss_vae_name": os.path.basename(args.vae) if args.vae else None,
-            "ss_num_batches_per_epoch": num_batches,
-            "ss_train_batch_size": args.train_batch_size,
-        }
-        md.update(losses.metadata(args))
-        md.update(noise.metadata(args))
-        md.update(self.method_metadata(args))
-        md.update(group.metadata())
+                       max_train_steps, total_batch_size) -> dict[str, str]:
+        """The ss_* keys (library.metadata: every key upstream writes), then the trainer's own."""
+        md = metadata_util.network_metadata(
+            args, group=group, session_id=session_id, started_at=started_at, opt_class=opt_class,
+            num_batches=num_batches, num_epochs=num_epochs, max_train_steps=max_train_steps,
+            total_batch_size=total_batch_size, base_model_version=self.base_model_version(args),
+            network_dim=args.network_dim if getattr(args, "network_dim", None) is not None else 4,
+            text_encoder_lr=text_encoder_lr(args))
+        owned = {**losses.metadata(args), **noise.metadata(args)}  # those options' keys, from their modules
+        md.update({k: train_util.metadata_value(v) for k, v in owned.items()})  # None as "None", as upstream
+        md.update({k: train_util.metadata_value(v) for k, v in self.method_metadata(args).items() if v is not None})
         self.update_metadata(md, args)
-        return {k: train_util.metadata_value(v) for k, v in md.items() if v is not None}
+        return md
 
     def method_metadata(self, args) -> dict[str, Any]:
-        """The ss_* keys of what is trained (the LoRA network here)."""
-        return {
-            "ss_text_encoder_lr": text_encoder_lr(args),
-            "ss_unet_lr": args.unet_lr,
-            "ss_network_module": args.network_module,
-            "ss_network_dim": args.network_dim if args.network_dim is not None else 4,
-            "ss_network_alpha": args.network_alpha,
-            "ss_network_dropout": args.network_dropout,
-            "ss_network_args": parse_network_args(args.network_args) or None,
-            "ss_scale_weight_norms": args.scale_weight_norms,
-        }
+        """The ss_* keys of what is trained beyond the shared ones (the LoRA network's are shared)."""
+        return {}
 
-    def save_lora(self, args, accelerator, network, metadata, path, epoch, step) -> None:
-        md = {}
-        if not args.no_metadata:
-            md = dict(metadata)
-            md["ss_training_finished_at"] = str(time.time())
-            md["ss_steps"] = str(step)
-            md["ss_epoch"] = str(epoch)
+    def modelspec(self, args, lora: bool = True) -> dict[str, str]:
+        """modelspec.* keys of a saved result (library.metadata; --metadata_* options)."""
+        return metadata_util.modelspec_metadata(
+            args, family=self.family_for(args), lora=lora, flux_variant=self.modelspec_variant(),
+            v_prediction=getattr(self, "trained_prediction_type", None) == "v_prediction"
+            or bool(getattr(args, "v_parameterization", False)))
+
+    def modelspec_variant(self) -> str | None:
+        """FLUX: "dev" or "schnell" (the modelspec architecture)."""
+        return None
+
+    def save_lora(self, args, accelerator, network, md, path, epoch, step) -> None:
+        """ss_* (only upstream's minimum keys with --no_metadata) + modelspec.*, as upstream writes them."""
+        md = dict(md)
+        md["ss_training_finished_at"] = str(time.time())
+        md["ss_steps"] = str(step)
+        md["ss_epoch"] = str(epoch)
+        if args.no_metadata:
+            md = metadata_util.minimum_network_metadata(md)
+        md.update(self.modelspec(args))
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        accelerator.unwrap_model(network).save_weights(path, train_util.save_dtype_for(args), md or None,
+        accelerator.unwrap_model(network).save_weights(path, train_util.save_dtype_for(args), md,
                                                        overwrite=args.overwrite_output)
         logger.info("saved %s", path)
 
     def save_state(self, args, accelerator, name: str) -> str:
-        """accelerate's state (models, optimizer, scheduler, step, every process's RNG); all processes call it."""
+        """accelerate's state (models, optimizer, scheduler, step, every process's RNG); all processes call it.
+        --save_state_to_huggingface uploads it."""
         path = os.path.join(args.output_dir, name)
         if accelerator.is_main_process:
             train_util.ensure_can_write(path, args.overwrite_output)
         accelerator.wait_for_everyone()
         accelerator.save_state(path)
         logger.info("training state saved: %s", path)
+        if accelerator.is_main_process and getattr(args, "save_state_to_huggingface", False):
+            huggingface_util.upload(args, path, name)
         return path
 
     def save_checkpoint(self, args, accelerator, trainable, metadata, epoch, step, ext, by_step: bool) -> None:
-        """An intermediate save (kohya names `-step00000010` / `-000001`), old ones pruned by save_last_n_*.
-        Every process calls it; the model is written by the main process only."""
+        """An intermediate save (kohya names `-step00000010` / `-000001`), uploaded with --huggingface_repo_id,
+        old ones pruned by --save_last_n_*(_state). Every process calls it; the main process writes the model."""
         with self.eval_weights(args):
             self._save_checkpoint(args, accelerator, trainable, metadata, epoch, step, ext, by_step)
 
@@ -955,11 +946,13 @@ class NetworkTrainer:
         accelerator.wait_for_everyone()
         out = args.output_dir
         if by_step:
-            path = os.path.join(out, train_util.step_file_name(args.output_name, step, ext))
+            name = train_util.step_file_name(args.output_name, step, ext)
         else:
-            path = os.path.join(out, train_util.epoch_file_name(args.output_name, epoch, ext))
+            name = train_util.epoch_file_name(args.output_name, epoch, ext)
+        path = os.path.join(out, name)
         if accelerator.is_main_process:
             self.save_model(args, accelerator, trainable, metadata, path, epoch, step)
+            huggingface_util.upload(args, path, name)
         if args.save_state:
             self.save_state(args, accelerator, train_util.state_dir_name(
                 args.output_name, epoch=None if by_step else epoch, step=step if by_step else None))
@@ -968,19 +961,25 @@ class NetworkTrainer:
         accelerator.wait_for_everyone()
 
     def prune_checkpoints(self, args, epoch, step, ext, by_step: bool) -> None:
-        """Only files this run wrote under the kohya names."""
-        out = args.output_dir
-        if by_step and args.save_last_n_steps:
-            old = step - args.save_last_n_steps - args.save_every_n_steps + 1
-            old_step = (old // args.save_every_n_steps) * args.save_every_n_steps
-            if old_step > 0:
-                _remove(os.path.join(out, train_util.step_file_name(args.output_name, old_step, ext)))
-                _remove(os.path.join(out, train_util.state_dir_name(args.output_name, step=old_step)))
-        if not by_step and args.save_last_n_epochs:
-            old_epoch = epoch - args.save_every_n_epochs * args.save_last_n_epochs
-            if old_epoch > 0:
-                _remove(os.path.join(out, train_util.epoch_file_name(args.output_name, old_epoch, ext)))
-                _remove(os.path.join(out, train_util.state_dir_name(args.output_name, epoch=old_epoch)))
+        """Removes the save that --save_last_n_epochs/_steps (models) and --save_last_n_*_state (states, default
+        the same N) let go, with upstream's rules (library.saving); only names this run writes."""
+        out, name = args.output_dir, args.output_name
+        if by_step:
+            every = args.save_every_n_steps
+            old = saving.remove_step_no(step, every, args.save_last_n_steps)
+            if old is not None:
+                _remove(os.path.join(out, train_util.step_file_name(name, old, ext)))
+            old = saving.remove_step_no(step, every, saving.state_keep_last(args, by_step=True))
+            if old:  # upstream keeps a state of step 0 (there is none)
+                _remove(os.path.join(out, train_util.state_dir_name(name, step=old)))
+        else:
+            every = args.save_every_n_epochs
+            old = saving.remove_epoch_no(epoch, every, args.save_last_n_epochs)
+            if old is not None:
+                _remove(os.path.join(out, train_util.epoch_file_name(name, old, ext)))
+            old = saving.remove_epoch_no(epoch, every, saving.state_keep_last(args, by_step=False))
+            if old is not None:
+                _remove(os.path.join(out, train_util.state_dir_name(name, epoch=old)))
 
     def eval_weights(self, args):
         """Context: the model holds a schedule-free optimizer's evaluation weights (sampling, saving), as
@@ -1033,6 +1032,7 @@ def set_network_multiplier(models: list, batch: dict) -> None:
 def _remove(path: str) -> None:
     import shutil
 
+    huggingface_util.wait_for_uploads(path)  # an --async_upload of it still running
     if os.path.isdir(path):
         shutil.rmtree(path)
         logger.info("removed old state %s", path)

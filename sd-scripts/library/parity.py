@@ -88,13 +88,28 @@ DIFFERENT: dict[str, Different] = {
                                 "every script (upstream: the LoRA and FLUX scripts), switched only around them "
                                 "(upstream switches every step, which changes only rounding); --optimizer_args "
                                 "true/false are booleans (upstream needs True/False)"),
+    "save_model_as": Different(
+        "full trainers, unset: a single-file base model keeps its serialization (.safetensors stays .safetensors; "
+        "upstream's code writes .ckpt unless --use_safetensors, against its own help \"same as the original\"); "
+        "diffusers and diffusers_safetensors both write safetensors weights (upstream: .bin for diffusers), which "
+        "every diffusers/transformers version loads; flux_train.py writes a BFL .safetensors whatever is given, as "
+        "upstream"),
+    "huggingface_path_in_repo": Different(
+        "unset: each saved file or folder goes to the repo under its own name (upstream passes no path: a file "
+        "upload fails and a folder's files land at the repo's top level, mixing the states)"),
+    "initial_step": Different(
+        "the step counter starts at the step (with --skip_until_initial_step) or at the first step of the start "
+        "epoch (without it); upstream restarts the counter at 0, or after skipping whole epochs at the remainder "
+        "only, so its step numbers and the max_train_steps limit drift"),
+    "initial_epoch": Different(
+        "epochs count this process's batches (upstream divides the per-process batch count by the number of "
+        "processes a second time); the step counter as for --initial_step"),
 }
 
 # upstream options not at parity yet (missing, or parsed differently until their owner lands them);
 # one name per line, remove it when the option lands
 NOT_YET: frozenset[str] = frozenset({
     "alpha_mask",
-    "async_upload",
     "cache_info",
     "conditioning_data_dir",
     "console_log_file",
@@ -110,47 +125,20 @@ NOT_YET: frozenset[str] = frozenset({
     "fp16_master_weights_and_gradients",
     "fp8_base",
     "fp8_base_unet",
-    "huggingface_path_in_repo",
-    "huggingface_repo_id",
-    "huggingface_repo_type",
-    "huggingface_repo_visibility",
-    "huggingface_token",
-    "initial_epoch",
-    "initial_step",
     "log_config",
     "log_tracker_config",
     "masked_loss",
-    "mem_eff_save",
-    "metadata_author",
-    "metadata_description",
-    "metadata_is_negative_embedding",
-    "metadata_license",
-    "metadata_merged_from",
-    "metadata_preprocessor",
-    "metadata_tags",
-    "metadata_thumbnail",
-    "metadata_title",
-    "metadata_trigger_phrase",
-    "metadata_usage_hint",
     "model_type",
     "resize_interpolation",
-    "resume_from_huggingface",
-    "save_last_n_epochs_state",
-    "save_last_n_steps_state",
-    "save_n_epoch_ratio",
-    "save_state_to_huggingface",
     "single_blocks_to_swap",
     "skip_cache_check",
     "skip_latents_validity_check",
-    "skip_until_initial_step",
     "split_mode",
     "text_encoder_batch_size",
     "torch_compile",
-    "use_safetensors",
     "vae_batch_size",
     "wandb_api_key",
     "wandb_run_name",
-    "save_model_as",
 })
 
 

@@ -8,6 +8,7 @@ in `network_trainer.py`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import hashlib
 import importlib
@@ -357,8 +358,12 @@ def verify_training_args(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise ConfigError(f"--{name} must be 1 or more, got {value}")
-    if args.resume and not os.path.isdir(args.resume):
+    if args.resume and not getattr(args, "resume_from_huggingface", False) and not os.path.isdir(args.resume):
         raise ConfigError(f"--resume: state folder not found: {args.resume}")
+    from library import huggingface_util, saving
+
+    saving.validate_saving_args(args)
+    huggingface_util.validate_huggingface_args(args)
     if args.sample_prompts and not os.path.isfile(args.sample_prompts):
         raise ConfigError(f"--sample_prompts: file not found: {args.sample_prompts}")
     from library import optimizers, schedulers
@@ -449,18 +454,25 @@ def _tmp_name(path: str) -> str:
     return os.path.join(d, f".{base}.tmp-{os.getpid()}")
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+@contextlib.contextmanager
+def atomic_target(path: str | os.PathLike):
+    """The one atomic writer: yields a hidden temp name beside `path` to write to; when the block completes it is
+    renamed to `path`, when it fails it is removed (a failed or stopped save never leaves a broken result)."""
     path = os.fspath(path)
     tmp = _tmp_name(path)
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_target(path) as tmp, open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -472,28 +484,16 @@ def save_safetensors_atomic(tensors: dict[str, torch.Tensor], path: str | os.Pat
     """Writes to a hidden temp name beside `path`, then renames; an existing file needs overwrite=True."""
     from safetensors.torch import save_file
 
-    path = os.fspath(path)
     ensure_can_write(path, overwrite)
-    tmp = _tmp_name(path)
     tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
-    try:
+    with atomic_target(path) as tmp:
         save_file(tensors, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def save_torch_atomic(obj: Any, path: str | os.PathLike, *, overwrite: bool = False) -> None:
-    path = os.fspath(path)
     ensure_can_write(path, overwrite)
-    tmp = _tmp_name(path)
-    try:
+    with atomic_target(path) as tmp:
         torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 # ----------------------------------------------------------------------------------------------------------
