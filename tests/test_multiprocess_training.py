@@ -61,8 +61,12 @@ def test_two_process_sdxl_lora(tmp_path, tiny_sdxl_single_file, tiny_dataset_dir
     out = tmp_path / "out"
     proc = launch("sdxl_train_network.py", common(tiny_sdxl_single_file, tiny_dataset_dir, out, "lora")
                   + ["--network_module", "networks.lora", "--network_dim", 4, "--save_every_n_steps", 1,
-                     "--save_state", "--compile", "--compile_backend", "eager"])
+                     "--save_state", "--compile", "--compile_backend", "eager", "--lr_scheduler", "linear",
+                     "--lr_warmup_steps", 2])
     check_both_ranks_trained(proc, batches_per_rank=4)  # 8 batches (4 images x 2 repeats) split over 2
+    # the LR schedule as upstream's accelerate-prepared one: 2 x 2 = 4 scheduler steps, 2 per optimizer step,
+    # so the warmup of 2 ends with the first step (lr 1e-3; one process would be half-way, 5e-4)
+    assert re.search(r"steps: 1/2 .*lr=1\.00e-03", proc.stdout), proc.stdout[-2000:]
     # each process compiles its own UNet
     assert (proc.stdout + proc.stderr).count("Compiling SDXL UNet with torch.compile: backend=eager") == 2
     assert sorted(p.name for p in out.iterdir()) == [
