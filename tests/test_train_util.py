@@ -57,7 +57,7 @@ def test_config_flat_and_sectioned_merge_order(tmp_path, parser):
     ("netwrk_dim = 4\n", r"unknown key 'netwrk_dim' \(did you mean 'network_dim'\?\)"),
     ("[training]\ncompile_mod = 'default'\n", r"unknown key 'compile_mod' \(did you mean 'compile_mode'\?\)"),
     ("network_dim = 'four'\n", r"network_dim = 'four' must be an integer"),
-    ("compile = 1\n", r"compile = 1 must be true or false"),
+    ("compile = 2\n", r"compile = 2 must be true or false"),  # 0/1 are read as false/true (kohya_ss GUI)
     ("mixed_precision = 'fp8'\n", r"mixed_precision = 'fp8' is not allowed; allowed values: no, fp16, bf16"),
     ("learning_rate = [1, 2]\n", r"learning_rate = \[1, 2\] must be a single value"),
     ("[a]\nseed = 1\n[b]\nseed = 2\n", r"key 'seed' is set twice"),

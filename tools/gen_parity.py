@@ -147,6 +147,8 @@ def table_problems(upstream_all: dict, parsers: dict) -> list[str]:
                if name in upstream_all[s]):
             problems.append(f"parity.NOT_YET: {name!r} has landed (parses as upstream in every script that has "
                             "it): remove it from the table")
+    for name in sorted(set(parity.KOHYA_SS_GUI_KEYS) & known):
+        problems.append(f"parity.KOHYA_SS_GUI_KEYS: {name!r} is an upstream option: parse it instead of skipping it")
     for name, spec in parity.DIFFERENT.items():
         if not spec.fields:
             continue
@@ -208,6 +210,17 @@ def render(upstream_all: dict, parsers: dict) -> str:
                        if a.option_strings and a.dest != "help" and a.dest not in upstream_all[s])
         if extra:
             out += ["", "Options only here: " + ", ".join(f"`{o}`" for o in extra) + "."]
+    out += ["", "## Config files (`--config_file`)", "",
+            "Upstream accepts any key in a config file and ignores the ones that are no option; here an unknown key",
+            "stops the run (exit 2, every bad key named in one message with the closest option), except these keys",
+            "that the kohya_ss GUI writes into its run TOMLs, which are skipped with a log line:", "",
+            "| key | what it is |", "|---|---|"]
+    out += [f"| `{k}` | {v} |" for k, v in parity.KOHYA_SS_GUI_KEYS.items()]
+    out += ["", "Values the kohya_ss GUI writes that upstream's parser would refuse on the command line (argparse "
+            "checks", "no choices of config-file values), read as upstream reads them:", ""]
+    out += [f"- `{k} = {v!r}` means `{k}` unset ({'the default' if m is None else m})"
+            for k, aliases in parity.CONFIG_VALUE_ALIASES.items() for v, m in aliases.items()]
+    out += ["- `0` / `1` for an on/off option (e.g. `persistent_data_loader_workers = 1`) mean false / true."]
     return "\n".join(out) + "\n"
 
 

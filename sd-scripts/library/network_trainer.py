@@ -432,7 +432,9 @@ class NetworkTrainer:
         validate = getattr(importlib.import_module(args.network_module), "parse_network_kwargs", None)
         if validate is not None:
             validate(parse_network_args(args.network_args))
-        if args.sample_prompts:
+        if args.sample_prompts and (args.sample_every_n_steps or args.sample_every_n_epochs or args.sample_at_first):
+            # read only when it will be used, as upstream (the kohya_ss GUI always passes a prompt file, empty
+            # when its prompt box is)
             from library.sample_prompts import parse_prompt_file
 
             parse_prompt_file(args.sample_prompts)  # PromptFileError names the file and line
@@ -497,7 +499,7 @@ class NetworkTrainer:
             params = network.prepare_optimizer_params_with_multiple_te_lrs(args.text_encoder_lr, args.unet_lr,
                                                                           args.learning_rate)
         else:
-            if args.text_encoder_lr and len(args.text_encoder_lr) > 1:
+            if args.text_encoder_lr and len(set(args.text_encoder_lr)) > 1:
                 logger.warning("--text_encoder_lr %s: %s takes one learning rate for all text encoders; using %s",
                                " ".join(map(str, args.text_encoder_lr)), args.network_module, args.text_encoder_lr[0])
             params = network.prepare_optimizer_params(text_encoder_lr(args), args.unet_lr, args.learning_rate)

@@ -142,6 +142,26 @@ NOT_YET: frozenset[str] = frozenset({
 })
 
 
+# Keys the kohya_ss GUI writes into its run TOMLs that are no option of upstream's scripts. Upstream's
+# --config_file takes any key without a word; ours stops at an unknown key (naming the closest one), except at
+# these, which are skipped with a log line. key -> what it is
+KOHYA_SS_GUI_KEYS: dict[str, str] = {
+    "epoch": "the GUI's epoch count (always written); the trainer reads max_train_epochs / max_train_steps",
+    "noise_offset_type": "the GUI's choice between noise_offset and multires_noise_* (always written); the GUI "
+                         "writes only the chosen options",
+    "additional_parameters": "extra command-line text, which the GUI appends to the command",
+    "train_inpainting": "a GUI checkbox that upstream's scripts do not read",
+    "show_timesteps": "a GUI option of upstream scripts other than these seven",
+    "show_timesteps_resolution": "a GUI option of upstream scripts other than these seven",
+}
+
+# Values the kohya_ss GUI writes that upstream reads although its parser refuses them on the command line
+# (argparse checks no choices of config-file values): key -> {value as written: value here}
+CONFIG_VALUE_ALIASES: dict[str, dict] = {
+    "max_token_length": {75: None},  # the default, 75 tokens, written out; upstream reads it as 75 tokens
+}
+
+
 def add_refused_arguments(parser: argparse.ArgumentParser) -> None:
     """Upstream's DeepSpeed/ZeRO options and --dataset_class, with upstream's types and defaults (refused
     unless left at their defaults, see REFUSED)."""

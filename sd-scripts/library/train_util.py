@@ -184,6 +184,8 @@ def _coerce_config_value(key: str, value: Any, action: argparse.Action, path: st
         return ConfigError(f"{path}: {key} = {value!r} must be {expected}")
 
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):
+            return bool(value)  # the kohya_ss GUI writes e.g. persistent_data_loader_workers = int(checkbox)
         if not isinstance(value, bool):
             raise bad("true or false")
         return value
@@ -233,13 +235,21 @@ def load_config_file(path: str | os.PathLike, parser: argparse.ArgumentParser) -
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
     actions = _option_actions(parser)
-    values, problems = {}, []
+    values, problems, skipped = {}, [], []
     # every bad key is reported, in one message
     for key, value in _flatten_config(data, path).items():
         if key in _NOT_IN_RUN_CONFIG:
             problems.append(f"{key!r} cannot be set inside a config file")
             continue
         action = actions.get(key)
+        if action is None and key in parity.KOHYA_SS_GUI_KEYS:
+            skipped.append(key)
+            continue
+        aliases = parity.CONFIG_VALUE_ALIASES.get(key, {})
+        if action is not None and isinstance(value, (int, float, str)) and not isinstance(value, bool) \
+                and value in aliases:
+            values[key] = aliases[value]
+            continue
         if action is None:
             close = difflib.get_close_matches(key, list(actions), n=1)
             problems.append(f"unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
@@ -248,6 +258,9 @@ def load_config_file(path: str | os.PathLike, parser: argparse.ArgumentParser) -
             values[key] = _coerce_config_value(key, value, action, path)
         except ConfigError as e:
             problems.append(str(e).removeprefix(f"{path}: "))
+    if skipped:
+        logger.info("%s: skipped keys of the kohya_ss GUI that are no trainer options (upstream ignores them too): "
+                    "%s", path, ", ".join(skipped))
     if len(problems) == 1:
         raise ConfigError(f"{path}: {problems[0]}")
     if problems:
