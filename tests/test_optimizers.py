@@ -54,6 +54,7 @@ FAMILIES = {
     "SGDScheduleFree": ("schedulefree", "SGDScheduleFree"),
     "pytorch_optimizer.CAME": ("pytorch_optimizer", "CAME"),
     "RAdam": ("torch", "RAdam"),  # no dot: a torch.optim class, as upstream
+    "prodigyplus.ProdigyPlusScheduleFree": ("prodigyplus", "ProdigyPlusScheduleFree"),  # in upstream's requirements
 }
 
 
@@ -63,7 +64,7 @@ def test_each_family_builds_and_steps(parser, name):
     before = [p.detach().clone() for p in params]
     # upstream matches the table's names in any case
     typed = name.lower() if "." not in name and name != "RAdam" else name
-    lr = ["--learning_rate", "1.0"] if name.startswith(("DAdapt", "Prodigy")) else []  # their usual rate
+    lr = ["--learning_rate", "1.0"] if name.startswith(("DAdapt", "Prodigy", "prodigyplus")) else []  # their usual rate
     if name == "RAdamScheduleFree":  # RAdam makes no update in its first steps unless told to take SGD steps
         lr += ["--optimizer_args", "silent_sgd_phase=False"]
     asked, class_path, opt = optimizers.get_optimizer(_args(parser, "--optimizer_type", typed, *lr), params)
@@ -138,6 +139,7 @@ def test_use_8bit_adam_and_use_lion_optimizer(parser, fake_bitsandbytes):
     ("Prodigy", "prodigyopt", "prodigyopt", "prodigy"),
     ("AdamWScheduleFree", "schedulefree", "schedulefree", "schedulefree"),
     ("pytorch_optimizer.CAME", "pytorch_optimizer", "pytorch-optimizer", "pytorch-optimizer"),
+    ("prodigyplus.ProdigyPlusScheduleFree", "prodigyplus", "prodigy-plus-schedule-free", "prodigy-plus"),
 ])
 def test_missing_package_names_package_and_extra(parser, monkeypatch, name, module, package, extra):
     for m in [m for m in sys.modules if m == module or m.startswith(module + ".")]:

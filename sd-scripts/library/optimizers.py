@@ -48,6 +48,7 @@ OPTIONAL_PACKAGES = {
     "prodigyopt": ("prodigyopt", "prodigy"),
     "schedulefree": ("schedulefree", "schedulefree"),
     "pytorch_optimizer": ("pytorch-optimizer", "pytorch-optimizer"),
+    "prodigyplus": ("prodigy-plus-schedule-free", "prodigy-plus"),  # prodigyplus.ProdigyPlusScheduleFree
 }
 
 _NESTEROV = {"defaults": {"momentum": 0.9}, "forced": {"nesterov": True}}
