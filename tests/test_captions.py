@@ -430,10 +430,16 @@ token_warmup_step = 4
 network_multiplier = 0.5
   [[datasets.subsets]]
   image_dir = "{tmp_path / 'imgs'}"
+  custom_attributes = {{diff_output_preservation = true}}
 """)
 
     class Recording(NetworkTrainer):
         seen: list = []
+        multipliers: list = []
+
+        def get_noise_pred_and_target(self, *a, **kw):
+            self.multipliers.append(self.trainable.models[0].multiplier)
+            return super().get_noise_pred_and_target(*a, **kw)
 
         def setup_trainable(self, *a, **kw):
             self.trainable = super().setup_trainable(*a, **kw)
@@ -457,6 +463,33 @@ network_multiplier = 0.5
         assert tags[-1] == "best" and set(tags[1:-1]) <= {"red,blue", "circle", "square"}
         counts.append(len(tags) - 2)
     assert len(counts) == 6 and counts[0] == 1 and counts[-1] == 3 and counts == sorted(counts)
+    # differential output preservation: the base model's prediction (multiplier 0) first, then the LoRA's
+    assert trainer.multipliers == [0.0, 0.5] * 6
+
+
+def test_base_model_prediction_draws_the_same_noise_with_multiplier_zero():
+    from library.network_trainer import base_model_prediction, diff_output_preservation_indices
+
+    class Net:
+        multiplier = 0.7
+
+        def set_multiplier(self, value):
+            self.multiplier = value
+
+    net, g = Net(), torch.Generator().manual_seed(0)
+
+    def forward():
+        return (torch.randn(3, generator=g) * net.multiplier + torch.randn(3),)
+
+    torch.manual_seed(5)
+    prior = base_model_prediction([net], forward, g, "cpu")
+    assert net.multiplier == 0.7
+    out = forward()[0]  # the training pass: same generator and global draws as the prior pass
+    torch.manual_seed(5)
+    expected_global = torch.randn(3)
+    torch.testing.assert_close(prior, expected_global)
+    torch.testing.assert_close(out, torch.randn(3, generator=torch.Generator().manual_seed(0)) * 0.7 + expected_global)
+    assert diff_output_preservation_indices({"custom_attributes": [{}, {"diff_output_preservation": True}]}) == [1]
 
 
 def test_debug_dataset_logs_batches_and_trains_nothing(tmp_path, caplog):

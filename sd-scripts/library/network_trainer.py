@@ -631,6 +631,7 @@ class NetworkTrainer:
                 te.to("cpu")
 
         trainable = self.setup_trainable(args, accelerator, components, weight_dtype, caching_te)
+        self.multiplier_models = [m for m in trainable.models if hasattr(m, "set_multiplier")]
         train_text_encoder = trainable.train_text_encoder
         if not caching_latents:
             vae.requires_grad_(False).eval()
@@ -852,9 +853,17 @@ class NetworkTrainer:
         else:
             with accelerator.autocast():
                 te_outputs = self.encode_prompts(args, components, batch["captions"], with_grad=train_text_encoder)
-        pred, target, timesteps, weighting = self.get_noise_pred_and_target(
-            args, accelerator, noise_scheduler, latents, batch, te_outputs, components, weight_dtype,
-            fixed_timestep=fixed_timestep)
+        def forward():
+            return self.get_noise_pred_and_target(args, accelerator, noise_scheduler, latents, batch, te_outputs,
+                                                  components, weight_dtype, fixed_timestep=fixed_timestep)
+
+        preserve = diff_output_preservation_indices(batch) if getattr(self, "multiplier_models", None) else []
+        prior = base_model_prediction(self.multiplier_models, forward, self.noise_generator, device) \
+            if preserve else None
+        pred, target, timesteps, weighting = forward()
+        if prior is not None:  # upstream's differential output preservation: those samples learn the base output
+            target = target.clone()
+            target[preserve] = prior[preserve].to(target.dtype)
         huber_c = self.huber_threshold(args, timesteps, noise_scheduler) if args.loss_type in losses.HUBER_TYPES \
             else None
         loss = losses.conditional_loss(pred.float(), target.float(), args.loss_type, huber_c)
@@ -1029,6 +1038,31 @@ def set_network_multiplier(models: list, batch: dict) -> None:
     for model in models:
         if hasattr(model, "set_multiplier") and getattr(model, "multiplier", 1.0) != value:
             model.set_multiplier(value)
+
+
+def diff_output_preservation_indices(batch: dict) -> list[int]:
+    """Samples whose subset has custom_attributes.diff_output_preservation = true (upstream's DOP)."""
+    return [i for i, a in enumerate(batch.get("custom_attributes") or []) if a.get("diff_output_preservation")]
+
+
+def base_model_prediction(networks: list, forward, generator, device) -> torch.Tensor:
+    """forward()'s prediction with the networks' multiplier at 0 (the base model), without gradients, drawing the
+    same noise and timesteps as the forward() that follows (the RNG states are put back afterwards).
+    Deliberately the whole batch (upstream predicts only the preserved samples): one code path for every family."""
+    state = generator.get_state() if generator is not None else None
+    saved = [m.multiplier for m in networks]
+    devices = [device] if torch.device(device).type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            for m in networks:
+                m.set_multiplier(0.0)
+            prior = forward()[0].detach().clone()  # clone: a CUDA-graph output is overwritten by the next run
+    finally:
+        for m, value in zip(networks, saved):
+            m.set_multiplier(value)
+        if state is not None:
+            generator.set_state(state)
+    return prior
 
 
 def _remove(path: str) -> None:
