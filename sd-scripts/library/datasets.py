@@ -283,7 +283,8 @@ class ImageDataset(torch.utils.data.Dataset):
         self.seed = seed
         self.index = index
         self._epoch = epoch_value  # multiprocessing.Value shared with DataLoader workers
-        self._step = self._max_steps = multiprocessing.Value("i", 0)  # replaced by the group's shared values
+        # current optimizer step and run length, for token warm-up (shared with DataLoader workers)
+        self._step, self._max_steps = multiprocessing.Value("i", 0), multiprocessing.Value("i", 0)
         self._batches_epoch = None
         self._batches: list[list[int]] = []
         self.latents_cached = False
@@ -484,10 +485,6 @@ class DatasetGroup(torch.utils.data.Dataset):
     def __init__(self, datasets: list[ImageDataset], epoch_value):
         self.datasets = datasets
         self._epoch = epoch_value
-        # current optimizer step and run length, for token warm-up (shared with DataLoader workers)
-        self._step, self._max_steps = multiprocessing.Value("i", 0), multiprocessing.Value("i", 0)
-        for d in datasets:
-            d._step, d._max_steps = self._step, self._max_steps
         self._offsets = np.cumsum([0] + [len(d) for d in datasets]).tolist()
 
     def __len__(self) -> int:
@@ -507,10 +504,12 @@ class DatasetGroup(torch.utils.data.Dataset):
 
     def set_current_step(self, step: int) -> None:
         """The optimizer step the next batches are for (token warm-up)."""
-        self._step.value = int(step)
+        for d in self.datasets:
+            d._step.value = int(step)
 
     def set_max_train_steps(self, max_train_steps: int) -> None:
-        self._max_steps.value = int(max_train_steps)
+        for d in self.datasets:
+            d._max_steps.value = int(max_train_steps)
 
     @property
     def num_train_images(self) -> int:
