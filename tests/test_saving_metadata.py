@@ -110,6 +110,17 @@ def test_network_metadata_has_every_upstream_key(tmp_path, tiny_dataset_dir):
     assert plain["ss_sd_model_name"] == "model.safetensors"
 
 
+def test_network_metadata_with_adafactor_relative_step(tmp_path, tiny_dataset_dir):
+    """Upstream: Adafactor with relative_step (its default) has no learning rate; the scheduler is adafactor:<lr>."""
+    md = _network_md(_lora_args(tiny_dataset_dir, tmp_path, ["--optimizer_type", "Adafactor", "--learning_rate",
+                                                             "1e-4", "--unet_lr", "2e-4"]))
+    assert md["ss_lr_scheduler"] == "adafactor:0.0001" and md["ss_learning_rate"] == "None"
+    assert md["ss_unet_lr"] == "None" and md["ss_text_encoder_lr"] == "None"
+    md = _network_md(_lora_args(tiny_dataset_dir, tmp_path, ["--optimizer_type", "Adafactor", "--optimizer_args",
+                                                             "relative_step=False", "--learning_rate", "1e-4"]))
+    assert md["ss_lr_scheduler"] == "constant" and md["ss_learning_rate"] == "0.0001"
+
+
 def test_network_metadata_with_dataset_config(tmp_path, tiny_dataset_dir):
     cfg = tmp_path / "ds.toml"
     cfg.write_text(f'[general]\nresolution = 64\n[[datasets]]\nbatch_size = 2\n[[datasets.subsets]]\n'

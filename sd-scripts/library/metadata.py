@@ -271,16 +271,19 @@ def network_metadata(args, *, group, session_id: int, started_at: float, opt_cla
     """The ss_* keys upstream's train_network.py writes for these options, except those of the loss, noise and
     validation options (losses.metadata, noise.metadata, validation.metadata) and the family's (the trainer's
     update_metadata). All values are text; None is written as "None", as upstream does."""
-    from library import optimizers
+    from library import optimizers, schedulers
 
     g = functools.partial(getattr, args)
+    # Adafactor with relative_step uses no learning rate: upstream writes None for the rates (the LoRA groups
+    # always carry one) and "adafactor:<--learning_rate>" for the scheduler
+    no_lr = optimizers.adafactor_relative_step(args)
     md: dict[str, Any] = {
         "ss_session_id": session_id,
         "ss_training_started_at": started_at,
         "ss_output_name": args.output_name,
-        "ss_learning_rate": args.learning_rate,
-        "ss_text_encoder_lr": text_encoder_lr,
-        "ss_unet_lr": g("unet_lr", None),
+        "ss_learning_rate": None if no_lr else args.learning_rate,
+        "ss_text_encoder_lr": None if no_lr else text_encoder_lr,
+        "ss_unet_lr": None if no_lr else g("unet_lr", None),
         "ss_num_train_images": group.num_train_images,
         "ss_num_reg_images": group.num_reg_images,
         "ss_num_batches_per_epoch": num_batches,
@@ -289,7 +292,7 @@ def network_metadata(args, *, group, session_id: int, started_at: float, opt_cla
         "ss_gradient_accumulation_steps": args.gradient_accumulation_steps,
         "ss_max_train_steps": max_train_steps,
         "ss_lr_warmup_steps": args.lr_warmup_steps,
-        "ss_lr_scheduler": args.lr_scheduler,
+        "ss_lr_scheduler": schedulers.metadata_value(args),
         "ss_network_module": g("network_module", None),
         "ss_network_dim": network_dim,
         "ss_network_alpha": g("network_alpha", None),

@@ -109,6 +109,15 @@ def effective_name(args: argparse.Namespace) -> str:
     return "adafactor" if args.lr_scheduler.startswith("adafactor:") else args.lr_scheduler
 
 
+def metadata_value(args: argparse.Namespace) -> str:
+    """ss_lr_scheduler as upstream writes it: `adafactor:<initial lr>` when Adafactor sets its own step size."""
+    from library import optimizers
+
+    if optimizers.adafactor_relative_step(args) and not args.lr_scheduler.startswith("adafactor:"):
+        return f"adafactor:{args.learning_rate}"
+    return args.lr_scheduler
+
+
 def step_counts(args: argparse.Namespace, max_train_steps: int, num_processes: int = 1) -> tuple[int, int, int, int]:
     """-> (total, warmup, decay, stable) scheduler steps, as upstream counts them."""
     total = max_train_steps * num_processes
