@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from pathlib import Path
 import pytest
 import torch
 
@@ -142,3 +143,17 @@ def one_image_dir(tmp_path_factory):
     from library.tiny_models import make_captioned_images
 
     return make_captioned_images(tmp_path_factory.mktemp("one_image"), n=1, size=(64, 64), repeats=1, name="one")
+
+
+@pytest.mark.slow  # builds a tiny FLUX.1 diffusers folder
+def test_truncated_weight_file_in_a_flux_diffusers_folder(tmp_path):
+    from library import flux_models, flux_tiny
+
+    paths = flux_tiny.make_tiny_flux(tmp_path / "flux", diffusers_folder=True)
+    folder = Path(paths["diffusers"])
+    weights = next((folder / "text_encoder").glob("*.safetensors"))
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size // 2)
+    with pytest.raises(flux_models.FluxModelError, match="truncated or damaged") as e:
+        flux_models.load_flux_components(str(folder), tokenizer_cache_dir=paths["tokenizer_cache_dir"])
+    assert "\n" not in str(e.value)

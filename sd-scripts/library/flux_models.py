@@ -390,8 +390,9 @@ def load_flux_transformer(path: str, dtype: torch.dtype = torch.bfloat16, fp8_ba
         try:
             model = FluxTransformer2DModel.from_pretrained(folder or path, subfolder=None if folder else "transformer",
                                                            torch_dtype=dtype)
-        except OSError as e:
-            raise FluxModelError(f"--pretrained_model_name_or_path: cannot load {path}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - e.g. a truncated weight file (safetensors' own error type)
+            raise FluxModelError(f"--pretrained_model_name_or_path: cannot load {path}: {_first_line(e)}; a weight "
+                                 "file may be truncated or damaged (an interrupted download or copy?)") from e
     model.requires_grad_(False)
     if fp8_base:
         n = apply_fp8_base(model)
@@ -497,8 +498,13 @@ def _from_pretrained(cls, path: str, subfolder: str, dtype, flag: str):
         raise FluxModelError(f"{flag}: {path} is not a .safetensors file, a model folder, or a hub id")
     try:
         return cls.from_pretrained(sub or path, torch_dtype=dtype).requires_grad_(False)
-    except OSError as e:
-        raise FluxModelError(f"{flag}: cannot load {path}: {e}") from e
+    except Exception as e:  # noqa: BLE001 - e.g. a truncated weight file (safetensors' own error type)
+        raise FluxModelError(f"{flag}: cannot load {path}: {_first_line(e)}; a weight file may be truncated or "
+                             "damaged (an interrupted download or copy?)") from e
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
 # ----------------------------------------------------------------------------------------------------------------
