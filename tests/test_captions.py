@@ -387,8 +387,11 @@ network_multiplier = -1.0
   [[datasets.subsets]]
   image_dir = "imgs"
 """)
-    group = build_dataset_group(parse("--dataset_config", cfg), "sd1")
-    b1, b2 = group[0], group[1]
+    group = build_dataset_group(parse("--dataset_config", cfg, "--dataset_repeats", "3"), "sd1")
+    # upstream: --dataset_repeats is the num_repeats of config subsets that set none
+    assert [s.num_repeats for d in group.datasets for s in d.params.subsets] == [3, 3]
+    group.set_current_epoch(1)
+    b1, b2 = group[0], group[3]
     assert b1["network_multipliers"].tolist() == [0.5] and b1["custom_attributes"] == [
         {"diff_output_preservation": True}]
     assert b2["network_multipliers"].tolist() == [-1.0] and b2["custom_attributes"] == [{}]

@@ -82,7 +82,8 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     g.add_argument("--cache_text_encoder_outputs_to_disk", action="store_true",
                    help="cache text encoder outputs in <image>_te_outputs.npz and reuse them")
     g.add_argument("--class_tokens", type=str, default=None,
-                   help="caption for images that have no caption file or metadata caption")
+                   help="caption of DreamBooth-style images without a caption file when their folder name "
+                        "gives none ('N_' folders; not an upstream option)")
     g.add_argument("--debug_dataset", action="store_true",
                    help="print every batch of the first epoch (images, sizes, crops, captions as served) and "
                         "stop without loading a model or training")
