@@ -78,7 +78,8 @@ DIFFERENT: dict[str, Different] = {
     "block_lr": Different("a UNet block at rate 0 is frozen (upstream leaves it trainable outside the optimizer: "
                           "its gradients are computed, never applied nor cleared, and count in the clipping norm)"),
     "fused_backward_pass": Different("the full trainers refuse it with --mixed_precision fp16 before anything loads "
-                                     "(the loss scaler needs all gradients before a step)"),
+                                     "(the loss scaler needs all gradients before a step); train_db.py and "
+                                     "fine_tune.py fuse too (upstream checks it there but steps after backward)"),
     "fused_optimizer_groups": Different("refused with --mixed_precision fp16 (upstream's GradScaler would unscale and "
                                         "update once per group); flux_train accepts it without effect, as upstream"),
     "lr_scheduler": Different("reduce_lr_on_plateau and cosine_warmup_with_min_lr, and a warmup with constant, "
