@@ -181,7 +181,7 @@ def test_empty_dataset_is_an_error(tmp_path):
 def test_bucketing_two_aspect_ratios(tmp_path):
     d = tmp_path / "train" / "2_mix"
     for k in range(3):
-        make_image(str(d / f"wide{k}.png"), (96, 48))
+        make_image(str(d / f"wide{k}.png"), (96, 32))  # ratio 3: upstream picks by linear ratio error
         make_image(str(d / f"tall{k}.png"), (40, 88))
     group = build_dataset_group(parse("--train_data_dir", tmp_path / "train", *BUCKET_ARGS,
                                       "--train_batch_size", "4"), "sdxl")
@@ -208,18 +208,23 @@ def test_bucketing_two_aspect_ratios(tmp_path):
         assert 256 <= min(reso) and max(reso) <= 2048
 
     # bucket_no_upscale: small images keep their own (rounded-down) size
-    group = build_dataset_group(parse("--train_data_dir", tmp_path / "train", *BUCKET_ARGS,
+    make_image(str(tmp_path / "small" / "1_s" / "s.png"), (100, 70))
+    group = build_dataset_group(parse("--train_data_dir", tmp_path / "small", *BUCKET_ARGS,
                                       "--bucket_no_upscale"), "sdxl")
     assert set(group.datasets[0].buckets) == {(64, 64)}
+    # an image smaller than bucket_reso_steps has no bucket: a clear error (upstream divides by zero)
+    with pytest.raises(DatasetError, match="smaller than bucket_reso_steps"):
+        build_dataset_group(parse("--train_data_dir", tmp_path / "train", *BUCKET_ARGS, "--bucket_no_upscale"), "sdxl")
 
 
 def test_sdxl_crop_conditioning_and_flip(tmp_path):
     make_image(str(tmp_path / "train" / "1_x" / "a.png"), (96, 48))
     group = build_dataset_group(parse("--train_data_dir", tmp_path / "train", "--resolution", "64"), "sdxl")
     batch = group[0]
-    # 96x48 is resized to cover 64x64 -> 128x64 and center-cropped: left 32
+    # 96x48 is resized to cover 64x64 -> 128x64 and center-cropped; the conditioning is upstream's fit-inside
+    # offset (the image fitted inside 64x64 is 64x32: top 16, left 0), not the real crop (left 32)
     assert batch["original_sizes_hw"].tolist() == [[48, 96]]
-    assert batch["crop_top_lefts"].tolist() == [[0, 32]]
+    assert batch["crop_top_lefts"].tolist() == [[16, 0]]
     assert batch["target_sizes_hw"].tolist() == [[64, 64]]
     group = build_dataset_group(parse("--train_data_dir", tmp_path / "train", "--resolution", "64", "--flip_aug",
                                       "--random_crop"), "sdxl")
@@ -232,7 +237,7 @@ def test_sdxl_crop_conditioning_and_flip(tmp_path):
     group = build_dataset_group(parse("--train_data_dir", tmp_path / "train", "--resolution", "64", "--color_aug"),
                                 "sdxl")
     hues = set()
-    for epoch in range(6):
+    for epoch in range(12):  # upstream's color_aug changes a third of the images
         group.set_current_epoch(epoch)
         hues.add(tuple(group[0]["images"][0, :, 10, 10].tolist()))
     assert len(hues) > 1
@@ -504,8 +509,9 @@ def test_latent_cache_in_memory_and_on_disk(tmp_path):
     group = build_dataset_group(parse(*argv, "--cache_latents_to_disk"), "sdxl")
     calls = []
     group.cache_latents(avgpool_encoder(calls), to_disk=True, signature="vae-1")
-    assert sum(calls) == 6 and sorted(p.name for p in d.glob("*.npz")) == ["a.npz", "b.npz", "c.npz"]
-    with np.load(d / "a.npz") as npz:
+    assert sum(calls) == 6 and sorted(p.name for p in d.glob("*.npz")) == [
+        "a_0096x0048_sdxl.npz", "b_0048x0096_sdxl.npz", "c_0064x0064_sdxl.npz"]  # upstream's names
+    with np.load(d / "a_0096x0048_sdxl.npz") as npz:
         assert {"latents", "latents_flipped", "crop_ltrb", "original_size"} <= set(npz.files)
     lat_disk = {p: lat for b in all_batches(group) for p, lat in zip(b["image_paths"], b["latents"])}
     assert len(lat_disk) == 3
@@ -525,11 +531,11 @@ def test_latent_cache_in_memory_and_on_disk(tmp_path):
     group.cache_latents(avgpool_encoder(calls), to_disk=True, signature="vae-2")
     assert sum(calls) == 6
 
-    # an npz written by kohya's own scripts (no bucket_reso/signature keys) is reused when its shape fits
+    # an npz written by kohya's own scripts (no signature key) is reused when its shape fits
     calls.clear()
-    with np.load(d / "c.npz") as npz:
+    with np.load(d / "c_0064x0064_sdxl.npz") as npz:
         kohya_style = {k: npz[k] for k in ("latents", "latents_flipped", "original_size", "crop_ltrb")}
-    np.savez(d / "c.npz", **kohya_style)
+    np.savez(d / "c_0064x0064_sdxl.npz", **kohya_style)
     group = build_dataset_group(parse("--train_data_dir", tmp_path / "train", "--resolution", "64", "--flip_aug",
                                       "--cache_latents_to_disk"), "sdxl")
     group.cache_latents(avgpool_encoder(calls), to_disk=True)

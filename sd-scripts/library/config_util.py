@@ -16,7 +16,8 @@ import re
 import tomllib
 from typing import Any
 
-from library import captions
+from library import captions, image_utils
+from library.buckets import adjust_min_max_bucket_reso
 from library.datasets import (
     DatasetError,
     DatasetGroup,
@@ -88,7 +89,24 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                    help="print every batch of the first epoch (images, sizes, crops, captions as served) and "
                         "stop without loading a model or training")
     captions.add_caption_arguments(parser)
+    add_image_arguments(g)
     return parser
+
+
+def add_image_arguments(g) -> None:
+    """Image loading and latent caching flags (upstream's add_dataset_arguments has them in all seven scripts)."""
+    g.add_argument("--face_crop_aug_range", type=str, default=None,
+                   help="without buckets: crop around the face given in file names '<name>_<cx>_<cy>_<w>_<h>', "
+                        "scaled so the face spans 1/high..1/low of the image (e.g. 2.0,4.0)")
+    g.add_argument("--resize_interpolation", type=str, default=None, choices=image_utils.RESIZE_INTERPOLATIONS,
+                   help="resize filter (default: area when shrinking, lanczos when enlarging)")
+    g.add_argument("--alpha_mask", action="store_true",
+                   help="use each image's alpha channel as its loss mask (transparent pixels are not trained)")
+    g.add_argument("--cache_info", action="store_true",
+                   help="cache image sizes and captions in metadata_cache.json in each image folder (folder datasets)")
+    g.add_argument("--vae_batch_size", type=int, default=1, help="batch size for caching latents")
+    g.add_argument("--skip_cache_check", action="store_true",
+                   help="reuse every existing latent / text encoder cache file without checking its contents")
 
 
 # ----------------------------------------------------------------------------- schema
@@ -133,16 +151,21 @@ SCHEMA: dict[str, KeySpec] = {
     "color_aug": KeySpec(bool, _SUBSET),
     "flip_aug": KeySpec(bool, _SUBSET),
     "random_crop": KeySpec(bool, _SUBSET),
+    "face_crop_aug_range": KeySpec(list, _SUBSET),  # [low, high]
+    "resize_interpolation": KeySpec(str, _SUBSET),  # upstream also has it per dataset: the same levels here
     "caption_dropout_rate": KeySpec(_NUMBER, _SUBSET),
     "caption_dropout_every_n_epochs": KeySpec(int, _SUBSET),
     "caption_tag_dropout_rate": KeySpec(_NUMBER, _SUBSET),
     # subset settings of the kinds that read caption files (upstream DB_/CN_SUBSET_ASCENDABLE_SCHEMA)
     "caption_extension": KeySpec(str, _SUBSET, _CAPTION_FILE_KINDS),
     "class_tokens": KeySpec(str, _SUBSET, frozenset({DREAMBOOTH})),
+    "cache_info": KeySpec(bool, _SUBSET, _CAPTION_FILE_KINDS),
     # per subset only (upstream *_SUBSET_DISTINCT_SCHEMA)
     "image_dir": KeySpec(str, _SUBSET_ONLY),
     "is_reg": KeySpec(bool, _SUBSET_ONLY, frozenset({DREAMBOOTH})),
     "metadata_file": KeySpec(str, _SUBSET_ONLY, frozenset({FINETUNING})),
+    "alpha_mask": KeySpec(bool, _SUBSET_ONLY, frozenset({DREAMBOOTH, FINETUNING})),  # --alpha_mask: every subset
+    "conditioning_data_dir": KeySpec(str, _SUBSET_ONLY, frozenset({CONTROLNET})),  # masks for --masked_loss
     # dataset settings (upstream DATASET_ASCENDABLE_SCHEMA)
     "resolution": KeySpec(_RESO, _DATASET),
     "batch_size": KeySpec(int, _DATASET),
@@ -163,7 +186,8 @@ _KIND_LABEL = {DREAMBOOTH: "DreamBooth (image_dir + caption files)", FINETUNING:
 SUBSET_KEYS = {k: s.type for k, s in SCHEMA.items() if s.level in (_SUBSET, _SUBSET_ONLY)}
 DATASET_KEYS = {k: s.type for k, s in SCHEMA.items() if s.level == _DATASET}
 _INHERITED_SUBSET_KEYS = {k: s.type for k, s in SCHEMA.items() if s.level == _SUBSET}
-_PATH_KEYS = ("image_dir", "metadata_file")  # relative paths: to the working folder, else to the config file
+_PATH_KEYS = ("image_dir", "metadata_file", "conditioning_data_dir")  # relative: to the working folder, else the config's
+_CLI_SUBSET_ONLY = ("alpha_mask",)  # subset-only in the TOML, yet upstream's argparse fallback gives --alpha_mask to all
 # dataset key -> CLI flag (dest) that is its fallback
 _CLI_NAME = {"batch_size": "train_batch_size", "num_repeats": "dataset_repeats"}
 
@@ -353,7 +377,7 @@ def _arg(args, name: str, default=None):
 def _cli_layer(args, family: str) -> dict:
     """CLI values as the lowest-priority config layer (kohya uses argparse values as fallbacks)."""
     layer = {}
-    for key in list(DATASET_KEYS) + list(_INHERITED_SUBSET_KEYS):
+    for key in list(DATASET_KEYS) + list(_INHERITED_SUBSET_KEYS) + list(_CLI_SUBSET_ONLY):
         value = getattr(args, _CLI_NAME.get(key, key), None)
         if value is not None and value != "":  # "" = unset (as the GUI leaves empty text fields)
             layer[key] = value
@@ -387,6 +411,8 @@ def _make_subset(values: dict, where: str) -> SubsetParams:
             raise DatasetError(f"{where}: {rate} must be between 0 and 1, got {getattr(s, rate)}")
     if s.token_warmup_step < 0 or s.token_warmup_min < 0:
         raise DatasetError(f"{where}: token_warmup_step and token_warmup_min must be >= 0")
+    s.face_crop_aug_range = image_utils.parse_face_crop_aug_range(s.face_crop_aug_range, where)
+    image_utils.check_interpolation(s.resize_interpolation, where)
     return s
 
 
@@ -403,8 +429,9 @@ def _make_dataset_params(values: dict, subsets: list[SubsetParams], where: str) 
     if p.enable_bucket and not p.bucket_no_upscale:
         for name in ("min_bucket_reso", "max_bucket_reso"):
             v = getattr(p, name)
-            if v <= 0 or v % steps:
-                raise DatasetError(f"{where}: {name} must be a positive multiple of bucket_reso_steps ({steps}), got {v}")
+            if v <= 0:
+                raise DatasetError(f"{where}: {name} must be positive, got {v}")
+        p.min_bucket_reso, p.max_bucket_reso = adjust_min_max_bucket_reso(p.min_bucket_reso, p.max_bucket_reso, steps)
         if p.min_bucket_reso > min(p.resolution):
             raise DatasetError(f"{where}: min_bucket_reso ({p.min_bucket_reso}) must be <= the resolution's "
                                f"shorter side ({min(p.resolution)})")
@@ -466,7 +493,7 @@ def _usable_subsets(subsets: list[SubsetParams], where: str) -> list[SubsetParam
 
 
 def _dataset_params_from_args(args, cli: dict) -> list[DatasetParams]:
-    subset_base = {k: v for k, v in cli.items() if k in _INHERITED_SUBSET_KEYS}
+    subset_base = {k: v for k, v in cli.items() if k in _INHERITED_SUBSET_KEYS or k in _CLI_SUBSET_ONLY}
     train_dir = getattr(args, "train_data_dir", None)
     in_json = getattr(args, "in_json", None)
     if in_json:
@@ -478,6 +505,14 @@ def _dataset_params_from_args(args, cli: dict) -> list[DatasetParams]:
     else:
         raise DatasetError("no training data: set --train_data_dir (with 'N_name' folders), --in_json "
                            "with --train_data_dir, or --dataset_config")
+    cond_dir = getattr(args, "conditioning_data_dir", None)
+    if cond_dir and getattr(args, "masked_loss", False):
+        # upstream reads conditioning_data_dir only from [[datasets.subsets]] and ignores the flag here;
+        # we give the training folders' images their masks from it (looked up by file name)
+        for s in subsets:
+            s.conditioning_data_dir = cond_dir
+    elif cond_dir:
+        logger.warning("--conditioning_data_dir is used only with --masked_loss: ignored")
     reg_dir = getattr(args, "reg_data_dir", None)
     if reg_dir:
         subsets += _folder_subsets(reg_dir, True, subset_base, "--reg_data_dir")
@@ -495,7 +530,8 @@ def _dataset_params_from_config(path: str, cli: dict, kinds) -> list[DatasetPara
         subset_keys = allowed_keys("subsets", {kind})  # e.g. no caption_extension for fine-tuning subsets
         subsets = []
         for j, sub in enumerate(ds["subsets"]):
-            values = {k: v for k, v in ds_values.items() if k in _INHERITED_SUBSET_KEYS and k in subset_keys}
+            values = {k: v for k, v in ds_values.items()
+                      if (k in _INHERITED_SUBSET_KEYS or k in _CLI_SUBSET_ONLY) and k in subset_keys}
             values.update(sub)
             for key in _PATH_KEYS:
                 if values.get(key):
@@ -519,6 +555,8 @@ def build_dataset_groups(args, family: str, kinds=(DREAMBOOTH, FINETUNING)) -> t
     from library.validation import split_images
 
     family = _normalize_family(family)
+    if getattr(args, "masked_loss", False):  # upstream: subsets with conditioning_data_dir form ControlNet datasets
+        kinds = tuple(kinds) + (CONTROLNET,)
     captions.resolve_caption_extension_alias(args)
     captions.check_caption_args(args, family)
     cli = _cli_layer(args, family)
@@ -571,12 +609,12 @@ def build_dataset_groups(args, family: str, kinds=(DREAMBOOTH, FINETUNING)) -> t
         datasets.append(ImageDataset(p, images, float(_arg(args, "prior_loss_weight", 1.0)), seed, i, epoch_value))
         if val_images:
             val_datasets.append((p, val_images, i))
-    group = DatasetGroup(datasets, epoch_value)
+    group = DatasetGroup(datasets, epoch_value, family)
     group.log_summary()
     val_group = None
     if val_datasets:
         val_epoch = new_epoch_value()
         val_group = DatasetGroup([ImageDataset(p, ims, 1.0, seed, i, val_epoch) for p, ims, i in val_datasets],
-                                 val_epoch)
+                                 val_epoch, family)
         logger.info("validation split: %d images held out of training", sum(len(ims) for _, ims, _ in val_datasets))
     return group, val_group

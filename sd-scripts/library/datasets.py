@@ -20,7 +20,12 @@ from typing import Callable, Optional
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps
+
+from library import buckets as buckets_mod
+from library import image_utils
+from library.buckets import BucketSelector, make_bucket_resolutions  # noqa: F401  (re-exported)
+from library.latent_cache import FAMILY_FORMATS, LatentCacheFormat, save_npz_atomic
+from library.masks import find_conditioning_image
 
 from library import captions
 from library.captions import find_caption, normalize_caption_extension, read_caption_file  # noqa: F401
@@ -29,7 +34,6 @@ from library.dataset_files import (  # noqa: F401  (re-exported: the data API li
     DatasetError,
     is_image_file,
     list_images,
-    load_image_rgb,
     read_image_size,
 )
 
@@ -68,6 +72,11 @@ class SubsetParams:
     is_reg: bool = False
     class_tokens: Optional[str] = None
     metadata_file: Optional[str] = None
+    face_crop_aug_range: Optional[tuple[float, float]] = None
+    resize_interpolation: Optional[str] = None  # None: area when shrinking, lanczos when enlarging (upstream)
+    alpha_mask: bool = False
+    conditioning_data_dir: Optional[str] = None  # masks for --masked_loss (red channel)
+    cache_info: bool = False
 
     @property
     def name(self) -> str:
@@ -105,11 +114,14 @@ class ImageInfo:
     num_repeats: int
     size: tuple[int, int]  # original (w, h) after EXIF orientation
     bucket: tuple[int, int] = (0, 0)  # (w, h) the image is resized+cropped to
+    resized_size: tuple[int, int] = (0, 0)  # (w, h) before the crop to the bucket (upstream's select_bucket)
+    cond_path: Optional[str] = None  # mask image in the subset's conditioning_data_dir
     latents: Optional[torch.Tensor] = None
     latents_flipped: Optional[torch.Tensor] = None
     latents_npz: Optional[str] = None  # set when latents are cached on disk
-    crop_ltrb: tuple[int, int, int, int] = (0, 0, 0, 0)  # crop of the cached latents
-    resized_size: tuple[int, int] = (0, 0)  # (w, h) before the crop of the cached latents
+    latents_original_size: tuple = (0, 0)  # SDXL conditioning of the cached latents
+    latents_crop_ltrb: tuple = (0, 0, 0, 0)
+    alpha_mask: Optional[torch.Tensor] = None  # [H, W] cached with the latents (alpha_mask subsets)
     te_outputs: Optional[dict] = None
     te_npz: Optional[str] = None
     tags: Optional[str] = None  # fine-tuning metadata tags (ss_tag_frequency counts them)
@@ -122,19 +134,8 @@ class ImageInfo:
 # ----------------------------------------------------------------------------- cache files
 
 
-def latents_npz_path(image_path: str) -> str:
-    return os.path.splitext(image_path)[0] + ".npz"
-
-
 def te_outputs_npz_path(image_path: str) -> str:
     return os.path.splitext(image_path)[0] + TE_OUTPUTS_SUFFIX
-
-
-def _save_npz_atomic(path: str, arrays: dict) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"  # unique per process: several ranks may cache at once
-    with open(tmp, "wb") as f:
-        np.savez(f, **arrays)
-    os.replace(tmp, path)
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -147,8 +148,23 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
 # ----------------------------------------------------------------------------- image sources
 
 
+IMAGE_INFO_CACHE_FILE = "metadata_cache.json"  # upstream's --cache_info file in each image folder
+
+
 def images_from_dir(subset: SubsetParams) -> list[ImageInfo]:
-    """A DreamBooth-style subset: every image in image_dir, caption file or class_tokens."""
+    """A DreamBooth-style subset: every image in image_dir, caption file or class_tokens. With cache_info the
+    paths, captions and sizes come from (or go to) upstream's `metadata_cache.json` in image_dir
+    ({path: {"caption", "resolution": [w, h]}}); delete it after changing the folder."""
+    cache_file = os.path.join(subset.image_dir, IMAGE_INFO_CACHE_FILE)
+    if subset.cache_info and os.path.isfile(cache_file):
+        logger.info("using cached image info: %s", cache_file)
+        try:
+            with open(cache_file, "r", encoding="utf-8") as f:
+                metas = json.load(f)
+            return [ImageInfo(path, meta["caption"] or "", subset, subset.num_repeats, tuple(meta["resolution"]))
+                    for path, meta in metas.items()]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DatasetError(f"cache_info: cannot read {cache_file} ({e}); delete it to scan the folder again")
     infos, missing = [], []
     for path in list_images(subset.image_dir):
         caption = find_caption(path, subset.caption_extension, subset.enable_wildcard)
@@ -163,6 +179,14 @@ def images_from_dir(subset: SubsetParams) -> list[ImageInfo]:
                        subset.caption_extension, use, shown)
     if not infos:
         logger.warning("no images in %s (extensions: %s)", subset.image_dir, ", ".join(IMAGE_EXTENSIONS))
+    if subset.cache_info:
+        metas = {info.path: {"caption": info.caption, "resolution": list(info.size)} for info in infos}
+        text = json.dumps(metas, ensure_ascii=False, indent=2)
+        tmp = f"{cache_file}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, cache_file)
+        logger.info("image info cached in %s", cache_file)
     return infos
 
 
@@ -218,58 +242,7 @@ def images_from_metadata(subset: SubsetParams) -> list[ImageInfo]:
     return infos
 
 
-# ----------------------------------------------------------------------------- buckets
-
-
-def make_bucket_resolutions(
-    resolution: tuple[int, int], min_reso: int, max_reso: int, steps: int
-) -> list[tuple[int, int]]:
-    """All (w, h) with sides multiples of `steps` in [min_reso, max_reso], area <= the resolution's
-    area; for each width the tallest such height (and its transpose), plus the largest square."""
-    max_area = resolution[0] * resolution[1]
-    buckets = set()
-    side = int(math.sqrt(max_area)) // steps * steps
-    side = min(max(side, min_reso), max_reso)
-    if side * side <= max_area:
-        buckets.add((side, side))
-    for w in range(min_reso, max_reso + 1, steps):
-        h = min(max_reso, (max_area // w) // steps * steps)
-        if h >= min_reso:
-            buckets.add((w, h))
-            buckets.add((h, w))
-    return sorted(buckets)
-
-
-def nearest_bucket(size: tuple[int, int], buckets: list[tuple[int, int]]) -> tuple[int, int]:
-    """The bucket whose aspect ratio is closest in log space (symmetric for portrait/landscape)."""
-    ar = math.log(size[0] / size[1])
-    return min(buckets, key=lambda b: (abs(math.log(b[0] / b[1]) - ar), -b[0] * b[1]))
-
-
-def no_upscale_bucket(size: tuple[int, int], max_area: int, steps: int) -> tuple[int, int]:
-    """--bucket_no_upscale: shrink to the max area if larger, then round sides down to `steps`."""
-    w, h = size
-    if w * h > max_area:
-        scale = math.sqrt(max_area / (w * h))
-        w, h = w * scale, h * scale
-    bw = max(steps, int(w) // steps * steps)
-    bh = max(steps, int(h) // steps * steps)
-    return bw, bh
-
-
 # ----------------------------------------------------------------------------- one dataset
-
-
-def _hue_shift(img: Image.Image, rng: random.Random) -> Image.Image:
-    """color_aug: a random hue rotation of up to +-16 degrees."""
-    hsv = np.array(img.convert("HSV"), dtype=np.int16)
-    hsv[..., 0] = (hsv[..., 0] + rng.randint(-11, 11)) % 256
-    return Image.fromarray(hsv.astype(np.uint8), "HSV").convert("RGB")
-
-
-def _pil_to_tensor(img: Image.Image) -> torch.Tensor:
-    arr = np.asarray(img, dtype=np.float32)
-    return torch.from_numpy(arr).permute(2, 0, 1) / 127.5 - 1.0
 
 
 class ImageDataset(torch.utils.data.Dataset):
@@ -288,29 +261,33 @@ class ImageDataset(torch.utils.data.Dataset):
         self._batches_epoch = None
         self._batches: list[list[int]] = []
         self.latents_cached = False
+        self.latent_format: Optional[LatentCacheFormat] = None  # set by DatasetGroup.cache_latents(to_disk=True)
         self.te_cached = False
         self.buckets: dict[tuple[int, int], list[int]] = {}
         self.mean_ar_error = 0.0
         self._assign_buckets()
+        _attach_conditioning_images(images)
 
     # --- buckets and batches
-    def _assign_buckets(self) -> None:
+    def _selector(self) -> BucketSelector:
         p = self.params
-        max_area = p.resolution[0] * p.resolution[1]
-        predefined = (
-            make_bucket_resolutions(p.resolution, p.min_bucket_reso, p.max_bucket_reso, p.bucket_reso_steps)
-            if p.enable_bucket and not p.bucket_no_upscale else None
-        )
+        if not p.enable_bucket:  # one fixed bucket: the resolution
+            return BucketSelector(tuple(p.resolution), predefined=[tuple(p.resolution)])
+        if p.bucket_no_upscale:
+            return BucketSelector(tuple(p.resolution), p.bucket_reso_steps, no_upscale=True)
+        return BucketSelector(tuple(p.resolution), p.bucket_reso_steps, predefined=make_bucket_resolutions(
+            p.resolution, p.min_bucket_reso, p.max_bucket_reso, p.bucket_reso_steps))
+
+    def _assign_buckets(self) -> None:
+        selector = self._selector()
         errors = []
         for i, info in enumerate(self.images):
-            if not p.enable_bucket:
-                info.bucket = tuple(p.resolution)
-            elif p.bucket_no_upscale:
-                info.bucket = no_upscale_bucket(info.size, max_area, p.bucket_reso_steps)
-            else:
-                info.bucket = nearest_bucket(info.size, predefined)
+            info.bucket, info.resized_size, error = selector.select(*info.size)
+            if min(info.bucket) <= 0:
+                raise DatasetError(f"image {info.path} ({info.size[0]}x{info.size[1]}) is smaller than "
+                                   f"bucket_reso_steps ({self.params.bucket_reso_steps}) with bucket_no_upscale")
             self.buckets.setdefault(info.bucket, []).append(i)
-            errors.append(abs(info.size[0] / info.size[1] - info.bucket[0] / info.bucket[1]))
+            errors.append(abs(error))
         self.buckets = dict(sorted(self.buckets.items()))
         self.mean_ar_error = float(np.mean(errors)) if errors else 0.0
 
@@ -356,26 +333,55 @@ class ImageDataset(torch.utils.data.Dataset):
                                         max_train_steps=self._max_steps.value, rng=rng)
 
     # --- pixels
-    def crop_plan(self, info: ImageInfo, rng: Optional[random.Random]):
-        """Resize-to-cover size and crop box (l, t, r, b) for the image's bucket."""
-        (w, h), (bw, bh) = info.size, info.bucket
-        scale = max(bw / w, bh / h)
-        rw, rh = max(bw, round(w * scale)), max(bh, round(h * scale))
-        if rng is not None and info.subset.random_crop:
-            left, top = rng.randint(0, rw - bw), rng.randint(0, rh - bh)
-        else:
-            left, top = (rw - bw) // 2, (rh - bh) // 2
-        return (rw, rh), (left, top, left + bw, top + bh)
+    def plan(self, info: ImageInfo, size: tuple[int, int], rng: Optional[random.Random], for_cache: bool = False):
+        """Where the pixels of an image of `size` (w, h) go, as upstream decides it -> (resized (w, h), crop box
+        (l, t, r, b) of the resized image, original_size, crop_ltrb) with the last two its SDXL conditioning.
 
-    def load_cropped(self, info: ImageInfo, rng: Optional[random.Random]):
-        img = load_image_rgb(info.path)
-        if img.size != info.size:  # the file changed since the dataset was built
-            info.size = img.size
-        resized, box = self.crop_plan(info, rng)
-        if img.size != resized:
-            img = img.resize(resized, Image.Resampling.LANCZOS, reducing_gap=3.0)
-        img = img.crop(box)
-        return img, resized, box
+        Buckets (and every latent cache) resize to cover the bucket then crop (random with random_crop), and
+        condition on the image's size and the fit-inside box. Without buckets upstream takes the image as it is:
+        a face crop (face_crop_aug_range + `name_cx_cy_w_h` file names), a random crop of a larger image
+        (random_crop), or an image of exactly the resolution, conditioned as uncropped at the resolution; other
+        images, which upstream refuses, are resized to cover and cropped like a bucket."""
+        s, bucket = info.subset, info.bucket
+        random_rng = rng if s.random_crop else None
+        if size != info.size:  # the file changed since the dataset was built: cover the same bucket
+            info.size = size
+            info.resized_size = BucketSelector(bucket, predefined=[bucket]).select(*size)[1]
+        if not self.params.enable_bucket and not for_cache:
+            face = image_utils.face_info_from_name(info.path) if s.face_crop_aug_range else (0, 0, 0, 0)
+            if face[0] > 0:
+                resized, box = image_utils.face_crop_plan(size, bucket, face, s.face_crop_aug_range, s.random_crop,
+                                                          rng or random.Random(0))
+                return resized, box, bucket, (0, 0, 0, 0)
+            if size == bucket or (random_rng is not None and size[0] >= bucket[0] and size[1] >= bucket[1]):
+                return size, buckets_mod.trim_box(size, bucket, random_rng), bucket, (0, 0, 0, 0)
+        box = buckets_mod.trim_box(info.resized_size, bucket, random_rng)
+        return info.resized_size, box, size, buckets_mod.crop_ltrb(bucket, size)
+
+    def load_pixels(self, info: ImageInfo, rng: Optional[random.Random], for_cache: bool = False):
+        """-> (HxWx3|4 uint8 at the bucket size (alpha kept for alpha_mask), mask [H,W] float or None,
+        original_size, crop_ltrb)."""
+        s = info.subset
+        img = image_utils.load_image(info.path, alpha=s.alpha_mask)
+        size = (img.shape[1], img.shape[0])
+        resized, box, original, ltrb = self.plan(info, size, rng, for_cache)
+        img = _resize_crop(img, resized, box, s.resize_interpolation)
+        mask = None
+        if info.cond_path:
+            mask = self.conditioning_mask(info, size, resized, box)
+        elif s.alpha_mask:
+            mask = torch.from_numpy(img[:, :, 3].astype(np.float32) / 255.0)
+        return img, mask, original, ltrb
+
+    @staticmethod
+    def conditioning_mask(info: ImageInfo, size, resized, box) -> torch.Tensor:
+        """The red channel of the conditioning image through the image's own resize and crop, in 0..1. (Upstream
+        stretches it straight to the bucket, which misplaces it when the image's aspect differs from the bucket.)"""
+        cond = image_utils.load_image(info.cond_path)[:, :, 0]
+        if (cond.shape[1], cond.shape[0]) != size:
+            cond = image_utils.resize_image(cond, size, info.subset.resize_interpolation)
+        cond = _resize_crop(cond, resized, box, info.subset.resize_interpolation)
+        return torch.from_numpy(cond.astype(np.float32) / 255.0)
 
     # --- items
     def __getitem__(self, index: int) -> dict:
@@ -383,28 +389,33 @@ class ImageDataset(torch.utils.data.Dataset):
         if index < 0 or index >= len(batches):
             raise IndexError(index)
         epoch = self._epoch.value
-        images, latents, captions, paths = [], [], [], []
-        orig, crops, targets, weights, te_list = [], [], [], [], []
+        images, latents, captions, paths, masks = [], [], [], [], []
+        orig, crops, targets, weights, te_list, flips = [], [], [], [], [], []
         for pos, i in enumerate(batches[index]):
             info = self.images[i]
             rng = random.Random(f"item:{self.seed}:{self.index}:{epoch}:{index}:{pos}")
             flip = info.subset.flip_aug and rng.random() < 0.5
             if self.latents_cached:
-                lat, lat_flipped, resized, box = self._cached_latents(info)
+                lat, lat_flipped, original, ltrb, mask = self._cached_latents(info)
                 latents.append(lat_flipped if flip else lat)
+                if info.cond_path:  # not cached (as upstream): the same centred plan as the cached pixels
+                    resized, box, _, _ = self.plan(info, info.size, None, for_cache=True)
+                    mask = self.conditioning_mask(info, info.size, resized, box)
             else:
-                img, resized, box = self.load_cropped(info, rng)
+                img, mask, original, ltrb = self.load_pixels(info, rng)
                 if info.subset.color_aug:
-                    img = _hue_shift(img, rng)
+                    img = image_utils.color_aug(img, rng)
                 if flip:
-                    img = ImageOps.mirror(img)
-                images.append(_pil_to_tensor(img))
-            left, top, right, _ = box
-            if flip:  # SDXL crop conditioning is measured in the flipped image
-                left = resized[0] - right
-            orig.append((info.size[1], info.size[0]))
-            crops.append((top, left))
+                    img = img[:, ::-1]
+                images.append(image_utils.to_tensor(img))
+            if mask is not None and flip:
+                mask = torch.flip(mask, dims=[1])
+            masks.append(mask)
+            orig.append((int(original[1]), int(original[0])))
+            # upstream's crop conditioning: the fit-inside box; a flipped image counts from the right edge
+            crops.append(buckets_mod.crop_top_left(ltrb, info.bucket[0], flip))
             targets.append((info.bucket[1], info.bucket[0]))
+            flips.append(flip)
             weights.append(self.prior_loss_weight if info.is_reg else 1.0)
             if self.te_cached:
                 captions.append(self.base_caption(info))
@@ -425,6 +436,8 @@ class ImageDataset(torch.utils.data.Dataset):
             "original_sizes_hw": torch.tensor(orig, dtype=torch.long),
             "crop_top_lefts": torch.tensor(crops, dtype=torch.long),
             "target_sizes_hw": torch.tensor(targets, dtype=torch.long),
+            "flippeds": flips,
+            "alpha_masks": _stack_masks(masks, [t for t in targets]),
             "loss_weights": torch.tensor(weights, dtype=torch.float32),
             "te_outputs": te_outputs,
             "image_paths": paths,
@@ -432,16 +445,10 @@ class ImageDataset(torch.utils.data.Dataset):
 
     def _cached_latents(self, info: ImageInfo):
         if info.latents_npz:
-            with np.load(info.latents_npz) as npz:
-                lat = torch.from_numpy(npz["latents"])
-                lat_f = torch.from_numpy(npz["latents_flipped"]) if "latents_flipped" in npz else None
-                box = tuple(int(v) for v in npz["crop_ltrb"])
-                if "resized_size" in npz:
-                    resized = tuple(int(v) for v in npz["resized_size"])
-                else:  # npz written by kohya's scripts: center crop, so the resized size is l + r, t + b
-                    resized = (box[0] + box[2], box[1] + box[3])
-            return lat, lat_f, resized, box
-        return info.latents, info.latents_flipped, info.resized_size, info.crop_ltrb
+            lat, original, ltrb, lat_flipped, mask = self.latent_format.load(info.latents_npz, info.bucket)
+            return lat, lat_flipped, original, ltrb, mask
+        return info.latents, info.latents_flipped, info.latents_original_size, info.latents_crop_ltrb, \
+            info.alpha_mask
 
     @staticmethod
     def _cached_te(info: ImageInfo) -> dict:
@@ -449,6 +456,38 @@ class ImageDataset(torch.utils.data.Dataset):
             with np.load(info.te_npz) as npz:
                 return {k: torch.from_numpy(npz[k]) for k in npz.files if not k.startswith("__")}
         return info.te_outputs
+
+
+def _resize_crop(img: np.ndarray, resized, box, interpolation) -> np.ndarray:
+    img = image_utils.resize_image(img, resized, interpolation)
+    left, top, right, bottom = box
+    return img[top:bottom, left:right]
+
+
+def _stack_masks(masks: list, targets_hw: list) -> Optional[torch.Tensor]:
+    """[B, H, W] masks, or None when no image of the batch has one (others then count fully, as upstream)."""
+    if all(m is None for m in masks):
+        return None
+    return torch.stack([m if m is not None else torch.ones(hw, dtype=torch.float32)
+                        for m, hw in zip(masks, targets_hw)])
+
+
+def _attach_conditioning_images(images: list[ImageInfo]) -> None:
+    """Finds each image's mask in its subset's conditioning_data_dir; every image needs one (as upstream)."""
+    missing: dict[str, list[str]] = defaultdict(list)
+    for info in images:
+        cond_dir = info.subset.conditioning_data_dir
+        if not cond_dir:
+            continue
+        if not os.path.isdir(cond_dir):
+            raise DatasetError(f"conditioning_data_dir does not exist: {cond_dir}")
+        info.cond_path = find_conditioning_image(cond_dir, info.path)
+        if info.cond_path is None:
+            missing[cond_dir].append(os.path.basename(info.path))
+    for cond_dir, names in missing.items():
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise DatasetError(f"conditioning_data_dir {cond_dir} has no mask image for {len(names)} training "
+                           f"images ({shown}); it needs one image with the same name per training image")
 
 
 # ----------------------------------------------------------------------------- the group
@@ -482,8 +521,9 @@ def balance_reg_images(images: list[ImageInfo]) -> None:
 class DatasetGroup(torch.utils.data.Dataset):
     """All datasets of a run; item i is one whole batch (a dict, see docs/ARCHITECTURE.md)."""
 
-    def __init__(self, datasets: list[ImageDataset], epoch_value):
+    def __init__(self, datasets: list[ImageDataset], epoch_value, family: str = "sd1"):
         self.datasets = datasets
+        self.family = family  # picks the latent cache file format (latent_cache.FAMILY_FORMATS)
         self._epoch = epoch_value
         self._offsets = np.cumsum([0] + [len(d) for d in datasets]).tolist()
 
@@ -526,63 +566,62 @@ class DatasetGroup(torch.utils.data.Dataset):
 
     # --- latents
     def cache_latents(self, encode_fn: Callable[[torch.Tensor], torch.Tensor], to_disk: bool = False,
-                      batch_size: int = 4, signature: str = "") -> None:
+                      batch_size: int = 1, signature: str = "", fmt: Optional[LatentCacheFormat] = None,
+                      skip_check: bool = False) -> None:
         """Encodes every image once (and its mirror when flip_aug) with encode_fn(images[B,3,H,W] in [-1,1])
-        -> latents[B,C,h,w]. to_disk writes `<image>.npz` next to the image and reuses it on later runs
-        when its bucket, flip setting and `signature` (e.g. the VAE's name) match."""
+        -> latents[B,C,h,w], `batch_size` images at a time (--vae_batch_size). to_disk writes upstream's cache
+        files (latent_cache.py; `fmt` = the family's names and scale) and reuses them, ours or upstream's, when they
+        fit the bucket, flip and alpha settings and `signature`; with skip_check (--skip_cache_check) any existing
+        file is reused. alpha_mask subsets cache their masks with the latents."""
         for d, info in self.all_images():
             if info.subset.color_aug or info.subset.random_crop:
                 raise DatasetError(latent_cache_conflict(info.subset))
+        fmt = fmt or FAMILY_FORMATS.get(self.family, FAMILY_FORMATS["sd1"])
+        npz_of = {info.path: fmt.npz_path(info.path, info.size) for _, info in self.all_images()}
         if to_disk:
-            _check_unique_npz_paths([info.path for _, info in self.all_images()], latents_npz_path)
+            _check_unique_npz_paths([info.path for _, info in self.all_images()], npz_of.__getitem__)
         todo: dict[tuple, list] = defaultdict(list)
         reused = 0
         for d, info in self.all_images():
-            info.latents = info.latents_flipped = None
+            info.latents = info.latents_flipped = info.alpha_mask = None
             info.latents_npz = None
-            if to_disk and _latents_npz_valid(info, signature):
-                info.latents_npz = latents_npz_path(info.path)
+            s = info.subset
+            if to_disk and fmt.is_expected(npz_of[info.path], info.bucket, s.flip_aug, s.alpha_mask,
+                                           skip_check=skip_check, signature=signature, image_path=info.path):
+                info.latents_npz = npz_of[info.path]
                 reused += 1
                 continue
             todo[info.bucket].append((d, info))
         total = sum(len(v) for v in todo.values())
         logger.info("caching latents: %d images to encode, %d reused from disk", total, reused)
+        step = max(1, int(batch_size or 1))
         with torch.no_grad():
-            for bucket, items in todo.items():
-                for k in range(0, len(items), max(1, batch_size)):
-                    chunk = items[k:k + max(1, batch_size)]
-                    pixels, plans = [], []
+            for bucket, items in sorted(todo.items(), key=lambda kv: kv[0][0] * kv[0][1]):
+                for k in range(0, len(items), step):
+                    chunk = items[k:k + step]
+                    pixels, extras = [], []
                     for d, info in chunk:
-                        img, resized, box = d.load_cropped(info, None)
-                        pixels.append(_pil_to_tensor(img))
-                        plans.append((resized, box))
+                        img, mask, original, ltrb = d.load_pixels(info, None, for_cache=True)
+                        pixels.append(image_utils.to_tensor(img))
+                        extras.append((mask if info.subset.alpha_mask else None, original, ltrb))
                     batch = torch.stack(pixels)
                     lat = _check_encoded(encode_fn(batch), len(chunk))
                     lat_f = None
                     if any(info.subset.flip_aug for _, info in chunk):
                         lat_f = _check_encoded(encode_fn(torch.flip(batch, dims=[3])), len(chunk))
                     for j, (d, info) in enumerate(chunk):
-                        resized, box = plans[j]
+                        mask, original, ltrb = extras[j]
                         one = lat[j].detach().to("cpu")
                         one_f = lat_f[j].detach().to("cpu") if lat_f is not None and info.subset.flip_aug else None
                         if to_disk:
-                            arrays = {
-                                "latents": _to_numpy(one),
-                                "original_size": np.array(info.size),
-                                "crop_ltrb": np.array(box),
-                                "resized_size": np.array(resized),
-                                "bucket_reso": np.array(info.bucket),
-                                "signature": np.array(signature),
-                            }
-                            if one_f is not None:
-                                arrays["latents_flipped"] = _to_numpy(one_f)
-                            _save_npz_atomic(latents_npz_path(info.path), arrays)
-                            info.latents_npz = latents_npz_path(info.path)
+                            info.latents_npz = npz_of[info.path]
+                            fmt.save(info.latents_npz, info.bucket, one, original, ltrb, one_f, mask, signature)
                         else:
-                            info.latents, info.latents_flipped = one, one_f
-                            info.crop_ltrb, info.resized_size = box, resized
+                            info.latents, info.latents_flipped, info.alpha_mask = one, one_f, mask
+                            info.latents_original_size, info.latents_crop_ltrb = original, ltrb
         for d in self.datasets:
             d.latents_cached = True
+            d.latent_format = fmt
 
     # --- text encoder outputs
     def cache_text_encoder_outputs(self, encode_fn: Callable[[list], dict], to_disk: bool = False,
@@ -626,7 +665,7 @@ class DatasetGroup(torch.utils.data.Dataset):
                         arrays = {name: _to_numpy(t) for name, t in one.items()}
                         arrays["__caption__"] = np.array(caption)
                         arrays["__signature__"] = np.array(signature)
-                        _save_npz_atomic(te_outputs_npz_path(info.path), arrays)
+                        save_npz_atomic(te_outputs_npz_path(info.path), arrays)
                         info.te_npz = te_outputs_npz_path(info.path)
                     else:
                         info.te_outputs = one
@@ -757,28 +796,6 @@ def _check_unique_npz_paths(paths: list[str], to_npz: Callable[[str], str]) -> N
         if npz in seen and seen[npz] != p:
             raise DatasetError(f"images {seen[npz]} and {p} would share the cache file {npz}; rename one of them")
         seen[npz] = p
-
-
-def _latents_npz_valid(info: ImageInfo, signature: str) -> bool:
-    path = latents_npz_path(info.path)
-    if not os.path.isfile(path) or os.path.getmtime(path) < os.path.getmtime(info.path):
-        return False
-    try:
-        with np.load(path) as npz:
-            if "latents" not in npz or "crop_ltrb" not in npz:
-                return False
-            if "bucket_reso" in npz:
-                if tuple(int(v) for v in npz["bucket_reso"]) != tuple(info.bucket):
-                    return False
-            elif tuple(npz["latents"].shape[-2:]) != (info.bucket[1] // 8, info.bucket[0] // 8):
-                return False
-            if info.subset.flip_aug and "latents_flipped" not in npz:
-                return False
-            stored_sig = str(npz["signature"]) if "signature" in npz else ""
-            return stored_sig == signature
-    except (OSError, ValueError, EOFError) as e:
-        logger.warning("ignoring unreadable latent cache %s (%s); encoding again", path, e)
-        return False
 
 
 def _te_npz_valid(image_path: str, caption: str, signature: str) -> bool:
