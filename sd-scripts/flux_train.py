@@ -21,7 +21,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from flux_train_network import FluxNetworkTrainer  # noqa: E402
-from library import compile_utils, flux_models, flux_train_utils, full_trainer, optimizers, saving, train_util  # noqa: E402
+from library import (compile_utils, flux_models, flux_train_utils, full_trainer, masks, optimizers,  # noqa: E402
+                     saving, train_util)
 from library.full_trainer import FullTrainer  # noqa: E402
 from library.train_util import ConfigError  # noqa: E402
 
@@ -56,6 +57,9 @@ class FluxTrainer(FullTrainer, FluxNetworkTrainer):
                            "working\"); use --blockwise_fused_optimizers")
         if args.train_blocks not in TRAIN_BLOCKS:
             raise ConfigError(f"--train_blocks {args.train_blocks}: allowed: {', '.join(TRAIN_BLOCKS)}")
+        if args.skip_latents_validity_check:
+            logger.warning("--skip_latents_validity_check is deprecated: use --skip_cache_check")
+            args.skip_cache_check = True
         super().assert_extra_args(args)
 
     def trained_model(self, components):
@@ -145,6 +149,9 @@ def setup_parser() -> argparse.ArgumentParser:
     parser.add_argument("--blockwise_fused_optimizers", action="store_true",
                         help="one optimizer per transformer block, each stepped inside backward as soon as its "
                              "block's gradients are complete (any optimizer; saves the memory of all gradients)")
+    parser.add_argument("--skip_latents_validity_check", action="store_true",
+                        help="[deprecated] the same as --skip_cache_check")
+    masks.add_masked_loss_arguments(parser)
     compile_utils.add_compile_arguments(parser)
     return parser
 

@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from library import compile_utils, flux_models, flux_train_utils, network_trainer  # noqa: E402
 from library.network_trainer import NetworkTrainer  # noqa: E402
 from library.train_util import ConfigError  # noqa: E402
+from library.latent_cache import FAMILY_FORMATS  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,9 @@ class FluxNetworkTrainer(NetworkTrainer):
 
     def cache_signature(self, args, what: str) -> str:
         return flux_train_utils.cache_signature(args, what)
+
+    def latent_cache_format(self, args, components):
+        return FAMILY_FORMATS["flux"]  # the AE output, already shifted and scaled, as upstream stores it
 
     # -- training --------------------------------------------------------------------------------------------
     def get_noise_scheduler(self, args, components):

@@ -62,7 +62,9 @@ class SDXLNetworkTrainer(NetworkTrainer):
         else:  # no size conditioning in the batch: the latent size, uncropped
             h, w = noisy_latents.shape[2] * 8, noisy_latents.shape[3] * 8
             time_ids = torch.tensor([[h, w, 0, 0, h, w]]).repeat(b, 1)
-        time_ids = time_ids.to(noisy_latents.device, dtype=weight_dtype)
+        # integer sizes go in as float32 (diffusers embeds them in float32 and casts the embedding to the UNet's
+        # dtype afterwards, as upstream's get_size_embeddings): in bf16, 1023 would already be 1024
+        time_ids = time_ids.to(noisy_latents.device, dtype=torch.float32)
         added = {"text_embeds": te_outputs["pooled"].to(weight_dtype), "time_ids": time_ids}
         hidden = te_outputs["encoder_hidden_states"].to(weight_dtype)
         return components.unet(noisy_latents, timesteps, hidden, added_cond_kwargs=added).sample

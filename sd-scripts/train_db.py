@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from library import captions, config_util, full_trainer  # noqa: E402
+from library import captions, config_util, full_trainer, masks  # noqa: E402
 from library.full_trainer import FullTrainer  # noqa: E402
 from library.network_trainer import NetworkTrainer  # noqa: E402
 from library.train_util import ConfigError  # noqa: E402
@@ -61,6 +61,7 @@ def setup_parser() -> argparse.ArgumentParser:
                         help="freeze the text encoder after this many steps; negative: never train it "
                              "(default: trained for the whole run)")
     captions.add_no_token_padding_argument(parser)
+    masks.add_masked_loss_arguments(parser)
     return parser
 
 

@@ -625,9 +625,11 @@ class DatasetGroup(torch.utils.data.Dataset):
 
     # --- text encoder outputs
     def cache_text_encoder_outputs(self, encode_fn: Callable[[list], dict], to_disk: bool = False,
-                                   batch_size: int = 16, signature: str = "") -> None:
-        """Encodes every caption once with encode_fn(captions) -> {name: Tensor[B, ...]}. to_disk writes
-        `<image>_te_outputs.npz` and reuses it when the caption and `signature` (e.g. the model's name) match."""
+                                   batch_size: Optional[int] = None, signature: str = "",
+                                   skip_check: bool = False) -> None:
+        """Encodes every caption once with encode_fn(captions) -> {name: Tensor[B, ...]}, `batch_size` captions at
+        a time (default: the training batch size, as upstream). to_disk writes `<image>_te_outputs.npz` and reuses it
+        when the caption and `signature` (e.g. the model's name) match, or whenever it exists with skip_check."""
         for _, info in self.all_images():
             if info.subset.caption_is_random:
                 raise DatasetError(te_cache_conflict(info.subset))
@@ -642,14 +644,16 @@ class DatasetGroup(torch.utils.data.Dataset):
         for d, info in self.all_images():
             info.te_outputs, info.te_npz = None, None
             caption = ImageDataset.base_caption(info)
-            if to_disk and _te_npz_valid(info.path, caption, signature):
+            if to_disk and (os.path.isfile(te_outputs_npz_path(info.path)) if skip_check
+                            else _te_npz_valid(info.path, caption, signature)):
                 info.te_npz = te_outputs_npz_path(info.path)
                 continue
             todo.append((info, caption))
         logger.info("caching text encoder outputs: %d captions to encode", len(todo))
         with torch.no_grad():
-            for k in range(0, len(todo), max(1, batch_size)):
-                chunk = todo[k:k + max(1, batch_size)]
+            step = max(1, int(batch_size or max(d.params.batch_size for d in self.datasets)))
+            for k in range(0, len(todo), step):
+                chunk = todo[k:k + step]
                 out = encode_fn([c for _, c in chunk])
                 if not isinstance(out, dict) or not out:
                     raise DatasetError("text encoder encode_fn must return a non-empty dict of tensors")

@@ -50,6 +50,8 @@ def add_flux_arguments(parser) -> None:
                    help="transformer blocks kept off the GPU and swapped in around their forward/backward (saves "
                         "memory; default none)")
     g.add_argument("--fp8_base", action="store_true", help="keep the frozen FLUX base Linear weights in float8_e4m3fn")
+    g.add_argument("--text_encoder_batch_size", type=int, default=None,
+                   help="batch size for caching text encoder outputs (default: the training batch size)")
 
 
 def check_flux_args(args, error_cls) -> None:

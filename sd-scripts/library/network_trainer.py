@@ -31,6 +31,7 @@ TOML) live in train_util.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import logging
@@ -44,10 +45,11 @@ from typing import Any
 
 import torch
 
-from library import (config_util, data_parallel, huggingface_util, losses, network_options, noise, optimizers,
-                     parity, saving, schedulers, train_util, validation)
+from library import (config_util, data_parallel, huggingface_util, losses, masks, network_options, noise,
+                     optimizers, parity, saving, schedulers, train_util, validation)
 from library import metadata as metadata_util
 from library.captions import apply_token_weights, weighted_for, weighted_token_ids
+from library.latent_cache import FAMILY_FORMATS, LatentCacheFormat
 from library.step_timer import StepTimer
 from library.train_util import ConfigError
 
@@ -114,6 +116,7 @@ def setup_parser() -> argparse.ArgumentParser:
     add_network_arguments(parser)
     validation.add_validation_arguments(parser)
     saving.add_initial_step_arguments(parser)
+    masks.add_masked_loss_arguments(parser)
     return parser
 
 
@@ -319,8 +322,9 @@ class NetworkTrainer:
                                       noise_scheduler.alphas_cumprod)
 
     def apply_loss_mask(self, args, loss, batch):
-        """The element-wise loss [B, C, h, w] before its per-sample mean (the masked-loss hook)."""
-        return loss
+        """The element-wise loss [B, C, h, w] before its per-sample mean: times the batch's masks (alpha_mask /
+        conditioning_data_dir images; upstream applies them whenever the batch has them)."""
+        return masks.apply_masked_loss(loss, batch.get("alpha_masks"))
 
     def post_process_loss(self, loss, args, timesteps, noise_scheduler):
         v = noise_scheduler.config.prediction_type == "v_prediction"
@@ -614,7 +618,9 @@ class NetworkTrainer:
             vae.requires_grad_(False).eval()
             for g in groups:
                 g.cache_latents(lambda images: self.encode_images(args, components, images),
-                                to_disk=args.cache_latents_to_disk, signature=self.cache_signature(args, "vae"))
+                                to_disk=args.cache_latents_to_disk, signature=self.cache_signature(args, "vae"),
+                                batch_size=args.vae_batch_size, fmt=self.latent_cache_format(args, components),
+                                skip_check=args.skip_cache_check)
             vae.to("cpu")
         caching_te = args.cache_text_encoder_outputs or args.cache_text_encoder_outputs_to_disk
         for te in components.text_encoders:
@@ -626,7 +632,9 @@ class NetworkTrainer:
             for g in groups:
                 g.cache_text_encoder_outputs(lambda caps: self.encode_prompts(args, components, caps, False),
                                              to_disk=args.cache_text_encoder_outputs_to_disk,
-                                             signature=self.cache_signature(args, "te"))
+                                             batch_size=getattr(args, "text_encoder_batch_size", None),
+                                             signature=self.cache_signature(args, "te"),
+                                             skip_check=args.skip_cache_check)
             for te in components.text_encoders:
                 te.to("cpu")
 
@@ -876,6 +884,11 @@ class NetworkTrainer:
         return loss.mean()
 
     # -- outputs -----------------------------------------------------------------------------------------
+    def latent_cache_format(self, args, components) -> LatentCacheFormat:
+        """Upstream's latent cache file names and keys for this family; SD/SDXL files hold the unscaled sample."""
+        fmt = FAMILY_FORMATS[self.family_for(args)]
+        return dataclasses.replace(fmt, scale=float(components.vae.config.scaling_factor))
+
     def cache_signature(self, args, what: str) -> str:
         weighted = ":weighted" if what == "te" and weighted_for(args, self.family_for(args)) else ""
         return f"{self.family_for(args)}:{os.path.basename(str(args.pretrained_model_name_or_path))}:" \
