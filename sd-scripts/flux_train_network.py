@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from library import compile_utils, flux_models, flux_train_utils, network_trainer  # noqa: E402
 from library.network_trainer import NetworkTrainer  # noqa: E402
 from library.train_util import ConfigError  # noqa: E402
+from library import te_cache  # noqa: E402
 from library.latent_cache import FAMILY_FORMATS  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,9 @@ class FluxNetworkTrainer(NetworkTrainer):
 
     def latent_cache_format(self, args, components):
         return FAMILY_FORMATS["flux"]  # the AE output, already shifted and scaled, as upstream stores it
+
+    def te_cache_format(self, args, components):
+        return te_cache.flux_format(args.apply_t5_attn_mask)  # upstream's <stem>_flux_te.npz
 
     # -- training --------------------------------------------------------------------------------------------
     def get_noise_scheduler(self, args, components):

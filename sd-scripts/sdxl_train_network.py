@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from library import compile_utils, network_trainer  # noqa: E402
+from library import compile_utils, network_trainer, te_cache  # noqa: E402
 from library.captions import weighted_for  # noqa: E402
 from library.network_trainer import NetworkTrainer, encode_clip  # noqa: E402
 from library.train_util import ConfigError  # noqa: E402
@@ -53,6 +53,10 @@ class SDXLNetworkTrainer(NetworkTrainer):
             h2, pooled = encode_clip(tok2, te2, captions, args.max_token_length, -2, False, te2.device,
                                      weighted=weighted)
         return {"encoder_hidden_states": torch.cat([h1, h2.to(h1.dtype)], dim=-1), "pooled": pooled}
+
+    def te_cache_format(self, args, components):
+        # upstream's <stem>_te_outputs.npz keeps the two encoders' hidden states apart
+        return te_cache.sdxl_format(components.text_encoders[0].config.hidden_size)
 
     def call_unet(self, args, components, noisy_latents, timesteps, te_outputs, batch, weight_dtype):
         b = noisy_latents.shape[0]

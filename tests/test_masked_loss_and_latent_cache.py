@@ -255,3 +255,64 @@ def test_vae_batch_size_batches_the_cache(tmp_path):
     group.cache_latents(avgpool(calls), batch_size=1)  # upstream's default --vae_batch_size
     assert calls == [1] * 5
     assert parse().vae_batch_size == 1 and parse().skip_cache_check is False
+
+
+# ----------------------------------------------------------------------------- text-encoder caches <-> upstream
+
+
+def test_text_encoder_caches_in_upstreams_layout(tmp_path):
+    from library import te_cache
+
+    d = tmp_path / "t" / "1_x"
+    for k in range(2):
+        rgba_image(d / f"{k}.png", (64, 64), seed=k)
+        (d / f"{k}.caption").write_text(f"caption {k}")
+    calls = []
+
+    def encode_sdxl(captions):
+        calls.append(len(captions))
+        n = torch.tensor([float(len(c)) for c in captions])
+        return {"encoder_hidden_states": n[:, None, None] + torch.arange(12.0).expand(len(captions), 5, 12),
+                "pooled": n[:, None].expand(-1, 7).clone()}
+
+    group = build_dataset_group(parse("--train_data_dir", tmp_path / "t", "--resolution", "64",
+                                      "--cache_text_encoder_outputs_to_disk", "--train_batch_size", "2"), "sdxl")
+    fmt = te_cache.sdxl_format(4)  # TE1 width 4 of the 12 concatenated features
+    group.cache_text_encoder_outputs(encode_sdxl, to_disk=True, signature="s", fmt=fmt)
+    assert calls == [2]  # the training batch size (upstream's default)
+    with np.load(d / "0_te_outputs.npz") as npz:  # what upstream's SDXL reader needs
+        assert npz["hidden_state1"].shape == (5, 4) and npz["hidden_state2"].shape == (5, 8)
+        assert npz["pool2"].shape == (7,) and npz["hidden_state2"][0, 0] == len("caption 0") + 4
+    b = group[0]
+    assert torch.equal(b["te_outputs"]["encoder_hidden_states"][0], encode_sdxl([b["captions"][0]])[
+        "encoder_hidden_states"][0])
+    # a file written by upstream (its keys only) is reused as it is
+    np.savez(d / "1_te_outputs.npz", hidden_state1=np.ones((5, 4), np.float32),
+             hidden_state2=np.full((5, 8), 2, np.float32), pool2=np.full((7,), 3, np.float32))
+    calls.clear()
+    group.cache_text_encoder_outputs(encode_sdxl, to_disk=True, signature="s", fmt=fmt)
+    assert calls == []
+    loaded = fmt.load(str(d / "1_te_outputs.npz"))
+    assert loaded["encoder_hidden_states"].shape == (5, 12) and loaded["pooled"].tolist() == [3.0] * 7
+
+    def encode_flux(captions):
+        calls.append(len(captions))
+        return {"t5_out": torch.rand(len(captions), 6, 10), "pooled": torch.rand(len(captions), 7),
+                "t5_attn_mask": torch.ones(len(captions), 6, dtype=torch.long)}
+
+    group = build_dataset_group(parse("--train_data_dir", tmp_path / "t", "--resolution", "64",
+                                      "--cache_text_encoder_outputs_to_disk"), "flux")
+    calls.clear()
+    group.cache_text_encoder_outputs(encode_flux, to_disk=True, batch_size=1, fmt=te_cache.flux_format(True))
+    assert calls == [1, 1]  # --text_encoder_batch_size 1
+    with np.load(d / "0_flux_te.npz") as npz:
+        assert {"l_pooled", "t5_out", "txt_ids", "t5_attn_mask", "apply_t5_attn_mask"} <= set(npz.files)
+        assert npz["txt_ids"].shape == (6, 3) and bool(npz["apply_t5_attn_mask"])
+    calls.clear()
+    group.cache_text_encoder_outputs(encode_flux, to_disk=True, fmt=te_cache.flux_format(True))
+    assert calls == []
+    group.cache_text_encoder_outputs(encode_flux, to_disk=True, fmt=te_cache.flux_format(False))
+    assert calls == [1, 1]  # upstream re-encodes when apply_t5_attn_mask differs
+    calls.clear()
+    group.cache_text_encoder_outputs(encode_flux, to_disk=True, fmt=te_cache.flux_format(True), skip_check=True)
+    assert calls == []  # --skip_cache_check: the files exist

@@ -24,8 +24,9 @@ import torch
 from library import buckets as buckets_mod
 from library import image_utils
 from library.buckets import BucketSelector, make_bucket_resolutions  # noqa: F401  (re-exported)
-from library.latent_cache import FAMILY_FORMATS, LatentCacheFormat, save_npz_atomic
+from library.latent_cache import FAMILY_FORMATS, LatentCacheFormat
 from library.masks import find_conditioning_image
+from library.te_cache import TeCacheFormat
 
 from library import captions
 from library.captions import find_caption, normalize_caption_extension, read_caption_file  # noqa: F401
@@ -38,9 +39,6 @@ from library.dataset_files import (  # noqa: F401  (re-exported: the data API li
 )
 
 logger = logging.getLogger(__name__)
-
-TE_OUTPUTS_SUFFIX = "_te_outputs.npz"
-
 
 # ----------------------------------------------------------------------------- parameters
 
@@ -129,20 +127,6 @@ class ImageInfo:
     @property
     def is_reg(self) -> bool:
         return self.subset.is_reg
-
-
-# ----------------------------------------------------------------------------- cache files
-
-
-def te_outputs_npz_path(image_path: str) -> str:
-    return os.path.splitext(image_path)[0] + TE_OUTPUTS_SUFFIX
-
-
-def _to_numpy(t: torch.Tensor) -> np.ndarray:
-    t = t.detach().to("cpu")
-    if t.dtype in (torch.bfloat16, torch.float16):
-        t = t.float()
-    return t.numpy()
 
 
 # ----------------------------------------------------------------------------- image sources
@@ -263,6 +247,7 @@ class ImageDataset(torch.utils.data.Dataset):
         self.latents_cached = False
         self.latent_format: Optional[LatentCacheFormat] = None  # set by DatasetGroup.cache_latents(to_disk=True)
         self.te_cached = False
+        self.te_format: Optional[TeCacheFormat] = None  # set by DatasetGroup.cache_text_encoder_outputs
         self.buckets: dict[tuple[int, int], list[int]] = {}
         self.mean_ar_error = 0.0
         self._assign_buckets()
@@ -450,11 +435,9 @@ class ImageDataset(torch.utils.data.Dataset):
         return info.latents, info.latents_flipped, info.latents_original_size, info.latents_crop_ltrb, \
             info.alpha_mask
 
-    @staticmethod
-    def _cached_te(info: ImageInfo) -> dict:
+    def _cached_te(self, info: ImageInfo) -> dict:
         if info.te_npz:
-            with np.load(info.te_npz) as npz:
-                return {k: torch.from_numpy(npz[k]) for k in npz.files if not k.startswith("__")}
+            return self.te_format.load(info.te_npz)
         return info.te_outputs
 
 
@@ -626,10 +609,12 @@ class DatasetGroup(torch.utils.data.Dataset):
     # --- text encoder outputs
     def cache_text_encoder_outputs(self, encode_fn: Callable[[list], dict], to_disk: bool = False,
                                    batch_size: Optional[int] = None, signature: str = "",
-                                   skip_check: bool = False) -> None:
+                                   skip_check: bool = False, fmt: Optional[TeCacheFormat] = None) -> None:
         """Encodes every caption once with encode_fn(captions) -> {name: Tensor[B, ...]}, `batch_size` captions at
-        a time (default: the training batch size, as upstream). to_disk writes `<image>_te_outputs.npz` and reuses it
-        when the caption and `signature` (e.g. the model's name) match, or whenever it exists with skip_check."""
+        a time (default: the training batch size, as upstream). to_disk writes `fmt`'s files (te_cache.py: upstream's
+        layout for SDXL and FLUX, default `<image>_te_outputs.npz` with the output names) and reuses them when the
+        caption and `signature` (e.g. the model's name) match, or whenever one exists with skip_check."""
+        fmt = fmt or TeCacheFormat()
         for _, info in self.all_images():
             if info.subset.caption_is_random:
                 raise DatasetError(te_cache_conflict(info.subset))
@@ -639,14 +624,13 @@ class DatasetGroup(torch.utils.data.Dataset):
                                    "(enable_wildcard), so it changes every step and cannot be cached with "
                                    "--cache_text_encoder_outputs")
         if to_disk:
-            _check_unique_npz_paths([info.path for _, info in self.all_images()], te_outputs_npz_path)
+            _check_unique_npz_paths([info.path for _, info in self.all_images()], fmt.npz_path)
         todo = []
         for d, info in self.all_images():
             info.te_outputs, info.te_npz = None, None
             caption = ImageDataset.base_caption(info)
-            if to_disk and (os.path.isfile(te_outputs_npz_path(info.path)) if skip_check
-                            else _te_npz_valid(info.path, caption, signature)):
-                info.te_npz = te_outputs_npz_path(info.path)
+            if to_disk and fmt.is_expected(fmt.npz_path(info.path), caption, signature, skip_check):
+                info.te_npz = fmt.npz_path(info.path)
                 continue
             todo.append((info, caption))
         logger.info("caching text encoder outputs: %d captions to encode", len(todo))
@@ -666,15 +650,13 @@ class DatasetGroup(torch.utils.data.Dataset):
                 for j, (info, caption) in enumerate(chunk):
                     one = {name: t[j].detach().to("cpu") for name, t in out.items()}
                     if to_disk:
-                        arrays = {name: _to_numpy(t) for name, t in one.items()}
-                        arrays["__caption__"] = np.array(caption)
-                        arrays["__signature__"] = np.array(signature)
-                        save_npz_atomic(te_outputs_npz_path(info.path), arrays)
-                        info.te_npz = te_outputs_npz_path(info.path)
+                        info.te_npz = fmt.npz_path(info.path)
+                        fmt.save(info.te_npz, one, caption, signature)
                     else:
                         info.te_outputs = one
         for d in self.datasets:
             d.te_cached = True
+            d.te_format = fmt
 
     # --- ss_* metadata
     def metadata(self) -> dict:
@@ -800,21 +782,6 @@ def _check_unique_npz_paths(paths: list[str], to_npz: Callable[[str], str]) -> N
         if npz in seen and seen[npz] != p:
             raise DatasetError(f"images {seen[npz]} and {p} would share the cache file {npz}; rename one of them")
         seen[npz] = p
-
-
-def _te_npz_valid(image_path: str, caption: str, signature: str) -> bool:
-    path = te_outputs_npz_path(image_path)
-    if not os.path.isfile(path):
-        return False
-    try:
-        with np.load(path) as npz:
-            if "__caption__" not in npz or str(npz["__caption__"]) != caption:
-                return False
-            stored_sig = str(npz["__signature__"]) if "__signature__" in npz else ""
-            return stored_sig == signature
-    except (OSError, ValueError, EOFError) as e:
-        logger.warning("ignoring unreadable text encoder cache %s (%s); encoding again", path, e)
-        return False
 
 
 def _check_encoded(latents, n: int) -> torch.Tensor:

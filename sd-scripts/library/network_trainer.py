@@ -51,6 +51,7 @@ from library import metadata as metadata_util
 from library.captions import apply_token_weights, weighted_for, weighted_token_ids
 from library.latent_cache import FAMILY_FORMATS, LatentCacheFormat
 from library.step_timer import StepTimer
+from library.te_cache import TeCacheFormat
 from library.train_util import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -634,7 +635,8 @@ class NetworkTrainer:
                                              to_disk=args.cache_text_encoder_outputs_to_disk,
                                              batch_size=getattr(args, "text_encoder_batch_size", None),
                                              signature=self.cache_signature(args, "te"),
-                                             skip_check=args.skip_cache_check)
+                                             skip_check=args.skip_cache_check,
+                                             fmt=self.te_cache_format(args, components))
             for te in components.text_encoders:
                 te.to("cpu")
 
@@ -888,6 +890,10 @@ class NetworkTrainer:
         """Upstream's latent cache file names and keys for this family; SD/SDXL files hold the unscaled sample."""
         fmt = FAMILY_FORMATS[self.family_for(args)]
         return dataclasses.replace(fmt, scale=float(components.vae.config.scaling_factor))
+
+    def te_cache_format(self, args, components) -> TeCacheFormat:
+        """Text-encoder cache files: upstream caches none for SD1.x/2.x, so our own layout here."""
+        return TeCacheFormat()
 
     def cache_signature(self, args, what: str) -> str:
         weighted = ":weighted" if what == "te" and weighted_for(args, self.family_for(args)) else ""
