@@ -316,3 +316,39 @@ def test_text_encoder_caches_in_upstreams_layout(tmp_path):
     calls.clear()
     group.cache_text_encoder_outputs(encode_flux, to_disk=True, fmt=te_cache.flux_format(True), skip_check=True)
     assert calls == []  # --skip_cache_check: the files exist
+
+
+@pytest.mark.slow
+def test_sdxl_run_writes_upstream_cache_files_and_reuses_them(tmp_path, tiny_sdxl_single_file, one_thread):
+    """One SDXL LoRA step with both disk caches: upstream's file names and keys (unscaled latents, split hidden
+    states); a second run encodes nothing."""
+    import sdxl_train_network
+    from library import network_trainer
+    from library.tiny_models import make_captioned_images
+
+    data = make_captioned_images(tmp_path / "data", n=1, size=(64, 64), repeats=1, name="x")
+    img = next((data / "1_x").glob("*.png"))
+
+    def train(name):
+        trainer = sdxl_train_network.SDXLNetworkTrainer()
+        network_trainer.run(trainer, sdxl_train_network.setup_parser(), [
+            "--pretrained_model_name_or_path", str(tiny_sdxl_single_file),
+            "--tokenizer_cache_dir", str(tiny_sdxl_single_file.parent / "tokenizers"),
+            "--train_data_dir", str(data), "--output_dir", str(tmp_path / "out"), "--output_name", name,
+            "--network_module", "networks.lora", "--network_dim", "4", "--resolution", "64",
+            "--max_train_steps", "1", "--max_data_loader_n_workers", "0", "--network_train_unet_only",
+            "--cache_latents_to_disk", "--cache_text_encoder_outputs_to_disk", "--vae_batch_size", "4"])
+        return trainer
+
+    train("first")
+    lat_file = img.with_name(img.stem + "_0064x0064_sdxl.npz")
+    te_file = img.with_name(img.stem + "_te_outputs.npz")
+    with np.load(lat_file) as npz:
+        assert npz["latents"].shape == (4, 8, 8) and npz["original_size"].tolist() == [64, 64]
+        assert npz["crop_ltrb"].tolist() == [0, 0, 64, 64]
+    with np.load(te_file) as npz:
+        assert {"hidden_state1", "hidden_state2", "pool2"} <= set(npz.files)
+        assert npz["hidden_state1"].shape[0] == npz["hidden_state2"].shape[0] == 77 and npz["pool2"].ndim == 1
+    mtimes = (lat_file.stat().st_mtime_ns, te_file.stat().st_mtime_ns)
+    train("second")
+    assert (lat_file.stat().st_mtime_ns, te_file.stat().st_mtime_ns) == mtimes  # reused, not written again
