@@ -105,14 +105,29 @@ DIFFERENT: dict[str, Different] = {
     "initial_epoch": Different(
         "epochs count this process's batches (upstream divides the per-process batch count by the number of "
         "processes a second time); the step counter as for --initial_step"),
+    "conditioning_data_dir": Different(
+        "with --masked_loss the flag gives the --train_data_dir images their masks (upstream reads it only from "
+        "[[datasets.subsets]] outside its ControlNet scripts); a mask image goes through its image's own resize "
+        "and crop (upstream stretches it to the bucket, off its image when their aspect ratios differ)"),
+    "vae_batch_size": Different("batches the latent cache; training without a cache encodes each batch at once "
+                                "(upstream encodes it in vae_batch_size chunks: the same latents, slower)"),
+    "enable_bucket": Different("without buckets, an image neither of the resolution's size nor cut by "
+                               "random_crop / face_crop_aug_range is resized to cover it and centre-cropped, "
+                               "conditioned as in a bucket (upstream stops with an assertion)"),
+    "bucket_no_upscale": Different("an image smaller than bucket_reso_steps stops with a clear error (upstream "
+                                   "gives it a bucket of width or height 0)"),
+    "cache_latents_to_disk": Different(
+        "upstream's file names and keys; our files also record the encoding model, and are encoded again for "
+        "another model, another bucket size or a newer image (upstream's files are reused as upstream reuses them; "
+        "--skip_cache_check reuses any existing file)"),
+    "cache_text_encoder_outputs_to_disk": Different(
+        "upstream's SDXL and FLUX file layouts; our files also record the caption and model and are encoded again "
+        "when either changes (upstream reuses a file for a changed caption)"),
 }
 
 # upstream options not at parity yet (missing, or parsed differently until their owner lands them);
 # one name per line, remove it when the option lands
 NOT_YET: frozenset[str] = frozenset({
-    "alpha_mask",
-    "cache_info",
-    "conditioning_data_dir",
     "console_log_file",
     "console_log_level",
     "console_log_simple",
@@ -122,22 +137,15 @@ NOT_YET: frozenset[str] = frozenset({
     "disable_mmap_load_safetensors",
     "double_blocks_to_swap",
     "dynamo_backend",
-    "face_crop_aug_range",
     "fp16_master_weights_and_gradients",
     "fp8_base",
     "fp8_base_unet",
     "log_config",
     "log_tracker_config",
-    "masked_loss",
     "model_type",
-    "resize_interpolation",
     "single_blocks_to_swap",
-    "skip_cache_check",
-    "skip_latents_validity_check",
     "split_mode",
-    "text_encoder_batch_size",
     "torch_compile",
-    "vae_batch_size",
     "wandb_api_key",
     "wandb_run_name",
 })
