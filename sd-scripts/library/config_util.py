@@ -212,6 +212,9 @@ def _unknown_key_problem(key: str, allowed: dict, where: str, level: str, kinds)
         return f"'{key}' in {where} is a dataset setting: put it in [[datasets]] or [general]"
     if spec.level == _SUBSET_ONLY and level != "subsets":
         return f"'{key}' in {where} belongs in [[datasets.subsets]]"
+    if spec.kinds == {CONTROLNET} and CONTROLNET not in kinds:
+        return (f"'{key}' in {where} (mask images) needs --masked_loss, and then one in every subset of "
+                "its [[datasets]]")
     names = " or ".join(_KIND_LABEL[k] for k in sorted(kinds))
     return f"'{key}' in {where} is not used by {names} datasets"
 
