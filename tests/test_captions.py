@@ -275,9 +275,8 @@ def test_fine_tuning_metadata_captions_with_tags_and_wildcards(tmp_path):
 
 # ----------------------------------------------------------------------------- dataset config schema
 
-UPSTREAM_KEYS = {  # upstream's ConfigSanitizer at 48d368f: key -> (levels, kinds); the keys other parts own
-    # (face_crop_aug_range, resize_interpolation, cache_info, alpha_mask, conditioning_data_dir) are checked
-    # where they are implemented
+UPSTREAM_KEYS = {  # upstream's ConfigSanitizer at 48d368f: key -> (levels, kinds) (what the image keys do is
+    # tested in test_image_pipeline.py; conditioning_data_dir belongs to ControlNet datasets, --masked_loss only)
     **{k: ("gds", "db ft") for k in (
         "num_repeats", "shuffle_caption", "keep_tokens", "keep_tokens_separator", "secondary_separator",
         "caption_separator", "enable_wildcard", "token_warmup_min", "token_warmup_step", "caption_prefix",
@@ -288,8 +287,10 @@ UPSTREAM_KEYS = {  # upstream's ConfigSanitizer at 48d368f: key -> (levels, kind
     **{k: ("gd", "db ft") for k in ("resolution", "batch_size", "enable_bucket", "min_bucket_reso",
                                      "max_bucket_reso", "bucket_reso_steps", "bucket_no_upscale",
                                      "network_multiplier", "validation_split", "validation_seed")},
+    "face_crop_aug_range": ("gds", "db ft"), "resize_interpolation": ("gds", "db ft"), "cache_info": ("gds", "db"),
+    "alpha_mask": ("s", "db ft"), "conditioning_data_dir": ("", ""),
 }
-VALUES = {int: 2, bool: True, str: "x", dict: {"a": 1}, "number": 0.5, "resolution": 64}
+VALUES = {int: 2, bool: True, str: "x", dict: {"a": 1}, "number": 0.5, "resolution": 64, list: [2.0, 3.0]}
 
 
 def _config(tmp_path, kind, general=None, dataset=None, sub=None):

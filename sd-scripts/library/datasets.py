@@ -422,7 +422,7 @@ class ImageDataset(torch.utils.data.Dataset):
             "crop_top_lefts": torch.tensor(crops, dtype=torch.long),
             "target_sizes_hw": torch.tensor(targets, dtype=torch.long),
             "flippeds": flips,
-            "alpha_masks": _stack_masks(masks, [t for t in targets]),
+            "alpha_masks": _stack_masks(masks, targets),
             "loss_weights": torch.tensor(weights, dtype=torch.float32),
             "te_outputs": te_outputs,
             "image_paths": paths,
