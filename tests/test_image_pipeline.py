@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from library import buckets, image_utils
-from library.config_util import add_dataset_arguments, build_dataset_group
+from library.config_util import CONTROLNET, DREAMBOOTH, FINETUNING, add_dataset_arguments, build_dataset_group
 from library.datasets import DatasetError
 
 
@@ -281,7 +281,8 @@ def test_image_keys_in_dataset_config_at_upstreams_levels(tmp_path):
     def load(text, *flags):
         cfg = tmp_path / "d.toml"
         cfg.write_text(text)
-        return build_dataset_group(parse("--dataset_config", cfg, *flags), "sd1")
+        kinds = (DREAMBOOTH, FINETUNING) + ((CONTROLNET,) if "--masked_loss" in flags else ())  # as the trainers
+        return build_dataset_group(parse("--dataset_config", cfg, *flags), "sd1", kinds)
 
     g = load('[general]\nresize_interpolation = "box"\ncache_info = true\nface_crop_aug_range = [2.0, 3.0]\n'
              '[[datasets]]\nresolution = 64\nresize_interpolation = "area"\n'

@@ -558,8 +558,6 @@ def build_dataset_groups(args, family: str, kinds=(DREAMBOOTH, FINETUNING)) -> t
     from library.validation import split_images
 
     family = _normalize_family(family)
-    if getattr(args, "masked_loss", False):  # upstream: subsets with conditioning_data_dir form ControlNet datasets
-        kinds = tuple(kinds) + (CONTROLNET,)
     captions.resolve_caption_extension_alias(args)
     captions.check_caption_args(args, family)
     cli = _cli_layer(args, family)
