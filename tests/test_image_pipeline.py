@@ -251,6 +251,9 @@ def test_face_crop_plan_matches_upstream():
     assert image_utils.face_info_from_name("/x/img_500_400_100_90.png") == (500, 400, 100, 90)
     assert image_utils.face_info_from_name("/x/my_cat_photo.png") == (0, 0, 0, 0)
     assert image_utils.parse_face_crop_aug_range("2.0,4.0", "x") == (2.0, 4.0)
+    from library.metadata import _face_crop_range
+
+    assert str(_face_crop_range("2,4")) == "(2.0, 4.0)"  # ss_face_crop_aug_range as upstream writes it
     assert image_utils.parse_face_crop_aug_range([2, 3.5], "x") == (2.0, 3.5)
     for bad in ("4,2", "2", "a,b", [1, 2, 3]):
         with pytest.raises(DatasetError, match="face_crop_aug_range"):

@@ -265,6 +265,13 @@ def datasets_metadata(group) -> list[dict]:
     return out
 
 
+def _face_crop_range(value):
+    """"2.0,4.0" -> (2.0, 4.0): upstream writes the parsed pair ("(2.0, 4.0)")."""
+    from library.image_utils import parse_face_crop_aug_range
+
+    return parse_face_crop_aug_range(value, "--face_crop_aug_range")
+
+
 def network_metadata(args, *, group, session_id: int, started_at: float, opt_class: str, num_batches: int,
                      num_epochs: int, max_train_steps: int, total_batch_size: int, base_model_version: str,
                      network_dim, text_encoder_lr) -> dict[str, str]:
@@ -313,7 +320,7 @@ def network_metadata(args, *, group, session_id: int, started_at: float, opt_cla
         "ss_caption_dropout_rate": g("caption_dropout_rate", 0.0),
         "ss_caption_dropout_every_n_epochs": g("caption_dropout_every_n_epochs", 0),
         "ss_caption_tag_dropout_rate": g("caption_tag_dropout_rate", 0.0),
-        "ss_face_crop_aug_range": g("face_crop_aug_range", None),
+        "ss_face_crop_aug_range": _face_crop_range(g("face_crop_aug_range", None)),
         "ss_prior_loss_weight": g("prior_loss_weight", 1.0),
         "ss_scale_weight_norms": g("scale_weight_norms", None),
         "ss_fp8_base": bool(g("fp8_base", False)),
