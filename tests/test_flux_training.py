@@ -172,6 +172,20 @@ def test_full_finetune_fused_backward_with_block_swap_equals_without(flux_set, f
     assert any(not torch.equal(plain[k], base[k]) for k in base if k.startswith("double_blocks."))
 
 
+def test_full_finetune_blockwise_fused_optimizers_equal_one_step(flux_set, flux_data, tmp_path, caplog):
+    """--blockwise_fused_optimizers: one optimizer per block, each stepped inside backward once its block's
+    gradients are in; with SGD and no clipping that is exactly one SGD step after backward."""
+    caplog.set_level(logging.INFO)
+    sgd = ["--optimizer_type", "SGD", "--max_grad_norm", "0", "--learning_rate", "1e-2"]
+    plain = read(flux_train.main(full_argv(flux_set, flux_data, tmp_path, "plain", sgd)))[0]
+    blockwise = read(flux_train.main(full_argv(flux_set, flux_data, tmp_path, "blk",
+                                               [*sgd, "--blockwise_fused_optimizers"])))[0]
+    assert "fused optimizer groups: 3 optimizers step during backward" in caplog.text  # rest, 1 double, 1 single
+    base = load_file(flux_set["transformer"])
+    assert all(torch.equal(plain[k], blockwise[k]) for k in plain)
+    assert any(not torch.equal(plain[k], base[k]) for k in base if k.startswith("single_blocks."))
+
+
 @pytest.mark.parametrize("extra, match", [
     (["--blocks_to_swap", "5"], "between 1 and 1"),
     (["--timestep_sampling", "cosine"], "invalid choice"),
