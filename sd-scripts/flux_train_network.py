@@ -49,6 +49,9 @@ class FluxNetworkTrainer(NetworkTrainer):
     def assert_extra_args(self, args) -> None:
         if args.v2 or args.v_parameterization:
             raise ConfigError("--v2 / --v_parameterization are for SD2.x; flux_train_network.py trains FLUX.1")
+        if getattr(args, "network_module", None) == "lycoris.kohya":
+            raise ConfigError("--network_module lycoris.kohya is not supported for FLUX.1 here (LyCORIS targets the "
+                              "BFL block classes, the model here is diffusers'); use networks.lora_flux")
         if getattr(args, "network_module", None) not in (None, "networks.lora_flux"):
             logger.warning("--network_module %s: FLUX LoRA files in kohya's format come from networks.lora_flux",
                            args.network_module)

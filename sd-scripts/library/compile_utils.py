@@ -358,6 +358,34 @@ def _keep_linear_out_of_graph(block: torch.nn.Module) -> int:
     return count
 
 
+def _adapter_kind(layer: torch.nn.Module) -> str | None:
+    """The class of the adapter whose forward replaced this layer's (kohya LoRA, LyCORIS), or None."""
+    forward = layer.__dict__.get("forward")
+    forward = getattr(layer, "_forward_outside_compile", forward)  # block swap keeps the adapter's forward here
+    if forward is None:
+        return None
+    owner = getattr(forward, "__self__", None)
+    if owner is layer:  # the layer's own patched forward (fp8 upcast), no adapter
+        return None
+    if owner is not None:
+        return type(owner).__name__
+    return getattr(forward, "__qualname__", "adapter").split(".")[0]  # a closure (FLUX split LoRA)
+
+
+def adapter_kinds(root: torch.nn.Module) -> dict[str, int]:
+    """Adapter class -> number of layers inside `root` whose forward an adapter replaced."""
+    kinds: dict[str, int] = {}
+    for module in root.modules():
+        kind = _adapter_kind(module)
+        if kind is not None:
+            kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
+
+
+def count_adapters(root: torch.nn.Module) -> int:
+    return sum(adapter_kinds(root).values())
+
+
 def _move_checkpointing_inside(model: torch.nn.Module, names: tuple[str, ...]) -> int:
     """Turn off diffusers' checkpointing of the repeated blocks (their parents' flag); return how many parents had it on."""
     switched = 0
@@ -424,6 +452,14 @@ def compile_model_blocks(
         f"Compiled {len(blocks)} blocks of {model_name} ({', '.join(kinds)})"
         + (", gradient checkpointing inside the compiled region" if gradient_checkpointing else "")
     )
+    adapters: dict[str, int] = {}
+    for block in blocks:
+        for kind, n in adapter_kinds(block).items():
+            adapters[kind] = adapters.get(kind, 0) + n
+    if adapters:
+        # the adapters replaced the layers' forward before compiling, so they are traced into each block's graph
+        logger.info(f"{sum(adapters.values())} adapter layers ({', '.join(sorted(adapters))}) run inside the "
+                    f"compiled blocks")
     return len(blocks)
 
 

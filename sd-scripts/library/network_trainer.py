@@ -130,6 +130,34 @@ def text_encoder_lr(args) -> float | None:
     return value[0] if value else None
 
 
+def import_network_module(name: str):
+    """The --network_module; `lycoris.kohya` goes through networks.lycoris_kohya (sd-scripts' module set and
+    names on our diffusers models; a clear error when the lycoris-lora package is missing)."""
+    from networks import lycoris_kohya
+
+    if name == lycoris_kohya.MODULE_NAME:
+        lycoris_kohya.import_lycoris()
+        return lycoris_kohya
+    return importlib.import_module(name)
+
+
+def save_network_state_dict(network, path: str, dtype, metadata: dict | None, overwrite: bool) -> None:
+    """A network's state_dict (``_orig_mod.`` removed, cast to `dtype`) as .safetensors (metadata + hashes) or
+    torch file, atomically."""
+    from library.compile_utils import strip_orig_mod
+
+    sd = {k: v.detach().to("cpu", dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype)
+          for k, v in strip_orig_mod(network.state_dict()).items()}
+    if os.path.splitext(path)[1] == ".safetensors":
+        md = dict(metadata or {})
+        if md:
+            md["sshs_model_hash"], md["sshs_legacy_hash"] = train_util.model_hashes(sd, md)
+        train_util.save_safetensors_atomic({k: v.contiguous() for k, v in sd.items()}, path, md or None,
+                                           overwrite=overwrite)
+    else:
+        train_util.save_torch_atomic(sd, path, overwrite=overwrite)
+
+
 def parse_network_args(items: list[str] | None) -> dict[str, str]:
     out = {}
     for item in items or []:
@@ -431,10 +459,10 @@ class NetworkTrainer:
         if args.pretrained_model_name_or_path is None:
             raise ConfigError("--pretrained_model_name_or_path is required")
         try:
-            importlib.import_module(args.network_module)
+            import_network_module(args.network_module)
         except ImportError as e:
             raise ConfigError(f"--network_module {args.network_module}: cannot import it ({e})") from e
-        validate = getattr(importlib.import_module(args.network_module), "parse_network_kwargs", None)
+        validate = getattr(import_network_module(args.network_module), "parse_network_kwargs", None)
         if validate is not None:
             validate(parse_network_args(args.network_args))
         if args.sample_prompts and (args.sample_every_n_steps or args.sample_every_n_epochs or args.sample_at_first):
@@ -467,7 +495,7 @@ class NetworkTrainer:
         device = accelerator.device
         unet, vae = components.unet, components.vae
         text_encoders = self.lora_target_text_encoders(components)
-        network_module = importlib.import_module(args.network_module)
+        network_module = import_network_module(args.network_module)
         net_kwargs = parse_network_args(args.network_args)
         if args.dim_from_weights:
             network, _ = network_module.create_network_from_weights(1.0, args.network_weights, vae, text_encoders,
@@ -526,7 +554,7 @@ class NetworkTrainer:
         """--base_weights: merged into the models right after they load (before any caching)."""
         if not getattr(args, "base_weights", None):
             return
-        network_module = importlib.import_module(args.network_module)
+        network_module = import_network_module(args.network_module)
         network_options.merge_base_weights(args, network_module, components.vae,
                                            list(components.text_encoders), components.unet)
 
@@ -949,8 +977,11 @@ class NetworkTrainer:
             md = metadata_util.minimum_network_metadata(md)
         md.update(self.modelspec(args))
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        accelerator.unwrap_model(network).save_weights(path, train_util.save_dtype_for(args), md,
-                                                       overwrite=args.overwrite_output)
+        network = accelerator.unwrap_model(network)
+        if hasattr(network, "lora_state_dict"):
+            network.save_weights(path, train_util.save_dtype_for(args), md, overwrite=args.overwrite_output)
+        else:  # another module's network (LyCORIS): its tensors, written by our atomic writer with both hashes
+            save_network_state_dict(network, path, train_util.save_dtype_for(args), md, args.overwrite_output)
         logger.info("saved %s", path)
 
     def save_state(self, args, accelerator, name: str) -> str:

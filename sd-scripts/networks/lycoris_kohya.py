@@ -1,0 +1,181 @@
+"""`--network_module lycoris.kohya`: LyCORIS (the `lycoris-lora` package, install extra `lycoris`) on our diffusers
+models, with the module set and key names sd-scripts + LyCORIS produce on sd-scripts' own UNets.
+
+LyCORIS names a module `lora_unet_<module path>` / `lora_te[N]_<module path>` after the model it walks. sd-scripts
+hands it its own UNet classes: for SDXL those use SGM paths (`input_blocks_4_1_transformer_blocks_0_attn1_to_q`)
+and have no `conv_in` / `conv_out` / `time_embedding` / `add_embedding` (its embeddings are plain Sequentials),
+and CLIP paths start with `text_model.`. So here, around LyCORIS' own create_network / create_network_from_weights:
+
+- the preset's targets are adjusted to what sd-scripts' UNets have: for SDXL the TimestepEmbedding class and the
+  conv_in/conv_out/time_embedding names are dropped; a layer that a preset reaches both through its class and
+  its name gets one module (LyCORIS 4.1 would stop on the duplicate name); `CrossAttention` (sd-scripts' class)
+  also targets diffusers' `Attention`;
+- module names are translated before the network registers them (SGM names for SDXL, canonical CLIP paths), so
+  the file's keys are sd-scripts' and files made there load here (`--network_weights`, `--dim_from_weights`,
+  `--base_weights`).
+
+Everything else (algos, presets, dora_wd, factor, conv_dim, dropouts, LoRA+, max norm, saving of the tensors) is
+LyCORIS' own. FLUX.1 is not supported with LyCORIS here (diffusers' FLUX blocks are not the BFL classes LyCORIS
+targets): flux_train_network.py refuses it.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import types
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+MODULE_NAME = "lycoris.kohya"
+EXTRA = "lycoris"
+# diffusers UNet layers LyCORIS presets name that sd-scripts' SDXL UNet does not have under these names
+_SDXL_ABSENT = ("conv_in", "conv_out", "time_embedding", "add_embedding")
+
+
+def import_lycoris():
+    """lycoris.kohya, or OptionalPackageError naming the package and the install extra."""
+    try:
+        return importlib.import_module(MODULE_NAME)
+    except ImportError as e:
+        from library.train_util import OptionalPackageError
+
+        raise OptionalPackageError(
+            f"--network_module {MODULE_NAME} needs the Python package 'lycoris-lora', which is not installed "
+            f"(pip install lycoris-lora, or install this project with the '{EXTRA}' extra)") from e
+
+
+def _as_lycoris_text_encoders(text_encoder):
+    """sd-scripts passes one CLIP model for SD1.x/2.x (names lora_te_*) and a list for SDXL (lora_te1_/te2_)."""
+    if isinstance(text_encoder, (list, tuple)):
+        tes = [t for t in text_encoder if t is not None]
+        return tes[0] if len(tes) == 1 else tes
+    return text_encoder
+
+
+def _is_sdxl(text_encoder) -> bool:
+    return isinstance(text_encoder, (list, tuple)) and len([t for t in text_encoder if t is not None]) == 2
+
+
+def kohya_names(text_encoder, unet: nn.Module) -> dict[str, str]:
+    """LyCORIS' name of every module (walking our models) -> the name it has on sd-scripts' models."""
+    from library.model_util import text_encoder_hf_module_names
+    from networks.lora import _kohya_unet_path
+
+    out = {}
+    name_map = None
+    if _is_sdxl(text_encoder):
+        from library.model_util import unet_sgm_module_names
+
+        name_map = unet_sgm_module_names(unet)
+    for path, _ in unet.named_modules():
+        if not path:
+            continue
+        try:
+            kohya = _kohya_unet_path(path, name_map)
+        except KeyError:
+            continue
+        out[f"lora_unet_{path}".replace(".", "_")] = f"lora_unet_{kohya}".replace(".", "_")
+    tes = _as_lycoris_text_encoders(text_encoder)
+    tes = tes if isinstance(tes, list) else [tes]
+    for i, te in enumerate(tes):
+        if te is None:
+            continue
+        prefix = "lora_te" if len(tes) == 1 else f"lora_te{i + 1}"
+        for path, canonical in text_encoder_hf_module_names(te).items():
+            out[f"{prefix}_{path}".replace(".", "_")] = f"{prefix}_{canonical}".replace(".", "_")
+    return out
+
+
+@contextlib.contextmanager
+def _targets_as_sd_scripts(lk, unet: nn.Module, is_sdxl: bool):
+    """Adjusts the class-level targets LyCORIS' apply_preset sets (see the module docstring); restored after."""
+    cls = lk.LycorisNetworkKohya
+    original = cls.__dict__["apply_preset"]
+
+    def apply_preset(klass, preset):
+        original.__func__(klass, preset)
+        modules = list(klass.UNET_TARGET_REPLACE_MODULE)
+        if "CrossAttention" in modules and "Attention" not in modules:
+            modules.append("Attention")
+        if is_sdxl:
+            modules = [m for m in modules if m != "TimestepEmbedding"]
+        names = [n for n in klass.UNET_TARGET_REPLACE_NAME
+                 if not (is_sdxl and n.split(".")[0] in _SDXL_ABSENT)]
+        covered = {path for path, m in unet.named_modules() if type(m).__name__ in modules}
+        names = [n for n in names if not any(n == c or n.startswith(c + ".") for c in covered)]
+        klass.UNET_TARGET_REPLACE_MODULE, klass.UNET_TARGET_REPLACE_NAME = modules, names
+        return klass
+
+    cls.apply_preset = classmethod(apply_preset)
+    try:
+        yield
+    finally:
+        cls.apply_preset = original
+
+
+def _rename_modules(network, names: dict[str, str]) -> None:
+    for lora in network.text_encoder_loras + network.unet_loras:
+        lora.lora_name = names.get(lora.lora_name, lora.lora_name)
+
+
+def _dylora_random_rank_weight(self):
+    """LyCORIS DyLoRA's random-rank weight with the rank drawn as a tensor: blocks below the drawn block b are
+    frozen (detached), block b trains, the rest are masked out, scale alpha / (b + 1) -- the same as LyCORIS'
+    (which slices with a Python `random` int), but with static shapes, so a compiled block keeps one graph
+    instead of breaking at every module."""
+    down = torch.cat(list(self.down_list))
+    up = torch.cat(list(self.up_list), dim=1)
+    b = torch.randint(0, self.block_count, (), device=down.device)
+    block = torch.arange(down.shape[0], device=down.device) // self.block_size
+    below, at = (block < b).to(down.dtype), (block == b).to(down.dtype)
+    dshape = (-1,) + (1,) * (down.dim() - 1)
+    ushape = (1, -1) + (1,) * (up.dim() - 2)
+    down = down.detach() * below.view(dshape) + down * at.view(dshape)
+    up = up.detach() * below.view(ushape).to(up.dtype) + up * at.view(ushape).to(up.dtype)
+    return down, up, self.alpha / (b + 1)
+
+
+def _compile_friendly(network) -> None:
+    for m in network.text_encoder_loras + network.unet_loras:
+        if type(m).__name__ == "DyLoraModule":
+            m.get_random_rank_weight = types.MethodType(_dylora_random_rank_weight, m)
+
+
+def create_network(multiplier, network_dim, network_alpha, vae, text_encoder, unet, neuron_dropout=None, **kwargs):
+    lk = import_lycoris()
+    is_sdxl = _is_sdxl(text_encoder)
+    with _targets_as_sd_scripts(lk, unet, is_sdxl):
+        network = lk.create_network(multiplier, network_dim, network_alpha, vae,
+                                    _as_lycoris_text_encoders(text_encoder), unet, **kwargs)
+    _rename_modules(network, kohya_names(text_encoder, unet))
+    _compile_friendly(network)
+    logger.info("LyCORIS: %d text-encoder and %d UNet modules (%s)", len(network.text_encoder_loras),
+                len(network.unet_loras), ", ".join(sorted({type(m).__name__ for m in network.unet_loras})))
+    return network
+
+
+def create_network_from_weights(multiplier, file, vae, text_encoder, unet, weights_sd=None, for_inference=False,
+                                **kwargs):
+    """A LyCORIS network shaped like the file (sd-scripts' names), made by LyCORIS from the file's tensors."""
+    lk = import_lycoris()
+    from networks.lora import load_lora_state_dict
+
+    if weights_sd is None:
+        weights_sd = load_lora_state_dict(file)
+    names = kohya_names(text_encoder, unet)
+    to_lycoris = {v: k for k, v in names.items()}
+
+    def lyco_key(key):
+        module, _, rest = key.partition(".")
+        return f"{to_lycoris.get(module, module)}.{rest}" if rest else key
+
+    network, _ = lk.create_network_from_weights(multiplier, None, vae, _as_lycoris_text_encoders(text_encoder), unet,
+                                                weights_sd={lyco_key(k): v for k, v in weights_sd.items()},
+                                                for_inference=for_inference, **kwargs)
+    _rename_modules(network, names)
+    _compile_friendly(network)
+    return network, weights_sd

@@ -1,0 +1,182 @@
+"""--network_module lycoris.kohya (lycoris-lora) on the tiny SDXL: sd-scripts' module set and key names (SGM
+UNet names, canonical CLIP names), 2 training steps per algorithm, the file continuing with --network_weights and
+changing the model's output, the adapters inside the compiled blocks without graph breaks, and the clear error
+when the package is missing."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+pytest.importorskip("lycoris")
+
+from networks import lora, lycoris_kohya  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ALGOS = ["locon", "loha", "lokr", "ia3", "dylora", "glora", "diag-oft", "boft", "full"]
+FAST = {"locon", "lokr"}
+
+
+@pytest.fixture(scope="module")
+def sdxl(tiny_sdxl_single_file):
+    from library.model_util import load_sd_components
+
+    return load_sd_components(str(tiny_sdxl_single_file), "sdxl",
+                              tokenizer_cache_dir=str(tiny_sdxl_single_file.parent / "tokenizers"))
+
+
+@pytest.fixture(scope="module")
+def kohya_names(sdxl):
+    """sd-scripts' LoRA names for the same layers (networks.lora with conv_dim keeps upstream's names)."""
+    net = lora.create_network(1.0, 4, 1.0, sdxl.vae, sdxl.text_encoders, sdxl.unet, conv_dim="4")
+    return {m.lora_name for m in net.text_encoder_loras + net.unet_loras}
+
+
+def test_module_set_and_names(sdxl, kohya_names):
+    for kwargs in ({"algo": "locon"}, {"algo": "lokr", "factor": "4", "dora_wd": "True"},
+                   {"algo": "loha", "preset": "attn-mlp"}):
+        net = lycoris_kohya.create_network(1.0, 4, 1.0, sdxl.vae, sdxl.text_encoders, sdxl.unet, **kwargs)
+        names = {m.lora_name for m in net.text_encoder_loras + net.unet_loras}
+        if kwargs.get("preset") == "attn-mlp":  # no ResNet / sampler layers: networks.lora's default targets
+            plain = lora.create_network(1.0, 4, 1.0, sdxl.vae, sdxl.text_encoders, sdxl.unet)
+            assert names == {m.lora_name for m in plain.text_encoder_loras + plain.unet_loras}
+        else:
+            assert names == kohya_names
+    assert "lora_unet_input_blocks_3_1_transformer_blocks_0_attn1_to_q" in names
+    assert "lora_te1_text_model_encoder_layers_0_self_attn_q_proj" in names
+
+
+def _unet_out(comps):
+    from test_lora_network import _unet_input
+
+    x, t, h, kw = _unet_input(comps)
+    with torch.no_grad():
+        return comps.unet(x, t, h, **kw).sample
+
+
+def _argv(model, data, out, name, extra=()):
+    return ["--pretrained_model_name_or_path", str(model), "--tokenizer_cache_dir", str(model.parent / "tokenizers"),
+            "--train_data_dir", str(data), "--output_dir", str(out), "--output_name", name,
+            "--network_module", "lycoris.kohya", "--network_dim", "4", "--network_alpha", "2", "--resolution", "64",
+            "--max_train_steps", "2", "--learning_rate", "1e-2", "--max_data_loader_n_workers", "0", "--seed", "3",
+            "--network_train_unet_only", "--cache_latents", *extra]
+
+
+@pytest.fixture(scope="module")
+def one_image(tmp_path_factory):
+    from library.tiny_models import make_captioned_images
+
+    return make_captioned_images(tmp_path_factory.mktemp("lyco_img"), n=1, size=(64, 64), repeats=1, name="one")
+
+
+@pytest.mark.parametrize("algo", [pytest.param(a, marks=() if a in FAST else pytest.mark.slow) for a in ALGOS])
+def test_algo_trains_saves_and_continues(algo, sdxl, kohya_names, tiny_sdxl_single_file, one_image, tmp_path):
+    import sdxl_train_network
+    from lora_checks import read_lora
+
+    extra = ["algo=" + algo] + (["dora_wd=True"] if algo == "locon" else []) + \
+        (["factor=4", "conv_dim=2"] if algo == "lokr" else [])
+    out = sdxl_train_network.main(_argv(tiny_sdxl_single_file, one_image, tmp_path / "a", algo,
+                                        ["--network_args", *extra, "--network_dropout", "0.1"]))
+    sd, md = read_lora(out)
+    names = {k.split(".")[0] for k in sd}
+    assert names and names <= {n for n in kohya_names if n.startswith("lora_unet_")}
+    assert md["ss_network_module"] == "lycoris.kohya" and f"algo={algo}" not in md.get("ss_network_args", "")
+    assert algo in md["ss_network_args"] and md["sshs_model_hash"] and md["sshs_legacy_hash"]
+
+    # continues: with a vanishing learning rate the result is the file
+    out2 = sdxl_train_network.main(_argv(tiny_sdxl_single_file, one_image, tmp_path / "b", algo + "2",
+                                         ["--network_args", *extra, "--network_weights", out, "--max_train_steps", "1",
+                                          "--learning_rate", "1e-12", "--optimizer_type", "SGDNesterov"]))
+    sd2, _ = read_lora(out2)
+    assert set(sd2) == set(sd)
+    for k in sd:
+        assert torch.allclose(sd2[k].float(), sd[k].float(), atol=1e-6), k
+
+    # and changes the model's output (merged into a copy of the UNet, as --base_weights does)
+    import copy
+
+    comps = copy.copy(sdxl)
+    comps.unet = copy.deepcopy(sdxl.unet)
+    plain = _unet_out(comps)
+    net, weights = lycoris_kohya.create_network_from_weights(1.0, out, comps.vae, comps.text_encoders, comps.unet)
+    assert {m.lora_name for m in net.unet_loras} == names
+    net.merge_to(comps.text_encoders, comps.unet, weights, torch.float32, "cpu")
+    assert not torch.allclose(_unet_out(comps), plain, atol=1e-6)
+
+
+@pytest.mark.parametrize("algo", [pytest.param(a, marks=() if a in {"locon", "dylora"} else pytest.mark.slow)
+                                  for a in ALGOS])
+def test_adapters_inside_compiled_block_without_graph_breaks(algo, sdxl):
+    """Each algorithm's module runs inside a compiled transformer block as part of its graph (backend eager);
+    DyLoRA's random rank is drawn as a tensor for that (networks.lycoris_kohya)."""
+    import copy
+
+    t2d = copy.deepcopy(next(m for m in sdxl.unet.modules() if type(m).__name__ == "Transformer2DModel"))
+    net = lycoris_kohya.create_network(1.0, 4, 1.0, None, None, t2d, algo=algo, preset="attn-mlp")
+    net.apply_to(None, t2d, False, True)
+    block = next(m for m in t2d.modules() if type(m).__name__ == "BasicTransformerBlock")
+    width = block.attn1.to_q.in_features
+    x = torch.randn(1, 16, width)
+    ctx = torch.randn(1, 77, sdxl.unet.config.cross_attention_dim)
+    torch._dynamo.reset()
+    explain = torch._dynamo.explain(block)(x, encoder_hidden_states=ctx)
+    assert explain.graph_break_count == 0, [str(r.reason)[:200] for r in explain.break_reasons[:3]]
+    assert explain.graph_count == 1
+    from library.compile_utils import count_adapters
+
+    assert count_adapters(block) >= 6  # q, k, v, out of both attentions + ff
+
+
+def test_missing_package_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    import builtins
+
+    import sdxl_train_network
+
+    real_import = builtins.__import__
+
+    def no_lycoris(name, *args, **kwargs):
+        if name == "lycoris" or name.startswith("lycoris."):
+            raise ImportError("No module named 'lycoris'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_lycoris)
+    monkeypatch.setattr("importlib.import_module",
+                        lambda name, package=None: no_lycoris(name) if name.startswith("lycoris") else
+                        real_import(name, fromlist=["_"]))
+    with pytest.raises(SystemExit) as e:
+        sdxl_train_network.main(["--pretrained_model_name_or_path", str(tmp_path / "m.safetensors"),
+                                 "--train_data_dir", str(tmp_path), "--output_dir", str(tmp_path / "o"),
+                                 "--network_module", "lycoris.kohya"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "lycoris-lora" in err and "'lycoris' extra" in err
+
+
+def test_flux_refuses_lycoris(tmp_path, capsys):
+    import flux_train_network
+
+    with pytest.raises(SystemExit) as e:
+        flux_train_network.main(["--pretrained_model_name_or_path", str(tmp_path / "m.safetensors"),
+                                 "--train_data_dir", str(tmp_path), "--output_dir", str(tmp_path / "o"),
+                                 "--network_module", "lycoris.kohya"])
+    assert e.value.code == 2 and "lycoris.kohya is not supported for FLUX.1" in capsys.readouterr().err
+
+
+def test_compile_log_counts_adapters(sdxl, caplog):
+    """compile_model_blocks says how many adapter layers run inside the compiled blocks."""
+    import copy
+    from types import SimpleNamespace
+
+    from library import compile_utils
+
+    unet = copy.deepcopy(sdxl.unet)
+    net = lycoris_kohya.create_network(1.0, 4, 1.0, None, sdxl.text_encoders, unet, algo="lokr")
+    net.apply_to(sdxl.text_encoders, unet, False, True)
+    args = SimpleNamespace(compile_backend="eager", compile_mode="default", compile_dynamic="auto",
+                           compile_fullgraph=False)
+    with caplog.at_level(logging.INFO):
+        compile_utils.compile_model_blocks(unet, args, model_name="SDXL UNet")
+    n = sum(1 for m in net.unet_loras if "transformer_blocks" in m.lora_name)
+    assert f"{n} adapter layers (LokrModule) run inside the compiled blocks" in caplog.text
