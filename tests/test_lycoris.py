@@ -95,16 +95,25 @@ def test_algo_trains_saves_and_continues(algo, sdxl, kohya_names, tiny_sdxl_sing
     for k in sd:
         assert torch.allclose(sd2[k].float(), sd[k].float(), atol=1e-6), k
 
-    # and changes the model's output (merged into a copy of the UNet, as --base_weights does)
+    # and changes the model's output: the file loaded into a network with the same arguments
     import copy
 
     comps = copy.copy(sdxl)
     comps.unet = copy.deepcopy(sdxl.unet)
     plain = _unet_out(comps)
-    net, weights = lycoris_kohya.create_network_from_weights(1.0, out, comps.vae, comps.text_encoders, comps.unet)
-    assert {m.lora_name for m in net.unet_loras} == names
-    net.merge_to(comps.text_encoders, comps.unet, weights, torch.float32, "cpu")
+    opts = dict(e.split("=", 1) for e in extra)
+    net = lycoris_kohya.create_network(1.0, 4, 2.0, comps.vae, comps.text_encoders, comps.unet, **opts)
+    net.apply_to(comps.text_encoders, comps.unet, False, True)
+    net.load_weights(out)
+    net.eval()
     assert not torch.allclose(_unet_out(comps), plain, atol=1e-6)
+    if algo in FAST:  # --base_weights' path: made from the file and merged
+        comps.unet = copy.deepcopy(sdxl.unet)
+        merged, weights = lycoris_kohya.create_network_from_weights(1.0, out, comps.vae, comps.text_encoders,
+                                                                    comps.unet)
+        assert {m.lora_name for m in merged.unet_loras} == names
+        merged.merge_to(comps.text_encoders, comps.unet, weights, torch.float32, "cpu")
+        assert not torch.allclose(_unet_out(comps), plain, atol=1e-6)
 
 
 @pytest.mark.parametrize("algo", [pytest.param(a, marks=() if a in {"locon", "dylora"} else pytest.mark.slow)

@@ -267,8 +267,10 @@ class LoRANetwork(nn.Module):
                  unet_name_map: dict[str, str] | None = None, modules_dim: dict[str, int] | None = None,
                  modules_alpha: dict[str, float] | None = None, block_dims: list[int] | None = None,
                  block_alphas: list[float] | None = None, conv_block_dims: list[int] | None = None,
-                 conv_block_alphas: list[float] | None = None, is_sdxl: bool = False):
+                 conv_block_alphas: list[float] | None = None, is_sdxl: bool = False,
+                 module_class: type | None = None):
         super().__init__()
+        module_class = module_class or LoRAModule
         self._set_options(multiplier, lora_dim, alpha, dropout, rank_dropout, module_dropout, conv_lora_dim,
                           conv_alpha)
         self.is_sdxl = is_sdxl
@@ -306,8 +308,8 @@ class LoRANetwork(nn.Module):
                     if dim == 0 or modules_dim is None and (is_linear or is_1x1):
                         skipped.append(lora_name)
                     continue
-                loras.append(LoRAModule(lora_name, child, multiplier, dim, a, dropout, rank_dropout,
-                                        module_dropout))
+                loras.append(module_class(lora_name, child, multiplier, dim, a, dropout, rank_dropout,
+                                          module_dropout))
             return loras
 
         self.text_encoder_loras: list[LoRAModule] = []
@@ -590,8 +592,16 @@ def _training_options(network: LoRANetwork, opts: dict[str, Any], block_lr: list
 def create_network(multiplier: float, network_dim: int | None, network_alpha: float | None, vae, text_encoder,
                    unet, neuron_dropout: float | None = None, **kwargs) -> LoRANetwork:
     """kohya's entry point: `text_encoder` is one model or a list (two for SDXL); kwargs are --network_args."""
+    return build_network(multiplier, network_dim, network_alpha, text_encoder, unet, neuron_dropout,
+                         parse_network_kwargs(kwargs))
+
+
+def build_network(multiplier: float, network_dim: int | None, network_alpha: float | None, text_encoder, unet,
+                  neuron_dropout: float | None, opts: dict[str, Any], network_class: type = None,
+                  module_class: type | None = None) -> LoRANetwork:
+    """create_network with typed options; networks.lora_fa / networks.dylora pass their own classes."""
+    network_class = network_class or LoRANetwork
     text_encoders = list(text_encoder) if isinstance(text_encoder, (list, tuple)) else [text_encoder]
-    opts = parse_network_kwargs(kwargs)
     is_sdxl = _is_sdxl(text_encoder)
     network_dim = network_dim or 4
     network_alpha = 1.0 if network_alpha is None else network_alpha
@@ -606,10 +616,11 @@ def create_network(multiplier: float, network_dim: int | None, network_alpha: fl
         except lora_blocks.BlockArgsError as e:
             raise NetworkArgsError(str(e)) from e
         blocks = dict(block_dims=dims, block_alphas=alphas, conv_block_dims=conv_dims, conv_block_alphas=conv_alphas)
-    network = LoRANetwork(text_encoders, unet, multiplier=multiplier, lora_dim=network_dim, alpha=network_alpha,
-                          dropout=neuron_dropout, rank_dropout=opts.get("rank_dropout"),
-                          module_dropout=opts.get("module_dropout"), conv_lora_dim=conv_dim, conv_alpha=conv_alpha,
-                          unet_name_map=_unet_name_map(unet, text_encoder), is_sdxl=is_sdxl, **blocks)
+    network = network_class(text_encoders, unet, multiplier=multiplier, lora_dim=network_dim, alpha=network_alpha,
+                            dropout=neuron_dropout, rank_dropout=opts.get("rank_dropout"),
+                            module_dropout=opts.get("module_dropout"), conv_lora_dim=conv_dim,
+                            conv_alpha=conv_alpha, unet_name_map=_unet_name_map(unet, text_encoder), is_sdxl=is_sdxl,
+                            module_class=module_class, **blocks)
     _training_options(network, opts, block_lr)
     return network
 
@@ -620,15 +631,23 @@ def create_network_from_weights(multiplier: float, file: str | None, vae, text_e
     """A network shaped like a LoRA file (dims and alphas per module): `--dim_from_weights`, `--base_weights`.
     Unlike sd-scripts (which applies only the block lr weights here), the dropouts and LoRA+ ratios of
     --network_args apply too: they shape training, not the file."""
+    return build_network_from_weights(multiplier, file, text_encoder, unet, weights_sd, neuron_dropout,
+                                      parse_network_kwargs(kwargs))
+
+
+def build_network_from_weights(multiplier: float, file: str | None, text_encoder, unet, weights_sd: dict | None,
+                               neuron_dropout: float | None, opts: dict[str, Any], network_class: type = None,
+                               module_class: type | None = None):
+    network_class = network_class or LoRANetwork
     text_encoders = list(text_encoder) if isinstance(text_encoder, (list, tuple)) else [text_encoder]
     if weights_sd is None:
         weights_sd = load_lora_state_dict(file)
     modules_dim, modules_alpha = dims_from_weights(weights_sd)
-    opts = parse_network_kwargs(kwargs)
     is_sdxl = _is_sdxl(text_encoder)
-    network = LoRANetwork(text_encoders, unet, multiplier=multiplier, modules_dim=modules_dim,
-                          modules_alpha=modules_alpha, dropout=neuron_dropout, rank_dropout=opts.get("rank_dropout"),
-                          module_dropout=opts.get("module_dropout"),
-                          unet_name_map=_unet_name_map(unet, text_encoder), is_sdxl=is_sdxl)
+    network = network_class(text_encoders, unet, multiplier=multiplier, modules_dim=modules_dim,
+                            modules_alpha=modules_alpha, dropout=neuron_dropout,
+                            rank_dropout=opts.get("rank_dropout"), module_dropout=opts.get("module_dropout"),
+                            unet_name_map=_unet_name_map(unet, text_encoder), is_sdxl=is_sdxl,
+                            module_class=module_class)
     _training_options(network, opts, lora_blocks.block_lr_weights(is_sdxl, opts))
     return network, weights_sd
