@@ -46,6 +46,12 @@ def test_every_upstream_option_parses_as_upstream(script, upstream, parsers):
     assert not bad, f"{script}.py differs from upstream:\n" + "\n".join(bad)
 
 
+@pytest.mark.parametrize("script", parity.SCRIPTS)
+def test_help_renders(script, parsers):
+    """--help formats every option's help (a stray '%' in a help text breaks argparse's --help)."""
+    assert "--config_file" in parsers[script].format_help()
+
+
 @needs_upstream
 def test_exception_tables_are_not_stale(upstream, parsers):
     assert gen_parity.table_problems(upstream, parsers) == []
