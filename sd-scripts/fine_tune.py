@@ -31,7 +31,9 @@ class FineTuneTrainer(FullTrainer, NetworkTrainer):
 
 
 def setup_parser() -> argparse.ArgumentParser:
-    return full_trainer.setup_parser(text_encoders=1)
+    parser = full_trainer.setup_parser(text_encoders=1)
+    full_trainer.add_diffusers_xformers_argument(parser)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> str | None:

@@ -21,8 +21,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from flux_train_network import FluxNetworkTrainer  # noqa: E402
-from library import (compile_utils, flux_models, flux_train_utils, full_trainer, masks, optimizers,  # noqa: E402
-                     saving, train_util)
+from library import (compile_utils, flux_models, flux_train_utils, full_trainer, masks,  # noqa: E402
+                     offload_checkpointing, optimizers, safetensors_io, saving, train_util)
 from library.full_trainer import FullTrainer  # noqa: E402
 from library.train_util import ConfigError  # noqa: E402
 
@@ -37,6 +37,10 @@ class FluxTrainer(FullTrainer, FluxNetworkTrainer):
     model_label = "FLUX"
 
     def assert_extra_args(self, args) -> None:
+        map_deprecated_swap_args(args)
+        if args.cpu_offload_checkpointing and not args.gradient_checkpointing:
+            logger.warning("cpu_offload_checkpointing is enabled, so gradient_checkpointing is also enabled")
+            args.gradient_checkpointing = True
         if args.train_text_encoder:
             raise ConfigError("--train_text_encoder: flux_train.py trains the FLUX transformer only (CLIP-L and "
                               "T5-XXL stay frozen); train a CLIP-L LoRA with flux_train_network.py instead")
@@ -44,8 +48,6 @@ class FluxTrainer(FullTrainer, FluxNetworkTrainer):
             # upstream's flux_train.py ignores --save_model_as the same way
             logger.warning("--save_model_as %s: flux_train.py writes a BFL .safetensors single file",
                            args.save_model_as)
-        if args.fp8_base:
-            raise ConfigError("--fp8_base keeps frozen weights in fp8; a full fine-tune trains them: drop it")
         if args.blocks_to_swap and not args.fused_backward_pass:
             raise ConfigError("--blocks_to_swap in a full fine-tune needs --fused_backward_pass (with --optimizer_type "
                               "Adafactor): each weight must be updated while its block is on the GPU")
@@ -139,6 +141,19 @@ class FluxTrainer(FullTrainer, FluxNetworkTrainer):
         return md
 
 
+def map_deprecated_swap_args(args) -> None:
+    """Upstream's deprecated --double_blocks_to_swap / --single_blocks_to_swap, converted as upstream converts
+    them (double + single // 2) when --blocks_to_swap is not given."""
+    if args.blocks_to_swap is not None:
+        return
+    blocks = (args.double_blocks_to_swap or 0) + (args.single_blocks_to_swap or 0) // 2
+    if blocks > 0:
+        logger.warning("double_blocks_to_swap and single_blocks_to_swap are deprecated. Use blocks_to_swap instead.")
+        logger.info(f"double_blocks_to_swap={args.double_blocks_to_swap} and single_blocks_to_swap="
+                    f"{args.single_blocks_to_swap} are converted to blocks_to_swap={blocks}.")
+        args.blocks_to_swap = blocks
+
+
 def setup_parser() -> argparse.ArgumentParser:
     parser = full_trainer.setup_parser(text_encoders=1)
     flux_train_utils.add_flux_arguments(parser)
@@ -153,6 +168,10 @@ def setup_parser() -> argparse.ArgumentParser:
                         help="[deprecated] the same as --skip_cache_check")
     masks.add_masked_loss_arguments(parser)
     compile_utils.add_compile_arguments(parser)
+    safetensors_io.add_mmap_argument(parser)
+    offload_checkpointing.add_cpu_offload_checkpointing_argument(parser)
+    for name in ("double_blocks_to_swap", "single_blocks_to_swap"):
+        parser.add_argument(f"--{name}", type=int, default=None, help="deprecated upstream: use --blocks_to_swap")
     return parser
 
 

@@ -19,7 +19,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from library import compile_utils, flux_models, flux_train_utils, network_trainer  # noqa: E402
+from library import (compile_utils, flux_models, flux_train_utils, network_trainer,  # noqa: E402
+                     offload_checkpointing, safetensors_io)
 from library.network_trainer import NetworkTrainer  # noqa: E402
 from library.train_util import ConfigError  # noqa: E402
 from library import te_cache  # noqa: E402
@@ -56,6 +57,14 @@ class FluxNetworkTrainer(NetworkTrainer):
             logger.warning("--network_module %s: FLUX LoRA files in kohya's format come from networks.lora_flux",
                            args.network_module)
         self.train_t5xxl = _network_arg_true(args, "train_t5xxl")
+        if getattr(args, "split_mode", False):  # upstream's deprecated form, mapped as upstream maps it
+            if args.blocks_to_swap is not None:
+                logger.warning("split_mode is deprecated. Because `--blocks_to_swap` is set, `--split_mode` is ignored.")
+            else:
+                logger.warning("split_mode is deprecated. Please use `--blocks_to_swap` instead. "
+                               "`--blocks_to_swap 18` is automatically set.")
+                args.blocks_to_swap = 18
+        offload_checkpointing.check_args(args, ConfigError)
         flux_train_utils.check_flux_args(args, ConfigError)
         compile_utils.validate_compile_args(args)
 
@@ -64,7 +73,7 @@ class FluxNetworkTrainer(NetworkTrainer):
             c = flux_models.load_flux_components(
                 args.pretrained_model_name_or_path, args.clip_l, args.t5xxl, args.ae, dtype=weight_dtype,
                 te_dtype=weight_dtype, ae_dtype=torch.float32 if args.no_half_vae else weight_dtype,
-                fp8_base=args.fp8_base, tokenizer_cache_dir=args.tokenizer_cache_dir)
+                fp8_base=self.fp8_targets(args)[0], tokenizer_cache_dir=args.tokenizer_cache_dir)
         except flux_models.FluxModelError as e:
             raise ConfigError(str(e)) from e
         self._t5_len = flux_train_utils.t5_max_length(args, c)
@@ -72,6 +81,12 @@ class FluxNetworkTrainer(NetworkTrainer):
                     c.transformer.config.num_layers, c.transformer.config.num_single_layers,
                     c.transformer.inner_dim)
         return c
+
+    def apply_fp8(self, args, components) -> None:
+        from library import precision
+
+        # the loader made the transformer fp8; --fp8_base also CLIP-L and T5-XXL
+        precision.apply_fp8_to_components(self.fp8_targets(args), None, components.text_encoders)
 
     def lora_target_text_encoders(self, components) -> list:
         # T5-XXL only with --network_args train_t5xxl=True (in train mode its dropout would change the outputs)
@@ -118,7 +133,7 @@ class FluxNetworkTrainer(NetworkTrainer):
 
         try:
             self.swapper = flux_train_utils.place_transformer(components.transformer, device, weight_dtype,
-                                                              args.fp8_base, args.blocks_to_swap or 0)
+                                                              self.fp8_targets(args)[0], args.blocks_to_swap or 0)
         except BlockSwapError as e:
             raise ConfigError(str(e)) from e
 
@@ -127,7 +142,8 @@ class FluxNetworkTrainer(NetworkTrainer):
         if args.compile:
             self.compiled_blocks = compile_utils.compile_model_blocks(
                 components.transformer, args, model_name=self.model_label,
-                gradient_checkpointing=args.gradient_checkpointing, disable_linear=(args.blocks_to_swap or 0) > 0)
+                gradient_checkpointing=args.gradient_checkpointing, disable_linear=(args.blocks_to_swap or 0) > 0,
+                offload_checkpointing=offload_checkpointing.enabled(args))
 
     def on_step_start(self, args) -> None:
         compile_utils.mark_step_begin(args)
@@ -163,7 +179,7 @@ class FluxNetworkTrainer(NetworkTrainer):
             "ss_mode_scale": str(args.mode_scale),
             "ss_apply_t5_attn_mask": str(bool(args.apply_t5_attn_mask)),
             "ss_t5xxl_max_token_length": str(self._t5_len),
-            "ss_fp8_base": str(bool(args.fp8_base)),
+            "ss_fp8_base": str(self.fp8_targets(args)[0]),  # upstream: --fp8_base_unet sets fp8_base for FLUX
             "ss_blocks_to_swap": str(args.blocks_to_swap or 0),
         })
         for key in ("ss_v2", "ss_clip_skip", "ss_max_token_length", "ss_vae_name"):
@@ -181,6 +197,9 @@ def setup_parser() -> argparse.ArgumentParser:
     parser = network_trainer.setup_parser()
     flux_train_utils.add_flux_arguments(parser)
     compile_utils.add_compile_arguments(parser)
+    safetensors_io.add_mmap_argument(parser)
+    parser.add_argument("--split_mode", action="store_true",
+                        help="deprecated upstream: same as --blocks_to_swap 18 (ignored when --blocks_to_swap is set)")
     return parser
 
 

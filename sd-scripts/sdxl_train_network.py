@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from library import compile_utils, network_trainer, te_cache  # noqa: E402
+from library import compile_utils, network_trainer, safetensors_io, te_cache  # noqa: E402
 from library.captions import weighted_for  # noqa: E402
 from library.network_trainer import NetworkTrainer, encode_clip  # noqa: E402
 from library.train_util import ConfigError  # noqa: E402
@@ -31,9 +31,6 @@ class SDXLNetworkTrainer(NetworkTrainer):
     conditioning (original size, crop top-left, target size) as added_cond_kwargs, regional compile."""
 
     model_label = "SDXL UNet"
-
-    def __init__(self):
-        self.compiled_blocks = 0
 
     def family_for(self, args) -> str:
         return "sdxl"
@@ -73,13 +70,6 @@ class SDXLNetworkTrainer(NetworkTrainer):
         hidden = te_outputs["encoder_hidden_states"].to(weight_dtype)
         return components.unet(noisy_latents, timesteps, hidden, added_cond_kwargs=added).sample
 
-    def prepare_unet_with_accelerator(self, args, accelerator, components) -> None:
-        compile_utils.setup_compile_environment(args)
-        if args.compile:
-            # compile_utils moves diffusers' checkpointing of these blocks inside the compiled region
-            self.compiled_blocks = compile_utils.compile_model_blocks(
-                components.unet, args, model_name=self.model_label, gradient_checkpointing=args.gradient_checkpointing)
-
     def on_step_start(self, args) -> None:
         compile_utils.mark_step_begin(args)
 
@@ -108,6 +98,7 @@ class SDXLNetworkTrainer(NetworkTrainer):
 def setup_parser() -> argparse.ArgumentParser:
     parser = network_trainer.setup_parser()
     compile_utils.add_compile_arguments(parser)
+    safetensors_io.add_mmap_argument(parser)
     return parser
 
 

@@ -102,6 +102,75 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     return parser
 
 
+# ---------------------------------------------------------------------------------------------- upstream switches
+
+# upstream's --dynamo_backend choices (accelerate's DynamoBackend names), default inductor
+DYNAMO_BACKENDS = ("eager", "aot_eager", "inductor", "aot_ts_nvfuser", "nvprims_nvfuser", "cudagraphs", "ofi",
+                   "fx2trt", "onnxrt", "tensort", "ipex", "tvm")
+
+
+class _DynamoChoices(list):
+    """Lists upstream's choices; also accepts "no" (any case): the kohya_ss GUI writes dynamo_backend = "no" into
+    every run TOML, which upstream's TOML reader passes unchecked and which means "do not compile"."""
+
+    def __contains__(self, value) -> bool:
+        return (isinstance(value, str) and value.lower() == "no") or super().__contains__(value)
+
+
+def add_torch_compile_arguments(parser: argparse.ArgumentParser) -> None:
+    """kohya-ss/sd-scripts' switches: an upstream config that turns compile on gets regional compilation."""
+    parser.add_argument("--torch_compile", action="store_true",
+                        help="upstream's compile switch: regional compilation with --dynamo_backend "
+                             "(same as --compile --compile_backend BACKEND)")
+    parser.add_argument("--dynamo_backend", type=str, default="inductor", choices=_DynamoChoices(DYNAMO_BACKENDS),
+                        help="backend of --torch_compile: inductor, aot_eager, eager or cudagraphs here "
+                             "(no = do not compile)")
+
+
+def _compile_defaults() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(add_help=False)
+    add_compile_arguments(parser)
+    return parser.parse_args([])
+
+
+def apply_torch_compile_alias(args) -> None:
+    """--torch_compile [--dynamo_backend B] -> regional compilation (--compile --compile_backend B), logged.
+
+    Scripts with the compile flags (SDXL, FLUX.1) get them set; the SD1.x/SD2.x scripts, which have none, get
+    the settings in args._torch_compile (compile_args reads them; the run TOML keeps only the upstream switches).
+    Raises CompileConfigError for a backend that torch.compile does not have here."""
+    if not getattr(args, "torch_compile", False):
+        return
+    backend = str(args.dynamo_backend)
+    if backend.lower() == "no":
+        return  # as upstream: compile switched on with no backend compiles nothing
+    if backend not in BACKENDS:
+        raise CompileConfigError(
+            f"--dynamo_backend {backend}: not available with torch {torch.__version__} here; "
+            f"use one of {', '.join(BACKENDS)} (or no)"
+        )
+    target = args if hasattr(args, "compile") else argparse.Namespace(**{**vars(_compile_defaults()), **vars(args)})
+    if target.compile and target.compile_backend != backend:
+        logger.info(f"--torch_compile --dynamo_backend {backend} ignored: --compile --compile_backend "
+                    f"{target.compile_backend} is set")
+        return
+    target.compile = True
+    target.compile_backend = backend
+    if target is not args:
+        validate_compile_args(target)
+        args._torch_compile = target
+    logger.info(f"--torch_compile/--dynamo_backend {backend}: using regional compilation "
+                f"(--compile --compile_backend {backend})")
+
+
+def compile_args(args):
+    """The namespace with the compile settings of a run: args itself when the script has the compile flags, the
+    one --torch_compile made for a script without them, else None."""
+    if hasattr(args, "compile"):
+        return args
+    return getattr(args, "_torch_compile", None)
+
+
 def dynamic_value(args) -> bool | None:
     """--compile_dynamic auto/true/false -> None/True/False for torch.compile."""
     return {"auto": None, "true": True, "false": False}[getattr(args, "compile_dynamic", "auto") or "auto"]
@@ -162,13 +231,8 @@ def validate_compile_args(args) -> None:
     blocks_to_swap = getattr(args, "blocks_to_swap", None) or 0
     if blocks_to_swap > 0:
         if uses_cuda_graphs(args):
-            what = (
-                "--compile_backend cudagraphs"
-                if args.compile_backend == "cudagraphs"
-                else f"--compile_mode {args.compile_mode}"
-            )
             raise CompileConfigError(
-                f"{what} captures CUDA graphs, which cannot follow blocks moving between CPU and GPU "
+                f"{_cuda_graph_flag(args)} captures CUDA graphs, which cannot follow blocks moving between CPU and GPU "
                 f"(--blocks_to_swap {blocks_to_swap}); use --compile_mode default or max-autotune-no-cudagraphs "
                 "with --compile_backend inductor, or --blocks_to_swap 0"
             )
@@ -177,11 +241,17 @@ def validate_compile_args(args) -> None:
                 f"--compile_fullgraph cannot be used with --blocks_to_swap {blocks_to_swap}: block swap keeps the "
                 "Linear layers out of the graph, which splits each block into several graphs; drop --compile_fullgraph"
             )
-    if args.compile_fullgraph and getattr(args, "cpu_offload_checkpointing", False):
+    if getattr(args, "cpu_offload_checkpointing", False) and uses_cuda_graphs(args):
+        # the offloading checkpoint sits outside the compiled blocks and re-runs them in backward
         raise CompileConfigError(
-            "--compile_fullgraph cannot be used with --cpu_offload_checkpointing (it moves activations "
-            "outside the graph); drop one of them"
+            f"--cpu_offload_checkpointing re-runs the compiled blocks in backward, which CUDA graphs "
+            f"({_cuda_graph_flag(args)}) cannot do; use --compile_mode default or max-autotune-no-cudagraphs, "
+            "or drop --cpu_offload_checkpointing"
         )
+
+
+def _cuda_graph_flag(args) -> str:
+    return "--compile_backend cudagraphs" if args.compile_backend == "cudagraphs" else f"--compile_mode {args.compile_mode}"
 
 
 def resolve_cache_dir(args) -> str:
@@ -408,6 +478,7 @@ def compile_model_blocks(
     model_name: str,
     gradient_checkpointing: bool = False,
     disable_linear: bool = False,
+    offload_checkpointing: bool = False,
 ) -> int:
     """Compile the repeated transformer blocks of `model` in place; return the number of compiled blocks.
 
@@ -416,6 +487,8 @@ def compile_model_blocks(
     CUDA graphs overwrites outputs that are still needed; it is switched off for these blocks (and a model that
     already had it on is treated as gradient_checkpointing=True). Call this after enable_gradient_checkpointing.
     disable_linear: keep Linear layers out of the graph (block swap moves their weights between devices).
+    offload_checkpointing: --cpu_offload_checkpointing: the model's own (offloading) checkpoint function stays
+    around each compiled block, which it re-runs in backward; nothing is checkpointed inside.
     """
     names = repeated_block_names(model)
     blocks = find_repeated_blocks(model)
@@ -430,7 +503,9 @@ def compile_model_blocks(
         f"Compiling {model_name} with torch.compile: backend={backend}, mode={mode}, dynamic={dynamic}, fullgraph={fullgraph}"
     )
 
-    if _move_checkpointing_inside(model, names):
+    if offload_checkpointing:
+        gradient_checkpointing = False
+    elif _move_checkpointing_inside(model, names):
         gradient_checkpointing = True
     if disable_linear:
         n_linear = sum(_keep_linear_out_of_graph(b) for b in blocks)
@@ -451,6 +526,7 @@ def compile_model_blocks(
     logger.info(
         f"Compiled {len(blocks)} blocks of {model_name} ({', '.join(kinds)})"
         + (", gradient checkpointing inside the compiled region" if gradient_checkpointing else "")
+        + (", inside checkpoints that keep their inputs in CPU memory" if offload_checkpointing else "")
     )
     adapters: dict[str, int] = {}
     for block in blocks:

@@ -19,12 +19,13 @@ from __future__ import annotations
 import logging
 import os
 import re
-import types
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+
+# the fp8 base mechanism is shared with SD/SDXL (library.precision); its names stay importable from here
+from library.precision import FP8_DTYPE, apply_fp8_base  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,6 @@ HEAD_DIM = 128  # every FLUX.1 checkpoint: width = heads * 128, rope axes 16 + 5
 ROPE_AXES = (16, 56, 56)
 CLIP_L_HUB_ID = "openai/clip-vit-large-patch14"
 T5XXL_HUB_ID = "google/t5-v1_1-xxl"
-FP8_DTYPE = torch.float8_e4m3fn
 _BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 
 
@@ -245,7 +245,7 @@ def diffusers_to_bfl_entries(dsd: dict, dtype: torch.dtype | None = None) -> lis
 
 
 def read_safetensors(path: str | os.PathLike, what: str) -> dict:
-    from safetensors.torch import load_file
+    from library.safetensors_io import load_file
 
     p = Path(path)
     if not p.is_file():
@@ -295,48 +295,6 @@ def _load_assign(model_cls_factory, sd: dict, source: str):
     if still_meta:
         raise FluxModelError(f"{source}: no weights for {', '.join(still_meta[:8])}")
     return model
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# fp8 base
-
-
-class _FP8Linear(torch.autograd.Function):
-    """y = x W^T + b with W stored in fp8 and frozen: backward keeps the fp8 W (not an upcast copy per layer,
-    which would cost as much memory as a bf16 base) and upcasts it again for grad_x."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(weight)
-        return F.linear(x, weight.to(x.dtype), bias)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (weight,) = ctx.saved_tensors
-        return grad @ weight.to(grad.dtype), None, None
-
-
-def _fp8_linear_forward(self, x):
-    # upcast straight to the compute dtype (autocast's when it is on), never to a wider one than needed
-    dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-    bias = None if self.bias is None else self.bias.to(dt)
-    with torch.autocast(x.device.type, enabled=False):
-        return _FP8Linear.apply(x.to(dt), self.weight, bias)
-
-
-def apply_fp8_base(model: torch.nn.Module) -> int:
-    """Store every Linear weight of a frozen model in float8_e4m3fn and upcast it per layer in forward.
-
-    Halves the memory of a bf16 base; LoRA modules wrap the patched forward, so they still see full-precision
-    inputs and outputs. Returns the number of Linear layers converted."""
-    n = 0
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            module.weight.requires_grad_(False)
-            module.weight.data = module.weight.data.to(FP8_DTYPE)
-            module.forward = types.MethodType(_fp8_linear_forward, module)
-            n += 1
-    return n
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from library import flux_models
 logger = logging.getLogger(__name__)
 
 TIMESTEP_SAMPLING = ("sigma", "uniform", "sigmoid", "shift", "flux_shift")
+MODEL_TYPES = ("flux", "chroma")  # upstream's --model_type choices; chroma is refused (check_flux_args)
 MODEL_PREDICTION_TYPES = ("raw", "additive", "sigma_scaled")
 # SD3-paper weighting schemes (upstream's choices): logit_normal / mode change which sigmas --timestep_sampling
 # sigma draws; sigma_sqrt / cosmap weight the loss (with --model_prediction_type sigma_scaled); none / uniform: neither
@@ -49,12 +50,21 @@ def add_flux_arguments(parser) -> None:
     g.add_argument("--blocks_to_swap", type=int, default=None,
                    help="transformer blocks kept off the GPU and swapped in around their forward/backward (saves "
                         "memory; default none)")
-    g.add_argument("--fp8_base", action="store_true", help="keep the frozen FLUX base Linear weights in float8_e4m3fn")
     g.add_argument("--text_encoder_batch_size", type=int, default=None,
                    help="batch size for caching text encoder outputs (default: the training batch size)")
+    g.add_argument("--model_type", type=str, default="flux", choices=MODEL_TYPES,
+                   help="flux (FLUX.1 dev/schnell); chroma is not supported here")
+    g.add_argument("--controlnet_model_name_or_path", type=str, default=None,
+                   help="ignored, as in upstream's LoRA and fine-tune scripts (only its ControlNet trainer reads it)")
 
 
 def check_flux_args(args, error_cls) -> None:
+    if args.model_type == "chroma":
+        raise error_cls("--model_type chroma: Chroma (FLUX.1-schnell derivative without CLIP-L, with its own "
+                        "modulation network) is not supported by these trainers; allowed here: flux")
+    if args.controlnet_model_name_or_path:
+        logger.warning("--controlnet_model_name_or_path is ignored: upstream reads it only in its FLUX ControlNet "
+                       "trainer (flux_train_control_net.py), which this project does not have")
     if args.blocks_to_swap is not None and args.blocks_to_swap < 0:
         raise error_cls(f"--blocks_to_swap must be 0 or more, got {args.blocks_to_swap}")
     if args.t5xxl_max_token_length is not None and not 1 <= args.t5xxl_max_token_length <= 512:

@@ -58,6 +58,12 @@ def add_full_training_arguments(parser: argparse.ArgumentParser, *, text_encoder
     parser.add_argument("--training_comment", type=str, default=None, help="ss_training_comment metadata")
 
 
+def add_diffusers_xformers_argument(parser: argparse.ArgumentParser) -> None:
+    """fine_tune.py / sdxl_train.py."""
+    parser.add_argument("--diffusers_xformers", action="store_true",
+                        help="xformers attention through diffusers in the UNet and the VAE (if installed)")
+
+
 def setup_parser(*, text_encoders: int) -> argparse.ArgumentParser:
     """The flags every full trainer shares; scripts add family flags (e.g. compile) on top."""
     parser = network_trainer.base_parser()
@@ -191,6 +197,9 @@ class FullTrainer:
     fuses_backward = True  # --fused_backward_pass steps each parameter inside backward (register_fused_backward)
 
     # -- family hooks ------------------------------------------------------------------------------------
+    def fp8_targets(self, args) -> tuple[bool, bool]:
+        return False, False  # the weights are trained (check_args warns about --fp8_base)
+
     def trains_text_encoder(self, args) -> bool:
         """Whether the text encoder(s) are trained from the first step: --train_text_encoder (train_db.py:
         unless --stop_text_encoder_training is negative)."""
@@ -217,6 +226,9 @@ class FullTrainer:
     def check_args(self, args) -> None:
         train_util.verify_training_args(args)
         self.check_objective_args(args)
+        if getattr(args, "fp8_base", False):
+            logger.warning("--fp8_base is for LoRA training (a frozen base); a full fine-tune trains the weights, "
+                           "so it is ignored, as upstream does")
         if not args.pretrained_model_name_or_path:
             raise ConfigError("--pretrained_model_name_or_path is required")
         caching_te = args.cache_text_encoder_outputs or args.cache_text_encoder_outputs_to_disk

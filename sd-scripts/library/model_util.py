@@ -138,10 +138,10 @@ def load_state_dict_file(path) -> dict:
         raise ModelLoadError(f"model file not found: {path}")
     suffix = path.suffix.lower()
     if suffix == ".safetensors":
-        from safetensors.torch import load_file
+        from library.safetensors_io import load_file
 
         try:
-            sd = load_file(str(path), device="cpu")
+            sd = load_file(path, device="cpu")
         except Exception as e:  # noqa: BLE001
             raise ModelLoadError(f"{path}: not a readable .safetensors file ({e})") from e
     elif suffix in (".ckpt", ".pt", ".pth", ".bin"):

@@ -94,6 +94,8 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
 
 def base_parser() -> argparse.ArgumentParser:
     """The arguments of every trainer, LoRA and full (models, dataset, training, optimizer, --config_file)."""
+    from library import compile_utils, console_log, precision, trackers
+
     parser = argparse.ArgumentParser(allow_abbrev=False)
     train_util.add_sd_models_arguments(parser)
     config_util.add_dataset_arguments(parser)
@@ -108,16 +110,25 @@ def base_parser() -> argparse.ArgumentParser:
     saving.add_saving_arguments(parser)
     metadata_util.add_metadata_arguments(parser)
     huggingface_util.add_huggingface_arguments(parser)
+    console_log.add_console_log_arguments(parser)
+    trackers.add_tracker_arguments(parser)
+    precision.add_fp8_base_argument(parser)
+    precision.add_fp16_master_argument(parser)
+    compile_utils.add_torch_compile_arguments(parser)
     return parser
 
 
 def setup_parser() -> argparse.ArgumentParser:
     """The arguments every LoRA trainer shares; scripts add family flags (e.g. compile) on top."""
+    from library import offload_checkpointing, precision
+
     parser = base_parser()
     add_network_arguments(parser)
     validation.add_validation_arguments(parser)
     saving.add_initial_step_arguments(parser)
     masks.add_masked_loss_arguments(parser)
+    precision.add_fp8_base_unet_argument(parser)
+    offload_checkpointing.add_cpu_offload_checkpointing_argument(parser)
     return parser
 
 
@@ -360,7 +371,12 @@ class NetworkTrainer:
         return losses.apply_snr_weights(loss, args, timesteps, noise_scheduler, v)
 
     def enable_gradient_checkpointing(self, args, components, train_text_encoder: bool) -> None:
-        components.unet.enable_gradient_checkpointing()
+        from library import offload_checkpointing
+
+        if offload_checkpointing.enabled(args):
+            offload_checkpointing.enable(components.unet)
+        else:
+            components.unet.enable_gradient_checkpointing()
         if train_text_encoder:
             for te in self.lora_target_text_encoders(components):
                 if hasattr(te, "activation_checkpointing_enable"):  # transformers >= 5.x name
@@ -371,21 +387,55 @@ class NetworkTrainer:
     def place_unet(self, args, components, device, weight_dtype) -> None:
         """Puts the frozen UNet on its device and dtype (FLUX: keeps fp8 weights, places only the blocks that
         --blocks_to_swap leaves on the GPU)."""
-        components.unet.to(device, dtype=weight_dtype)
+        from library import precision
+
+        precision.to_device_dtype(components.unet, device, weight_dtype)
+
+    def fp8_targets(self, args) -> tuple[bool, bool]:
+        """(UNet/DiT, text encoders) kept in fp8: --fp8_base / --fp8_base_unet."""
+        from library import precision
+
+        return precision.fp8_targets(args)
+
+    def apply_fp8(self, args, components) -> None:
+        """Right after loading (before the LoRA wraps the Linear layers)."""
+        from library import precision
+
+        precision.apply_fp8_to_components(self.fp8_targets(args), components.unet, components.text_encoders)
 
     def set_attention_backend(self, args, components) -> None:
-        """PyTorch SDPA is diffusers' default; --xformers switches the UNet to xformers when it is installed."""
+        """PyTorch SDPA is diffusers' default; --xformers switches the UNet to xformers when it is installed,
+        --diffusers_xformers (fine_tune.py, sdxl_train.py) the UNet and the VAE."""
         unet = getattr(components, "unet", None)
-        if not args.xformers or unet is None:
-            return
-        try:
-            unet.enable_xformers_memory_efficient_attention()
-            logger.info("xformers attention enabled")
-        except Exception as e:  # noqa: BLE001 - not installed / no CUDA: SDPA still works
-            logger.warning("--xformers: cannot use xformers (%s); using PyTorch scaled-dot-product attention", e)
+        targets = {"--xformers": [unet] if args.xformers else []}
+        if getattr(args, "diffusers_xformers", False):
+            targets["--diffusers_xformers"] = [unet, getattr(components, "vae", None)]
+        for flag, models in targets.items():
+            for model in [m for m in models if m is not None]:
+                try:
+                    model.enable_xformers_memory_efficient_attention()
+                    logger.info("xformers attention enabled in the %s (%s)", type(model).__name__, flag)
+                except Exception as e:  # noqa: BLE001 - not installed / no CUDA: SDPA still works
+                    logger.warning("%s: cannot use xformers (%s); using PyTorch scaled-dot-product attention",
+                                   flag, e)
+                    return
+
+    compiled_blocks = 0
 
     def prepare_unet_with_accelerator(self, args, accelerator, components) -> None:
-        """After accelerator.prepare: the UNet is frozen and on its device (the SDXL trainer compiles here)."""
+        """After accelerator.prepare: the UNet is frozen and on its device. Regional compilation of its repeated
+        blocks with --compile (SDXL) or upstream's --torch_compile (every SD script)."""
+        from library import compile_utils, offload_checkpointing
+
+        cargs = compile_utils.compile_args(args)
+        if cargs is None:
+            return
+        compile_utils.setup_compile_environment(cargs)
+        if cargs.compile:
+            # compile_utils moves diffusers' checkpointing of these blocks inside the compiled region
+            self.compiled_blocks = compile_utils.compile_model_blocks(
+                components.unet, cargs, model_name=self.model_label, gradient_checkpointing=args.gradient_checkpointing,
+                offload_checkpointing=offload_checkpointing.enabled(args))
 
     def keep_training_text_encoder(self, args, global_step: int) -> bool:
         """Asked before each step while a text encoder is trained; False freezes it from this step on
@@ -475,6 +525,16 @@ class NetworkTrainer:
             logger.info("--fused_backward_pass: checked as upstream; a LoRA is stepped after backward as upstream's "
                         "LoRA scripts do (its gradients are small)")
         self.assert_extra_args(args)
+
+    def check_common_options(self, args) -> None:
+        """Logging, tracker, precision, memory and compile-switch options of every trainer, before the
+        script's own checks (which validate the compile settings --torch_compile sets)."""
+        from library import compile_utils, console_log, precision, trackers
+
+        console_log.apply_console_log_args(args)
+        compile_utils.apply_torch_compile_alias(args)
+        trackers.check_tracker_args(args)
+        precision.check_precision_args(args)
 
     def output_ext(self, args) -> str:
         return "." + args.save_model_as
@@ -576,12 +636,13 @@ class NetworkTrainer:
         from accelerate import Accelerator
         from accelerate.utils import ProjectConfiguration
 
-        from library import data_parallel
+        from library import data_parallel, trackers
 
-        log_with = args.log_with or ("tensorboard" if args.logging_dir else None)
+        log_with = trackers.log_with(args)
         logging_dir = None
         if args.logging_dir:
             logging_dir = os.path.join(args.logging_dir, (args.log_prefix or "") + time.strftime("%Y%m%d%H%M%S"))
+        trackers.prepare_wandb(args, logging_dir)
         accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
                                   mixed_precision=args.mixed_precision, log_with=log_with,
                                   project_config=ProjectConfiguration(project_dir=args.output_dir,
@@ -595,11 +656,12 @@ class NetworkTrainer:
 
     def train(self, args) -> str:
         """Runs the training; returns the path of the final result (the LoRA file here)."""
-        from library import data_parallel
+        from library import data_parallel, trackers
 
         train_util.setup_logging()
         if getattr(args, "output_config", False):
             return train_util.write_output_config(args)
+        self.check_common_options(args)
         self.check_args(args)
         args.output_name = args.output_name or self.default_output_name
         ext = self.output_ext(args)
@@ -624,16 +686,20 @@ class NetworkTrainer:
             debug_dataset(group)
             return None
 
-        log_with = args.log_with or ("tensorboard" if args.logging_dir else None)
+        log_with = trackers.log_with(args)
         os.makedirs(args.output_dir, exist_ok=True)
         if accelerator.is_main_process:
             self.write_run_config(args)
         weight_dtype = train_util.weight_dtype_for(args)
         device = accelerator.device
 
-        components = self.load_target_model(args, accelerator, weight_dtype)
+        from library import precision, safetensors_io
+
+        with safetensors_io.mmap_setting(args):
+            components = self.load_target_model(args, accelerator, weight_dtype)
         self.merge_base_weights(args, components, weight_dtype)
         self.components = components
+        self.apply_fp8(args, components)
         self.set_attention_backend(args, components)
         vae = components.vae
         prediction_type = self.prediction_type(args, components)
@@ -654,7 +720,7 @@ class NetworkTrainer:
         caching_te = args.cache_text_encoder_outputs or args.cache_text_encoder_outputs_to_disk
         for te in components.text_encoders:
             te.requires_grad_(False)
-            te.to(device, dtype=weight_dtype)
+            precision.to_device_dtype(te, device, weight_dtype)  # fp8 weights stay fp8
         if caching_te:
             for te in components.text_encoders:
                 te.eval()
@@ -720,9 +786,8 @@ class NetworkTrainer:
         metadata = self.build_metadata(args, group, session_id, training_started_at, opt_class, opt_name,
                                        num_batches, num_epochs, max_train_steps, total_batch)
         metadata.update({k: train_util.metadata_value(v) for k, v in validation.metadata(args, val_group).items()})
-        if accelerator.is_main_process and log_with:
-            accelerator.init_trackers(args.log_tracker_name or self.tracker_name,
-                                      config=_tracker_config(args))
+        if log_with:
+            trackers.init_trackers(accelerator, args, self.tracker_name)
 
         logger.info("running training: %d batches per epoch, %d epochs, %d steps, batch size %d "
                     "(total with accumulation and processes %d)", num_batches, num_epochs, max_train_steps,
@@ -1133,14 +1198,6 @@ def _make_dataloader(group, args):
     # the group itself shuffles per epoch (seeded), so resumed runs see the same order
     return make_dataloader(group, num_workers=args.max_data_loader_n_workers,
                            persistent_workers=args.persistent_data_loader_workers, shuffle=False)
-
-
-def _tracker_config(args) -> dict:
-    out = {}
-    for k, v in vars(args).items():
-        if isinstance(v, (int, float, str, bool)) and not k.startswith("_"):
-            out[k] = v
-    return out
 
 
 def _allow_fp16_grad_unscale(accelerator) -> None:

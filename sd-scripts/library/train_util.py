@@ -18,7 +18,6 @@ import logging
 import math
 import os
 import re
-import sys
 import time
 import tomllib
 from pathlib import Path
@@ -49,8 +48,10 @@ class OutputExistsError(FileExistsError):
 
 
 def setup_logging(level: int = logging.INFO) -> None:
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
+    """The default console log (stdout); `--console_log_*` change it (library.console_log)."""
+    from library import console_log
+
+    console_log.setup_logging(level)
 
 
 # ----------------------------------------------------------------------------------------------------------
