@@ -123,31 +123,36 @@ DIFFERENT: dict[str, Different] = {
     "cache_text_encoder_outputs_to_disk": Different(
         "upstream's SDXL and FLUX file layouts; our files also record the caption and model and are encoded again "
         "when either changes (upstream reuses a file for a changed caption)"),
+    "fp8_base": Different(
+        "LoRA scripts: only the Linear weights are stored in float8 (convolutions, norms, embeddings and T5's wo "
+        "keep the training dtype) and upcast per layer, so it also trains without --mixed_precision (upstream "
+        "asserts fp16/bf16); with --fp8_base the text encoders are fp8 on the CPU too. Full fine-tunes ignore it, "
+        "as upstream does, with a warning"),
+    "fp8_base_unet": Different("as --fp8_base: the UNet/DiT's Linear weights only, upcast per layer"),
+    "cpu_offload_checkpointing": Different(
+        "works for every model here (SD/SDXL UNets too, where upstream's own UNets fail with it): the inputs of "
+        "each checkpointed block are kept in CPU memory; with --compile the compiled blocks run inside the "
+        "offloading checkpoint (the CUDA-graph compile modes are refused)"),
+    "torch_compile": Different(
+        "regional compilation of the repeated transformer blocks (as --compile, logged), not accelerate's "
+        "whole-model torch.compile; the SD1.x/SD2.x scripts get it too"),
+    "dynamo_backend": Different(
+        "'no' is accepted as well (the kohya_ss GUI writes it; upstream's TOML reader lets it through) and means "
+        "no compile; inductor, aot_eager, eager and cudagraphs compile, the other upstream choices are refused "
+        "with a clear error (not available in current torch)"),
+    "console_log_simple": Different(
+        "the default log here is plain text on stdout (time, level, logger: message; upstream: rich on stderr); "
+        "simple = the message alone, as upstream"),
+    "console_log_file": Different("the file gets the default line format (upstream's: the message alone) unless "
+                                  "--console_log_simple"),
+    "model_type": Different("chroma is refused with the reason (not supported here); flux_train.py refuses it "
+                            "too (upstream's ignores --model_type)"),
+    "diffusers_xformers": Different("sdxl_train.py: the UNet too (a diffusers UNet here), not only the VAE"),
 }
 
 # upstream options not at parity yet (missing, or parsed differently until their owner lands them);
 # one name per line, remove it when the option lands
 NOT_YET: frozenset[str] = frozenset({
-    "console_log_file",
-    "console_log_level",
-    "console_log_simple",
-    "controlnet_model_name_or_path",
-    "cpu_offload_checkpointing",
-    "diffusers_xformers",
-    "disable_mmap_load_safetensors",
-    "double_blocks_to_swap",
-    "dynamo_backend",
-    "fp16_master_weights_and_gradients",
-    "fp8_base",
-    "fp8_base_unet",
-    "log_config",
-    "log_tracker_config",
-    "model_type",
-    "single_blocks_to_swap",
-    "split_mode",
-    "torch_compile",
-    "wandb_api_key",
-    "wandb_run_name",
 })
 
 
