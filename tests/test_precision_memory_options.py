@@ -8,7 +8,6 @@ One tiny end-to-end SDXL LoRA run combines them (slow)."""
 from __future__ import annotations
 
 import argparse
-import copy
 import logging
 from pathlib import Path
 
@@ -239,6 +238,7 @@ def test_cpu_offload_checkpointing_keeps_block_inputs_offloaded(monkeypatch):
     assert held and set(held) <= offloaded
 
 
+@pytest.mark.slow
 def test_cpu_offload_checkpointing_around_compiled_blocks():
     from test_compile_utils import _assert_same, _tiny_unet, _unet_step, _with_lora
 
@@ -319,6 +319,17 @@ def test_cpu_offload_checkpointing_frees_gpu_activations():
     # an H100 run of this model: 465 MiB held with checkpointing, 264 MiB with the offload (the rest are the
     # UNet's skip connections and the layers outside the checkpointed blocks)
     assert held_offl < 0.7 * held_plain, (held_offl, held_plain)
+    # the same around inductor-compiled blocks
+    comp = unet()
+    offload_checkpointing.enable(comp)
+    comp.train()
+    cargs = argparse.Namespace(compile=True, compile_backend="inductor", compile_mode="default",
+                               compile_dynamic="false", compile_fullgraph=False)
+    compile_utils.compile_model_blocks(comp, cargs, model_name="UNet", gradient_checkpointing=True,
+                                       offload_checkpointing=True)
+    held_comp, grad_comp = held_after_forward(comp)
+    torch.testing.assert_close(grad_comp, grad_plain, atol=1e-3, rtol=1e-2)
+    assert held_comp < 0.7 * held_plain, (held_comp, held_plain)
 
 
 # ---------------------------------------------------------------------------------------------- xformers
