@@ -12,7 +12,7 @@ import logging
 
 import pytest
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]  # tiny SDXL runs, several seconds each
 
 
 def kohya_ss_sdxl_lora_toml(model, data, out, name) -> str:
