@@ -35,6 +35,7 @@ class FluxTrainer(FullTrainer, FluxNetworkTrainer):
     """The shared full-model loop (library.full_trainer) with the FLUX.1 hooks of the LoRA trainer."""
 
     model_label = "FLUX"
+    bucket_reso_steps_multiple = 16
 
     def assert_extra_args(self, args) -> None:
         map_deprecated_swap_args(args)

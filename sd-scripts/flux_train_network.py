@@ -34,6 +34,7 @@ class FluxNetworkTrainer(NetworkTrainer):
     LoRA on the transformer (and CLIP-L), fp8 base, block swap, regional compile of the double/single blocks."""
 
     model_label = "FLUX"
+    bucket_reso_steps_multiple = 32
     default_output_name = "last"
     flow_matching = True
 

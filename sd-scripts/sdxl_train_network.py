@@ -31,6 +31,7 @@ class SDXLNetworkTrainer(NetworkTrainer):
     conditioning (original size, crop top-left, target size) as added_cond_kwargs, regional compile."""
 
     model_label = "SDXL UNet"
+    bucket_reso_steps_multiple = 32
 
     def family_for(self, args) -> str:
         return "sdxl"

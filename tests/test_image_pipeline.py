@@ -323,3 +323,25 @@ def test_cache_info_writes_and_reads_upstreams_file(tmp_path):
     assert group.datasets[0].images[0].caption == "from the cache"
     group = build_dataset_group(parse("--train_data_dir", tmp_path / "t", "--resolution", "64"), "sd1")
     assert group.datasets[0].images[0].caption == "a cat"
+
+
+def test_bucket_reso_steps_multiple_per_script(tmp_path):
+    import flux_train
+    import flux_train_network
+    import sdxl_train_network
+    from library.network_trainer import NetworkTrainer
+
+    # upstream's verify_bucket_reso_steps: 64 SD1.x/2.x, 32 SDXL and the FLUX LoRA, 16 the FLUX fine-tune
+    assert [t.bucket_reso_steps_multiple for t in (NetworkTrainer, sdxl_train_network.SDXLNetworkTrainer,
+                                                   flux_train_network.FluxNetworkTrainer, flux_train.FluxTrainer)] == [
+        64, 32, 32, 16]
+    gradient_image(tmp_path / "t" / "1_x" / "a.png", (100, 60))
+    group = build_dataset_group(parse("--train_data_dir", tmp_path / "t", "--resolution", "128", "--enable_bucket",
+                                      "--min_bucket_reso", "64", "--max_bucket_reso", "256", "--bucket_reso_steps",
+                                      "32"), "sd1")
+    group.verify_bucket_reso_steps(32)
+    with pytest.raises(DatasetError, match="bucket_reso_steps is 32: this script needs a multiple of 64"):
+        group.verify_bucket_reso_steps(64)
+    group = build_dataset_group(parse("--train_data_dir", tmp_path / "t", "--resolution", "72"), "flux")
+    with pytest.raises(DatasetError, match="multiples of 16"):  # FLUX packs 2x2 latent patches
+        group.verify_bucket_reso_steps(16)

@@ -521,6 +521,19 @@ class DatasetGroup(torch.utils.data.Dataset):
         k = int(np.searchsorted(self._offsets, index, side="right")) - 1
         return self.datasets[k][index - self._offsets[k]]
 
+    def verify_bucket_reso_steps(self, multiple: int) -> None:
+        """Upstream's check before training: with buckets, bucket_reso_steps must be a multiple of the script's
+        (64 for SD1.x/2.x, 32 for SDXL and the FLUX LoRA, 16 for the FLUX fine-tune). FLUX latents are packed in
+        2x2 patches, so its sizes must also be multiples of 16 without buckets."""
+        for d in self.datasets:
+            p = d.params
+            if p.enable_bucket and p.bucket_reso_steps % multiple:
+                raise DatasetError(f"bucket_reso_steps is {p.bucket_reso_steps}: this script needs a multiple of "
+                                   f"{multiple} (as upstream)")
+            if self.family == "flux" and not p.enable_bucket and (p.resolution[0] % 16 or p.resolution[1] % 16):
+                raise DatasetError(f"resolution {p.resolution[0]}x{p.resolution[1]}: FLUX.1 needs sides that are "
+                                   "multiples of 16")
+
     def set_current_epoch(self, epoch: int) -> None:
         """Reshuffles batches for `epoch` (also in persistent DataLoader workers: the value is shared)."""
         self._epoch.value = int(epoch)

@@ -287,6 +287,7 @@ class NetworkTrainer:
     tracker_name = "network_train"
     dataset_kinds = (config_util.DREAMBOOTH, config_util.FINETUNING)  # what --dataset_config may hold
     model_label = "UNet"
+    bucket_reso_steps_multiple = 64  # upstream's verify_bucket_reso_steps per script (SD 64, SDXL 32, FLUX 32/16)
     losses: list[float] = []  # per micro-step loss of the last train() call (tests, benchmarks)
     flow_matching = False  # FLUX: no DDPM schedule, so noise.DDPM_ONLY_OPTIONS and the SNR weights do nothing
     # noise, timesteps and VAE sampling draw from this generator; it is saved with --save_state, so a resumed
@@ -678,6 +679,8 @@ class NetworkTrainer:
         group, val_group = config_util.build_dataset_groups(args, family, kinds)  # upstream: ControlNet subsets
         # (conditioning_data_dir) with --masked_loss
         groups = [g for g in (group, val_group) if g is not None]  # what is cached
+        for g in groups:
+            g.verify_bucket_reso_steps(self.bucket_reso_steps_multiple)
         if len(group) == 0:
             raise TrainingError("the dataset has no batches: no training images found")
         if getattr(args, "debug_dataset", False):
