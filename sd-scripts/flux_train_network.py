@@ -183,8 +183,6 @@ class FluxNetworkTrainer(NetworkTrainer):
             "ss_fp8_base": str(self.fp8_targets(args)[0]),  # upstream: --fp8_base_unet sets fp8_base for FLUX
             "ss_blocks_to_swap": str(args.blocks_to_swap or 0),
         })
-        for key in ("ss_v2", "ss_clip_skip", "ss_max_token_length", "ss_vae_name"):
-            metadata.pop(key, None)
         if self.compiled_blocks:
             metadata["ss_compile_blocks"] = str(self.compiled_blocks)
 

@@ -139,11 +139,14 @@ def test_flux_network_metadata_keys():
     import flux_train_network
 
     args = train_util.parse_args(flux_train_network.setup_parser(), [])
-    md: dict = {}
+    # upstream writes these common keys for FLUX too
+    common = {"ss_v2": "False", "ss_clip_skip": "None", "ss_max_token_length": "None"}
+    md = dict(common)
     trainer = flux_train_network.FluxNetworkTrainer()
     trainer._t5_len = 512
     trainer.update_metadata(md, args)
     assert not [k for k in UPSTREAM_FLUX if k not in md]
+    assert common.items() <= md.items()
 
 
 # ---- modelspec -------------------------------------------------------------------------------------------------
