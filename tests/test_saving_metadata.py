@@ -38,8 +38,8 @@ ss_ip_noise_gamma_random_strength ss_loss_type ss_huber_schedule ss_huber_scale 
 ss_fp8_base_unet ss_validation_seed ss_validation_split ss_max_validation_steps ss_validate_every_n_epochs
 ss_validate_every_n_steps ss_resize_interpolation""".split()
 # --train_data_dir / --in_json (no --dataset_config)
-UPSTREAM_NO_CONFIG = """ss_batch_size_per_device ss_total_batch_size ss_resolution ss_color_aug ss_flip_aug ss_random_crop
-ss_shuffle_caption ss_enable_bucket ss_bucket_no_upscale ss_min_bucket_reso ss_max_bucket_reso ss_keep_tokens
+UPSTREAM_NO_CONFIG = """ss_batch_size_per_device ss_total_batch_size ss_resolution ss_color_aug ss_flip_aug
+ss_random_crop ss_shuffle_caption ss_enable_bucket ss_bucket_no_upscale ss_min_bucket_reso ss_max_bucket_reso ss_keep_tokens
 ss_dataset_dirs ss_reg_dataset_dirs ss_tag_frequency ss_bucket_info""".split()
 UPSTREAM_WITH_CONFIG = ["ss_datasets", "ss_tag_frequency", "ss_dataset_dirs"]
 UPSTREAM_DATASET_FIELDS = {"is_dreambooth", "batch_size_per_device", "num_train_images", "num_reg_images", "resolution",
@@ -310,7 +310,8 @@ def test_streaming_safetensors_writer_round_trip(tmp_path):
         raise RuntimeError("disk full")
 
     with pytest.raises(RuntimeError):
-        saving.save_safetensors_streaming(tmp_path / "t.safetensors", [saving.TensorEntry("x", (1,), torch.float32, boom)])
+        saving.save_safetensors_streaming(tmp_path / "t.safetensors",
+                                          [saving.TensorEntry("x", (1,), torch.float32, boom)])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.safetensors"]  # no partial or temp file left
 
 
