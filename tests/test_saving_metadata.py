@@ -477,6 +477,11 @@ def test_hf_resume_downloads_the_state(tmp_path, monkeypatch):
         huggingface_util.validate_huggingface_args(_hf_args(huggingface_repo_id=None, save_state_to_huggingface=True))
 
 
+def test_hf_token_is_not_written_to_the_run_config(tmp_path):
+    args = _lora_args(None, tmp_path, ["--huggingface_token", "hf_secret", "--huggingface_repo_id", "me/x"])
+    assert "hf_secret" not in train_util.dumps_config(args) and "me/x" in train_util.dumps_config(args)
+
+
 # ---- end to end: one tiny LoRA run --------------------------------------------------------------------------------
 
 

@@ -283,10 +283,12 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
 
 
 def args_to_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The options as TOML-ready values: None left out, paths as text."""
+    """The options as TOML-ready values: None left out, paths as text, secrets (tokens, API keys) left out."""
+    from library.trackers import SENSITIVE_ARGS
+
     out = {}
     for key, value in sorted(vars(args).items()):
-        if key in _NOT_IN_RUN_CONFIG or value is None or key.startswith("_"):
+        if key in _NOT_IN_RUN_CONFIG or key in SENSITIVE_ARGS or value is None or key.startswith("_"):
             continue
         if isinstance(value, os.PathLike):
             value = os.fspath(value)
