@@ -74,3 +74,21 @@ def tiny_dataset_dir(tmp_path_factory):
     from library.tiny_models import make_captioned_images
 
     return make_captioned_images(tmp_path_factory.mktemp("tiny_dataset"), n=4, size=(64, 64), repeats=2, name="demo")
+
+
+def load_tiny_components(path, family):
+    """SD components of a tiny single file made by the fixtures above (its tokenizers beside it)."""
+    from library.model_util import load_sd_components
+
+    return load_sd_components(str(path), family, tokenizer_cache_dir=str(path.parent / "tokenizers"))
+
+
+@pytest.fixture(scope="module")
+def tiny_sd1(tiny_sd1_single_file):
+    """The tiny SD1 model loaded (once per test module: tests that change it restore it)."""
+    return load_tiny_components(tiny_sd1_single_file, "sd1")
+
+
+@pytest.fixture(scope="module")
+def tiny_sdxl(tiny_sdxl_single_file):
+    return load_tiny_components(tiny_sdxl_single_file, "sdxl")

@@ -7,27 +7,12 @@ import re
 
 import pytest
 import torch
+from conftest import load_tiny_components
 
 from networks import lora, lora_blocks
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _load(path, family):
-    from library.model_util import load_sd_components
-
-    return load_sd_components(str(path), family, tokenizer_cache_dir=str(path.parent / "tokenizers"))
-
-
-@pytest.fixture(scope="module")
-def sd1(tiny_sd1_single_file):
-    return _load(tiny_sd1_single_file, "sd1")
-
-
-@pytest.fixture(scope="module")
-def sdxl(tiny_sdxl_single_file):
-    return _load(tiny_sdxl_single_file, "sdxl")
 
 
 # sd-scripts' block numbering, written out from its rules
@@ -79,15 +64,15 @@ def test_lr_weight_curves_and_lists():
         lora.parse_network_kwargs({"down_lr_weight": "sinus"})
 
 
-def test_block_dims_and_block_lr(sd1):
+def test_block_dims_and_block_lr(tiny_sd1):
     n = lora_blocks.num_blocks(False)
     dims = [4] * n
     dims[1] = 2  # down_blocks_0_attentions_0 -> block 1
     with pytest.raises(lora.NetworkArgsError, match="block_dims: 25 values expected"):
-        lora.create_network(1.0, 4, 1.0, sd1.vae, sd1.text_encoders[0], sd1.unet, block_dims="4,4")
+        lora.create_network(1.0, 4, 1.0, tiny_sd1.vae, tiny_sd1.text_encoders[0], tiny_sd1.unet, block_dims="4,4")
     down = ["1"] * 12
     down[4] = "0"  # IN04 = block 4 = down_blocks_1_attentions_0: no LoRA
-    net = lora.create_network(1.0, 4, 1.0, sd1.vae, sd1.text_encoders[0], sd1.unet,
+    net = lora.create_network(1.0, 4, 1.0, tiny_sd1.vae, tiny_sd1.text_encoders[0], tiny_sd1.unet,
                               block_dims=",".join(map(str, dims)), down_lr_weight=",".join(down), mid_lr_weight="0.5")
     by_block = {}
     for m in net.unet_loras:
@@ -101,8 +86,9 @@ def test_block_dims_and_block_lr(sd1):
     assert lrs["unet_block1"] == 1e-3 and "unet_block4" not in lrs
 
 
-def test_loraplus_groups(sdxl):
-    net = lora.create_network(1.0, 4, 1.0, sdxl.vae, sdxl.text_encoders, sdxl.unet, loraplus_lr_ratio="16",
+def test_loraplus_groups(tiny_sdxl):
+    net = lora.create_network(1.0, 4, 1.0, tiny_sdxl.vae, tiny_sdxl.text_encoders, tiny_sdxl.unet,
+                              loraplus_lr_ratio="16",
                               loraplus_text_encoder_lr_ratio="4")
     groups, names = net.prepare_optimizer_params(1e-5, 1e-4, 1e-3)
     assert names == ["textencoder", "textencoder plus", "unet", "unet plus"]
@@ -112,8 +98,8 @@ def test_loraplus_groups(sdxl):
     assert not any(id(p) in up for i in (0, 2) for p in groups[i]["params"])
 
 
-def test_max_norm_regularization(sd1):
-    net = lora.create_network(1.0, 4, 2.0, sd1.vae, sd1.text_encoders[0], sd1.unet, conv_dim="2")
+def test_max_norm_regularization(tiny_sd1):
+    net = lora.create_network(1.0, 4, 2.0, tiny_sd1.vae, tiny_sd1.text_encoders[0], tiny_sd1.unet, conv_dim="2")
     torch.manual_seed(0)
     with torch.no_grad():
         for i, m in enumerate(net.text_encoder_loras + net.unet_loras):
@@ -139,35 +125,36 @@ def test_max_norm_regularization(sd1):
     assert mean == pytest.approx(sum(after) / len(after), rel=1e-4) and top == pytest.approx(max(after), rel=1e-4)
 
 
-def test_merge_to_equals_applied_lora(tmp_path, sd1):
+def test_merge_to_equals_applied_lora(tmp_path, tiny_sd1):
     from test_lora_network import _unet_input
 
-    net = lora.create_network(1.0, 4, 2.0, sd1.vae, sd1.text_encoders[0], sd1.unet, conv_dim="2")
+    net = lora.create_network(1.0, 4, 2.0, tiny_sd1.vae, tiny_sd1.text_encoders[0], tiny_sd1.unet, conv_dim="2")
     path = tmp_path / "base.safetensors"
-    x, t, h, kw = _unet_input(sd1)
+    x, t, h, kw = _unet_input(tiny_sd1)
     with torch.no_grad():
-        plain = sd1.unet(x, t, h, **kw).sample
-    net.apply_to(sd1.text_encoders, sd1.unet, True, True)
+        plain = tiny_sd1.unet(x, t, h, **kw).sample
+    net.apply_to(tiny_sd1.text_encoders, tiny_sd1.unet, True, True)
     with torch.no_grad():
         for p in net.parameters():
             p.normal_(0, 0.05)
     net.save_weights(str(path), None, {})
-    org = {k: v.clone() for k, v in sd1.unet.state_dict().items()}
+    org = {k: v.clone() for k, v in tiny_sd1.unet.state_dict().items()}
     try:
         with torch.no_grad():
             net.set_multiplier(0.5)
-            want = sd1.unet(x, t, h, **kw).sample
+            want = tiny_sd1.unet(x, t, h, **kw).sample
         net.remove_from()
-        merged, sd = lora.create_network_from_weights(0.5, str(path), sd1.vae, sd1.text_encoders[0], sd1.unet,
+        merged, sd = lora.create_network_from_weights(0.5, str(path), tiny_sd1.vae, tiny_sd1.text_encoders[0],
+                                                      tiny_sd1.unet,
                                                       for_inference=True)
-        merged.merge_to(sd1.text_encoders, sd1.unet, sd)
+        merged.merge_to(tiny_sd1.text_encoders, tiny_sd1.unet, sd)
         with torch.no_grad():
-            got = sd1.unet(x, t, h, **kw).sample
+            got = tiny_sd1.unet(x, t, h, **kw).sample
         assert not torch.allclose(want, plain, atol=1e-4)
         assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
     finally:
         net.remove_from()
-        sd1.unet.load_state_dict(org)
+        tiny_sd1.unet.load_state_dict(org)
 
 
 def test_trainer_options(tmp_path, tiny_sd1_single_file, caplog):
@@ -180,7 +167,7 @@ def test_trainer_options(tmp_path, tiny_sd1_single_file, caplog):
     from library.tiny_models import make_captioned_images
     from lora_checks import read_lora
 
-    comps = _load(tiny_sd1_single_file, "sd1")
+    comps = load_tiny_components(tiny_sd1_single_file, "sd1")
     base = lora.create_network(1.0, 2, 2.0, comps.vae, comps.text_encoders[0], comps.unet)
     base.apply_to(comps.text_encoders, comps.unet, True, True)
     with torch.no_grad():

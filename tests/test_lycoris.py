@@ -20,27 +20,20 @@ FAST = {"locon", "lokr"}
 
 
 @pytest.fixture(scope="module")
-def sdxl(tiny_sdxl_single_file):
-    from library.model_util import load_sd_components
-
-    return load_sd_components(str(tiny_sdxl_single_file), "sdxl",
-                              tokenizer_cache_dir=str(tiny_sdxl_single_file.parent / "tokenizers"))
-
-
-@pytest.fixture(scope="module")
-def kohya_names(sdxl):
+def kohya_names(tiny_sdxl):
     """sd-scripts' LoRA names for the same layers (networks.lora with conv_dim keeps upstream's names)."""
-    net = lora.create_network(1.0, 4, 1.0, sdxl.vae, sdxl.text_encoders, sdxl.unet, conv_dim="4")
+    net = lora.create_network(1.0, 4, 1.0, tiny_sdxl.vae, tiny_sdxl.text_encoders, tiny_sdxl.unet, conv_dim="4")
     return {m.lora_name for m in net.text_encoder_loras + net.unet_loras}
 
 
-def test_module_set_and_names(sdxl, kohya_names):
+def test_module_set_and_names(tiny_sdxl, kohya_names):
     for kwargs in ({"algo": "locon"}, {"algo": "lokr", "factor": "4", "dora_wd": "True"},
                    {"algo": "loha", "preset": "attn-mlp"}):
-        net = lycoris_kohya.create_network(1.0, 4, 1.0, sdxl.vae, sdxl.text_encoders, sdxl.unet, **kwargs)
+        net = lycoris_kohya.create_network(1.0, 4, 1.0, tiny_sdxl.vae, tiny_sdxl.text_encoders, tiny_sdxl.unet,
+                                           **kwargs)
         names = {m.lora_name for m in net.text_encoder_loras + net.unet_loras}
         if kwargs.get("preset") == "attn-mlp":  # no ResNet / sampler layers: networks.lora's default targets
-            plain = lora.create_network(1.0, 4, 1.0, sdxl.vae, sdxl.text_encoders, sdxl.unet)
+            plain = lora.create_network(1.0, 4, 1.0, tiny_sdxl.vae, tiny_sdxl.text_encoders, tiny_sdxl.unet)
             assert names == {m.lora_name for m in plain.text_encoder_loras + plain.unet_loras}
         else:
             assert names == kohya_names
@@ -72,7 +65,7 @@ def one_image(tmp_path_factory):
 
 
 @pytest.mark.parametrize("algo", [pytest.param(a, marks=() if a in FAST else pytest.mark.slow) for a in ALGOS])
-def test_algo_trains_saves_and_continues(algo, sdxl, kohya_names, tiny_sdxl_single_file, one_image, tmp_path):
+def test_algo_trains_saves_and_continues(algo, tiny_sdxl, kohya_names, tiny_sdxl_single_file, one_image, tmp_path):
     import sdxl_train_network
     from lora_checks import read_lora
 
@@ -100,8 +93,8 @@ def test_algo_trains_saves_and_continues(algo, sdxl, kohya_names, tiny_sdxl_sing
     # and changes the model's output: the file loaded into a network with the same arguments
     import copy
 
-    comps = copy.copy(sdxl)
-    comps.unet = copy.deepcopy(sdxl.unet)
+    comps = copy.copy(tiny_sdxl)
+    comps.unet = copy.deepcopy(tiny_sdxl.unet)
     plain = _unet_out(comps)
     opts = dict(e.split("=", 1) for e in extra)
     net = lycoris_kohya.create_network(1.0, 4, 2.0, comps.vae, comps.text_encoders, comps.unet, **opts)
@@ -110,7 +103,7 @@ def test_algo_trains_saves_and_continues(algo, sdxl, kohya_names, tiny_sdxl_sing
     net.eval()
     assert not torch.allclose(_unet_out(comps), plain, atol=1e-6)
     if algo in FAST:  # --base_weights' path: made from the file and merged
-        comps.unet = copy.deepcopy(sdxl.unet)
+        comps.unet = copy.deepcopy(tiny_sdxl.unet)
         merged, weights = lycoris_kohya.create_network_from_weights(1.0, out, comps.vae, comps.text_encoders,
                                                                     comps.unet)
         assert {m.lora_name for m in merged.unet_loras} == names
@@ -120,18 +113,18 @@ def test_algo_trains_saves_and_continues(algo, sdxl, kohya_names, tiny_sdxl_sing
 
 @pytest.mark.parametrize("algo", [pytest.param(a, marks=() if a in {"locon", "dylora"} else pytest.mark.slow)
                                   for a in ALGOS])
-def test_adapters_inside_compiled_block_without_graph_breaks(algo, sdxl):
+def test_adapters_inside_compiled_block_without_graph_breaks(algo, tiny_sdxl):
     """Each algorithm's module runs inside a compiled transformer block as part of its graph (backend eager);
     DyLoRA's random rank is drawn as a tensor for that (networks.lycoris_kohya)."""
     import copy
 
-    t2d = copy.deepcopy(next(m for m in sdxl.unet.modules() if type(m).__name__ == "Transformer2DModel"))
+    t2d = copy.deepcopy(next(m for m in tiny_sdxl.unet.modules() if type(m).__name__ == "Transformer2DModel"))
     net = lycoris_kohya.create_network(1.0, 4, 1.0, None, None, t2d, algo=algo, preset="attn-mlp")
     net.apply_to(None, t2d, False, True)
     block = next(m for m in t2d.modules() if type(m).__name__ == "BasicTransformerBlock")
     width = block.attn1.to_q.in_features
     x = torch.randn(1, 16, width)
-    ctx = torch.randn(1, 77, sdxl.unet.config.cross_attention_dim)
+    ctx = torch.randn(1, 77, tiny_sdxl.unet.config.cross_attention_dim)
     torch._dynamo.reset()
     explain = torch._dynamo.explain(block)(x, encoder_hidden_states=ctx)
     assert explain.graph_break_count == 0, [str(r.reason)[:200] for r in explain.break_reasons[:3]]
@@ -175,16 +168,16 @@ def test_flux_refuses_lycoris(tmp_path, capsys):
     assert e.value.code == 2 and "lycoris.kohya is not supported for FLUX.1" in capsys.readouterr().err
 
 
-def test_compile_log_counts_adapters(sdxl, caplog):
+def test_compile_log_counts_adapters(tiny_sdxl, caplog):
     """compile_model_blocks says how many adapter layers run inside the compiled blocks."""
     import copy
     from types import SimpleNamespace
 
     from library import compile_utils
 
-    unet = copy.deepcopy(sdxl.unet)
-    net = lycoris_kohya.create_network(1.0, 4, 1.0, None, sdxl.text_encoders, unet, algo="lokr")
-    net.apply_to(sdxl.text_encoders, unet, False, True)
+    unet = copy.deepcopy(tiny_sdxl.unet)
+    net = lycoris_kohya.create_network(1.0, 4, 1.0, None, tiny_sdxl.text_encoders, unet, algo="lokr")
+    net.apply_to(tiny_sdxl.text_encoders, unet, False, True)
     args = SimpleNamespace(compile_backend="eager", compile_mode="default", compile_dynamic="auto",
                            compile_fullgraph=False)
     with caplog.at_level(logging.INFO):

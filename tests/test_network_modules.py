@@ -15,29 +15,13 @@ from networks import dylora, lora, lora_fa, oft
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _load(path, family):
-    from library.model_util import load_sd_components
-
-    return load_sd_components(str(path), family, tokenizer_cache_dir=str(path.parent / "tokenizers"))
-
-
-@pytest.fixture(scope="module")
-def sd1(tiny_sd1_single_file):
-    return _load(tiny_sd1_single_file, "sd1")
-
-
-@pytest.fixture(scope="module")
-def sdxl(tiny_sdxl_single_file):
-    return _load(tiny_sdxl_single_file, "sdxl")
-
-
-def test_oft_names_shapes_and_rotation(sdxl):
+def test_oft_names_shapes_and_rotation(tiny_sdxl):
     from library.model_util import unet_sgm_module_names
 
-    net = oft.create_network(1.0, 4, 1e-2, None, sdxl.text_encoders, sdxl.unet)
-    sgm = unet_sgm_module_names(sdxl.unet)
+    net = oft.create_network(1.0, 4, 1e-2, None, tiny_sdxl.text_encoders, tiny_sdxl.unet)
+    sgm = unet_sgm_module_names(tiny_sdxl.unet)
     want = {}
-    for path, m in sdxl.unet.named_modules():  # sd-scripts: Linear layers of every attention (CrossAttention)
+    for path, m in tiny_sdxl.unet.named_modules():  # sd-scripts: Linear layers of every attention (CrossAttention)
         if type(m).__name__ == "Attention":
             for child, layer in m.named_modules():
                 if isinstance(layer, nn.Linear):
@@ -46,7 +30,7 @@ def test_oft_names_shapes_and_rotation(sdxl):
     got = {o.oft_name: (o.oft_blocks.shape[0], o.oft_blocks.shape[1]) for o in net.unet_ofts}
     assert got == want and not net.text_encoder_loras
     assert "oft_unet_input_blocks_3_1_transformer_blocks_0_attn1_to_q" in got
-    net.apply_to(sdxl.text_encoders, sdxl.unet, True, True)
+    net.apply_to(tiny_sdxl.text_encoders, tiny_sdxl.unet, True, True)
     assert set(net.state_dict()) == {f"{n}.{k}" for n in want for k in ("oft_blocks", "alpha")}
     net.remove_from()
 
@@ -70,10 +54,11 @@ def test_oft_names_shapes_and_rotation(sdxl):
         assert torch.allclose(r1 @ r1.T, torch.eye(4), atol=1e-5)
 
 
-def test_oft_enable_args(sd1):
-    plain = oft.create_network(1.0, 4, 1e-3, None, sd1.text_encoders[0], sd1.unet)
-    all_linear = oft.create_network(1.0, 4, 1e-3, None, sd1.text_encoders[0], sd1.unet, enable_all_linear="True")
-    conv = oft.create_network(1.0, 4, 1e-3, None, sd1.text_encoders[0], sd1.unet, enable_all_linear="False",
+def test_oft_enable_args(tiny_sd1):
+    plain = oft.create_network(1.0, 4, 1e-3, None, tiny_sd1.text_encoders[0], tiny_sd1.unet)
+    all_linear = oft.create_network(1.0, 4, 1e-3, None, tiny_sd1.text_encoders[0], tiny_sd1.unet,
+                                    enable_all_linear="True")
+    conv = oft.create_network(1.0, 4, 1e-3, None, tiny_sd1.text_encoders[0], tiny_sd1.unet, enable_all_linear="False",
                               enable_conv="True")
     names = {o.oft_name for o in plain.unet_ofts}
     assert names < {o.oft_name for o in all_linear.unet_ofts}
@@ -83,12 +68,12 @@ def test_oft_enable_args(sd1):
         oft.parse_network_kwargs({"enable_conv": "maybe"})
 
 
-def test_dylora_trains_one_rank_unit_and_keeps_lora_math(sd1):
-    net = dylora.create_network(1.0, 8, 4.0, None, sd1.text_encoders[0], sd1.unet, unit="2")
+def test_dylora_trains_one_rank_unit_and_keeps_lora_math(tiny_sd1):
+    net = dylora.create_network(1.0, 8, 4.0, None, tiny_sd1.text_encoders[0], tiny_sd1.unet, unit="2")
     names = {m.lora_name for m in net.text_encoder_loras + net.unet_loras}
-    assert names == {m.lora_name for m in lora.create_network(1.0, 8, 4.0, None, sd1.text_encoders[0],
-                                                              sd1.unet).text_encoder_loras +
-                     lora.create_network(1.0, 8, 4.0, None, sd1.text_encoders[0], sd1.unet).unet_loras}
+    assert names == {m.lora_name for m in lora.create_network(1.0, 8, 4.0, None, tiny_sd1.text_encoders[0],
+                                                              tiny_sd1.unet).text_encoder_loras +
+                     lora.create_network(1.0, 8, 4.0, None, tiny_sd1.text_encoders[0], tiny_sd1.unet).unet_loras}
     layer = nn.Linear(16, 12)
     m = dylora._module_class(2)("lora_unet_x", layer, 1.0, 8, 4.0)
     with torch.no_grad():
@@ -107,14 +92,14 @@ def test_dylora_trains_one_rank_unit_and_keeps_lora_math(sd1):
         want = x @ layer.weight.T + layer.bias + x @ (m.lora_up.weight @ m.lora_down.weight).T * 0.5
         assert torch.allclose(layer(x), want, atol=1e-5)
     with pytest.raises(lora.NetworkArgsError, match="must be a multiple"):
-        dylora.create_network(1.0, 8, 1.0, None, sd1.text_encoders[0], sd1.unet, unit="3")
+        dylora.create_network(1.0, 8, 1.0, None, tiny_sd1.text_encoders[0], tiny_sd1.unet, unit="3")
     with pytest.raises(lora.NetworkArgsError, match="conv_dim equal"):
-        dylora.create_network(1.0, 8, 1.0, None, sd1.text_encoders[0], sd1.unet, conv_dim="4")
+        dylora.create_network(1.0, 8, 1.0, None, tiny_sd1.text_encoders[0], tiny_sd1.unet, conv_dim="4")
 
 
-def test_lora_fa_freezes_down(sd1):
-    net = lora_fa.create_network(1.0, 4, 1.0, None, sd1.text_encoders[0], sd1.unet, loraplus_lr_ratio="2")
-    net.apply_to(sd1.text_encoders, sd1.unet, True, True)
+def test_lora_fa_freezes_down(tiny_sd1):
+    net = lora_fa.create_network(1.0, 4, 1.0, None, tiny_sd1.text_encoders[0], tiny_sd1.unet, loraplus_lr_ratio="2")
+    net.apply_to(tiny_sd1.text_encoders, tiny_sd1.unet, True, True)
     try:
         groups, names = net.prepare_optimizer_params(None, None, 1e-3)
         trained = {id(p) for g in groups for p in g["params"]}
@@ -151,7 +136,7 @@ CASES = [("networks.dylora", ["unit=2"], "lora_unet_", 4.0),
 
 @pytest.mark.parametrize("module, args, prefix, alpha", [
     pytest.param(*c, marks=() if c[0] == "networks.dylora" else pytest.mark.slow) for c in CASES])
-def test_module_trains_saves_and_continues(module, args, prefix, alpha, sd1, tiny_sd1_single_file, one_image,
+def test_module_trains_saves_and_continues(module, args, prefix, alpha, tiny_sd1, tiny_sd1_single_file, one_image,
                                            tmp_path):
     import importlib
 
@@ -185,8 +170,8 @@ def test_module_trains_saves_and_continues(module, args, prefix, alpha, sd1, tin
     sd2, _ = read_lora(path2)
     assert set(sd2) == set(sd) and all(torch.allclose(sd2[k], sd[k], atol=1e-6) for k in sd)
 
-    comps = copy.copy(sd1)
-    comps.unet = copy.deepcopy(sd1.unet)
+    comps = copy.copy(tiny_sd1)
+    comps.unet = copy.deepcopy(tiny_sd1.unet)
     plain = _unet_out(comps)
     mod = importlib.import_module(module)
     net, weights = mod.create_network_from_weights(1.0, path, None, comps.text_encoders[0], comps.unet)

@@ -42,6 +42,19 @@ NETWORK_ARGS = {
 LORAPLUS_ARGS = ("loraplus_lr_ratio", "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio")
 
 
+def arg_bool(value) -> bool:
+    """A boolean --network_args value: True/true/1/yes or False/false/0/no (sd-scripts takes only "True")."""
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no", ""):
+        return False
+    raise ValueError(value)
+
+
+arg_bool.__name__ = "bool (True/False)"
+
+
 class NetworkArgsError(ValueError):
     """A bad `--network_args` entry; the message names it and lists the allowed keys."""
 
@@ -143,7 +156,28 @@ class LoRABase(nn.Module):
             w.data = (w.data.float() + delta[rows].to(w.device)).to(w.dtype)
 
 
-class LoRAModule(LoRABase):
+class WrapsLayer:
+    """apply_to / restore for a module that replaces one layer's forward with its own; the layer is kept in a
+    plain list (not a submodule: the network's state_dict holds only the adapter's weights)."""
+
+    _org: list
+    org_forward = None
+
+    @property
+    def org_module(self) -> nn.Module:
+        return self._org[0]
+
+    def apply_to(self) -> None:
+        self.org_forward = self.org_module.forward
+        self.org_module.forward = self.forward
+
+    def restore(self) -> None:
+        if self.org_forward is not None:
+            self.org_module.forward = self.org_forward
+            self.org_forward = None
+
+
+class LoRAModule(WrapsLayer, LoRABase):
     """out = org(x) + up(down(x)) * multiplier * alpha / dim."""
 
     def __init__(self, lora_name: str, org_module: nn.Module, multiplier: float = 1.0, lora_dim: int = 4,
@@ -161,25 +195,10 @@ class LoRAModule(LoRABase):
         super().__init__(lora_name, lora_down, lora_up, multiplier, lora_dim, alpha, dropout, rank_dropout,
                          module_dropout)
         self.is_conv = isinstance(org_module, nn.Conv2d)
-        # not a submodule: the network's state_dict holds only the LoRA weights
         self._org = [org_module]
-        self.org_forward = None
-
-    @property
-    def org_module(self) -> nn.Module:
-        return self._org[0]
 
     def weight_parts(self) -> list[tuple[nn.Module, slice]]:
         return [(self.org_module, slice(None))]
-
-    def apply_to(self) -> None:
-        self.org_forward = self.org_module.forward
-        self.org_module.forward = self.forward
-
-    def restore(self) -> None:
-        if self.org_forward is not None:
-            self.org_module.forward = self.org_forward
-            self.org_forward = None
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return self.add_lora(self.org_forward(x, *args, **kwargs), x)

@@ -51,20 +51,9 @@ TYPE_DIM_ARGS = (("img_attn_dim", ("img_attn",)), ("txt_attn_dim", ("txt_attn",)
 IN_DIM_FILTERS = ("_img_in", "_time_in", "_vector_in", "_guidance_in", "_txt_in")
 
 
-def _bool(value: str) -> bool:
-    text = str(value).strip().lower()
-    if text in ("true", "1", "yes"):
-        return True
-    if text in ("false", "0", "no", ""):
-        return False
-    raise ValueError(value)
-
-
-_bool.__name__ = "bool (True/False)"
-
 NETWORK_ARGS: dict[str, Any] = {
     "train_blocks": str, "rank_dropout": float, "module_dropout": float, "conv_dim": int, "conv_alpha": float,
-    "split_qkv": _bool, "train_t5xxl": _bool, "verbose": _bool, "in_dims": str,
+    "split_qkv": lora_sd.arg_bool, "train_t5xxl": lora_sd.arg_bool, "verbose": lora_sd.arg_bool, "in_dims": str,
     "train_double_block_indices": str, "train_single_block_indices": str, "network_reg_dims": str,
     "network_reg_lrs": str, "ggpo_sigma": float, "ggpo_beta": float,
     **{name: int for name, _ in TYPE_DIM_ARGS},

@@ -32,20 +32,10 @@ ALL_LINEAR_TARGETS = ("Transformer2DModel",)
 CONV_TARGETS = lora.UNET_CONV_TARGET_MODULES
 
 
-def _bool(value) -> bool:
-    text = str(value).strip().lower()
-    if text in ("true", "1", "yes"):
-        return True
-    if text in ("false", "0", "no", ""):
-        return False
-    raise ValueError(value)
+NETWORK_ARGS = {"enable_all_linear": lora.arg_bool, "enable_conv": lora.arg_bool}
 
 
-_bool.__name__ = "bool (True/False)"
-NETWORK_ARGS = {"enable_all_linear": _bool, "enable_conv": _bool}
-
-
-class OFTModule(nn.Module):
+class OFTModule(lora.WrapsLayer, nn.Module):
     def __init__(self, oft_name: str, org_module: nn.Module, multiplier: float = 1.0, dim: int = 4,
                  alpha: float = 1e-3):
         super().__init__()
@@ -61,20 +51,6 @@ class OFTModule(nn.Module):
         self.register_buffer("eye", torch.eye(self.block_size).expand(dim, -1, -1).clone(), persistent=False)
         self.multiplier = multiplier
         self._org = [org_module]
-        self.org_forward = None
-
-    @property
-    def org_module(self) -> nn.Module:
-        return self._org[0]
-
-    def apply_to(self) -> None:
-        self.org_forward = self.org_module.forward
-        self.org_module.forward = self.forward
-
-    def restore(self) -> None:
-        if self.org_forward is not None:
-            self.org_module.forward = self.org_forward
-            self.org_forward = None
 
     def rotation(self, multiplier: float | None = None) -> torch.Tensor:
         """R per block, moved towards I by the multiplier: multiplier * (R - I) + I."""
