@@ -86,6 +86,18 @@ def skip_if_not_yet(text: str) -> None:
         pytest.skip(f"options the kohya_ss GUI writes that are not accepted yet: {', '.join(waiting)}")
 
 
+@pytest.fixture
+def fresh_accelerate_state():
+    """The file trains in fp16 (the GUI's default mixed precision); accelerate keeps one mixed-precision setting
+    per process, so the test starts and leaves the process without one."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
 def test_kohya_ss_gui_sdxl_lora_toml_trains_two_steps(tmp_path, tiny_sdxl_single_file, tiny_dataset_dir, caplog):
     import sdxl_train_network
     from library import network_trainer, train_util
@@ -108,6 +120,7 @@ def test_kohya_ss_gui_sdxl_lora_toml_trains_two_steps(tmp_path, tiny_sdxl_single
     assert path == str(out / "gui_lora.safetensors")
     sd, md = read_lora(path)
     assert md["ss_steps"] == "2" and md["ss_network_dim"] == "8" and md["ss_lr_scheduler"] == "cosine"
+    assert md["ss_mixed_precision"] == "fp16" and md["ss_text_encoder_lr"] == "0.0001"
     assert any(k.startswith("lora_te1_") for k in sd) and any(k.startswith("lora_te2_") for k in sd)
     assert len(trainer.losses) == 2
     assert "skipped keys of the kohya_ss GUI that are no trainer options" in caplog.text
