@@ -138,3 +138,29 @@ def test_refused_option_exits_2_with_one_line(tmp_path):
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "--deepspeed" in errors[0] and "accelerate launch" in errors[0]
+
+
+# -- config files as the kohya_ss GUI writes them ------------------------------------------------------------
+
+def test_kohya_ss_gui_config_quirks(tmp_path, caplog):
+    import logging
+
+    import sdxl_train_network
+
+    parser = sdxl_train_network.setup_parser()
+    cfg = tmp_path / "gui.toml"
+    cfg.write_text('epoch = 3\nnoise_offset_type = "Original"\nmax_token_length = 75\n'
+                   "persistent_data_loader_workers = 1\ncache_latents = 0\n")
+    with caplog.at_level(logging.INFO, logger="library.train_util"):
+        args = train_util.parse_args(parser, ["--config_file", str(cfg)])
+    assert "skipped keys of the kohya_ss GUI" in caplog.text and "epoch, noise_offset_type" in caplog.text
+    assert not hasattr(args, "epoch") and not hasattr(args, "noise_offset_type")
+    assert args.max_token_length is None  # 75 = the default
+    assert args.persistent_data_loader_workers is True and args.cache_latents is False
+    cfg.write_text("max_token_length = 150\n")
+    assert train_util.parse_args(parser, ["--config_file", str(cfg)]).max_token_length == 150
+    cfg.write_text("epoch = 3\nepochs = 3\npersistent_data_loader_workers = 2\n")  # other keys still stop the run
+    with pytest.raises(train_util.ConfigError) as e:
+        train_util.parse_args(parser, ["--config_file", str(cfg)])
+    assert "2 bad keys" in str(e.value) and "unknown key 'epochs'" in str(e.value)
+    assert "persistent_data_loader_workers = 2 must be true or false" in str(e.value)
