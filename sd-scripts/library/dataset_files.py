@@ -5,7 +5,7 @@ import logging
 import os
 from typing import Optional
 
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +49,3 @@ def read_image_size(path: str) -> tuple[int, int]:
     if w <= 0 or h <= 0:
         raise DatasetError(f"image has no pixels: {path}")
     return (h, w) if orientation in (5, 6, 7, 8) else (w, h)
-
-
-def load_image_rgb(path: str) -> Image.Image:
-    try:
-        with Image.open(path) as img:
-            img = ImageOps.exif_transpose(img)
-            return img.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
-        raise DatasetError(f"cannot read image {path}: {e}") from e
