@@ -54,7 +54,7 @@ class FluxNetworkTrainer(NetworkTrainer):
         if getattr(args, "network_module", None) == "lycoris.kohya":
             raise ConfigError("--network_module lycoris.kohya is not supported for FLUX.1 here (LyCORIS targets the "
                               "BFL block classes, the model here is diffusers'); use networks.lora_flux")
-        if getattr(args, "network_module", None) not in (None, "networks.lora_flux"):
+        if getattr(args, "network_module", None) not in (None, "networks.lora_flux", "networks.oft_flux"):
             logger.warning("--network_module %s: FLUX LoRA files in kohya's format come from networks.lora_flux",
                            args.network_module)
         self.train_t5xxl = _network_arg_true(args, "train_t5xxl")

@@ -513,7 +513,13 @@ class NetworkTrainer:
             import_network_module(args.network_module)
         except ImportError as e:
             raise ConfigError(f"--network_module {args.network_module}: cannot import it ({e})") from e
-        validate = getattr(import_network_module(args.network_module), "parse_network_kwargs", None)
+        module = import_network_module(args.network_module)
+        families = getattr(module, "FAMILIES", None)  # the model families a module is made for, as upstream's
+        if families and self.family_for(args) not in families:
+            raise ConfigError(f"--network_module {args.network_module}: made for {'/'.join(families)} models (as "
+                              f"upstream), this script trains {self.family_for(args)}"
+                              + (f"; use {module.FOR_FLUX}" if self.family_for(args) == "flux" else ""))
+        validate = getattr(module, "parse_network_kwargs", None)
         if validate is not None:
             validate(parse_network_args(args.network_args))
         if args.sample_prompts and (args.sample_every_n_steps or args.sample_every_n_epochs or args.sample_at_first):

@@ -25,6 +25,9 @@ import torch.nn.functional as F
 from networks import lora
 from networks.lora import NetworkArgsError
 
+FAMILIES = ("sd1", "sd2", "sdxl")  # flux_train_network.py refuses it before anything loads
+FOR_FLUX = "networks.lora_flux (upstream has no FLUX.1 DyLoRA)"
+
 NETWORK_ARGS = {"unit": int, "conv_dim": int, "conv_alpha": float,
                 **{k: float for k in lora.LORAPLUS_ARGS}}
 

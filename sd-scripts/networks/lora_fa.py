@@ -14,6 +14,9 @@ from torch import nn
 from networks import lora
 from networks.lora import NETWORK_ARGS, NetworkArgsError  # noqa: F401  (the same network args as networks.lora)
 
+FAMILIES = ("sd1", "sd2", "sdxl")  # flux_train_network.py refuses it before anything loads
+FOR_FLUX = "networks.lora_flux (upstream has no FLUX.1 LoRA-FA)"
+
 
 class LoRAFAModule(lora.LoRAModule):
     def __init__(self, lora_name, org_module, multiplier=1.0, lora_dim=4, alpha=1.0, dropout=None,

@@ -26,6 +26,9 @@ from networks.lora import NetworkArgsError, _kohya_unet_path, _unet_name_map, lo
 
 logger = logging.getLogger(__name__)
 
+FAMILIES = ("sd1", "sd2", "sdxl")  # flux_train_network.py refuses it before anything loads
+FOR_FLUX = "networks.oft_flux"
+
 OFT_PREFIX_UNET = "oft_unet"
 ATTN_TARGETS = ("Attention", "CrossAttention")
 ALL_LINEAR_TARGETS = ("Transformer2DModel",)
