@@ -166,13 +166,19 @@ def parse_network_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return lora.parse_network_kwargs(kwargs, NETWORK_ARGS, "networks.oft")
 
 
-def create_network(multiplier, network_dim, network_alpha, vae, text_encoder, unet, neuron_dropout=None, **kwargs):
-    opts = parse_network_kwargs(kwargs)
+def constraint(network_alpha: float | None) -> float:
+    """--network_alpha as OFT reads it (networks.oft_flux too): 1e-3 when unset, a warning from 1 up."""
     if network_alpha is None:
         logger.info("network_alpha is not set: OFT uses the constraint 1e-3")
-        network_alpha = 1e-3
-    elif network_alpha >= 1:
+        return 1e-3
+    if network_alpha >= 1:
         logger.warning("--network_alpha %s is large for OFT (it is the constraint); consider 1e-3", network_alpha)
+    return network_alpha
+
+
+def create_network(multiplier, network_dim, network_alpha, vae, text_encoder, unet, neuron_dropout=None, **kwargs):
+    opts = parse_network_kwargs(kwargs)
+    network_alpha = constraint(network_alpha)
     return OFTNetwork(unet, multiplier, network_dim or 4, network_alpha, opts.get("enable_all_linear", False),
                       opts.get("enable_conv", False), _unet_name_map(unet, text_encoder))
 

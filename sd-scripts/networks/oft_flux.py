@@ -126,11 +126,7 @@ def parse_network_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def create_network(multiplier, network_dim, network_alpha, ae, text_encoders, flux, neuron_dropout=None, **kwargs):
     opts = parse_network_kwargs(kwargs)
-    if network_alpha is None:
-        logger.info("network_alpha is not set: OFT uses the constraint 1e-3")
-        network_alpha = 1e-3
-    elif network_alpha >= 1:
-        logger.warning("--network_alpha %s is large for OFT (it is the constraint); consider 1e-3", network_alpha)
+    network_alpha = oft.constraint(network_alpha)
     if not hasattr(getattr(flux, "config", None), "num_single_layers"):
         raise NetworkArgsError("networks.oft_flux is for FLUX.1 (flux_train_network.py); use networks.oft for "
                                "SD1.x/SD2.x/SDXL")
