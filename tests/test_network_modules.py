@@ -77,16 +77,32 @@ def test_dylora_trains_one_rank_unit_and_keeps_lora_math(tiny_sd1):
     layer = nn.Linear(16, 12)
     m = dylora._module_class(2)("lora_unet_x", layer, 1.0, 8, 4.0)
     with torch.no_grad():
-        m.lora_up.weight.normal_()
+        for p in m.lora_up.parameters():
+            p.normal_()
     m.apply_to()
     x = torch.randn(5, 16)
     m.train()
-    torch.manual_seed(0)
-    layer(x).sum().backward()
-    rows = (m.lora_down.weight.grad.abs().sum(dim=1) > 0).nonzero().flatten().tolist()
-    assert len(rows) == 2 and rows[0] % 2 == 0 and rows[1] == rows[0] + 1
-    cols = (m.lora_up.weight.grad.abs().sum(dim=0) > 0).nonzero().flatten().tolist()
-    assert cols == rows
+    # upstream: one Parameter per rank; a step trains the drawn `unit` ranks only, the optimizer (AdamW: momentum,
+    # weight decay) leaves the others untouched; the output has every rank, scaled by sqrt(dim / (r + unit))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    drawn = set()
+    for seed in range(6):
+        torch.manual_seed(seed)
+        r = int(torch.randint(0, 8, ()).item())
+        r -= r % 2
+        down0, up0 = m.lora_down.weight.detach().clone(), m.lora_up.weight.detach().clone()
+        torch.manual_seed(seed)
+        y = layer(x)
+        want = x @ layer.weight.T + layer.bias + x @ (up0 @ down0).T * 0.5 * math.sqrt(8 / (r + 2))
+        assert torch.allclose(y, want, atol=1e-5)
+        y.sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        rows = (m.lora_down.weight != down0).any(dim=1).nonzero().flatten().tolist()
+        cols = (m.lora_up.weight != up0).any(dim=0).nonzero().flatten().tolist()
+        assert rows == cols == [r, r + 1], (seed, r, rows, cols)
+        drawn.add(r)
+    assert len(drawn) > 1
     m.eval()  # the file's meaning: plain LoRA, up @ down * alpha / dim
     with torch.no_grad():
         want = x @ layer.weight.T + layer.bias + x @ (m.lora_up.weight @ m.lora_down.weight).T * 0.5
