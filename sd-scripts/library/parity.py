@@ -54,6 +54,13 @@ _NO_DDP = ("accepted and without effect: the trained modules are not wrapped in 
            "averages the gradients instead")
 
 DIFFERENT: dict[str, Different] = {
+    "network_module": Different(
+        "networks.dylora/lora_fa/oft stop on FLUX.1 and networks.oft_flux on SD/SDXL before anything loads "
+        "(upstream's find no target layers of the other architecture); networks.dylora names SDXL's encoders "
+        "lora_te1_/lora_te2_ (upstream names both lora_te_, so its file keeps only the second), draws the rank "
+        "from torch's generator and samples at full rank; networks.oft/oft_flux read enable_all_linear/enable_conv "
+        "as true/false (upstream enables on any value) and oft_flux takes the part sizes from the model (upstream "
+        "hard-codes FLUX.1's)"),
     "ddp_gradient_as_bucket_view": Different(_NO_DDP),
     "ddp_static_graph": Different(_NO_DDP),
     "v_pred_like_loss": Different("train_db.py and fine_tune.py apply it as the other scripts do (upstream parses it "
