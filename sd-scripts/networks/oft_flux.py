@@ -25,7 +25,7 @@ from networks.lora import NetworkArgsError, load_lora_state_dict
 
 logger = logging.getLogger(__name__)
 
-NETWORK_ARGS = {"enable_all_linear": oft._bool}
+NETWORK_ARGS = {"enable_all_linear": lora.arg_bool}
 FAMILIES = ("flux",)  # sd1/sd2/sdxl: networks.oft
 ATTN_PARTS = (".img_attn.", ".txt_attn.")  # upstream's SelfAttention modules (double blocks only)
 
