@@ -279,7 +279,7 @@ def test_existing_output_not_overwritten(tmp_path, tiny_dataset_dir):
 @pytest.mark.parametrize("extra, error, match", [
     (["--cache_text_encoder_outputs"], "ConfigError", "--network_train_unet_only"),
     (["--network_args", "conv_dimm=4"], "NetworkArgsError", "conv_dimm.*allowed: conv_dim"),
-    (["--optimizer_type", "Adam9000"], "ConfigError", "--optimizer_type 'Adam9000' is not supported"),
+    (["--optimizer_type", "Adam9000"], "ConfigError", "--optimizer_type Adam9000 is not supported; allowed: AdamW"),
     (["--lr_scheduler", "cosine_forever"], "ConfigError", "--lr_scheduler 'cosine_forever'"),
     (["--network_weights", "nope.safetensors"], "ConfigError", "--network_weights: file not found"),
     (["--v2"], "ConfigError", "--v2"),

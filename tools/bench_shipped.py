@@ -31,7 +31,7 @@ PROGRESS = re.compile(r"^steps: (\d+)/(\d+) ")
 SUMMARY = re.compile(r"^median step ([\d.]+) ms \(steps (\d+)-(\d+)\)(?:; (.*))?$")
 
 
-def prepare(workdir: Path, images: int, resolution: int, tiny: bool = False) -> None:
+def prepare(workdir: Path, images: int, resolution: int, checkpoint: str | None = None) -> None:
     sys.path.insert(0, str(SD_SCRIPTS))
     import torch
     from accelerate import init_empty_weights
@@ -43,10 +43,9 @@ def prepare(workdir: Path, images: int, resolution: int, tiny: bool = False) -> 
 
     workdir.mkdir(parents=True, exist_ok=True)
     ckpt = workdir / "sdxl.safetensors"
-    if tiny and not ckpt.exists():  # CPU smoke test of this script
-        tiny_path = tiny_models.make_tiny_sd(workdir / "tiny", "sdxl")
-        os.symlink(tiny_path, ckpt)
-        os.symlink(tiny_path.parent / "tokenizers", workdir / "tokenizers")
+    if checkpoint and not ckpt.exists():  # an SDXL single file (tokenizers beside it), e.g. the tests' tiny one
+        os.symlink(Path(checkpoint).resolve(), ckpt)
+        os.symlink(Path(checkpoint).resolve().parent / "tokenizers", workdir / "tokenizers")
     if not ckpt.exists():
         tok_dirs = [tiny_models.make_tiny_tokenizer(workdir / "tokenizers" / "tokenizer"),
                     tiny_models.make_tiny_tokenizer(workdir / "tokenizers" / "tokenizer_2", pad_token="!")]
@@ -138,7 +137,8 @@ def main(argv=None) -> int:
     p.add_argument("--compile_mode", default="reduce-overhead")
     p.add_argument("--scripts_dir", default=str(SD_SCRIPTS), help="the sd-scripts folder to time (default: ours)")
     p.add_argument("--tag", default="main", help="names the run in the output and its compile cache")
-    p.add_argument("--tiny", action="store_true", help="prepare: the tiny SDXL of the tests (CPU smoke test)")
+    p.add_argument("--checkpoint", default=None,
+                   help="prepare: use this SDXL single file (tokenizers/ beside it) instead of a random full-size one")
     p.add_argument("--json_out", default=None)
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []  # more trainer flags, after --
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     args.extra = extra
     workdir = Path(args.workdir).resolve()
     if args.action == "prepare":
-        prepare(workdir, args.images, args.resolution, args.tiny)
+        prepare(workdir, args.images, args.resolution, args.checkpoint)
         return 0
     results = []
     for phase in args.phases.split(","):
