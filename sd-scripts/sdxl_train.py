@@ -58,8 +58,9 @@ def block_index(sgm_name: str) -> int:
     raise ValueError(f"unexpected SDXL UNet parameter {sgm_name}")
 
 
-def block_lr_param_groups(unet, lrs: list[float]) -> list[dict]:
-    """One param group per block with a rate above 0, in block order; the blocks at 0 are frozen.
+def block_lr_param_groups(unet, lrs: list[float]) -> tuple[list[dict], list[str]]:
+    """One param group per block with a rate above 0, in block order, and their names (block<i>, upstream's log
+    names); the blocks at 0 are frozen.
     (Upstream leaves them trainable but outside the optimizer: their gradients are computed, never applied
     nor cleared, and count in the clipping norm; freezing them trains the same blocks without that.)"""
     from library.model_util import unet_sgm_module_names
@@ -69,15 +70,16 @@ def block_lr_param_groups(unet, lrs: list[float]) -> list[dict]:
     for name, param in unet.named_parameters():
         module, _, leaf = name.rpartition(".")
         blocks[block_index(f"{sgm_modules[module]}.{leaf}")].append(param)
-    groups = []
+    groups, names = [], []
     for i, (lr, params) in enumerate(zip(lrs, blocks)):
         if lr == 0:
             for p in params:
                 p.requires_grad_(False)
         elif params:
             groups.append({"params": params, "lr": lr})
+            names.append(f"block{i}")
     logger.info("--block_lr: %d UNet blocks trained, %d frozen", len(groups), lrs.count(0))
-    return groups
+    return groups, names
 
 
 class SDXLTrainer(FullTrainer, SDXLNetworkTrainer):
@@ -94,7 +96,12 @@ class SDXLTrainer(FullTrainer, SDXLNetworkTrainer):
     def setup_trainable(self, args, accelerator, components, weight_dtype, caching_te: bool):
         trainable = super().setup_trainable(args, accelerator, components, weight_dtype, caching_te)
         if args.block_lr:  # the UNet's group (the first) becomes one group per block
-            trainable.param_groups[0:1] = block_lr_param_groups(components.unet, parse_block_lr(args.block_lr))
+            groups, names = block_lr_param_groups(components.unet, parse_block_lr(args.block_lr))
+            trainable.param_groups[0:1] = groups
+            if not self.fused_optimizer_groups(args):  # upstream's lr log names: lr/block<i>, lr/text_encoder<n>
+                trained_tes = [f"text_encoder{i + 1}" for i, te in enumerate(components.text_encoders)
+                               if any(p.requires_grad for p in te.parameters())]
+                trainable.lr_descriptions = names + trained_tes
         return trainable
 
     def text_encoder_lrs(self, args) -> list[float | None]:

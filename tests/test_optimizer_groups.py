@@ -89,7 +89,8 @@ def test_block_lr_groups_on_the_sdxl_unet(sdxl_unet):
     lrs = [float(i + 1) for i in range(23)]
     lrs[5] = lrs[22] = 0.0
     sdxl_unet.requires_grad_(True)
-    groups = sdxl_train.block_lr_param_groups(sdxl_unet, lrs)
+    groups, names = sdxl_train.block_lr_param_groups(sdxl_unet, lrs)
+    assert names == [f"block{int(g['lr']) - 1}" for g in groups]
     by_id = {id(p): g["lr"] for g in groups for p in g["params"]}
     named = dict(sdxl_unet.named_parameters())
     assert by_id[id(named["time_embedding.linear_1.weight"])] == 1.0  # block 0: time/label embeddings
@@ -102,6 +103,28 @@ def test_block_lr_groups_on_the_sdxl_unet(sdxl_unet):
     assert [g["lr"] for g in groups] == sorted(g["lr"] for g in groups) and 6.0 not in [g["lr"] for g in groups]
     mid = [n for n in named if n.startswith("mid_block.")]
     assert {by_id[id(named[n])] for n in mid} <= {11.0, 12.0, 13.0}  # middle_block 0-2 = blocks 10-12
+    sdxl_unet.requires_grad_(False)
+
+
+def test_block_lr_log_names(sdxl_unet, monkeypatch):
+    """lr/block<i> for the trained blocks, then the trained text encoders, as upstream's sdxl_train logs them."""
+    import sdxl_train
+    from library.network_trainer import Trainable
+
+    trainer = sdxl_train.SDXLTrainer()
+    lrs = ["1e-4"] * 23
+    lrs[3] = "0"
+    te1, te2 = torch.nn.Linear(2, 2).requires_grad_(False), torch.nn.Linear(2, 2)
+    comps = types.SimpleNamespace(unet=sdxl_unet, text_encoders=[te1, te2])
+    args = types.SimpleNamespace(block_lr=",".join(lrs), fused_optimizer_groups=None, fused_backward_pass=False)
+    sdxl_unet.requires_grad_(True)
+    monkeypatch.setattr(full_trainer.FullTrainer, "setup_trainable", lambda self, *a: Trainable(
+        models=[sdxl_unet], param_groups=[{"params": list(sdxl_unet.parameters()), "lr": 1.0},
+                                          {"params": list(te2.parameters()), "lr": 1.0}], train_text_encoder=True))
+    trainable = trainer.setup_trainable(args, None, comps, torch.float32, False)
+    names = trainable.lr_descriptions
+    assert names[:2] == ["block0", "block1"] and "block3" not in names and names[-1] == "text_encoder2"
+    assert len(names) == len(trainable.param_groups)
     sdxl_unet.requires_grad_(False)
 
 
