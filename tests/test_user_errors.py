@@ -62,10 +62,25 @@ def test_config_with_several_bad_keys_reports_all_at_once(tmp_path, capsys, monk
     (["--unet_lr", "-1"], ["--unet_lr must be 0 or more"]),
     (["--text_encoder_lr", "0.00001", "-0.00001"], ["--text_encoder_lr must be 0 or more"]),
     (["--output_name", "sub/lora"], ["--output_name 'sub/lora' must be a file name without a folder"]),
+    (["--max_grad_norm", "-1"], ["--max_grad_norm must be 0 (no clipping) or more"]),
 ])
 def test_bad_values_stop_before_any_model_loads(tmp_path, capsys, monkeypatch, tiny_sd1_single_file,
                                                 tiny_dataset_dir, extra, expected):
     _fails(capsys, monkeypatch, _argv(tiny_sd1_single_file, tiny_dataset_dir, tmp_path / "out", *extra), *expected)
+
+
+def test_clip_skip_beyond_the_text_encoder(tmp_path, capsys, tiny_sd1_single_file, tiny_dataset_dir):
+    import train_network
+    from library.model_util import load_sd_components
+
+    layers = load_sd_components(str(tiny_sd1_single_file), "sd1", tokenizer_cache_dir=str(
+        tiny_sd1_single_file.parent / "tokenizers")).text_encoders[0].config.num_hidden_layers
+    with pytest.raises(SystemExit) as e:
+        train_network.main(_argv(tiny_sd1_single_file, tiny_dataset_dir, tmp_path / "out", "--clip_skip",
+                                 str(layers + 1)))
+    assert e.value.code == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+    assert f"--clip_skip {layers + 1}: the text encoder has only {layers} layers" in line
 
 
 def test_output_dir_that_is_a_file(tmp_path, capsys, monkeypatch, tiny_sd1_single_file, tiny_dataset_dir):

@@ -305,9 +305,14 @@ class NetworkTrainer:
     def load_target_model(self, args, accelerator, weight_dtype):
         from library.model_util import load_sd_components
 
-        return load_sd_components(args.pretrained_model_name_or_path, self.family_for(args), vae=args.vae,
-                                  tokenizer_cache_dir=args.tokenizer_cache_dir, dtype=torch.float32,
-                                  v_parameterization=args.v_parameterization)
+        comps = load_sd_components(args.pretrained_model_name_or_path, self.family_for(args), vae=args.vae,
+                                   tokenizer_cache_dir=args.tokenizer_cache_dir, dtype=torch.float32,
+                                   v_parameterization=args.v_parameterization)
+        layers = min(te.config.num_hidden_layers for te in comps.text_encoders)
+        if args.clip_skip is not None and args.clip_skip > layers:
+            raise ConfigError(f"--clip_skip {args.clip_skip}: the text encoder has only {layers} layers "
+                              "(1 = the last layer, 2 = the one before, ...)")
+        return comps
 
     def lora_target_text_encoders(self, components) -> list:
         return list(components.text_encoders)

@@ -355,6 +355,9 @@ def verify_training_args(args: argparse.Namespace) -> None:
     if name and (os.sep in name or "/" in name or (os.altsep and os.altsep in name) or name in (".", "..")):
         raise ConfigError(f"--output_name {name!r} must be a file name without a folder; put the folder in "
                           "--output_dir")
+    if getattr(args, "max_grad_norm", None) is not None and args.max_grad_norm < 0:
+        # a negative norm would flip the gradients' sign in clip_grad_norm_
+        raise ConfigError(f"--max_grad_norm must be 0 (no clipping) or more, got {args.max_grad_norm}")
     for lr_name in LEARNING_RATE_OPTIONS:
         value = getattr(args, lr_name, None)
         values = value if isinstance(value, list) else [value]
