@@ -14,20 +14,14 @@ from networks import lora
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _load(path, family):
-    from library.model_util import load_sd_components
-
-    return load_sd_components(str(path), family, tokenizer_cache_dir=str(path.parent / "tokenizers"))
+@pytest.fixture(scope="module")
+def sdxl(tiny_sdxl):
+    return tiny_sdxl
 
 
 @pytest.fixture(scope="module")
-def sdxl(tiny_sdxl_single_file):
-    return _load(tiny_sdxl_single_file, "sdxl")
-
-
-@pytest.fixture(scope="module")
-def sd1(tiny_sd1_single_file):
-    return _load(tiny_sd1_single_file, "sd1")
+def sd1(tiny_sd1):
+    return tiny_sd1
 
 
 def _expected_unet_targets(unet):

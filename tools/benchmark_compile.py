@@ -96,6 +96,10 @@ def parse_args(argv=None):
     p.add_argument("--attention_only_lora", action="store_true",
                    help="--family sdxl: LoRA on the attention projections only (to_q/to_k/to_v/to_out.0, what "
                         "diffusers' SDXL LoRA script trains), not on every Linear of the Transformer2DModels as kohya")
+    p.add_argument("--network_module", choices=("networks.lora", "lycoris.kohya"), default="networks.lora",
+                   help="--family sdxl: the kohya LoRA or LyCORIS (lycoris-lora, through networks.lycoris_kohya)")
+    p.add_argument("--network_args", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="network args as in the trainers, e.g. algo=lokr factor=8 (LyCORIS)")
     p.add_argument("--lora_impl", choices=("auto", "kohya", "peft"), default="auto",
                    help="auto: the project's networks.lora / networks.lora_flux when present, else peft")
     p.add_argument("--phases", default="eager,compiled", help="comma list of eager, compiled")
@@ -211,9 +215,11 @@ def apply_lora(model, args) -> tuple[str, list[torch.nn.Parameter]]:
     if impl in ("auto", "kohya"):
         try:
             params = _apply_kohya_lora(model, args)
+            if args.network_module == "lycoris.kohya":
+                return "LyCORIS " + " ".join(args.network_args or ["algo=lora"]), params
             return "kohya networks." + ("lora" if args.family == "sdxl" else "lora_flux"), params
         except Exception as e:  # auto: fall back to peft while the project's module is missing or incomplete
-            if impl == "kohya" or args.attention_only_lora:
+            if impl == "kohya" or args.attention_only_lora or args.network_module != "networks.lora":
                 raise
             logger.warning(f"project LoRA module not usable ({type(e).__name__}: {e}); using peft LoRA")
     from peft import LoraConfig, inject_adapter_in_model
@@ -236,10 +242,14 @@ def _apply_kohya_lora(model, args):
     """The project's own LoRA modules (networks/lora.py, networks/lora_flux.py), kohya's create_network API."""
     import importlib
 
-    mod = importlib.import_module("networks.lora" if args.family == "sdxl" else "networks.lora_flux")
+    name = "networks.lora" if args.family == "sdxl" else "networks.lora_flux"
+    if args.network_module == "lycoris.kohya":
+        name = "networks.lycoris_kohya"
+    mod = importlib.import_module(name)
     if not hasattr(mod, "create_network"):
         raise ImportError(f"{mod.__name__} has no create_network yet")
-    network = mod.create_network(1.0, args.rank, args.rank, None, [], model)
+    kwargs = dict(a.split("=", 1) for a in args.network_args)
+    network = mod.create_network(1.0, args.rank, args.rank, None, [], model, **kwargs)
     if args.attention_only_lora:
         network.unet_loras = [lora for lora in network.unet_loras if lora.lora_name.endswith(_ATTENTION_PROJECTIONS)]
     network.apply_to([], model, apply_text_encoder=False, apply_unet=True)

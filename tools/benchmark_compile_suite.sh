@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind docs/BENCHMARKS.md, on one CUDA GPU (dp2: two). Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|fused_final|sdp|sdp_bs4|attn_lora|record|full_sdxl|dp2 [OUTDIR]
+# The runs behind docs/BENCHMARKS.md, on one CUDA GPU (dp2: two). Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|fused_final|sdp|sdp_bs4|attn_lora|lycoris|record|full_sdxl|dp2 [OUTDIR]
 # Each configuration runs in its own process (eager and compiled in that one process) with a fresh compile
 # cache, so "first compiled step" is a cold compile; the warm-start run reuses the SDXL bs1+GC cache.
 set -u
@@ -121,6 +121,16 @@ case "${1:-}" in
     rm -rf "$CACHE_ROOT"
     run sdxl_bs4_gc_attn 150 $C --batch_size 4 --compile_cache_dir "$CACHE_ROOT/attn"
     run sdxl_bs1_gc_attn 150 $C --compile_cache_dir "$CACHE_ROOT/attn"
+    ;;
+  lycoris)  # issue 12: kohya LoRA r32 vs LyCORIS LoCon and LoKr (dim 32, full preset), bs1 and bs4 + GC, compiled
+    C="--family sdxl --compile_mode reduce-overhead --phases compiled --rank 32"
+    rm -rf "$CACHE_ROOT"
+    for B in "1" "4 --gradient_checkpointing"; do
+      N=bs${B%% *}
+      run sdxl_${N}_lora 200 $C --batch_size $B --compile_cache_dir "$CACHE_ROOT/lora_$N"
+      run sdxl_${N}_locon 200 $C --batch_size $B --network_module lycoris.kohya --network_args algo=locon --compile_cache_dir "$CACHE_ROOT/locon_$N"
+      run sdxl_${N}_lokr 200 $C --batch_size $B --network_module lycoris.kohya --network_args algo=lokr factor=8 --compile_cache_dir "$CACHE_ROOT/lokr_$N"
+    done
     ;;
   record)  # session 3: what the 2nd compiled step (CUDA graph recording) spends its time on
     C="--family sdxl --compile_mode reduce-overhead --phases compiled --compile_cache_dir $CACHE_ROOT/record"

@@ -56,8 +56,12 @@ def _as_lycoris_text_encoders(text_encoder):
     return text_encoder
 
 
-def _is_sdxl(text_encoder) -> bool:
-    return isinstance(text_encoder, (list, tuple)) and len([t for t in text_encoder if t is not None]) == 2
+def _is_sdxl(text_encoder, unet: nn.Module | None = None) -> bool:
+    """Two text encoders, or (none passed) a UNet with SDXL's size/crop conditioning."""
+    if isinstance(text_encoder, (list, tuple)) and len([t for t in text_encoder if t is not None]) == 2:
+        return True
+    config = getattr(unet, "config", None)
+    return getattr(config, "addition_embed_type", None) == "text_time"
 
 
 def kohya_names(text_encoder, unet: nn.Module) -> dict[str, str]:
@@ -67,7 +71,7 @@ def kohya_names(text_encoder, unet: nn.Module) -> dict[str, str]:
 
     out = {}
     name_map = None
-    if _is_sdxl(text_encoder):
+    if _is_sdxl(text_encoder, unet):
         from library.model_util import unet_sgm_module_names
 
         name_map = unet_sgm_module_names(unet)
@@ -147,7 +151,7 @@ def _compile_friendly(network) -> None:
 
 def create_network(multiplier, network_dim, network_alpha, vae, text_encoder, unet, neuron_dropout=None, **kwargs):
     lk = import_lycoris()
-    is_sdxl = _is_sdxl(text_encoder)
+    is_sdxl = _is_sdxl(text_encoder, unet)
     with _targets_as_sd_scripts(lk, unet, is_sdxl):
         network = lk.create_network(multiplier, network_dim, network_alpha, vae,
                                     _as_lycoris_text_encoders(text_encoder), unet, **kwargs)
