@@ -82,13 +82,12 @@ def test_algo_trains_saves_and_continues(algo, tiny_sdxl, kohya_names, tiny_sdxl
     # continues: with a vanishing learning rate the result is the file
     out2 = sdxl_train_network.main(_argv(tiny_sdxl_single_file, one_image, tmp_path / "b", algo + "2",
                                          ["--network_args", *extra, "--network_weights", out, "--max_train_steps", "1",
-                                          "--learning_rate", "1e-12", "--optimizer_type", "SGDNesterov"]))
+                                          "--learning_rate", "1e-12", "--optimizer_type", "SGDNesterov",
+                                          "--seed", "4"]))  # another seed: a file that did not load shows
     sd2, _ = read_lora(out2)
     assert set(sd2) == set(sd)
-    # LyCORIS' DyLoRA comes back ~1e-4 off after a reload + 1 step (not explained yet: see the report)
-    atol = 1e-3 if algo == "dylora" else 1e-6
     for k in sd:
-        assert torch.allclose(sd2[k].float(), sd[k].float(), atol=atol), k
+        assert torch.allclose(sd2[k].float(), sd[k].float(), atol=1e-6), k
 
     # and changes the model's output: the file loaded into a network with the same arguments
     import copy

@@ -14,6 +14,10 @@ and CLIP paths start with `text_model.`. So here, around LyCORIS' own create_net
   the file's keys are sd-scripts' and files made there load here (`--network_weights`, `--dim_from_weights`,
   `--base_weights`).
 
+- DyLoRA: the random rank is drawn as a tensor (one graph in a compiled block), and its files load back
+  (LyCORIS 4.1 saves lora_down/lora_up but loads only its per-block lists); `load_weights` warns about keys that
+  do not fit instead of dropping them silently.
+
 Everything else (algos, presets, dora_wd, factor, conv_dim, dropouts, LoRA+, max norm, saving of the tensors) is
 LyCORIS' own. FLUX.1 is not supported with LyCORIS here (diffusers' FLUX blocks are not the BFL classes LyCORIS
 targets): flux_train_network.py refuses it.
@@ -149,6 +153,37 @@ def _compile_friendly(network) -> None:
             m.get_random_rank_weight = types.MethodType(_dylora_random_rank_weight, m)
 
 
+def _dylora_file_to_lists(network, sd: dict) -> dict:
+    """LyCORIS 4.1 saves a DyLoRA module as lora_down/lora_up but loads only its down_list/up_list blocks (its own
+    files do not load back): split the file's tensors into the blocks."""
+    sd = dict(sd)
+    for m in network.text_encoder_loras + network.unet_loras:
+        if type(m).__name__ != "DyLoraModule" or f"{m.lora_name}.lora_down.weight" not in sd:
+            continue
+        down = sd.pop(f"{m.lora_name}.lora_down.weight").reshape(m.lora_dim, -1)
+        up = sd.pop(f"{m.lora_name}.lora_up.weight").reshape(-1, m.lora_dim)
+        for i in range(m.block_count):
+            rows = slice(i * m.block_size, (i + 1) * m.block_size)
+            sd[f"{m.lora_name}.down_list.{i}"] = down[rows]
+            sd[f"{m.lora_name}.up_list.{i}"] = up[:, rows]
+    return sd
+
+
+def _load_weights(self, file):
+    """--network_weights for a LyCORIS network: LyCORIS' own loading, DyLoRA files made loadable, and a warning
+    naming what did not fit (LyCORIS only returns it)."""
+    from networks.lora import load_lora_state_dict
+
+    missing, unexpected = self.load_state_dict(_dylora_file_to_lists(self, load_lora_state_dict(file)), strict=False)
+    if unexpected:
+        logger.warning("--network_weights %s: %d keys do not belong to this LyCORIS network (other algo or "
+                       "targets?), e.g. %s", file, len(unexpected), unexpected[:3])
+    if missing:
+        logger.warning("--network_weights %s: %d keys of the network are not in the file, e.g. %s", file,
+                       len(missing), missing[:3])
+    return {"missing keys": missing, "unexpected keys": unexpected}
+
+
 def create_network(multiplier, network_dim, network_alpha, vae, text_encoder, unet, neuron_dropout=None, **kwargs):
     lk = import_lycoris()
     is_sdxl = _is_sdxl(text_encoder, unet)
@@ -157,6 +192,7 @@ def create_network(multiplier, network_dim, network_alpha, vae, text_encoder, un
                                     _as_lycoris_text_encoders(text_encoder), unet, **kwargs)
     _rename_modules(network, kohya_names(text_encoder, unet))
     _compile_friendly(network)
+    network.load_weights = types.MethodType(_load_weights, network)
     logger.info("LyCORIS: %d text-encoder and %d UNet modules (%s)", len(network.text_encoder_loras),
                 len(network.unet_loras), ", ".join(sorted({type(m).__name__ for m in network.unet_loras})))
     return network
