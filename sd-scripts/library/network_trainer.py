@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from library import (config_util, data_parallel, huggingface_util, losses, masks, network_options, noise,
-                     optimizers, parity, saving, schedulers, train_util, validation)
+                     optimizers, parity, saving, schedulers, stop_signal, train_util, validation)
 from library import metadata as metadata_util
 from library.captions import apply_token_weights, weighted_for, weighted_token_ids
 from library.latent_cache import FAMILY_FORMATS, LatentCacheFormat
@@ -667,7 +667,15 @@ class NetworkTrainer:
         return accelerator
 
     def train(self, args) -> str:
-        """Runs the training; returns the path of the final result (the LoRA file here)."""
+        """Runs the training; returns the path of the final result (the LoRA file here). SIGTERM / Ctrl+C
+        during the loop stop it after the current step, with the results saved (library.stop_signal)."""
+        self.stop = stop_signal.StopRequest()
+        try:
+            return self._train(args)
+        finally:
+            self.stop.restore()  # the handlers before this run (callers in the same process are unaffected)
+
+    def _train(self, args) -> str:
         from library import data_parallel, trackers
 
         train_util.setup_logging()
@@ -827,8 +835,9 @@ class NetworkTrainer:
         timer = StepTimer(global_step)
         val_args = (args, accelerator, validator, noise_scheduler, components, weight_dtype, caching_te, device,
                     trainable.models)
+        stop = self.stop.install()
         for epoch in range(first_epoch, num_epochs):
-            if global_step >= max_train_steps:
+            if global_step >= max_train_steps or stop.flag:
                 break
             group.set_current_epoch(epoch + 1)
             for g in groups:
@@ -904,8 +913,10 @@ class NetworkTrainer:
                 if should_sample(args, epoch=None, steps=global_step):
                     self.sample_images(args, epoch=None, steps=global_step, **sample_kwargs)
                     timer.restart()
-                if global_step >= max_train_steps:
+                if global_step >= max_train_steps or stop.requested(accelerator):
                     break
+            if stop.flag:
+                break  # mid-epoch: no epoch-end save, sample or validation
 
             done_epoch = epoch + 1
             state.epoch = done_epoch
@@ -930,6 +941,7 @@ class NetworkTrainer:
             print(summary, flush=True)  # stdout, under the last progress line
         data_parallel.log_process_done(accelerator, global_step, last_loss, trained_params)
         final_epoch = max(state.epoch, 1)
+        stop.saving()
         accelerator.wait_for_everyone()
         with self.eval_weights(args):
             if accelerator.is_main_process:
@@ -941,6 +953,10 @@ class NetworkTrainer:
         accelerator.wait_for_everyone()
         accelerator.end_training()
         logger.info("model saved: %s", final_path)
+        if stop.flag and accelerator.is_main_process:
+            line = stop_signal.stopped_line(global_step, final_path)
+            logger.info("%s", line)
+            print(line, flush=True)
         return final_path
 
     def num_train_timesteps(self, noise_scheduler) -> int:

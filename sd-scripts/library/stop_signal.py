@@ -1,0 +1,79 @@
+"""Stop = save and stop: SIGTERM / Ctrl+C during training ask the loop to finish its current step, save the
+results under their usual final names and exit 0 (not in upstream, which dies and loses the steps since the last
+save; kohya_ss#244).
+
+    stop = StopRequest().install()     # at the start of the training loop (main thread only; else a no-op)
+    ... if stop.requested(accelerator): break      # once per optimizer step: a flag check
+    stop.saving()                      # from now on a second signal aborts the save (KeyboardInterrupt)
+    stop.restore()                     # the previous handlers again (in-process callers are unaffected)
+
+A second signal while the results are being saved raises KeyboardInterrupt there: every result goes through a
+temporary name and a rename (train_util.atomic_target, saving of state folders), so an aborted save leaves the
+earlier files and no broken one. Before the loop starts the default handlers are in place (nothing to save yet).
+
+Windows: Ctrl+C (SIGINT) and Ctrl+Break (SIGBREAK) are handled; SIGTERM is not delivered there (another process
+ending it calls TerminateProcess, which cannot be caught), so a stop from outside a console has to send
+CTRL_BREAK_EVENT to a process started with CREATE_NEW_PROCESS_GROUP.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+logger = logging.getLogger(__name__)
+
+# the signals that mean "stop and save"; SIGBREAK exists only on Windows
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGBREAK") if hasattr(signal, name))
+
+
+class StopRequest:
+    def __init__(self):
+        self.flag = False
+        self.signal_name: str | None = None
+        self._saving = False
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> "StopRequest":
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signal.signal works only there (a GUI thread running a trainer keeps its handlers)
+        for sig in STOP_SIGNALS:
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except (OSError, ValueError):  # pragma: no cover - a signal this platform refuses
+                pass
+        return self
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self._saving or self.flag:
+            # a second signal: stop now; the atomic writers remove their temporary files on the way out
+            raise KeyboardInterrupt
+        self.flag = True
+        self.signal_name = signal.Signals(signum).name
+        logger.warning("%s received: stopping after the current step and saving (send it again to stop at once)",
+                       self.signal_name)
+
+    def saving(self) -> None:
+        self._saving = True
+
+    def requested(self, accelerator=None) -> bool:
+        """The flag; with several processes the ranks agree (any rank's request stops all at the same step)."""
+        from library import data_parallel
+
+        if accelerator is None or not data_parallel.is_distributed(accelerator):
+            return self.flag
+        import torch
+
+        t = torch.tensor([1.0 if self.flag else 0.0], device=accelerator.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        self.flag = bool(t.item())
+        return self.flag
+
+
+def stopped_line(step: int, path: str) -> str:
+    return f"stopped at step {step}, saved {path}"
