@@ -103,6 +103,23 @@ def test_dylora_trains_one_rank_unit_and_keeps_lora_math(tiny_sd1):
         assert rows == cols == [r, r + 1], (seed, r, rows, cols)
         drawn.add(r)
     assert len(drawn) > 1
+    # in a compiled block: the same output and rank slice (the LoRA term runs eagerly), and the log says so
+    from library import compile_utils
+
+    block = nn.Sequential(layer, nn.GELU())
+    assert compile_utils.adapter_kinds(block) == {"DyLoRAModule eager: a graph break each": 1}
+    compiled = torch.compile(block, backend="eager")
+    torch.manual_seed(7)
+    eager_out = block(x)
+    opt.zero_grad(set_to_none=True)
+    torch.manual_seed(7)
+    compiled_out = compiled(x)
+    compiled_out.sum().backward()
+    torch.manual_seed(7)
+    r = int(torch.randint(0, 8, ()).item())
+    r -= r % 2
+    assert torch.allclose(compiled_out, eager_out, atol=1e-6)
+    assert [i for i, p in enumerate(m.lora_down.rows) if p.grad is not None] == [r, r + 1]
     m.eval()  # the file's meaning: plain LoRA, up @ down * alpha / dim
     with torch.no_grad():
         want = x @ layer.weight.T + layer.bias + x @ (m.lora_up.weight @ m.lora_down.weight).T * 0.5

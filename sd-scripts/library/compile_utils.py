@@ -437,8 +437,9 @@ def _adapter_kind(layer: torch.nn.Module) -> str | None:
     owner = getattr(forward, "__self__", None)
     if owner is layer:  # the layer's own patched forward (fp8 upcast), no adapter
         return None
-    if owner is not None:
-        return type(owner).__name__
+    if owner is not None:  # an adapter that keeps its work out of the graph (networks.dylora) says so
+        return type(owner).__name__ + (" eager: a graph break each" if getattr(owner, "eager_in_compile", False)
+                                       else "")
     return getattr(forward, "__qualname__", "adapter").split(".")[0]  # a closure (FLUX split LoRA)
 
 
