@@ -146,9 +146,6 @@ class FluxNetworkTrainer(NetworkTrainer):
                 gradient_checkpointing=args.gradient_checkpointing, disable_linear=(args.blocks_to_swap or 0) > 0,
                 offload_checkpointing=offload_checkpointing.enabled(args))
 
-    def on_step_start(self, args) -> None:
-        compile_utils.mark_step_begin(args)
-
     # -- outputs ---------------------------------------------------------------------------------------------
     def sample_images(self, args, *, epoch, steps, components, accelerator, prediction_type=None, **kwargs) -> None:
         if not args.sample_prompts or not accelerator.is_main_process:

@@ -71,9 +71,6 @@ class SDXLNetworkTrainer(NetworkTrainer):
         hidden = te_outputs["encoder_hidden_states"].to(weight_dtype)
         return components.unet(noisy_latents, timesteps, hidden, added_cond_kwargs=added).sample
 
-    def on_step_start(self, args) -> None:
-        compile_utils.mark_step_begin(args)
-
     def build_pipeline(self, args, components, scheduler):
         from diffusers import StableDiffusionXLPipeline
 

@@ -109,6 +109,64 @@ def test_setup_environment_cache_dir_and_limits(tmp_path, monkeypatch):
         torch._logging.set_logs()
 
 
+@pytest.mark.parametrize("accumulation, expected", [
+    (1, [True] * 7),
+    (2, [True, False] * 3 + [True]),
+    (3, [True, False, False, True, False, False, True]),
+])
+def test_opens_accumulation_window(accumulation, expected):
+    assert [cu.opens_accumulation_window(n, accumulation) for n in range(7)] == expected
+
+
+def _window_marks(accumulation, batches, epochs, skip=0, restored_step=0):
+    """The training loop's pattern on a real accelerate Accelerator (CPU): per epoch, (batch, marks, syncs)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        acc = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
+        model = torch.nn.Linear(1, 1)
+        loader = acc.prepare(torch.utils.data.DataLoader(list(range(batches)), batch_size=1))
+        model = acc.prepare(model)
+        acc.step = restored_step  # what load_state restores on --resume
+        out = []
+        for epoch in range(epochs):
+            epoch_loader = loader
+            if skip and epoch == 0:
+                from accelerate import skip_first_batches
+
+                epoch_loader = skip_first_batches(loader, skip)
+            rows = []
+            for batch in epoch_loader:
+                marks = cu.opens_accumulation_window(acc.step, accumulation)
+                with acc.accumulate(model):
+                    rows.append((int(batch), marks, acc.sync_gradients))
+            out.append(rows)
+        return out
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+@pytest.mark.parametrize("accumulation", [1, 2, 3])
+@pytest.mark.parametrize("skip_steps", [0, 1])
+def test_step_marked_once_per_accumulation_window(accumulation, skip_steps):
+    """CUDA graphs: mark_step_begin at the first micro-step of each optimizer step only. Epochs of 5 batches cut the
+    last window short (2 and 3 do not divide 5); a resume skips whole optimizer steps of the first epoch."""
+    batches, skip = 5, skip_steps * accumulation
+    epochs = _window_marks(accumulation, batches, 2, skip=skip, restored_step=skip)
+    for e, rows in enumerate(epochs):
+        first = skip if e == 0 else 0
+        # windows start at every accumulation-th batch of the epoch (counted from its first batch, skipped ones too)
+        assert [b for b, marks, _ in rows if marks] == list(range(first, batches, accumulation))
+        # ... which is exactly the batch after each optimizer step (and the epoch's first)
+        assert [marks for _, marks, _ in rows] == [True] + [synced for _, _, synced in rows[:-1]]
+        assert rows[-1][2]  # the epoch's last batch steps the optimizer, even in a short window
+        assert sum(marks for _, marks, _ in rows) == sum(synced for _, _, synced in rows)
+
+
 def test_strip_orig_mod():
     sd = {"a._orig_mod.b.weight": 1, "c.weight": 2}
     assert cu.strip_orig_mod(sd) == {"a.b.weight": 1, "c.weight": 2}

@@ -121,17 +121,24 @@ def test_sdxl_eager_subprocess_from_config_file(tmp_path, tiny_sdxl_single_file,
     check_loads_in_diffusers(lora, load_components(tiny_sdxl_single_file))
 
 
-def test_sdxl_compile_aot_eager(tmp_path, tiny_sdxl_single_file, tiny_dataset_dir, caplog):
+def test_sdxl_compile_aot_eager(tmp_path, tiny_sdxl_single_file, tiny_dataset_dir, caplog, monkeypatch):
     import sdxl_train_network
+    from library import compile_utils
 
     caplog.set_level(logging.INFO)
     argv = base_argv(tiny_sdxl_single_file, tmp_path, tiny_dataset_dir, "compiled",
                      extra=["--compile", "--compile_backend", "aot_eager", "--gradient_checkpointing",
-                            "--network_train_unet_only", "--cache_latents", "--cache_text_encoder_outputs"])
+                            "--network_train_unet_only", "--cache_latents", "--cache_text_encoder_outputs",
+                            "--gradient_accumulation_steps", "2"])
     trainer = sdxl_train_network.SDXLNetworkTrainer()
     from library import network_trainer
 
+    marks = []
+    monkeypatch.setattr(compile_utils, "mark_step_begin", lambda a: marks.append(len(trainer.losses or [])))
+    trainer.losses = []
     path = network_trainer.run(trainer, sdxl_train_network.setup_parser(), argv)
+    # CUDA graphs: the step is marked once per optimizer step, before its first micro-step (2 steps x 2 micro-steps)
+    assert len(trainer.losses) == 4 and marks == [0, 2]
     assert "Compiling SDXL UNet with torch.compile: backend=aot_eager, mode=default, dynamic=None, fullgraph=False" \
         in caplog.text
     n_blocks = count_transformer_blocks(tiny_sdxl_single_file)

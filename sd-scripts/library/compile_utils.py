@@ -12,7 +12,8 @@ What the trainers call, in this order:
    transformer block (diffusers' ``_repeated_blocks``) is compiled in place with ``module.compile()``. Identical
    blocks share one graph, so the cold compile takes seconds instead of minutes, LoRA modules inside the blocks
    are traced into the graph, and state_dict keys stay free of ``_orig_mod.``.
-5. ``mark_step_begin(args)`` at the start of every training step (needed when CUDA graphs are in use).
+5. ``mark_step_begin(args)`` at the start of every optimizer step, i.e. at the first micro-step of each gradient
+   accumulation window (``opens_accumulation_window``), and before each validation batch (CUDA graphs need it).
 6. ``strip_orig_mod(state_dict)`` on every save path.
 """
 
@@ -540,8 +541,22 @@ def compile_model_blocks(
     return len(blocks)
 
 
+def opens_accumulation_window(micro_steps: int, accumulation_steps: int) -> bool:
+    """Whether the micro-step about to run is the first of an optimizer step's gradient accumulation window.
+
+    micro_steps: accelerate's micro-step counter before the batch (``Accelerator.step``): it counts the batches
+    run through ``accumulate()``, syncs when it reaches a multiple of the accumulation steps, restarts at 0 after
+    the last batch of an epoch (which cuts that epoch's last window short) and is restored on --resume.
+    Only this micro-step may call ``mark_step_begin``: marking a later one tells CUDA graph trees that the
+    previous micro-step's outputs are dead, and its replay overwrites the gradients still being accumulated
+    ("accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run").
+    """
+    return micro_steps % max(1, accumulation_steps) == 0
+
+
 def mark_step_begin(args) -> None:
-    """Call at the start of each training step: tells CUDA graph trees that the previous step's outputs are done."""
+    """Call at the start of each optimizer step (see opens_accumulation_window): tells CUDA graph trees that the
+    previous step's outputs are done. args: the compile settings (compile_args(args)); None = no compile."""
     if uses_cuda_graphs(args) and torch.cuda.is_available():
         torch.compiler.cudagraph_mark_step_begin()
 

@@ -19,7 +19,8 @@ A subclass overrides only the per-family hooks:
     post_process_loss(loss, args, timesteps, noise_scheduler) -> loss    (SNR weights, library.losses)
     enable_gradient_checkpointing(args, components, train_text_encoder)
     prepare_unet_with_accelerator(args, accelerator, components)         (SDXL: regional compile here)
-    on_step_start(args)                                (SDXL: compile_utils.mark_step_begin)
+    on_step_start(args)                                before every micro-step (the CUDA-graph step mark is
+                                                       the loop's: once per accumulation window)
     keep_training_text_encoder(args, global_step) -> bool   False freezes the text encoder from this step on
     build_pipeline(args, components, scheduler)        diffusers pipeline for sample images
     update_metadata(metadata, args)                    family/compile ss_* keys
@@ -827,6 +828,9 @@ class NetworkTrainer:
         sample_kwargs = dict(components=components, accelerator=accelerator, models=trainable.models,
                              prediction_type=prediction_type)
         fused = self.steps_in_backward(args)
+        from library import compile_utils
+
+        compiled = compile_utils.compile_args(args)
 
         if args.sample_at_first:
             self.sample_images(args, epoch=None, steps=global_step, **sample_kwargs)
@@ -854,6 +858,8 @@ class NetworkTrainer:
                 if train_text_encoder and not self.keep_training_text_encoder(args, global_step):
                     train_text_encoder = False
                 self.on_step_start(args)
+                if compile_utils.opens_accumulation_window(accelerator.step, args.gradient_accumulation_steps):
+                    compile_utils.mark_step_begin(compiled)  # once per optimizer step (CUDA graphs)
                 set_network_multiplier(trainable.models, batch)
                 with accelerator.accumulate(*trainable.models):
                     loss = self.training_step(args, accelerator, noise_scheduler, batch, components, weight_dtype,
@@ -966,8 +972,11 @@ class NetworkTrainer:
                         device, models) -> float:
         """One validation pass (library.validation): the training step's loss at each fixed timestep, without
         gradients (text encoders too), `models` in eval mode."""
+        from library import compile_utils
+
         def step(batch, timestep):
             self.on_step_start(args)
+            compile_utils.mark_step_begin(compile_utils.compile_args(args))
             return self.training_step(args, accelerator, noise_scheduler, batch, components, weight_dtype, False,
                                       caching_te, device, fixed_timestep=timestep)
 
