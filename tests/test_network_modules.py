@@ -124,6 +124,11 @@ def test_dylora_trains_one_rank_unit_and_keeps_lora_math(tiny_sd1):
     with torch.no_grad():
         want = x @ layer.weight.T + layer.bias + x @ (m.lora_up.weight @ m.lora_down.weight).T * 0.5
         assert torch.allclose(layer(x), want, atol=1e-5)
+    from library import network_options
+
+    assert not network_options.supports_max_norm(net)  # upstream's DyLoRA: --scale_weight_norms ignored, warned
+    assert network_options.supports_max_norm(lora.create_network(1.0, 4, 1.0, None, tiny_sd1.text_encoders[0],
+                                                                  tiny_sd1.unet))
     with pytest.raises(lora.NetworkArgsError, match="must be a multiple"):
         dylora.create_network(1.0, 8, 1.0, None, tiny_sd1.text_encoders[0], tiny_sd1.unet, unit="3")
     with pytest.raises(lora.NetworkArgsError, match="conv_dim equal"):

@@ -91,4 +91,5 @@ def after_optimizer_step(args, networks, device) -> tuple[dict[str, float], dict
 
 
 def supports_max_norm(network) -> bool:
-    return hasattr(network, "apply_max_norm_regularization")
+    # a subclass of networks.lora's network without it (networks.dylora, as upstream's) sets it to None
+    return callable(getattr(network, "apply_max_norm_regularization", None))

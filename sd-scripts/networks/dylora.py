@@ -92,6 +92,8 @@ class DyLoRAModule(lora.LoRAModule):
 class DyLoRANetwork(lora.LoRANetwork):
     """networks.lora's network of DyLoRA modules; files hold the stacked weights (a plain LoRA file)."""
 
+    apply_max_norm_regularization = None  # upstream's DyLoRA has none: --scale_weight_norms is ignored (warning)
+
     def _own_to_file(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out, rows = {}, {}
         for key, value in sd.items():
