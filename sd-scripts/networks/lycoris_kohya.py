@@ -218,4 +218,5 @@ def create_network_from_weights(multiplier, file, vae, text_encoder, unet, weigh
                                                 for_inference=for_inference, **kwargs)
     _rename_modules(network, names)
     _compile_friendly(network)
+    network.load_weights = types.MethodType(_load_weights, network)
     return network, weights_sd
