@@ -136,7 +136,9 @@ def test_dylora_trains_one_rank_unit_and_keeps_lora_math(tiny_sd1):
 
 
 def test_lora_fa_freezes_down(tiny_sd1):
-    net = lora_fa.create_network(1.0, 4, 1.0, None, tiny_sd1.text_encoders[0], tiny_sd1.unet, loraplus_lr_ratio="2")
+    with pytest.raises(lora.NetworkArgsError, match="loraplus_lr_ratio=2: unknown for networks.lora_fa"):
+        lora_fa.parse_network_kwargs({"loraplus_lr_ratio": "2"})  # upstream's LoRA-FA has no LoRA+
+    net = lora_fa.create_network(1.0, 4, 1.0, None, tiny_sd1.text_encoders[0], tiny_sd1.unet, rank_dropout="0.1")
     net.apply_to(tiny_sd1.text_encoders, tiny_sd1.unet, True, True)
     try:
         groups, names = net.prepare_optimizer_params(None, None, 1e-3)
