@@ -90,6 +90,9 @@ def test_validation_missing_triton_and_old_torch(monkeypatch):
 
 
 def test_setup_environment_cache_dir_and_limits(tmp_path, monkeypatch):
+    import library
+
+    monkeypatch.setattr(library, "INDUCTOR_CACHE_DIR_AT_START", (None,))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cu.default_compile_cache_dir() == str(tmp_path / "xdg" / "sd-scripts" / "torch_compile")
@@ -165,6 +168,69 @@ def test_step_marked_once_per_accumulation_window(accumulation, skip_steps):
         assert [marks for _, marks, _ in rows] == [True] + [synced for _, _, synced in rows[:-1]]
         assert rows[-1][2]  # the epoch's last batch steps the optimizer, even in a short window
         assert sum(marks for _, marks, _ in rows) == sum(synced for _, _, synced in rows)
+
+
+def test_cache_dir_user_value_versus_torch_default(tmp_path, monkeypatch):
+    """--compile_cache_dir > a TORCHINDUCTOR_CACHE_DIR the user set > $XDG_CACHE_HOME/sd-scripts/torch_compile; the
+    /tmp value that importing torch._dynamo puts into the variable is not the user's."""
+    import library
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    xdg = str(tmp_path / "xdg" / "sd-scripts" / "torch_compile")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # what torch set on import
+    monkeypatch.setattr(library, "INDUCTOR_CACHE_DIR_AT_START", (None,))  # the user set nothing
+    assert cu.default_compile_cache_dir() == xdg
+    monkeypatch.setattr(library, "INDUCTOR_CACHE_DIR_AT_START", ("/data/ic",))  # the user's, before torch's import
+    assert cu.default_compile_cache_dir() == "/data/ic"
+    assert cu.resolve_cache_dir(_parse("--compile")) == "/data/ic"
+    assert cu.resolve_cache_dir(_parse("--compile", "--compile_cache_dir", str(tmp_path / "cc"))) == str(tmp_path / "cc")
+    # no snapshot (library imported after torch's inductor): torch's default value counts as unset
+    monkeypatch.setattr(library, "INDUCTOR_CACHE_DIR_AT_START", None)
+    assert cu.default_compile_cache_dir() == xdg
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/data/other")
+    assert cu.default_compile_cache_dir() == "/data/other"
+
+
+_CACHE_PROBE = """
+import sys
+import torch  # the scripts' import order: torch, then the library
+sys.path.insert(0, sys.argv[1])
+from library import compile_utils
+import torch._dynamo  # sets TORCHINDUCTOR_CACHE_DIR to torch's /tmp default when unset
+from torch._inductor.runtime.cache_dir_utils import cache_dir
+from torch._inductor.codecache import FxGraphCache
+parser = compile_utils.add_compile_arguments(__import__("argparse").ArgumentParser())
+for argv in (["--compile"], ["--compile", "--compile_cache_dir", sys.argv[2]]):
+    compile_utils.setup_compile_environment(parser.parse_args(argv))
+    print(cache_dir(), FxGraphCache._get_tmp_dir())
+"""
+
+
+@pytest.mark.slow
+def test_compile_cache_lands_in_the_documented_folder(tmp_path):
+    """A fresh process as the scripts start: where inductor's caches (FX graph, AOTAutograd, kernels: all under
+    cache_dir()) will be written."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    sd_scripts = str(Path(cu.__file__).resolve().parents[1])
+    flag = str(tmp_path / "flag")
+
+    def probe(**env):
+        base = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+        out = subprocess.run([sys.executable, "-c", _CACHE_PROBE, sd_scripts, flag], env={**base, **env},
+                             capture_output=True, text=True, timeout=300, check=True).stdout
+        return [line.split() for line in out.splitlines()[-2:]]
+
+    xdg = str(tmp_path / "xdg" / "sd-scripts" / "torch_compile")
+    assert probe(XDG_CACHE_HOME=str(tmp_path / "xdg")) == [[xdg, os.path.join(xdg, "fxgraph")],
+                                                           [flag, os.path.join(flag, "fxgraph")]]
+    user = str(tmp_path / "user")
+    assert probe(XDG_CACHE_HOME=str(tmp_path / "xdg"), TORCHINDUCTOR_CACHE_DIR=user) == [
+        [user, os.path.join(user, "fxgraph")], [flag, os.path.join(flag, "fxgraph")]]
 
 
 def test_strip_orig_mod():

@@ -49,15 +49,36 @@ class CompileConfigError(ValueError):
     """An impossible or unsupported combination of compile settings."""
 
 
+def user_inductor_cache_dir() -> str | None:
+    """TORCHINDUCTOR_CACHE_DIR when the user set it, else None.
+
+    Importing torch._dynamo sets the variable to torch's own default (/tmp/torchinductor_<user>) before any trainer
+    code runs, so the environment alone cannot tell. library/__init__ keeps the value from before torch's inductor
+    was imported; without that snapshot (library imported after torch._inductor), a value equal to torch's default
+    counts as not set.
+    """
+    import library
+
+    start = getattr(library, "INDUCTOR_CACHE_DIR_AT_START", None)
+    if start is not None:
+        return start[0] or None
+    value = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not value:
+        return None
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return None if os.path.abspath(value) == os.path.abspath(default_cache_dir()) else value
+
+
 def default_compile_cache_dir() -> str:
     """The persistent compile cache used when --compile_cache_dir is not given.
 
-    TORCHINDUCTOR_CACHE_DIR wins when the user already set it; otherwise a folder in the user's cache
-    directory ($XDG_CACHE_HOME or ~/.cache). It is not under --output_dir on purpose: entries are keyed by a
-    hash of the graph, torch version and device, so they are safe to share, and sharing them across runs with
-    different output folders is what makes the second run start warm.
+    A TORCHINDUCTOR_CACHE_DIR the user set wins (user_inductor_cache_dir: not the /tmp value torch sets itself);
+    otherwise a folder in the user's cache directory ($XDG_CACHE_HOME or ~/.cache). It is not under --output_dir
+    on purpose: entries are keyed by a hash of the graph, torch version and device, so they are safe to share,
+    and sharing them across runs with different output folders is what makes the second run start warm.
     """
-    env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    env = user_inductor_cache_dir()
     if env:
         return env
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -95,8 +116,9 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         "--compile_cache_dir",
         type=str,
         default=None,
-        help="persistent inductor/FX/autograd compile cache so a second run starts warm "
-        "(default: $TORCHINDUCTOR_CACHE_DIR, else ~/.cache/sd-scripts/torch_compile)",
+        help="persistent inductor/FX/autograd compile cache so a second run starts warm; wins over "
+        "TORCHINDUCTOR_CACHE_DIR (default: $TORCHINDUCTOR_CACHE_DIR if you set it, else "
+        "$XDG_CACHE_HOME or ~/.cache, + /sd-scripts/torch_compile)",
     )
     group.add_argument("--cuda_allow_tf32", action="store_true", help="allow TF32 matmul/cuDNN on Ampere or newer GPUs")
     group.add_argument("--cuda_cudnn_benchmark", action="store_true", help="enable cudnn.benchmark")
@@ -299,7 +321,8 @@ def setup_compile_environment(args) -> dict:
 
     cache_dir = resolve_cache_dir(args)
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
-    # inductor reads the variable lazily, so setting it before the first compile is enough
+    # inductor reads the variable at every cache access (cache_dir_utils.cache_dir), so setting it before the
+    # first compile is enough (also replaces the /tmp default that importing torch._dynamo put there)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     inductor_config.fx_graph_cache = True
     try:
