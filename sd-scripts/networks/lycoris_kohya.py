@@ -14,8 +14,8 @@ and CLIP paths start with `text_model.`. So here, around LyCORIS' own create_net
   the file's keys are sd-scripts' and files made there load here (`--network_weights`, `--dim_from_weights`,
   `--base_weights`).
 
-- DyLoRA: the random rank is drawn as a tensor (one graph in a compiled block), and its files load back
-  (LyCORIS 4.1 saves lora_down/lora_up but loads only its per-block lists); `load_weights` warns about keys that
+- DyLoRA: the random rank draw runs eagerly inside compiled blocks (a graph break per DyLoRA module), and its
+  files load back (LyCORIS 4.1 saves lora_down/lora_up but loads only its per-block lists); `load_weights` warns about keys that
   do not fit instead of dropping them silently.
 
 Everything else (algos, presets, dora_wd, factor, conv_dim, dropouts, LoRA+, max norm, saving of the tensors) is
@@ -130,27 +130,15 @@ def _rename_modules(network, names: dict[str, str]) -> None:
         lora.lora_name = names.get(lora.lora_name, lora.lora_name)
 
 
-def _dylora_random_rank_weight(self):
-    """LyCORIS DyLoRA's random-rank weight with the rank drawn as a tensor: blocks below the drawn block b are
-    frozen (detached), block b trains, the rest are masked out, scale alpha / (b + 1) -- the same as LyCORIS'
-    (which slices with a Python `random` int), but with static shapes, so a compiled block keeps one graph
-    instead of breaking at every module."""
-    down = torch.cat(list(self.down_list))
-    up = torch.cat(list(self.up_list), dim=1)
-    b = torch.randint(0, self.block_count, (), device=down.device)
-    block = torch.arange(down.shape[0], device=down.device) // self.block_size
-    below, at = (block < b).to(down.dtype), (block == b).to(down.dtype)
-    dshape = (-1,) + (1,) * (down.dim() - 1)
-    ushape = (1, -1) + (1,) * (up.dim() - 2)
-    down = down.detach() * below.view(dshape) + down * at.view(dshape)
-    up = up.detach() * below.view(ushape).to(up.dtype) + up * at.view(ushape).to(up.dtype)
-    return down, up, self.alpha / (b + 1)
-
-
 def _compile_friendly(network) -> None:
+    """LyCORIS DyLoRA draws its rank with Python's `random` and slices by it, which a compiled block cannot trace:
+    the draw runs eagerly (a graph break at each DyLoRA module, named so in the compile log). The blocks below the
+    drawn one then get no gradient at all, as in LyCORIS, so the optimizer (momentum, weight decay) leaves them
+    alone -- a tensor-masked draw inside the graph would give them zero gradients instead."""
     for m in network.text_encoder_loras + network.unet_loras:
         if type(m).__name__ == "DyLoraModule":
-            m.get_random_rank_weight = types.MethodType(_dylora_random_rank_weight, m)
+            m.get_random_rank_weight = torch._dynamo.disable(m.get_random_rank_weight)
+            m.eager_in_compile = True
 
 
 def _dylora_file_to_lists(network, sd: dict) -> dict:
