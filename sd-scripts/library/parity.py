@@ -2,15 +2,17 @@
 
 Upstream's option tables (`../shared/parity/upstream-flags/<script>.json`) are the specification: every
 upstream option parses here with the same option strings, type, default, choices and nargs, and does what
-upstream's does. The exceptions are the three tables below; `tests/test_upstream_parity.py` checks the
-parsers against upstream with them, and `tools/gen_parity.py` renders them into `docs/PARITY.md`.
+upstream's does. The exceptions are the tables below; `tests/test_upstream_parity.py` checks the parsers
+against upstream with them, and `tools/gen_parity.py` renders them into `docs/PARITY.md`.
 
 - REFUSED: accepted with upstream's type and default (so an upstream config that leaves them at their
   defaults runs), but a non-default value stops the run before anything loads: exit 2 with the reason and
-  what to use instead (`check_refused`, called by `train_util.parse_args`).
+  what to use instead (`refusal_message`, checked by `train_util.parse_args`).
 - DIFFERENT: parsed (or behaving) differently on purpose, each with its reason.
 - NOT_YET: upstream options not (yet) at parity here. The test fails when one of them has in fact reached
   parity, so the table cannot go stale: remove the name when its option lands.
+- KOHYA_SS_GUI_KEYS / CONFIG_VALUE_ALIASES: what `--config_file` (train_util.load_config_file) accepts from
+  the kohya_ss GUI's run TOMLs beyond the options themselves.
 """
 from __future__ import annotations
 
