@@ -53,3 +53,133 @@ def test_sigterm_saves_and_exits_zero(tmp_path, tiny_sdxl_single_file, tiny_data
     state = out / "stopped-state"
     assert state.is_dir() and any(p.name.startswith("custom_checkpoint") for p in state.iterdir())
     assert not [p for p in out.iterdir() if p.name.startswith(".")], "temporary files left behind"
+
+    # the state folder continues the run: one more step from where it stopped
+    import sdxl_train_network
+    from library import network_trainer
+
+    trainer = sdxl_train_network.SDXLNetworkTrainer()
+    resumed = network_trainer.run(trainer, sdxl_train_network.setup_parser(),
+                                  base_argv(tiny_sdxl_single_file, out, tiny_dataset_dir, "resumed", steps=step + 1,
+                                            extra=["--network_train_unet_only", "--resume", str(state)]))
+    assert len(trainer.losses) == 1
+    assert read_lora(resumed)[1]["ss_steps"] == str(step + 1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# state folders: written beside the target, renamed when complete (library.state_folders)
+
+
+class _FakeAccelerator:
+    """accelerate's save_state writing `files` into the folder, failing after the first one when `fail`."""
+    is_main_process = True
+
+    def __init__(self, files, fail=False):
+        self.files, self.fail = files, fail
+
+    def wait_for_everyone(self):
+        pass
+
+    def save_state(self, path):
+        os.makedirs(path, exist_ok=True)
+        for i, (name, text) in enumerate(self.files.items()):
+            if self.fail and i == 1:
+                raise KeyboardInterrupt  # a second Ctrl+C, a full disk ...
+            Path(path, name).write_text(text)
+
+
+def test_state_save_replaces_only_when_complete(tmp_path):
+    from library import state_folders
+
+    target = tmp_path / "x-state"
+    target.mkdir()
+    (target / "optimizer.bin").write_text("old")
+    (target / "custom_checkpoint_0.pkl").write_text("old")
+    new = {"optimizer.bin": "new", "custom_checkpoint_0.pkl": "new"}
+    with pytest.raises(KeyboardInterrupt):
+        state_folders.write_state(_FakeAccelerator(new, fail=True), str(target), overwrite=True)
+    assert {p.name: p.read_text() for p in target.iterdir()} == {"optimizer.bin": "old",
+                                                                  "custom_checkpoint_0.pkl": "old"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x-state"]  # no temporary folder left
+
+    fresh = tmp_path / "y-state"
+    with pytest.raises(KeyboardInterrupt):
+        state_folders.write_state(_FakeAccelerator(new, fail=True), str(fresh), overwrite=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x-state"]  # no partial folder under the final name
+
+    state_folders.write_state(_FakeAccelerator(new), str(target), overwrite=True)
+    assert {p.name: p.read_text() for p in target.iterdir()} == new
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x-state"]
+
+
+def test_stale_state_folders_of_killed_runs_removed(tmp_path):
+    from library import state_folders
+
+    for name in (".x-state.tmp", ".x-step00000005-state.tmp", ".x-000002-state.old", ".xy-state.tmp"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "optimizer.bin").write_text(name)
+    (tmp_path / "x-state").mkdir()
+    (tmp_path / ".x-state.old").mkdir()  # the new x-state got in place: the old one is just left over
+    state_folders.remove_stale(str(tmp_path), "x")
+    # killed between the two renames: the complete old folder is put back; other names are not touched
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".xy-state.tmp", "x-000002-state", "x-state"]
+    assert (tmp_path / "x-000002-state" / "optimizer.bin").read_text() == ".x-000002-state.old"
+
+
+def _state_folder(path, step, epoch):
+    import torch
+
+    path.mkdir()
+    torch.save({"not": "the step counter"}, path / "custom_checkpoint_0.pkl")
+    torch.save({"global_step": step, "epoch": epoch}, path / "custom_checkpoint_1.pkl")
+    return path
+
+
+@pytest.mark.parametrize("existing, extra, refused", [
+    ("r-state", ["--save_state"], True),
+    ("r-state", ["--save_state_on_train_end"], True),
+    ("r-state", [], False),  # this run writes no state folder
+    ("r-step00000010.safetensors", ["--save_every_n_steps", "5"], True),
+    ("r-step00000005.safetensors", ["--save_every_n_steps", "5"], False),  # before the resumed step
+    ("r-step00000010-state", ["--save_every_n_steps", "5"], False),  # without --save_state
+    ("r-step00000010-state", ["--save_every_n_steps", "5", "--save_state"], True),
+    ("r-000002.safetensors", ["--save_every_n_epochs", "1"], True),
+    ("r-000001.safetensors", ["--save_every_n_epochs", "1"], False),
+    ("r-state", ["--save_state", "--overwrite_output"], False),
+])
+def test_resume_checks_names_before_model_load(tmp_path, tiny_dataset_dir, existing, extra, refused):
+    """Refused before any model loads (the model path does not exist); a free set of names goes on to the model
+    load, which then fails."""
+    from library import train_util
+    from library.model_util import ModelLoadError
+
+    state = _state_folder(tmp_path / "old-step00000005-state", step=5, epoch=1)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / existing).mkdir() if existing.endswith("-state") else (out / existing).write_bytes(b"x")
+    argv = base_argv(tmp_path / "missing.safetensors", out, tiny_dataset_dir, "r", steps=20,
+                     extra=["--resume", str(state), *extra])
+    if refused:
+        with pytest.raises(train_util.OutputExistsError, match=f"--resume would write {existing}"):
+            _train(argv)
+    else:
+        with pytest.raises((ModelLoadError, FileNotFoundError, OSError)):
+            _train(argv)
+
+
+def test_resume_of_a_folder_without_state_refused(tmp_path, tiny_dataset_dir):
+    from library.network_trainer import TrainingError
+
+    (tmp_path / "empty-state").mkdir()  # what a kill during a state save left before (an empty folder)
+    argv = base_argv(tmp_path / "missing.safetensors", tmp_path / "out", tiny_dataset_dir, "r",
+                     extra=["--resume", str(tmp_path / "empty-state")])
+    with pytest.raises(TrainingError, match="not a training state folder"):
+        _train(argv)
+
+
+def _train(argv):
+    import sdxl_train_network
+    from library import train_util
+
+    args = train_util.parse_args(sdxl_train_network.setup_parser(), argv)
+    return sdxl_train_network.SDXLNetworkTrainer().train(args)

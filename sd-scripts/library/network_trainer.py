@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from library import (config_util, data_parallel, huggingface_util, losses, masks, network_options, noise,
-                     optimizers, parity, saving, schedulers, stop_signal, train_util, validation)
+                     optimizers, parity, saving, schedulers, state_folders, stop_signal, train_util, validation)
 from library import metadata as metadata_util
 from library.captions import apply_token_weights, weighted_for, weighted_token_ids
 from library.latent_cache import FAMILY_FORMATS, LatentCacheFormat
@@ -688,6 +688,7 @@ class NetworkTrainer:
         ext = self.output_ext(args)
         final_path = os.path.join(args.output_dir, train_util.last_file_name(args.output_name, ext))
         train_util.check_outputs_free(args.output_dir, args.output_name, ext, args.overwrite_output, bool(args.resume))
+        state_folders.check_resume(args, ext)
         session_id = uuid.uuid4().int & ((1 << 31) - 1)
         training_started_at = time.time()
 
@@ -712,6 +713,7 @@ class NetworkTrainer:
         log_with = trackers.log_with(args)
         os.makedirs(args.output_dir, exist_ok=True)
         if accelerator.is_main_process:
+            state_folders.remove_stale(args.output_dir, args.output_name)
             self.write_run_config(args)
         weight_dtype = train_util.weight_dtype_for(args)
         device = accelerator.device
@@ -794,7 +796,7 @@ class NetworkTrainer:
         for model in trainable.models:
             accelerator.register_for_checkpointing(model)
         accelerator.register_for_checkpointing(lr_scheduler)
-        accelerator.register_for_checkpointing(state)
+        accelerator.register_for_checkpointing(state)  # last: state_folders.resumed_position reads it so
         if args.resume:
             logger.info("resuming from %s", args.resume)
             accelerator.load_state(huggingface_util.resume_state_dir(args))
@@ -1092,10 +1094,7 @@ class NetworkTrainer:
         """accelerate's state (models, optimizer, scheduler, step, every process's RNG); all processes call it.
         --save_state_to_huggingface uploads it."""
         path = os.path.join(args.output_dir, name)
-        if accelerator.is_main_process:
-            train_util.ensure_can_write(path, args.overwrite_output)
-        accelerator.wait_for_everyone()
-        accelerator.save_state(path)
+        state_folders.write_state(accelerator, path, args.overwrite_output)
         logger.info("training state saved: %s", path)
         if accelerator.is_main_process and getattr(args, "save_state_to_huggingface", False):
             huggingface_util.upload(args, path, name)

@@ -1,0 +1,130 @@
+"""`-state` folders (--save_state) that a kill can never leave half-written, and --resume checks made before any
+model loads (issue 14; upstream writes the folder in place and checks nothing).
+
+    write_state(accelerator, path, overwrite)       accelerate's save_state into `.<name>.tmp` beside `path`, renamed
+                                                    to `path` when complete; an existing folder is replaced only then
+    remove_stale(output_dir, output_name)           temporary folders of killed runs (at the start of a run)
+    check_resume(args, ext)                         before loading: --resume is a state folder, and the names the
+                                                    resumed run will write are free (else OutputExistsError)
+    resumed_position(folder) -> (step, epoch) | None   read from the folder's step counter, without the models
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import re
+import shutil
+
+from library import train_util
+
+logger = logging.getLogger(__name__)
+
+_TMP, _OLD = ".tmp", ".old"
+
+
+def _hidden(path: str, suffix: str) -> str:
+    d, base = os.path.split(os.path.normpath(path))
+    return os.path.join(d, f".{base}{suffix}")
+
+
+def write_state(accelerator, path: str, overwrite: bool) -> None:
+    """Every process calls it (each writes its RNG file into the same temporary folder)."""
+    tmp = _hidden(path, _TMP)
+    if accelerator.is_main_process:
+        train_util.ensure_can_write(path, overwrite)
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    try:
+        accelerator.save_state(tmp)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            _replace_dir(tmp, path)
+    except BaseException:  # a failed or stopped save (second Ctrl+C) leaves the earlier folder and no partial one
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    accelerator.wait_for_everyone()
+
+
+def _replace_dir(tmp: str, path: str) -> None:
+    # a folder cannot be renamed over a non-empty one: the old one steps aside first; a kill between the two
+    # renames leaves both complete folders under hidden names, and remove_stale puts the old one back
+    old = _hidden(path, _OLD)
+    if os.path.isdir(path):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_stale(output_dir: str, output_name: str) -> None:
+    """The hidden folders a killed state save of `output_name` left in `output_dir`."""
+    if not os.path.isdir(output_dir):
+        return
+    pattern = re.compile(r"\." + re.escape(output_name) + r"(-(step)?\d+)?-state(" + re.escape(_TMP) + "|"
+                         + re.escape(_OLD) + ")")
+    for name in sorted(os.listdir(output_dir)):
+        m = pattern.fullmatch(name)
+        if not m:
+            continue
+        hidden = os.path.join(output_dir, name)
+        final = os.path.join(output_dir, name[1:-len(m.group(3))])
+        if m.group(3) == _OLD and not os.path.exists(final):
+            os.replace(hidden, final)  # killed between the renames of _replace_dir: the complete old folder
+            logger.warning("restored %s (a state save of a killed run had moved it aside)", final)
+            continue
+        shutil.rmtree(hidden, ignore_errors=True)
+        logger.info("removed %s (left by a killed run)", hidden)
+
+
+def resumed_position(folder: str) -> tuple[int, int] | None:
+    """The step counter (network_trainer.TrainState) is the last checkpoint object registered, so accelerate
+    writes it as the custom_checkpoint_<highest>.pkl; None when that is not it."""
+    import torch
+
+    found = glob.glob(os.path.join(glob.escape(folder), "custom_checkpoint_*.pkl"))
+    if not found:
+        return None
+    last = max(found, key=lambda p: int(re.search(r"_(\d+)\.pkl$", p).group(1)))
+    try:
+        state = torch.load(last, map_location="cpu", weights_only=True)
+        return int(state["global_step"]), int(state["epoch"])
+    except Exception:  # noqa: BLE001 - not our step counter: no position
+        return None
+
+
+def check_resume(args, ext: str) -> None:
+    """Before any model loads. A local --resume folder (train_util checks it exists) must hold our step counter;
+    without --overwrite_output the names the resumed run will write must be free: the final `-state` folder (with
+    --save_state / --save_state_on_train_end) and the step / epoch saves after the resumed position."""
+    from library.network_trainer import TrainingError
+
+    if not args.resume or getattr(args, "resume_from_huggingface", False):
+        return
+    position = resumed_position(args.resume)
+    if position is None:
+        raise TrainingError(f"--resume {args.resume}: not a training state folder written with --save_state "
+                            "(no step counter in it)")
+    if args.overwrite_output or not os.path.isdir(args.output_dir):
+        return
+    step, epoch = position
+    name, out = args.output_name, args.output_dir
+    saves_state = bool(args.save_state)
+    taken = []
+    if saves_state or getattr(args, "save_state_on_train_end", False):
+        taken.append(train_util.state_dir_name(name))
+    pattern = re.compile(re.escape(name) + r"-(step)?(\d+)(" + re.escape(ext) + r"|-state)")
+    for n in sorted(os.listdir(out)):
+        m = pattern.fullmatch(n)
+        if not m or (m.group(3) == "-state" and not saves_state):
+            continue
+        no = int(m.group(2))
+        every = args.save_every_n_steps if m.group(1) else args.save_every_n_epochs
+        if every and no % every == 0 and no > (step if m.group(1) else epoch):
+            taken.append(n)
+    taken = [n for n in taken if os.path.exists(os.path.join(out, n))]
+    if taken:
+        raise train_util.OutputExistsError(
+            f"--resume would write {', '.join(taken[:3])}{', ...' if len(taken) > 3 else ''} in {out}, which "
+            "already exist; choose another --output_name / --output_dir, or pass --overwrite_output to replace them")
