@@ -2,7 +2,7 @@
 
     python -m kohya_gui print-command CONFIG.toml   # prints the command Start training would run
     python -m kohya_gui print-command --standalone CONFIG.toml   # the same run, every setting as a flag
-    python -m kohya_gui train CONFIG.toml           # runs it with the GUI's runner (Ctrl+C stops the whole tree)
+    python -m kohya_gui train CONFIG.toml           # runs it with the GUI's runner (Ctrl+C: stop + save; twice: now)
     python -m kohya_gui prepare-demo CONFIG.toml    # makes a demo preset's tiny model and images (used by runs)
 """
 
@@ -49,9 +49,14 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    def on_signal(signum, frame):
-        print("stopping the training process tree ...", file=sys.stderr, flush=True)
-        runner.stop()
+    signals = []
+
+    def on_signal(signum, frame):  # the first: stop and save; another: stop now
+        signals.append(signum)
+        now = len(signals) > 1
+        print("stopping the training process tree now ..." if now else
+              "stopping: the trainer finishes its step and saves (again to stop now) ...", file=sys.stderr, flush=True)
+        runner.stop(now=now)
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)

@@ -1,5 +1,8 @@
 """Runs one training at a time: spawns it in its own process group, streams its output into memory and a log
-file, parses progress, and stops the whole process tree (SIGTERM, then SIGKILL after a grace period)."""
+file, parses progress, and stops the whole process tree. Stop sends SIGTERM, which the trainers answer by finishing
+the step, saving and printing "stopped at step N, saved <path>" (sd-scripts/library/stop_signal.py); what is left
+of the tree is killed `grace` seconds after that line or after `save_timeout`. Stop now: SIGTERM, then SIGKILL
+after `grace` seconds (nothing saved)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+
+# the trainers' last line after a stop-and-save (library.stop_signal.stopped_line)
+STOPPED_LINE = re.compile(r"^stopped at step \d+, saved ")
+SAVE_TIMEOUT = 600.0  # a stop waits this long for the step and the saves to finish
 
 # ---- progress lines ------------------------------------------------------------------------------------------
 # The trainers print plain lines such as "steps: 12/100 loss=0.1234 it/s=1.23 eta=00:40" (docs/ARCHITECTURE.md);
@@ -102,6 +109,7 @@ class Runner:
         self._proc: subprocess.Popen | None = None
         self._thread: threading.Thread | None = None
         self._stop_requested = threading.Event()
+        self._stopped_line: tuple[float, str] | None = None  # (when, text) of the trainer's "stopped at step"
         self.state = RunState()
         self.line_callback = None  # optional: called with every output line (the CLI echoes them)
         self.version = 0  # bumped whenever the log or the state changes (lets the page skip idle refreshes)
@@ -127,6 +135,7 @@ class Runner:
             self._lines.clear()
             self._partial = ""
             self._stop_requested.clear()
+            self._stopped_line = None
             self.version += 1
             self.state = RunState(running=True, commands=[list(c) for c in commands], log_path=str(log_path),
                                   output_dir=str(output_dir) if output_dir else None, started=time.time(),
@@ -135,16 +144,20 @@ class Runner:
         self._thread = threading.Thread(target=self._run, args=(commands, Path(log_path), cwd, env), daemon=True)
         self._thread.start()
 
-    def stop(self, grace: float = 10.0) -> bool:
-        """Ends the whole process tree: SIGTERM to the group, SIGKILL after `grace` seconds. Returns False when
-        nothing was running."""
+    def stop(self, grace: float = 10.0, *, now: bool = False, save_timeout: float = SAVE_TIMEOUT) -> bool:
+        """Stop and save: SIGTERM to the tree, then waits until it has ended, killing what is left `grace` seconds
+        after the trainer's "stopped at step" line or after `save_timeout`. now=True: SIGKILL after `grace`
+        seconds (Stop now). Returns False when nothing was running."""
         with self._lock:
             if not self.state.running:
                 return False
             self._stop_requested.set()
             proc = self._proc
         if proc is not None:
-            _terminate_tree(proc, grace)
+            if now:
+                _terminate_tree(proc, grace)
+            else:
+                self._stop_and_save(proc, grace, save_timeout)
         if self._thread is not None:
             self._thread.join(timeout=grace + 10)
         return True
@@ -169,6 +182,27 @@ class Runner:
         return "\n".join(lines)
 
     # -- internals ------------------------------------------------------------------------------------------
+    def _stop_and_save(self, proc: subprocess.Popen, grace: float, save_timeout: float) -> None:
+        # the whole tree is watched: `accelerate launch` itself dies on SIGTERM while its child saves
+        try:
+            tree = [psutil.Process(proc.pid)]
+            tree += tree[0].children(recursive=True)
+        except psutil.Error:
+            tree = []
+        _kill_group(proc.pid, signal.SIGTERM)
+        _signal_each(tree[1:], psutil.Process.terminate)
+        deadline = time.time() + save_timeout
+        while time.time() < deadline and any(_alive(p) for p in tree):
+            seen = self._stopped_line
+            if seen is not None:
+                deadline = min(deadline, seen[0] + grace)
+            time.sleep(0.1)
+        alive = [p for p in tree if _alive(p)]
+        if alive:
+            _kill_group(proc.pid, signal.SIGKILL)
+            _signal_each(alive, psutil.Process.kill)
+            psutil.wait_procs(alive, timeout=5)
+
     def _add(self, text: str, in_place: bool, log) -> None:
         text = text.rstrip()
         if not text:
@@ -176,6 +210,8 @@ class Runner:
         prog = parse_progress(text)
         with self._lock:
             self.version += 1
+            if not in_place and STOPPED_LINE.match(text):
+                self._stopped_line = (time.time(), text)
             if prog:
                 self.state.progress = prog
             if in_place:
@@ -227,7 +263,10 @@ class Runner:
                     errs = [ln for ln in lines if ERROR_WORDS.search(ln)]
                     st.error_lines = (errs or lines)[-12:]
                 self.version += 1
-                st.message = ("stopped" if stopped else "finished" if rc == 0 else f"failed (exit status {rc})")
+                if stopped:  # the trainer's "stopped at step N, saved ..." when it saved
+                    st.message = self._stopped_line[1] if self._stopped_line else "stopped"
+                else:
+                    st.message = "finished" if rc == 0 else f"failed (exit status {rc})"
             log.write(f"# {st.message}\n")
 
     def _pump(self, proc: subprocess.Popen, log) -> None:
@@ -268,12 +307,19 @@ def _terminate_tree(proc: subprocess.Popen, grace: float) -> None:
     deadline = time.time() + grace
     while time.time() < deadline and proc.poll() is None:
         time.sleep(0.1)
-    alive = [d for d in descendants if d.is_running() and d.status() != psutil.STATUS_ZOMBIE]
+    alive = [d for d in descendants if _alive(d)]
     _kill_group(proc.pid, signal.SIGKILL)
     _signal_each(alive, psutil.Process.kill)
     if proc.poll() is None:
         proc.kill()
     psutil.wait_procs(alive, timeout=5)
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _signal_each(processes: list, send) -> None:

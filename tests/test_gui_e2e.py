@@ -6,6 +6,7 @@ Start finishes and shows the LoRA path. All in one working folder so the demo fi
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -53,14 +54,17 @@ def test_real_training_stops_mid_run_and_leaves_no_process(workdir, monkeypatch)
     leader = psutil.Process(runner.pid)
     tree = [leader, *leader.children(recursive=True)]
     assert len(tree) >= 2  # accelerate launch + the training script
-    assert runner.stop(grace=10) is True
+    assert runner.stop(grace=10) is True  # Stop = save and stop (accelerate launch dies, its child saves)
     state = runner.snapshot()
-    assert state.stopped and state.message == "stopped" and state.progress["total"] == 500
+    lora = workdir / "outputs/demo-sdxl-tiny/stopped.safetensors"
+    assert state.stopped and state.progress["total"] == 500
+    assert re.fullmatch(r"stopped at step \d+, saved \S*outputs/demo-sdxl-tiny/stopped\.safetensors",
+                        state.message), runner.log_tail()
     gone, alive = psutil.wait_procs(tree, timeout=10)
     assert not alive, alive
-    assert not (workdir / "outputs/demo-sdxl-tiny/stopped.safetensors").exists()
+    assert lora.is_file()
     log = (workdir / "outputs/demo-sdxl-tiny/stopped.log").read_text()
-    assert "steps: 1/500" in log and log.rstrip().endswith("# stopped")
+    assert "steps: 1/500" in log and log.rstrip().endswith("# " + state.message)
     assert (workdir / "outputs/demo-sdxl-tiny/stopped.toml").is_file()
 
 

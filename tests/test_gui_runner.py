@@ -62,13 +62,53 @@ def test_stop_kills_the_whole_tree_and_runs_one_at_a_time(tmp_path):
 
     prog = runner.snapshot().progress
     assert prog["total"] == 1000 and prog["step"] >= 1 and prog["its"] == 2.0 and prog["loss"] is not None
-    assert runner.stop(grace=1.0) is True
+    # no "stopped at step" line comes (the grandchild ignores SIGTERM): the tree is killed after save_timeout
+    assert runner.stop(grace=1.0, save_timeout=2.0) is True
     state = runner.snapshot()
     assert not state.running and state.stopped and state.message == "stopped"
     assert wait_for(lambda: not any(alive(p) for p in pids), 10), [p for p in pids if alive(p)]
     text = log.read_text()
     assert "pid0=" in text and "steps: 1/1000" in text and text.rstrip().endswith("# stopped")
     assert runner.stop() is False  # nothing running any more
+
+
+# `accelerate launch` (dies on SIGTERM) over a trainer that answers SIGTERM by saving (library.stop_signal)
+LAUNCHER = "import subprocess, sys; subprocess.Popen([sys.executable, sys.argv[1], sys.argv[2]]).wait()"
+TRAINER = textwrap.dedent("""
+    import os, signal, sys, time
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+    step = 0
+    while not stop:
+        step += 1
+        print(f"steps: {step}/1000 loss=0.1", flush=True)
+        time.sleep(0.2)
+    time.sleep(1.5)  # the save
+    with open(sys.argv[1], "w") as f:
+        f.write("saved")
+    print(f"stopped at step {step}, saved {sys.argv[1]}", flush=True)
+    time.sleep(30)  # lingers after its line: killed `grace` seconds later
+""")
+
+
+@pytest.mark.parametrize("now", [False, True])
+def test_stop_waits_for_the_save_and_stop_now_does_not(tmp_path, now):
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(TRAINER)
+    result = tmp_path / "out" / "x.safetensors"
+    runner = Runner()
+    runner.start([[sys.executable, "-c", LAUNCHER, str(trainer), str(result)]], tmp_path / "out" / "run.log")
+    assert wait_for(lambda: runner.snapshot().progress)
+    pids = [runner.pid, *(p.pid for p in psutil.Process(runner.pid).children(recursive=True))]
+    started = time.time()
+    assert runner.stop(grace=1.0, now=now) is True
+    state = runner.snapshot()
+    assert state.stopped and not any(alive(p) for p in pids)
+    if now:
+        assert state.message == "stopped" and not result.exists()
+    else:
+        assert state.message == f"stopped at step {state.progress['step']}, saved {result}"
+        assert result.read_text() == "saved" and time.time() - started < 15
 
 
 def test_finished_and_failed_runs_report_status_outputs_and_errors(tmp_path):

@@ -187,9 +187,10 @@ def start_training(tab: str, family: str, *ui_values) -> tuple[str, str, str]:
             ok_md(f"Training started; log: `{command.log_path(values)}`"))
 
 
-def stop_training() -> str:
-    if RUNNER.stop():
-        return ok_md("Training stopped.")
+def stop_training(now: bool = False) -> str:
+    """Stop: the trainer finishes its step and saves (it may take a while); Stop now: kills it, nothing saved."""
+    if RUNNER.stop(now=now):
+        return ok_md("Training stopped." if now else f"Training stopped: {RUNNER.snapshot().message}")
     return error_md("No training is running.")
 
 

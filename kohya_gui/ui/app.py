@@ -117,7 +117,8 @@ def build_tab(tab: str) -> dict:
 
     with gr.Row():
         start_btn = gr.Button("Start training", variant="primary", elem_id=f"{tab}-start")
-        stop_btn = gr.Button("Stop training", variant="stop", elem_id=f"{tab}-stop")
+        stop_btn = gr.Button("Stop training (save)", variant="stop", elem_id=f"{tab}-stop")
+        stop_now_btn = gr.Button("Stop now (no save)", variant="stop", elem_id=f"{tab}-stop-now")
         print_btn = gr.Button("Print training command", elem_id=f"{tab}-print")
     with gr.Row():
         cmd = gr.Textbox(label="Training command (what Start training runs)", lines=3, max_lines=6,
@@ -141,6 +142,7 @@ def build_tab(tab: str) -> dict:
     start_btn.click(functools.partial(A.start_training, tab), inputs=[family, *inputs],
                     outputs=[cmd, standalone, status])
     stop_btn.click(A.stop_training, outputs=status)
+    stop_now_btn.click(functools.partial(A.stop_training, now=True), outputs=status)
     return {"controls": controls, "accordions": accordions, "family": family, "status": status, "command": cmd}
 
 
