@@ -58,12 +58,24 @@ def check_both_ranks_trained(proc: subprocess.CompletedProcess, batches_per_rank
 
 
 def test_two_process_sdxl_lora(tmp_path, tiny_sdxl_single_file, tiny_dataset_dir):
+    import shutil
+
     out = tmp_path / "out"
-    proc = launch("sdxl_train_network.py", common(tiny_sdxl_single_file, tiny_dataset_dir, out, "lora")
+    data = shutil.copytree(tiny_dataset_dir, tmp_path / "data")  # the disk caches are written beside the images
+    proc = launch("sdxl_train_network.py", common(tiny_sdxl_single_file, data, out, "lora")
                   + ["--network_module", "networks.lora", "--network_dim", 4, "--save_every_n_steps", 1,
                      "--save_state", "--compile", "--compile_backend", "eager", "--lr_scheduler", "linear",
-                     "--lr_warmup_steps", 2])
+                     "--lr_warmup_steps", 2, "--cache_latents_to_disk", "--cache_text_encoder_outputs_to_disk",
+                     "--network_train_unet_only"])
     check_both_ranks_trained(proc, batches_per_rank=4)  # 8 batches (4 images x 2 repeats) split over 2
+    # disk caches: the main process encodes and writes them, the other waits and then reuses its files
+    log = proc.stdout + proc.stderr
+    for what, line in (("latents", "caching latents: {} images to encode, {} reused from disk"),
+                       ("text encoder outputs", "caching text encoder outputs: {} captions to encode, {} reused "
+                                                "from disk")):
+        assert f"process 0/2 caches the {what} to disk" in log and f"process 1/2 reads the {what}" in log, log
+        assert log.count(line.format(4, 0)) == 1 and log.count(line.format(0, 4)) == 1, log
+        assert log.index(line.format(4, 0)) < log.index(line.format(0, 4))
     # the LR schedule as upstream's accelerate-prepared one: 2 x 2 = 4 scheduler steps, 2 per optimizer step,
     # so the warmup of 2 ends with the first step (lr 1e-3; one process would be half-way, 5e-4)
     assert re.search(r"steps: 1/2 .*lr=1\.00e-03", proc.stdout), proc.stdout[-2000:]

@@ -8,6 +8,7 @@ averaged here before the optimizer step, so every process holds the same weights
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -105,6 +106,30 @@ def all_reduce_gradient(grad: torch.Tensor, accelerator) -> None:
     if is_distributed(accelerator):
         torch.distributed.all_reduce(grad, op=torch.distributed.ReduceOp.SUM)
         grad.div_(accelerator.num_processes)
+
+
+@contextlib.contextmanager
+def main_process_first(accelerator, to_disk: bool, what: str):
+    """Around a dataset cache call. Disk caches: the main process fills them first while the others wait
+    (accelerator.wait_for_everyone), then the others run the same call, which finds and reuses its files; no two
+    processes encode or write the same file. Caches in memory: every process encodes its own copy at once.
+
+    Afterwards every process takes the main process's global torch (and CUDA) RNG state: only the main process
+    drew the VAE's latent samples, and the trained weights are initialised from these generators later, which must
+    give every process the same weights (nothing broadcasts them: no DDP wrapper here)."""
+    if not to_disk or accelerator.num_processes == 1:
+        yield
+        return
+    rank, world = accelerator.process_index, accelerator.num_processes
+    with accelerator.main_process_first():
+        if accelerator.is_main_process:
+            logger.info("process %d/%d caches the %s to disk; the other processes wait for it", rank, world, what)
+        else:
+            logger.info("process %d/%d reads the %s the main process cached", rank, world, what)
+        yield
+    from accelerate.utils import synchronize_rng_states
+
+    synchronize_rng_states(["torch", "cuda"] if accelerator.device.type == "cuda" else ["torch"])
 
 
 def log_process(accelerator, num_batches: int) -> None:

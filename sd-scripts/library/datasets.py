@@ -646,7 +646,8 @@ class DatasetGroup(torch.utils.data.Dataset):
                 info.te_npz = fmt.npz_path(info.path)
                 continue
             todo.append((info, caption))
-        logger.info("caching text encoder outputs: %d captions to encode", len(todo))
+        logger.info("caching text encoder outputs: %d captions to encode, %d reused from disk", len(todo),
+                    sum(1 for _ in self.all_images()) - len(todo))
         with torch.no_grad():
             step = max(1, int(batch_size or max(d.params.batch_size for d in self.datasets)))
             for k in range(0, len(todo), step):

@@ -736,11 +736,12 @@ class NetworkTrainer:
         if caching_latents:
             vae.to(device, dtype=vae_dtype)
             vae.requires_grad_(False).eval()
-            for g in groups:
-                g.cache_latents(lambda images: self.encode_images(args, components, images),
-                                to_disk=args.cache_latents_to_disk, signature=self.cache_signature(args, "vae"),
-                                batch_size=args.vae_batch_size, fmt=self.latent_cache_format(args, components),
-                                skip_check=args.skip_cache_check)
+            with data_parallel.main_process_first(accelerator, args.cache_latents_to_disk, "latents"):
+                for g in groups:
+                    g.cache_latents(lambda images: self.encode_images(args, components, images),
+                                    to_disk=args.cache_latents_to_disk, signature=self.cache_signature(args, "vae"),
+                                    batch_size=args.vae_batch_size, fmt=self.latent_cache_format(args, components),
+                                    skip_check=args.skip_cache_check)
             vae.to("cpu")
         caching_te = args.cache_text_encoder_outputs or args.cache_text_encoder_outputs_to_disk
         for te in components.text_encoders:
@@ -749,13 +750,15 @@ class NetworkTrainer:
         if caching_te:
             for te in components.text_encoders:
                 te.eval()
-            for g in groups:
-                g.cache_text_encoder_outputs(lambda caps: self.encode_prompts(args, components, caps, False),
-                                             to_disk=args.cache_text_encoder_outputs_to_disk,
-                                             batch_size=getattr(args, "text_encoder_batch_size", None),
-                                             signature=self.cache_signature(args, "te"),
-                                             skip_check=args.skip_cache_check,
-                                             fmt=self.te_cache_format(args, components))
+            with data_parallel.main_process_first(accelerator, args.cache_text_encoder_outputs_to_disk,
+                                                  "text encoder outputs"):
+                for g in groups:
+                    g.cache_text_encoder_outputs(lambda caps: self.encode_prompts(args, components, caps, False),
+                                                 to_disk=args.cache_text_encoder_outputs_to_disk,
+                                                 batch_size=getattr(args, "text_encoder_batch_size", None),
+                                                 signature=self.cache_signature(args, "te"),
+                                                 skip_check=args.skip_cache_check,
+                                                 fmt=self.te_cache_format(args, components))
             for te in components.text_encoders:
                 te.to("cpu")
 
