@@ -81,9 +81,9 @@ def test_two_process_sdxl_lora(tmp_path, tiny_sdxl_single_file, tiny_dataset_dir
     assert re.search(r"steps: 1/2 .*lr=1\.00e-03", proc.stdout), proc.stdout[-2000:]
     # each process compiles its own UNet
     assert (proc.stdout + proc.stderr).count("Compiling SDXL UNet with torch.compile: backend=eager") == 2
-    assert sorted(p.name for p in out.iterdir()) == [
-        "lora-state", "lora-step00000001-state", "lora-step00000001.safetensors", "lora.safetensors",
-        "lora_config.toml"]
+    assert sorted(p.name for p in out.iterdir()) == [  # step saves at every step, the last one too (upstream)
+        "lora-state", "lora-step00000001-state", "lora-step00000001.safetensors", "lora-step00000002-state",
+        "lora-step00000002.safetensors", "lora.safetensors", "lora_config.toml"]
     # every process saved its own RNG state into the one state folder
     assert {p.name for p in (out / "lora-state").glob("random_states_*.pkl")} == {"random_states_0.pkl",
                                                                                    "random_states_1.pkl"}
@@ -103,8 +103,8 @@ def test_two_process_sdxl_dreambooth(tmp_path, tiny_sdxl_single_file, tiny_datas
     # no --seed: the main process draws one and every process uses it (they must agree on the data order)
     seeds = re.findall(r"seed: (\d+) \(random", proc.stdout + proc.stderr)
     assert len(seeds) == 2 and seeds[0] == seeds[1], seeds
-    assert sorted(p.name for p in out.iterdir()) == ["db-step00000001.safetensors", "db.safetensors",
-                                                     "db_config.toml", "sample"]
+    assert sorted(p.name for p in out.iterdir()) == ["db-step00000001.safetensors", "db-step00000002.safetensors",
+                                                     "db.safetensors", "db_config.toml", "sample"]
     assert [p.suffix for p in (out / "sample").iterdir()] == [".png"]  # sampled once, by the main process
 
 
