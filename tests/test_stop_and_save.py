@@ -66,6 +66,31 @@ def test_sigterm_saves_and_exits_zero(tmp_path, tiny_sdxl_single_file, tiny_data
     assert read_lora(resumed)[1]["ss_steps"] == str(step + 1)
 
 
+def test_stop_request_first_signal_flags_second_aborts_and_restore(tmp_path):
+    """In-process: the first Ctrl+C only sets the flag; a second one (during a save here) raises
+    KeyboardInterrupt and the atomic writer leaves neither the result nor its temporary file."""
+    import torch
+
+    from library import stop_signal, train_util
+
+    before = signal.getsignal(signal.SIGINT)
+    stop = stop_signal.StopRequest().install()
+    try:
+        assert not stop.requested()
+        signal.raise_signal(signal.SIGINT)
+        assert stop.requested() and stop.signal_name == "SIGINT"
+        target = tmp_path / "x.safetensors"
+        with pytest.raises(KeyboardInterrupt):
+            with train_util.atomic_target(target) as tmp:
+                torch.save({"a": torch.zeros(2)}, tmp)
+                signal.raise_signal(signal.SIGINT)
+                os.replace(tmp, target)  # not reached
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGINT) is before
+
+
 # ---------------------------------------------------------------------------------------------------------
 # state folders: written beside the target, renamed when complete (library.state_folders)
 

@@ -845,8 +845,9 @@ class NetworkTrainer:
         val_args = (args, accelerator, validator, noise_scheduler, components, weight_dtype, caching_te, device,
                     trainable.models)
         stop = self.stop.install()
+        stopping = False  # the ranks' agreed answer (a signal can reach one rank after the others' last check)
         for epoch in range(first_epoch, num_epochs):
-            if global_step >= max_train_steps or stop.flag:
+            if global_step >= max_train_steps or stopping:
                 break
             group.set_current_epoch(epoch + 1)
             for g in groups:
@@ -924,9 +925,12 @@ class NetworkTrainer:
                 if should_sample(args, epoch=None, steps=global_step):
                     self.sample_images(args, epoch=None, steps=global_step, **sample_kwargs)
                     timer.restart()
-                if global_step >= max_train_steps or stop.requested(accelerator):
+                if global_step >= max_train_steps:
                     break
-            if stop.flag:
+                stopping = stop.requested(accelerator)
+                if stopping:
+                    break
+            if stopping:
                 break  # mid-epoch: no epoch-end save, sample or validation
 
             done_epoch = epoch + 1
@@ -952,7 +956,6 @@ class NetworkTrainer:
             print(summary, flush=True)  # stdout, under the last progress line
         data_parallel.log_process_done(accelerator, global_step, last_loss, trained_params)
         final_epoch = max(state.epoch, 1)
-        stop.saving()
         accelerator.wait_for_everyone()
         with self.eval_weights(args):
             if accelerator.is_main_process:

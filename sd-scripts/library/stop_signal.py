@@ -4,12 +4,12 @@ save; kohya_ss#244).
 
     stop = StopRequest().install()     # at the start of the training loop (main thread only; else a no-op)
     ... if stop.requested(accelerator): break      # once per optimizer step: a flag check
-    stop.saving()                      # from now on a second signal aborts the save (KeyboardInterrupt)
     stop.restore()                     # the previous handlers again (in-process callers are unaffected)
 
-A second signal while the results are being saved raises KeyboardInterrupt there: every result goes through a
-temporary name and a rename (train_util.atomic_target, saving of state folders), so an aborted save leaves the
-earlier files and no broken one. Before the loop starts the default handlers are in place (nothing to save yet).
+A second signal (stop now) raises KeyboardInterrupt where the run is, also in the middle of a save: every result
+goes through a temporary name and a rename (train_util.atomic_target, library.state_folders), so an aborted save
+leaves the earlier files and no broken one. Before the loop starts the default handlers are in place (nothing to
+save yet); a first signal during the final save only lets it finish.
 
 Windows: Ctrl+C (SIGINT) and Ctrl+Break (SIGBREAK) are handled; SIGTERM is not delivered there (another process
 ending it calls TerminateProcess, which cannot be caught), so a stop from outside a console has to send
@@ -31,7 +31,6 @@ class StopRequest:
     def __init__(self):
         self.flag = False
         self.signal_name: str | None = None
-        self._saving = False
         self._previous: dict[int, object] = {}
 
     def install(self) -> "StopRequest":
@@ -50,16 +49,12 @@ class StopRequest:
         self._previous.clear()
 
     def _handle(self, signum, frame) -> None:
-        if self._saving or self.flag:
-            # a second signal: stop now; the atomic writers remove their temporary files on the way out
+        if self.flag:  # a second signal: stop now; the atomic writers remove their temporary files on the way out
             raise KeyboardInterrupt
         self.flag = True
         self.signal_name = signal.Signals(signum).name
         logger.warning("%s received: stopping after the current step and saving (send it again to stop at once)",
                        self.signal_name)
-
-    def saving(self) -> None:
-        self._saving = True
 
     def requested(self, accelerator=None) -> bool:
         """The flag; with several processes the ranks agree (any rank's request stops all at the same step)."""
