@@ -233,6 +233,25 @@ def test_compile_cache_lands_in_the_documented_folder(tmp_path):
         [user, os.path.join(user, "fxgraph")], [flag, os.path.join(flag, "fxgraph")]]
 
 
+def test_shape_log_one_line_per_new_shape_and_no_recompile_logs(tmp_path, monkeypatch, caplog):
+    calls = []
+    monkeypatch.setattr(torch._logging, "set_logs", lambda **kw: calls.append(kw))
+    cu.setup_compile_environment(_parse("--compile", "--compile_cache_dir", str(tmp_path)))
+    assert not any(kw.get("recompiles") for kw in calls)  # torch's [__recompiles] lines stay off by default
+
+    caplog.set_level(logging.INFO, logger=cu.logger.name)
+    log = cu.ShapeLog(_parse("--compile", "--compile_mode", "reduce-overhead"))
+    square, wide = torch.zeros(1, 4, 8, 8), torch.zeros(1, 4, 4, 16)
+    seen = [log.see({"latents": square}), log.see({"latents": square}), log.see({"latents": None, "images": wide}),
+            log.see({"latents": square}), log.see({"latents": wide})]
+    assert seen == [True, False, True, False, False]
+    lines = [r.getMessage() for r in caplog.records if "new input shape" in r.getMessage()]
+    assert lines == ["torch.compile: new input shape 1x4x8x8 (1 so far): this step compiles and records CUDA graphs "
+                     "for it",
+                     "torch.compile: new input shape 1x4x4x16 (2 so far): this step compiles and records CUDA graphs "
+                     "for it"]
+
+
 def test_strip_orig_mod():
     sd = {"a._orig_mod.b.weight": 1, "c.weight": 2}
     assert cu.strip_orig_mod(sd) == {"a.b.weight": 1, "c.weight": 2}

@@ -192,6 +192,10 @@ def test_sdxl_compile_two_buckets_dynamic_auto(tmp_path, tiny_sdxl_diffusers, ca
     buckets = json.loads(md["ss_bucket_info"])["buckets"]
     assert sorted(tuple(b["resolution"]) for b in buckets.values()) == [(64, 64), (128, 32)]
     assert md["ss_compile_dynamic"] == "auto" and md["ss_steps"] == "2"
+    # one line per bucket shape (latents 8x8 and 16x4 here), no torch recompile lines
+    shapes = [r.getMessage() for r in caplog.records if "torch.compile: new input shape" in r.getMessage()]
+    assert len(shapes) == 2 and len(set(shapes)) == 2, shapes
+    assert "__recompiles" not in caplog.text and "Recompiling function" not in caplog.text
     assert trainer.compiled_blocks == count_transformer_blocks(tiny_sdxl_diffusers)
     check_loads_in_diffusers(path, load_components(tiny_sdxl_diffusers))
 

@@ -340,9 +340,35 @@ def setup_compile_environment(args) -> dict:
         applied["cache_size_limit"] = limit
         logger.info("torch._dynamo recompile limit set to %d", limit)
 
-    # Say in the log what recompiled and why (bucketed shapes); torch warns itself when the limit is hit.
-    torch._logging.set_logs(recompiles=True)
+    # No torch recompile logging by default: its [__recompiles] lines (guard failures, several per new shape and
+    # block) filled the console; ShapeLog says once per new input shape instead. TORCH_LOGS=recompiles shows them,
+    # and torch warns itself when the recompile limit is hit.
     return applied
+
+
+class ShapeLog:
+    """One log line per new input shape of the compiled model during training: each new shape compiles new graphs
+    (and, with CUDA graphs, records them), which is why those steps are slow."""
+
+    def __init__(self, args):
+        self.args = args
+        self.shapes: set[tuple] = set()
+
+    def see(self, batch: dict) -> bool:
+        """Note the batch's input shape (cached latents, else images); True (and a log line) when it is new."""
+        t = batch.get("latents")
+        if t is None:
+            t = batch.get("images")
+        if t is None:
+            return False
+        shape = tuple(t.shape)
+        if shape in self.shapes:
+            return False
+        self.shapes.add(shape)
+        what = "compiles and records CUDA graphs" if uses_cuda_graphs(self.args) else "compiles"
+        logger.info("torch.compile: new input shape %s (%d so far): this step %s for it",
+                    "x".join(map(str, shape)), len(self.shapes), what)
+        return True
 
 
 def _set_recompile_limit(limit: int) -> None:

@@ -836,6 +836,7 @@ class NetworkTrainer:
         from library import compile_utils
 
         compiled = compile_utils.compile_args(args)
+        shape_log = compile_utils.ShapeLog(compiled) if compiled is not None and compiled.compile else None
 
         if args.sample_at_first:
             self.sample_images(args, epoch=None, steps=global_step, **sample_kwargs)
@@ -866,6 +867,8 @@ class NetworkTrainer:
                 self.on_step_start(args)
                 if compile_utils.opens_accumulation_window(accelerator.step, args.gradient_accumulation_steps):
                     compile_utils.mark_step_begin(compiled)  # once per optimizer step (CUDA graphs)
+                if shape_log is not None:
+                    shape_log.see(batch)
                 set_network_multiplier(trainable.models, batch)
                 with accelerator.accumulate(*trainable.models):
                     loss = self.training_step(args, accelerator, noise_scheduler, batch, components, weight_dtype,
