@@ -366,8 +366,8 @@ def test_v_prediction_model_trains_and_reports_v():
     trainer.use_prediction_type(args, pt)
     assert trainer.get_noise_scheduler(args, comps).config.prediction_type == "v_prediction"
     assert trainer.base_model_version(args) == "sd_v2_v"
-    assert trainer.modelspec_metadata(args)["modelspec.prediction_type"] == "v"
-    assert trainer.modelspec_metadata(args)["modelspec.architecture"] == "stable-diffusion-v2-768-v"
+    assert trainer.modelspec(args, lora=False)["modelspec.prediction_type"] == "v"
+    assert trainer.modelspec(args, lora=False)["modelspec.architecture"] == "stable-diffusion-v2-768-v"
 
 
 def test_flux_huber_threshold_uses_sigma_times_1000():
