@@ -190,7 +190,8 @@ class Runner:
         except psutil.Error:
             tree = []
         _kill_group(proc.pid, signal.SIGTERM)
-        _signal_each(tree[1:], psutil.Process.terminate)
+        # once per process: a second SIGTERM would be the trainer's "stop now" (no save)
+        _signal_each(_outside_group(tree[1:], proc.pid), psutil.Process.terminate)
         deadline = time.time() + save_timeout
         while time.time() < deadline and any(_alive(p) for p in tree):
             seen = self._stopped_line
@@ -320,6 +321,20 @@ def _alive(p: psutil.Process) -> bool:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def _outside_group(processes: list, pgid: int) -> list:
+    """The processes that left process group `pgid` (a group signal does not reach them)."""
+    if not hasattr(os, "getpgid"):
+        return processes
+    out = []
+    for p in processes:
+        try:
+            if os.getpgid(p.pid) != pgid:
+                out.append(p)
+        except (OSError, psutil.Error):
+            pass
+    return out
 
 
 def _signal_each(processes: list, send) -> None:

@@ -3,7 +3,9 @@ Stop ends the whole process tree (children and grandchildren, also ones that ign
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 import sys
 import textwrap
 import time
@@ -142,3 +144,22 @@ def test_progress_parser():
     assert p["its"] == 0.5 and p["eta_s"] == 14.0 and p["loss"] != p["loss"]
     assert parse_progress("loading model from x.safetensors") is None
     assert format_eta(3725) == "1:02:05" and format_eta(37) == "00:37" and format_eta(None) == "-"
+
+
+@pytest.mark.skipif(not hasattr(os, "getpgid"), reason="POSIX process groups")
+def test_stop_signals_each_process_once():
+    """Stop's SIGTERM goes to the run's process group; only descendants outside that group get their own (a
+    second SIGTERM is the trainer's "stop now")."""
+    import psutil
+
+    from kohya_gui.runner import _outside_group
+
+    same = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    try:
+        procs = [psutil.Process(same.pid), psutil.Process(other.pid)]
+        assert [p.pid for p in _outside_group(procs, os.getpgid(0))] == [other.pid]
+    finally:
+        for p in (same, other):
+            p.kill()
+            p.wait()

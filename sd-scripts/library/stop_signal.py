@@ -8,7 +8,8 @@ save; kohya_ss#244).
 
 A second signal (stop now) raises KeyboardInterrupt where the run is, also in the middle of a save: every result
 goes through a temporary name and a rename (train_util.atomic_target, library.state_folders), so an aborted save
-leaves the earlier files and no broken one. Before the loop starts the default handlers are in place (nothing to
+leaves the earlier files and no broken one. A repeat within REPEAT_WINDOW_S of the first is the same stop
+reaching the process twice (a tree-wide SIGTERM plus the one a launcher forwards) and is ignored. Before the loop starts the default handlers are in place (nothing to
 save yet); a first signal during the final save only lets it finish.
 
 Windows: Ctrl+C (SIGINT) and Ctrl+Break (SIGBREAK) are handled; SIGTERM is not delivered there (another process
@@ -20,8 +21,12 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 
 logger = logging.getLogger(__name__)
+
+# a second signal sooner than this after the first is taken as the same stop, delivered twice
+REPEAT_WINDOW_S = 2.0
 
 # the signals that mean "stop and save"; SIGBREAK exists only on Windows
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGBREAK") if hasattr(signal, name))
@@ -31,6 +36,7 @@ class StopRequest:
     def __init__(self):
         self.flag = False
         self.signal_name: str | None = None
+        self._first_at = 0.0
         self._previous: dict[int, object] = {}
 
     def install(self) -> "StopRequest":
@@ -49,9 +55,12 @@ class StopRequest:
         self._previous.clear()
 
     def _handle(self, signum, frame) -> None:
-        if self.flag:  # a second signal: stop now; the atomic writers remove their temporary files on the way out
-            raise KeyboardInterrupt
+        if self.flag:
+            if time.monotonic() - self._first_at < REPEAT_WINDOW_S:
+                return  # the same stop delivered twice
+            raise KeyboardInterrupt  # stop now; the atomic writers remove their temporary files on the way out
         self.flag = True
+        self._first_at = time.monotonic()
         self.signal_name = signal.Signals(signum).name
         logger.warning("%s received: stopping after the current step and saving (send it again to stop at once)",
                        self.signal_name)
