@@ -242,6 +242,8 @@ def test_cpu_offload_checkpointing_keeps_block_inputs_offloaded(monkeypatch):
 def test_cpu_offload_checkpointing_around_compiled_blocks():
     from test_compile_utils import _assert_same, _tiny_unet, _unet_step, _with_lora
 
+    if torch.cuda.is_available():
+        torch.cuda.init()  # on a GPU machine, dynamo would initialise CUDA inside the first checkpointed forward
     plain, comp = _tiny_unet(), _tiny_unet()
     net_plain, net_comp = _with_lora(plain), _with_lora(comp)
     net_comp.load_state_dict(net_plain.state_dict())

@@ -54,7 +54,7 @@ def setup_logging(level: int = logging.INFO) -> None:
 def apply_console_log_args(args) -> None:
     """Applies the --console_log_* options of a parsed run (none given: the log stays as it is)."""
     level_name = getattr(args, "console_log_level", None)
-    path = getattr(args, "console_log_file", None)
+    path = getattr(args, "console_log_file", None) or None  # "" (a GUI's empty field) = not given
     simple = bool(getattr(args, "console_log_simple", False))
     if level_name is None and path is None and not simple:
         return
