@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind docs/BENCHMARKS.md, on one CUDA GPU (dp2: two). Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|fused_final|sdp|sdp_bs4|attn_lora|lycoris|record|full_sdxl|dp2 [OUTDIR]
+# The runs behind docs/BENCHMARKS.md, on one CUDA GPU (dp2: two). Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|fused_final|sdp|sdp_bs4|attn_lora|lycoris[_bs1|_bs4]|record|full_sdxl|dp2 [OUTDIR]
 # Each configuration runs in its own process (eager and compiled in that one process) with a fresh compile
 # cache, so "first compiled step" is a cold compile; the warm-start run reuses the SDXL bs1+GC cache.
 set -u
@@ -122,10 +122,13 @@ case "${1:-}" in
     run sdxl_bs4_gc_attn 150 $C --batch_size 4 --compile_cache_dir "$CACHE_ROOT/attn"
     run sdxl_bs1_gc_attn 150 $C --compile_cache_dir "$CACHE_ROOT/attn"
     ;;
-  lycoris)  # issue 12: kohya LoRA r32 vs LyCORIS LoCon and LoKr (dim 32, full preset), bs1 and bs4 + GC, compiled
+  lycoris|lycoris_bs1|lycoris_bs4)  # issue 12: kohya LoRA r32 vs LyCORIS LoCon and LoKr (dim 32, full preset),
+    # bs1 and bs4 + GC, compiled (lycoris_bs1 / lycoris_bs4: one batch size, to fit a 10-minute device call)
     C="--family sdxl --compile_mode reduce-overhead --phases compiled --rank 32"
     rm -rf "$CACHE_ROOT"
-    for B in "1" "4 --gradient_checkpointing"; do
+    case "$1" in lycoris_bs1) BATCHES=("1") ;; lycoris_bs4) BATCHES=("4 --gradient_checkpointing") ;;
+      *) BATCHES=("1" "4 --gradient_checkpointing") ;; esac
+    for B in "${BATCHES[@]}"; do
       N=bs${B%% *}
       run sdxl_${N}_lora 200 $C --batch_size $B --compile_cache_dir "$CACHE_ROOT/lora_$N"
       run sdxl_${N}_locon 200 $C --batch_size $B --network_module lycoris.kohya --network_args algo=locon --compile_cache_dir "$CACHE_ROOT/locon_$N"
