@@ -130,9 +130,9 @@ case "${1:-}" in
       *) BATCHES=("1" "4 --gradient_checkpointing") ;; esac
     for B in "${BATCHES[@]}"; do
       N=bs${B%% *}
-      run sdxl_${N}_lora 200 $C --batch_size $B --compile_cache_dir "$CACHE_ROOT/lora_$N"
-      run sdxl_${N}_locon 200 $C --batch_size $B --network_module lycoris.kohya --network_args algo=locon --compile_cache_dir "$CACHE_ROOT/locon_$N"
-      run sdxl_${N}_lokr 200 $C --batch_size $B --network_module lycoris.kohya --network_args algo=lokr factor=8 --compile_cache_dir "$CACHE_ROOT/lokr_$N"
+      run sdxl_${N}_lora ${RUN_LIMIT:-200} $C --batch_size $B --compile_cache_dir "$CACHE_ROOT/lora_$N"
+      run sdxl_${N}_locon ${RUN_LIMIT:-200} $C --batch_size $B --network_module lycoris.kohya --network_args algo=locon --compile_cache_dir "$CACHE_ROOT/locon_$N"
+      run sdxl_${N}_lokr ${RUN_LIMIT:-200} $C --batch_size $B --network_module lycoris.kohya --network_args algo=lokr factor=8 --compile_cache_dir "$CACHE_ROOT/lokr_$N"
     done
     ;;
   record)  # session 3: what the 2nd compiled step (CUDA graph recording) spends its time on
