@@ -25,3 +25,39 @@ def test_tiny_eager_phase_reports_trainer_and_outside_timings(tmp_path, tiny_sdx
     assert r["trainer_summary"]["median_ms"] > 0 and r["trainer_summary"]["steps"] == "4-6"
     # the progress line prints at most once a second, but always on the first and the last step
     assert r["outside_ms_per_step"] > 0 and r["outside_steps"].endswith("-6")
+
+
+TINY_FLUX = {
+    "transformer": dict(width=128, num_double=1, num_single=1, t5_dim=32, clip_dim=64, guidance=True),
+    "clip_l": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
+                   max_position_embeddings=77, projection_dim=64, hidden_act="quick_gelu"),
+    "t5xxl": dict(vocab_size=256, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+                  feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False),
+    "ae": dict(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
+               up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[32] * 4, layers_per_block=1,
+               latent_channels=16, norm_num_groups=32, use_quant_conv=False, use_post_quant_conv=False),
+}
+
+
+@pytest.mark.slow
+def test_flux_set_in_users_layout_trains_with_the_shipped_flux_script(tmp_path):
+    """The FLUX.1 half: prepare_flux writes the four files in BFL / transformers layouts (here at small sizes) and
+    `run --family flux` times flux_train_network.py on them."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_shipped", REPO / "tools" / "bench_shipped.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    work = tmp_path / "w"
+    bench.prepare_flux(work / "flux", TINY_FLUX)
+    bench.make_images(work, 2, 64)
+    assert {p.name for p in (work / "flux").iterdir()} == {"flux.safetensors", "clip_l.safetensors",
+                                                          "t5xxl.safetensors", "ae.safetensors", "tokenizers"}
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "bench_shipped.py"), "run", "--family", "flux",
+                           "--workdir", str(work), "--resolution", "64", "--phases", "eager", "--steps", "4",
+                           "--warmup", "1", "--network_dim", "4", "--json_out", str(out), "--",
+                           "--mixed_precision", "no"], timeout=300, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    (r,) = json.loads(out.read_text())
+    assert r["family"] == "flux" and r["rc"] == 0 and r["trainer_summary"]["median_ms"] > 0

@@ -1,12 +1,13 @@
-"""Times the SHIPPED trainers (what users run) on a random full-size SDXL checkpoint, eager and compiled.
+"""Times the SHIPPED trainers (what users run) on random full-size SDXL or FLUX.1 checkpoints, eager and compiled.
 
-    python tools/bench_shipped.py prepare --workdir W                 # random full-size SDXL + 1024 px images
-    python tools/bench_shipped.py run --workdir W --steps 60 [--gradient_checkpointing] [--batch_size 4]
-           [--phases eager,compiled] [--compile_mode reduce-overhead] [--scripts_dir OTHER/sd-scripts]
+    python tools/bench_shipped.py prepare --workdir W [--family flux]  # random full-size models + 1024 px images
+    python tools/bench_shipped.py run --workdir W --steps 60 [--family flux] [--gradient_checkpointing]
+           [--batch_size 4] [--phases eager,compiled] [--compile_mode reduce-overhead] [--scripts_dir OTHER/sd-scripts]
 
-`prepare` writes `W/sdxl.safetensors` (SGM keys, bf16, random weights: nothing is downloaded), tokenizers
-and a kohya image folder. `run` starts `sdxl_train_network.py` once per phase (LoRA r32, bf16, AdamW, cached
-latents and text-encoder outputs) and reports two figures per phase:
+`prepare` writes random weights in users' file layouts (nothing is downloaded): SDXL `W/sdxl.safetensors` (SGM
+keys, bf16); FLUX.1 `W/flux/` with the BFL dev transformer, CLIP-L, T5-XXL (bf16) and the AE, all full size. Plus
+tokenizers and a kohya image folder. `run` starts `sdxl_train_network.py` (LoRA r32) or `flux_train_network.py`
+(LoRA r16) once per phase (bf16, AdamW, cached latents and text-encoder outputs) and reports two figures per phase:
 - the trainer's own summary line ("median step ... ms"; library/step_timer.py), and
 - a measurement from outside: the time between the progress lines the trainer prints (at most one a second)
   after the warm-up steps. It needs nothing from the trainer but its progress line, so it also times older
@@ -31,8 +32,11 @@ PROGRESS = re.compile(r"^steps: (\d+)/(\d+) ")
 SUMMARY = re.compile(r"^median step ([\d.]+) ms \(steps (\d+)-(\d+)\)(?:; (.*))?$")
 
 
-def prepare(workdir: Path, images: int, resolution: int, checkpoint: str | None = None) -> None:
+def prepare(workdir: Path, images: int, resolution: int, checkpoint: str | None = None, family: str = "sdxl") -> None:
     sys.path.insert(0, str(SD_SCRIPTS))
+    if family == "flux":
+        prepare_flux(workdir / "flux")
+        return make_images(workdir, images, resolution)
     import torch
     from accelerate import init_empty_weights
     from diffusers import AutoencoderKL, UNet2DConditionModel
@@ -66,19 +70,93 @@ def prepare(workdir: Path, images: int, resolution: int, checkpoint: str | None 
                              prediction_type="epsilon", source="random full-size sdxl")
         model_util.save_sd_checkpoint(ckpt, comps, save_dtype=torch.bfloat16)
         print(f"wrote {ckpt} ({ckpt.stat().st_size / 2**30:.1f} GiB) in {time.perf_counter() - t0:.0f} s")
+    make_images(workdir, images, resolution)
+
+
+# FLUX.1-dev's shapes (black-forest-labs/FLUX.1-dev): transformer, CLIP-L and T5-XXL v1.1 encoder, AE
+FLUX_DEV = dict(width=3072, num_double=19, num_single=38, t5_dim=4096, clip_dim=768, guidance=True)
+CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+              max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu")
+T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+              feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False)
+FLUX_AE = dict(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
+               up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[128, 256, 512, 512], layers_per_block=2,
+               latent_channels=16, norm_num_groups=32, use_quant_conv=False, use_post_quant_conv=False)
+
+
+def prepare_flux(dest: Path, shapes: dict | None = None) -> None:
+    """The four FLUX.1 files a user passes (--pretrained_model_name_or_path, --clip_l, --t5xxl, --ae) with random
+    weights, plus tokenizers (character vocabularies; ids stay inside the real vocabularies). `shapes` overrides
+    the model sizes (the CPU test makes a small set)."""
+    import torch
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKL
+    from safetensors.torch import save_file
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    from library import flux_models, flux_tiny
+
+    shapes = {"transformer": FLUX_DEV, "clip_l": CLIP_L, "t5xxl": T5_XXL, "ae": FLUX_AE, **(shapes or {})}
+    if (dest / "ae.safetensors").exists():
+        return
+    dest.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    flux_tiny.make_clip_tokenizer(dest / "tokenizers" / "tokenizer")
+    flux_tiny.make_t5_tokenizer(dest / "tokenizers" / "tokenizer_2")
+
+    def random(module_fn, seed, dtype):
+        with init_empty_weights():
+            m = module_fn()
+        return flux_tiny._randomize(m.to(dtype).to_empty(device="cpu"), seed, std=0.02)
+
+    def write(name, sd):
+        save_file({k: v.contiguous() for k, v in sd.items()}, str(dest / name))
+        print(f"wrote {dest / name} ({(dest / name).stat().st_size / 2**30:.1f} GiB) "
+              f"at {time.perf_counter() - t0:.0f} s", flush=True)
+
+    transformer = flux_tiny.tiny_transformer(**shapes["transformer"], dtype=torch.bfloat16)
+    write("flux.safetensors", flux_models.diffusers_to_bfl(transformer.state_dict()))
+    del transformer
+    clip = random(lambda: CLIPTextModel(CLIPTextConfig(**shapes["clip_l"])), 1, torch.bfloat16)
+    write("clip_l.safetensors", {"text_model." + k.removeprefix("text_model."): v
+                                 for k, v in clip.state_dict().items()})
+    t5 = random(lambda: T5EncoderModel(T5Config(**shapes["t5xxl"])), 2, torch.bfloat16)
+    write("t5xxl.safetensors", {k: v for k, v in t5.state_dict().items() if k != "encoder.embed_tokens.weight"})
+    del t5
+    ae = random(lambda: AutoencoderKL(**shapes["ae"], scaling_factor=flux_models.AE_SCALING_FACTOR,
+                                      shift_factor=flux_models.AE_SHIFT_FACTOR), 3, torch.float32)
+    write("ae.safetensors", flux_models.ae_diffusers_to_bfl(ae.state_dict()))
+
+
+def make_images(workdir: Path, images: int, resolution: int) -> None:
+    from library import tiny_models
+
     if not (workdir / "data").exists():
         tiny_models.make_captioned_images(workdir / "data", n=images, size=(resolution, resolution), repeats=1,
                                           name="bench")
 
 
+SCRIPTS = {"sdxl": "sdxl_train_network.py", "flux": "flux_train_network.py"}
+
+
+def model_argv(family: str, workdir: Path) -> list[str]:
+    if family == "flux":
+        d = workdir / "flux"
+        return ["--pretrained_model_name_or_path", str(d / "flux.safetensors"), "--clip_l", str(d / "clip_l.safetensors"),
+                "--t5xxl", str(d / "t5xxl.safetensors"), "--ae", str(d / "ae.safetensors"),
+                "--tokenizer_cache_dir", str(d / "tokenizers"), "--network_module", "networks.lora_flux"]
+    return ["--pretrained_model_name_or_path", str(workdir / "sdxl.safetensors"),
+            "--tokenizer_cache_dir", str(workdir / "tokenizers"), "--network_module", "networks.lora"]
+
+
 def trainer_argv(args, phase: str, workdir: Path) -> list[str]:
-    out = workdir / f"out_{phase}"
-    argv = [
-        "--pretrained_model_name_or_path", str(workdir / "sdxl.safetensors"),
-        "--tokenizer_cache_dir", str(workdir / "tokenizers"), "--train_data_dir", str(workdir / "data"),
+    out = workdir / f"out_{args.tag}_{phase}"
+    dim = args.network_dim or (16 if args.family == "flux" else 32)
+    argv = model_argv(args.family, workdir) + [
+        "--train_data_dir", str(workdir / "data"),
         "--resolution", f"{args.resolution},{args.resolution}", "--output_dir", str(out), "--output_name", "bench",
-        "--overwrite_output", "--network_module", "networks.lora", "--network_dim", str(args.network_dim),
-        "--network_alpha", str(args.network_dim / 2), "--network_train_unet_only",
+        "--overwrite_output", "--network_dim", str(dim),
+        "--network_alpha", str(dim / 2), "--network_train_unet_only",
         "--max_train_steps", str(args.steps), "--learning_rate", "1e-4", "--optimizer_type", "AdamW",
         "--mixed_precision", "bf16", "--cache_latents", "--cache_text_encoder_outputs",
         "--train_batch_size", str(args.batch_size), "--max_data_loader_n_workers", "0", "--seed", "0",
@@ -93,7 +171,7 @@ def trainer_argv(args, phase: str, workdir: Path) -> list[str]:
 
 def run_phase(args, phase: str, workdir: Path) -> dict:
     scripts_dir = Path(args.scripts_dir).resolve()
-    script = scripts_dir / "sdxl_train_network.py"
+    script = scripts_dir / SCRIPTS[args.family]
     cmd = [sys.executable, str(script)] + trainer_argv(args, phase, workdir)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
@@ -131,7 +209,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the outside measurement")
     p.add_argument("--batch_size", type=int, default=1)
-    p.add_argument("--network_dim", type=int, default=32)
+    p.add_argument("--family", choices=sorted(SCRIPTS), default="sdxl")
+    p.add_argument("--network_dim", type=int, default=None, help="default: 32 (SDXL), 16 (FLUX.1)")
     p.add_argument("--gradient_checkpointing", action="store_true")
     p.add_argument("--phases", default="eager,compiled")
     p.add_argument("--compile_mode", default="reduce-overhead")
@@ -146,12 +225,12 @@ def main(argv=None) -> int:
     args.extra = extra
     workdir = Path(args.workdir).resolve()
     if args.action == "prepare":
-        prepare(workdir, args.images, args.resolution, args.checkpoint)
+        prepare(workdir, args.images, args.resolution, args.checkpoint, args.family)
         return 0
     results = []
     for phase in args.phases.split(","):
         r = run_phase(args, phase, workdir)
-        r.update(tag=args.tag, batch_size=args.batch_size, gradient_checkpointing=args.gradient_checkpointing)
+        r.update(tag=args.tag, family=args.family, batch_size=args.batch_size, gradient_checkpointing=args.gradient_checkpointing)
         print(json.dumps(r), flush=True)
         results.append(r)
     if args.json_out:
