@@ -23,6 +23,9 @@ import psutil
 # the trainers' last line after a stop-and-save (library.stop_signal.stopped_line)
 STOPPED_LINE = re.compile(r"^stopped at step \d+, saved ")
 SAVE_TIMEOUT = 600.0  # a stop waits this long for the step and the saves to finish
+# the trainers' line before a step that compiles (library.compile_utils.ShapeLog); with CUDA graphs the step
+# after it records them, so "compiling" lasts two steps then
+COMPILE_LINE = re.compile(r"torch\.compile: new input shape (\S+) .*this step (compiles and records CUDA graphs|compiles)")
 
 # ---- progress lines ------------------------------------------------------------------------------------------
 # The trainers print plain lines such as "steps: 12/100 loss=0.1234 it/s=1.23 eta=00:40" (docs/ARCHITECTURE.md);
@@ -96,7 +99,8 @@ class RunState:
     progress: dict | None = None
     outputs: list = field(default_factory=list)
     error_lines: list = field(default_factory=list)
-    message: str = ""
+    message: str = ""  # "starting", "running", "compiling (...)" while running; the outcome after
+    config_path: str | None = None  # the settings file of the run (what Start wrote), if any
 
 
 class Runner:
@@ -110,6 +114,7 @@ class Runner:
         self._thread: threading.Thread | None = None
         self._stop_requested = threading.Event()
         self._stopped_line: tuple[float, str] | None = None  # (when, text) of the trainer's "stopped at step"
+        self._compiling: list | None = None  # [steps it lasts, first step or None] after a COMPILE_LINE
         self.state = RunState()
         self.line_callback = None  # optional: called with every output line (the CLI echoes them)
         self.version = 0  # bumped whenever the log or the state changes (lets the page skip idle refreshes)
@@ -127,8 +132,9 @@ class Runner:
             return self._proc.pid if self._proc is not None else None
 
     def start(self, commands: list[list[str]], log_path: str | os.PathLike, *, cwd=None, env=None,
-              output_dir: str | os.PathLike | None = None) -> None:
-        """Runs the argv lists one after another (a failing one ends the run). Raises RunnerBusy."""
+              output_dir: str | os.PathLike | None = None, config_path: str | os.PathLike | None = None) -> None:
+        """Runs the argv lists one after another (a failing one ends the run). `config_path`: the run's settings
+        file, shown by the GUI. Raises RunnerBusy."""
         with self._lock:
             if self.state.running:
                 raise RunnerBusy("A training run is already active; stop it first or wait for it to finish.")
@@ -136,10 +142,11 @@ class Runner:
             self._partial = ""
             self._stop_requested.clear()
             self._stopped_line = None
+            self._compiling = None
             self.version += 1
             self.state = RunState(running=True, commands=[list(c) for c in commands], log_path=str(log_path),
                                   output_dir=str(output_dir) if output_dir else None, started=time.time(),
-                                  message="starting")
+                                  message="starting", config_path=str(config_path) if config_path else None)
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         self._thread = threading.Thread(target=self._run, args=(commands, Path(log_path), cwd, env), daemon=True)
         self._thread.start()
@@ -215,6 +222,7 @@ class Runner:
                 self._stopped_line = (time.time(), text)
             if prog:
                 self.state.progress = prog
+            self._follow_compile(text, prog, in_place)
             if in_place:
                 self._partial = text
             else:
@@ -225,6 +233,23 @@ class Runner:
             log.flush()
         if self.line_callback is not None and not in_place:
             self.line_callback(text)
+
+    def _follow_compile(self, text: str, prog: dict | None, in_place: bool) -> None:
+        """message = "compiling (...)" from a COMPILE_LINE until the step(s) it announces are done (the progress
+        line's step passes the step before it). Called under the lock."""
+        m = COMPILE_LINE.search(text) if not in_place else None
+        if m and self.state.running:
+            before = (self.state.progress or {}).get("step")
+            self._compiling = [2 if "CUDA graphs" in m.group(2) else 1, before]
+            self.state.message = f"compiling (input shape {m.group(1)}; the first steps with a new shape are slow)"
+        elif prog and self._compiling is not None:
+            steps, before = self._compiling
+            if before is None:  # no progress line before the compile: this line ends the first step
+                before = self._compiling[1] = prog["step"] - 1
+            if prog["step"] >= before + steps:
+                self._compiling = None
+                if self.state.running:
+                    self.state.message = "running"
 
     def _run(self, commands, log_path: Path, cwd, env) -> None:
         rc = None

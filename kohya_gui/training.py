@@ -34,7 +34,7 @@ def start(runner: Runner, tab: str, family: str, values: dict[str, Any]) -> list
     (Path(config_path).with_suffix(".command.txt")).write_text(command.printable(argv) + "\n", encoding="utf-8")
     commands = demo.prepare_commands(family, values, config_path) + [argv]
     runner.start(commands, command.log_path(values), env=run_env(), output_dir=values.get("output_dir"),
-                 cwd=os.getcwd())
+                 cwd=os.getcwd(), config_path=config_path)
     return argv
 
 

@@ -81,7 +81,8 @@ def gui_url(workdir):
     if not Path(CHROMIUM).exists():
         pytest.skip(f"{CHROMIUM} is missing (apt-get install chromium)")
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1",
+           "XDG_CONFIG_HOME": str(workdir / "user-config")}  # last used settings: this server's own
     log = open(workdir / "gui.log", "w")
     proc = subprocess.Popen([sys.executable, str(REPO / "gui.py"), "--headless", "--server_port", str(port)],
                             cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -212,7 +213,7 @@ def test_demo_preset_start_finishes_and_shows_the_lora(page, workdir):
     pick(page, "lora-preset", "demo-sdxl-tiny")  # back to the demo as shipped
     page.locator("#lora-status").get_by_text("Loaded preset").wait_for()
     page.locator("#lora-start").click()
-    page.locator("#lora-status").get_by_text("Training started").wait_for()
+    page.locator("#lora-run-status").get_by_text("Training started").wait_for()
     result = page.locator("#run-result")
     result.get_by_text("Run finished").wait_for(timeout=400_000)
     lora = "outputs/demo-sdxl-tiny/demo-sdxl-lora.safetensors"

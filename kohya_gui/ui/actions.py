@@ -13,6 +13,7 @@ import gradio as gr
 from .. import command, config_file, presets, training
 from .. import params as P
 from ..runner import Runner, RunnerBusy, format_eta
+from . import feedback
 
 RUNNER = Runner()  # one training at a time for the whole app
 
@@ -178,10 +179,12 @@ def start_training(tab: str, family: str, *ui_values) -> tuple[str, str, str]:
     """(command, stand-alone command, status)."""
     values, errors = values_from_ui(tab, ui_values)
     if errors:
+        feedback.NOTICE.start_failed(RUNNER.snapshot())
         return gr.update(), gr.update(), error_md("Cannot start training:\n" + "\n".join(f"- {e}" for e in errors))
     try:
         argv = training.start(RUNNER, tab, family, values)
     except (training.RunError, RunnerBusy) as e:
+        feedback.NOTICE.start_failed(RUNNER.snapshot())
         return gr.update(), gr.update(), error_md(str(e))
     return (command.printable(argv), command.printable(command.standalone_argv(tab, family, values)),
             ok_md(f"Training started; log: `{command.log_path(values)}`"))
@@ -199,10 +202,12 @@ def stop_training(now: bool = False) -> str:
 def run_panel(seen: int = -1) -> tuple:
     """(progress HTML, log text, result markdown, version) for the current or last run; parts that did not
     change since version `seen` are skipped so the page keeps its scroll position."""
-    version = RUNNER.version
+    version = RUNNER.version + feedback.NOTICE.version
     s = RUNNER.snapshot()
     if version == seen:
         return (progress_html(s) if s.running else gr.skip()), gr.skip(), gr.skip(), version
+    if feedback.NOTICE.hides(s):  # the last Start click failed: the previous run's result is not the answer
+        return feedback.not_started_html(), RUNNER.log_tail(300), "", version
     return progress_html(s), RUNNER.log_tail(300), result_md(s), version
 
 
@@ -214,7 +219,7 @@ def progress_html(s) -> str:
     frac = (step / total) if step is not None and total else 0.0
     if not s.running and s.returncode == 0:
         frac = 1.0
-    state = "running" if s.running else s.message
+    state = s.message or ("running" if s.running else "")
     parts = [f"<span class='kg-state'>{state}</span>"]
     if step is not None:
         parts.append(f"step <b>{step}</b> / {total}")
@@ -227,7 +232,7 @@ def progress_html(s) -> str:
     elapsed = (s.ended or time.time()) - s.started
     parts.append(f"elapsed {format_eta(elapsed)}")
     return (f"<div class='kg-progress'><div class='kg-bar'><div style='width:{frac * 100:.1f}%'></div></div>"
-            f"<div class='kg-stats'>{' &middot; '.join(parts)}</div></div>")
+            f"<div class='kg-stats'>{' &middot; '.join(parts)}</div>{feedback.settings_html(s)}</div>")
 
 
 def result_md(s) -> str:

@@ -7,9 +7,10 @@ import functools
 
 import gradio as gr
 
-from .. import config_file, presets
+from .. import presets
 from .. import params as P
 from . import actions as A
+from . import feedback
 
 CSS = """
 .kg-progress {padding: 6px 2px;}
@@ -57,14 +58,6 @@ def make_control(tab: str, p: P.Param, value, family: str):
     return gr.Textbox(value=v, placeholder=placeholder.get(p.kind), **kw)
 
 
-def initial_config(tab: str) -> config_file.Config:
-    """The tab's default preset (the demo), or the registry defaults if it cannot be read."""
-    try:
-        return config_file.load(presets.preset_path(tab, presets.DEFAULT_PRESET), tab)
-    except (FileNotFoundError, config_file.ConfigError):
-        return config_file.Config(tab, "SDXL", P.defaults(tab))
-
-
 def _runs(params: list) -> list[list]:
     """Splits params into runs of checkboxes and runs of other controls, keeping their order."""
     runs: list[list] = []
@@ -77,21 +70,21 @@ def _runs(params: list) -> list[list]:
 
 
 def build_tab(tab: str) -> dict:
-    cfg = initial_config(tab)
-    family0, values0 = cfg.family, cfg.values
+    built = feedback.remembered(tab)  # last used settings, else the preset
+    family0, values0 = built.family, built.values
     names = presets.list_presets(tab)
     with gr.Row(equal_height=True):
         preset = gr.Dropdown(choices=names, value=presets.DEFAULT_PRESET if presets.DEFAULT_PRESET in names else None,
                              label="Preset", scale=2, elem_id=f"{tab}-preset")
         path = gr.Textbox(label="Configuration file", scale=4, elem_id=f"{tab}-config-path",
-                          value=presets.user_config_path(tab, presets.DEFAULT_PRESET),
+                          value=built.path,
                           placeholder="configs/my-run.toml")
         with gr.Column(scale=2, min_width=260, elem_classes="kg-config-buttons"):
             with gr.Row():
                 open_btn = gr.Button("Open", size="md", elem_id=f"{tab}-open", min_width=70)
                 save_btn = gr.Button("Save", size="md", elem_id=f"{tab}-save", min_width=70)
                 save_as_btn = gr.Button("Save as", size="md", elem_id=f"{tab}-save-as", min_width=70)
-    status = gr.Markdown(elem_id=f"{tab}-status")
+    status = gr.Markdown(built.note, elem_id=f"{tab}-status", elem_classes="kg-msg")
 
     controls, accordions = {}, {}
     family = None
@@ -120,6 +113,7 @@ def build_tab(tab: str) -> dict:
         stop_btn = gr.Button("Stop training (save)", variant="stop", elem_id=f"{tab}-stop")
         stop_now_btn = gr.Button("Stop now (no save)", variant="stop", elem_id=f"{tab}-stop-now")
         print_btn = gr.Button("Print training command", elem_id=f"{tab}-print")
+    run_status = feedback.message_area(f"{tab}-run-status")  # Start / Stop / Print results, next to the buttons
     with gr.Row():
         cmd = gr.Textbox(label="Training command (what Start training runs)", lines=3, max_lines=6,
                          interactive=False, buttons=["copy"], elem_id=f"{tab}-command")
@@ -131,29 +125,39 @@ def build_tab(tab: str) -> dict:
 
     family.change(functools.partial(A.visibility_updates, tab), inputs=family, outputs=layout_outputs,
                   show_progress="hidden")
-    open_btn.click(functools.partial(A.open_config, tab), inputs=[path, family],
-                   outputs=[status, family, *layout_outputs])
-    preset.input(functools.partial(A.open_preset, tab), inputs=[preset, family],
-                 outputs=[path, status, family, *layout_outputs])
-    save_btn.click(functools.partial(A.save_config, tab), inputs=[path, family, *inputs], outputs=status)
-    save_as_btn.click(functools.partial(A.save_config, tab, overwrite=False), inputs=[path, family, *inputs],
-                      outputs=status)
-    print_btn.click(functools.partial(A.print_command, tab), inputs=[family, *inputs], outputs=[cmd, standalone, status])
-    start_btn.click(functools.partial(A.start_training, tab), inputs=[family, *inputs],
-                    outputs=[cmd, standalone, status])
-    stop_btn.click(A.stop_training, outputs=status)
-    stop_now_btn.click(functools.partial(A.stop_training, now=True), outputs=status)
-    return {"controls": controls, "accordions": accordions, "family": family, "status": status, "command": cmd}
+    opened = open_btn.click(functools.partial(A.open_config, tab), inputs=[path, family],
+                            outputs=[status, family, *layout_outputs])
+    picked = preset.input(functools.partial(A.open_preset, tab), inputs=[preset, family],
+                          outputs=[path, status, family, *layout_outputs])
+    saved = save_btn.click(functools.partial(A.save_config, tab), inputs=[path, family, *inputs], outputs=status)
+    saved_as = save_as_btn.click(functools.partial(A.save_config, tab, overwrite=False),
+                                 inputs=[path, family, *inputs], outputs=status)
+    printed = print_btn.click(functools.partial(A.print_command, tab), inputs=[family, *inputs],
+                              outputs=[cmd, standalone, run_status])
+    started = start_btn.click(functools.partial(A.start_training, tab), inputs=[family, *inputs],
+                              outputs=[cmd, standalone, run_status])
+    stopped = stop_btn.click(A.stop_training, outputs=run_status)
+    stopped_now = stop_now_btn.click(functools.partial(A.stop_training, now=True), outputs=run_status)
+    for event, area in [(opened, status), (picked, status), (saved, status), (saved_as, status), (printed, run_status),
+                        (started, run_status), (stopped, run_status), (stopped_now, run_status)]:
+        feedback.follow(event, area.elem_id)
+    form = feedback.wire_tab(tab, built, path=path, status=status, family=family, inputs=inputs,
+                             layout_outputs=layout_outputs, clicks=[save_btn, save_as_btn, print_btn, start_btn],
+                             form_changes=[opened, picked])
+    return {"controls": controls, "accordions": accordions, "family": family, "status": status, "command": cmd,
+            "run_status": run_status, "form": form}
 
 
 def build_app() -> gr.Blocks:
     with gr.Blocks(title="Kohya compile GUI") as app:
         gr.Markdown("## Kohya training GUI &nbsp;<span class='kg-note'>SD1.x · SD2.x · SDXL · FLUX.1, "
                     "with torch.compile</span>")
-        with gr.Tabs():
+        forms = []
+        with gr.Tabs() as tabs:
             for tab in P.TABS:
                 with gr.Tab(P.TAB_LABELS[tab], id=tab, elem_id=f"tab-{tab}"):
-                    build_tab(tab)
+                    forms.append(build_tab(tab)["form"])
+        feedback.restore_on_load(app, forms, tabs)
         with gr.Accordion("Training run", open=True, elem_id="run-panel"):
             progress = gr.HTML(A.progress_html(A.RUNNER.snapshot()), elem_id="run-progress")
             result = gr.Markdown(elem_id="run-result")
@@ -167,4 +171,4 @@ def build_app() -> gr.Blocks:
 
 
 def launch_kwargs() -> dict:
-    return {"css": CSS, "theme": gr.themes.Soft()}
+    return {"css": CSS + feedback.CSS, "theme": gr.themes.Soft()}

@@ -1,0 +1,196 @@
+"""Feedback where the user looks, and a form that survives a refresh or a restart.
+
+- Message areas (`message_area`) sit right under the buttons whose results they show (Open/Save under the
+  configuration bar, Start/Stop/Print under the run buttons); errors (actions.error_md, a block quote) are red;
+  after a click the area is scrolled into view when it is outside the window (`follow`).
+- The run panel: the settings file of the run (`settings_html`), and after a Start click that did not start a run
+  the previous run's result is hidden (`NOTICE`), so that an old failure is not read as the answer.
+- Each tab's settings are remembered (kohya_gui.last_settings) on every edit, Start, Print, Save and Open, and put
+  back into the form on each page load (`restore_on_load`): during a run, its tab shows the run's settings."""
+
+from __future__ import annotations
+
+import functools
+import html
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import gradio as gr
+
+from .. import config_file, last_settings, presets
+from .. import params as P
+from . import actions as A
+
+CSS = """
+.kg-msg blockquote {color: var(--error-text-color); background: var(--error-background-fill);
+  border-left: 4px solid var(--error-border-color); padding: 6px 10px; margin: 4px 0;}
+.kg-msg blockquote * {color: var(--error-text-color);}
+.kg-run-settings {font-size: 0.9em; opacity: 0.85; margin-top: 4px;}
+"""
+
+
+def message_area(elem_id: str) -> gr.Markdown:
+    return gr.Markdown(elem_id=elem_id, elem_classes="kg-msg")
+
+
+def follow(event, elem_id: str):
+    """After `event`, scrolls its message area into view if it is outside the window (a long form: the button
+    can be at the bottom edge of the window)."""
+    js = ("() => { const e = document.getElementById(%r); if (!e) return;"
+          " const r = e.getBoundingClientRect();"
+          " if (r.top < 0 || r.bottom > window.innerHeight) e.scrollIntoView({block: 'nearest'}); }" % elem_id)
+    return event.then(None, js=js)
+
+
+# ---- the run panel ---------------------------------------------------------------------------------------------
+
+class StartNotice:
+    """Remembers that a Start click did not start a run while none was running: the run panel then hides the
+    previous run's result (it would read as the answer to the click). A new run ends it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.version = 0  # added to the runner's version: the panel redraws when it changes
+        self._hidden: tuple | None = None  # (started,) of the run whose result is hidden
+
+    def start_failed(self, snapshot) -> None:
+        if snapshot.running:  # the click failed because of the run: keep showing it
+            return
+        with self._lock:
+            self._hidden = (snapshot.started,)
+            self.version += 1
+
+    def hides(self, snapshot) -> bool:
+        with self._lock:
+            return not snapshot.running and self._hidden == (snapshot.started,)
+
+
+NOTICE = StartNotice()
+
+
+def not_started_html() -> str:
+    return ("<div class='kg-progress'><span class='kg-state'>Not started.</span> "
+            "<span class='kg-note'>The last Start training click did not start a run: the reason is shown next to "
+            "the button. The previous run's result is hidden; its log is below.</span></div>")
+
+
+def settings_html(s) -> str:
+    """The settings file of the run shown in the panel."""
+    if not getattr(s, "config_path", None):
+        return ""
+    return (f"<div class='kg-run-settings'>Settings of this run: <code>{html.escape(s.config_path)}</code>"
+            "</div>")
+
+
+# ---- remembering and restoring the form ------------------------------------------------------------------------
+
+@dataclass
+class Shown:
+    """What a tab's form shows: family, values, the configuration file box, a note for the status line."""
+    family: str
+    values: dict[str, Any]
+    path: str
+    note: str = ""
+
+    def same_form(self, other: "Shown") -> bool:
+        return (self.family, self.values, self.path) == (other.family, other.values, other.path)
+
+
+def _preset(tab: str) -> config_file.Config:
+    try:
+        return config_file.load(presets.preset_path(tab, presets.DEFAULT_PRESET), tab)
+    except (FileNotFoundError, config_file.ConfigError):
+        return config_file.Config(tab, "SDXL", P.defaults(tab))
+
+
+def remembered(tab: str) -> Shown:
+    """The tab's last used settings, or the default preset (with a note when the kept file is unusable)."""
+    cfg, path, note = last_settings.load(tab)
+    if cfg is None:
+        cfg = _preset(tab)
+    return Shown(cfg.family, cfg.values, path or presets.user_config_path(tab, presets.DEFAULT_PRESET),
+                 A.error_md(note) if note else "")
+
+
+def running_config(tab: str) -> config_file.Config | None:
+    """The settings of the active run when it belongs to this tab."""
+    s = A.RUNNER.snapshot()
+    if not s.running or not s.config_path:
+        return None
+    try:
+        cfg = config_file.load(s.config_path)
+    except config_file.ConfigError:
+        return None
+    return cfg if cfg.tab == tab else None
+
+
+def on_page_load(tab: str) -> Shown:
+    remembered_form = remembered(tab)
+    cfg = running_config(tab)
+    if cfg is None:
+        return remembered_form
+    note = A.ok_md(f"Showing the settings of the running training (`{A.RUNNER.snapshot().config_path}`).")
+    return Shown(cfg.family, cfg.values, remembered_form.path, note)
+
+
+def remember(tab: str, path: str, family: str, *ui_values) -> None:
+    """Keeps the form's settings; a field whose value cannot be read now keeps its last kept value."""
+    previous = None
+    values = {}
+    for p, v in zip(A.tab_params(tab), ui_values, strict=True):
+        try:
+            values[p.name] = A.from_ui(p, v, tab)
+        except ValueError:
+            if previous is None:
+                cfg, _, _ = last_settings.load(tab)
+                previous = cfg.values if cfg is not None else _preset(tab).values
+            values[p.name] = previous.get(p.name, p.default_for(tab))
+    if family in P.FAMILIES:
+        last_settings.save(tab, family, values, (path or "").strip() or None)
+
+
+@dataclass
+class TabForm:
+    """A tab's components that a page load fills: [path, status, family, *layout outputs]."""
+    tab: str
+    built: Shown
+    outputs: list = field(default_factory=list)
+
+    def load_updates(self) -> list:
+        shown = on_page_load(self.tab)
+        if shown.same_form(self.built) and shown.note == self.built.note:
+            return [gr.skip() for _ in self.outputs]  # the page shows it already (and nothing races the user)
+        return [gr.update(value=shown.path), gr.update(value=shown.note), gr.update(value=shown.family),
+                *A.full_updates(self.tab, shown.family, shown.values)]
+
+
+def wire_tab(tab: str, built: Shown, *, path, status, family, inputs: list, layout_outputs: list,
+             clicks: list, form_changes: list) -> TabForm:
+    """Remembers the form on every edit and on the `clicks` (Start, Print, Save ...) and after `form_changes`
+    (events that fill the form: Open, preset). Returns what restore_on_load needs."""
+    fn = functools.partial(remember, tab)
+    both = [path, family, *inputs]
+    gr.on(triggers=[c.input for c in both] + [b.click for b in clicks], fn=fn, inputs=both,
+          show_progress="hidden", trigger_mode="always_last", queue=False)
+    for event in form_changes:
+        event.then(fn, inputs=both, show_progress="hidden", queue=False)
+    return TabForm(tab, built, [path, status, family, *layout_outputs])
+
+
+def restore_on_load(app: gr.Blocks, forms: list[TabForm], tabs=None) -> None:
+    """On each page load: every tab shows its remembered settings, the running job's tab its settings (and is
+    selected)."""
+
+    def load():
+        out = []
+        for form in forms:
+            out += form.load_updates()
+        if tabs is not None:
+            s = A.RUNNER.snapshot()
+            running = next((f.tab for f in forms if running_config(f.tab) is not None), None) if s.running else None
+            out.append(gr.update(selected=running) if running else gr.skip())
+        return out
+
+    outputs = [c for form in forms for c in form.outputs] + ([tabs] if tabs is not None else [])
+    app.load(load, outputs=outputs, show_progress="hidden")
