@@ -142,8 +142,7 @@ def build_tab(tab: str) -> dict:
                         (started, run_status), (stopped, run_status), (stopped_now, run_status)]:
         feedback.follow(event, area.elem_id)
     form = feedback.wire_tab(tab, built, path=path, status=status, family=family, inputs=inputs,
-                             layout_outputs=layout_outputs, clicks=[save_btn, save_as_btn, print_btn, start_btn],
-                             form_changes=[opened, picked])
+                             layout_outputs=layout_outputs, clicks=[save_btn, save_as_btn, print_btn, start_btn])
     return {"controls": controls, "accordions": accordions, "family": family, "status": status, "command": cmd,
             "run_status": run_status, "form": form}
 

@@ -5,7 +5,7 @@
   after a click the area is scrolled into view when it is outside the window (`follow`).
 - The run panel: the settings file of the run (`settings_html`), and after a Start click that did not start a run
   the previous run's result is hidden (`NOTICE`), so that an old failure is not read as the answer.
-- Each tab's settings are remembered (kohya_gui.last_settings) on every edit, Start, Print, Save and Open, and put
+- Each tab's settings are remembered (kohya_gui.last_settings) on every change, Start, Print, Save and Open, and put
   back into the form on each page load (`restore_on_load`): during a run, its tab shows the run's settings."""
 
 from __future__ import annotations
@@ -166,15 +166,13 @@ class TabForm:
 
 
 def wire_tab(tab: str, built: Shown, *, path, status, family, inputs: list, layout_outputs: list,
-             clicks: list, form_changes: list) -> TabForm:
-    """Remembers the form on every edit and on the `clicks` (Start, Print, Save ...) and after `form_changes`
-    (events that fill the form: Open, preset). Returns what restore_on_load needs."""
-    fn = functools.partial(remember, tab)
+             clicks: list) -> TabForm:
+    """Remembers the form whenever a value changes (typed, pasted, picked, or filled by Open or a preset; a burst
+    of changes is one write or two: always_last) and on the `clicks` (Start, Print, Save ...). Returns what
+    restore_on_load needs."""
     both = [path, family, *inputs]
-    gr.on(triggers=[c.input for c in both] + [b.click for b in clicks], fn=fn, inputs=both,
-          show_progress="hidden", trigger_mode="always_last", queue=False)
-    for event in form_changes:
-        event.then(fn, inputs=both, show_progress="hidden", queue=False)
+    gr.on(triggers=[c.change for c in both] + [b.click for b in clicks], fn=functools.partial(remember, tab),
+          inputs=both, show_progress="hidden", trigger_mode="always_last", queue=False)
     return TabForm(tab, built, [path, status, family, *layout_outputs])
 
 

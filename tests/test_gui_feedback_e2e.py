@@ -1,0 +1,73 @@
+"""In a real browser (the live server and page of test_gui_e2e.py, own working folder): a Start click at the
+bottom of the window with a bad value shows the error inside the window, in red; a refresh keeps the form; a
+refresh during a run shows the run's settings. The tests run in this order on one page."""
+
+from __future__ import annotations
+
+import pytest
+
+from kohya_gui import last_settings  # noqa: F401  (the server keeps its file under workdir/user-config)
+from test_gui_e2e import ARTIFACTS, field, gui_url, page, wait_for, workdir  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.slow
+
+
+def value_is(page, elem_id: str, value: str, timeout: float = 30_000):
+    page.wait_for_function(
+        "([id, v]) => { const e = document.querySelector(`#${id} input, #${id} textarea`); return e && e.value === v; }",
+        arg=[elem_id, value], timeout=timeout)
+
+
+def kept(workdir, text: str) -> bool:
+    f = workdir / "user-config" / "kohya_gui" / "last_lora.toml"
+    return f.is_file() and text in f.read_text()
+
+
+def test_start_error_appears_inside_the_window_in_red(page):
+    field(page, "lora-train_data_dir").fill("")
+    # Start at the bottom edge of the window: the message area under it starts outside
+    page.evaluate("document.getElementById('lora-start').scrollIntoView({block: 'end'})")
+    page.locator("#lora-start").click()
+    msg = page.locator("#lora-run-status blockquote")
+    msg.get_by_text("image folder").wait_for()
+    page.wait_for_timeout(300)  # the scroll after the message
+    box, height = msg.bounding_box(), page.viewport_size["height"]
+    assert box["y"] >= 0 and box["y"] + box["height"] <= height, (box, height)
+    r, g, b = (int(x) for x in msg.evaluate("e => getComputedStyle(e).color").strip("rgba()").split(",")[:3])
+    assert r > 150 and g < 100 and b < 100, (r, g, b)  # red, not the grey of a plain Markdown quote
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "lora-start-error.png"))
+    assert "image folder" not in page.locator("#lora-status").inner_text()  # not in the config bar's area
+
+
+def test_refresh_keeps_the_form(page, workdir):
+    field(page, "lora-train_data_dir").fill("cache/demo/images")
+    field(page, "lora-output_name").fill("saved-name")
+    page.locator("#lora-save").click()
+    page.locator("#lora-status").get_by_text("Saved").wait_for()
+    field(page, "lora-output_dir").fill("outputs/edited")  # an edit without any click is kept too
+    assert wait_for(lambda: kept(workdir, 'output_dir = "outputs/edited"'), 30)
+    page.reload()
+    value_is(page, "lora-output_dir", "outputs/edited")
+    assert field(page, "lora-output_name").input_value() == "saved-name"
+    assert field(page, "lora-train_data_dir").input_value() == "cache/demo/images"
+
+
+def test_refresh_during_a_run_shows_the_runs_settings(page, workdir):
+    field(page, "lora-output_dir").fill("outputs/demo-sdxl-tiny")
+    field(page, "lora-output_name").fill("during-run")
+    page.locator("#lora-acc-parameters").get_by_text("Parameters").first.click()  # closed accordions render lazily
+    field(page, "lora-max_train_steps").fill("5000")
+    page.locator("#lora-start").click()
+    page.locator("#lora-run-status").get_by_text("Training started").wait_for()
+    try:
+        field(page, "lora-output_name").fill("edited-after-start")
+        assert wait_for(lambda: kept(workdir, "edited-after-start"), 30)
+        page.reload()
+        value_is(page, "lora-output_name", "during-run")
+        page.locator("#lora-status").get_by_text("Showing the settings of the running training").wait_for()
+        panel = page.locator("#run-progress")
+        panel.get_by_text("outputs/demo-sdxl-tiny/during-run.toml").wait_for()
+    finally:
+        page.locator("#lora-stop-now").click()
+        page.locator("#lora-run-status").get_by_text("Training stopped").wait_for(timeout=60_000)
