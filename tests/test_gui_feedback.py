@@ -21,6 +21,7 @@ from kohya_gui.ui import actions as A
 from kohya_gui.ui import feedback
 
 from gui_helpers import ui_values
+from test_gui_runner import wait_for
 
 
 @pytest.fixture(autouse=True)
@@ -28,15 +29,6 @@ def user_config(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
     monkeypatch.delenv("APPDATA", raising=False)
     return tmp_path / "xdg" / "kohya_gui"
-
-
-def wait_for(cond, timeout=20.0):
-    end = time.time() + timeout
-    while time.time() < end:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 # ---- "compiling" ---------------------------------------------------------------------------------------------
