@@ -109,8 +109,11 @@ def remembered(tab: str) -> Shown:
     cfg, path, note = last_settings.load(tab)
     if cfg is None:
         cfg = _preset(tab)
-    return Shown(cfg.family, cfg.values, path or presets.user_config_path(tab, presets.DEFAULT_PRESET),
-                 A.error_md(note) if note else "")
+        note = A.error_md(note) if note else ""
+    else:  # the preset box still names the preset: say what the form shows
+        note = A.ok_md(f"Reopened the last used settings of this tab (kept in `{last_settings.path(tab)}`); "
+                       "pick a preset to start from it instead.")
+    return Shown(cfg.family, cfg.values, path or presets.user_config_path(tab, presets.DEFAULT_PRESET), note)
 
 
 def running_config(tab: str) -> config_file.Config | None:
