@@ -193,3 +193,24 @@ def test_page_load_shows_the_remembered_form_and_during_a_run_the_runs_settings(
     dim = out[3 + [p.name for p in A.tab_params("lora")].index("network_dim")]
     assert dim["value"] == "7" and out[2]["value"] == "SD1.x" and str(run_toml) in out[1]["value"]
     assert feedback.running_config("dreambooth") is None  # other tabs keep their own
+
+
+def test_page_load_selects_the_running_jobs_tab(tmp_path, monkeypatch):
+    class App:
+        def load(self, fn, outputs, show_progress):
+            self.fn, self.outputs = fn, outputs
+
+    forms = [feedback.TabForm(tab, feedback.remembered(tab),
+                              outputs=[None] * (3 + len(A.full_updates(tab, "SDXL", {})))) for tab in P.TABS]
+    app = App()
+    feedback.restore_on_load(app, forms, tabs="tabs")
+    assert app.outputs[-1] == "tabs" and len(app.outputs) == sum(len(f.outputs) for f in forms) + 1
+    assert app.fn()[-1] == gr.skip()  # no run: the page keeps the tab the user is on
+    run_toml = tmp_path / "run.toml"
+    config_file.save(run_toml, "dreambooth", "SDXL", config_file.load(
+        presets.preset_path("dreambooth", presets.DEFAULT_PRESET)).values)
+    monkeypatch.setattr(A, "RUNNER", FakeRunner(RunState(running=True, started=1.0, config_path=str(run_toml))))
+    out = app.fn()
+    assert out[-1] == gr.update(selected="dreambooth")
+    assert "running training" in out[len(forms[0].outputs) + 1]["value"]  # the DreamBooth tab's status
+    assert out[1] == gr.skip()  # the LoRA tab keeps its own form
