@@ -682,3 +682,23 @@ def test_prompt_file_errors_name_the_line(tmp_path):
     path = write(str(tmp_path / "empty.txt"), "# nothing\n")
     with pytest.raises(PromptFileError, match="no prompts"):
         parse_prompt_file(path)
+
+
+def test_nan_latents_at_caching_name_the_image(tmp_path):
+    """As upstream's caching: NaN latents stop the run there, naming the image (training does not check cached
+    latents again, so it never waits for the GPU for that)."""
+    d = tmp_path / "train" / "1_x"
+    make_image(str(d / "a.png"), (64, 64))
+    make_image(str(d / "b.png"), (64, 64))
+    group = build_dataset_group(parse("--train_data_dir", tmp_path / "train", *BUCKET_ARGS, "--cache_latents"),
+                                "sdxl")
+
+    def encode(images):
+        out = torch.nn.functional.avg_pool2d(images, 8)
+        out[1] = float("nan")  # the second image of the batch overflows
+        return out
+
+    with pytest.raises(DatasetError, match="--no_half_vae") as e:
+        group.cache_latents(encode, batch_size=2)
+    named = [p for p in ("a.png", "b.png") if p in str(e.value)]
+    assert len(named) == 1

@@ -133,9 +133,10 @@ def test_sdxl_compile_aot_eager(tmp_path, tiny_sdxl_single_file, tiny_dataset_di
     trainer = sdxl_train_network.SDXLNetworkTrainer()
     from library import network_trainer
 
-    marks = []
-    monkeypatch.setattr(compile_utils, "mark_step_begin", lambda a: marks.append(len(trainer.losses or [])))
-    trainer.losses = []
+    marks, micro_steps = [], []
+    monkeypatch.setattr(compile_utils, "mark_step_begin", lambda a: marks.append(len(micro_steps)))
+    step = trainer.training_step
+    monkeypatch.setattr(trainer, "training_step", lambda *a, **k: micro_steps.append(1) or step(*a, **k))
     path = network_trainer.run(trainer, sdxl_train_network.setup_parser(), argv)
     # CUDA graphs: the step is marked once per optimizer step, before its first micro-step (2 steps x 2 micro-steps)
     assert len(trainer.losses) == 4 and marks == [0, 2]

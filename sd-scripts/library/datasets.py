@@ -601,10 +601,10 @@ class DatasetGroup(torch.utils.data.Dataset):
                         pixels.append(image_utils.to_tensor(img))
                         extras.append((mask if info.subset.alpha_mask else None, original, ltrb))
                     batch = torch.stack(pixels)
-                    lat = _check_encoded(encode_fn(batch), len(chunk))
+                    lat = _check_encoded(encode_fn(batch), chunk)
                     lat_f = None
                     if any(info.subset.flip_aug for _, info in chunk):
-                        lat_f = _check_encoded(encode_fn(torch.flip(batch, dims=[3])), len(chunk))
+                        lat_f = _check_encoded(encode_fn(torch.flip(batch, dims=[3])), chunk)
                     for j, (d, info) in enumerate(chunk):
                         mask, original, ltrb = extras[j]
                         one = lat[j].detach().to("cpu")
@@ -798,10 +798,14 @@ def _check_unique_npz_paths(paths: list[str], to_npz: Callable[[str], str]) -> N
         seen[npz] = p
 
 
-def _check_encoded(latents, n: int) -> torch.Tensor:
+def _check_encoded(latents, chunk: list) -> torch.Tensor:
+    n = len(chunk)
     if not isinstance(latents, torch.Tensor) or latents.ndim != 4 or latents.shape[0] != n:
         shape = tuple(latents.shape) if isinstance(latents, torch.Tensor) else type(latents).__name__
         raise DatasetError(f"latent encode_fn must return a tensor [B={n}, C, h, w]; got {shape}")
+    if torch.isnan(latents).any():  # as upstream's caching; training then never checks cached latents again
+        bad = [info.path for (_, info), lat in zip(chunk, latents) if torch.isnan(lat).any()]
+        raise DatasetError(f"NaN in the latents of {', '.join(bad)}: the VAE overflowed; try --no_half_vae")
     return latents
 
 

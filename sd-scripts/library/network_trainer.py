@@ -51,6 +51,7 @@ from library import (config_util, data_parallel, huggingface_util, losses, masks
 from library import metadata as metadata_util
 from library.captions import apply_token_weights, weighted_for, weighted_token_ids
 from library.latent_cache import FAMILY_FORMATS, LatentCacheFormat
+from library.late_loss import LateLosses
 from library.step_timer import StepTimer
 from library.te_cache import TeCacheFormat
 from library.train_util import ConfigError
@@ -843,6 +844,25 @@ class NetworkTrainer:
 
         last_loss = avr_loss = float("nan")
         timer = StepTimer(global_step)
+        late = LateLosses(device)
+
+        def report(ready):
+            """Progress line, progress bar and tracker logs of finished steps whose losses are now read."""
+            nonlocal last_loss, avr_loss
+            for (step, step_epoch, lr, postfix, logs), values in ready:
+                losses.extend(values)
+                self.losses = losses
+                last_loss = values[-1]
+                window = losses[-steps_per_epoch * args.gradient_accumulation_steps:]
+                avr_loss = sum(window) / len(window)
+                progress.set_postfix(loss=f"{last_loss:.4f}", avr_loss=f"{avr_loss:.4f}", lr=f"{lr:.2e}", **postfix)
+                if accelerator.is_main_process and line.should_print(step):
+                    progress.write(line.format(step, last_loss, avr_loss, lr, step_epoch + 1,
+                                               validator.last_loss if validator else None), file=sys.stdout)
+                    sys.stdout.flush()
+                if log_with:
+                    accelerator.log({"loss/current": last_loss, "loss/average": avr_loss, **logs}, step=step)
+
         val_args = (args, accelerator, validator, noise_scheduler, components, weight_dtype, caching_te, device,
                     trainable.models)
         stop = self.stop.install()
@@ -885,9 +905,7 @@ class NetworkTrainer:
                     schedulers.step(lr_scheduler, self.optimizers, num_processes=accelerator.num_processes,
                                     sync_gradients=accelerator.sync_gradients)
 
-                last_loss = loss.detach().item()
-                losses.append(last_loss)
-                self.losses = losses
+                late.add(loss)  # read a step later: no wait for the GPU here
                 if not accelerator.sync_gradients:
                     continue
                 norm_postfix, norm_logs = network_options.after_optimizer_step(
@@ -898,34 +916,28 @@ class NetworkTrainer:
                     g.set_current_step(global_step)
                 state.global_step, state.epoch = global_step, epoch
                 progress.update(1)
-                window = losses[-steps_per_epoch * args.gradient_accumulation_steps:]
-                avr_loss = sum(window) / len(window)
-                lr = lr_scheduler.get_last_lr()[0]
-                progress.set_postfix(loss=f"{last_loss:.4f}", avr_loss=f"{avr_loss:.4f}", lr=f"{lr:.2e}",
-                                     **norm_postfix)
-                if accelerator.is_main_process and line.should_print(global_step):
-                    progress.write(line.format(global_step, last_loss, avr_loss, lr, epoch + 1,
-                                               validator.last_loss if validator else None), file=sys.stdout)
-                    sys.stdout.flush()
-                if log_with:
-                    logs = {"loss/current": last_loss, "loss/average": avr_loss, **norm_logs}
+                logs = dict(norm_logs)
+                if log_with:  # this step's learning rates, logged with its loss once that is read
                     names = trainable.lr_descriptions
                     for i, g_lr in enumerate(lr_scheduler.get_last_lr()):
                         logs[f"lr/{names[i]}" if names and i < len(names) else f"lr/group{i}"] = g_lr
                     logs.update(optimizers.d_lr_logs(self.optimizers, names))
-                    accelerator.log(logs, step=global_step)
+                report(late.step_done((global_step, epoch, lr_scheduler.get_last_lr()[0], norm_postfix, logs)))
                 if validator is not None and validator.due_after_step(global_step):
+                    report(late.flush())
                     validator.report(accelerator, self.validation_loss(*val_args), avr_loss, global_step=global_step,
                                      epoch=epoch + 1, at_epoch_end=False)
                     timer.restart()
 
                 if args.save_every_n_steps and global_step % args.save_every_n_steps == 0:  # the last step too
+                    report(late.flush())
                     self.save_checkpoint(args, accelerator, trainable, metadata, epoch + 1, global_step, ext,
                                          by_step=True)
                     timer.restart()
                 from library.sampling import should_sample
 
                 if should_sample(args, epoch=None, steps=global_step):
+                    report(late.flush())
                     self.sample_images(args, epoch=None, steps=global_step, **sample_kwargs)
                     timer.restart()
                 if global_step >= max_train_steps:
@@ -933,6 +945,7 @@ class NetworkTrainer:
                 stopping = stop.requested(accelerator)
                 if stopping:
                     break
+            report(late.flush())
             if stopping:
                 break  # mid-epoch: no epoch-end save, sample or validation
 
@@ -995,12 +1008,13 @@ class NetworkTrainer:
 
     def training_step(self, args, accelerator, noise_scheduler, batch, components, weight_dtype,
                       train_text_encoder, caching_te, device, fixed_timestep=None) -> torch.Tensor:
-        if batch.get("latents") is not None:  # cached by encode_images, already scaled
+        if batch.get("latents") is not None:  # cached by encode_images (checked for NaN then), already scaled
             latents = batch["latents"].to(device, dtype=torch.float32)
         else:
             latents = self.encode_images(args, components, batch["images"]).to(torch.float32)
-        if torch.isnan(latents).any():
-            raise TrainingError("NaN in the latents: try --no_half_vae")
+            if torch.isnan(latents).any():  # as upstream: a warning, and zeros (only here: it waits for the GPU)
+                accelerator.print("NaN found in latents, replacing with zeros")
+                latents = torch.nan_to_num(latents, 0, out=latents)
         if batch.get("te_outputs") is not None:
             te_outputs = {k: v.to(device) for k, v in batch["te_outputs"].items()}
         else:
