@@ -99,7 +99,7 @@ class RunState:
     progress: dict | None = None
     outputs: list = field(default_factory=list)
     error_lines: list = field(default_factory=list)
-    message: str = ""  # "starting", "running", "compiling (...)" while running; the outcome after
+    message: str = ""  # "starting", "running", "compiling (...)", "stopping..." while running; the outcome after
     config_path: str | None = None  # the settings file of the run (what Start wrote), if any
 
 
@@ -160,6 +160,9 @@ class Runner:
                 return False
             self._stop_requested.set()
             proc = self._proc
+            self._compiling = None
+            self.state.message = "stopping now" if now else "stopping: the trainer finishes its step and saves"
+            self.version += 1
         if proc is not None:
             if now:
                 _terminate_tree(proc, grace)

@@ -214,3 +214,32 @@ def test_page_load_selects_the_running_jobs_tab(tmp_path, monkeypatch):
     assert out[-1] == gr.update(selected="dreambooth")
     assert "running training" in out[len(forms[0].outputs) + 1]["value"]  # the DreamBooth tab's status
     assert out[1] == gr.skip()  # the LoRA tab keeps its own form
+
+
+# takes SIGTERM as the trainers do: finishes (here: waits for a gate file), then exits
+SAVES_ON_SIGTERM = textwrap.dedent("""
+    import os, signal, sys, time
+    signal.signal(signal.SIGTERM, lambda *a: None)
+    print("steps: 1/4 loss=0.1", flush=True)
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.02)
+    print("stopped at step 1, saved out.safetensors", flush=True)
+""")
+
+
+def test_panel_says_stopping_while_the_trainer_saves(tmp_path):
+    import threading
+
+    script = tmp_path / "saves.py"
+    script.write_text(SAVES_ON_SIGTERM)
+    runner = Runner()
+    runner.start([[sys.executable, str(script), str(tmp_path / "saved")]], tmp_path / "run.log")
+    assert wait_for(lambda: runner.snapshot().progress is not None)
+    stopper = threading.Thread(target=runner.stop)
+    stopper.start()
+    assert wait_for(lambda: runner.snapshot().message.startswith("stopping"))
+    assert "<span class='kg-state'>stopping: the trainer finishes its step and saves" in \
+        A.progress_html(runner.snapshot())
+    (tmp_path / "saved").touch()
+    stopper.join(30)
+    assert runner.snapshot().message == "stopped at step 1, saved out.safetensors"
