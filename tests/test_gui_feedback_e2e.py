@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from kohya_gui import last_settings  # noqa: F401  (the server keeps its file under workdir/user-config)
 from test_gui_e2e import ARTIFACTS, field, gui_url, page, wait_for, workdir  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.slow
@@ -19,7 +18,7 @@ def value_is(page, elem_id: str, value: str, timeout: float = 30_000):
 
 
 def kept(workdir, text: str) -> bool:
-    f = workdir / "user-config" / "kohya_gui" / "last_lora.toml"
+    f = workdir / "user-config" / "kohya_gui" / "last_lora.toml"  # the server's XDG_CONFIG_HOME (test_gui_e2e)
     return f.is_file() and text in f.read_text()
 
 
