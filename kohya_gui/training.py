@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from . import command, config_file, demo
+from . import command, config_file, demo, trainer_check
 from .runner import Runner, RunnerBusy, training_env
 
 
@@ -25,6 +25,10 @@ def start(runner: Runner, tab: str, family: str, values: dict[str, Any]) -> list
     existing = command.existing_result(values)
     if existing and not values.get("overwrite_output"):
         raise RunError(f"{existing} already exists; change the output name, or tick 'Overwrite existing result'")
+    problems = trainer_check.problems(tab, family, values)
+    if problems:
+        raise RunError("Cannot start training: the trainer found these problems:\n"
+                       + "\n".join(f"- {p}" for p in problems))
     config_path = command.run_config_path(values)
     try:
         config_file.save(config_path, tab, family, values)

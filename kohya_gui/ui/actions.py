@@ -10,7 +10,7 @@ from typing import Any
 
 import gradio as gr
 
-from .. import command, config_file, presets, training
+from .. import command, config_file, presets, trainer_check, training
 from .. import params as P
 from ..runner import Runner, RunnerBusy, format_eta
 from . import feedback
@@ -165,6 +165,7 @@ def print_command(tab: str, family: str, *ui_values) -> tuple[str, str, str]:
     if errors:
         return gr.update(), gr.update(), error_md("Fix these first:\n" + "\n".join(f"- {e}" for e in errors))
     errors = command.validation_errors(tab, family, values)
+    errors = errors or trainer_check.problems(tab, family, values)  # the trainer's own checks (--validate_only)
     argv = command.build_argv(tab, family, values)
     standalone = command.standalone_argv(tab, family, values)
     note = ok_md(f"Start training writes the settings to `{command.run_config_path(values)}` and runs the first "

@@ -244,6 +244,11 @@ def validate_compile_args(args) -> None:
             f"--compile_mode {args.compile_mode} only applies to --compile_backend inductor "
             f"(got --compile_backend {args.compile_backend}); use --compile_mode default with this backend"
         )
+    if args.compile_backend == "cudagraphs" and not _cuda_in_use(args):
+        raise CompileConfigError(
+            "--compile_backend cudagraphs records CUDA graphs and needs a CUDA GPU, and none is in use here; use "
+            "--compile_backend inductor (or aot_eager / eager)"
+        )
     if args.compile_backend in ("inductor", "cudagraphs") and _cuda_in_use(args):
         if args.compile_backend == "inductor" and importlib.util.find_spec("triton") is None:
             raise CompileConfigError(

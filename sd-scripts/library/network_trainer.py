@@ -96,7 +96,7 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
 
 def base_parser() -> argparse.ArgumentParser:
     """The arguments of every trainer, LoRA and full (models, dataset, training, optimizer, --config_file)."""
-    from library import compile_utils, console_log, precision, trackers
+    from library import compile_utils, console_log, precision, trackers, validate_only
 
     parser = argparse.ArgumentParser(allow_abbrev=False)
     train_util.add_sd_models_arguments(parser)
@@ -117,6 +117,7 @@ def base_parser() -> argparse.ArgumentParser:
     precision.add_fp8_base_argument(parser)
     precision.add_fp16_master_argument(parser)
     compile_utils.add_torch_compile_arguments(parser)
+    validate_only.add_validate_only_argument(parser)
     return parser
 
 
@@ -683,6 +684,10 @@ class NetworkTrainer:
         train_util.setup_logging()
         if getattr(args, "output_config", False):
             return train_util.write_output_config(args)
+        if getattr(args, "validate_only", False):
+            from library import validate_only
+
+            return validate_only.run(self, args)
         self.check_common_options(args)
         self.check_args(args)
         args.output_name = args.output_name or self.default_output_name
@@ -1276,18 +1281,22 @@ def _allow_fp16_grad_unscale(accelerator) -> None:
 
 def run(trainer: NetworkTrainer, parser: argparse.ArgumentParser, argv: list[str] | None = None) -> str | None:
     """Parse (with --config_file) and train; clear errors exit with status 2 instead of a traceback."""
-    from library.datasets import DatasetError
-
     train_util.setup_logging()
     try:
         args = train_util.parse_args(parser, argv)
         return trainer.train(args)
-    except (ConfigError, DatasetError, TrainingError, train_util.OptionalPackageError, _prompt_file_error(),
-            _model_load_error(),
-            train_util.OutputExistsError, _compile_error(), _network_args_error()) as e:
+    except expected_errors() as e:
         logger.error("%s", e)
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from e
+
+
+def expected_errors() -> tuple:
+    """The errors that mean bad settings or inputs (exit 2 with their message, no traceback)."""
+    from library.datasets import DatasetError
+
+    return (ConfigError, DatasetError, TrainingError, train_util.OptionalPackageError, _prompt_file_error(),
+            _model_load_error(), train_util.OutputExistsError, _compile_error(), _network_args_error())
 
 
 def _model_load_error():
