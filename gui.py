@@ -19,12 +19,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--share", action="store_true", help="also make a public gradio.live link")
     p.add_argument("--inbrowser", action="store_true", help="open the GUI in the browser")
     p.add_argument("--headless", action="store_true",
-                   help="for servers: never open native file dialogs or a browser (paths are typed)")
-    p.add_argument("--username", default="", help="require this user name (with --password)")
-    p.add_argument("--password", default="", help="require this password (with --username)")
+                   help="for servers: never open a browser, even with --inbrowser (the GUI has no native file "
+                        "dialogs; paths are typed)")
+    p.add_argument("--username", default="", help="require this user name (with a password)")
+    p.add_argument("--password", default="",
+                   help="require this password (with --username); other users of the machine can see it in `ps`: "
+                        "prefer --password_file or the KOHYA_GUI_PASSWORD environment variable")
+    p.add_argument("--password_file", default=None, help="read the password from the first line of this file")
     args = p.parse_args(argv)
+    from kohya_gui.login import PasswordError, password_from
+
+    try:
+        # the environment variable applies only with --username (it may be set for other runs)
+        args.password = password_from(args.password, args.password_file, os.environ if args.username else {})
+    except PasswordError as e:
+        p.error(str(e))
     if bool(args.username) != bool(args.password):
-        p.error("--username and --password go together")
+        p.error("--username and a password (--password, --password_file or KOHYA_GUI_PASSWORD) go together")
     return args
 
 
@@ -61,18 +72,28 @@ def main(argv=None) -> None:
     from kohya_gui.ui.actions import RUNNER
     from kohya_gui.ui.app import build_app, launch_kwargs
 
+    from kohya_gui.login import Login
+
     stop_run_on_exit(RUNNER)
     app = build_app()
     app.queue(default_concurrency_limit=4)
-    app.launch(
-        server_name=args.listen,
-        server_port=args.server_port,
-        share=args.share,
-        inbrowser=args.inbrowser and not args.headless,
-        auth=(args.username, args.password) if args.username else None,
-        show_error=True,
-        **launch_kwargs(),
-    )
+    try:
+        app.launch(
+            server_name=args.listen,
+            server_port=args.server_port,
+            share=args.share,
+            inbrowser=args.inbrowser and not args.headless,
+            auth=Login(args.username, args.password) if args.username else None,
+            show_error=True,
+            footer_links=["gradio", "settings"],  # no "Use via API": the GUI's events are not a documented API
+            **launch_kwargs(),
+        )
+    except OSError as e:
+        if "port" not in str(e).lower():
+            raise
+        print(f"error: port {args.server_port} on {args.listen} is in use (another GUI or program); "
+              "choose another with --server_port", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import argparse
 import signal
 import sys
 
-from . import command, config_file, demo, training
+from . import command, config_file, demo, presets, training
 from .runner import Runner
 
 
@@ -20,13 +20,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kohya_gui", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("action", choices=["print-command", "train", "prepare-demo"])
-    parser.add_argument("config", help="a configuration TOML saved by the GUI (or a preset)")
+    parser.add_argument("config", help="a configuration TOML saved by the GUI, or a preset name (demo-sdxl-tiny, "
+                                       "dreambooth/sdxl-dreambooth-24gb)")
     parser.add_argument("--standalone", action="store_true",
                         help="print-command: every setting as a flag instead of --config_file")
     args = parser.parse_args(argv)
     try:
-        cfg = config_file.load(args.config)
-    except config_file.ConfigError as e:
+        cfg = config_file.load(presets.resolve(args.config))
+    except (config_file.ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

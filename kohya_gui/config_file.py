@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import difflib
 import os
-import tempfile
 import tomllib
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,9 +82,11 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Writes to a temporary file in the same folder, then renames it over the target."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # open(..., "x") creates the file with the user's umask (mkstemp would make it 0600: a run's TOML or a saved
+    # config then could not be read by another user or a web server)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with open(tmp, "x", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
     except BaseException:

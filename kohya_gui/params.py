@@ -223,7 +223,7 @@ PARAMS: tuple[Param, ...] = (
        "Class images for prior preservation, in N_class subfolders.", "folders",
        tabs=frozenset({"lora", "dreambooth"})),
     _p("in_json", "path", "", "Metadata JSON (optional)",
-       "kohya's captions/metadata JSON (made with tools/merge_captions_to_metadata.py).", "folders",
+       "kohya's captions/metadata JSON (made with sd-scripts/finetune/merge_captions_to_metadata.py).", "folders",
        tabs=frozenset({"finetune"})),
     _p("dataset_config", "path", "", "Dataset config TOML (optional)",
        "A --dataset_config file ([general], [[datasets]], [[datasets.subsets]]); replaces the image folder.",

@@ -29,3 +29,20 @@ def preset_path(tab: str, name: str) -> Path:
 def user_config_path(tab: str, name: str) -> str:
     """Where Save puts a configuration that started from a preset (presets themselves stay untouched)."""
     return str(Path("configs") / tab / f"{name}.toml")
+
+
+def resolve(arg: str) -> Path:
+    """A configuration argument of the command line: a file, a preset name (`demo-sdxl-tiny`: the first tab that
+    has it, LoRA first) or `<tab>/<name>` (`dreambooth/demo-sdxl-tiny`). FileNotFoundError names the choices."""
+    from .params import TABS
+
+    path = Path(arg)
+    if path.is_file() or path.suffix == ".toml" or len(path.parts) > 2:
+        return path  # a path (a missing one is reported by the loader, with its name)
+    tab, _, name = arg.rpartition("/")
+    for t in ([tab] if tab in TABS else TABS if not tab else []):
+        candidate = preset_dir(t) / f"{name}.toml"
+        if candidate.is_file():
+            return candidate
+    known = ", ".join(f"{t}/{n}" for t in TABS for n in list_presets(t))
+    raise FileNotFoundError(f"{arg}: not a file and not a preset; presets: {known}")

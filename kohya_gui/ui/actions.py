@@ -240,7 +240,7 @@ def result_md(s) -> str:
     if s.started is None or s.running:
         return ""
     status = s.returncode if s.returncode is not None else "-"
-    parts = [f"**Run {s.message}** (exit status {status})"]
+    parts = [f"**Run {s.message}**" + ("" if "exit status" in s.message else f" (exit status {status})")]
     if s.outputs:
         parts.append("Output files:\n\n" + "\n".join(f"- `{p}`" for p in s.outputs))
     if s.error_lines:

@@ -166,6 +166,10 @@ def build_app() -> gr.Blocks:
         timer = gr.Timer(1.0)
         timer.tick(A.run_panel, inputs=seen, outputs=[progress, log, result, seen], show_progress="hidden").then(
             None, js=FOLLOW_LOG_JS)
+    for fn in app.fns.values():
+        # gradio puts the API description, with every control's default value, even into the login page of a
+        # password-protected GUI; our events are the page's own, not a documented API
+        fn.api_visibility = "undocumented"
     return app
 
 
