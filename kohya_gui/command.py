@@ -7,6 +7,7 @@ sits next to the exact settings that made it. The printable command is ``shlex.j
 
 from __future__ import annotations
 
+import difflib
 import os
 import shlex
 from pathlib import Path
@@ -61,24 +62,48 @@ def launch_args(values: dict[str, Any]) -> list[str]:
     return out
 
 
+def additional_args(values: dict[str, Any]) -> list[str]:
+    """The "Additional parameters" text as argv (appended after everything else, so it wins)."""
+    return shlex.split(values.get("additional_parameters") or "")
+
+
+def additional_errors(tab: str, family: str, values: dict[str, Any]) -> list[str]:
+    """Flags in "Additional parameters" that the script does not have (values are the trainer's to check)."""
+    try:
+        tokens = additional_args(values)
+    except ValueError as e:
+        return [f"Additional parameters (additional_parameters): cannot split it into arguments: {e}"]
+    script = P.script_for(tab, family)
+    known = P.script_flags(script)
+    errors = []
+    for token in tokens:
+        flag = token.split("=", 1)[0]
+        if flag.startswith("--") and flag not in known:
+            close = difflib.get_close_matches(flag, sorted(known), n=1)
+            errors.append(f"Additional parameters (additional_parameters): {flag} is not an option of {script}"
+                          + (f" (did you mean {close[0]}?)" if close else ""))
+    return errors
+
+
 def build_argv(tab: str, family: str, values: dict[str, Any], config_path: str | os.PathLike | None = None) -> list[str]:
     config_path = config_path if config_path is not None else run_config_path(values)
-    return ["accelerate", "launch", *launch_args(values), script_path(tab, family), "--config_file", str(config_path)]
+    return ["accelerate", "launch", *launch_args(values), script_path(tab, family), "--config_file", str(config_path),
+            *additional_args(values)]
 
 
 def trainer_args(tab: str, family: str, values: dict[str, Any]) -> list[str]:
     """Every trainer option that is not at its default, as command-line flags (family-implied ones always)."""
     out = []
     for p in P.params_for(tab, family):
-        if p.target == "launch":
+        if p.target in ("launch", "gui"):
             continue
         if p.fixed:
             out += p.cli_args(p.fixed[family])
             continue
-        value = p.check(values.get(p.name, p.default_for(tab)), tab)
+        value = p.effective(p.check(values.get(p.name, p.default_for(tab)), tab), family)
         if not p.is_default(value, tab):
             out += p.cli_args(value)
-    return out
+    return out + additional_args(values)
 
 
 def standalone_argv(tab: str, family: str, values: dict[str, Any]) -> list[str]:
@@ -104,6 +129,7 @@ def validation_errors(tab: str, family: str, values: dict[str, Any]) -> list[str
             continue
         if p.required and p.is_default(value, tab):
             errors.append(f"{p.label} ({p.name}) is required")
+    errors += additional_errors(tab, family, values)
     if not (values.get("train_data_dir") or values.get("dataset_config") or values.get("in_json")):
         errors.append("Give an image folder (train_data_dir) or a dataset config (dataset_config)")
     processes = values.get("num_processes") or 1

@@ -47,7 +47,7 @@ def _toml_value(p: P.Param, value: Any) -> Any:
     if p.kind == "float":
         return float(value)
     if p.kind == "list":
-        return list(value)
+        return [float(v) if p.item_kind == "float" else int(v) if p.item_kind == "int" else v for v in value]
     return value
 
 
@@ -63,9 +63,12 @@ def to_toml(tab: str, family: str, values: dict[str, Any]) -> str:
         if p.fixed:
             value = p.fixed[family]
         else:
-            value = p.check(values.get(p.name, p.default), tab)
+            value = p.effective(p.check(values.get(p.name, p.default), tab), family)
             if value is None or (p.is_default(value, tab) and not p.write_default):
                 continue
+        if p.table == P.GUI_TABLE:
+            gui.add(p.name, _toml_value(p, value))
+            continue
         tables.setdefault(p.table, []).append((p, value))
     order = [k for k in P.ACCORDIONS if k != P.LAUNCH_TABLE] + [P.LAUNCH_TABLE]
     for key in order:
@@ -145,9 +148,10 @@ def parse(text: str, source: str, tab: str | None = None, family: str = "SDXL") 
         raise ConfigError(f"{source}: not valid TOML: {e}") from e
     gui, launch, trainer, errors = _flatten(source, data)
 
+    gui_keys = ["tab", "family"] + [p.name for p in P.PARAMS if p.target == "gui"]
     for key in gui:
-        if key not in ("tab", "family"):
-            errors.append(f"{source}: [gui] {key}: unknown key; allowed keys: 'tab', 'family'")
+        if key not in gui_keys:
+            errors.append(f"{source}: [gui] {key}: unknown key; allowed keys: {', '.join(map(repr, gui_keys))}")
     file_tab = gui.get("tab", tab or "lora")
     if file_tab not in P.TABS:
         errors.append(f"{source}: [gui] tab: {file_tab!r} is not one of the allowed values: "
@@ -166,7 +170,8 @@ def parse(text: str, source: str, tab: str | None = None, family: str = "SDXL") 
 
     values = P.defaults(file_tab)
     seen: set[str] = set()
-    entries = [(P.LAUNCH_TABLE, k, v) for k, v in launch.items()] + trainer
+    entries = [(P.LAUNCH_TABLE, k, v) for k, v in launch.items()] + trainer + \
+        [(P.GUI_TABLE, k, v) for k, v in gui.items() if k not in ("tab", "family") and k in gui_keys]
     for table, key, value in entries:
         where = f"{source}: {'[' + table + '] ' if table else ''}{key}"
         p = P.BY_NAME.get(key)
@@ -177,7 +182,11 @@ def parse(text: str, source: str, tab: str | None = None, family: str = "SDXL") 
             errors.append(f"{where}: given twice")
             continue
         seen.add(key)
-        if (table == P.LAUNCH_TABLE) != (p.target == "launch"):
+        if table == P.GUI_TABLE or p.target == "gui":
+            if table != p.table:
+                errors.append(f"{where}: belongs in the [{p.table}] table")
+                continue
+        elif (table == P.LAUNCH_TABLE) != (p.target == "launch"):
             errors.append(f"{where}: belongs in the [{p.table}] table, not "
                           + (f"[{table}]" if table else "at the top level")
                           + (" (the trainer ignores [accelerate])" if table == P.LAUNCH_TABLE else ""))

@@ -9,8 +9,10 @@ messages are all derived from this list; nothing else in kohya_gui lists paramet
 
 from __future__ import annotations
 
+import json
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 # ---- tabs, families, the script each (tab, family) runs -----------------------------------------------------
@@ -47,6 +49,7 @@ ACCORDIONS = {
     "samples": ("Samples", False),
     "accelerate": ("Accelerate launch", False),
     "compile": ("Torch Compile Settings", False),
+    "other": ("Other options", False),  # every trainer option the groups above do not show (from the trainers)
 }
 
 GUI_TABLE = "gui"  # [gui]: tab and family; the trainers skip it
@@ -75,7 +78,8 @@ class Param:
     families: frozenset = ALL_FAMILIES
     choices: tuple = ()
     # where the value goes: "trainer" (TOML trainer table), "launch" ([accelerate] table and accelerate
-    # launch flags only) or "both" (trainer table and also passed to accelerate launch)
+    # launch flags only), "both" (trainer table and also passed to accelerate launch) or "gui" ([gui] table; the
+    # command uses it in its own way, the trainers skip it)
     target: str = "trainer"
     write_default: bool = False  # write even when equal to the default
     required: bool = False  # Start/Print refuse to run when it is empty
@@ -85,6 +89,12 @@ class Param:
     choice_labels: dict = field(default_factory=dict)  # how a choice is shown, when not as itself
     tab_choices: dict = field(default_factory=dict)  # tab -> choices, where a tab's trainer allows fewer
     tab_defaults: dict = field(default_factory=dict)  # tab -> default, where a tab's trainer has its own
+    # options read from the trainers' descriptions: the scripts that have it (then it applies exactly where the
+    # tab and family run one of them; tabs/families are not used)
+    scripts: frozenset = frozenset()
+    open_choices: bool = False  # choices are suggestions; any text is accepted (a class path, a module name)
+    item_kind: str = "str"  # list options: what each item is ("float": numbers, written as TOML numbers)
+    family_default: dict = field(default_factory=dict)  # family -> what an empty value means (always written)
 
     def default_for(self, tab: str | None) -> Any:
         value = self.tab_defaults.get(tab, self.default)
@@ -95,6 +105,8 @@ class Param:
 
     # -- where it applies ------------------------------------------------------------------------------------
     def applies(self, tab: str, family: str) -> bool:
+        if self.scripts:
+            return SCRIPTS[(tab, family)] in self.scripts
         if tab not in self.tabs:
             return False
         if self.fixed:
@@ -109,6 +121,8 @@ class Param:
     def table(self) -> str:
         if self.target == "launch":
             return LAUNCH_TABLE
+        if self.target == "gui":
+            return GUI_TABLE
         if self.accordion == LAUNCH_TABLE:  # "both" options shown with the launch options
             return "parameters"
         return self.accordion
@@ -150,15 +164,25 @@ class Param:
             if not isinstance(value, str):
                 raise ValueError(f"expected text, got {value!r}")
             allowed = self.choices_for(tab)
-            if k == "choice" and value not in allowed:
+            if k == "choice" and value not in allowed and not self.open_choices:
                 raise ValueError(f"{value!r} is not one of the allowed values: {', '.join(map(repr, allowed))}")
             return value
         elif k == "list":
             if isinstance(value, str):
                 value = shlex.split(value)
+            if isinstance(value, list) and self.item_kind != "str":
+                value = [v if isinstance(v, str) else format_number(v) for v in value if not isinstance(v, bool)]
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise ValueError(f"expected a list of texts, got {value!r}")
+            if self.item_kind != "str":
+                for v in value:
+                    try:
+                        float(v)
+                    except ValueError:
+                        raise ValueError(f"expected numbers, got {v!r}") from None
             return list(value)
+        if self.choices and value not in self.choices:  # a number option with a fixed set (--max_token_length)
+            raise ValueError(f"{value!r} is not one of the allowed values: {', '.join(map(repr, self.choices))}")
         if self.minimum is not None and value < self.minimum:
             raise ValueError(f"must be at least {self.minimum:g}, got {value!r}")
         return value
@@ -174,6 +198,10 @@ class Param:
             "choice": "one of " + ", ".join(map(repr, self.choices)),
             "list": "a list of texts",
         }[self.kind]
+
+    def effective(self, value: Any, family: str) -> Any:
+        """The value a run gets: an empty value means the family's default where there is one."""
+        return self.family_default[family] if self.family_default and not value else value
 
     def cli_args(self, value: Any) -> list[str]:
         """The trainer/launcher argv for a (non-default) value."""
@@ -198,7 +226,7 @@ def _p(*args, **kw) -> Param:
 
 # ---- the registry ------------------------------------------------------------------------------------------
 
-PARAMS: tuple[Param, ...] = (
+OVERLAY: tuple[Param, ...] = (  # what the GUI adds to the trainers' options: labels, groups, help, visibility
     # Model
     _p("pretrained_model_name_or_path", "path", "", "Pretrained model",
        "Single-file checkpoint (.safetensors/.ckpt) or diffusers folder (FLUX.1: the BFL transformer file).",
@@ -210,12 +238,15 @@ PARAMS: tuple[Param, ...] = (
     _p("t5xxl", "path", "", "T5-XXL", "T5-XXL text encoder file (t5xxl_fp16.safetensors).", "model", families=FLUX),
     _p("ae", "path", "", "AE", "FLUX.1 autoencoder file (ae.safetensors).", "model", families=FLUX),
     _p("v_parameterization", "bool", False, "v-parameterization",
-       "Tick for SD2.x 768-v models (v-prediction).", "model", families=frozenset({"SD2.x"})),
+       "Tick for v-prediction models (SD2.x 768-v, v-pred SD1.x / SDXL checkpoints).", "model", families=SD_SDXL),
     _p("fp8_base", "bool", False, "fp8 base model",
-       "Keep the frozen FLUX.1 transformer in fp8 to save memory.", "model", families=FLUX),
-    _p("network_module", "str", "", "Network module", "Implied by the family.", "network", tabs=LORA,
-       fixed={"SD1.x": "networks.lora", "SD2.x": "networks.lora", "SDXL": "networks.lora",
-              "FLUX.1": "networks.lora_flux"}),
+       "Keep the frozen base model's weights in fp8 to save memory (FLUX.1 transformer, SD/SDXL UNet).", "model"),
+    _p("network_module", "choice", "", "Network module",
+       "Empty = the family's LoRA (networks.lora; networks.lora_flux for FLUX.1). lycoris.kohya needs the "
+       "lycoris extra and its algo in Network arguments (algo=locon, lokr, loha ...).", "network", tabs=LORA,
+       choices=("",), choice_labels={"": "LoRA (the family's)"},
+       family_default={"SD1.x": "networks.lora", "SD2.x": "networks.lora", "SDXL": "networks.lora",
+                       "FLUX.1": "networks.lora_flux"}),
     # Folders
     _p("train_data_dir", "dir", "", "Image folder",
        "Folder with N_name subfolders (N = repeats) of images and captions.", "folders"),
@@ -224,7 +255,7 @@ PARAMS: tuple[Param, ...] = (
        tabs=frozenset({"lora", "dreambooth"})),
     _p("in_json", "path", "", "Metadata JSON (optional)",
        "kohya's captions/metadata JSON (made with sd-scripts/finetune/merge_captions_to_metadata.py).", "folders",
-       tabs=frozenset({"finetune"})),
+       tabs=frozenset({"lora", "finetune"})),
     _p("dataset_config", "path", "", "Dataset config TOML (optional)",
        "A --dataset_config file ([general], [[datasets]], [[datasets.subsets]]); replaces the image folder.",
        "folders"),
@@ -258,10 +289,9 @@ PARAMS: tuple[Param, ...] = (
     _p("cache_latents_to_disk", "bool", False, "Cache latents to disk", "Keep the cached latents as files.",
        "dataset"),
     _p("cache_text_encoder_outputs", "bool", False, "Cache text-encoder outputs",
-       "Encode the captions once (the text encoders are then not trained).", "dataset",
-       families=frozenset({"SDXL", "FLUX.1"})),
+       "Encode the captions once (the text encoders are then not trained).", "dataset"),
     _p("cache_text_encoder_outputs_to_disk", "bool", False, "Cache text-encoder outputs to disk", "",
-       "dataset", families=frozenset({"SDXL", "FLUX.1"})),
+       "dataset"),
     # Parameters
     _p("train_batch_size", "int", 1, "Batch size", "", "parameters", minimum=1),
     _p("max_train_steps", "int", 1600, "Max train steps", "", "parameters", minimum=1),
@@ -347,6 +377,10 @@ PARAMS: tuple[Param, ...] = (
     _p("min_snr_gamma", "float", None, "Min-SNR gamma (optional)", "5 is a common value.", "advanced",
        families=SD_SDXL, minimum=0),
     _p("tokenizer_cache_dir", "dir", "", "Tokenizer cache folder (optional)", "", "advanced"),
+    _p("additional_parameters", "str", "", "Additional parameters",
+       "Trainer flags appended to the command as written, e.g. --max_grad_norm 0.5 --noise_offset_random_strength; "
+       "each flag must be one of the script's options (kept in the [gui] table, which the trainers skip).",
+       "advanced", target="gui"),
     # Samples
     _p("sample_prompts", "path", "", "Sample prompts file",
        "One prompt per line, with kohya options --n --w --h --s --l --d.", "samples"),
@@ -399,12 +433,102 @@ PARAMS: tuple[Param, ...] = (
        "compile", families=COMPILE_FAMILIES),
 )
 
+# ---- every other trainer option, from the trainers' own descriptions ------------------------------------------
+# kohya_gui/options/<script>.json is each script's `--dump_options` (tools/gen_gui_options.py writes them, a test
+# keeps them fresh): the one source of names, kinds, defaults and choices. An option the overlay above does not
+# declare still gets a control, in "Other options", where the tab and family run a script that has it.
+
+OPTIONS_DIR = Path(__file__).with_name("options")
+NOT_SETTINGS = frozenset({"config_file", "output_config", "dump_options", "validate_only"})  # how a run is made
+
+
+# (option, tab or family): why an option of the script that runs there has no control there
+NOT_SHOWN: dict[tuple[str, str], str] = {
+    **{("v2", f): "SD2.x is a family of its own: choosing it sets --v2" for f in ("SD1.x", "SDXL", "FLUX.1")},
+    ("v_parameterization", "FLUX.1"): "FLUX.1 is a flow-matching model",
+    ("vae", "FLUX.1"): "FLUX.1 takes its autoencoder as --ae",
+    ("noise_offset", "FLUX.1"): "sd-scripts applies it to SD1.x/SD2.x/SDXL noise only",
+    ("min_snr_gamma", "FLUX.1"): "SNR weighting is for SD1.x/SD2.x/SDXL (FLUX.1 has weighting schemes)",
+    ("train_text_encoder", "FLUX.1"): "flux_train.py trains the transformer (as upstream)",
+    ("reg_data_dir", "finetune"): "fine-tuning has no regularisation images (the DreamBooth tab has)",
+    ("prior_loss_weight", "finetune"): "fine-tuning has no regularisation images (the DreamBooth tab has)",
+    ("in_json", "dreambooth"): "the DreamBooth tab trains image folders; a metadata JSON is the Fine-tune tab's",
+    ("fused_backward_pass", "lora"): "upstream's LoRA scripts accept it but never fuse; it is for full training",
+    **{("fused_backward_pass", f): "sd-scripts fuses the backward pass for SDXL and FLUX.1 full training"
+       for f in ("SD1.x", "SD2.x")},
+}
+
+
+def _load_trainer_options() -> dict[str, dict[str, dict]]:
+    """script -> {option name: description}"""
+    return {path.name.removesuffix(".json"): {o["name"]: o for o in json.loads(path.read_text(encoding="utf-8"))}
+            for path in sorted(OPTIONS_DIR.glob("*.py.json"))}
+
+
+TRAINER_OPTIONS = _load_trainer_options()
+
+
+def _kind_default_choices(o: dict) -> tuple[str, Any, tuple]:
+    default = o["default"]
+    if o["kind"] == "bool":
+        return "bool", bool(default), ()
+    if "nargs" in o:
+        return "list", [str(v) for v in default or []], ()  # item kind: see _from_trainers
+    choices = [c for c in o.get("choices") or [] if c is not None]
+    if choices and o["kind"] == "str":
+        return "choice", default or "", tuple(([""] if default is None else []) + choices)
+    if o["kind"] in ("int", "float"):
+        return o["kind"], default, tuple(choices)
+    return "str", "" if default is None else str(default), ()
+
+
+def _from_trainers(declared: set[str]) -> tuple[Param, ...]:
+    per_name: dict[str, dict[str, dict]] = {}
+    for script, options in TRAINER_OPTIONS.items():
+        for name, o in options.items():
+            if name not in declared and name not in NOT_SETTINGS and "refused" not in o:
+                per_name.setdefault(name, {})[script] = o
+    out = []
+    for name, per_script in per_name.items():
+        scripts = frozenset(per_script)
+        tab_of = {t: sc for (t, _), sc in SCRIPTS.items() if sc in scripts}
+        kind, default, choices = _kind_default_choices(next(iter(per_script.values())))
+        tab_defaults = {}
+        for tab, script in tab_of.items():
+            d = _kind_default_choices(per_script[script])[1]
+            if d != default:
+                tab_defaults[tab] = d
+        o = next(iter(per_script.values()))
+        out.append(Param(name, kind, default, name.replace("_", " ").capitalize(), o["help"], "other",
+                         tabs=frozenset(tab_of), choices=choices, tab_defaults=tab_defaults, scripts=scripts,
+                         item_kind=o["kind"] if kind == "list" and o["kind"] in ("int", "float") else "str"))
+    return tuple(out)
+
+
+def _choices_from_trainers(p: Param) -> Param:
+    """Where the trainer knows names for an option (optimizers, schedulers): those names, and any other text."""
+    for options in TRAINER_OPTIONS.values():
+        suggested = options.get(p.name, {}).get("suggested")
+        if suggested and p.kind == "choice":
+            keep = [c for c in p.choices if c == ""]  # "not set" (the trainer's or the family's default)
+            return replace(p, choices=tuple(dict.fromkeys(keep + suggested)), open_choices=True)
+    return p
+
+
+PARAMS: tuple[Param, ...] = tuple(_choices_from_trainers(p) for p in OVERLAY) + \
+    _from_trainers({p.name for p in OVERLAY})
+
 BY_NAME: dict[str, Param] = {p.name: p for p in PARAMS}
 assert len(BY_NAME) == len(PARAMS), "a parameter is declared twice"
 assert all(p.kind in KINDS and p.accordion in ACCORDIONS for p in PARAMS)
 assert all(p.kind != "choice" or p.default in p.choices for p in PARAMS)
 
 CONTROL_PARAMS: tuple[Param, ...] = tuple(p for p in PARAMS if p.has_control)
+
+
+def script_flags(script: str) -> set[str]:
+    """Every --flag the script accepts (its description's option strings)."""
+    return {o["flag"] for o in TRAINER_OPTIONS.get(script, {}).values()}
 
 
 def script_for(tab: str, family: str) -> str:

@@ -11,6 +11,7 @@ NON_DEFAULT_TEXT = {
     "gpu_ids": "0,1",
     "main_process_ip": "10.0.0.2",
     "output_name": "my lora 'quoted'",
+    "additional_parameters": "--validate_only",  # a flag of every script that no registry option sets
 }
 
 
@@ -19,6 +20,8 @@ def non_default(p: P.Param, tab: str | None = None):
     default = p.default_for(tab)
     if p.kind == "bool":
         return not default
+    if p.kind in ("int", "float") and p.choices:
+        return next(c for c in p.choices if c != default)
     if p.kind == "int":
         base = default if default is not None else int(p.minimum or 1)
         return base + 3
@@ -27,7 +30,7 @@ def non_default(p: P.Param, tab: str | None = None):
     if p.kind == "choice":
         return next(c for c in reversed(p.choices_for(tab)) if c != default)
     if p.kind == "list":
-        return ["alpha=1", "beta=0.9,0.99"]
+        return ["0.5", "0.25"] if p.item_kind != "str" else ["alpha=1", "beta=0.9,0.99"]
     if p.kind == "path":
         return f"/data/models dir/{p.name}.safetensors"
     if p.kind == "dir":

@@ -38,7 +38,7 @@ def test_round_trip_all_non_default(tmp_path, tab, family):
         if p.has_control:
             assert restored[p.name] == A.to_ui(p, values[p.name]), p.name
     data = tomllib.loads(a.decode())
-    assert data["gui"] == {"tab": tab, "family": family}
+    assert data["gui"] == {"tab": tab, "family": family, "additional_parameters": values["additional_parameters"]}
     flat = {k: v for t in data.values() for k, v in t.items()}
     has_compile = family in ("SDXL", "FLUX.1")
     assert all((k in flat) == has_compile for k in COMPILE_KEYS)
@@ -90,7 +90,9 @@ def test_visibility_rules():
 
     c, a, note = shown("lora", "SD1.x")
     assert not a["compile"] and not any(c[k] for k in COMPILE_KEYS)
-    assert not a["flux"] and not c["clip_l"] and not c["v_parameterization"]
+    assert not a["flux"] and not c["clip_l"] and c["v_parameterization"]  # v-pred SD1.x checkpoints exist
+    c_flux, _, _ = shown("lora", "FLUX.1")
+    assert not c_flux["v_parameterization"] and not c_flux["vae"]
     assert "train_network.py" in note
     c, a, note = shown("lora", "SDXL")
     assert a["compile"] and all(c[k] for k in COMPILE_KEYS) and not a["flux"]

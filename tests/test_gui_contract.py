@@ -33,6 +33,9 @@ def load_parser(script: str):
 
 
 def same(expected, got) -> bool:
+    if isinstance(expected, list) and isinstance(got, list) and len(expected) == len(got):
+        # a list of numbers is held as texts in the GUI ("0.5"); the trainer reads numbers
+        return all(same(float(e) if isinstance(g, float) else e, g) for e, g in zip(expected, got))
     if isinstance(expected, float) and isinstance(got, (int, float)):
         return math.isclose(expected, got, rel_tol=1e-12)
     if expected in ("", []) and got is None:
@@ -48,7 +51,7 @@ def missing_flags(namespace, tab, family) -> set[str]:
 
 
 def trainer_params(tab, family):
-    return [p for p in P.params_for(tab, family) if p.target != "launch"]
+    return [p for p in P.params_for(tab, family) if p.target not in ("launch", "gui")]
 
 
 @pytest.mark.parametrize("tab,family", sorted(P.SCRIPTS))
@@ -101,7 +104,7 @@ def test_launch_options_parse_with_accelerate(tab, family):
     assert argv[:2] == ["accelerate", "launch"]
     ns = launch_command_parser().parse_args(argv[2:])
     assert ns.training_script.endswith(P.script_for(tab, family))
-    assert ns.training_script_args == ["--config_file", "out/run.toml"]
+    assert ns.training_script_args == ["--config_file", "out/run.toml", *command.additional_args(values)]
     assert ns.num_processes == values["num_processes"] and ns.num_machines == values["num_machines"]
     assert ns.mixed_precision == values["mixed_precision"] and ns.multi_gpu is True
     assert ns.gpu_ids == values["gpu_ids"] and ns.main_process_port == values["main_process_port"]
@@ -134,3 +137,41 @@ def test_presets_pass_the_trainers_checks(tab, name):
         compile_utils.validate_compile_args(args)
     else:
         assert not hasattr(args, "compile")
+
+
+@pytest.mark.parametrize("tab,family", sorted(P.SCRIPTS))
+def test_every_trainer_option_is_reachable_with_the_trainers_kind_and_choices(tab, family):
+    """The other direction: each option of the script's own parser has a control (or a family-fixed value) in this
+    tab and family, and a choice control offers exactly the parser's choices (or, for options that take any value,
+    at least the names the trainer knows)."""
+    import argparse
+
+    from library.parity import REFUSED  # accepted at their defaults only (DeepSpeed, --dataset_class)
+
+    parser = load_parser(P.script_for(tab, family))
+    applies = {p.name: p for p in P.params_for(tab, family)}
+    wrong = []
+    for action in parser._actions:
+        if not action.option_strings or action.dest in ("help", *P.NOT_SETTINGS) or action.dest in REFUSED:
+            continue
+        p = applies.get(action.dest)
+        if p is None:
+            if (action.dest, tab) not in P.NOT_SHOWN and (action.dest, family) not in P.NOT_SHOWN:
+                wrong.append(f"--{action.dest}: no control in {tab} {family}")
+            continue
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)) != (p.kind == "bool"):
+            wrong.append(f"--{action.dest}: registry kind {p.kind}, trainer action {type(action).__name__}")
+        if action.choices is not None and p.kind == "choice":
+            allowed = {c for c in p.choices_for(tab) if c != ""}
+            if allowed != {str(c) for c in action.choices if c is not None}:
+                wrong.append(f"--{action.dest}: choices {sorted(allowed)} vs the trainer's {list(action.choices)}")
+    assert not wrong, f"{P.script_for(tab, family)}:\n" + "\n".join(wrong)
+
+
+def test_the_option_files_are_the_trainers_current_options():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen_gui_options", REPO / "tools" / "gen_gui_options.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert gen.main(["--check"]) == 0, "run python tools/gen_gui_options.py"

@@ -29,7 +29,9 @@ def test_start_error_appears_inside_the_window_in_red(page):
     page.locator("#lora-start").click()
     msg = page.locator("#lora-run-status blockquote")
     msg.get_by_text("image folder").wait_for()
-    page.wait_for_timeout(300)  # the scroll after the message
+    # the page scrolls the message into view once it is drawn
+    page.wait_for_function("""() => { const r = document.querySelector('#lora-run-status blockquote')
+        .getBoundingClientRect(); return r.top >= 0 && r.bottom <= window.innerHeight; }""", timeout=10_000)
     box, height = msg.bounding_box(), page.viewport_size["height"]
     assert box["y"] >= 0 and box["y"] + box["height"] <= height, (box, height)
     r, g, b = (int(x) for x in msg.evaluate("e => getComputedStyle(e).color").strip("rgba()").split(",")[:3])

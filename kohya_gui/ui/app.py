@@ -11,6 +11,7 @@ from .. import presets
 from .. import params as P
 from . import actions as A
 from . import feedback
+from .option_filter import filter_js
 
 CSS = """
 .kg-progress {padding: 6px 2px;}
@@ -53,7 +54,7 @@ def make_control(tab: str, p: P.Param, value, family: str):
                          **kw)
     if p.kind == "choice":
         choices = [(p.choice_labels.get(c, c), c) for c in p.choices_for(tab)]
-        return gr.Dropdown(choices=choices, value=v, **kw)
+        return gr.Dropdown(choices=choices, value=v, allow_custom_value=p.open_choices, **kw)
     placeholder = {"path": "path to a file", "dir": "path to a folder", "list": "key=value key2=value2"}
     return gr.Textbox(value=v, placeholder=placeholder.get(p.kind), **kw)
 
@@ -85,6 +86,9 @@ def build_tab(tab: str) -> dict:
                 save_btn = gr.Button("Save", size="md", elem_id=f"{tab}-save", min_width=70)
                 save_as_btn = gr.Button("Save as", size="md", elem_id=f"{tab}-save-as", min_width=70)
     status = gr.Markdown(built.note, elem_id=f"{tab}-status", elem_classes="kg-msg")
+    option_filter = gr.Textbox(label="Find an option", placeholder="part of a label, an option name or a --flag",
+                               elem_id=f"{tab}-filter", max_lines=1)
+    option_filter.change(None, inputs=option_filter, js=filter_js(tab, A.tab_params(tab)))
 
     controls, accordions = {}, {}
     family = None

@@ -37,9 +37,10 @@ def message_area(elem_id: str) -> gr.Markdown:
 def follow(event, elem_id: str):
     """After `event`, scrolls its message area into view if it is outside the window (a long form: the button
     can be at the bottom edge of the window)."""
-    js = ("() => { const e = document.getElementById(%r); if (!e) return;"
+    # after the message is drawn (it grows the area), and centred so that a few more lines still fit
+    js = ("() => setTimeout(() => { const e = document.getElementById(%r); if (!e) return;"
           " const r = e.getBoundingClientRect();"
-          " if (r.top < 0 || r.bottom > window.innerHeight) e.scrollIntoView({block: 'nearest'}); }" % elem_id)
+          " if (r.top < 0 || r.bottom > window.innerHeight) e.scrollIntoView({block: 'center'}); }, 100)" % elem_id)
     return event.then(None, js=js)
 
 

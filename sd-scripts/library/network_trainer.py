@@ -96,7 +96,7 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
 
 def base_parser() -> argparse.ArgumentParser:
     """The arguments of every trainer, LoRA and full (models, dataset, training, optimizer, --config_file)."""
-    from library import compile_utils, console_log, precision, trackers, validate_only
+    from library import compile_utils, console_log, option_dump, precision, trackers, validate_only
 
     parser = argparse.ArgumentParser(allow_abbrev=False)
     train_util.add_sd_models_arguments(parser)
@@ -118,6 +118,7 @@ def base_parser() -> argparse.ArgumentParser:
     precision.add_fp16_master_argument(parser)
     compile_utils.add_torch_compile_arguments(parser)
     validate_only.add_validate_only_argument(parser)
+    option_dump.add_dump_options_argument(parser)
     return parser
 
 

@@ -272,6 +272,9 @@ def load_config_file(path: str | os.PathLike, parser: argparse.ArgumentParser) -
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
     """Parses the command line; with `--config_file` the file's values are the defaults and the command
     line wins. With `--output_config` the options are written to the `--config_file` path instead."""
+    from library import option_dump
+
+    option_dump.dump_if_asked(parser, argv)
     args = parser.parse_args(argv)
     if args.config_file and not args.output_config:
         values = load_config_file(args.config_file, parser)

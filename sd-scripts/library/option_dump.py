@@ -1,0 +1,76 @@
+"""`--dump_options`: the script's options as JSON, for the GUI (which never imports the trainers).
+
+Each entry: name (the dest = TOML key), flag, kind (bool, int, float, str), nargs, choices, default, help, and
+`suggested` where the option takes any value but the trainer knows names for it (optimizers, schedulers,
+network modules). kohya_gui/options/<script>.json holds this output per script (tools/gen_gui_options.py writes
+them; a test keeps them fresh). Our own option: upstream has none.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+FLAG = "--dump_options"
+KINDS = {int: "int", float: "float", str: "str", None: "str"}
+CUSTOM_KINDS = {"int_or_float": "float"}  # type functions: how the GUI holds their value (steps or a ratio: a number)
+
+
+def add_dump_options_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(FLAG, action="store_true",
+                        help="print every option of this script as JSON (name, kind, default, choices, help) and "
+                             "exit; the GUI is built from it")
+
+
+def suggested_values() -> dict[str, list[str]]:
+    from networks import lycoris_kohya
+
+    from library import optimizers, schedulers
+
+    networks = ["networks.lora", "networks.lora_flux", lycoris_kohya.MODULE_NAME, "networks.dylora", "networks.oft",
+                "networks.oft_flux", "networks.lora_fa"]
+    return {"optimizer_type": ["", *optimizers.OPTIMIZER_NAMES], "lr_scheduler": list(schedulers.SCHEDULER_NAMES),
+            "network_module": networks}
+
+
+def _json_value(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    return str(value)
+
+
+def describe(parser: argparse.ArgumentParser) -> list[dict[str, Any]]:
+    from library import parity
+
+    suggested = suggested_values()
+    out = []
+    for action in parser._actions:
+        if not action.option_strings or action.dest in ("help", "dump_options"):
+            continue
+        flag = next((s for s in action.option_strings if s.startswith("--")), action.option_strings[0])
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            kind = "bool"
+        else:
+            kind = KINDS.get(action.type) or CUSTOM_KINDS.get(getattr(action.type, "__name__", ""), "str")
+        entry = {"name": action.dest, "flag": flag, "kind": kind, "default": _json_value(action.default),
+                 "help": action.help or ""}
+        if action.nargs not in (None, 0):
+            entry["nargs"] = action.nargs
+        if action.choices is not None:
+            entry["choices"] = [_json_value(c) for c in action.choices]
+        if action.dest in suggested:
+            entry["suggested"] = suggested[action.dest]
+        if action.dest in parity.REFUSED:  # accepted only at its default (library/parity.py says why)
+            entry["refused"] = parity.REFUSED[action.dest]
+        out.append(entry)
+    return out
+
+
+def dump_if_asked(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
+    """Prints the description and exits 0 when the command line asks for it (before anything is parsed)."""
+    if FLAG in (sys.argv[1:] if argv is None else argv):
+        print(json.dumps(describe(parser), indent=1))
+        raise SystemExit(0)

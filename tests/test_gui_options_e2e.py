@@ -1,0 +1,40 @@
+"""In the browser: the filter box finds an option of the "Other options" group (read from the trainer's own
+description) by part of its --flag and opens its group; Additional parameters reach the printed command."""
+from __future__ import annotations
+
+import pytest
+
+from test_gui_e2e import field, gui_url, page, workdir  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.slow
+
+
+def test_filter_box_finds_an_option_and_opens_its_group(page):
+    target = page.locator("#lora-max_grad_norm")  # no group of its own: "Other options", closed at first
+    assert not target.is_visible()
+    page.locator("#lora-filter input, #lora-filter textarea").first.fill("--max_grad_no")
+    target.wait_for(state="visible")
+    assert page.locator("#lora-acc-other").is_visible()
+    other = page.locator("#lora-max_token_length")  # in the same group, no match: in the page but hidden
+    other.wait_for(state="attached")
+    page.wait_for_function("() => document.getElementById('lora-max_token_length').style.display === 'none'")
+    assert not other.is_visible()
+    assert not page.locator("#lora-acc-folders").is_visible()  # a group without a match is hidden
+    page.locator("#lora-filter input, #lora-filter textarea").first.fill("")
+    page.locator("#lora-acc-compile").wait_for(state="visible")
+
+
+def test_additional_parameters_reach_the_command_or_name_the_unknown_flag(page):
+    page.locator("#lora-filter input, #lora-filter textarea").first.fill("additional")
+    box = field(page, "lora-additional_parameters")
+    box.wait_for(state="visible")
+    box.fill("--max_grad_nrm 0.5")
+    page.locator("#lora-print").click()
+    status = page.locator("#lora-run-status")
+    status.get_by_text("--max_grad_nrm is not an option").wait_for()
+    assert "did you mean --max_grad_norm" in status.inner_text()
+    box.fill("--max_grad_norm 0.5")
+    page.locator("#lora-print").click()
+    page.wait_for_function(
+        "() => document.querySelector('#lora-command textarea').value.includes('--max_grad_norm 0.5')")
+    page.locator("#lora-filter input, #lora-filter textarea").first.fill("")

@@ -1,0 +1,50 @@
+"""Writes kohya_gui/options/<script>.json: each trainer's `--dump_options` output, which the GUI's registry is
+built from (the GUI never imports the trainers).
+
+    python tools/gen_gui_options.py           # writes the files
+    python tools/gen_gui_options.py --check   # exit 1 when one is stale (tests/test_gui_options.py runs this)
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "kohya_gui" / "options"
+SCRIPTS = ("sdxl_train_network", "train_network", "flux_train_network", "sdxl_train", "train_db", "fine_tune",
+           "flux_train")
+
+
+def render(script: str) -> str:
+    sys.path.insert(0, str(REPO / "sd-scripts"))
+    from library import option_dump
+
+    parser = importlib.import_module(script).setup_parser()
+    return json.dumps(option_dump.describe(parser), indent=1) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true")
+    args = p.parse_args(argv)
+    stale = []
+    for script in SCRIPTS:
+        path = OUT / f"{script}.py.json"
+        text = render(script)
+        if args.check:
+            if not path.is_file() or path.read_text(encoding="utf-8") != text:
+                stale.append(path.name)
+        else:
+            OUT.mkdir(exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+    if stale:
+        print(f"stale: {', '.join(stale)}; run python tools/gen_gui_options.py", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
