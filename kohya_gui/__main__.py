@@ -4,6 +4,9 @@
     python -m kohya_gui print-command --standalone CONFIG.toml   # the same run, every setting as a flag
     python -m kohya_gui train CONFIG.toml           # runs it with the GUI's runner (Ctrl+C: stop + save; twice: now)
     python -m kohya_gui prepare-demo CONFIG.toml    # makes a demo preset's tiny model and images (used by runs)
+    python -m kohya_gui import KOHYA_SS.json -o OUT.toml   # a kohya_ss GUI configuration as our TOML, with a report
+
+print-command and train also take a kohya_ss JSON directly (imported on the fly, the report on stderr).
 """
 
 from __future__ import annotations
@@ -12,22 +15,36 @@ import argparse
 import signal
 import sys
 
-from . import command, config_file, demo, presets, training
+from . import command, config_file, demo, importer, params, presets, training
 from .runner import Runner
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kohya_gui", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=["print-command", "train", "prepare-demo"])
-    parser.add_argument("config", help="a configuration TOML saved by the GUI, or a preset name (demo-sdxl-tiny, "
-                                       "dreambooth/sdxl-dreambooth-24gb)")
+    parser.add_argument("action", choices=["print-command", "train", "prepare-demo", "import"])
+    parser.add_argument("config", help="a configuration TOML saved by the GUI, a preset name (demo-sdxl-tiny, "
+                                       "dreambooth/sdxl-dreambooth-24gb), or a kohya_ss GUI JSON")
     parser.add_argument("--standalone", action="store_true",
                         help="print-command: every setting as a flag instead of --config_file")
+    parser.add_argument("-o", "--output", help="import: the TOML to write")
+    parser.add_argument("--tab", choices=list(params.TABS), help="import: the tab (default: from the file)")
+    parser.add_argument("--force", action="store_true", help="import: overwrite an existing output file")
     args = parser.parse_args(argv)
+    if args.action == "import":
+        return import_file(args)
     try:
-        cfg = config_file.load(presets.resolve(args.config))
-    except (config_file.ConfigError, FileNotFoundError) as e:
+        if args.config.lower().endswith(".json"):
+            imported = importer.load(args.config, args.tab)
+            print("\n".join(f"import: {line}" for line in imported.report_lines()), file=sys.stderr)
+            if imported.sample_prompts_text:
+                print("import: the inline sample prompts are not used here; `import -o` writes them to a file",
+                      file=sys.stderr)
+                imported.values["sample_prompts"] = ""
+            cfg = config_file.Config(imported.tab, imported.family, imported.values)
+        else:
+            cfg = config_file.load(presets.resolve(args.config))
+    except (config_file.ConfigError, FileNotFoundError, importer.ImportError_) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -66,6 +83,22 @@ def main(argv=None) -> int:
     for path in state.outputs:
         print(f"output: {path}")
     return 0 if state.returncode == 0 else (state.returncode or 1)
+
+
+def import_file(args) -> int:
+    if not args.output:
+        print("error: import needs -o OUT.toml (where to write our configuration)", file=sys.stderr)
+        return 2
+    try:
+        imported = importer.load(args.config, args.tab)
+        path = importer.write(imported, args.output, force=args.force)
+    except importer.ImportError_ as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for line in imported.report_lines():
+        print(line)
+    print(f"# wrote {path} ({params.TAB_LABELS[imported.tab]}, {imported.family})")
+    return 0
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ class Config:
 
 def _toml_value(p: P.Param, value: Any) -> Any:
     if p.kind == "float":
-        return float(value)
+        return int(value) if p.whole_as_int and float(value).is_integer() else float(value)
     if p.kind == "list":
         return [float(v) if p.item_kind == "float" else int(v) if p.item_kind == "int" else v for v in value]
     return value

@@ -95,6 +95,7 @@ class Param:
     open_choices: bool = False  # choices are suggestions; any text is accepted (a class path, a module name)
     item_kind: str = "str"  # list options: what each item is ("float": numbers, written as TOML numbers)
     family_default: dict = field(default_factory=dict)  # family -> what an empty value means (always written)
+    whole_as_int: bool = False  # a number that is steps when whole and a ratio below 1: written 100, not 100.0
 
     def default_for(self, tab: str | None) -> Any:
         value = self.tab_defaults.get(tab, self.default)
@@ -212,6 +213,8 @@ class Param:
             return [flag, *value] if value else []
         if value is None or value == "":
             return []
+        if self.whole_as_int and float(value).is_integer():
+            return [flag, str(int(value))]
         return [flag, format_number(value) if self.kind == "float" else str(value)]
 
 
@@ -314,7 +317,9 @@ OVERLAY: tuple[Param, ...] = (  # what the GUI adds to the trainers' options: la
        "parameters"),
     _p("lr_scheduler", "choice", "constant", "LR scheduler", "", "parameters",
        choices=("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")),
-    _p("lr_warmup_steps", "int", 0, "LR warmup steps", "", "parameters", minimum=0),
+    _p("lr_warmup_steps", "float", 0, "LR warmup steps",
+       "Steps, or below 1 a ratio of the total steps (0.05 = the first 5%), as the trainer reads it.",
+       "parameters", minimum=0, whole_as_int=True),
     _p("gradient_accumulation_steps", "int", 1, "Gradient accumulation steps", "", "parameters", minimum=1),
     _p("seed", "int", None, "Seed (optional)", "", "parameters"),
     _p("save_precision", "choice", "", "Save precision", "Empty = same as training.", "parameters",

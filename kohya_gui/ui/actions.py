@@ -10,7 +10,7 @@ from typing import Any
 
 import gradio as gr
 
-from .. import command, config_file, presets, trainer_check, training
+from .. import command, config_file, importer, presets, trainer_check, training
 from .. import params as P
 from ..runner import Runner, RunnerBusy, format_eta
 from . import feedback
@@ -117,11 +117,33 @@ def open_config(tab: str, path: str, family: str) -> list:
     path = (path or "").strip()
     if not path:
         return [error_md("Enter the path of a configuration file to open."), gr.update(), *no_change(tab)]
+    if path.lower().endswith(".json"):  # a kohya_ss GUI configuration: imported, with a report of every key
+        try:
+            imp = importer.load(path)
+            if (imp.tab == "lora") == (tab == "lora") and imp.tab != tab:
+                imp = importer.load(path, tab)  # DreamBooth and Fine-tune files open in either tab
+        except importer.ImportError_ as e:
+            return [error_md(str(e)), gr.update(), *no_change(tab)]
+        if imp.tab != tab:
+            return [error_md(f"{path} is a {P.TAB_LABELS[imp.tab]} configuration; open it in that tab"),
+                    gr.update(), *no_change(tab)]
+        return [ok_md(import_report_md(path, imp)), gr.update(value=imp.family),
+                *full_updates(tab, imp.family, imp.values)]
     try:
         cfg = config_file.load(path, tab, family)
     except config_file.ConfigError as e:
         return [error_md(str(e)), gr.update(), *no_change(tab)]
     return [ok_md(f"Opened {path}"), gr.update(value=cfg.family), *full_updates(tab, cfg.family, cfg.values)]
+
+
+def import_report_md(path: str, imp) -> str:
+    counts = {w: sum(1 for _, what, _ in imp.report if what == w) for w in ("mapped", "converted", "dropped")}
+    lines = "\n".join(f"- `{k}`: {what}" + (f" ({why})" if why else "") for k, what, why in imp.report)
+    note = " The inline sample prompts are written to a file beside the configuration when you Save." \
+        if imp.sample_prompts_text else ""
+    return (f"Imported the kohya_ss configuration {path} ({imp.family}): {counts['mapped']} keys mapped, "
+            f"{counts['converted']} converted, {counts['dropped']} dropped. Save writes it as our TOML.{note}"
+            f"\n\n<details><summary>Import report</summary>\n\n{lines}\n\n</details>")
 
 
 def open_preset(tab: str, name: str, family: str) -> list:

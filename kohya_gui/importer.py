@@ -1,0 +1,249 @@
+"""Importing a kohya_ss GUI configuration (its JSON, any version) into our settings, with a report of every key.
+
+kohya_ss saves its form as JSON with its own field names; most are the trainers' option names, some are not
+(`max_resolution`, `optimizer`, `LoRA_type` ...), and old files store numbers as text. Each key is mapped to our
+option (converted where kohya_ss means something else by it), or dropped with the reason. Run TOMLs written by
+kohya_ss or by sd-scripts' `--output_config` hold the trainers' own option names and go through the same path.
+Nothing is silent: the report lists every key of the file.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import config_file
+from . import params as P
+
+
+class ImportError_(ValueError):
+    """A file that cannot be imported; the message says why."""
+
+
+@dataclass
+class Imported:
+    tab: str
+    family: str
+    values: dict[str, Any]
+    report: list[tuple[str, str, str]] = field(default_factory=list)  # (key, "mapped"/"converted"/"dropped", why)
+    sample_prompts_text: str = ""  # kohya_ss keeps the prompts in the form; they go to a file beside the config
+
+    def report_lines(self) -> list[str]:
+        return [f"{key}: {what}" + (f" ({why})" if why else "") for key, what, why in self.report]
+
+
+RENAMED = {"max_resolution": "resolution", "optimizer": "optimizer_type", "lora_network_weights": "network_weights",
+           "sdxl_no_half_vae": "no_half_vae", "sdxl_cache_text_encoder_outputs": "cache_text_encoder_outputs",
+           "flux1_cache_text_encoder_outputs": "cache_text_encoder_outputs",
+           "flux1_cache_text_encoder_outputs_to_disk": "cache_text_encoder_outputs_to_disk",
+           "learning_rate_te": "text_encoder_lr", "batch_size": "train_batch_size"}
+NET_ARG_NAMES = {"use_cp": "use_tucker"}  # older kohya_ss files: LyCORIS' earlier name
+ZERO_IS_UNSET = {"vae_batch_size"}  # kohya_ss writes 0 for "not set" where the trainer's default is another number
+FAMILY_KEYS = ("sdxl", "sdxl_checkbox", "v2", "flux1_checkbox", "sd3_checkbox", "model_list")
+# kohya_ss LoRA_type -> (network_module, fixed network_args)
+LORA_TYPES = {
+    "Standard": ("networks.lora", []), "Kohya LoCon": ("networks.lora", []), "LoCon": ("networks.lora", []),
+    "Kohya DyLoRA": ("networks.dylora", []), "LoRA-FA": ("networks.lora_fa", []),
+    "Flux1": ("networks.lora_flux", []), "Flux1 OFT": ("networks.oft_flux", []),
+    "LyCORIS/LoCon": ("lycoris.kohya", ["algo=locon"]), "LyCORIS/LoHa": ("lycoris.kohya", ["algo=loha"]),
+    "LyCORIS/LoKr": ("lycoris.kohya", ["algo=lokr"]), "LyCORIS/iA3": ("lycoris.kohya", ["algo=ia3"]),
+    "LyCORIS/DyLoRA": ("lycoris.kohya", ["algo=dylora"]), "LyCORIS/GLoRA": ("lycoris.kohya", ["algo=glora"]),
+    "LyCORIS/Diag-OFT": ("lycoris.kohya", ["algo=diag-oft"]), "LyCORIS/BOFT": ("lycoris.kohya", ["algo=boft"]),
+    "LyCORIS/Native Fine-Tuning": ("lycoris.kohya", ["algo=full"]),
+}
+# network_args kohya_ss passes from its fields, by network kind (a field at its "unset" value is left out)
+KOHYA_NET_ARGS = ("conv_dim", "conv_alpha", "rank_dropout", "module_dropout", "block_dims", "block_alphas",
+                  "conv_block_dims", "conv_block_alphas", "down_lr_weight", "mid_lr_weight", "up_lr_weight",
+                  "block_lr_zero_threshold", "loraplus_lr_ratio", "loraplus_unet_lr_ratio",
+                  "loraplus_text_encoder_lr_ratio", "unit", "train_blocks", "split_mode", "train_norm")
+LYCORIS_ARGS = ("conv_dim", "conv_alpha", "rank_dropout", "module_dropout", "use_tucker", "use_scalar",
+                "rank_dropout_scale", "dora_wd", "train_norm", "constrain", "rescaled", "bypass_mode",
+                "decompose_both", "factor", "unit")
+
+
+def _unset(value: Any) -> bool:
+    return value is None or value == "" or value is False or (isinstance(value, (int, float)) and value == 0)
+
+
+def _looks_like_path(value: str) -> bool:
+    return "\n" not in value.strip() and (Path(value).exists() or value.endswith((".txt", ".toml", ".json")))
+
+
+def _network(data: dict, report: list) -> tuple[str | None, list[str]]:
+    lora_type = data.get("LoRA_type")
+    if lora_type is None:
+        return None, []
+    if lora_type not in LORA_TYPES:
+        report.append(("LoRA_type", "dropped", f"{lora_type!r} is not a network type here; "
+                                                f"known: {', '.join(LORA_TYPES)}"))
+        return None, []
+    module, args = LORA_TYPES[lora_type][0], list(LORA_TYPES[lora_type][1])
+    names = LYCORIS_ARGS if module == "lycoris.kohya" else KOHYA_NET_ARGS
+    dylora = module == "networks.dylora" or "algo=dylora" in args
+    for name in names + ("use_cp",):
+        value = data.get(name)
+        if name == "factor" and value in (-1, "-1") or name == "unit" and not dylora:
+            continue  # factor -1: LyCORIS' own default; unit: DyLoRA's only
+        if not _unset(value):
+            args.append(f"{NET_ARG_NAMES.get(name, name)}={value}")
+    if module == "lycoris.kohya" and data.get("LyCORIS_preset") not in (None, "", "full"):
+        args.append(f"preset={data['LyCORIS_preset']}")
+    report.append(("LoRA_type", "converted", f"{lora_type} -> network_module {module}"
+                                             + (f", network_args {' '.join(args)}" if args else "")))
+    return module, args
+
+
+def _family(data: dict) -> str:
+    if data.get("sd3_checkbox"):
+        raise ImportError_("this is a kohya_ss SD3 configuration (sd3_checkbox); SD3 is not a model family here "
+                           "(SD1.x, SD2.x, SDXL, FLUX.1)")
+    if data.get("flux1_checkbox"):
+        return "FLUX.1"
+    if data.get("sdxl") or data.get("sdxl_checkbox"):
+        return "SDXL"
+    if data.get("v2"):
+        return "SD2.x"
+    return "SD1.x"
+
+
+def _convert(p: P.Param, value: Any, tab: str) -> Any:
+    """A kohya_ss value as the registry type (numbers may be text); ValueError when it cannot be."""
+    if p.kind == "list":
+        return shlex.split(value) if isinstance(value, str) else [str(v) for v in value]
+    if p.kind in ("int", "float") and isinstance(value, str):
+        value = float(value)
+    if p.kind == "int" and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if p.kind == "float" and isinstance(value, list):
+        value = float(value[0])  # text_encoder_lr as kohya_ss' list: one value for all text encoders
+    if p.kind in ("str", "path", "dir", "choice") and isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)
+    return p.check(value, tab)
+
+
+def from_kohya_ss(data: dict, tab: str | None = None) -> Imported:
+    tab = tab or ("lora" if "LoRA_type" in data else "finetune" if "use_latent_files" in data else "dreambooth")
+    family = _family(data)
+    values = P.defaults(tab)
+    report: list[tuple[str, str, str]] = []
+    module, net_args = _network(data, report) if tab == "lora" else (None, [])
+    used_by_network = set(LYCORIS_ARGS + KOHYA_NET_ARGS + ("LyCORIS_preset", "use_cp")) if module else set()
+    imported = Imported(tab, family, values, report)
+    noise_type = data.get("noise_offset_type", "Original")
+    for key, value in data.items():
+        if key == "LoRA_type":
+            continue
+        if key in FAMILY_KEYS:
+            report.append((key, "converted", f"model family {family}"))
+            continue
+        if key in used_by_network:
+            report.append((key, "converted", "into network_args" if not _unset(value) else "unset"))
+            continue
+        if key == "sample_prompts" and isinstance(value, str) and value.strip() and not _looks_like_path(value):
+            imported.sample_prompts_text = value  # kohya_ss keeps the prompt lines in its form
+            report.append((key, "converted", "the prompts written to a prompt file beside the configuration"))
+            continue
+        if key == "xformers":
+            chosen = {"xformers": "xformers", True: "xformers", "sdpa": "sdpa"}.get(value)
+            if chosen:
+                values[chosen] = True
+            report.append((key, "converted", f"{value!r} -> " + (f"--{chosen}" if chosen else "neither flag")))
+            continue
+        if key == "epoch":
+            if not _unset(value) and _unset(data.get("max_train_epochs")):
+                values["max_train_epochs"] = int(float(value))
+                report.append((key, "converted", f"-> max_train_epochs {values['max_train_epochs']}"))
+            else:
+                report.append((key, "dropped", "max_train_epochs is given" if not _unset(value) else "unset"))
+            continue
+        if key == "lr_warmup":
+            if not _unset(value) and _unset(data.get("lr_warmup_steps")):
+                values["lr_warmup_steps"] = float(value) / 100.0
+                report.append((key, "converted", f"{value}% -> lr_warmup_steps {values['lr_warmup_steps']:g} "
+                                                 "(a ratio of the total steps, as the trainer reads it)"))
+            else:
+                report.append((key, "dropped", "unset" if _unset(value) else "lr_warmup_steps is given"))
+            continue
+        if key in ("noise_offset", "adaptive_noise_scale") and noise_type != "Original" or \
+                key in ("multires_noise_iterations", "multires_noise_discount") and noise_type != "Multires":
+            report.append((key, "dropped", f"noise_offset_type is {noise_type}"))
+            continue
+        name = RENAMED.get(key, key)
+        p = P.BY_NAME.get(name)
+        if p is None or not p.has_control:
+            report.append((key, "dropped", "a kohya_ss GUI field with no trainer option here"))
+            continue
+        if not p.applies(tab, family):
+            report.append((key, "dropped", f"not used by {P.script_for(tab, family)}"))
+            continue
+        if value == "" or (value in (0, "0") and (p.default is None or name in ZERO_IS_UNSET)
+                           and p.kind in ("int", "float")) or (name == "max_token_length" and str(value) == "75") \
+                or (name == "dynamo_backend" and value == "no"):
+            report.append((key, "mapped", "unset in kohya_ss: left at the default"))
+            continue
+        try:
+            values[name] = _convert(p, value, tab)
+        except (ValueError, TypeError) as e:
+            report.append((key, "dropped", f"{value!r}: {e}"))
+            continue
+        report.append((key, "mapped" if name == key else "converted",
+                       "" if name == key else f"-> {name}"))
+    if module:
+        values["network_module"] = module
+        values["network_args"] = net_args + [a for a in values.get("network_args", []) if a not in net_args]
+    return imported
+
+
+def load(path: str | Path, tab: str | None = None) -> Imported:
+    """A kohya_ss JSON, or a run TOML (kohya_ss' config_*.toml, sd-scripts' --output_config) whose keys are the
+    trainers' options. Raises ImportError_ with the file's name."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ImportError_(f"{path}: cannot read it ({e.strerror or e})") from e
+    try:
+        data = json.loads(text) if path.suffix.lower() == ".json" else _flat_toml(tomllib.loads(text))
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ImportError_(f"{path}: not valid {'JSON' if path.suffix.lower() == '.json' else 'TOML'}: {e}") from e
+    if not isinstance(data, dict):
+        raise ImportError_(f"{path}: expected a JSON object of settings")
+    if path.suffix.lower() != ".json" and tab is None:
+        name = path.name.lower()
+        tab = "lora" if "network_module" in data or "lora" in name else "finetune" if "finetune" in name \
+            else "dreambooth"
+        if "network_module" in data:
+            data.setdefault("LoRA_type", None)
+    try:
+        return from_kohya_ss(data, tab)
+    except ImportError_ as e:
+        raise ImportError_(f"{path}: {e}") from e
+
+
+def _flat_toml(data: dict) -> dict:
+    flat = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(value)
+        else:
+            flat[key] = value
+    return flat
+
+
+def write(imported: Imported, out: str | Path, force: bool = False) -> Path:
+    """Our TOML (and the prompt file kohya_ss kept inline). Never overwrites without `force`."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise ImportError_(f"{out} exists; choose another name or pass --force")
+    if imported.sample_prompts_text:
+        prompts = out.with_suffix(".prompts.txt")
+        config_file.write_text_atomic(prompts, imported.sample_prompts_text.strip() + "\n")
+        imported.values["sample_prompts"] = str(prompts)
+    try:
+        return config_file.save(out, imported.tab, imported.family, imported.values)
+    except config_file.ConfigError as e:
+        raise ImportError_(str(e)) from e

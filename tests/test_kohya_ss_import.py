@@ -1,0 +1,120 @@
+"""Importing kohya_ss GUI configurations (kohya_gui.importer): every preset kohya_ss ships imports with every key
+reported, the mappings follow kohya_ss' meaning, the result reopens in the GUI and passes the trainer's own
+--validate_only, and the CLI never overwrites."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kohya_gui import REPO, __main__ as cli, config_file, importer, trainer_check
+
+PRESETS = REPO.parent / "shared" / "parity" / "kohya_ss-presets"
+ALL = sorted(PRESETS.glob("*/*.json")) if PRESETS.is_dir() else []
+needs_presets = pytest.mark.skipif(not ALL, reason=f"kohya_ss presets not found at {PRESETS}")
+
+
+@needs_presets
+@pytest.mark.parametrize("path", ALL, ids=lambda p: p.name)
+def test_every_kohya_ss_preset_imports_with_every_key_reported(path, tmp_path):
+    data = json.loads(path.read_text())
+    if data.get("sd3_checkbox"):
+        with pytest.raises(importer.ImportError_, match="SD3 is not a model family here"):
+            importer.load(path)
+        return
+    imp = importer.load(path)
+    assert [k for k, _, _ in imp.report] == list(data)  # every key, in the file's order, once
+    out = importer.write(imp, tmp_path / "out.toml")
+    cfg = config_file.load(out)  # our TOML, which the GUI opens
+    assert (cfg.tab, cfg.family) == (imp.tab, imp.family)
+
+
+def kohya(**kw):
+    base = {"LoRA_type": "Standard", "sdxl": True, "max_resolution": "1024,1024", "optimizer": "AdamW8bit",
+            "seed": "1234", "network_dim": 32, "network_alpha": "16", "learning_rate": "0.0001"}
+    return {**base, **kw}
+
+
+def test_kohya_ss_meanings():
+    imp = importer.from_kohya_ss(kohya(epoch=10, lr_warmup=5, xformers="sdpa", text_encoder_lr=[5e-05, 5e-05],
+                                       noise_offset_type="Multires", noise_offset=0.05,
+                                       multires_noise_iterations="6", save_every_n_steps=0))
+    v = imp.values
+    assert (imp.tab, imp.family) == ("lora", "SDXL")
+    assert v["resolution"] == "1024,1024" and v["optimizer_type"] == "AdamW8bit" and v["seed"] == 1234
+    assert v["network_alpha"] == 16.0 and v["learning_rate"] == 1e-4  # numbers written as text
+    assert v["max_train_epochs"] == 10 and v["lr_warmup_steps"] == 0.05  # 5% of the steps: a ratio
+    assert v["sdpa"] is True and not v.get("xformers")
+    assert v["text_encoder_lr"] == 5e-05
+    assert v["multires_noise_iterations"] == 6 and v["noise_offset"] is None  # Multires: no plain offset
+    assert v["save_every_n_steps"] is None  # kohya_ss' 0 = not set
+    assert v["network_module"] == "networks.lora"
+    report = {k: (what, why) for k, what, why in imp.report}
+    assert report["noise_offset"][0] == "dropped" and "Multires" in report["noise_offset"][1]
+
+
+def test_lycoris_types_become_module_and_args():
+    imp = importer.from_kohya_ss(kohya(LoRA_type="LyCORIS/LoKr", factor=8, conv_dim=16, conv_alpha=8, dora_wd=True,
+                                       unit=1, LyCORIS_preset="attn-mlp"))
+    assert imp.values["network_module"] == "lycoris.kohya"
+    assert imp.values["network_args"] == ["algo=lokr", "conv_dim=16", "conv_alpha=8", "dora_wd=True", "factor=8",
+                                          "preset=attn-mlp"]  # unit is DyLoRA's only
+    dylora = importer.from_kohya_ss(kohya(LoRA_type="Kohya DyLoRA", unit=4))
+    assert dylora.values["network_module"] == "networks.dylora" and dylora.values["network_args"] == ["unit=4"]
+
+
+def test_inline_prompts_go_to_a_file_and_the_cli_never_overwrites(tmp_path, capsys):
+    src = tmp_path / "kohya.json"
+    src.write_text(json.dumps(kohya(sample_prompts="a photo of sks dog --w 1024\na cat --s 20",
+                                    sample_every_n_steps=100)))
+    out = tmp_path / "ours.toml"
+    assert cli.main(["import", str(src), "-o", str(out)]) == 0
+    prompts = out.with_suffix(".prompts.txt")
+    assert prompts.read_text().splitlines() == ["a photo of sks dog --w 1024", "a cat --s 20"]
+    assert config_file.load(out).values["sample_prompts"] == str(prompts)
+    assert "LoRA_type: converted" in capsys.readouterr().out
+    before = out.read_bytes()
+    assert cli.main(["import", str(src), "-o", str(out)]) == 2
+    assert "exists" in capsys.readouterr().err and out.read_bytes() == before
+    assert cli.main(["print-command", str(src)]) == 0  # the JSON directly
+    assert "sdxl_train_network.py" in capsys.readouterr().out
+    assert cli.main(["import", str(tmp_path / "missing.json"), "-o", str(tmp_path / "x.toml")]) == 2
+
+
+@needs_presets
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["lora/SDXL - LoKR v1.0.json", "lora/flux1D - adamw8bit fp8.json",
+                                  "finetune/SDXL - AI_Now PagedAdamW8bit v1.0.json"])
+def test_imported_presets_pass_the_trainers_check(name, tmp_path, tiny_dataset_dir):
+    imp = importer.load(PRESETS / name)
+    model = tmp_path / "model.safetensors"
+    model.write_bytes(b"")  # --validate_only loads no model
+    v = imp.values
+    v.update(pretrained_model_name_or_path=str(model), train_data_dir=str(tiny_dataset_dir),
+             output_dir=str(tmp_path / "out"), output_name="imported", sample_prompts="", dataset_config="",
+             in_json="", reg_data_dir="", logging_dir="", resume="", network_weights="", vae="")
+    for key in ("clip_l", "t5xxl", "ae"):
+        if key in v:
+            v[key] = str(model)
+    if imp.family in ("SDXL", "FLUX.1"):
+        v["compile"] = False
+    problems = trainer_check.problems(imp.tab, imp.family, v)
+    # the only problem allowed: an optional package this machine lacks (e.g. bitsandbytes for AdamW8bit)
+    assert all("needs the Python package" in p and "is not installed" in p for p in problems), problems
+
+
+def test_open_in_the_gui_fills_the_form_and_shows_the_report(tmp_path):
+    from gui_helpers import ui_values_from_updates
+
+    from kohya_gui.ui import actions as A
+
+    src = tmp_path / "kohya.json"
+    src.write_text(json.dumps(kohya(LoRA_type="LyCORIS/LoCon", conv_dim=8, train_on_input=True)))
+    out = A.open_config("lora", str(src), "SD1.x")
+    assert "Imported the kohya_ss configuration" in out[0] and "train_on_input" in out[0]
+    assert out[1]["value"] == "SDXL"
+    values = dict(zip([p.name for p in A.tab_params("lora")], ui_values_from_updates("lora", out)))
+    assert values["network_module"] == "lycoris.kohya" and values["network_args"] == "algo=locon conv_dim=8"
+    wrong_tab = A.open_config("dreambooth", str(src), "SDXL")
+    assert "open it in that tab" in wrong_tab[0]
