@@ -7,6 +7,7 @@ after `grace` seconds (nothing saved)."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import re
 import shlex
@@ -116,6 +117,7 @@ class Runner:
         self._stopped_line: tuple[float, str] | None = None  # (when, text) of the trainer's "stopped at step"
         self._compiling: list | None = None  # [steps it lasts, first step or None] after a COMPILE_LINE
         self.state = RunState()
+        self._reserved = False  # a Start is checking its settings and writing its files (see reserved())
         self.line_callback = None  # optional: called with every output line (the CLI echoes them)
         self.version = 0  # bumped whenever the log or the state changes (lets the page skip idle refreshes)
 
@@ -130,6 +132,22 @@ class Runner:
         """Process id of the command running now (it leads its own process group), or None."""
         with self._lock:
             return self._proc.pid if self._proc is not None else None
+
+    @contextlib.contextmanager
+    def reserved(self):
+        """Holds the runner for one Start while it checks its settings and writes its files, so that of two
+        simultaneous Starts the second is refused (RunnerBusy) before it touches anything, and the run that starts
+        is the one whose files were written. `start` is called inside the block."""
+        with self._lock:
+            if self.state.running or self._reserved:
+                raise RunnerBusy("A training run is already active or starting; stop it first or wait for it "
+                                 "to finish.")
+            self._reserved = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._reserved = False
 
     def start(self, commands: list[list[str]], log_path: str | os.PathLike, *, cwd=None, env=None,
               output_dir: str | os.PathLike | None = None, config_path: str | os.PathLike | None = None) -> None:

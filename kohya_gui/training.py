@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from . import command, config_file, demo, trainer_check
-from .runner import Runner, RunnerBusy, training_env
+from .runner import Runner, training_env
 
 
 class RunError(ValueError):
@@ -20,8 +20,11 @@ def start(runner: Runner, tab: str, family: str, values: dict[str, Any]) -> list
     errors = command.validation_errors(tab, family, values)
     if errors:
         raise RunError("Cannot start training:\n" + "\n".join(f"- {e}" for e in errors))
-    if runner.running:
-        raise RunnerBusy("A training run is already active; stop it first or wait for it to finish.")
+    with runner.reserved():  # RunnerBusy before any file is touched
+        return _checked_start(runner, tab, family, values)
+
+
+def _checked_start(runner: Runner, tab: str, family: str, values: dict[str, Any]) -> list[str]:
     existing = command.existing_result(values)
     if existing and not values.get("overwrite_output"):
         raise RunError(f"{existing} already exists; change the output name, or tick 'Overwrite existing result'")
