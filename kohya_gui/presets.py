@@ -7,6 +7,8 @@ from pathlib import Path
 from . import PRESETS
 
 DEFAULT_PRESET = "demo-sdxl-tiny"  # what each tab opens with
+KOHYA_SS = "kohya_ss: "  # dropdown entries of kohya_ss' own presets (presets/kohya_ss/<tab>/*.json, imported)
+SAVED = "saved: "  # dropdown entries of the user's saved configurations (configs/<tab>/*.toml)
 
 
 def preset_dir(tab: str) -> Path:
@@ -19,8 +21,20 @@ def list_presets(tab: str) -> list[str]:
     return sorted(names, key=lambda n: (not n.startswith("demo"), n))
 
 
+def dropdown_choices(tab: str) -> list[str]:
+    """The preset dropdown: our presets, kohya_ss' presets (imported when chosen) and the user's saved configs."""
+    kohya = sorted(p.stem for p in (PRESETS / "kohya_ss" / tab).glob("*.json"))
+    saved = sorted(p.stem for p in (Path("configs") / tab).glob("*.toml"))
+    return list_presets(tab) + [KOHYA_SS + n for n in kohya] + [SAVED + n for n in saved]
+
+
 def preset_path(tab: str, name: str) -> Path:
-    path = preset_dir(tab) / f"{name}.toml"
+    if name.startswith(KOHYA_SS):
+        path = PRESETS / "kohya_ss" / tab / f"{name.removeprefix(KOHYA_SS)}.json"
+    elif name.startswith(SAVED):
+        path = Path("configs") / tab / f"{name.removeprefix(SAVED)}.toml"
+    else:
+        path = preset_dir(tab) / f"{name}.toml"
     if not path.is_file():
         raise FileNotFoundError(f"no preset {name!r} for the {tab} tab; available: {', '.join(list_presets(tab))}")
     return path
@@ -28,7 +42,7 @@ def preset_path(tab: str, name: str) -> Path:
 
 def user_config_path(tab: str, name: str) -> str:
     """Where Save puts a configuration that started from a preset (presets themselves stay untouched)."""
-    return str(Path("configs") / tab / f"{name}.toml")
+    return str(Path("configs") / tab / f"{name.removeprefix(KOHYA_SS).removeprefix(SAVED)}.toml")
 
 
 def resolve(arg: str) -> Path:

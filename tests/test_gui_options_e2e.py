@@ -2,6 +2,8 @@
 description) by part of its --flag and opens its group; Additional parameters reach the printed command."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from test_gui_e2e import field, gui_url, page, workdir  # noqa: F401  (fixtures)
@@ -38,3 +40,25 @@ def test_additional_parameters_reach_the_command_or_name_the_unknown_flag(page):
     page.wait_for_function(
         "() => document.querySelector('#lora-command textarea').value.includes('--max_grad_norm 0.5')")
     page.locator("#lora-filter input, #lora-filter textarea").first.fill("")
+
+
+def test_three_kohya_ss_presets_fill_the_form_and_show_the_report(page):
+    from test_gui_e2e import pick
+
+    for name, family, module in (("SDXL - LoKR v1.0", "SDXL", "lycoris.kohya"),
+                                 ("flux1D - adamw8bit fp8", "FLUX.1", "networks.lora_flux"),
+                                 ("SDXL - LoRA adafactor v1.0", "SDXL", "networks.lora")):
+        pick(page, "lora-preset", f"kohya_ss: {name}")
+        status = page.locator("#lora-status")
+        try:
+            page.wait_for_function(f"""() => document.querySelector('#lora-status').innerText
+                                       .includes({json.dumps('Loaded preset kohya_ss: ' + name)})""",
+                                   timeout=90_000)  # a family change redraws ~230 controls
+        except Exception:
+            raise AssertionError(status.inner_text()[:500]) from None
+        assert "Import report" in status.inner_text()
+        page.wait_for_function(f"() => document.querySelector('#lora-family input').value === '{family}'")
+        page.locator("#lora-filter input").fill("network_module")
+        field(page, "lora-network_module").wait_for(state="visible")
+        assert field(page, "lora-network_module").input_value() == module
+        page.locator("#lora-filter input").fill("")

@@ -118,3 +118,14 @@ def test_open_in_the_gui_fills_the_form_and_shows_the_report(tmp_path):
     assert values["network_module"] == "lycoris.kohya" and values["network_args"] == "algo=locon conv_dim=8"
     wrong_tab = A.open_config("dreambooth", str(src), "SDXL")
     assert "open it in that tab" in wrong_tab[0]
+
+
+def test_kohya_ss_presets_in_the_dropdown_import_when_chosen():
+    from kohya_gui import presets
+    from kohya_gui.ui import actions as A
+
+    names = presets.dropdown_choices("lora")
+    assert "demo-sdxl-tiny" in names and "kohya_ss: SDXL - LoKR v1.0" in names
+    out = A.open_preset("lora", "kohya_ss: SDXL - LoKR v1.0", "SD1.x")
+    assert out[0]["value"] == "configs/lora/SDXL - LoKR v1.0.toml"  # Save goes to the user's folder
+    assert "Loaded preset" in out[1] and "Import report" in out[1] and out[2]["value"] == "SDXL"

@@ -156,7 +156,9 @@ def open_preset(tab: str, name: str, family: str) -> list:
         return [gr.update(), error_md(str(e)), gr.update(), *no_change(tab)]
     out = open_config(tab, str(path), family)
     if out[1] != gr.update():  # opened
-        out[0] = ok_md(f"Loaded preset **{name}**. Save writes to the path above; the preset stays as it is.")
+        report = f"\n\n{out[0]}" if name.startswith(presets.KOHYA_SS) else ""  # the import report
+        out[0] = ok_md(f"Loaded preset **{name}**. Save writes to the path above; the preset stays as it is."
+                       + report)
         return [gr.update(value=presets.user_config_path(tab, name)), *out]
     return [gr.update(), *out]
 

@@ -73,7 +73,7 @@ def _runs(params: list) -> list[list]:
 def build_tab(tab: str) -> dict:
     built = feedback.remembered(tab)  # last used settings, else the preset
     family0, values0 = built.family, built.values
-    names = presets.list_presets(tab)
+    names = presets.dropdown_choices(tab)
     with gr.Row(equal_height=True):
         preset = gr.Dropdown(choices=names, value=presets.DEFAULT_PRESET if presets.DEFAULT_PRESET in names else None,
                              label="Preset", scale=2, elem_id=f"{tab}-preset")
