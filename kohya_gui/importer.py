@@ -133,7 +133,7 @@ def from_kohya_ss(data: dict, tab: str | None = None) -> Imported:
     module, net_args = _network(data, report) if tab == "lora" else (None, [])
     used_by_network = set(LYCORIS_ARGS + KOHYA_NET_ARGS + ("LyCORIS_preset", "use_cp")) if module else set()
     imported = Imported(tab, family, values, report)
-    noise_type = data.get("noise_offset_type", "Original")
+    noise_type = data.get("noise_offset_type")  # kohya_ss' switch between the two kinds; run TOMLs have none
     for key, value in data.items():
         if key == "LoRA_type":
             continue
@@ -168,8 +168,8 @@ def from_kohya_ss(data: dict, tab: str | None = None) -> Imported:
             else:
                 report.append((key, "dropped", "unset" if _unset(value) else "lr_warmup_steps is given"))
             continue
-        if key in ("noise_offset", "adaptive_noise_scale") and noise_type != "Original" or \
-                key in ("multires_noise_iterations", "multires_noise_discount") and noise_type != "Multires":
+        if noise_type and (key in ("noise_offset", "adaptive_noise_scale") and noise_type != "Original" or
+                           key in ("multires_noise_iterations", "multires_noise_discount") and noise_type != "Multires"):
             report.append((key, "dropped", f"noise_offset_type is {noise_type}"))
             continue
         name = RENAMED.get(key, key)

@@ -129,3 +129,19 @@ def test_kohya_ss_presets_in_the_dropdown_import_when_chosen():
     out = A.open_preset("lora", "kohya_ss: SDXL - LoKR v1.0", "SD1.x")
     assert out[0]["value"] == "configs/lora/SDXL - LoKR v1.0.toml"  # Save goes to the user's folder
     assert "Loaded preset" in out[1] and "Import report" in out[1] and out[2]["value"] == "SDXL"
+
+
+def test_an_upstream_output_config_imports_key_for_key(tmp_path):
+    import tomlkit
+    from test_upstream_configs import upstream_output_config
+
+    values = upstream_output_config("model.safetensors", "tok", "data", "out")
+    path = tmp_path / "config_lora-20260101.toml"
+    path.write_text(tomlkit.dumps(values))
+    imp = importer.load(path)
+    assert imp.tab == "lora"
+    report = {k: what for k, what, _ in imp.report}
+    assert set(report) == set(values) and set(report.values()) <= {"mapped"}, report
+    for key, value in values.items():
+        got = imp.values[key]
+        assert got == value or got == pytest.approx(value), key
