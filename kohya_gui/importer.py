@@ -84,7 +84,7 @@ def _network(data: dict, report: list) -> tuple[str | None, list[str]]:
     module, args = LORA_TYPES[lora_type][0], list(LORA_TYPES[lora_type][1])
     names = LYCORIS_ARGS if module == "lycoris.kohya" else KOHYA_NET_ARGS
     dylora = module == "networks.dylora" or "algo=dylora" in args
-    for name in names + ("use_cp",):
+    for name in names + (("use_cp",) if module == "lycoris.kohya" else ()):
         value = data.get(name)
         if name == "factor" and value in (-1, "-1") or name == "unit" and not dylora:
             continue  # factor -1: LyCORIS' own default; unit: DyLoRA's only
@@ -95,6 +95,28 @@ def _network(data: dict, report: list) -> tuple[str | None, list[str]]:
     report.append(("LoRA_type", "converted", f"{lora_type} -> network_module {module}"
                                              + (f", network_args {' '.join(args)}" if args else "")))
     return module, args
+
+
+def _off_grid(resolution: str) -> bool:
+    try:
+        return any(int(v) % 8 for v in resolution.split(","))
+    except ValueError:
+        return False
+
+
+def _refused_by_the_trainer(key: str, value: Any, data: dict) -> str | None:
+    """Values that old kohya_ss presets carry but sd-scripts (upstream and ours) stops on: left at the default,
+    with the reason in the report."""
+    try:
+        if key == "bucket_reso_steps" and float(value) % 8:
+            return f"{value} is not a multiple of 8, which sd-scripts requires (64 for SD1.x/2.x, 32 for SDXL)"
+    except (TypeError, ValueError):
+        return None
+    if key == "lr_warmup" and data.get("lr_scheduler") == "adafactor" and not _unset(value):
+        return "the adafactor scheduler takes no warmup"
+    if key == "dim_from_weights" and value and _unset(data.get("lora_network_weights") or data.get("network_weights")):
+        return "it needs a LoRA file to continue from, and the file gives none"
+    return None
 
 
 def _family(data: dict) -> str:
@@ -146,6 +168,15 @@ def from_kohya_ss(data: dict, tab: str | None = None) -> Imported:
         if key == "sample_prompts" and isinstance(value, str) and value.strip() and not _looks_like_path(value):
             imported.sample_prompts_text = value  # kohya_ss keeps the prompt lines in its form
             report.append((key, "converted", "the prompts written to a prompt file beside the configuration"))
+            continue
+        why_not = _refused_by_the_trainer(key, value, data)
+        if why_not:
+            report.append((key, "dropped", why_not))
+            continue
+        if key == "max_resolution" and isinstance(value, str) and _off_grid(value):
+            fixed = ",".join(str(int(v) // 8 * 8) for v in value.split(","))
+            values["resolution"] = fixed
+            report.append((key, "converted", f"{value} -> resolution {fixed} (sd-scripts needs multiples of 8)"))
             continue
         if key == "xformers":
             chosen = {"xformers": "xformers", True: "xformers", "sdpa": "sdpa"}.get(value)

@@ -82,6 +82,45 @@ def test_inline_prompts_go_to_a_file_and_the_cli_never_overwrites(tmp_path, caps
     assert cli.main(["import", str(tmp_path / "missing.json"), "-o", str(tmp_path / "x.toml")]) == 2
 
 
+def with_tiny_paths(imp, tmp_path, data_dir):
+    """The imported settings with the user's paths replaced by an empty model file and the tiny dataset."""
+    model = tmp_path / "model.safetensors"
+    model.write_bytes(b"")  # --validate_only loads no model
+    v = dict(imp.values)
+    v.update(pretrained_model_name_or_path=str(model), train_data_dir=str(data_dir),
+             output_dir=str(tmp_path / "out"), output_name="imported", sample_prompts="", dataset_config="",
+             in_json="", reg_data_dir="", logging_dir="", resume="", network_weights="", vae="",
+             dim_from_weights=False)  # it reads the network weights, which are the user's file
+    for key in ("clip_l", "t5xxl", "ae"):
+        if key in v:
+            v[key] = str(model)
+    return v
+
+
+@needs_presets
+@pytest.mark.parametrize("path", [p for p in ALL if not json.loads(p.read_text()).get("sd3_checkbox")],
+                         ids=lambda p: p.name)
+def test_every_imported_preset_passes_the_trainers_own_checks(path, tmp_path, tiny_dataset_dir, capsys):
+    """The command the GUI builds from each imported kohya_ss preset, run in-process with --validate_only (the
+    scripts' own checks; no model loads): ok, or only an optional package this machine lacks."""
+    import importlib
+
+    from kohya_gui import command
+    from kohya_gui import params as P
+
+    imp = importer.load(path)
+    values = with_tiny_paths(imp, tmp_path, tiny_dataset_dir)
+    script = P.script_for(imp.tab, imp.family).removesuffix(".py")
+    try:
+        importlib.import_module(script).main(command.trainer_args(imp.tab, imp.family, values) + ["--validate_only"])
+        problems = []
+    except SystemExit as e:
+        assert e.code == 2
+        err = capsys.readouterr().err
+        problems = [ln[2:] for ln in err.splitlines() if ln.startswith("- ")] or [err.strip().splitlines()[-1]]
+    assert all("needs the Python package" in p and "is not installed" in p for p in problems), problems
+
+
 @needs_presets
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["lora/SDXL - LoKR v1.0.json", "lora/flux1D - adamw8bit fp8.json",
@@ -93,7 +132,8 @@ def test_imported_presets_pass_the_trainers_check(name, tmp_path, tiny_dataset_d
     v = imp.values
     v.update(pretrained_model_name_or_path=str(model), train_data_dir=str(tiny_dataset_dir),
              output_dir=str(tmp_path / "out"), output_name="imported", sample_prompts="", dataset_config="",
-             in_json="", reg_data_dir="", logging_dir="", resume="", network_weights="", vae="")
+             in_json="", reg_data_dir="", logging_dir="", resume="", network_weights="", vae="",
+             dim_from_weights=False)  # it reads the network weights, which are the user's file
     for key in ("clip_l", "t5xxl", "ae"):
         if key in v:
             v[key] = str(model)
