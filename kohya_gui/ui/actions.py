@@ -3,6 +3,7 @@ tests call them directly. Control values always come in `tab_params(tab)` order.
 
 from __future__ import annotations
 
+import functools
 import shlex
 import time
 from pathlib import Path
@@ -85,11 +86,19 @@ def values_from_ui(tab: str, ui_values) -> tuple[dict[str, Any], list[str]]:
 
 
 def visibility_updates(tab: str, family: str) -> list:
-    """gr.update(visible=...) for each control, then each accordion, then the script note."""
-    out = [gr.update(visible=P.visible(p, tab, family)) for p in tab_params(tab)]
+    """gr.update(visible=...) for each control whose visibility depends on the family (gr.skip() for the others:
+    fewer updates for the browser to draw), then each accordion, then the script note."""
+    out = [gr.update(visible=P.visible(p, tab, family)) if p.name in family_dependent(tab) else gr.skip()
+           for p in tab_params(tab)]
     out += [gr.update(visible=P.accordion_visible(k, tab, family) or k == "model") for k in tab_accordions(tab)]
     out.append(gr.update(value=script_note(tab, family)))
     return out
+
+
+@functools.cache
+def family_dependent(tab: str) -> frozenset[str]:
+    """The controls of a tab that some family shows and another hides."""
+    return frozenset(p.name for p in tab_params(tab) if len({P.visible(p, tab, f) for f in P.FAMILIES}) > 1)
 
 
 def full_updates(tab: str, family: str, values: dict[str, Any]) -> list:
