@@ -82,6 +82,11 @@ def test_inline_prompts_go_to_a_file_and_the_cli_never_overwrites(tmp_path, caps
     assert cli.main(["import", str(tmp_path / "missing.json"), "-o", str(tmp_path / "x.toml")]) == 2
 
 
+def assert_only_missing_packages(problems):
+    """The only problem allowed: an optional package this machine lacks (e.g. bitsandbytes for AdamW8bit)."""
+    assert all("needs the Python package" in p and "is not installed" in p for p in problems), problems
+
+
 def with_tiny_paths(imp, tmp_path, data_dir):
     """The imported settings with the user's paths replaced by an empty model file and the tiny dataset."""
     model = tmp_path / "model.safetensors"
@@ -116,9 +121,9 @@ def test_every_imported_preset_passes_the_trainers_own_checks(path, tmp_path, ti
         problems = []
     except SystemExit as e:
         assert e.code == 2
-        err = capsys.readouterr().err
-        problems = [ln[2:] for ln in err.splitlines() if ln.startswith("- ")] or [err.strip().splitlines()[-1]]
-    assert all("needs the Python package" in p and "is not installed" in p for p in problems), problems
+        problems = trainer_check.parse_errors(capsys.readouterr().err)
+        assert problems
+    assert_only_missing_packages(problems)
 
 
 @needs_presets
@@ -127,21 +132,10 @@ def test_every_imported_preset_passes_the_trainers_own_checks(path, tmp_path, ti
                                   "finetune/SDXL - AI_Now PagedAdamW8bit v1.0.json"])
 def test_imported_presets_pass_the_trainers_check(name, tmp_path, tiny_dataset_dir):
     imp = importer.load(PRESETS / name)
-    model = tmp_path / "model.safetensors"
-    model.write_bytes(b"")  # --validate_only loads no model
-    v = imp.values
-    v.update(pretrained_model_name_or_path=str(model), train_data_dir=str(tiny_dataset_dir),
-             output_dir=str(tmp_path / "out"), output_name="imported", sample_prompts="", dataset_config="",
-             in_json="", reg_data_dir="", logging_dir="", resume="", network_weights="", vae="",
-             dim_from_weights=False)  # it reads the network weights, which are the user's file
-    for key in ("clip_l", "t5xxl", "ae"):
-        if key in v:
-            v[key] = str(model)
+    v = with_tiny_paths(imp, tmp_path, tiny_dataset_dir)
     if imp.family in ("SDXL", "FLUX.1"):
         v["compile"] = False
-    problems = trainer_check.problems(imp.tab, imp.family, v)
-    # the only problem allowed: an optional package this machine lacks (e.g. bitsandbytes for AdamW8bit)
-    assert all("needs the Python package" in p and "is not installed" in p for p in problems), problems
+    assert_only_missing_packages(trainer_check.problems(imp.tab, imp.family, v))
 
 
 def test_open_in_the_gui_fills_the_form_and_shows_the_report(tmp_path):
