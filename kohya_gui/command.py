@@ -94,8 +94,9 @@ def build_argv(tab: str, family: str, values: dict[str, Any], config_path: str |
 def trainer_args(tab: str, family: str, values: dict[str, Any]) -> list[str]:
     """Every trainer option that is not at its default, as command-line flags (family-implied ones always)."""
     out = []
+    values = P.fold_network_args(tab, family, values)
     for p in P.params_for(tab, family):
-        if p.target in ("launch", "gui"):
+        if p.target in ("launch", "gui") or p.network_arg:
             continue
         if p.fixed:
             out += p.cli_args(p.fixed[family])
@@ -129,7 +130,7 @@ def validation_errors(tab: str, family: str, values: dict[str, Any]) -> list[str
             continue
         if p.required and p.is_default(value, tab):
             errors.append(f"{p.label} ({p.name}) is required")
-    errors += additional_errors(tab, family, values)
+    errors += additional_errors(tab, family, values) + P.network_arg_clashes(tab, family, values)
     if not (values.get("train_data_dir") or values.get("dataset_config") or values.get("in_json")):
         errors.append("Give an image folder (train_data_dir) or a dataset config (dataset_config)")
     processes = values.get("num_processes") or 1

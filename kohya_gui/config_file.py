@@ -59,7 +59,10 @@ def to_toml(tab: str, family: str, values: dict[str, Any]) -> str:
     gui.add("family", family)
     doc.add(P.GUI_TABLE, gui)
     tables: dict[str, Any] = {}
+    values = P.fold_network_args(tab, family, values)
     for p in P.params_for(tab, family):
+        if p.network_arg:  # folded into network_args above
+            continue
         if p.fixed:
             value = p.fixed[family]
         else:
@@ -204,7 +207,7 @@ def parse(text: str, source: str, tab: str | None = None, family: str = "SDXL") 
             errors.append(f"{where}: {e}")
     if errors:
         raise ConfigError("\n".join(errors))
-    return Config(file_tab, file_family, values)
+    return Config(file_tab, file_family, P.unfold_network_args(file_tab, file_family, values))
 
 
 def load(path: str | os.PathLike, tab: str | None = None, family: str = "SDXL") -> Config:

@@ -41,28 +41,31 @@ RENAMED = {"max_resolution": "resolution", "optimizer": "optimizer_type", "lora_
            "flux1_cache_text_encoder_outputs": "cache_text_encoder_outputs",
            "flux1_cache_text_encoder_outputs_to_disk": "cache_text_encoder_outputs_to_disk",
            "learning_rate_te": "text_encoder_lr", "batch_size": "train_batch_size"}
-NET_ARG_NAMES = {"use_cp": "use_tucker"}  # older kohya_ss files: LyCORIS' earlier name
 ZERO_IS_UNSET = {"vae_batch_size"}  # kohya_ss writes 0 for "not set" where the trainer's default is another number
 FAMILY_KEYS = ("sdxl", "sdxl_checkbox", "v2", "flux1_checkbox", "sd3_checkbox", "model_list")
-# kohya_ss LoRA_type -> (network_module, fixed network_args)
+# kohya_ss LoRA_type -> (network_module, fixed network_args); kohya_ss runs "LoCon" with LyCORIS
 LORA_TYPES = {
-    "Standard": ("networks.lora", []), "Kohya LoCon": ("networks.lora", []), "LoCon": ("networks.lora", []),
+    "Standard": ("networks.lora", []), "Kohya LoCon": ("networks.lora", []),
     "Kohya DyLoRA": ("networks.dylora", []), "LoRA-FA": ("networks.lora_fa", []),
     "Flux1": ("networks.lora_flux", []), "Flux1 OFT": ("networks.oft_flux", []),
-    "LyCORIS/LoCon": ("lycoris.kohya", ["algo=locon"]), "LyCORIS/LoHa": ("lycoris.kohya", ["algo=loha"]),
-    "LyCORIS/LoKr": ("lycoris.kohya", ["algo=lokr"]), "LyCORIS/iA3": ("lycoris.kohya", ["algo=ia3"]),
-    "LyCORIS/DyLoRA": ("lycoris.kohya", ["algo=dylora"]), "LyCORIS/GLoRA": ("lycoris.kohya", ["algo=glora"]),
-    "LyCORIS/Diag-OFT": ("lycoris.kohya", ["algo=diag-oft"]), "LyCORIS/BOFT": ("lycoris.kohya", ["algo=boft"]),
-    "LyCORIS/Native Fine-Tuning": ("lycoris.kohya", ["algo=full"]),
+    "LoCon": ("lycoris.kohya", ["algo=locon"]), "LyCORIS/LoCon": ("lycoris.kohya", ["algo=locon"]),
+    "LyCORIS/LoHa": ("lycoris.kohya", ["algo=loha"]), "LyCORIS/LoKr": ("lycoris.kohya", ["algo=lokr"]),
+    "LyCORIS/iA3": ("lycoris.kohya", ["algo=ia3"]), "LyCORIS/DyLoRA": ("lycoris.kohya", ["algo=dylora"]),
+    "LyCORIS/GLoRA": ("lycoris.kohya", ["algo=glora"]), "LyCORIS/Diag-OFT": ("lycoris.kohya", ["algo=diag-oft"]),
+    "LyCORIS/BOFT": ("lycoris.kohya", ["algo=boft"]), "LyCORIS/Native Fine-Tuning": ("lycoris.kohya", ["algo=full"]),
 }
-# network_args kohya_ss passes from its fields, by network kind (a field at its "unset" value is left out)
-KOHYA_NET_ARGS = ("conv_dim", "conv_alpha", "rank_dropout", "module_dropout", "block_dims", "block_alphas",
-                  "conv_block_dims", "conv_block_alphas", "down_lr_weight", "mid_lr_weight", "up_lr_weight",
-                  "block_lr_zero_threshold", "loraplus_lr_ratio", "loraplus_unet_lr_ratio",
-                  "loraplus_text_encoder_lr_ratio", "unit", "train_blocks", "split_mode", "train_norm")
-LYCORIS_ARGS = ("conv_dim", "conv_alpha", "rank_dropout", "module_dropout", "use_tucker", "use_scalar",
-                "rank_dropout_scale", "dora_wd", "train_norm", "constrain", "rescaled", "bypass_mode",
-                "decompose_both", "factor", "unit")
+# kohya_ss' network fields, passed as network_args where the chosen module reads them (a field at its "unset"
+# value is left out); the network_args key where kohya_ss passes the field under another name
+NET_FIELDS = ("conv_dim", "conv_alpha", "rank_dropout", "module_dropout", "block_dims", "block_alphas",
+              "conv_block_dims", "conv_block_alphas", "down_lr_weight", "mid_lr_weight", "up_lr_weight",
+              "block_lr_zero_threshold", "loraplus_lr_ratio", "loraplus_unet_lr_ratio",
+              "loraplus_text_encoder_lr_ratio", "unit", "train_blocks", "train_norm", "use_tucker", "use_cp",
+              "use_scalar", "rank_dropout_scale", "dora_wd", "constrain", "rescaled", "bypass_mode",
+              "decompose_both", "factor", "train_on_input", "split_qkv", "train_t5xxl", "in_dims",
+              "train_double_block_indices", "train_single_block_indices", "img_attn_dim", "img_mlp_dim",
+              "img_mod_dim", "single_dim", "txt_attn_dim", "txt_mlp_dim", "txt_mod_dim", "single_mod_dim",
+              "enable_all_linear", "ggpo_sigma", "ggpo_beta")
+LYCORIS_NAMES = {"use_cp": "use_tucker", "constrain": "constraint", "unit": "block_size"}
 
 
 def _unset(value: Any) -> bool:
@@ -73,28 +76,39 @@ def _looks_like_path(value: str) -> bool:
     return "\n" not in value.strip() and (Path(value).exists() or value.endswith((".txt", ".toml", ".json")))
 
 
-def _network(data: dict, report: list) -> tuple[str | None, list[str]]:
+def _network(data: dict, report: list) -> tuple[str | None, list[str], dict[str, tuple[str, str]]]:
+    """(module, network_args, {kohya_ss network field: (what, why)}) for a kohya_ss LoRA_type and its fields."""
     lora_type = data.get("LoRA_type")
     if lora_type is None:
-        return None, []
+        return None, [], {}
     if lora_type not in LORA_TYPES:
         report.append(("LoRA_type", "dropped", f"{lora_type!r} is not a network type here; "
                                                 f"known: {', '.join(LORA_TYPES)}"))
-        return None, []
+        return None, [], {}
     module, args = LORA_TYPES[lora_type][0], list(LORA_TYPES[lora_type][1])
-    names = LYCORIS_ARGS if module == "lycoris.kohya" else KOHYA_NET_ARGS
+    reads = {p.network_arg for p in P.PARAMS if module in p.modules}  # the keys the module reads
     dylora = module == "networks.dylora" or "algo=dylora" in args
-    for name in names + (("use_cp",) if module == "lycoris.kohya" else ()):
-        value = data.get(name)
-        if name == "factor" and value in (-1, "-1") or name == "unit" and not dylora:
-            continue  # factor -1: LyCORIS' own default; unit: DyLoRA's only
-        if not _unset(value):
-            args.append(f"{NET_ARG_NAMES.get(name, name)}={value}")
+    handled = {}
+    for name in NET_FIELDS:
+        if name not in data:
+            continue
+        value = data[name]
+        key = LYCORIS_NAMES.get(name, name) if module == "lycoris.kohya" else name
+        if _unset(value) or name == "factor" and value in (-1, "-1"):
+            handled[name] = ("converted", "unset")  # factor -1: LyCORIS' own default
+        elif name == "unit" and not dylora or name.startswith("ggpo_") and not data.get("train_lora_ggpo"):
+            handled[name] = ("dropped", f"not used by {lora_type}")
+        elif key not in reads:
+            handled[name] = ("dropped", f"{module} does not read {key}")
+        else:
+            args.append(f"{key}={value}")
+            handled[name] = ("converted", f"into network_args {key}={value}")
     if module == "lycoris.kohya" and data.get("LyCORIS_preset") not in (None, "", "full"):
         args.append(f"preset={data['LyCORIS_preset']}")
+    handled["LyCORIS_preset"] = ("converted", "into network_args" if module == "lycoris.kohya" else "not LyCORIS")
     report.append(("LoRA_type", "converted", f"{lora_type} -> network_module {module}"
                                              + (f", network_args {' '.join(args)}" if args else "")))
-    return module, args
+    return module, args, handled
 
 
 def _off_grid(resolution: str) -> bool:
@@ -152,8 +166,7 @@ def from_kohya_ss(data: dict, tab: str | None = None) -> Imported:
     family = _family(data)
     values = P.defaults(tab)
     report: list[tuple[str, str, str]] = []
-    module, net_args = _network(data, report) if tab == "lora" else (None, [])
-    used_by_network = set(LYCORIS_ARGS + KOHYA_NET_ARGS + ("LyCORIS_preset", "use_cp")) if module else set()
+    module, net_args, by_network = _network(data, report) if tab == "lora" else (None, [], {})
     imported = Imported(tab, family, values, report)
     noise_type = data.get("noise_offset_type")  # kohya_ss' switch between the two kinds; run TOMLs have none
     for key, value in data.items():
@@ -162,8 +175,8 @@ def from_kohya_ss(data: dict, tab: str | None = None) -> Imported:
         if key in FAMILY_KEYS:
             report.append((key, "converted", f"model family {family}"))
             continue
-        if key in used_by_network:
-            report.append((key, "converted", "into network_args" if not _unset(value) else "unset"))
+        if key in by_network:
+            report.append((key, *by_network[key]))
             continue
         if key == "sample_prompts" and isinstance(value, str) and value.strip() and not _looks_like_path(value):
             imported.sample_prompts_text = value  # kohya_ss keeps the prompt lines in its form
@@ -226,6 +239,7 @@ def from_kohya_ss(data: dict, tab: str | None = None) -> Imported:
     if module:
         values["network_module"] = module
         values["network_args"] = net_args + [a for a in values.get("network_args", []) if a not in net_args]
+    imported.values = P.unfold_network_args(tab, family, values)  # into the chosen network type's fields
     return imported
 
 

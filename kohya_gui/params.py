@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from . import option_places
+
 # ---- tabs, families, the script each (tab, family) runs -----------------------------------------------------
 
 TABS = ("lora", "dreambooth", "finetune")
@@ -37,20 +39,38 @@ SCRIPTS = {
     ("finetune", "FLUX.1"): "flux_train.py",
 }
 
-# Accordions in page order: key -> (title, open by default). The key is also the TOML table name.
+# Accordions in page order: key -> (title, open by default). The key is also the TOML table name. Sub-groups
+# (option_places.SUBGROUPS) are accordions inside one of these; their options go in the parent's table.
 ACCORDIONS = {
     "model": ("Model", True),
     "folders": ("Folders", True),
     "dataset": ("Dataset", False),
     "parameters": ("Parameters", False),
+    "optimizer": ("Optimizer and scheduler", False),
     "network": ("Network", False),
     "flux": ("FLUX.1 options", False),
     "advanced": ("Advanced", False),
     "samples": ("Samples", False),
     "accelerate": ("Accelerate launch", False),
     "compile": ("Torch Compile Settings", False),
-    "other": ("Other options", False),  # every trainer option the groups above do not show (from the trainers)
+    "metadata": ("Metadata", False),
+    "huggingface": ("Hugging Face", False),
+    "other": ("Other options", False),  # trainer options option_places.py does not place (a test keeps it empty)
 }
+SUBGROUPS = option_places.SUBGROUPS
+# every group and sub-group, in page order: each group followed by its sub-groups
+GROUP_ORDER = tuple(k for top in ACCORDIONS for k in (top, *(s for s, (_, parent) in SUBGROUPS.items()
+                                                                if parent == top)))
+
+
+def top_group(key: str) -> str:
+    """The accordion a group or sub-group belongs to (its TOML table)."""
+    return SUBGROUPS[key][1] if key in SUBGROUPS else key
+
+
+def group_title(key: str) -> str:
+    return SUBGROUPS[key][0] if key in SUBGROUPS else ACCORDIONS[key][0]
+
 
 GUI_TABLE = "gui"  # [gui]: tab and family; the trainers skip it
 LAUNCH_TABLE = "accelerate"  # [accelerate]: launch-only options; the trainers skip it
@@ -96,6 +116,10 @@ class Param:
     item_kind: str = "str"  # list options: what each item is ("float": numbers, written as TOML numbers)
     family_default: dict = field(default_factory=dict)  # family -> what an empty value means (always written)
     whole_as_int: bool = False  # a number that is steps when whole and a ratio below 1: written 100, not 100.0
+    # a field of the chosen network type: this --network_args key, read by these network modules; its value is
+    # written into network_args (key=value), never as an option of its own
+    network_arg: str = ""
+    modules: frozenset = frozenset()
 
     def default_for(self, tab: str | None) -> Any:
         value = self.tab_defaults.get(tab, self.default)
@@ -114,6 +138,10 @@ class Param:
             return family in self.fixed
         return family in self.families
 
+    def shown_for(self, module: str) -> bool:
+        """Network-type fields: shown when the chosen network module reads the key (other options: always)."""
+        return not self.network_arg or module in self.modules
+
     @property
     def has_control(self) -> bool:
         return not self.fixed
@@ -124,9 +152,9 @@ class Param:
             return LAUNCH_TABLE
         if self.target == "gui":
             return GUI_TABLE
-        if self.accordion == LAUNCH_TABLE:  # "both" options shown with the launch options
+        if self.accordion == LAUNCH_TABLE:  # trainer options shown with the launch options
             return "parameters"
-        return self.accordion
+        return top_group(self.accordion)
 
     # -- values ----------------------------------------------------------------------------------------------
     def is_default(self, value: Any, tab: str | None = None) -> bool:
@@ -300,26 +328,26 @@ OVERLAY: tuple[Param, ...] = (  # what the GUI adds to the trainers' options: la
     _p("max_train_steps", "int", 1600, "Max train steps", "", "parameters", minimum=1),
     _p("max_train_epochs", "int", None, "Max train epochs (optional)", "Overrides max train steps when set.",
        "parameters", minimum=1),
-    _p("learning_rate", "float", 2e-6, "Learning rate", "", "parameters", minimum=0),
-    _p("unet_lr", "float", None, "UNet / transformer learning rate (optional)", "", "parameters", tabs=LORA,
+    _p("learning_rate", "float", 2e-6, "Learning rate", "", "optimizer", minimum=0),
+    _p("unet_lr", "float", None, "UNet / transformer learning rate (optional)", "", "optimizer", tabs=LORA,
        minimum=0),
     _p("text_encoder_lr", "float", None, "Text-encoder learning rate (optional)",
-       "One value for all text encoders (the trainer reads it as a one-item list).", "parameters", tabs=LORA,
+       "One value for all text encoders (the trainer reads it as a one-item list).", "optimizer", tabs=LORA,
        minimum=0),
-    _p("learning_rate_te1", "float", None, "Text encoder 1 learning rate (optional)", "", "parameters",
+    _p("learning_rate_te1", "float", None, "Text encoder 1 learning rate (optional)", "", "optimizer",
        tabs=FULL, families=frozenset({"SDXL"}), minimum=0),
-    _p("learning_rate_te2", "float", None, "Text encoder 2 learning rate (optional)", "", "parameters",
+    _p("learning_rate_te2", "float", None, "Text encoder 2 learning rate (optional)", "", "optimizer",
        tabs=FULL, families=frozenset({"SDXL"}), minimum=0),
     _p("optimizer_type", "choice", "", "Optimizer", "AdamW8bit needs bitsandbytes, Prodigy needs prodigyopt.",
-       "parameters", choices=("", "AdamW", "AdamW8bit", "Adafactor", "Prodigy", "SGD"),
+       "optimizer", choices=("", "AdamW", "AdamW8bit", "Adafactor", "Prodigy", "SGD"),
        choice_labels={"": "AdamW (default)"}),
     _p("optimizer_args", "list", [], "Optimizer arguments", "Space-separated key=value, e.g. weight_decay=0.01",
-       "parameters"),
-    _p("lr_scheduler", "choice", "constant", "LR scheduler", "", "parameters",
+       "optimizer"),
+    _p("lr_scheduler", "choice", "constant", "LR scheduler", "", "optimizer",
        choices=("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")),
     _p("lr_warmup_steps", "float", 0, "LR warmup steps",
        "Steps, or below 1 a ratio of the total steps (0.05 = the first 5%), as the trainer reads it.",
-       "parameters", minimum=0, whole_as_int=True),
+       "optimizer", minimum=0, whole_as_int=True),
     _p("gradient_accumulation_steps", "int", 1, "Gradient accumulation steps", "", "parameters", minimum=1),
     _p("seed", "int", None, "Seed (optional)", "", "parameters"),
     _p("save_precision", "choice", "", "Save precision", "Empty = same as training.", "parameters",
@@ -338,7 +366,7 @@ OVERLAY: tuple[Param, ...] = (  # what the GUI adds to the trainers' options: la
        "parameters"),
     _p("full_bf16", "bool", False, "Full bf16", "Keep the trained weights and gradients in bf16.", "parameters"),
     _p("fused_backward_pass", "bool", False, "Fused backward pass",
-       "Adafactor only: apply updates during backward (saves memory for full SDXL training).", "parameters",
+       "Adafactor only: apply updates during backward (saves memory for full SDXL training).", "optimizer_fused",
        tabs=FULL, families=frozenset({"SDXL", "FLUX.1"})),
     _p("train_text_encoder", "bool", False, "Train text encoder",
        "DreamBooth SD1.x/SD2.x trains it anyway (as kohya's train_db.py): see Stop text-encoder training.",
@@ -378,8 +406,8 @@ OVERLAY: tuple[Param, ...] = (  # what the GUI adds to the trainers' options: la
        minimum=0),
     _p("apply_t5_attn_mask", "bool", False, "Apply T5 attention mask", "", "flux", families=FLUX),
     # Advanced
-    _p("noise_offset", "float", None, "Noise offset (optional)", "", "advanced", families=SD_SDXL, minimum=0),
-    _p("min_snr_gamma", "float", None, "Min-SNR gamma (optional)", "5 is a common value.", "advanced",
+    _p("noise_offset", "float", None, "Noise offset (optional)", "", "advanced_noise", families=SD_SDXL, minimum=0),
+    _p("min_snr_gamma", "float", None, "Min-SNR gamma (optional)", "5 is a common value.", "advanced_loss",
        families=SD_SDXL, minimum=0),
     _p("tokenizer_cache_dir", "dir", "", "Tokenizer cache folder (optional)", "", "advanced"),
     _p("additional_parameters", "str", "", "Additional parameters",
@@ -504,7 +532,8 @@ def _from_trainers(declared: set[str]) -> tuple[Param, ...]:
             if d != default:
                 tab_defaults[tab] = d
         o = next(iter(per_script.values()))
-        out.append(Param(name, kind, default, name.replace("_", " ").capitalize(), o["help"], "other",
+        group, label = option_places.PLACES.get(name, ("other", name.replace("_", " ").capitalize()))
+        out.append(Param(name, kind, default, label, o["help"], group,
                          tabs=frozenset(tab_of), choices=choices, tab_defaults=tab_defaults, scripts=scripts,
                          item_kind=o["kind"] if kind == "list" and o["kind"] in ("int", "float") else "str"))
     return tuple(out)
@@ -520,12 +549,44 @@ def _choices_from_trainers(p: Param) -> Param:
     return p
 
 
+NETWORK_ARG_PREFIX = "network_args."
+
+
+def _network_arg_params() -> tuple[Param, ...]:
+    """A field per --network_args key that a network module reads (from the network_args entry of the LoRA
+    scripts' descriptions). Bools are ticked = key=True; unticked, numbers left empty and texts left empty are not
+    written (the module's own default applies)."""
+    per_key: dict[str, dict[str, dict]] = {}  # key -> module -> description
+    scripts: set[str] = set()
+    for script, options in TRAINER_OPTIONS.items():
+        for module, keys in options.get("network_args", {}).get("keys", {}).items():
+            scripts.add(script)
+            for key, d in keys.items():
+                per_key.setdefault(key, {})[module] = d
+    out = []
+    for key, per_module in per_key.items():
+        kinds = {d["kind"] for d in per_module.values()}
+        kind = kinds.pop() if len(kinds) == 1 else "str"
+        choices = next((d["choices"] for d in per_module.values() if "choices" in d), None)
+        any_value = any(d.get("any_value") for d in per_module.values())
+        default = {"bool": False, "int": None, "float": None}.get(kind, "")
+        if choices and kind == "str":
+            kind, choices = "choice", ("", *choices)
+        modules = sorted(per_module)
+        label = option_places.NETWORK_ARG_LABELS.get(key, key.replace("_", " ").capitalize())
+        out.append(Param(NETWORK_ARG_PREFIX + key, kind, default, label,
+                         f"--network_args {key}=... (read by {', '.join(modules)})", "network",
+                         tabs=LORA, choices=tuple(choices or ()), scripts=frozenset(scripts), network_arg=key,
+                         modules=frozenset(modules), open_choices=any_value))
+    return tuple(out)
+
+
 PARAMS: tuple[Param, ...] = tuple(_choices_from_trainers(p) for p in OVERLAY) + \
-    _from_trainers({p.name for p in OVERLAY})
+    _from_trainers({p.name for p in OVERLAY}) + _network_arg_params()
 
 BY_NAME: dict[str, Param] = {p.name: p for p in PARAMS}
 assert len(BY_NAME) == len(PARAMS), "a parameter is declared twice"
-assert all(p.kind in KINDS and p.accordion in ACCORDIONS for p in PARAMS)
+assert all(p.kind in KINDS and p.accordion in GROUP_ORDER for p in PARAMS)
 assert all(p.kind != "choice" or p.default in p.choices for p in PARAMS)
 
 CONTROL_PARAMS: tuple[Param, ...] = tuple(p for p in PARAMS if p.has_control)
@@ -545,12 +606,86 @@ def params_for(tab: str, family: str) -> list[Param]:
     return [p for p in PARAMS if p.applies(tab, family)]
 
 
-def visible(p: Param, tab: str, family: str) -> bool:
-    return p.has_control and p.applies(tab, family)
+def visible(p: Param, tab: str, family: str, module: str = "") -> bool:
+    """`module`: the Network module field's value (network-type fields follow it; empty = the family's LoRA)."""
+    return p.has_control and p.applies(tab, family) and p.shown_for(network_module(module, family))
 
 
 def accordion_visible(key: str, tab: str, family: str) -> bool:
-    return any(visible(p, tab, family) for p in CONTROL_PARAMS if p.accordion == key)
+    """A group is shown when one of its options, or of its sub-groups' options, is."""
+    return any(visible(p, tab, family) for p in CONTROL_PARAMS
+               if key in (p.accordion, top_group(p.accordion)) and not p.network_arg)
+
+
+# ---- network-type fields <-> network_args -------------------------------------------------------------------
+
+def network_module(value: str | None, family: str) -> str:
+    """The network module a run uses: the field's value, or the family's LoRA when it is empty."""
+    return BY_NAME["network_module"].effective(value or "", family)
+
+
+def network_arg_fields(tab: str, family: str, values: dict[str, Any]) -> list[Param]:
+    """The fields of the chosen network type (none outside the LoRA tab)."""
+    module = network_module(values.get("network_module"), family)
+    return [p for p in PARAMS if p.network_arg and p.applies(tab, family) and p.shown_for(module)]
+
+
+def _arg_text(p: Param, value: Any) -> str:
+    if p.kind == "bool":
+        return "True"
+    return format_number(value) if p.kind == "float" else str(value)
+
+
+def fold_network_args(tab: str, family: str, values: dict[str, Any]) -> dict[str, Any]:
+    """The values as the trainer gets them: the chosen network type's fields that are set become key=value entries
+    of network_args, before the entries typed into Network arguments."""
+    fields = network_arg_fields(tab, family, values)
+    if not fields:
+        return values
+    args = [f"{p.network_arg}={_arg_text(p, values[p.name])}" for p in fields
+            if values.get(p.name) is not None and not p.is_default(values[p.name], tab)]
+    return {**values, "network_args": args + list(values.get("network_args") or [])}
+
+
+def unfold_network_args(tab: str, family: str, values: dict[str, Any]) -> dict[str, Any]:
+    """The other way, for a file being opened: network_args entries that a field of the chosen network type shows
+    go into that field; the rest (unknown keys, values a field cannot hold, false booleans) stay as entries."""
+    fields = {p.network_arg: p for p in network_arg_fields(tab, family, values)}
+    out, rest = dict(values), []
+    for item in values.get("network_args") or []:
+        key, sep, text = item.partition("=")
+        p = fields.pop(key.strip(), None)
+        value = _field_value(p, text.strip()) if p is not None and sep else None
+        if value is None:
+            rest.append(item)
+            if p is not None:
+                fields[p.network_arg] = p
+        else:
+            out[p.name] = value
+    out["network_args"] = rest
+    return out
+
+
+def _field_value(p: Param, text: str) -> Any:
+    """A network_args value as its field holds it, or None where the field cannot hold it."""
+    try:
+        if p.kind == "bool":
+            return True if text.lower() in ("true", "1", "yes") else None
+        if p.kind in ("int", "float"):
+            number = float(text)
+            return p.check(int(number) if p.kind == "int" and number.is_integer() else number)
+        return p.check(text) or None
+    except ValueError:
+        return None
+
+
+def network_arg_clashes(tab: str, family: str, values: dict[str, Any]) -> list[str]:
+    """Keys set both in a field and in Network arguments (which would the network module take?)."""
+    set_in_fields = {p.network_arg: p for p in network_arg_fields(tab, family, values)
+                     if values.get(p.name) is not None and not p.is_default(values[p.name], tab)}
+    return [f"Network arguments (network_args): {key} is also set in the field '{set_in_fields[key].label}'; "
+            "keep one" for key in (item.partition("=")[0].strip() for item in values.get("network_args") or [])
+            if key in set_in_fields]
 
 
 def defaults(tab: str | None = None) -> dict[str, Any]:

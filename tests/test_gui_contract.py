@@ -51,7 +51,14 @@ def missing_flags(namespace, tab, family) -> set[str]:
 
 
 def trainer_params(tab, family):
-    return [p for p in P.params_for(tab, family) if p.target not in ("launch", "gui")]
+    return [p for p in P.params_for(tab, family) if p.target not in ("launch", "gui") and not p.network_arg]
+
+
+def expected_value(p, tab, family, values):
+    """What the trainer must read: network_args with the chosen network type's fields folded in."""
+    if p.fixed:
+        return p.fixed[family]
+    return P.fold_network_args(tab, family, values)[p.name]
 
 
 @pytest.mark.parametrize("tab,family", sorted(P.SCRIPTS))
@@ -65,7 +72,7 @@ def test_config_file_values_reach_the_trainer(tmp_path, tab, family):
     args = train_util.parse_args(parser, ["--config_file", str(path)])
     wrong = []
     for p in trainer_params(tab, family):
-        expected = p.fixed[family] if p.fixed else values[p.name]
+        expected = expected_value(p, tab, family, values)
         if not hasattr(args, p.name):
             wrong.append(f"--{p.name}: the trainer has no such option")
         elif not same(expected, getattr(args, p.name)):
@@ -89,7 +96,7 @@ def test_cli_flags_reach_the_trainer_and_defaults_agree(tab, family):
     args = parser.parse_args(argv)
     for p in trainer_params(tab, family):
         if p.name not in missing:
-            expected = p.fixed[family] if p.fixed else values[p.name]
+            expected = expected_value(p, tab, family, values)
             if not same(expected, getattr(args, p.name)):
                 wrong.append(f"--{p.name}: passed {expected!r}, trainer read {getattr(args, p.name)!r}")
     assert not wrong, f"{P.script_for(tab, family)} ({tab} {family}):\n" + "\n".join(wrong)
@@ -175,3 +182,17 @@ def test_the_option_files_are_the_trainers_current_options():
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
     assert gen.main(["--check"]) == 0, "run python tools/gen_gui_options.py"
+
+
+def test_every_trainer_option_has_a_kohya_ss_like_group_and_label():
+    """option_places.py places each option the trainers describe in one of the groups kohya_ss users know (nothing
+    is left in "Other options"), and names only options that exist (a renamed trainer option fails here)."""
+    from kohya_gui import option_places
+
+    described = {name for options in P.TRAINER_OPTIONS.values() for name in options}
+    declared = {p.name for p in P.OVERLAY}
+    assert sorted(p.name for p in P.PARAMS if p.accordion == "other") == []
+    assert sorted(set(option_places.PLACES) - described) == []
+    assert sorted(set(option_places.PLACES) & declared) == [], "declared in the overlay and placed twice"
+    assert {P.top_group(g) for g, _ in option_places.PLACES.values()} <= set(P.ACCORDIONS)
+    assert all(parent in P.ACCORDIONS for _, parent in P.SUBGROUPS.values())

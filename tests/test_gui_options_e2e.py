@@ -1,5 +1,5 @@
-"""In the browser: the filter box finds an option of the "Other options" group (read from the trainer's own
-description) by part of its --flag and opens its group; Additional parameters reach the printed command."""
+"""In the browser: the filter box finds an option read from the trainer's own description by part of its --flag
+(or its kohya_ss label) and opens its group and sub-group; Additional parameters reach the printed command."""
 from __future__ import annotations
 
 import json
@@ -12,16 +12,21 @@ pytestmark = pytest.mark.slow
 
 
 def test_filter_box_finds_an_option_and_opens_its_group(page):
-    target = page.locator("#lora-max_grad_norm")  # no group of its own: "Other options", closed at first
+    # read from the trainer's description; in Advanced > Loss, both closed at first
+    target = page.locator("#lora-huber_c")
     assert not target.is_visible()
-    page.locator("#lora-filter input, #lora-filter textarea").first.fill("--max_grad_no")
+    page.locator("#lora-filter input, #lora-filter textarea").first.fill("--huber_")
     target.wait_for(state="visible")
-    assert page.locator("#lora-acc-other").is_visible()
-    other = page.locator("#lora-max_token_length")  # in the same group, no match: in the page but hidden
+    assert page.locator("#lora-acc-advanced").is_visible() and page.locator("#lora-acc-advanced_loss").is_visible()
+    other = page.locator("#lora-loss_type")  # in the same sub-group, no match: in the page but hidden
     other.wait_for(state="attached")
-    page.wait_for_function("() => document.getElementById('lora-max_token_length').style.display === 'none'")
+    page.wait_for_function("() => document.getElementById('lora-loss_type').style.display === 'none'")
     assert not other.is_visible()
+    assert not page.locator("#lora-acc-advanced_noise").is_visible()  # a sub-group without a match is hidden
     assert not page.locator("#lora-acc-folders").is_visible()  # a group without a match is hidden
+    page.locator("#lora-filter input, #lora-filter textarea").first.fill("max grad norm")  # kohya_ss's label
+    page.locator("#lora-max_grad_norm").wait_for(state="visible")
+    assert page.locator("#lora-acc-optimizer").is_visible()
     page.locator("#lora-filter input, #lora-filter textarea").first.fill("")
     page.locator("#lora-acc-compile").wait_for(state="visible")
 
@@ -60,3 +65,23 @@ def test_three_kohya_ss_presets_fill_the_form_and_show_the_report(page):
         page.wait_for_function(f"() => document.querySelector('#lora-family input').value === '{family}'")
         status.get_by_text("Import report").click()  # the report lists every key of the file
         assert f"network_module {module}" in status.inner_text()
+
+
+def test_network_fields_follow_the_network_module_and_reach_the_command(page):
+    from test_gui_e2e import pick
+
+    page.locator("#lora-filter input, #lora-filter textarea").first.fill("network module")
+    page.locator("#lora-network_module").wait_for(state="visible")
+    page.locator("#lora-filter input, #lora-filter textarea").first.fill("")
+    assert page.locator("#lora-network_args-block_dims").is_visible()  # the demo is SDXL: networks.lora's fields
+    assert not page.locator("#lora-network_args-factor").is_visible()
+    pick(page, "lora-network_module", "lycoris.kohya")
+    page.locator("#lora-network_args-factor").wait_for(state="visible")  # LyCORIS' fields
+    page.locator("#lora-network_args-block_dims").wait_for(state="hidden")
+    pick(page, "lora-network_args-algo", "lokr")
+    field(page, "lora-network_args-factor").fill("8")
+    page.locator("#lora-print").click()
+    page.wait_for_function("() => document.querySelector('#lora-standalone textarea').value"
+                           ".includes('--network_args algo=lokr factor=8')")
+    pick(page, "lora-network_module", "LoRA (the family's)")
+    page.locator("#lora-network_args-block_dims").wait_for(state="visible")

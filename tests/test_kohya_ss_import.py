@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kohya_gui import REPO, __main__ as cli, config_file, importer, trainer_check
+from kohya_gui import params as P
 
 PRESETS = REPO.parent / "shared" / "parity" / "kohya_ss-presets"
 ALL = sorted(PRESETS.glob("*/*.json")) if PRESETS.is_dir() else []
@@ -56,12 +57,26 @@ def test_kohya_ss_meanings():
 
 def test_lycoris_types_become_module_and_args():
     imp = importer.from_kohya_ss(kohya(LoRA_type="LyCORIS/LoKr", factor=8, conv_dim=16, conv_alpha=8, dora_wd=True,
-                                       unit=1, LyCORIS_preset="attn-mlp"))
-    assert imp.values["network_module"] == "lycoris.kohya"
-    assert imp.values["network_args"] == ["algo=lokr", "conv_dim=16", "conv_alpha=8", "dora_wd=True", "factor=8",
-                                          "preset=attn-mlp"]  # unit is DyLoRA's only
+                                       unit=1, LyCORIS_preset="attn-mlp", rank_dropout_scale=True))
+    v = imp.values
+    assert v["network_module"] == "lycoris.kohya"
+    # the LoKr fields of the form hold them (unit is DyLoRA's only; LyCORIS reads no rank_dropout_scale)
+    assert (v["network_args.algo"], v["network_args.factor"], v["network_args.conv_dim"]) == ("lokr", 8, 16)
+    assert (v["network_args.conv_alpha"], v["network_args.dora_wd"], v["network_args.preset"]) == \
+        (8.0, True, "attn-mlp")
+    assert v["network_args"] == []
+    report = {k: (what, why) for k, what, why in imp.report}
+    assert report["rank_dropout_scale"] == ("dropped", "lycoris.kohya does not read rank_dropout_scale")
+    assert report["unit"][0] == "dropped"
+    assert sorted(P.fold_network_args("lora", imp.family, v)["network_args"]) == sorted(
+        ["algo=lokr", "conv_dim=16", "conv_alpha=8.0", "dora_wd=True", "factor=8", "preset=attn-mlp"])
     dylora = importer.from_kohya_ss(kohya(LoRA_type="Kohya DyLoRA", unit=4))
-    assert dylora.values["network_module"] == "networks.dylora" and dylora.values["network_args"] == ["unit=4"]
+    assert dylora.values["network_module"] == "networks.dylora" and dylora.values["network_args.unit"] == 4
+    # kohya_ss' names for LyCORIS keys: constrain -> constraint, unit -> block_size (LyCORIS DyLoRA)
+    oft = importer.from_kohya_ss(kohya(LoRA_type="LyCORIS/Diag-OFT", constrain=0.5))
+    assert oft.values["network_args.constraint"] == 0.5
+    lycoris_dylora = importer.from_kohya_ss(kohya(LoRA_type="LyCORIS/DyLoRA", unit=2))
+    assert lycoris_dylora.values["network_args.block_size"] == 2
 
 
 def test_inline_prompts_go_to_a_file_and_the_cli_never_overwrites(tmp_path, capsys):
@@ -149,7 +164,8 @@ def test_open_in_the_gui_fills_the_form_and_shows_the_report(tmp_path):
     assert "Imported the kohya_ss configuration" in out[0] and "train_on_input" in out[0]
     assert out[1]["value"] == "SDXL"
     values = dict(zip([p.name for p in A.tab_params("lora")], ui_values_from_updates("lora", out)))
-    assert values["network_module"] == "lycoris.kohya" and values["network_args"] == "algo=locon conv_dim=8"
+    assert values["network_module"] == "lycoris.kohya" and values["network_args"] == ""
+    assert (values["network_args.algo"], values["network_args.conv_dim"]) == ("locon", "8")  # its LoCon fields
     wrong_tab = A.open_config("dreambooth", str(src), "SDXL")
     assert "open it in that tab" in wrong_tab[0]
 

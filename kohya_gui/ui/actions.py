@@ -20,14 +20,16 @@ RUNNER = Runner()  # one training at a time for the whole app
 
 
 def tab_params(tab: str) -> list[P.Param]:
-    """The controls of a tab, in page order (accordion order, then registry order)."""
-    order = list(P.ACCORDIONS)
+    """The controls of a tab, in page order (group order, sub-groups after their group, then registry order)."""
+    order = P.GROUP_ORDER
     return sorted((p for p in P.CONTROL_PARAMS if tab in p.tabs), key=lambda p: order.index(p.accordion))
 
 
-def tab_accordions(tab: str) -> list[str]:
-    used = {p.accordion for p in tab_params(tab)}
-    return [k for k in P.ACCORDIONS if k in used or k == "model"]
+@functools.cache
+def tab_accordions(tab: str) -> tuple[str, ...]:
+    """The tab's groups and sub-groups, in page order."""
+    used = {k for p in tab_params(tab) for k in (p.accordion, P.top_group(p.accordion))}
+    return tuple(k for k in P.GROUP_ORDER if k in used or k == "model")
 
 
 # ---- values <-> controls -------------------------------------------------------------------------------------
@@ -85,10 +87,11 @@ def values_from_ui(tab: str, ui_values) -> tuple[dict[str, Any], list[str]]:
     return values, errors
 
 
-def visibility_updates(tab: str, family: str) -> list:
+def visibility_updates(tab: str, family: str, module: str = "") -> list:
     """gr.update(visible=...) for each control whose visibility depends on the family (gr.skip() for the others:
-    fewer updates for the browser to draw), then each accordion, then the script note."""
-    out = [gr.update(visible=P.visible(p, tab, family)) if p.name in family_dependent(tab) else gr.skip()
+    fewer updates for the browser to draw), then each accordion, then the script note. `module`: the Network
+    module field's value (the network-type fields follow it)."""
+    out = [gr.update(visible=P.visible(p, tab, family, module)) if p.name in family_dependent(tab) else gr.skip()
            for p in tab_params(tab)]
     out += [gr.update(visible=P.accordion_visible(k, tab, family) or k == "model") for k in tab_accordions(tab)]
     out.append(gr.update(value=script_note(tab, family)))
@@ -101,12 +104,28 @@ def family_dependent(tab: str) -> frozenset[str]:
     return frozenset(p.name for p in tab_params(tab) if len({P.visible(p, tab, f) for f in P.FAMILIES}) > 1)
 
 
+def elem_id(tab: str, p: P.Param) -> str:
+    """The control's HTML id: "<tab>-<option>" (a network-type field's dot becomes "-", for CSS selectors)."""
+    return f"{tab}-{p.name.replace('.', '-')}"
+
+
+def network_fields(tab: str) -> list[P.Param]:
+    """The tab's network-type fields (--network_args keys), in page order."""
+    return [p for p in tab_params(tab) if p.network_arg]
+
+
+def network_field_updates(tab: str, family: str, module: str) -> list:
+    """Shows the fields of the chosen network module (empty = the family's LoRA), hides the others."""
+    return [gr.update(visible=P.visible(p, tab, family, module)) for p in network_fields(tab)]
+
+
 def full_updates(tab: str, family: str, values: dict[str, Any]) -> list:
     """Value and visibility of each control, then accordions, then the script note."""
-    vis = visibility_updates(tab, family)
+    module = values.get("network_module") or ""
+    vis = visibility_updates(tab, family, module)
     n = len(tab_params(tab))
-    out = [gr.update(value=to_ui(p, values.get(p.name, p.default_for(tab))), visible=P.visible(p, tab, family))
-           for p in tab_params(tab)]
+    out = [gr.update(value=to_ui(p, values.get(p.name, p.default_for(tab))),
+                     visible=P.visible(p, tab, family, module)) for p in tab_params(tab)]
     return out + vis[n:]
 
 

@@ -41,8 +41,9 @@ FOLLOW_LOG_JS = """() => {
 }"""
 
 
-def make_control(tab: str, p: P.Param, value, family: str):
-    kw = dict(label=p.label, info=p.help or None, visible=P.visible(p, tab, family), elem_id=f"{tab}-{p.name}")
+def make_control(tab: str, p: P.Param, value, family: str, module: str = ""):
+    kw = dict(label=p.label, info=p.help or None, visible=P.visible(p, tab, family, module),
+              elem_id=A.elem_id(tab, p))
     v = A.to_ui(p, value)
     if p.kind == "bool":
         return gr.Checkbox(value=bool(v), **kw)
@@ -91,11 +92,30 @@ def build_tab(tab: str) -> dict:
     option_filter.change(None, inputs=option_filter, js=filter_js(tab, A.tab_params(tab)))
 
     controls, accordions = {}, {}
-    family = None
     note = None
+
+    def fill(key: str) -> None:
+        """The group's own controls (registry order; text/number fields in rows of 3, checkboxes in rows of 4),
+        then its sub-groups as accordions inside it."""
+        for group in _runs([p for p in A.tab_params(tab) if p.accordion == key]):
+            per_row = 4 if group[0].kind == "bool" else 3
+            for i in range(0, len(group), per_row):
+                with gr.Row():
+                    for p in group[i:i + per_row]:
+                        controls[p.name] = make_control(tab, p, values0.get(p.name, p.default_for(tab)), family0,
+                                                        values0.get("network_module") or "")
+        for sub in A.tab_accordions(tab):
+            if P.SUBGROUPS.get(sub, ("", ""))[1] == key:
+                with gr.Accordion(P.group_title(sub), open=False, visible=P.accordion_visible(sub, tab, family0),
+                                  elem_id=f"{tab}-acc-{sub}") as acc:
+                    accordions[sub] = acc
+                    fill(sub)
+
     for key in A.tab_accordions(tab):
-        title, is_open = P.ACCORDIONS[key]
-        with gr.Accordion(title, open=is_open, visible=P.accordion_visible(key, tab, family0) or key == "model",
+        if key in P.SUBGROUPS:
+            continue
+        with gr.Accordion(P.group_title(key), open=P.ACCORDIONS[key][1],
+                          visible=P.accordion_visible(key, tab, family0) or key == "model",
                           elem_id=f"{tab}-acc-{key}") as acc:
             accordions[key] = acc
             if key == "model":
@@ -103,14 +123,7 @@ def build_tab(tab: str) -> dict:
                     family = gr.Dropdown(choices=list(P.FAMILIES), value=family0, label="Model family",
                                          elem_id=f"{tab}-family", scale=1)
                     note = gr.Markdown(A.script_note(tab, family0), elem_classes="kg-note")
-            params = [p for p in A.tab_params(tab) if p.accordion == key]
-            # registry order; consecutive text/number fields share rows of 3, consecutive checkboxes rows of 4
-            for group in _runs(params):
-                per_row = 4 if group[0].kind == "bool" else 3
-                for i in range(0, len(group), per_row):
-                    with gr.Row():
-                        for p in group[i:i + per_row]:
-                            controls[p.name] = make_control(tab, p, values0.get(p.name, p.default_for(tab)), family0)
+            fill(key)
 
     with gr.Row():
         start_btn = gr.Button("Start training", variant="primary", elem_id=f"{tab}-start")
@@ -127,8 +140,12 @@ def build_tab(tab: str) -> dict:
     inputs = [controls[p.name] for p in A.tab_params(tab)]
     layout_outputs = inputs + [accordions[k] for k in A.tab_accordions(tab)] + [note]
 
-    family.change(functools.partial(A.visibility_updates, tab), inputs=family, outputs=layout_outputs,
-                  show_progress="hidden")
+    module = controls.get("network_module")  # the LoRA tab's: its fields follow it
+    family.change(functools.partial(A.visibility_updates, tab), inputs=[family] + ([module] if module else []),
+                  outputs=layout_outputs, show_progress="hidden")
+    if module:
+        module.change(functools.partial(A.network_field_updates, tab), inputs=[family, module],
+                      outputs=[controls[p.name] for p in A.network_fields(tab)], show_progress="hidden")
     opened = open_btn.click(functools.partial(A.open_config, tab), inputs=[path, family],
                             outputs=[status, family, *layout_outputs])
     picked = preset.input(functools.partial(A.open_preset, tab), inputs=[preset, family],

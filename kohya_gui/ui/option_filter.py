@@ -1,19 +1,22 @@
 """The filter box at the top of each tab: typing part of a label, an option name or a --flag shows only the
 matching options, across all groups, and opens the groups they are in. It runs in the browser (no server round
 trip per keystroke for ~230 controls). A closed group's controls are not in the page yet, so the tab's index of
-(option, label, group) is embedded in the script: it opens the groups first, then hides what does not match
+(option, label, the group and sub-group it is in) is embedded in the script: it opens the groups first (a sub-group once its group is drawn), then hides what does not match
 once their controls exist. Controls carry elem_id "<tab>-<option>", groups "<tab>-acc-<group>"."""
 
 from __future__ import annotations
 
 import json
 
+from .. import params as P
+from . import actions as A
+
 FILTER_JS = """(query) => {
   const tab = %s, index = %s;
   const q = (query || '').trim().toLowerCase().replace(/^-+/, '');
   const hits = new Set(), groups = new Set();
-  for (const [name, label, group] of index) {
-    if (q && (name.includes(q) || label.includes(q))) { hits.add(name); groups.add(group); }
+  for (const [name, label, path] of index) {
+    if (q && (name.includes(q) || label.includes(q))) { hits.add(name); path.forEach((g) => groups.add(g)); }
   }
   const apply = () => {
     document.querySelectorAll(`[id^="${tab}-acc-"]`).forEach((acc) => {
@@ -34,7 +37,14 @@ FILTER_JS = """(query) => {
 }"""
 
 
+def _search_text(p) -> str:
+    """What the filter matches: the label and the --flag (a network-type field: "network_args key=")."""
+    flag = f"network_args {p.network_arg}=" if p.network_arg else f"--{p.name}"
+    return f"{p.label} {flag}".lower()
+
+
 def filter_js(tab: str, params) -> str:
     """The filter script of a tab; `params`: its controls (registry Params)."""
-    index = [[p.name, f"{p.label} --{p.name}".lower(), p.accordion] for p in params]
+    index = [[A.elem_id(tab, p).removeprefix(f"{tab}-"), _search_text(p),
+              list(dict.fromkeys([P.top_group(p.accordion), p.accordion]))] for p in params]
     return FILTER_JS % (json.dumps(tab), json.dumps(index))

@@ -2,12 +2,13 @@
 
 Each entry: name (the dest = TOML key), flag, kind (bool, int, float, str), nargs, choices, default, help, and
 `suggested` where the option takes any value but the trainer knows names for it (optimizers, schedulers,
-network modules). kohya_gui/options/<script>.json holds this output per script (tools/gen_gui_options.py writes
+network modules), and on --network_args the `keys` each network module reads (kind, choices). kohya_gui/options/<script>.json holds this output per script (tools/gen_gui_options.py writes
 them; a test keeps them fresh). Our own option: upstream has none.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from typing import Any
@@ -23,15 +24,39 @@ def add_dump_options_argument(parser: argparse.ArgumentParser) -> None:
                              "exit; the GUI is built from it")
 
 
-def suggested_values() -> dict[str, list[str]]:
-    from networks import lycoris_kohya
+NETWORK_MODULES = ("networks.lora", "networks.lora_flux", "lycoris.kohya", "networks.dylora", "networks.oft",
+                   "networks.oft_flux", "networks.lora_fa")
 
+
+def suggested_values() -> dict[str, list[str]]:
     from library import optimizers, schedulers
 
-    networks = ["networks.lora", "networks.lora_flux", lycoris_kohya.MODULE_NAME, "networks.dylora", "networks.oft",
-                "networks.oft_flux", "networks.lora_fa"]
     return {"optimizer_type": ["", *optimizers.OPTIMIZER_NAMES], "lr_scheduler": list(schedulers.SCHEDULER_NAMES),
-            "network_module": networks}
+            "network_module": list(NETWORK_MODULES)}
+
+
+def _arg_kind(kind) -> str:
+    """How a network module reads one --network_args value: int, float, bool or str (parsers of block lists and
+    index ranges read text)."""
+    from networks import lora
+
+    if kind is bool or kind is lora.arg_bool:
+        return "bool"
+    return {int: "int", float: "float"}.get(kind, "str")
+
+
+def network_arg_keys() -> dict[str, dict[str, dict[str, Any]]]:
+    """module -> {--network_args key: {"kind", "choices"?, "any_value"?}}, from each network module's own
+    NETWORK_ARGS (NETWORK_ARG_CHOICES: the values it knows; NETWORK_ARG_ANY_VALUE: keys that take others too)."""
+    out = {}
+    for name in NETWORK_MODULES:
+        module = importlib.import_module("networks.lycoris_kohya" if name == "lycoris.kohya" else name)
+        choices = getattr(module, "NETWORK_ARG_CHOICES", {})
+        any_value = getattr(module, "NETWORK_ARG_ANY_VALUE", ())
+        out[name] = {key: {"kind": _arg_kind(kind), **({"choices": list(choices[key])} if key in choices else {}),
+                           **({"any_value": True} if key in any_value else {})}
+                     for key, kind in module.NETWORK_ARGS.items()}
+    return out
 
 
 def _json_value(value: Any) -> Any:
@@ -63,6 +88,8 @@ def describe(parser: argparse.ArgumentParser) -> list[dict[str, Any]]:
             entry["choices"] = [_json_value(c) for c in action.choices]
         if action.dest in suggested:
             entry["suggested"] = suggested[action.dest]
+        if action.dest == "network_args":
+            entry["keys"] = network_arg_keys()
         if action.dest in parity.REFUSED:  # accepted only at its default (library/parity.py says why)
             entry["refused"] = parity.REFUSED[action.dest]
         out.append(entry)

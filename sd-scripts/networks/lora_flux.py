@@ -59,6 +59,7 @@ NETWORK_ARGS: dict[str, Any] = {
     **{name: int for name, _ in TYPE_DIM_ARGS},
     **{name: float for name in lora_sd.LORAPLUS_ARGS},
 }
+NETWORK_ARG_CHOICES = {"train_blocks": TRAIN_BLOCKS}
 
 
 def parse_block_selection(key: str, text: str, total: int) -> list[bool]:

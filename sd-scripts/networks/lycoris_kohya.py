@@ -36,6 +36,21 @@ logger = logging.getLogger(__name__)
 
 MODULE_NAME = "lycoris.kohya"
 EXTRA = "lycoris"
+# the --network_args keys LyCORIS' kohya.create_network reads (lycoris-lora 4.x), with how it reads them: for the
+# GUI's fields (--dump_options); LyCORIS itself ignores other keys
+NETWORK_ARGS = {
+    "algo": str, "preset": str, "conv_dim": int, "conv_alpha": float, "dropout": float, "rank_dropout": float,
+    "module_dropout": float, "use_tucker": bool, "use_scalar": bool, "factor": int,
+    "decompose_both": bool, "block_size": int, "constraint": float, "rescaled": bool, "train_norm": bool,
+    "dora_wd": bool, "wd_on_output": bool, "full_matrix": bool, "bypass_mode": bool, "rs_lora": bool,
+    "unbalanced_factorization": bool, "loraplus_lr_ratio": float, "loraplus_unet_lr_ratio": float,
+    "loraplus_text_encoder_lr_ratio": float,
+}
+# LyCORIS' algorithms and built-in presets (a preset may also be a TOML file path)
+NETWORK_ARG_CHOICES = {"algo": ("lora", "locon", "loha", "lokr", "dylora", "glora", "full", "diag-oft", "boft", "ia3"),
+                       "preset": ("full", "full-lin", "attn-mlp", "attn-only", "unet-only", "unet-transformer-only",
+                                  "unet-convblock-only", "ia3")}
+NETWORK_ARG_ANY_VALUE = ("preset",)  # the choices are suggestions: a preset can also be a TOML file
 # diffusers UNet layers LyCORIS presets name that sd-scripts' SDXL UNet does not have under these names
 _SDXL_ABSENT = ("conv_in", "conv_out", "time_embedding", "add_embedding")
 
