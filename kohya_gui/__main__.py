@@ -5,6 +5,7 @@
     python -m kohya_gui train CONFIG.toml           # runs it with the GUI's runner (Ctrl+C: stop + save; twice: now)
     python -m kohya_gui prepare-demo CONFIG.toml    # makes a demo preset's tiny model and images (used by runs)
     python -m kohya_gui import KOHYA_SS.json -o OUT.toml   # a kohya_ss GUI configuration as our TOML, with a report
+    python -m kohya_gui signal save|sample|stop OUTPUT_DIR_OR_RUN_TOML   # Save now / Sample now / Stop (and save)
 
 print-command and train also take a kohya_ss JSON directly (imported on the fly, the report on stderr).
 """
@@ -15,14 +16,35 @@ import argparse
 import signal
 import sys
 
-from . import command, config_file, demo, importer, params, presets, training
+from . import command, config_file, demo, importer, params, presets, run_requests, training
 from .runner import Runner
 
 
+def send_request(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kohya_gui signal",
+                                     description="Ask a running trainer to save, sample or stop (and save) at its "
+                                                 "next step boundary.")
+    parser.add_argument("request", choices=run_requests.REQUESTS)
+    parser.add_argument("target", help="the run's output folder, or its run TOML (the GUI writes "
+                                       "<output_dir>/<output_name>.toml)")
+    args = parser.parse_args(argv)
+    try:
+        path = run_requests.send(args.request, args.target)
+    except run_requests.RequestError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"asked for {args.request} ({path}); the trainer acts on it after its current step")
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["signal"]:
+        return send_request(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m kohya_gui", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=["print-command", "train", "prepare-demo", "import"])
+    parser.add_argument("action", choices=["print-command", "train", "prepare-demo", "import", "signal"],
+                        help="signal: python -m kohya_gui signal save|sample|stop OUTPUT_DIR_OR_RUN_TOML")
     parser.add_argument("config", help="a configuration TOML saved by the GUI, a preset name (demo-sdxl-tiny, "
                                        "dreambooth/sdxl-dreambooth-24gb), or a kohya_ss GUI JSON")
     parser.add_argument("--standalone", action="store_true",

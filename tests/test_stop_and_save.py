@@ -76,11 +76,11 @@ def test_stop_request_first_signal_flags_second_aborts_and_restore(tmp_path):
     before = signal.getsignal(signal.SIGINT)
     stop = stop_signal.StopRequest().install()
     try:
-        assert not stop.requested()
+        assert not stop.flag
         signal.raise_signal(signal.SIGINT)
-        assert stop.requested() and stop.signal_name == "SIGINT"
+        assert stop.flag and stop.signal_name == "SIGINT"
         signal.raise_signal(signal.SIGTERM)  # the same stop delivered twice at once (group + launcher): ignored
-        assert stop.requested() and stop.signal_name == "SIGINT"
+        assert stop.flag and stop.signal_name == "SIGINT"
         stop._first_at -= stop_signal.REPEAT_WINDOW_S  # a real second stop comes later
         target = tmp_path / "x.safetensors"
         with pytest.raises(KeyboardInterrupt):

@@ -11,7 +11,7 @@ from typing import Any
 
 import gradio as gr
 
-from .. import command, config_file, importer, presets, trainer_check, training
+from .. import command, config_file, importer, presets, run_requests, trainer_check, training
 from .. import params as P
 from ..runner import Runner, RunnerBusy, format_eta
 from . import feedback
@@ -248,6 +248,19 @@ def stop_training(now: bool = False) -> str:
     if RUNNER.stop(now=now):
         return ok_md("Training stopped." if now else f"Training stopped: {RUNNER.snapshot().message}")
     return error_md("No training is running.")
+
+
+def request_now(request: str) -> str:
+    """Save now / Sample now: the trainer acts on it after its current step (kohya_gui.run_requests)."""
+    s = RUNNER.snapshot()
+    if not s.running or not s.output_dir:
+        return error_md("No training is running.")
+    try:
+        run_requests.send(request, s.output_dir)
+    except run_requests.RequestError as e:
+        return error_md(str(e))
+    what = {"save": "save the network / model", "sample": "draw the sample images"}[request]
+    return ok_md(f"Asked the trainer to {what} after its current step; the log shows when it does.")
 
 
 # ---- the run panel ---------------------------------------------------------------------------------------------

@@ -129,6 +129,8 @@ def build_tab(tab: str) -> dict:
         start_btn = gr.Button("Start training", variant="primary", elem_id=f"{tab}-start")
         stop_btn = gr.Button("Stop training (save)", variant="stop", elem_id=f"{tab}-stop")
         stop_now_btn = gr.Button("Stop now (no save)", variant="stop", elem_id=f"{tab}-stop-now")
+        save_now_btn = gr.Button("Save now", elem_id=f"{tab}-save-now")
+        sample_now_btn = gr.Button("Sample now", elem_id=f"{tab}-sample-now")
         print_btn = gr.Button("Print training command", elem_id=f"{tab}-print")
     run_status = feedback.message_area(f"{tab}-run-status")  # Start / Stop / Print results, next to the buttons
     with gr.Row():
@@ -159,8 +161,11 @@ def build_tab(tab: str) -> dict:
                               outputs=[cmd, standalone, run_status])
     stopped = stop_btn.click(A.stop_training, outputs=run_status)
     stopped_now = stop_now_btn.click(functools.partial(A.stop_training, now=True), outputs=run_status)
+    saved_now = save_now_btn.click(functools.partial(A.request_now, "save"), outputs=run_status)
+    sampled_now = sample_now_btn.click(functools.partial(A.request_now, "sample"), outputs=run_status)
     for event, area in [(opened, status), (picked, status), (saved, status), (saved_as, status), (printed, run_status),
-                        (started, run_status), (stopped, run_status), (stopped_now, run_status)]:
+                        (started, run_status), (stopped, run_status), (stopped_now, run_status),
+                        (saved_now, run_status), (sampled_now, run_status)]:
         feedback.follow(event, area.elem_id)
     form = feedback.wire_tab(tab, built, path=path, status=status, family=family, inputs=inputs,
                              layout_outputs=layout_outputs, clicks=[save_btn, save_as_btn, print_btn, start_btn])

@@ -1,8 +1,9 @@
 """The filter box at the top of each tab: typing part of a label, an option name or a --flag shows only the
 matching options, across all groups, and opens the groups they are in. It runs in the browser (no server round
-trip per keystroke for ~230 controls). A closed group's controls are not in the page yet, so the tab's index of
-(option, label, the group and sub-group it is in) is embedded in the script: it opens the groups first (a sub-group once its group is drawn), then hides what does not match
-once their controls exist. Controls carry elem_id "<tab>-<option>", groups "<tab>-acc-<group>"."""
+trip per keystroke for ~300 controls). A closed group's controls are not in the page yet, so the tab's index of
+(option, label, the group and sub-group it is in) is embedded in the script: it opens the groups first (a
+sub-group once its group is drawn), then hides what does not match once their controls exist. Controls carry
+elem_id "<tab>-<option>" (actions.elem_id), groups "<tab>-acc-<group>"."""
 
 from __future__ import annotations
 

@@ -34,9 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import json
 import logging
-import math
 import os
 import sys
 import time
@@ -47,7 +45,8 @@ from typing import Any
 import torch
 
 from library import (config_util, data_parallel, huggingface_util, losses, masks, network_options, noise,
-                     optimizers, parity, saving, schedulers, state_folders, stop_signal, train_util, validation)
+                     optimizers, parity, run_requests, saving, schedulers, state_folders, stop_signal,
+                     train_util, validation)
 from library import metadata as metadata_util
 from library.captions import apply_token_weights, weighted_for, weighted_token_ids
 from library.latent_cache import FAMILY_FORMATS, LatentCacheFormat
@@ -719,6 +718,8 @@ class NetworkTrainer:
 
         log_with = trackers.log_with(args)
         os.makedirs(args.output_dir, exist_ok=True)
+        requests = run_requests.RunRequests(args.output_dir, accelerator.is_main_process)
+        requests.clear_stale()  # before models load: a request sent while they load is this run's
         if accelerator.is_main_process:
             state_folders.remove_stale(args.output_dir, args.output_name)
             self.write_run_config(args)
@@ -935,21 +936,31 @@ class NetworkTrainer:
                                      epoch=epoch + 1, at_epoch_end=False)
                     timer.restart()
 
-                if args.save_every_n_steps and global_step % args.save_every_n_steps == 0:  # the last step too
+                asked = requests.take(accelerator, stop_flag=stop.flag)  # Save now / Sample now / Stop
+                saved = args.save_every_n_steps and global_step % args.save_every_n_steps == 0  # the last step too
+                if saved or "save" in asked:
                     report(late.flush())
+                    if not saved:
+                        logger.info("save requested: saving at step %d", global_step)
                     self.save_checkpoint(args, accelerator, trainable, metadata, epoch + 1, global_step, ext,
-                                         by_step=True)
+                                         by_step=True, prune=bool(saved))
                     timer.restart()
                 from library.sampling import should_sample
 
-                if should_sample(args, epoch=None, steps=global_step):
+                sampled = should_sample(args, epoch=None, steps=global_step)
+                if sampled or "sample" in asked:
                     report(late.flush())
+                    if not sampled:
+                        logger.info("sample requested: sampling at step %d" if args.sample_prompts else
+                                    "sample requested at step %d, but there is no --sample_prompts file", global_step)
                     self.sample_images(args, epoch=None, steps=global_step, **sample_kwargs)
                     timer.restart()
                 if global_step >= max_train_steps:
                     break
-                stopping = stop.requested(accelerator)
-                if stopping:
+                if "stop" in asked:
+                    if not stop.flag:
+                        logger.warning("stop requested: stopping after step %d and saving", global_step)
+                    stop.flag = stopping = True
                     break
             report(late.flush())
             if stopping:
@@ -1129,13 +1140,16 @@ class NetworkTrainer:
             huggingface_util.upload(args, path, name)
         return path
 
-    def save_checkpoint(self, args, accelerator, trainable, metadata, epoch, step, ext, by_step: bool) -> None:
+    def save_checkpoint(self, args, accelerator, trainable, metadata, epoch, step, ext, by_step: bool,
+                        prune: bool = True) -> None:
         """An intermediate save (kohya names `-step00000010` / `-000001`), uploaded with --huggingface_repo_id,
-        old ones pruned by --save_last_n_*(_state). Every process calls it; the main process writes the model."""
+        old ones pruned by --save_last_n_*(_state) (not after a Save now: `prune` False). Every process calls it;
+        the main process writes the model."""
         with self.eval_weights(args):
-            self._save_checkpoint(args, accelerator, trainable, metadata, epoch, step, ext, by_step)
+            self._save_checkpoint(args, accelerator, trainable, metadata, epoch, step, ext, by_step, prune)
 
-    def _save_checkpoint(self, args, accelerator, trainable, metadata, epoch, step, ext, by_step: bool) -> None:
+    def _save_checkpoint(self, args, accelerator, trainable, metadata, epoch, step, ext, by_step: bool,
+                         prune: bool = True) -> None:
         accelerator.wait_for_everyone()
         out = args.output_dir
         if by_step:
@@ -1149,7 +1163,7 @@ class NetworkTrainer:
         if args.save_state:
             self.save_state(args, accelerator, train_util.state_dir_name(
                 args.output_name, epoch=None if by_step else epoch, step=step if by_step else None))
-        if accelerator.is_main_process:
+        if accelerator.is_main_process and prune:
             self.prune_checkpoints(args, epoch, step, ext, by_step)
         accelerator.wait_for_everyone()
 

@@ -3,7 +3,8 @@ results under their usual final names and exit 0 (not in upstream, which dies an
 save; kohya_ss#244).
 
     stop = StopRequest().install()     # at the start of the training loop (main thread only; else a no-op)
-    ... if stop.requested(accelerator): break      # once per optimizer step: a flag check
+    ... if stop.flag: break                        # once per optimizer step (the ranks agree through
+                                                   # library.run_requests, with the other requests)
     stop.restore()                     # the previous handlers again (in-process callers are unaffected)
 
 A second signal (stop now) raises KeyboardInterrupt where the run is, also in the middle of a save: every result
@@ -64,19 +65,6 @@ class StopRequest:
         self.signal_name = signal.Signals(signum).name
         logger.warning("%s received: stopping after the current step and saving (send it again to stop at once)",
                        self.signal_name)
-
-    def requested(self, accelerator=None) -> bool:
-        """The flag; with several processes the ranks agree (any rank's request stops all at the same step)."""
-        from library import data_parallel
-
-        if accelerator is None or not data_parallel.is_distributed(accelerator):
-            return self.flag
-        import torch
-
-        t = torch.tensor([1.0 if self.flag else 0.0], device=accelerator.device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        self.flag = bool(t.item())
-        return self.flag
 
 
 def stopped_line(step: int, path: str) -> str:
