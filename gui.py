@@ -72,10 +72,16 @@ def main(argv=None) -> None:
     from kohya_gui.ui.actions import RUNNER
     from kohya_gui.ui.app import build_app, launch_kwargs
 
+    from kohya_gui import tensorboard
     from kohya_gui.login import Login
 
+    tensorboard.HOST["address"] = args.listen  # the TensorBoard button serves where the GUI does
     stop_run_on_exit(RUNNER)
     app = build_app()
+    from kohya_gui.ui.actions import start_queue_worker
+
+    worker = start_queue_worker()  # runs the queued entries (kept on disk: a restart goes on with them)
+    atexit.register(worker.stop)  # runs before stop_run_on_exit's handler: no queued run starts while closing
     app.queue(default_concurrency_limit=4)
     try:
         app.launch(

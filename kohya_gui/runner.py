@@ -21,6 +21,8 @@ from pathlib import Path
 
 import psutil
 
+from .run_history import RunHistory
+
 # the trainers' last line after a stop-and-save (library.stop_signal.stopped_line)
 STOPPED_LINE = re.compile(r"^stopped at step \d+, saved ")
 SAVE_TIMEOUT = 600.0  # a stop waits this long for the step and the saves to finish
@@ -120,6 +122,8 @@ class Runner:
         self._reserved = False  # a Start is checking its settings and writing its files (see reserved())
         self.line_callback = None  # optional: called with every output line (the CLI echoes them)
         self.version = 0  # bumped whenever the log or the state changes (lets the page skip idle refreshes)
+        self.history = RunHistory()  # the run's loss points and sample images (run panel chart and gallery)
+        self.history_version = 0  # bumped when a point or a sample is added
 
     # -- public ---------------------------------------------------------------------------------------------
     @property
@@ -162,6 +166,8 @@ class Runner:
             self._stopped_line = None
             self._compiling = None
             self.version += 1
+            self.history = RunHistory()
+            self.history_version += 1
             self.state = RunState(running=True, commands=[list(c) for c in commands], log_path=str(log_path),
                                   output_dir=str(output_dir) if output_dir else None, started=time.time(),
                                   message="starting", config_path=str(config_path) if config_path else None)
@@ -202,6 +208,11 @@ class Runner:
                                "error_lines": list(s.error_lines),
                                "progress": dict(s.progress) if s.progress else None})
 
+    def history_snapshot(self) -> tuple[int, RunHistory]:
+        """(history_version, a copy of the run's points and samples)."""
+        with self._lock:
+            return self.history_version, RunHistory(list(self.history.points), list(self.history.samples))
+
     def log_tail(self, n: int = 200) -> str:
         with self._lock:
             lines = list(self._lines)[-n:]
@@ -241,6 +252,8 @@ class Runner:
             self.version += 1
             if not in_place and STOPPED_LINE.match(text):
                 self._stopped_line = (time.time(), text)
+            if not in_place and self.history.feed(text):
+                self.history_version += 1
             if prog:
                 self.state.progress = prog
             self._follow_compile(text, prog, in_place)
@@ -303,7 +316,7 @@ class Runner:
             with self._lock:
                 st = self.state
                 st.running, st.ended, st.returncode, st.stopped = False, time.time(), rc, stopped
-                st.outputs = _new_outputs(st.output_dir, st.started)
+                st.outputs = new_outputs(st.output_dir, st.started)
                 if rc not in (0, None) and not stopped:
                     lines = list(self._lines)
                     lines = [ln for ln in lines if not ln.startswith("$ ")]
@@ -392,7 +405,7 @@ def _signal_each(processes: list, send) -> None:
             pass
 
 
-def _new_outputs(output_dir: str | None, since: float | None) -> list[str]:
+def new_outputs(output_dir: str | None, since: float | None) -> list[str]:
     """Result files written into the output folder during the run, newest last."""
     if not output_dir or since is None or not Path(output_dir).is_dir():
         return []

@@ -1,6 +1,7 @@
 """Shared test setup: sd-scripts on sys.path, offline hub, one inductor cache for the session."""
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -13,6 +14,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".venv" / "inductor-cache"))
+# the GUI's user files (last settings, the run queue) never go to the real ~/.config during tests
+os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="kohya-tests-config-")
 
 
 # ---- tiny SD1/SDXL models and a captioned image set, built once per session (library.tiny_models) ----

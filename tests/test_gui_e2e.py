@@ -217,8 +217,31 @@ def test_demo_preset_start_finishes_and_shows_the_lora(page, workdir):
     result = page.locator("#run-result")
     result.get_by_text("Run finished").wait_for(timeout=400_000)
     lora = "outputs/demo-sdxl-tiny/demo-sdxl-lora.safetensors"
-    assert lora in result.inner_text()
+    page.locator("#run-files").get_by_text(lora).wait_for()  # the output files, with their sizes
+    assert re.search(re.escape(lora) + r" \(\d+\.\d KiB\)", page.locator("#run-files").inner_text())
     assert (workdir / lora).is_file()
+    page.locator("#run-loss").wait_for(state="visible")  # the loss chart, from the trainer's progress lines
+    page.locator("#run-lr").wait_for(state="visible")
+    gallery = page.locator("#run-samples")  # the demo samples at step 4
+    gallery.locator("img").first.wait_for()
+    assert "step 4:" in gallery.inner_text() or gallery.locator("img").count() >= 1
     assert "steps: 4/4" in page.locator("#kg-log textarea").input_value() or "steps: 4/4" in (
         workdir / "outputs/demo-sdxl-tiny/demo-sdxl-lora.log").read_text()
     page.screenshot(path=str(ARTIFACTS / "lora-tab-demo-finished.png"), full_page=True)
+
+
+def test_tensorboard_button_serves_the_log_folder(page, workdir):
+    from torch.utils.tensorboard import SummaryWriter
+
+    logs = workdir / "tb-logs"
+    with SummaryWriter(str(logs / "run1")) as w:
+        w.add_scalar("loss/current", 0.5, 1)
+    page.locator("#lora-filter input, #lora-filter textarea").first.fill("--logging_dir")
+    field(page, "lora-logging_dir").fill(str(logs))
+    page.locator("#lora-filter input, #lora-filter textarea").first.fill("")
+    page.locator("#lora-tensorboard").click()
+    link = page.locator("#lora-run-status a")
+    link.wait_for(timeout=90_000)
+    url = link.get_attribute("href")
+    with urllib.request.urlopen(url, timeout=30) as r:
+        assert r.status == 200 and b"TensorBoard" in r.read()

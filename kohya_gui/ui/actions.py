@@ -10,13 +10,17 @@ from pathlib import Path
 from typing import Any
 
 import gradio as gr
+import pandas as pd
 
 from .. import command, config_file, importer, presets, run_requests, trainer_check, training
 from .. import params as P
-from ..runner import Runner, RunnerBusy, format_eta
+from ..run_queue import QueueError, QueueWorker, RunQueue
+from ..runner import Runner, RunnerBusy, format_eta, new_outputs
+from ..tensorboard import TensorBoard, TensorBoardError
 from . import feedback
 
 RUNNER = Runner()  # one training at a time for the whole app
+TENSORBOARD = TensorBoard()  # one TensorBoard server, a child of the GUI
 
 
 def tab_params(tab: str) -> list[P.Param]:
@@ -250,6 +254,66 @@ def stop_training(now: bool = False) -> str:
     return error_md("No training is running.")
 
 
+# ---- the queue -------------------------------------------------------------------------------------------------
+
+_QUEUE: list = []  # the app's RunQueue, made on first use (its folder follows XDG_CONFIG_HOME at that time)
+
+
+def run_queue() -> RunQueue:
+    if not _QUEUE:
+        _QUEUE.append(RunQueue())
+    return _QUEUE[0]
+
+
+def start_queue_worker() -> QueueWorker:
+    """gui.py: runs the queued entries one after another while the GUI runs."""
+    return QueueWorker(run_queue(), RUNNER).start()
+
+
+def add_to_queue(tab: str, family: str, *ui_values) -> str:
+    values, errors = values_from_ui(tab, ui_values)
+    if errors:
+        return error_md("Cannot queue this run:\n" + "\n".join(f"- {e}" for e in errors))
+    try:
+        entry = run_queue().add(tab, family, values)
+    except (QueueError, config_file.ConfigError) as e:
+        return error_md(str(e))
+    waiting = sum(e.state == "queued" for e in run_queue().snapshot()[1])
+    return ok_md(f"Queued `{entry.name}` ({waiting} waiting); it starts when no other run is active. "
+                 "The queue is under the training run panel.")
+
+
+def queue_md(entries) -> str:
+    if not entries:
+        return "The queue is empty: **Add to queue** beside Start training puts the tab's settings here."
+    rows = [f"| {i} | `{e.name}` | {P.TAB_LABELS[e.tab]} {e.family} | {e.state} | "
+            f"{e.message.splitlines()[0][:120] if e.message else ''} |" for i, e in enumerate(entries, 1)]
+    return "| # | output name | tab | state | note |\n|---|---|---|---|---|\n" + "\n".join(rows)
+
+
+def queue_choices(entries) -> list[tuple[str, str]]:
+    return [(f"{i}. {e.name} ({e.state})", e.id) for i, e in enumerate(entries, 1)]
+
+
+def queue_change(action: str, entry_id: str | None, run: bool, stop_on_failure: bool) -> tuple:
+    """Up / Down / Remove for the chosen entry, or the two options ("options"): (message, list, entry choices)."""
+    q = run_queue()
+    message = ""
+    try:
+        if action == "options":
+            q.set_options(run=run, stop_on_failure=stop_on_failure)
+        elif not entry_id:
+            message = error_md("Choose a queue entry first.")
+        else:
+            {"up": lambda: q.move(entry_id, -1), "down": lambda: q.move(entry_id, 1),
+             "remove": lambda: q.remove(entry_id)}[action]()
+    except QueueError as e:
+        message = error_md(str(e))
+    entries = q.snapshot()[1]
+    kept = entry_id if any(e.id == entry_id for e in entries) else None
+    return message, queue_md(entries), gr.update(choices=queue_choices(entries), value=kept)
+
+
 def request_now(request: str) -> str:
     """Save now / Sample now: the trainer acts on it after its current step (kohya_gui.run_requests)."""
     s = RUNNER.snapshot()
@@ -275,6 +339,24 @@ def run_panel(seen: int = -1) -> tuple:
     if feedback.NOTICE.hides(s):  # the last Start click failed: the previous run's result is not the answer
         return feedback.not_started_html(), RUNNER.log_tail(300), "", version
     return progress_html(s), RUNNER.log_tail(300), result_md(s), version
+
+
+TICK_RUNNING_S, TICK_IDLE_S = 1.0, 3.0
+
+
+def run_tick(seen=None) -> tuple:
+    """The run panel's one timer event: run_panel's and run_charts' outputs, the queue list and its entry
+    choices, the timer's interval (each event costs the browser time in proportion to the page's ~1000
+    components, so the panel asks every second only during a run), then what was seen of all."""
+    panel_seen, charts_seen, queue_seen, interval = seen or (-1, None, None, None)
+    *panel, panel_seen = run_panel(panel_seen)
+    *charts, charts_seen = run_charts(charts_seen)
+    version, entries = run_queue().snapshot()
+    queue = (gr.skip(), gr.skip()) if version == queue_seen else (
+        queue_md(entries), gr.update(choices=queue_choices(entries)))
+    wanted = TICK_RUNNING_S if RUNNER.running else TICK_IDLE_S
+    timer = gr.Timer(value=wanted) if wanted != interval else gr.skip()
+    return (*panel, *charts, *queue, timer, [panel_seen, charts_seen, version, wanted])
 
 
 def progress_html(s) -> str:
@@ -306,13 +388,62 @@ def result_md(s) -> str:
         return ""
     status = s.returncode if s.returncode is not None else "-"
     parts = [f"**Run {s.message}**" + ("" if "exit status" in s.message else f" (exit status {status})")]
-    if s.outputs:
-        parts.append("Output files:\n\n" + "\n".join(f"- `{p}`" for p in s.outputs))
     if s.error_lines:
         parts.append("Last error lines:\n\n```\n" + "\n".join(s.error_lines) + "\n```")
     if s.log_path:
         parts.append(f"Log: `{s.log_path}`")
     return "\n\n".join(parts)
+
+
+def run_charts(seen=None) -> tuple:
+    """(loss chart, learning-rate chart, sample gallery, output files, seen) for the current or last run; all
+    skipped while nothing changed since `seen`, so the page redraws them only when a point, a sample or a file
+    comes."""
+    version, history = RUNNER.history_snapshot()
+    s = RUNNER.snapshot()
+    files = files_md(s)
+    key = [version, files]
+    if seen == key:
+        return gr.skip(), gr.skip(), gr.skip(), gr.skip(), seen
+    loss, lr = history.loss_rows(), history.lr_rows()
+    return (gr.update(value=pd.DataFrame(loss, columns=["step", "value", "series"]), visible=bool(loss)),
+            gr.update(value=pd.DataFrame(lr, columns=["step", "value", "series"]), visible=bool(lr)),
+            gr.update(value=[(path, caption) for path, caption in history.samples if Path(path).is_file()],
+                      visible=bool(history.samples)),
+            files, key)
+
+
+def files_md(s) -> str:
+    """The run's output files with their sizes (found while it runs, the final list after)."""
+    paths = s.outputs if not s.running else new_outputs(s.output_dir, s.started)
+    rows = []
+    for path in paths:
+        try:
+            rows.append(f"- `{path}` ({format_size(Path(path).stat().st_size)})")
+        except OSError:
+            continue
+    return "Output files:\n\n" + "\n".join(rows) if rows else ""
+
+
+def format_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def open_tensorboard(logdir: str, request: gr.Request = None) -> str:
+    """Starts (or reuses) TensorBoard on the tab's log folder; the link uses the host the page came from."""
+    try:
+        port = TENSORBOARD.start((logdir or "").strip())
+    except TensorBoardError as e:
+        return error_md(str(e))
+    host = "127.0.0.1"
+    if request is not None and request.headers.get("host"):
+        host = request.headers["host"].rsplit(":", 1)[0]
+    url = f"http://{host}:{port}/"
+    return ok_md(f"TensorBoard for `{logdir.strip()}`: [{url}]({url})")
 
 
 def ok_md(text: str) -> str:

@@ -26,18 +26,25 @@ CSS = """
 """
 
 
-# Keeps the log scrolled to its end, unless the user scrolled up to read (mouse wheel / touch / keys).
+# Keeps the log scrolled to its end, unless the user scrolled up to read (mouse wheel / touch / keys). Installed
+# once at page load and run by the page's own timer: every Gradio event costs the browser time in proportion to
+# the ~1000 components of the page, so the run panel makes one event per second, not two.
 FOLLOW_LOG_JS = """() => {
-  const t = document.querySelector('#kg-log textarea');
-  if (!t) return;
-  if (!t.dataset.follow) {
-    t.dataset.follow = '1';
-    const check = () => setTimeout(() => {
-      t.dataset.follow = (t.scrollTop + t.clientHeight >= t.scrollHeight - 40) ? '1' : '0';
-    }, 50);
-    ['wheel', 'touchmove', 'keyup', 'mouseup'].forEach(e => t.addEventListener(e, check));
-  }
-  if (t.dataset.follow === '1') t.scrollTop = t.scrollHeight;
+  setInterval(() => {
+    const t = document.querySelector('#kg-log textarea');
+    if (!t) return;
+    if (!t.dataset.follow) {
+      t.dataset.follow = '1';
+      const check = () => setTimeout(() => {
+        t.dataset.follow = (t.scrollTop + t.clientHeight >= t.scrollHeight - 40) ? '1' : '0';
+      }, 50);
+      ['wheel', 'touchmove', 'keyup', 'mouseup'].forEach(e => t.addEventListener(e, check));
+    }
+    if (t.dataset.follow === '1' && t.dataset.seen !== String(t.value.length)) {
+      t.dataset.seen = String(t.value.length);
+      t.scrollTop = t.scrollHeight;
+    }
+  }, 500);
 }"""
 
 
@@ -127,11 +134,13 @@ def build_tab(tab: str) -> dict:
 
     with gr.Row():
         start_btn = gr.Button("Start training", variant="primary", elem_id=f"{tab}-start")
+        queue_btn = gr.Button("Add to queue", elem_id=f"{tab}-queue")
         stop_btn = gr.Button("Stop training (save)", variant="stop", elem_id=f"{tab}-stop")
         stop_now_btn = gr.Button("Stop now (no save)", variant="stop", elem_id=f"{tab}-stop-now")
         save_now_btn = gr.Button("Save now", elem_id=f"{tab}-save-now")
         sample_now_btn = gr.Button("Sample now", elem_id=f"{tab}-sample-now")
         print_btn = gr.Button("Print training command", elem_id=f"{tab}-print")
+        tensorboard_btn = gr.Button("TensorBoard", elem_id=f"{tab}-tensorboard")
     run_status = feedback.message_area(f"{tab}-run-status")  # Start / Stop / Print results, next to the buttons
     with gr.Row():
         cmd = gr.Textbox(label="Training command (what Start training runs)", lines=3, max_lines=6,
@@ -159,16 +168,19 @@ def build_tab(tab: str) -> dict:
                               outputs=[cmd, standalone, run_status])
     started = start_btn.click(functools.partial(A.start_training, tab), inputs=[family, *inputs],
                               outputs=[cmd, standalone, run_status])
+    queued = queue_btn.click(functools.partial(A.add_to_queue, tab), inputs=[family, *inputs], outputs=run_status)
     stopped = stop_btn.click(A.stop_training, outputs=run_status)
     stopped_now = stop_now_btn.click(functools.partial(A.stop_training, now=True), outputs=run_status)
     saved_now = save_now_btn.click(functools.partial(A.request_now, "save"), outputs=run_status)
     sampled_now = sample_now_btn.click(functools.partial(A.request_now, "sample"), outputs=run_status)
+    tensorboard_opened = tensorboard_btn.click(A.open_tensorboard, inputs=controls["logging_dir"], outputs=run_status)
     for event, area in [(opened, status), (picked, status), (saved, status), (saved_as, status), (printed, run_status),
-                        (started, run_status), (stopped, run_status), (stopped_now, run_status),
-                        (saved_now, run_status), (sampled_now, run_status)]:
+                        (started, run_status), (queued, run_status), (stopped, run_status), (stopped_now, run_status),
+                        (saved_now, run_status), (sampled_now, run_status), (tensorboard_opened, run_status)]:
         feedback.follow(event, area.elem_id)
     form = feedback.wire_tab(tab, built, path=path, status=status, family=family, inputs=inputs,
-                             layout_outputs=layout_outputs, clicks=[save_btn, save_as_btn, print_btn, start_btn])
+                             layout_outputs=layout_outputs,
+                             clicks=[save_btn, save_as_btn, print_btn, start_btn, queue_btn])
     return {"controls": controls, "accordions": accordions, "family": family, "status": status, "command": cmd,
             "run_status": run_status, "form": form}
 
@@ -185,13 +197,44 @@ def build_app() -> gr.Blocks:
         feedback.restore_on_load(app, forms, tabs)
         with gr.Accordion("Training run", open=True, elem_id="run-panel"):
             progress = gr.HTML(A.progress_html(A.RUNNER.snapshot()), elem_id="run-progress")
+            with gr.Row():
+                loss_plot = gr.LinePlot(x="step", y="value", color="series", title="Loss", height=260,
+                                        visible=False, elem_id="run-loss")
+                lr_plot = gr.LinePlot(x="step", y="value", color="series", title="Learning rate", height=260,
+                                      visible=False, elem_id="run-lr")
+            gallery = gr.Gallery(label="Sample images", columns=4, height="auto", visible=False,
+                                 elem_id="run-samples")
             result = gr.Markdown(elem_id="run-result")
+            files = gr.Markdown(elem_id="run-files")
             log = gr.Textbox(label="Log", lines=14, max_lines=14, autoscroll=True, interactive=False,
                              elem_id="kg-log", buttons=["copy"])
-        seen = gr.State(-1)
-        timer = gr.Timer(1.0)
-        timer.tick(A.run_panel, inputs=seen, outputs=[progress, log, result, seen], show_progress="hidden").then(
-            None, js=FOLLOW_LOG_JS)
+        with gr.Accordion("Queue", open=False, elem_id="run-queue"):
+            queue_list = gr.Markdown(A.queue_md([]), elem_id="queue-list")
+            with gr.Row():
+                queue_pick = gr.Dropdown(label="Entry", choices=[], scale=3, elem_id="queue-pick")
+                up_btn = gr.Button("Up", elem_id="queue-up", min_width=60)
+                down_btn = gr.Button("Down", elem_id="queue-down", min_width=60)
+                remove_btn = gr.Button("Remove", elem_id="queue-remove", min_width=60)
+            with gr.Row():
+                q = A.run_queue()
+                queue_run = gr.Checkbox(value=not q.paused, label="Run the queue",
+                                        info="Unticked: queued runs wait. Stop ends one run; the queue goes on.",
+                                        elem_id="queue-run")
+                queue_stop = gr.Checkbox(value=q.stop_on_failure, label="Stop the queue when a run fails",
+                                         elem_id="queue-stop-on-failure")
+            queue_status = feedback.message_area("queue-status")
+        for btn, action in ((up_btn, "up"), (down_btn, "down"), (remove_btn, "remove")):
+            btn.click(functools.partial(A.queue_change, action), inputs=[queue_pick, queue_run, queue_stop],
+                      outputs=[queue_status, queue_list, queue_pick])
+        for box in (queue_run, queue_stop):
+            box.input(functools.partial(A.queue_change, "options", None), inputs=[queue_run, queue_stop],
+                      outputs=[queue_status, queue_list, queue_pick])
+        seen = gr.State(None)
+        timer = gr.Timer(A.TICK_IDLE_S)
+        # queue=False: a plain request, lighter for the browser than a queued event
+        timer.tick(A.run_tick, inputs=seen, outputs=[progress, log, result, loss_plot, lr_plot, gallery, files,
+                                                     queue_list, queue_pick, timer, seen],
+                   queue=False, show_progress="hidden")
     for fn in app.fns.values():
         # gradio puts the API description, with every control's default value, even into the login page of a
         # password-protected GUI; our events are the page's own, not a documented API
@@ -200,4 +243,4 @@ def build_app() -> gr.Blocks:
 
 
 def launch_kwargs() -> dict:
-    return {"css": CSS + feedback.CSS, "theme": gr.themes.Soft()}
+    return {"css": CSS + feedback.CSS, "theme": gr.themes.Soft(), "js": FOLLOW_LOG_JS}
