@@ -41,12 +41,19 @@ def test_start_error_appears_inside_the_window_in_red(page):
     assert "image folder" not in page.locator("#lora-status").inner_text()  # not in the config bar's area
 
 
+def typed(page, elem_id: str, text: str) -> None:
+    """Types like a user (Playwright's fill sets the value without the key events Gradio's .input follows)."""
+    box = field(page, elem_id)
+    box.fill("")
+    box.press_sequentially(text)
+
+
 def test_refresh_keeps_the_form(page, workdir):
     field(page, "lora-train_data_dir").fill("cache/demo/images")
     field(page, "lora-output_name").fill("saved-name")
     page.locator("#lora-save").click()
     page.locator("#lora-status").get_by_text("Saved").wait_for()
-    field(page, "lora-output_dir").fill("outputs/edited")  # an edit without any click is kept too
+    typed(page, "lora-output_dir", "outputs/edited")  # an edit without any click is kept too
     assert wait_for(lambda: kept(workdir, 'output_dir = "outputs/edited"'), 30)
     page.reload()
     value_is(page, "lora-output_dir", "outputs/edited")
@@ -62,7 +69,7 @@ def test_refresh_during_a_run_shows_the_runs_settings(page, workdir):
     page.locator("#lora-start").click()
     page.locator("#lora-run-status").get_by_text("Training started").wait_for()
     try:
-        field(page, "lora-output_name").fill("edited-after-start")
+        typed(page, "lora-output_name", "edited-after-start")
         assert wait_for(lambda: kept(workdir, "edited-after-start"), 30)
         page.reload()
         value_is(page, "lora-output_name", "during-run")

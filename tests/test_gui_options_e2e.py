@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -73,7 +74,7 @@ def test_network_fields_follow_the_network_module_and_reach_the_command(page):
     page.locator("#lora-filter input, #lora-filter textarea").first.fill("network module")
     page.locator("#lora-network_module").wait_for(state="visible")
     page.locator("#lora-filter input, #lora-filter textarea").first.fill("")
-    assert page.locator("#lora-network_args-block_dims").is_visible()  # the demo is SDXL: networks.lora's fields
+    assert page.locator("#lora-network_args-block_dims").is_visible()  # an SDXL LoRA: networks.lora's fields
     assert not page.locator("#lora-network_args-factor").is_visible()
     pick(page, "lora-network_module", "lycoris.kohya")
     page.locator("#lora-network_args-factor").wait_for(state="visible")  # LyCORIS' fields
@@ -81,7 +82,9 @@ def test_network_fields_follow_the_network_module_and_reach_the_command(page):
     pick(page, "lora-network_args-algo", "lokr")
     field(page, "lora-network_args-factor").fill("8")
     page.locator("#lora-print").click()
-    page.wait_for_function("() => document.querySelector('#lora-standalone textarea').value"
-                           ".includes('--network_args algo=lokr factor=8')")
+    page.wait_for_function("() => document.querySelector('#lora-standalone textarea').value.includes('lycoris')")
+    standalone = page.locator("#lora-standalone textarea").input_value()
+    assert "--network_module lycoris.kohya" in standalone and re.search(
+        r"--network_args (\S+=\S+ )*algo=lokr factor=8", standalone), standalone
     pick(page, "lora-network_module", "LoRA (the family's)")
     page.locator("#lora-network_args-block_dims").wait_for(state="visible")

@@ -278,12 +278,12 @@ def test_existing_output_not_overwritten(tmp_path, tiny_dataset_dir):
     (tmp_path / "y-step00000010.safetensors").write_bytes(b"earlier step save")
     with pytest.raises(OutputExistsError, match="y-step00000010.safetensors"):
         _train(base_argv(tmp_path / "missing.safetensors", tmp_path, tiny_dataset_dir, "y"))
-    # a config left by a run that failed (here: the model path) does not block the next try
+    # a run that fails before training (here: the model path) leaves no settings file, and the next try runs
     from library.model_util import ModelLoadError
 
     with pytest.raises(ModelLoadError):
         _train(base_argv(tmp_path / "missing.safetensors", tmp_path, tiny_dataset_dir, "z"))
-    assert (tmp_path / "z_config.toml").is_file()
+    assert not (tmp_path / "z_config.toml").exists()
     with pytest.raises(ModelLoadError):
         _train(base_argv(tmp_path / "missing.safetensors", tmp_path, tiny_dataset_dir, "z"))
 

@@ -180,7 +180,7 @@ def build_tab(tab: str) -> dict:
         feedback.follow(event, area.elem_id)
     form = feedback.wire_tab(tab, built, path=path, status=status, family=family, inputs=inputs,
                              layout_outputs=layout_outputs,
-                             clicks=[save_btn, save_as_btn, print_btn, start_btn, queue_btn])
+                             clicks=[save_btn, save_as_btn, print_btn, start_btn, queue_btn], loads=[opened, picked])
     return {"controls": controls, "accordions": accordions, "family": family, "status": status, "command": cmd,
             "run_status": run_status, "form": form}
 

@@ -5,7 +5,7 @@
   after a click the area is scrolled into view when it is outside the window (`follow`).
 - The run panel: the settings file of the run (`settings_html`), and after a Start click that did not start a run
   the previous run's result is hidden (`NOTICE`), so that an old failure is not read as the answer.
-- Each tab's settings are remembered (kohya_gui.last_settings) on every change, Start, Print, Save and Open, and put
+- Each tab's settings are remembered (kohya_gui.last_settings) on every edit, Start, Print, Save and Open, and put
   back into the form on each page load (`restore_on_load`): during a run, its tab shows the run's settings."""
 
 from __future__ import annotations
@@ -170,13 +170,17 @@ class TabForm:
 
 
 def wire_tab(tab: str, built: Shown, *, path, status, family, inputs: list, layout_outputs: list,
-             clicks: list) -> TabForm:
-    """Remembers the form whenever a value changes (typed, pasted, picked, or filled by Open or a preset; a burst
-    of changes is one write or two: always_last) and on the `clicks` (Start, Print, Save ...). Returns what
-    restore_on_load needs."""
+             clicks: list, loads: list) -> TabForm:
+    """Remembers the form whenever the user changes a value (typed, pasted, picked; a burst of edits is one write
+    or two: always_last), on the `clicks` (Start, Print, Save ...) and after the `loads` (Open, a preset) filled
+    it. Not on every `.change`: a preset changes ~100 controls, and an event per control cost the browser 30 s.
+    Returns what restore_on_load needs."""
     both = [path, family, *inputs]
-    gr.on(triggers=[c.change for c in both] + [b.click for b in clicks], fn=functools.partial(remember, tab),
-          inputs=both, show_progress="hidden", trigger_mode="always_last", queue=False)
+    keep = dict(fn=functools.partial(remember, tab), inputs=both, show_progress="hidden", queue=False)
+    edits = [c.input for c in both] + [c.blur for c in both if hasattr(c, "blur")]  # blur: a mouse paste
+    gr.on(triggers=edits + [b.click for b in clicks], trigger_mode="always_last", **keep)
+    for load in loads:
+        load.then(**keep)
     return TabForm(tab, built, [path, status, family, *layout_outputs])
 
 

@@ -673,8 +673,13 @@ class NetworkTrainer:
         """Runs the training; returns the path of the final result (the LoRA file here). SIGTERM / Ctrl+C
         during the loop stop it after the current step, with the results saved (library.stop_signal)."""
         self.stop = stop_signal.StopRequest()
+        self.run_config_path, self.training_started = None, False
         try:
             return self._train(args)
+        except BaseException:
+            if self.run_config_path and not self.training_started and os.path.exists(self.run_config_path):
+                os.remove(self.run_config_path)  # a run that never trained leaves no settings file behind
+            raise
         finally:
             self.stop.restore()  # the handlers before this run (callers in the same process are unaffected)
 
@@ -722,7 +727,7 @@ class NetworkTrainer:
         requests.clear_stale()  # before models load: a request sent while they load is this run's
         if accelerator.is_main_process:
             state_folders.remove_stale(args.output_dir, args.output_name)
-            self.write_run_config(args)
+            self.run_config_path = self.write_run_config(args)
         weight_dtype = train_util.weight_dtype_for(args)
         device = accelerator.device
 
@@ -873,6 +878,7 @@ class NetworkTrainer:
         val_args = (args, accelerator, validator, noise_scheduler, components, weight_dtype, caching_te, device,
                     trainable.models)
         stop = self.stop.install()
+        self.training_started = True
         stopping = False  # the ranks' agreed answer (a signal can reach one rank after the others' last check)
         for epoch in range(first_epoch, num_epochs):
             if global_step >= max_train_steps or stopping:
@@ -992,10 +998,13 @@ class NetworkTrainer:
         accelerator.wait_for_everyone()
         with self.eval_weights(args):
             if accelerator.is_main_process:
-                self.save_model(args, accelerator, trainable, metadata, final_path, final_epoch, global_step)
+                with saving.explained_save_errors(final_path):
+                    self.save_model(args, accelerator, trainable, metadata, final_path, final_epoch, global_step)
                 huggingface_util.upload(args, final_path, os.path.basename(final_path), force_sync=True)
             if args.save_state or args.save_state_on_train_end:
-                self.save_state(args, accelerator, train_util.state_dir_name(args.output_name))
+                state = train_util.state_dir_name(args.output_name)
+                with saving.explained_save_errors(os.path.join(args.output_dir, state)):
+                    self.save_state(args, accelerator, state)
         huggingface_util.wait_for_uploads()
         accelerator.wait_for_everyone()
         accelerator.end_training()
@@ -1158,11 +1167,14 @@ class NetworkTrainer:
             name = train_util.epoch_file_name(args.output_name, epoch, ext)
         path = os.path.join(out, name)
         if accelerator.is_main_process:
-            self.save_model(args, accelerator, trainable, metadata, path, epoch, step)
+            with saving.explained_save_errors(path):
+                self.save_model(args, accelerator, trainable, metadata, path, epoch, step)
             huggingface_util.upload(args, path, name)
         if args.save_state:
-            self.save_state(args, accelerator, train_util.state_dir_name(
-                args.output_name, epoch=None if by_step else epoch, step=step if by_step else None))
+            state = train_util.state_dir_name(args.output_name, epoch=None if by_step else epoch,
+                                              step=step if by_step else None)
+            with saving.explained_save_errors(os.path.join(out, state)):
+                self.save_state(args, accelerator, state)
         if accelerator.is_main_process and prune:
             self.prune_checkpoints(args, epoch, step, ext, by_step)
         accelerator.wait_for_everyone()
@@ -1301,16 +1313,25 @@ def run(trainer: NetworkTrainer, parser: argparse.ArgumentParser, argv: list[str
         args = train_util.parse_args(parser, argv)
         return trainer.train(args)
     except expected_errors() as e:
+        _close_progress_bars()  # so the message starts its own line
         logger.error("%s", e)
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from e
+
+
+def _close_progress_bars() -> None:
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
 
 
 def expected_errors() -> tuple:
     """The errors that mean bad settings or inputs (exit 2 with their message, no traceback)."""
     from library.datasets import DatasetError
 
-    return (ConfigError, DatasetError, TrainingError, train_util.OptionalPackageError, _prompt_file_error(),
+    return (ConfigError, DatasetError, TrainingError, saving.SaveError, train_util.OptionalPackageError,
+            _prompt_file_error(),
             _model_load_error(), train_util.OutputExistsError, _compile_error(), _network_args_error())
 
 

@@ -12,12 +12,15 @@
                                          | ("diffusers", "")
     start_position(args, steps_per_epoch, ...) -> StartPosition   where --resume / --initial_* start the loop
     save_safetensors_streaming(path, entries, metadata)   one tensor in memory at a time (--mem_eff_save)
+    explained_save_errors(path)          a disk that refuses a save (full, read-only) -> SaveError, one line
 
 Names of the files (`name-000001`, `name-step00000010`, `-state`) live in train_util.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import json
 import logging
 import math
@@ -239,3 +242,23 @@ def save_safetensors_streaming(path: str | os.PathLike, entries: Iterable[Tensor
             del t
         f.flush()
         os.fsync(f.fileno())
+
+
+class SaveError(RuntimeError):
+    """A save the disk refused (full, read-only, no permission): the run stops with this one line."""
+
+
+@contextlib.contextmanager
+def explained_save_errors(path: str):
+    """Turns an OSError of a save into SaveError naming the path and the reason. The atomic writers have removed
+    their temporary file by then, and the earlier saves are untouched (every save has its own name)."""
+    try:
+        yield
+    except OSError as e:
+        reason = e.strerror or str(e)
+        hint = " (free some space, or choose another --output_dir)" if e.errno in _FULL else ""
+        raise SaveError(f"cannot save {path}: {reason}{hint}; the earlier saves in "
+                        f"{os.path.dirname(path) or '.'} are kept") from e
+
+
+_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}

@@ -3,7 +3,7 @@ model loads (issue 14; upstream writes the folder in place and checks nothing).
 
     write_state(accelerator, path, overwrite)       accelerate's save_state into `.<name>.tmp` beside `path`, renamed
                                                     to `path` when complete; an existing folder is replaced only then
-    remove_stale(output_dir, output_name)           temporary folders of killed runs (at the start of a run)
+    remove_stale(output_dir, output_name)           temporary folders and files of killed runs (at the start of a run)
     check_resume(args, ext)                         before loading: --resume is a state folder, and the names the
                                                     resumed run will write are free (else OutputExistsError)
     resumed_position(folder) -> (step, epoch) | None   read from the folder's step counter, without the models
@@ -59,9 +59,22 @@ def _replace_dir(tmp: str, path: str) -> None:
 
 
 def remove_stale(output_dir: str, output_name: str) -> None:
-    """The hidden folders a killed state save of `output_name` left in `output_dir`."""
+    """What a killed run of `output_name` left in `output_dir`: hidden state folders, and the temporary files of
+    the atomic writers (`.<file>.tmp-<pid or hex>`, files or diffusers folders; samples' `<image>.tmp.png`)."""
     if not os.path.isdir(output_dir):
         return
+    tmp_file = re.compile(r"\." + re.escape(output_name) + r"([-_.].*)?\.tmp-[0-9a-f]+")
+    sample_dir = os.path.join(output_dir, "sample")
+    stale = [os.path.join(output_dir, n) for n in os.listdir(output_dir) if tmp_file.fullmatch(n)]
+    if os.path.isdir(sample_dir):
+        stale += [os.path.join(sample_dir, n) for n in os.listdir(sample_dir)
+                  if n.startswith(output_name + "_") and n.endswith(".tmp.png")]
+    for path in stale:
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.remove(path)
+        logger.info("removed %s (left by a killed run)", path)
     pattern = re.compile(r"\." + re.escape(output_name) + r"(-(step)?\d+)?-state(" + re.escape(_TMP) + "|"
                          + re.escape(_OLD) + ")")
     for name in sorted(os.listdir(output_dir)):

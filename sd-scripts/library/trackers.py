@@ -30,7 +30,8 @@ def add_tracker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="TOML with the init arguments of each tracker ([wandb], [tensorboard] tables)")
     parser.add_argument("--wandb_api_key", type=str, default=None,
                         help="wandb API key to log in with before training (better in the --config_file than on "
-                             "the command line)")
+                             "the command line; empty: wandb uses WANDB_API_KEY from the environment or its own "
+                             "stored login)")
     parser.add_argument("--log_config", action="store_true",
                         help="send the run's options to the trackers (keys and data paths left out)")
 
