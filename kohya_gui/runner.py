@@ -1,8 +1,11 @@
 """Runs one training at a time: spawns it in its own process group, streams its output into memory and a log
-file, parses progress, and stops the whole process tree. Stop sends SIGTERM, which the trainers answer by finishing
-the step, saving and printing "stopped at step N, saved <path>" (sd-scripts/library/stop_signal.py); what is left
-of the tree is killed `grace` seconds after that line or after `save_timeout`. Stop now: SIGTERM, then SIGKILL
-after `grace` seconds (nothing saved)."""
+file, parses progress, and stops the whole process tree (kohya_gui.proc_tree). Stop asks the trainer to finish the
+step, save and print "stopped at step N, saved <path>" (sd-scripts/library/stop_signal.py): with SIGTERM where POSIX
+process groups exist; on Windows, where no process can catch SIGTERM, with "stop" in the run's request file
+(kohya_gui.run_requests, read once per step). What is left of the tree is killed `grace` seconds after that line or
+after `save_timeout`. Before the first progress line (nothing to save yet) a Windows stop ends the tree at once, as
+SIGTERM's default action does then on POSIX. Stop now: SIGTERM (Windows: terminate), then SIGKILL after `grace`
+seconds (nothing saved)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,6 @@ import contextlib
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import threading
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import psutil
 
+from . import proc_tree, run_requests
 from .run_history import RunHistory
 
 # the trainers' last line after a stop-and-save (library.stop_signal.stopped_line)
@@ -176,14 +179,18 @@ class Runner:
         self._thread.start()
 
     def stop(self, grace: float = 10.0, *, now: bool = False, save_timeout: float = SAVE_TIMEOUT) -> bool:
-        """Stop and save: SIGTERM to the tree, then waits until it has ended, killing what is left `grace` seconds
-        after the trainer's "stopped at step" line or after `save_timeout`. now=True: SIGKILL after `grace`
-        seconds (Stop now). Returns False when nothing was running."""
+        """Stop and save: SIGTERM to the tree (without process groups: the "stop" request), then waits until the
+        tree has ended, killing what is left `grace` seconds after the trainer's "stopped at step" line or after
+        `save_timeout`. now=True: SIGTERM, SIGKILL after `grace` seconds (Stop now). Returns False when nothing was
+        running."""
         with self._lock:
             if not self.state.running:
                 return False
             self._stop_requested.set()
-            proc = self._proc
+            proc, output_dir = self._proc, self.state.output_dir
+            # without process groups only the trainer's loop reads the request file: before it nothing is to be
+            # saved, and a run without an output folder has no such file
+            now = now or (not proc_tree.groups() and (self.state.progress is None or not output_dir))
             self._compiling = None
             self.state.message = "stopping now" if now else "stopping: the trainer finishes its step and saves"
             self.version += 1
@@ -191,7 +198,7 @@ class Runner:
             if now:
                 _terminate_tree(proc, grace)
             else:
-                self._stop_and_save(proc, grace, save_timeout)
+                self._stop_and_save(proc, output_dir, grace, save_timeout)
         if self._thread is not None:
             self._thread.join(timeout=grace + 10)
         return True
@@ -221,27 +228,27 @@ class Runner:
         return "\n".join(lines)
 
     # -- internals ------------------------------------------------------------------------------------------
-    def _stop_and_save(self, proc: subprocess.Popen, grace: float, save_timeout: float) -> None:
+    def _stop_and_save(self, proc: subprocess.Popen, output_dir: str | None, grace: float,
+                       save_timeout: float) -> None:
         # the whole tree is watched: `accelerate launch` itself dies on SIGTERM while its child saves
-        try:
-            tree = [psutil.Process(proc.pid)]
-            tree += tree[0].children(recursive=True)
-        except psutil.Error:
-            tree = []
-        _kill_group(proc.pid, signal.SIGTERM)
-        # once per process: a second SIGTERM would be the trainer's "stop now" (no save)
-        _signal_each(_outside_group(tree[1:], proc.pid), psutil.Process.terminate)
+        tree = proc_tree.tree(proc.pid)
+        if proc_tree.groups():
+            # once per process: a second SIGTERM would be the trainer's "stop now" (no save)
+            proc_tree.terminate(proc.pid, tree[1:], once=True)
+        else:
+            try:
+                run_requests.send("stop", output_dir)
+            except (run_requests.RequestError, OSError):
+                save_timeout = 0.0  # no way to ask: what is left is ended below
         deadline = time.time() + save_timeout
-        while time.time() < deadline and any(_alive(p) for p in tree):
+        while time.time() < deadline and any(proc_tree.alive(p) for p in tree):
             seen = self._stopped_line
             if seen is not None:
                 deadline = min(deadline, seen[0] + grace)
             time.sleep(0.1)
-        alive = [p for p in tree if _alive(p)]
+        alive = [p for p in proc_tree.grown(tree) if proc_tree.alive(p)]
         if alive:
-            _kill_group(proc.pid, signal.SIGKILL)
-            _signal_each(alive, psutil.Process.kill)
-            psutil.wait_procs(alive, timeout=5)
+            proc_tree.kill(proc.pid, alive)
 
     def _add(self, text: str, in_place: bool, log) -> None:
         text = text.rstrip()
@@ -296,7 +303,7 @@ class Runner:
                     self.state.message = "running"
                 try:
                     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, cwd=cwd, env=env, start_new_session=True)
+                                            stdin=subprocess.DEVNULL, cwd=cwd, env=env, **proc_tree.popen_kwargs())
                 except OSError as e:
                     self._add(f"Could not start {argv[0]}: {e}", False, log)
                     rc = 127
@@ -306,8 +313,9 @@ class Runner:
                 if self._stop_requested.is_set():  # stop() came between the check and Popen
                     _terminate_tree(proc, 5.0)
                 self._pump(proc, log)
+                rest = proc_tree.tree(proc.pid)[1:]  # normally none: the output ended, so did the processes
                 rc = proc.wait()
-                _kill_group(proc.pid, signal.SIGKILL)  # leftovers of a finished run (no-op normally)
+                proc_tree.kill(proc.pid, rest)  # leftovers of a finished run
                 with self._lock:
                     self._proc = None
                 if rc != 0:
@@ -349,60 +357,17 @@ class Runner:
         proc.stdout.close()
 
 
-def _kill_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def _terminate_tree(proc: subprocess.Popen, grace: float) -> None:
-    """SIGTERM to the process group (and any descendant that left it), SIGKILL after `grace` seconds."""
-    try:
-        descendants = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.Error:
-        descendants = []
-    _kill_group(proc.pid, signal.SIGTERM)
-    _signal_each(descendants, psutil.Process.terminate)
+    """SIGTERM to the tree (Windows: terminate() each, which ends them at once), what is left killed after
+    `grace` seconds."""
+    tree = proc_tree.tree(proc.pid)
+    proc_tree.terminate(proc.pid, tree if not proc_tree.groups() else tree[1:])
     deadline = time.time() + grace
     while time.time() < deadline and proc.poll() is None:
         time.sleep(0.1)
-    alive = [d for d in descendants if _alive(d)]
-    _kill_group(proc.pid, signal.SIGKILL)
-    _signal_each(alive, psutil.Process.kill)
+    proc_tree.kill(proc.pid, [p for p in proc_tree.grown(tree) if proc_tree.alive(p)])
     if proc.poll() is None:
         proc.kill()
-    psutil.wait_procs(alive, timeout=5)
-
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _outside_group(processes: list, pgid: int) -> list:
-    """The processes that left process group `pgid` (a group signal does not reach them)."""
-    if not hasattr(os, "getpgid"):
-        return processes
-    out = []
-    for p in processes:
-        try:
-            if os.getpgid(p.pid) != pgid:
-                out.append(p)
-        except (OSError, psutil.Error):
-            pass
-    return out
-
-
-def _signal_each(processes: list, send) -> None:
-    """send(p) for each process; one that has already gone is skipped."""
-    for p in processes:
-        try:
-            send(p)
-        except psutil.Error:
-            pass
 
 
 def new_outputs(output_dir: str | None, since: float | None) -> list[str]:

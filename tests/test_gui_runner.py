@@ -152,14 +152,125 @@ def test_stop_signals_each_process_once():
     second SIGTERM is the trainer's "stop now")."""
     import psutil
 
-    from kohya_gui.runner import _outside_group
+    from kohya_gui.proc_tree import outside_group
 
     same = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
     try:
         procs = [psutil.Process(same.pid), psutil.Process(other.pid)]
-        assert [p.pid for p in _outside_group(procs, os.getpgid(0))] == [other.pid]
+        assert [p.pid for p in outside_group(procs, os.getpgid(0))] == [other.pid]
     finally:
         for p in (same, other):
             p.kill()
             p.wait()
+
+
+# ---- without POSIX process groups (Windows): psutil ends the tree, the request file asks for the save ----------
+
+@pytest.fixture
+def no_process_groups(monkeypatch):
+    """The runner as on Windows: os.killpg and signal.SIGKILL deleted from the modules it uses (copies of os and
+    signal: psutil itself needs the real SIGKILL on this POSIX machine), and the real os.killpg made to fail the
+    test if anything still calls it."""
+    import signal
+    import types
+
+    from kohya_gui import proc_tree, runner
+
+    def module_without(module, name):
+        copy = types.ModuleType(module.__name__)
+        copy.__dict__.update(module.__dict__)
+        delattr(copy, name)
+        return copy
+
+    def tripwire(*args):
+        raise AssertionError(f"os.killpg{args} called without process groups")
+
+    for mod in (proc_tree, runner):
+        monkeypatch.setattr(mod, "os", module_without(os, "killpg"))
+        if hasattr(mod, "signal"):
+            monkeypatch.setattr(mod, "signal", module_without(signal, "SIGKILL"))
+    monkeypatch.setattr(os, "killpg", tripwire)
+    assert not proc_tree.groups() and proc_tree.popen_kwargs() == {"creationflags": 0}
+
+
+@pytest.mark.parametrize("now", [False, True])
+def test_without_process_groups_stop_leaves_no_process(tmp_path, no_process_groups, now):
+    """The TREE (a grandchild that ignores SIGTERM, no request reader): Stop waits `save_timeout` for a save
+    that never comes, Stop now does not; either way psutil finds none of the three processes afterwards."""
+    script = tmp_path / "tree.py"
+    script.write_text(TREE)
+    runner = Runner()
+    runner.start([[sys.executable, str(script), "0"]], tmp_path / "run.log", output_dir=tmp_path)
+    assert wait_for(lambda: len(re.findall(r"pid\d=", runner.log_tail())) == 3 and runner.snapshot().progress)
+    pids = [int(x) for x in re.findall(r"pid\d=(\d+)", runner.log_tail())]
+    assert os.getpgid(pids[0]) == os.getpgid(0)  # no group of its own to signal here
+    started = time.time()
+    assert runner.stop(grace=1.0, now=now, save_timeout=2.0) is True
+    assert not [p for p in pids if alive(p)]
+    assert time.time() - started < (3.0 if now else 10.0)
+    state = runner.snapshot()
+    assert not state.running and state.stopped and state.message == "stopped"
+
+
+def test_without_process_groups_stop_before_any_step_ends_the_tree_at_once(tmp_path, no_process_groups):
+    """Before the first progress line the trainer's loop is not running, so nothing reads the request file and
+    nothing is to be saved: Stop does not wait `save_timeout`."""
+    script = tmp_path / "quiet.py"
+    script.write_text(TREE.replace("if level == 0:", "if False:"))
+    runner = Runner()
+    runner.start([[sys.executable, str(script), "0"]], tmp_path / "run.log", output_dir=tmp_path)
+    assert wait_for(lambda: len(re.findall(r"pid\d=", runner.log_tail())) == 3)
+    pids = [int(x) for x in re.findall(r"pid\d=(\d+)", runner.log_tail())]
+    started = time.time()
+    assert runner.stop(grace=1.0, save_timeout=60.0) is True
+    assert time.time() - started < 10 and not [p for p in pids if alive(p)]
+
+
+# a trainer that stops the way sd-scripts' loop does: library.stop_signal's flag and library.run_requests, asked
+# once per step
+REQUEST_TRAINER = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, sys.argv[2])
+    from library.run_requests import RunRequests
+    from library.stop_signal import StopRequest
+    requests = RunRequests(os.path.dirname(sys.argv[1]))
+    requests.clear_stale()
+    stop = StopRequest().install()
+    step = 0
+    while "stop" not in requests.take(stop_flag=stop.flag):
+        step += 1
+        print(f"steps: {step}/1000 loss=0.1", flush=True)
+        time.sleep(0.2)
+    time.sleep(1.0)  # the save
+    with open(sys.argv[1], "w") as f:
+        f.write(stop.signal_name or "request")
+    print(f"stopped at step {step}, saved {sys.argv[1]}", flush=True)
+""")
+
+
+@pytest.mark.parametrize("groups", [True, False])
+def test_stop_and_save_with_and_without_process_groups(tmp_path, request, groups):
+    """The same trainer saves on Stop with process groups (SIGTERM) and without them (the "stop" request in the
+    output folder's request file; the launcher above it is not signalled and ends when its child does)."""
+    from kohya_gui import REPO
+
+    if not groups:
+        request.getfixturevalue("no_process_groups")
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(REQUEST_TRAINER)
+    result = tmp_path / "out" / "x.safetensors"
+    result.parent.mkdir()
+    runner = Runner()
+    runner.start([[sys.executable, "-c", LAUNCHER.replace("sys.argv[2]]", "sys.argv[2], sys.argv[3]]"),
+                   str(trainer), str(result), str(REPO / "sd-scripts")]], tmp_path / "out" / "run.log",
+                 output_dir=result.parent)
+    assert wait_for(lambda: runner.snapshot().progress)
+    pids = [runner.pid, *(p.pid for p in psutil.Process(runner.pid).children(recursive=True))]
+    assert len(pids) == 2
+    assert runner.stop(grace=1.0, save_timeout=60.0) is True
+    state = runner.snapshot()
+    assert state.message == f"stopped at step {state.progress['step']}, saved {result}"
+    assert result.read_text() == ("SIGTERM" if groups else "request")
+    assert not [p for p in pids if alive(p)]
+    assert not (result.parent / ".train_requests").exists()  # taken by the trainer (none written with groups)
