@@ -2,6 +2,7 @@
 
     python -m kohya_gui print-command CONFIG.toml   # prints the command Start training would run
     python -m kohya_gui print-command --standalone CONFIG.toml   # the same run, every setting as a flag
+    python -m kohya_gui print-command --shell windows CONFIG.toml   # quoted for cmd / PowerShell (default: this OS)
     python -m kohya_gui train CONFIG.toml           # runs it with the GUI's runner (Ctrl+C: stop + save; twice: now)
     python -m kohya_gui prepare-demo CONFIG.toml    # makes a demo preset's tiny model and images (used by runs)
     python -m kohya_gui import KOHYA_SS.json -o OUT.toml   # a kohya_ss GUI configuration as our TOML, with a report
@@ -16,7 +17,7 @@ import argparse
 import signal
 import sys
 
-from . import command, config_file, demo, importer, params, presets, run_requests, training
+from . import command, config_file, demo, importer, params, presets, quoting, run_requests, training
 from .runner import Runner
 
 
@@ -49,6 +50,9 @@ def main(argv=None) -> int:
                                        "dreambooth/sdxl-dreambooth-24gb), or a kohya_ss GUI JSON")
     parser.add_argument("--standalone", action="store_true",
                         help="print-command: every setting as a flag instead of --config_file")
+    parser.add_argument("--shell", choices=quoting.SHELLS, default=quoting.native_shell(),
+                        help="print-command: quote for a POSIX shell or for Windows cmd / PowerShell (default: "
+                             "this machine's, %(default)s)")
     parser.add_argument("-o", "--output", help="import: the TOML to write")
     parser.add_argument("--tab", choices=list(params.TABS), help="import: the tab (default: from the file)")
     parser.add_argument("--force", action="store_true", help="import: overwrite an existing output file")
@@ -73,7 +77,7 @@ def main(argv=None) -> int:
     if args.action == "print-command":
         errors = command.validation_errors(cfg.tab, cfg.family, cfg.values)
         build = command.standalone_argv if args.standalone else command.build_argv
-        print(command.printable(build(cfg.tab, cfg.family, cfg.values)))
+        print(command.printable(build(cfg.tab, cfg.family, cfg.values), args.shell))
         for e in errors:
             print(f"warning: {e}", file=sys.stderr)
         return 0

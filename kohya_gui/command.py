@@ -2,7 +2,8 @@
 
 The command is ``accelerate launch <launch options> sd-scripts/<script>.py --config_file <run TOML>``; the run
 TOML (same format as Save configuration) is written into the output folder when a run starts, so every result
-sits next to the exact settings that made it. The printable command is ``shlex.join`` of the same argv.
+sits next to the exact settings that made it. The printable command is the same argv quoted for a POSIX shell
+(``shlex.join``) or for Windows cmd.exe / PowerShell (kohya_gui.quoting), the machine's own by default.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from . import REPO
+from . import REPO, quoting
 from . import params as P
 
 
@@ -112,8 +113,9 @@ def standalone_argv(tab: str, family: str, values: dict[str, Any]) -> list[str]:
     return ["accelerate", "launch", *launch_args(values), script_path(tab, family), *trainer_args(tab, family, values)]
 
 
-def printable(argv: list[str]) -> str:
-    return shlex.join(argv)
+def printable(argv: list[str], shell: str | None = None) -> str:
+    """`shell`: "posix" or "windows" (None: this machine's)."""
+    return quoting.join(argv, shell)
 
 
 def validation_errors(tab: str, family: str, values: dict[str, Any]) -> list[str]:

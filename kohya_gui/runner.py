@@ -13,7 +13,6 @@ import collections
 import contextlib
 import os
 import re
-import shlex
 import subprocess
 import sys
 import threading
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import psutil
 
-from . import proc_tree, run_requests
+from . import proc_tree, quoting, run_requests
 from .run_history import RunHistory
 
 # the trainers' last line after a stop-and-save (library.stop_signal.stopped_line)
@@ -298,7 +297,7 @@ class Runner:
             for argv in commands:
                 if self._stop_requested.is_set():
                     break
-                self._add("$ " + shlex.join(argv), False, log)
+                self._add("$ " + quoting.join(argv), False, log)
                 with self._lock:
                     self.state.message = "running"
                 try:

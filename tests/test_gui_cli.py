@@ -45,8 +45,14 @@ def test_print_command_cli_matches_the_gui(tmp_path):
     assert out.returncode == 0, out.stderr
     cfg = config_file.load(preset)
     assert shlex.split(out.stdout) == command.build_argv(cfg.tab, cfg.family, cfg.values)
-    gui_cmd, gui_standalone, _ = A.print_command("lora", cfg.family, *ui_values("lora", cfg.values))
+    gui_cmd, gui_standalone, _, windows_cmd, windows_standalone = A.print_command("lora", cfg.family,
+                                                                                 *ui_values("lora", cfg.values))
     assert out.stdout.strip() == gui_cmd
+    # this machine's shell first, the Windows form under it (on Windows the other way round)
+    out = run_cli("print-command", "--shell", "windows", str(preset))
+    assert out.returncode == 0 and out.stdout.strip() == windows_cmd
+    assert ms_split(windows_cmd) == command.build_argv(cfg.tab, cfg.family, cfg.values)
+    assert ms_split(windows_standalone) == shlex.split(gui_standalone)
     out = run_cli("print-command", "--standalone", str(preset))
     argv = shlex.split(out.stdout)
     assert out.stdout.strip() == gui_standalone
@@ -62,7 +68,105 @@ def test_paths_with_spaces_and_quotes_stay_one_argument():
     values = {**P.defaults("lora"), "output_dir": "/tmp/my out", "output_name": "it's; rm -rf ~"}
     argv = command.build_argv("lora", "SDXL", values)
     assert argv[-1] == "/tmp/my out/it's; rm -rf ~.toml"
-    assert shlex.split(command.printable(argv)) == argv
+    assert shlex.split(command.printable(argv, "posix")) == argv
+    assert ms_split(command.printable(argv, "windows")) == argv
+    assert command.printable(argv) == command.printable(argv, "windows" if os.name == "nt" else "posix")
+    with pytest.raises(ValueError, match="shell must be one of posix, windows; got 'fish'"):
+        command.printable(argv, "fish")
+
+
+def ms_split(line: str) -> list[str]:
+    """How the Microsoft C runtime (python.exe, accelerate.exe) splits a command line: white space separates
+    arguments outside quotes; 2n backslashes before a quote are n and the quote opens or closes, 2n+1 are n and a
+    literal quote; other backslashes are literal. (Written from the documented rules, not from our quoting.)"""
+    args, cur, quoted, have, i = [], [], False, False, 0
+    while i < len(line):
+        ch = line[i]
+        if ch == "\\":
+            n = len(line[i:]) - len(line[i:].lstrip("\\"))
+            if i + n < len(line) and line[i + n] == '"':
+                cur.append("\\" * (n // 2))
+                if n % 2:
+                    cur.append('"')
+                    i += n + 1
+                else:
+                    i += n  # the quote toggles below
+                have = True
+                continue
+            cur.append("\\" * n)
+            i += n
+            have = True
+            continue
+        if ch == '"':
+            quoted, have = not quoted, True
+        elif ch in " \t" and not quoted:
+            if have:
+                args.append("".join(cur))
+            cur, have = [], False
+        else:
+            cur.append(ch)
+            have = True
+        i += 1
+    if have:
+        args.append("".join(cur))
+    return args
+
+
+TRICKY = [
+    r"C:\Program Files\My Models\sdxl base.safetensors",
+    "D:\\train data\\",  # a folder with its trailing backslash: doubled before the closing quote
+    r"\\nas\share\lora out\\",
+    r"C:\plain\path\model.safetensors",  # nothing to quote: left as it is
+    "it's mine",
+    'say "hi"',
+    r'C:\dir\"quoted\\"',
+    "",
+    "a&b",
+    "x|y>z<w^v",
+    "50%off",
+    "betas=0.9,0.99",
+    "(1)",
+    "$HOME",
+    "#tag",
+    "--output_dir=C:\\out dir\\",
+    "Ünïcode 模型",
+]
+
+
+@pytest.mark.parametrize("arg", TRICKY)
+def test_windows_form_round_trips_and_is_safe_in_cmd_and_powershell(arg):
+    from kohya_gui import quoting
+
+    argv = ["accelerate", "launch", "--config_file", arg, "--x", arg]
+    line = command.printable(argv, "windows")
+    assert ms_split(line) == argv
+    quoted = quoting.windows_quote(arg)
+    if any(c in arg for c in " \t") or not arg:  # what list2cmdline quotes, it quotes the same way
+        assert quoted == subprocess.list2cmdline([arg])
+    if arg == r"C:\plain\path\model.safetensors":
+        assert quoted == arg
+    if '"' not in arg:
+        # cmd.exe toggles its quote state at every ": its own and PowerShell's special characters stay inside
+        inside = False
+        for ch in quoted:
+            if ch == '"':
+                inside = not inside
+            elif ch in "&|<>^()%!;,'{}@$#` \t":
+                assert inside, (arg, quoted)
+        assert not inside
+
+
+@pytest.mark.parametrize("arg, printed", [
+    (r"C:\models\sdxl.safetensors", r"C:\models\sdxl.safetensors"),
+    (r"C:\Program Files\sd\x.safetensors", r'"C:\Program Files\sd\x.safetensors"'),
+    ("D:\\train data\\", r'"D:\train data\\"'),  # else \" would escape the closing quote
+    ('say "hi" \\', r'"say \"hi\" \\"'),
+    ("a&b", '"a&b"'),
+    ("0.9,0.99", '"0.9,0.99"'),  # PowerShell: a bare comma makes two arguments
+    ("", '""'),
+])
+def test_windows_quoting_as_written_by_hand(arg, printed):
+    assert command.printable(["python", arg], "windows") == f"python {printed}"
 
 
 def test_start_refuses_bad_settings_and_existing_results(tmp_path):
@@ -77,7 +181,7 @@ def test_start_refuses_bad_settings_and_existing_results(tmp_path):
         training.start(runner, "lora", "SDXL", values)
     assert (tmp_path / "done.toml").read_text() == "earlier settings"
     assert not runner.running
-    cmd, standalone, status = A.start_training("lora", "SDXL", *ui_values("lora", values))
+    cmd, standalone, status, _, _ = A.start_training("lora", "SDXL", *ui_values("lora", values))
     assert "already exists" in status and "Overwrite existing result" in status
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import gradio as gr
 import pandas as pd
 
-from .. import command, config_file, importer, presets, run_requests, trainer_check, training
+from .. import command, config_file, importer, presets, quoting, run_requests, trainer_check, training
 from .. import params as P
 from ..run_queue import QueueError, QueueWorker, RunQueue
 from ..runner import Runner, RunnerBusy, format_eta, new_outputs
@@ -215,11 +215,21 @@ def save_config(tab: str, path: str, family: str, *ui_values, overwrite: bool = 
 
 # ---- command, start, stop ----------------------------------------------------------------------------------
 
-def print_command(tab: str, family: str, *ui_values) -> tuple[str, str, str]:
-    """(command Start runs, stand-alone command with every setting as a flag, status)."""
+def commands(argv: list[str], standalone: list[str], status: str) -> tuple[str, str, str, str, str]:
+    """(command, stand-alone command, status, the two again for the other shell): this machine's shell first (what
+    a Windows user pastes into cmd or PowerShell, a Linux user into bash), the other one under it."""
+    native, other = quoting.native_shell(), quoting.other_shell(quoting.native_shell())
+    return (command.printable(argv, native), command.printable(standalone, native), status,
+            command.printable(argv, other), command.printable(standalone, other))
+
+
+def print_command(tab: str, family: str, *ui_values) -> tuple[str, str, str, str, str]:
+    """(command Start runs, stand-alone command with every setting as a flag, status, then both commands for the
+    other shell: see `commands`)."""
     values, errors = values_from_ui(tab, ui_values)
     if errors:
-        return gr.update(), gr.update(), error_md("Fix these first:\n" + "\n".join(f"- {e}" for e in errors))
+        return (gr.update(), gr.update(), error_md("Fix these first:\n" + "\n".join(f"- {e}" for e in errors)),
+                gr.update(), gr.update())
     errors = command.validation_errors(tab, family, values)
     errors = errors or trainer_check.problems(tab, family, values)  # the trainer's own checks (--validate_only)
     argv = command.build_argv(tab, family, values)
@@ -229,22 +239,23 @@ def print_command(tab: str, family: str, *ui_values) -> tuple[str, str, str]:
     if errors:
         note = error_md("The command is shown, but these must be fixed before a run:\n"
                         + "\n".join(f"- {e}" for e in errors))
-    return command.printable(argv), command.printable(standalone), note
+    return commands(argv, standalone, note)
 
 
-def start_training(tab: str, family: str, *ui_values) -> tuple[str, str, str]:
-    """(command, stand-alone command, status)."""
+def start_training(tab: str, family: str, *ui_values) -> tuple[str, str, str, str, str]:
+    """(command, stand-alone command, status, both commands for the other shell)."""
     values, errors = values_from_ui(tab, ui_values)
     if errors:
         feedback.NOTICE.start_failed(RUNNER.snapshot())
-        return gr.update(), gr.update(), error_md("Cannot start training:\n" + "\n".join(f"- {e}" for e in errors))
+        return (gr.update(), gr.update(), error_md("Cannot start training:\n" + "\n".join(f"- {e}" for e in errors)),
+                gr.update(), gr.update())
     try:
         argv = training.start(RUNNER, tab, family, values)
     except (training.RunError, RunnerBusy) as e:
         feedback.NOTICE.start_failed(RUNNER.snapshot())
-        return gr.update(), gr.update(), error_md(str(e))
-    return (command.printable(argv), command.printable(command.standalone_argv(tab, family, values)),
-            ok_md(f"Training started; log: `{command.log_path(values)}`"))
+        return gr.update(), gr.update(), error_md(str(e)), gr.update(), gr.update()
+    return commands(argv, command.standalone_argv(tab, family, values),
+                    ok_md(f"Training started; log: `{command.log_path(values)}`"))
 
 
 def stop_training(now: bool = False) -> str:

@@ -7,7 +7,7 @@ import functools
 
 import gradio as gr
 
-from .. import presets
+from .. import presets, quoting
 from .. import params as P
 from . import actions as A
 from . import feedback
@@ -147,6 +147,13 @@ def build_tab(tab: str) -> dict:
                          interactive=False, buttons=["copy"], elem_id=f"{tab}-command")
         standalone = gr.Textbox(label="Stand-alone command (every setting as a flag, no TOML needed)", lines=3,
                                 max_lines=6, interactive=False, buttons=["copy"], elem_id=f"{tab}-standalone")
+    other = quoting.SHELL_LABELS[quoting.other_shell(quoting.native_shell())]
+    with gr.Accordion(f"The same commands for {other}", open=False, elem_id=f"{tab}-other-shell"):
+        with gr.Row():
+            other_cmd = gr.Textbox(label=f"Training command, {other}", lines=3, max_lines=6, interactive=False,
+                                   buttons=["copy"], elem_id=f"{tab}-command-other")
+            other_standalone = gr.Textbox(label=f"Stand-alone command, {other}", lines=3, max_lines=6,
+                                          interactive=False, buttons=["copy"], elem_id=f"{tab}-standalone-other")
 
     inputs = [controls[p.name] for p in A.tab_params(tab)]
     layout_outputs = inputs + [accordions[k] for k in A.tab_accordions(tab)] + [note]
@@ -164,10 +171,11 @@ def build_tab(tab: str) -> dict:
     saved = save_btn.click(functools.partial(A.save_config, tab), inputs=[path, family, *inputs], outputs=status)
     saved_as = save_as_btn.click(functools.partial(A.save_config, tab, overwrite=False),
                                  inputs=[path, family, *inputs], outputs=status)
+    command_outputs = [cmd, standalone, run_status, other_cmd, other_standalone]  # actions.commands' order
     printed = print_btn.click(functools.partial(A.print_command, tab), inputs=[family, *inputs],
-                              outputs=[cmd, standalone, run_status])
+                              outputs=command_outputs)
     started = start_btn.click(functools.partial(A.start_training, tab), inputs=[family, *inputs],
-                              outputs=[cmd, standalone, run_status])
+                              outputs=command_outputs)
     queued = queue_btn.click(functools.partial(A.add_to_queue, tab), inputs=[family, *inputs], outputs=run_status)
     stopped = stop_btn.click(A.stop_training, outputs=run_status)
     stopped_now = stop_now_btn.click(functools.partial(A.stop_training, now=True), outputs=run_status)
