@@ -82,7 +82,7 @@ def test_validation_missing_triton_and_old_torch(monkeypatch):
     args = _parse("--compile")
     args.device = "cuda"
     monkeypatch.setattr(cu.importlib.util, "find_spec", lambda name: None if name == "triton" else object())
-    with pytest.raises(cu.CompileConfigError, match="needs triton"):
+    with pytest.raises(cu.CompileConfigError, match="needs a working triton, and triton is not installed"):
         cu.validate_compile_args(args)
     args.compile_backend = "aot_eager"
     cu.validate_compile_args(args)  # aot_eager needs no triton
@@ -425,3 +425,57 @@ def test_inductor_tiny_unet_matches_eager():
     n = cu.compile_model_blocks(compiled, _parse("--compile", "--compile_dynamic", "false"), model_name="SDXL UNet")
     assert n == 7
     _assert_same(ref, _unet_step(compiled), tol=1e-4)
+
+
+def test_triton_problem_names_a_missing_or_broken_triton(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setattr(cu.importlib.util, "find_spec", lambda name: None if name == "triton" else object())
+    assert cu.triton_problem() == "triton is not installed"
+    monkeypatch.undo()
+    # an installed triton whose import fails, as a triton-windows built for another Python does
+    (tmp_path / "triton").mkdir()
+    (tmp_path / "triton" / "__init__.py").write_text(
+        "raise ImportError('DLL load failed while importing libtriton: The specified module could not be found.\\n"
+        "more detail')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "triton", raising=False)
+    try:
+        assert cu.triton_problem() == ("triton does not load (ImportError: DLL load failed while importing libtriton: "
+                                       "The specified module could not be found.)")
+    finally:
+        sys.modules.pop("triton", None)
+
+
+@pytest.mark.parametrize("platform, install", [("linux", "`pip install triton`"),
+                                               ("win32", "`pip install triton-windows`")])
+def test_compile_without_working_triton_stops_before_the_model_loads(tmp_path, capsys, monkeypatch, platform,
+                                                                     install, tiny_dataset_dir):
+    """The trainer as on a CUDA machine whose triton does not load: exit status 2, one `error:` line naming
+    --compile_backend, the allowed backends and how to get triton here, no traceback, no model loaded."""
+    import sdxl_train_network
+    from library import model_util
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the error was found")
+
+    monkeypatch.setattr(model_util, "load_sd_components", no_load)
+    monkeypatch.setattr(cu, "_cuda_in_use", lambda args: True)
+    monkeypatch.setattr(cu, "triton_problem", lambda: "triton does not load (ImportError: DLL load failed)")
+    monkeypatch.setattr(cu.sys, "platform", platform)
+    argv = ["--pretrained_model_name_or_path", str(tmp_path / "model.safetensors"), "--train_data_dir",
+            str(tiny_dataset_dir), "--output_dir", str(tmp_path / "out"), "--output_name", "x", "--network_module",
+            "networks.lora", "--resolution", "64", "--max_train_steps", "1", "--compile"]
+    with pytest.raises(SystemExit) as e:
+        sdxl_train_network.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert lines == [f"error: --compile_backend inductor on a CUDA GPU needs a working triton, and triton does not "
+                     f"load (ImportError: DLL load failed): install it into this environment ({install}), or turn "
+                     "compile off (drop --compile; in the GUI untick Enable torch.compile), or use a "
+                     "--compile_backend that needs no triton: aot_eager, eager or cudagraphs"]
+    # the same settings with a backend that needs no triton get past the check, to the model load
+    with pytest.raises(AssertionError, match="a model was loaded"):
+        sdxl_train_network.main([*argv, "--compile_backend", "aot_eager"])

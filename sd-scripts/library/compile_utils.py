@@ -23,6 +23,7 @@ import argparse
 import importlib.util
 import logging
 import os
+import sys
 import types
 from pathlib import Path
 
@@ -219,6 +220,28 @@ def _cuda_in_use(args) -> bool:
     return torch.cuda.is_available()
 
 
+def triton_problem() -> str | None:
+    """Why inductor cannot make GPU kernels with triton here, in a few words, or None. Checked: installed, imports
+    the way inductor imports it (a broken install or a DLL that does not load fails here, not an hour into a
+    run), and a GPU triton supports (compute capability 7.0 or newer)."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    try:
+        import triton  # noqa: F401
+        from torch._inductor.runtime import triton_compat  # noqa: F401  (inductor's own triton imports)
+    except Exception as e:  # noqa: BLE001 - anything here means no working triton
+        text = str(e).strip().splitlines()
+        return f"triton does not load ({type(e).__name__}: {text[0] if text else 'no message'})"
+    major, minor = torch.cuda.get_device_capability()
+    if major < 7:
+        return f"this GPU (compute capability {major}.{minor}) is older than triton supports (7.0)"
+    return None
+
+
+def _triton_install_hint() -> str:
+    return "`pip install triton-windows`" if sys.platform == "win32" else "`pip install triton`"
+
+
 def validate_compile_args(args) -> None:
     """Refuse impossible settings before any model loads. Raises CompileConfigError."""
     limit = getattr(args, "compile_cache_size_limit", 0) or 0
@@ -250,10 +273,13 @@ def validate_compile_args(args) -> None:
             "--compile_backend inductor (or aot_eager / eager)"
         )
     if args.compile_backend in ("inductor", "cudagraphs") and _cuda_in_use(args):
-        if args.compile_backend == "inductor" and importlib.util.find_spec("triton") is None:
+        problem = triton_problem() if args.compile_backend == "inductor" else None
+        if problem:
+            fix = "" if problem.startswith("this GPU") else f"install it into this environment ({_triton_install_hint()}), "
             raise CompileConfigError(
-                "--compile with --compile_backend inductor on a CUDA GPU needs triton, which is not installed: "
-                "`pip install triton` (Windows: triton-windows), or use --compile_backend aot_eager / eager"
+                f"--compile_backend inductor on a CUDA GPU needs a working triton, and {problem}: {fix}or turn "
+                "compile off (drop --compile; in the GUI untick Enable torch.compile), or use a --compile_backend "
+                "that needs no triton: aot_eager, eager or cudagraphs"
             )
 
     blocks_to_swap = getattr(args, "blocks_to_swap", None) or 0
