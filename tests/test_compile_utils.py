@@ -247,11 +247,16 @@ def test_shape_log_one_line_per_new_shape_and_no_recompile_logs(tmp_path, monkey
     seen = [log.see({"latents": square}), log.see({"latents": square}), log.see({"latents": None, "images": wide}),
             log.see({"latents": square}), log.see({"latents": wide})]
     assert seen == [True, False, True, False, False]
+    assert cu.ShapeLog.shape_of({"latents": None, "images": wide}) == (1, 4, 4, 16)
+    assert cu.ShapeLog.shape_of({"latents": None}) is None
+    assert log.see({"latents": torch.zeros(1, 4, 6, 6)}, step=7)
     lines = [r.getMessage() for r in caplog.records if "new input shape" in r.getMessage()]
     assert lines == ["torch.compile: new input shape 1x4x8x8 (1 so far): this step compiles and records CUDA graphs "
                      "for it",
                      "torch.compile: new input shape 1x4x4x16 (2 so far): this step compiles and records CUDA graphs "
-                     "for it"]
+                     "for it",
+                     "torch.compile: new input shape 1x4x6x6 at step 7 (3 so far): this step compiles and records CUDA "
+                     "graphs for it"]
 
 
 def test_strip_orig_mod():
@@ -479,3 +484,56 @@ def test_compile_without_working_triton_stops_before_the_model_loads(tmp_path, c
     # the same settings with a backend that needs no triton get past the check, to the model load
     with pytest.raises(AssertionError, match="a model was loaded"):
         sdxl_train_network.main([*argv, "--compile_backend", "aot_eager"])
+
+
+# ------------------------------------------------------------------------------------------ bucket shapes
+
+
+def _unet_at(model, h, w):
+    out = model(torch.randn(1, 4, h, w), torch.tensor([10]), torch.randn(1, 5, 16)).sample
+    out.square().mean().backward()
+
+
+def _flux_at(model, rows, cols):
+    n_img, n_txt = rows * cols, 4
+    out = model(
+        hidden_states=torch.randn(1, n_img, 8), encoder_hidden_states=torch.randn(1, n_txt, 16),
+        pooled_projections=torch.randn(1, 8), timestep=torch.tensor([0.3]),
+        img_ids=torch.stack([torch.zeros(n_img), torch.arange(n_img) // cols, torch.arange(n_img) % cols], -1),
+        txt_ids=torch.zeros(n_txt, 3), guidance=torch.tensor([3.5]),
+    ).sample
+    out.square().mean().backward()
+
+
+def test_image_size_dims_of_the_repeated_blocks():
+    unet_block = cu.find_repeated_blocks(_tiny_unet())[0]
+    assert cu.image_size_dims(unet_block) == [("hidden_states", 0, (1,))]
+    double, single = cu.find_repeated_blocks(_tiny_flux())
+    for block in (double, single):
+        assert cu.image_size_dims(block) == [("hidden_states", 0, (1,)), ("image_rotary_emb", 3, (0,))]
+    assert cu.image_size_dims(torch.nn.Linear(2, 2)) == []
+
+
+@pytest.mark.parametrize("family", ["sdxl", "flux"])
+def test_auto_dynamic_new_bucket_shapes_do_not_recompile(family, caplog):
+    """--compile_dynamic auto: every graph is compiled at the first shape; three more bucket shapes (positional and
+    keyword calls of the blocks) add none. --compile_dynamic false compiles again for each."""
+    model, step, shapes = ((_tiny_unet(), _unet_at, [(8, 8), (8, 12), (12, 8), (6, 10)]) if family == "sdxl" else
+                           (_tiny_flux(), _flux_at, [(4, 4), (4, 6), (6, 4), (3, 5)]))
+    static = copy.deepcopy(model)
+    counts = {}
+    for name, m, dynamic in (("auto", model, "auto"), ("false", static, "false")):
+        torch._dynamo.reset()
+        counter = torch._dynamo.testing.CompileCounter()
+        args = _parse("--compile", "--compile_backend", "eager", "--compile_dynamic", dynamic,
+                      "--compile_cache_size_limit", "64")
+        args.compile_backend = counter
+        with caplog.at_level(logging.INFO, logger="library.compile_utils"):
+            cu.compile_model_blocks(m, args, model_name=family, gradient_checkpointing=True)
+        counts[name] = []
+        for h, w in shapes + shapes[:1]:
+            step(m, h, w)
+            counts[name].append(counter.frame_count)
+    assert counts["auto"][0] >= 1 and len(set(counts["auto"])) == 1, counts
+    assert counts["false"][-1] > counts["false"][0], counts
+    assert any("image-size dimensions of their inputs dynamic" in msg for msg in caplog.messages)

@@ -30,3 +30,37 @@ def test_restart_excludes_the_time_between_steps():
     t.restart()  # ... is not counted
     t.step_done()
     assert t.durations[1] < 1.0
+
+
+def _shaped(steps, setup_steps_per_shape=2):
+    """steps: (seconds, shape) per step, timed as if they had taken that long."""
+    t = StepTimer(setup_steps_per_shape=setup_steps_per_shape)
+    for seconds, shape in steps:
+        t._last -= seconds
+        t.step_done([shape])
+    t.durations = [round(d, 3) for d in t.durations]
+    return t
+
+
+def test_bucket_shapes_setup_steps_are_counted_and_left_out_of_the_median():
+    a, b, c = (1, 4, 128, 128), (1, 4, 112, 144), (1, 4, 144, 112)
+    # a: compile then record; b, c: warm-up then record (shape-generic graphs); c's recording at step 12
+    steps = [(30.0, a), (12.0, a), (0.5, b), (0.2, a), (10.0, b)] + [(0.2, a)] * 5 + [(0.5, c), (10.0, c)]
+    steps += [(0.1, b), (0.1, c), (0.1, a), (0.3, b)]
+    t = _shaped(steps)
+    assert t.setup == [True, True, True, False, True] + [False] * 5 + [True, True] + [False] * 4
+    assert t.summary() == ("median step 100.0 ms (steps 13-16); first step 30.0 s, second step 12.0 s; "
+                           "3 input shapes: 6 setup steps (compile, graph recording) 63.0 s in all")
+    # without CUDA graphs only each shape's first step is setup
+    t = _shaped(steps, setup_steps_per_shape=1)
+    assert sum(t.setup) == 3 and t.summary().endswith("3 input shapes: 3 setup steps (compile) 31.0 s in all")
+
+
+def test_one_shape_or_no_shapes_keeps_the_plain_summary():
+    steps = [(30.0, "s"), (12.0, "s")] + [(0.1, "s")] * 20
+    assert _shaped(steps).summary() == "median step 100.0 ms (steps 11-22); first step 30.0 s, second step 12.0 s"
+    t = StepTimer()
+    t.step_done()
+    assert t.setup == [False] and t.seen == {}
+    # a new shape's steps at the very end leave no step after them: the median falls back to after the warm-up
+    assert _shaped([(0.2, "a")] * 12 + [(5.0, "b"), (5.0, "b")]).summary().startswith("median step 200.0 ms (steps 8-14)")

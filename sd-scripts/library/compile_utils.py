@@ -104,7 +104,8 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         type=str,
         default="auto",
         choices=DYNAMIC_CHOICES,
-        help="dynamic shapes: auto (torch decides; recompiles once as dynamic when a shape changes), true, false",
+        help="dynamic shapes: auto (the image-size dimensions of the blocks' inputs dynamic from the start, so "
+        "bucket shapes share graphs; the rest as torch decides), true (all), false (static: each shape recompiles)",
     )
     group.add_argument("--compile_fullgraph", action="store_true", help="require each compiled block to be one graph")
     group.add_argument(
@@ -385,20 +386,24 @@ class ShapeLog:
         self.args = args
         self.shapes: set[tuple] = set()
 
-    def see(self, batch: dict) -> bool:
-        """Note the batch's input shape (cached latents, else images); True (and a log line) when it is new."""
+    @staticmethod
+    def shape_of(batch: dict) -> tuple | None:
+        """The batch's input shape: its cached latents', else its images'; None when it has neither."""
         t = batch.get("latents")
         if t is None:
             t = batch.get("images")
-        if t is None:
-            return False
-        shape = tuple(t.shape)
-        if shape in self.shapes:
+        return None if t is None else tuple(t.shape)
+
+    def see(self, batch: dict, step: int | None = None) -> bool:
+        """Note the batch's input shape; True (and a log line, naming the step when given) when it is new."""
+        shape = self.shape_of(batch)
+        if shape is None or shape in self.shapes:
             return False
         self.shapes.add(shape)
         what = "compiles and records CUDA graphs" if uses_cuda_graphs(self.args) else "compiles"
-        logger.info("torch.compile: new input shape %s (%d so far): this step %s for it",
-                    "x".join(map(str, shape)), len(self.shapes), what)
+        at = f" at step {step}" if step is not None else ""
+        logger.info("torch.compile: new input shape %s%s (%d so far): this step %s for it",
+                    "x".join(map(str, shape)), at, len(self.shapes), what)
         return True
 
 
@@ -553,6 +558,52 @@ def _move_checkpointing_inside(model: torch.nn.Module, names: tuple[str, ...]) -
     return switched
 
 
+# Inputs of the repeated blocks whose size follows the image size (the bucket), per block class: argument name ->
+# dims (for a tuple argument, those dims of each tensor in it). With --compile_dynamic auto these dims are marked
+# dynamic before each call, so the first graphs are already shape-generic: a new bucket shape needs no recompile
+# (with CUDA graphs it still records its own graphs). Torch's automatic dynamic alone compiles the first shape
+# static and recompiles each block kind once as dynamic at the second shape.
+IMAGE_SIZE_DIMS = {
+    # SDXL / SD: hidden_states (batch, H*W tokens, channels)
+    "BasicTransformerBlock": {"hidden_states": (1,)},
+    # FLUX.1: hidden_states (batch, image tokens, width); image_rotary_emb (cos, sin), each (text + image tokens, dim)
+    "FluxTransformerBlock": {"hidden_states": (1,), "image_rotary_emb": (0,)},
+    "FluxSingleTransformerBlock": {"hidden_states": (1,), "image_rotary_emb": (0,)},
+}
+
+
+def image_size_dims(block: torch.nn.Module) -> list[tuple[str, int, tuple[int, ...]]]:
+    """(argument name, its position in the block's forward, dims) for each input of `block` that follows the image
+    size; empty for a block class IMAGE_SIZE_DIMS does not know."""
+    spec = IMAGE_SIZE_DIMS.get(type(block).__name__)
+    if not spec:
+        return []
+    import inspect
+
+    params = list(inspect.signature(type(block).forward).parameters)[1:]  # the class's forward, without self
+    return [(name, params.index(name), dims) for name, dims in spec.items() if name in params]
+
+
+class _MarkImageSizeDims:
+    """A block's compiled call that first marks the image-size dims of its inputs dynamic (maybe_mark_dynamic: a dim
+    that the graph needs static stays static, with no error). Set as the block's `_compiled_call_impl`, the function
+    nn.Module.__call__ hands every call to once `module.compile()` ran, so the marks are made outside the graph."""
+
+    def __init__(self, compiled_call, dims: list[tuple[str, int, tuple[int, ...]]]):
+        self.compiled_call = compiled_call
+        self.dims = dims
+
+    def __call__(self, *args, **kwargs):
+        for name, position, dims in self.dims:
+            value = kwargs.get(name) if name in kwargs else (args[position] if position < len(args) else None)
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    for d in dims:
+                        if d < t.dim():
+                            torch._dynamo.maybe_mark_dynamic(t, d)
+        return self.compiled_call(*args, **kwargs)
+
+
 def compile_model_blocks(
     model: torch.nn.Module,
     args,
@@ -603,12 +654,20 @@ def compile_model_blocks(
             block._forward_inside_checkpoint = block.forward
             block.forward = types.MethodType(_checkpointed_forward, block)
         block.compile(**compile_kwargs)
+    marked = 0
+    if dynamic is None:  # auto: the image-size dims dynamic from the first call (IMAGE_SIZE_DIMS)
+        for block in blocks:
+            dims = image_size_dims(block)
+            if dims and getattr(block, "_compiled_call_impl", None) is not None:
+                block._compiled_call_impl = _MarkImageSizeDims(block._compiled_call_impl, dims)
+                marked += 1
 
     kinds = sorted({type(b).__name__ for b in blocks})
     logger.info(
         f"Compiled {len(blocks)} blocks of {model_name} ({', '.join(kinds)})"
         + (", gradient checkpointing inside the compiled region" if gradient_checkpointing else "")
         + (", inside checkpoints that keep their inputs in CPU memory" if offload_checkpointing else "")
+        + (", image-size dimensions of their inputs dynamic (bucket shapes share the graphs)" if marked else "")
     )
     adapters: dict[str, int] = {}
     for block in blocks:

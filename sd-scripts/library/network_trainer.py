@@ -855,7 +855,9 @@ class NetworkTrainer:
             self.sample_images(args, epoch=None, steps=global_step, **sample_kwargs)
 
         last_loss = avr_loss = float("nan")
-        timer = StepTimer(global_step)
+        # with compile on, the timer tells each input shape's setup steps (compile, graph recording) from the rest
+        timer = StepTimer(global_step, setup_steps_per_shape=2 if compile_utils.uses_cuda_graphs(compiled) else 1)
+        step_shapes: list = []  # input shapes of the micro-steps of the step in progress
         late = LateLosses(device)
 
         def report(ready):
@@ -901,7 +903,8 @@ class NetworkTrainer:
                 if compile_utils.opens_accumulation_window(accelerator.step, args.gradient_accumulation_steps):
                     compile_utils.mark_step_begin(compiled)  # once per optimizer step (CUDA graphs)
                 if shape_log is not None:
-                    shape_log.see(batch)
+                    shape_log.see(batch, global_step + 1)
+                    step_shapes.append(shape_log.shape_of(batch))
                 set_network_multiplier(trainable.models, batch)
                 with accelerator.accumulate(*trainable.models):
                     loss = self.training_step(args, accelerator, noise_scheduler, batch, components, weight_dtype,
@@ -924,7 +927,8 @@ class NetworkTrainer:
                 norm_postfix, norm_logs = network_options.after_optimizer_step(
                     args, [accelerator.unwrap_model(m) for m in trainable.models], device) if not fused else ({}, {})
                 global_step += 1
-                timer.step_done()
+                timer.step_done(step_shapes)
+                step_shapes = []
                 for g in groups:  # for the batches loaded from now on (token warm-up)
                     g.set_current_step(global_step)
                 state.global_step, state.epoch = global_step, epoch
