@@ -61,3 +61,57 @@ def test_flux_set_in_users_layout_trains_with_the_shipped_flux_script(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     (r,) = json.loads(out.read_text())
     assert r["family"] == "flux" and r["rc"] == 0 and r["trainer_summary"]["median_ms"] > 0
+
+
+def _bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_shipped", REPO / "tools" / "bench_shipped.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bucketed_run_figures_read_from_the_trainer_log():
+    """What a bucketed compiled run reports: new shapes with their steps, torch's recompiles by shapes seen, the
+    setup steps' total from the summary, the graph timers, and the compile line to step 3 done."""
+    log = [
+        (10.0, "INFO Compiling SDXL UNet with torch.compile: backend=inductor, mode=reduce-overhead, dynamic=None"),
+        (11.0, "INFO torch.compile: new input shape 1x4x128x128 at step 1 (1 so far): this step compiles and ..."),
+        (25.0, "V1124 [0/1] [__recompiles] Recompiling function _checkpointed_forward in compile_utils.py:446"),
+        (40.0, "steps: 1/24 loss=0.1 it/s=0.1"),
+        (52.5, "steps: 2/24 loss=0.1 it/s=0.1"),
+        (53.0, "INFO torch.compile: new input shape 1x4x112x144 at step 4 (2 so far): this step compiles and ..."),
+        (60.0, "V1124 [0/2] [__recompiles] Recompiling function _checkpointed_forward in compile_utils.py:446"),
+        (70.0, "steps: 12/24 loss=0.1 it/s=0.1"),
+        (72.0, "steps: 24/24 loss=0.1 it/s=0.1"),
+        (72.1, "median step 166.7 ms (steps 13-24); first step 29.0 s, second step 12.5 s; 2 input shapes: 4 setup "
+               "steps (compile, graph recording) 58.2 s in all"),
+        (75.0, 'graph_timing: {"capture": [280, 4.5], "record_function": [280, 9.25]}'),
+    ]
+    r = _bench().read_log(log, warmup=10)
+    assert r["new_shapes"] == [{"shape": "1x4x128x128", "step": 1, "at_s": 11.0},
+                               {"shape": "1x4x112x144", "step": 4, "at_s": 53.0}]
+    assert r["recompiles"] == 2 and r["recompiles_by_shapes_seen"] == {"1": 1, "2": 1}
+    assert r["setup"] == {"shapes": 2, "steps": 4, "what": "compile, graph recording", "seconds": 58.2}
+    assert r["trainer_summary"]["median_ms"] == 166.7 and r["trainer_summary"]["steps"] == "13-24"
+    assert r["graph_timing"] == {"capture": [280, 4.5], "record_function": [280, 9.25]}
+    assert r["compile_line_to_step2_line_s"] == 42.5
+    assert r["outside_ms_per_step"] == 166.7 and r["outside_steps"] == "12-24"
+
+
+def test_bucket_images_and_trainer_flags(tmp_path):
+    bench = _bench()
+    sys.path.insert(0, str(REPO / "sd-scripts"))
+    data = bench.make_bucket_images(tmp_path, 2, sizes=((64, 64), (48, 80)))
+    from PIL import Image
+
+    sizes = sorted(Image.open(p).size for p in data.glob("*/*.png"))
+    assert sizes == [(48, 80), (48, 80), (64, 64), (64, 64)] and len(list(data.glob("*/*.txt"))) == 4
+    args = bench.argparse.Namespace(tag="after", cache_tag="before", family="sdxl", network_dim=None, resolution=1024,
+                                    steps=4, batch_size=1, gradient_checkpointing=True, buckets=True,
+                                    compile_mode="reduce-overhead", extra=[])
+    argv = bench.trainer_argv(args, "compiled", tmp_path)
+    assert argv[argv.index("--train_data_dir") + 1] == str(tmp_path / "data_buckets")
+    assert argv[argv.index("--min_bucket_reso") + 1] == "832" and argv[argv.index("--max_bucket_reso") + 1] == "1216"
+    assert "--enable_bucket" in argv and argv[argv.index("--compile_cache_dir") + 1].endswith("compile_cache_before")

@@ -1,8 +1,9 @@
 """Times the SHIPPED trainers (what users run) on random full-size SDXL or FLUX.1 checkpoints, eager and compiled.
 
-    python tools/bench_shipped.py prepare --workdir W [--family flux]  # random full-size models + 1024 px images
+    python tools/bench_shipped.py prepare --workdir W [--family flux] [--buckets]  # random full-size models + images
     python tools/bench_shipped.py run --workdir W --steps 60 [--family flux] [--gradient_checkpointing]
            [--batch_size 4] [--phases eager,compiled] [--compile_mode reduce-overhead] [--scripts_dir OTHER/sd-scripts]
+           [--buckets] [--recompiles] [--time_graphs] [--cache_tag T] [--timeout S] [--log_out FILE]
 
 `prepare` writes random weights in users' file layouts (nothing is downloaded): SDXL `W/sdxl.safetensors` (SGM
 keys, bf16); FLUX.1 `W/flux/` with the BFL dev transformer, CLIP-L, T5-XXL (bf16) and the AE, all full size. Plus
@@ -13,6 +14,16 @@ tokenizers and a kohya image folder. `run` starts `sdxl_train_network.py` (LoRA 
   after the warm-up steps. It needs nothing from the trainer but its progress line, so it also times older
   versions of the scripts (`--scripts_dir`), for before/after comparisons in one call.
 Run it on a CUDA machine; the figures go to docs/BENCHMARKS.md.
+
+Bucketed datasets (`prepare --buckets`, `run --buckets`): `W/data_buckets` holds --bucket_images images of each of
+BUCKET_SIZES (four 1024 px-area buckets), trained with --enable_bucket, so the compiled trainer meets four input
+shapes in a shuffled order. A run then also reports, from the trainer's log: each new input shape and the step it
+came at, the setup steps (compile, CUDA-graph recording) and their total time from the trainer's summary, and with
+--recompiles (TORCH_LOGS=recompiles) torch's recompiles, counted by how many shapes had been seen when each came.
+Every run reports `compile_line_to_step2_line_s`: from the trainer's "Compiling ... with torch.compile" line to
+its progress line for step 2, which it prints once step 3 has run (the loss is read a step late), so that is the
+time from the compile log line to step 3 done (issue 15's warm-restart target). `--cache_tag` runs on the compile
+cache of another tag (a warm restart); `--time_graphs` runs the trainer through tools/graph_timing.py.
 """
 from __future__ import annotations
 
@@ -30,10 +41,21 @@ SD_SCRIPTS = REPO / "sd-scripts"
 
 PROGRESS = re.compile(r"^steps: (\d+)/(\d+) ")
 SUMMARY = re.compile(r"^median step ([\d.]+) ms \(steps (\d+)-(\d+)\)(?:; (.*))?$")
+SETUP = re.compile(r"(\d+) input shapes: (\d+) setup steps \(([^)]*)\) ([\d.]+) s in all")
+NEW_SHAPE = re.compile(r"torch\.compile: new input shape (\S+)(?: at step (\d+))? \((\d+) so far\)")
+COMPILING = re.compile(r"Compiling .* with torch\.compile")
+RECOMPILE = "Recompiling function"
+GRAPH_TIMING = re.compile(r"^graph_timing: (\{.*\})$")
+
+# (width, height) of the bucketed set: four buckets of about 1024x1024 pixels, as SDXL users train
+BUCKET_SIZES = ((1024, 1024), (896, 1152), (1152, 896), (832, 1216))
 
 
-def prepare(workdir: Path, images: int, resolution: int, checkpoint: str | None = None, family: str = "sdxl") -> None:
+def prepare(workdir: Path, images: int, resolution: int, checkpoint: str | None = None, family: str = "sdxl",
+            bucket_images: int = 0) -> None:
     sys.path.insert(0, str(SD_SCRIPTS))
+    if bucket_images:
+        make_bucket_images(workdir, bucket_images)
     if family == "flux":
         prepare_flux(workdir / "flux")
         return make_images(workdir, images, resolution)
@@ -136,6 +158,17 @@ def make_images(workdir: Path, images: int, resolution: int) -> None:
                                           name="bench")
 
 
+def make_bucket_images(workdir: Path, per_size: int, sizes=BUCKET_SIZES) -> Path:
+    """`per_size` captioned images of each (width, height) in `sizes`, one kohya folder per size, in W/data_buckets."""
+    from library import tiny_models
+
+    dest = workdir / "data_buckets"
+    if not dest.exists():
+        for w, h in sizes:
+            tiny_models.make_captioned_images(dest, n=per_size, size=(w, h), repeats=1, name=f"b{w}x{h}")
+    return dest
+
+
 SCRIPTS = {"sdxl": "sdxl_train_network.py", "flux": "flux_train_network.py"}
 
 
@@ -153,7 +186,7 @@ def trainer_argv(args, phase: str, workdir: Path) -> list[str]:
     out = workdir / f"out_{args.tag}_{phase}"
     dim = args.network_dim or (16 if args.family == "flux" else 32)
     argv = model_argv(args.family, workdir) + [
-        "--train_data_dir", str(workdir / "data"),
+        "--train_data_dir", str(workdir / ("data_buckets" if args.buckets else "data")),
         "--resolution", f"{args.resolution},{args.resolution}", "--output_dir", str(out), "--output_name", "bench",
         "--overwrite_output", "--network_dim", str(dim),
         "--network_alpha", str(dim / 2), "--network_train_unet_only",
@@ -163,40 +196,98 @@ def trainer_argv(args, phase: str, workdir: Path) -> list[str]:
     ]
     if args.gradient_checkpointing:
         argv.append("--gradient_checkpointing")
+    if args.buckets:
+        sides = [side for size in BUCKET_SIZES for side in size]
+        argv += ["--enable_bucket", "--min_bucket_reso", str(min(sides)), "--max_bucket_reso", str(max(sides))]
     if phase == "compiled":
         argv += ["--compile", "--compile_mode", args.compile_mode,
-                 "--compile_cache_dir", str(workdir / f"compile_cache_{args.tag}")]
+                 "--compile_cache_dir", str(workdir / f"compile_cache_{args.cache_tag or args.tag}")]
     return argv + args.extra
+
+
+def read_log(lines: list[tuple[float, str]], warmup: int) -> dict:
+    """The figures a run's timestamped output lines give (see the module's docstring)."""
+    result: dict = {}
+    points, shapes, recompiles = [], [], {}
+    compiling = graph_timing = None
+    for t, line in lines:
+        if m := PROGRESS.match(line):
+            points.append((int(m.group(1)), t))
+        elif m := SUMMARY.match(line):
+            result["trainer_summary"] = {"median_ms": float(m.group(1)), "steps": f"{m.group(2)}-{m.group(3)}",
+                                         "first_steps": m.group(4)}
+            if m.group(4) and (s := SETUP.search(m.group(4))):
+                result["setup"] = {"shapes": int(s.group(1)), "steps": int(s.group(2)), "what": s.group(3),
+                                   "seconds": float(s.group(4))}
+        elif m := GRAPH_TIMING.match(line):
+            graph_timing = json.loads(m.group(1))
+        if compiling is None and COMPILING.search(line):
+            compiling = t
+        if m := NEW_SHAPE.search(line):
+            shapes.append({"shape": m.group(1), "step": int(m.group(2)) if m.group(2) else None, "at_s": round(t, 1)})
+        if RECOMPILE in line:
+            recompiles[len(shapes)] = recompiles.get(len(shapes), 0) + 1
+    if shapes:
+        result["new_shapes"] = shapes
+    if recompiles or shapes:
+        # shapes seen when each recompile came -> how many: {"1": 1} is one recompile during the first shape's steps
+        result["recompiles"] = sum(recompiles.values())
+        result["recompiles_by_shapes_seen"] = {str(k): v for k, v in sorted(recompiles.items())}
+    if graph_timing is not None:
+        result["graph_timing"] = graph_timing
+    if compiling is not None:
+        step2 = [t for s, t in points if s == 2]
+        if step2:
+            result["compile_line_to_step2_line_s"] = round(step2[0] - compiling, 1)
+    later = [(s, t) for s, t in points if s >= warmup]
+    if len(later) >= 2 and later[-1][0] > later[0][0]:
+        (s0, t0_), (s1, t1) = later[0], later[-1]
+        result["outside_ms_per_step"] = round((t1 - t0_) / (s1 - s0) * 1000, 1)
+        result["outside_steps"] = f"{s0}-{s1}"
+    return result
 
 
 def run_phase(args, phase: str, workdir: Path) -> dict:
     scripts_dir = Path(args.scripts_dir).resolve()
     script = scripts_dir / SCRIPTS[args.family]
-    cmd = [sys.executable, str(script)] + trainer_argv(args, phase, workdir)
+    runner = [str(REPO / "tools" / "graph_timing.py")] if args.time_graphs else []
+    cmd = [sys.executable] + runner + [str(script)] + trainer_argv(args, phase, workdir)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if args.recompiles:
+        env["TORCH_LOGS"] = ",".join(filter(None, [env.get("TORCH_LOGS"), "recompiles"]))
     t0 = time.perf_counter()
-    points, summary, tail = [], None, []
+    lines, timed_out = [], False
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             cwd=str(scripts_dir.parent))
+    timer = None
+    if args.timeout:
+        import threading
+
+        def stop():
+            nonlocal timed_out
+            timed_out = True
+            proc.kill()
+
+        timer = threading.Timer(args.timeout, stop)
+        timer.start()
+    log = open(args.log_out, "a") if args.log_out else None
     for line in proc.stdout:
         now = time.perf_counter() - t0
         line = line.rstrip("\n")
-        tail = (tail + [line])[-40:]
-        if m := PROGRESS.match(line):
-            points.append((int(m.group(1)), now))
-        elif m := SUMMARY.match(line):
-            summary = {"median_ms": float(m.group(1)), "steps": f"{m.group(2)}-{m.group(3)}",
-                       "first_steps": m.group(4)}
+        lines.append((now, line))
+        if log:
+            log.write(f"{now:8.2f} {line}\n")
     rc = proc.wait()
-    result = {"phase": phase, "rc": rc, "wall_s": round(time.perf_counter() - t0, 1), "trainer_summary": summary}
+    if timer:
+        timer.cancel()
+    if log:
+        log.close()
+    result = {"phase": phase, "rc": rc, "wall_s": round(time.perf_counter() - t0, 1), "trainer_summary": None}
+    if timed_out:
+        result["timed_out_after_s"] = args.timeout
+    result.update(read_log(lines, args.warmup))
     if rc != 0:
-        result["log_tail"] = tail
-        return result
-    later = [(s, t) for s, t in points if s >= args.warmup]
-    if len(later) >= 2 and later[-1][0] > later[0][0]:
-        (s0, t0_), (s1, t1) = later[0], later[-1]
-        result["outside_ms_per_step"] = round((t1 - t0_) / (s1 - s0) * 1000, 1)
-        result["outside_steps"] = f"{s0}-{s1}"
+        result["log_tail"] = [line for _, line in lines[-40:]]
     return result
 
 
@@ -219,18 +310,30 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint", default=None,
                    help="prepare: use this SDXL single file (tokenizers/ beside it) instead of a random full-size one")
     p.add_argument("--json_out", default=None)
+    p.add_argument("--buckets", action="store_true",
+                   help="prepare: also write the bucketed image set; run: train on it (--enable_bucket)")
+    p.add_argument("--bucket_images", type=int, default=2, help="prepare --buckets: images of each bucket size")
+    p.add_argument("--recompiles", action="store_true", help="count torch's recompiles (TORCH_LOGS=recompiles)")
+    p.add_argument("--time_graphs", action="store_true",
+                   help="run the trainer through tools/graph_timing.py (CUDA-graph recording and compile timers)")
+    p.add_argument("--cache_tag", default=None, help="use the compile cache of this tag (default: --tag)")
+    p.add_argument("--timeout", type=float, default=0, help="stop a phase after this many seconds (0: never)")
+    p.add_argument("--log_out", default=None, help="append the trainer's output, each line timestamped, here")
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []  # more trainer flags, after --
     args = p.parse_args(argv[:len(argv) - len(extra) - (1 if extra else 0)])
     args.extra = extra
     workdir = Path(args.workdir).resolve()
     if args.action == "prepare":
-        prepare(workdir, args.images, args.resolution, args.checkpoint, args.family)
+        prepare(workdir, args.images, args.resolution, args.checkpoint, args.family,
+                args.bucket_images if args.buckets else 0)
         return 0
     results = []
     for phase in args.phases.split(","):
         r = run_phase(args, phase, workdir)
-        r.update(tag=args.tag, family=args.family, batch_size=args.batch_size, gradient_checkpointing=args.gradient_checkpointing)
+        r.update(tag=args.tag, family=args.family, batch_size=args.batch_size,
+                 gradient_checkpointing=args.gradient_checkpointing, buckets=args.buckets,
+                 cache_tag=args.cache_tag or args.tag, scripts_dir=args.scripts_dir)
         print(json.dumps(r), flush=True)
         results.append(r)
     if args.json_out:

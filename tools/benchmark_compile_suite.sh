@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind docs/BENCHMARKS.md, on one CUDA GPU (dp2: two). Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|fused_final|sdp|sdp_bs4|attn_lora|lycoris[_bs1|_bs4]|record|full_sdxl|dp2 [OUTDIR]
+# The runs behind docs/BENCHMARKS.md, on one CUDA GPU (dp2: two). Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|fused_final|sdp|sdp_bs4|attn_lora|lycoris[_bs1|_bs4]|record|full_sdxl|dp2|shipped_buckets [OUTDIR]
 # Each configuration runs in its own process (eager and compiled in that one process) with a fresh compile
 # cache, so "first compiled step" is a cold compile; the warm-start run reuses the SDXL bs1+GC cache.
 set -u
@@ -152,6 +152,29 @@ case "${1:-}" in
       --warmup "$WARMUP" --json_out "$OUTDIR/sdxl_dp2.json" $D >"$OUTDIR/sdxl_dp2.log" 2>&1
     echo "exit $? (sdxl_dp2)"; grep -v "__recompiles\]" "$OUTDIR/sdxl_dp2.log" | tail -6
     $PY -c "import json,sys; a,b=(json.load(open(f'$OUTDIR/sdxl_dp{n}.json'))['compiled']['images_per_s'] for n in (1,2)); print(f'images/s 1 GPU {a:.2f}, 2 GPUs {b:.2f}: {b/a:.2f}x')"
+    ;;
+  shipped_buckets)  # issue 15: the SHIPPED SDXL LoRA trainer (tools/bench_shipped.py), r32 bs1 + GC, reduce-overhead,
+    # on 4 bucket shapes: "before" = this tree with the image-size dynamic marks off (a copy of sd-scripts),
+    # "after" = this tree; then a warm restart on one shape (1024x1024) from the "after" compile cache.
+    W=${WORKDIR:-/tmp/bench_shipped}
+    B="$PY tools/bench_shipped.py"
+    BEFORE=/tmp/before_tree
+    rm -rf "$BEFORE" && mkdir -p "$BEFORE" && cp -r sd-scripts "$BEFORE/"
+    sed -i 's/^    if dynamic is None:  # auto: the image-size dims/    if False:  # before: no image-size marks/' \
+      "$BEFORE/sd-scripts/library/compile_utils.py"
+    grep -q "if False:  # before: no image-size marks" "$BEFORE/sd-scripts/library/compile_utils.py" || { echo "before tree not made"; exit 1; }
+    echo "=== prepare"; $B prepare --workdir "$W" --buckets >"$OUTDIR/prepare.log" 2>&1 || { tail -20 "$OUTDIR/prepare.log"; exit 1; }
+    tail -2 "$OUTDIR/prepare.log"
+    R="run --workdir $W --phases compiled --gradient_checkpointing --recompiles --time_graphs"
+    for tag in before after; do
+      dir=$([ $tag = before ] && echo "$BEFORE/sd-scripts" || echo sd-scripts)
+      echo "=== buckets $tag"
+      $B $R --buckets --steps ${STEPS_BUCKETS:-24} --tag $tag --scripts_dir "$dir" --timeout ${LIMIT_BUCKETS:-200} \
+        --log_out "$OUTDIR/buckets_$tag.log" --json_out "$OUTDIR/buckets_$tag.json" | cut -c1-1500
+    done
+    echo "=== warm restart, one shape, on the 'after' cache"
+    $B $R --steps 10 --tag warm --cache_tag after --timeout ${LIMIT_WARM:-100} --log_out "$OUTDIR/warm.log" \
+      --json_out "$OUTDIR/warm.json" | cut -c1-1500
     ;;
   *) echo "usage: $0 sdxl|flux|tune_sdxl|full_sdxl|dp2|... [OUTDIR]"; exit 2 ;;
 esac
