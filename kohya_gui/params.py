@@ -449,7 +449,8 @@ OVERLAY: tuple[Param, ...] = (  # what the GUI adds to the trainers' options: la
        "compile", families=COMPILE_FAMILIES,
        choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")),
     _p("compile_dynamic", "choice", "auto", "Dynamic shapes",
-       "auto: torch decides. true: one graph for many bucket sizes. false: one resolution only.",
+       "auto: the image size is dynamic from the first step, so bucket sizes share graphs (the rest as torch "
+       "decides). true: every dimension dynamic. false: static, each new shape recompiles.",
        "compile", families=COMPILE_FAMILIES, choices=("auto", "true", "false")),
     _p("compile_cache_size_limit", "int", 0, "Cache size limit",
        "How many recompiles per block before falling back to eager. 0 = torch default; 64 for many bucket "
