@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind docs/BENCHMARKS.md, on one CUDA GPU (dp2: two). Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|fused_final|sdp|sdp_bs4|attn_lora|lycoris[_bs1|_bs4]|record|full_sdxl|dp2|shipped_buckets [OUTDIR]
+# The runs behind docs/BENCHMARKS.md, on one CUDA GPU (dp2: two). Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|fused_final|sdp|sdp_bs4|attn_lora|lycoris[_bs1|_bs4]|record|full_sdxl|dp2|shipped_buckets|shipped_fixed [OUTDIR]
 # Each configuration runs in its own process (eager and compiled in that one process) with a fresh compile
 # cache, so "first compiled step" is a cold compile; the warm-start run reuses the SDXL bs1+GC cache.
 set -u
@@ -152,6 +152,23 @@ case "${1:-}" in
       --warmup "$WARMUP" --json_out "$OUTDIR/sdxl_dp2.json" $D >"$OUTDIR/sdxl_dp2.log" 2>&1
     echo "exit $? (sdxl_dp2)"; grep -v "__recompiles\]" "$OUTDIR/sdxl_dp2.log" | tail -6
     $PY -c "import json,sys; a,b=(json.load(open(f'$OUTDIR/sdxl_dp{n}.json'))['compiled']['images_per_s'] for n in (1,2)); print(f'images/s 1 GPU {a:.2f}, 2 GPUs {b:.2f}: {b/a:.2f}x')"
+    ;;
+  shipped_fixed)  # issue 15: one fixed 1024x1024 shape, SDXL LoRA r32 bs1 (no GC), reduce-overhead, shipped
+    # trainer: "before" = this tree with the image-size dynamic marks off, "after" = this tree (auto marks them)
+    W=${WORKDIR:-/tmp/bench_shipped}
+    B="$PY tools/bench_shipped.py"
+    BEFORE=/tmp/before_tree
+    rm -rf "$BEFORE" && mkdir -p "$BEFORE" && cp -r sd-scripts "$BEFORE/"
+    sed -i 's/^    if dynamic is None:  # auto: the image-size dims/    if False:  # before: no image-size marks/' \
+      "$BEFORE/sd-scripts/library/compile_utils.py"
+    grep -q "if False:  # before: no image-size marks" "$BEFORE/sd-scripts/library/compile_utils.py" || { echo "before tree not made"; exit 1; }
+    echo "=== prepare"; $B prepare --workdir "$W" >"$OUTDIR/prepare.log" 2>&1 || { tail -20 "$OUTDIR/prepare.log"; exit 1; }
+    for tag in before after; do
+      dir=$([ $tag = before ] && echo "$BEFORE/sd-scripts" || echo sd-scripts)
+      echo "=== fixed $tag"
+      $B run --workdir "$W" --phases compiled --steps ${STEPS_FIXED:-60} --tag fixed_$tag --scripts_dir "$dir" \
+        --timeout ${LIMIT_FIXED:-220} --json_out "$OUTDIR/fixed_$tag.json" | cut -c1-1500
+    done
     ;;
   shipped_buckets)  # issue 15: the SHIPPED SDXL LoRA trainer (tools/bench_shipped.py), r32 bs1 + GC, reduce-overhead,
     # on 4 bucket shapes: "before" = this tree with the image-size dynamic marks off (a copy of sd-scripts),
