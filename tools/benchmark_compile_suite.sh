@@ -11,6 +11,12 @@ CACHE_ROOT=${COMPILE_CACHE_ROOT:-/tmp/compile_cache}  # not CC: that is the C co
 STEPS=${STEPS:-15}
 WARMUP=${WARMUP:-4}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+before_tree() {  # a copy of sd-scripts in $1 with the image-size dynamic marks of --compile_dynamic auto off
+  rm -rf "$1" && mkdir -p "$1" && cp -r sd-scripts "$1/"
+  sed -i 's/^    if dynamic is None:  # auto: the image-size dims/    if False:  # before: no image-size marks/' \
+    "$1/sd-scripts/library/compile_utils.py"
+  grep -q "if False:  # before: no image-size marks" "$1/sd-scripts/library/compile_utils.py" || { echo "before tree not made"; exit 1; }
+}
 run() {  # name, timeout, args...
   local name=$1 limit=$2; shift 2
   echo "=== $name: $*"
@@ -158,10 +164,7 @@ case "${1:-}" in
     W=${WORKDIR:-/tmp/bench_shipped}
     B="$PY tools/bench_shipped.py"
     BEFORE=/tmp/before_tree
-    rm -rf "$BEFORE" && mkdir -p "$BEFORE" && cp -r sd-scripts "$BEFORE/"
-    sed -i 's/^    if dynamic is None:  # auto: the image-size dims/    if False:  # before: no image-size marks/' \
-      "$BEFORE/sd-scripts/library/compile_utils.py"
-    grep -q "if False:  # before: no image-size marks" "$BEFORE/sd-scripts/library/compile_utils.py" || { echo "before tree not made"; exit 1; }
+    before_tree "$BEFORE"
     echo "=== prepare"; $B prepare --workdir "$W" >"$OUTDIR/prepare.log" 2>&1 || { tail -20 "$OUTDIR/prepare.log"; exit 1; }
     for tag in before after; do
       dir=$([ $tag = before ] && echo "$BEFORE/sd-scripts" || echo sd-scripts)
@@ -176,10 +179,7 @@ case "${1:-}" in
     W=${WORKDIR:-/tmp/bench_shipped}
     B="$PY tools/bench_shipped.py"
     BEFORE=/tmp/before_tree
-    rm -rf "$BEFORE" && mkdir -p "$BEFORE" && cp -r sd-scripts "$BEFORE/"
-    sed -i 's/^    if dynamic is None:  # auto: the image-size dims/    if False:  # before: no image-size marks/' \
-      "$BEFORE/sd-scripts/library/compile_utils.py"
-    grep -q "if False:  # before: no image-size marks" "$BEFORE/sd-scripts/library/compile_utils.py" || { echo "before tree not made"; exit 1; }
+    before_tree "$BEFORE"
     echo "=== prepare"; $B prepare --workdir "$W" --buckets >"$OUTDIR/prepare.log" 2>&1 || { tail -20 "$OUTDIR/prepare.log"; exit 1; }
     tail -2 "$OUTDIR/prepare.log"
     R="run --workdir $W --phases compiled --gradient_checkpointing --recompiles --time_graphs"
