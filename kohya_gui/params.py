@@ -637,14 +637,18 @@ def _arg_text(p: Param, value: Any) -> str:
     return format_number(value) if p.kind == "float" else str(value)
 
 
+def _set_fields(tab: str, family: str, values: dict[str, Any]) -> list[Param]:
+    """The chosen network type's fields that hold a value (the others are not written)."""
+    return [p for p in network_arg_fields(tab, family, values)
+            if values.get(p.name) is not None and not p.is_default(values[p.name], tab)]
+
+
 def fold_network_args(tab: str, family: str, values: dict[str, Any]) -> dict[str, Any]:
     """The values as the trainer gets them: the chosen network type's fields that are set become key=value entries
     of network_args, before the entries typed into Network arguments."""
-    fields = network_arg_fields(tab, family, values)
-    if not fields:
+    if not network_arg_fields(tab, family, values):
         return values
-    args = [f"{p.network_arg}={_arg_text(p, values[p.name])}" for p in fields
-            if values.get(p.name) is not None and not p.is_default(values[p.name], tab)]
+    args = [f"{p.network_arg}={_arg_text(p, values[p.name])}" for p in _set_fields(tab, family, values)]
     return {**values, "network_args": args + list(values.get("network_args") or [])}
 
 
@@ -682,8 +686,7 @@ def _field_value(p: Param, text: str) -> Any:
 
 def network_arg_clashes(tab: str, family: str, values: dict[str, Any]) -> list[str]:
     """Keys set both in a field and in Network arguments (which would the network module take?)."""
-    set_in_fields = {p.network_arg: p for p in network_arg_fields(tab, family, values)
-                     if values.get(p.name) is not None and not p.is_default(values[p.name], tab)}
+    set_in_fields = {p.network_arg: p for p in _set_fields(tab, family, values)}
     return [f"Network arguments (network_args): {key} is also set in the field '{set_in_fields[key].label}'; "
             "keep one" for key in (item.partition("=")[0].strip() for item in values.get("network_args") or [])
             if key in set_in_fields]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 
 import psutil
 
@@ -73,6 +74,19 @@ def kill(leader: int, processes: list[psutil.Process]) -> None:
     living = [p for p in processes if alive(p)]
     _each(living, psutil.Process.kill)
     psutil.wait_procs(living, timeout=5)
+
+
+def end(proc: subprocess.Popen, grace: float) -> None:
+    """Ends the tree of `proc` (started with popen_kwargs): SIGTERM to it (Windows: terminate() each, which ends
+    them at once), what is left killed after `grace` seconds."""
+    processes = tree(proc.pid)
+    terminate(proc.pid, processes if not groups() else processes[1:])
+    deadline = time.time() + grace
+    while time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    kill(proc.pid, [p for p in grown(processes) if alive(p)])
+    if proc.poll() is None:
+        proc.kill()
 
 
 def outside_group(processes: list[psutil.Process], pgid: int) -> list[psutil.Process]:

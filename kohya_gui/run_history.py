@@ -12,9 +12,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_NUM = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)"
+NUM = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)"
 PROGRESS = re.compile(r"^steps: (\d+)/\d+ ")
-METRIC = re.compile(r"\b(loss|avr_loss|val_loss|lr)=" + _NUM)
+METRIC = re.compile(r"\b(loss|avr_loss|val_loss|lr)=" + NUM)
 SAMPLE = re.compile(r"sample image: (.+?) \(prompt (['\"])(.*)\2\)\s*$")
 SAMPLE_STEP = re.compile(r"_(\d{6})_(\d{2})_\d")
 SERIES = {"loss": "loss", "avr_loss": "average", "val_loss": "validation"}

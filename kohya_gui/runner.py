@@ -20,10 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
-
 from . import proc_tree, quoting, run_requests
-from .run_history import RunHistory
+from .run_history import NUM, RunHistory
 
 # the trainers' last line after a stop-and-save (library.stop_signal.stopped_line)
 STOPPED_LINE = re.compile(r"^stopped at step \d+, saved ")
@@ -36,11 +34,10 @@ COMPILE_LINE = re.compile(r"torch\.compile: new input shape (\S+) .*this step (c
 # The trainers print plain lines such as "steps: 12/100 loss=0.1234 it/s=1.23 eta=00:40" (docs/ARCHITECTURE.md);
 # tqdm-style lines ("steps:  12%|##  | 12/100 [00:05<00:40,  2.15it/s, avr_loss=0.123]") are understood too.
 
-_NUM = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)"
 _STEPS = re.compile(r"\bsteps?\b[^\n]*?(\d+)\s*/\s*(\d+)", re.I)
-_LOSS = re.compile(r"\b(avr_loss|avg_loss|loss)\s*[=:]\s*" + _NUM, re.I)
-_ITS = re.compile(r"(?:\bit/s\s*[=:]\s*" + _NUM + r")|(?:" + _NUM + r"\s*it/s(?!\s*[=:]))", re.I)
-_SIT = re.compile(_NUM + r"\s*s/it", re.I)
+_LOSS = re.compile(r"\b(avr_loss|avg_loss|loss)\s*[=:]\s*" + NUM, re.I)
+_ITS = re.compile(r"(?:\bit/s\s*[=:]\s*" + NUM + r")|(?:" + NUM + r"\s*it/s(?!\s*[=:]))", re.I)
+_SIT = re.compile(NUM + r"\s*s/it", re.I)
 _ETA = re.compile(r"(?:\beta\s*[=:]\s*|<)(\d+(?::\d{1,2}){1,2})", re.I)
 
 
@@ -195,7 +192,7 @@ class Runner:
             self.version += 1
         if proc is not None:
             if now:
-                _terminate_tree(proc, grace)
+                proc_tree.end(proc, grace)
             else:
                 self._stop_and_save(proc, output_dir, grace, save_timeout)
         if self._thread is not None:
@@ -310,7 +307,7 @@ class Runner:
                 with self._lock:
                     self._proc = proc
                 if self._stop_requested.is_set():  # stop() came between the check and Popen
-                    _terminate_tree(proc, 5.0)
+                    proc_tree.end(proc, 5.0)
                 self._pump(proc, log)
                 rest = proc_tree.tree(proc.pid)[1:]  # normally none: the output ended, so did the processes
                 rc = proc.wait()
@@ -354,19 +351,6 @@ class Runner:
         if buf:
             self._add(buf.decode("utf-8", "replace"), False, log)
         proc.stdout.close()
-
-
-def _terminate_tree(proc: subprocess.Popen, grace: float) -> None:
-    """SIGTERM to the tree (Windows: terminate() each, which ends them at once), what is left killed after
-    `grace` seconds."""
-    tree = proc_tree.tree(proc.pid)
-    proc_tree.terminate(proc.pid, tree if not proc_tree.groups() else tree[1:])
-    deadline = time.time() + grace
-    while time.time() < deadline and proc.poll() is None:
-        time.sleep(0.1)
-    proc_tree.kill(proc.pid, [p for p in proc_tree.grown(tree) if proc_tree.alive(p)])
-    if proc.poll() is None:
-        proc.kill()
 
 
 def new_outputs(output_dir: str | None, since: float | None) -> list[str]:

@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
+from . import proc_tree
 
 HOST = {"address": "127.0.0.1"}  # gui.py sets the --listen address
 START_TIMEOUT = 60.0
@@ -46,7 +46,7 @@ class TensorBoard:
             argv = [sys.executable, "-m", "tensorboard.main", "--logdir", str(folder), "--port", str(port),
                     "--host", HOST["address"]]
             self._proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                          stdin=subprocess.DEVNULL)
+                                          stdin=subprocess.DEVNULL, **proc_tree.popen_kwargs())
             self.logdir, self.port = str(folder), port
             proc = self._proc
         deadline = time.monotonic() + START_TIMEOUT
@@ -68,22 +68,8 @@ class TensorBoard:
 
     def _stop_locked(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            children = psutil.Process(proc.pid).children(recursive=True)
-        except psutil.Error:
-            children = []
-        for p in [proc, *children]:
-            try:
-                p.terminate()
-            except (OSError, psutil.Error):
-                pass
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        psutil.wait_procs([c for c in children if c.is_running()], timeout=5)
+        if proc is not None and proc.poll() is None:
+            proc_tree.end(proc, grace=10.0)
 
 
 def _free_port(host: str) -> int:

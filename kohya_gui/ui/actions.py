@@ -267,13 +267,10 @@ def stop_training(now: bool = False) -> str:
 
 # ---- the queue -------------------------------------------------------------------------------------------------
 
-_QUEUE: list = []  # the app's RunQueue, made on first use (its folder follows XDG_CONFIG_HOME at that time)
-
-
+@functools.cache
 def run_queue() -> RunQueue:
-    if not _QUEUE:
-        _QUEUE.append(RunQueue())
-    return _QUEUE[0]
+    """The app's queue, made on first use (its folder follows XDG_CONFIG_HOME at that time)."""
+    return RunQueue()
 
 
 def start_queue_worker() -> QueueWorker:
@@ -437,8 +434,8 @@ def files_md(s) -> str:
 
 
 def format_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
