@@ -1006,9 +1006,7 @@ class NetworkTrainer:
                     self.save_model(args, accelerator, trainable, metadata, final_path, final_epoch, global_step)
                 huggingface_util.upload(args, final_path, os.path.basename(final_path), force_sync=True)
             if args.save_state or args.save_state_on_train_end:
-                state = train_util.state_dir_name(args.output_name)
-                with saving.explained_save_errors(os.path.join(args.output_dir, state)):
-                    self.save_state(args, accelerator, state)
+                self.save_state(args, accelerator, train_util.state_dir_name(args.output_name))
         huggingface_util.wait_for_uploads()
         accelerator.wait_for_everyone()
         accelerator.end_training()
@@ -1147,7 +1145,8 @@ class NetworkTrainer:
         """accelerate's state (models, optimizer, scheduler, step, every process's RNG); all processes call it.
         --save_state_to_huggingface uploads it."""
         path = os.path.join(args.output_dir, name)
-        state_folders.write_state(accelerator, path, args.overwrite_output)
+        with saving.explained_save_errors(path):
+            state_folders.write_state(accelerator, path, args.overwrite_output)
         logger.info("training state saved: %s", path)
         if accelerator.is_main_process and getattr(args, "save_state_to_huggingface", False):
             huggingface_util.upload(args, path, name)
@@ -1175,10 +1174,8 @@ class NetworkTrainer:
                 self.save_model(args, accelerator, trainable, metadata, path, epoch, step)
             huggingface_util.upload(args, path, name)
         if args.save_state:
-            state = train_util.state_dir_name(args.output_name, epoch=None if by_step else epoch,
-                                              step=step if by_step else None)
-            with saving.explained_save_errors(os.path.join(out, state)):
-                self.save_state(args, accelerator, state)
+            self.save_state(args, accelerator, train_util.state_dir_name(
+                args.output_name, epoch=None if by_step else epoch, step=step if by_step else None))
         if accelerator.is_main_process and prune:
             self.prune_checkpoints(args, epoch, step, ext, by_step)
         accelerator.wait_for_everyone()
