@@ -80,14 +80,19 @@ def _network_md(args, family="sd1"):
     return md
 
 
-def test_network_metadata_has_every_upstream_key(tmp_path, tiny_dataset_dir):
+@pytest.mark.parametrize("hashed_on_a_thread", [False, True])
+def test_network_metadata_has_every_upstream_key(tmp_path, tiny_dataset_dir, hashed_on_a_thread):
     model, vae = tmp_path / "m.safetensors", tmp_path / "vae.safetensors"
     model.write_bytes(os.urandom(0x100000 + 0x20000))
     vae.write_bytes(b"vae")
     args = _lora_args(tiny_dataset_dir, tmp_path, ["--network_args", "conv_dim=4", "--vae", str(vae),
                                                    "--optimizer_args", "weight_decay=0.01", "betas=0.9,0.99"])
     args.pretrained_model_name_or_path = str(model)
+    if hashed_on_a_thread:  # as the trainers start it (network_trainer._train): the same values come out
+        metadata.start_file_hashes(str(model), str(vae), None)
+        assert set(metadata._PENDING_HASHES) == {str(model), str(vae)}
     md = _network_md(args)
+    assert not metadata._PENDING_HASHES  # taken once; a later call hashes again
     expected = UPSTREAM_COMMON + UPSTREAM_NO_CONFIG + UPSTREAM_CONDITIONAL
     assert not [k for k in expected if k not in md]
     assert all(isinstance(v, str) for v in md.values())

@@ -2,6 +2,7 @@
 aot_eager / inductor / two bucket shapes, resume from --save_state, and the named errors for bad input."""
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -97,6 +98,8 @@ def test_sdxl_eager_subprocess_from_config_file(tmp_path, tiny_sdxl_single_file,
     assert next(v for k, v in sd.items() if k.endswith("lora_down.weight")).shape[0] == 4
     assert md["ss_base_model_version"] == "sdxl_base_v1-0"
     assert md["ss_sd_model_name"] == "tiny_sdxl.safetensors"
+    # the base model's hash (taken on a thread from the run's start) is the file's
+    assert md["ss_new_sd_model_hash"] == hashlib.sha256(tiny_sdxl_single_file.read_bytes()).hexdigest()
     assert md["ss_steps"] == "2" and md["ss_epoch"] == "1" and md["ss_max_train_steps"] == "2"
     assert md["ss_optimizer"] == "torch.optim.adamw.AdamW(weight_decay=0.01)"
     assert md["ss_lr_scheduler"] == "cosine" and md["ss_learning_rate"] == "0.01"

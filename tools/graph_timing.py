@@ -17,30 +17,50 @@ those of the calls inside it):
 - get_checkpoint_state / set_checkpoint_state: the allocator checkpoints of the graph pool
 - apply_checkpoint: CUDAGraphTreeManager.apply_checkpoint_execution_state_in_allocator
 - try_end_recording, dealloc_path_weakrefs: the tree manager's path changes
+- node_init: CUDAGraphNode.__init__ (its inputs checked against the path's outputs: recorded_scan, alias_scan)
+- pool_check: check_memory_pool (inductor's slow_path_cudagraph_asserts) / liveness: CUDAGraphNode._get_liveness
 - synchronize, empty_cache, gc_collect: torch.cuda.synchronize / empty_cache, gc.collect, from anywhere
 The dynamo/inductor compile-time table of torch (torch._dynamo.utils.compile_times) follows on its own lines.
+
+Environment:
+- GRAPH_TIMING_VARIANT: "shipped" (default: library.cuda_graph_recording.speed_up, as the trainers do), "torch"
+  (torch's own bookkeeping), "no_pool_checks" (torch's, with slow_path_cudagraph_asserts off), to compare them on
+  one machine.
+- GRAPH_TIMING_PROFILE=1: cProfile over the warm-up runs and recordings; the 30 functions with the most own time
+  are printed at the end (cProfile slows Python code, so its times are only relative).
 """
 from __future__ import annotations
 
 import atexit
+import cProfile
 import functools
 import gc
+import inspect
+import io
 import json
 import os
+import pstats
 import runpy
 import sys
 import time
 
 TOTALS: dict[str, list] = {}
+VARIANTS = ("shipped", "torch", "no_pool_checks")
+PROFILE = cProfile.Profile() if os.environ.get("GRAPH_TIMING_PROFILE") == "1" else None
 
 
-def _timed(name: str, fn):
+def _timed(name: str, fn, profiled: bool = False):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         t0 = time.perf_counter()
+        profiling = profiled and PROFILE is not None
+        if profiling:
+            PROFILE.enable()
         try:
             return fn(*args, **kwargs)
         finally:
+            if profiling:
+                PROFILE.disable()
             entry = TOTALS.setdefault(name, [0, 0.0])
             entry[0] += 1
             entry[1] += time.perf_counter() - t0
@@ -50,14 +70,41 @@ def _timed(name: str, fn):
 
 def _wrap(owner, attr: str, name: str) -> None:
     fn = getattr(owner, attr, None)
-    if fn is not None:
-        setattr(owner, attr, _timed(name, fn))
+    if fn is None:
+        return
+    wrapped = _timed(name, fn, profiled=name in ("record_function", "warmup"))
+    if isinstance(inspect.getattr_static(owner, attr), staticmethod):
+        wrapped = staticmethod(wrapped)
+    setattr(owner, attr, wrapped)
+
+
+def _apply_variant(variant: str) -> None:
+    """Which CUDA-graph bookkeeping the run uses (see GRAPH_TIMING_VARIANT above). The trainer's own call of
+    library.cuda_graph_recording.speed_up is made a no-op, so that the timers put in after this stay."""
+    import torch._inductor.config as inductor_config
+
+    if variant not in VARIANTS:
+        raise SystemExit(f"GRAPH_TIMING_VARIANT: {variant!r} is not one of {', '.join(VARIANTS)}")
+    try:
+        from library import cuda_graph_recording
+    except ImportError:  # an older tree (--scripts_dir): torch's bookkeeping is all it has
+        if variant != "torch":
+            raise SystemExit(f"GRAPH_TIMING_VARIANT={variant} needs library.cuda_graph_recording")
+        return
+    if variant == "shipped":
+        cuda_graph_recording.speed_up()
+    elif variant == "no_pool_checks":
+        cuda_graph_recording.skip_debug_checks()
+    cuda_graph_recording.speed_up = lambda: []
+    print(f"graph_timing: variant {variant} (pool checks {inductor_config.triton.slow_path_cudagraph_asserts})",
+          flush=True)
 
 
 def install() -> None:
     import torch
     from torch._inductor import cudagraph_trees as trees
 
+    _apply_variant(os.environ.get("GRAPH_TIMING_VARIANT", "shipped"))
     manager, node = trees.CUDAGraphTreeManager, trees.CUDAGraphNode
     for owner, attr, name in (
         (manager, "record_function", "record_function"),
@@ -70,6 +117,11 @@ def install() -> None:
         (node, "_allocate_and_copy_recording_inputs", "copy_recording_inputs"),
         (node, "run", "replay"),
         (node, "check_invariants", "check_invariants"),
+        (node, "__init__", "node_init"),
+        (node, "_is_cuda_graph_recorded_tensor", "recorded_scan"),
+        (node, "_is_alias_of_live_recorded_tensor", "alias_scan"),
+        (node, "_get_liveness", "liveness"),
+        (trees, "check_memory_pool", "pool_check"),
         (torch.cuda.graphs.CUDAGraph, "capture_begin", "capture_begin"),
         (torch.cuda.graphs.CUDAGraph, "capture_end", "capture_end"),
         (torch._C, "_cuda_getCheckpointState", "get_checkpoint_state"),
@@ -84,6 +136,10 @@ def install() -> None:
 
 def report() -> None:
     print("graph_timing: " + json.dumps({k: [v[0], round(v[1], 3)] for k, v in sorted(TOTALS.items())}), flush=True)
+    if PROFILE is not None:
+        out = io.StringIO()
+        pstats.Stats(PROFILE, stream=out).sort_stats("tottime").print_stats(30)
+        print("graph_timing profile:\n" + out.getvalue(), flush=True)
     try:
         import torch._dynamo.utils
 

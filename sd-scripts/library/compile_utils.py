@@ -366,6 +366,12 @@ def setup_compile_environment(args) -> dict:
     applied["cache_dir"] = cache_dir
     logger.info("Persistent compile cache: %s", cache_dir)
 
+    if uses_cuda_graphs(args):
+        from library import cuda_graph_recording
+
+        if applied_speedups := cuda_graph_recording.speed_up():
+            applied["cuda_graph_recording"] = applied_speedups
+
     limit = getattr(args, "compile_cache_size_limit", 0) or 0
     if limit > 0:
         _set_recompile_limit(limit)

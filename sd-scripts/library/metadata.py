@@ -8,6 +8,7 @@ train_network.py writes, read by A1111/Forge, CivitAI and the additional-network
     network_metadata(args, ...) -> {"ss_*": str}    the LoRA trainers' training metadata
     minimum_network_metadata(md)             what --no_metadata still writes (upstream's minimum keys)
     file_hashes(path) -> (legacy 8-hex hash, sha256)  ss_sd_model_hash / ss_new_sd_model_hash of the base model
+    start_file_hashes(*paths)                those hashes on a thread from the start of a run (see there)
 
 Values follow upstream: every key upstream always writes is written (None as the text "None"), the keys upstream
 writes only in some cases (ss_network_args, the model/VAE hashes, ss_datasets with --dataset_config, ...) only then.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import concurrent.futures
 import datetime
 import functools
 import hashlib
@@ -24,6 +26,7 @@ import logging
 import mimetypes
 import os
 import subprocess
+import threading
 import time
 from typing import Any
 
@@ -165,13 +168,41 @@ def modelspec_metadata(args, *, family: str, lora: bool, v_prediction: bool, flu
 # ss_* training metadata
 
 
+_PENDING_HASHES: dict[str, concurrent.futures.Future] = {}
+
+
+def start_file_hashes(*paths) -> None:
+    """Start hashing these files (the base model, the VAE) on a thread; file_hashes then waits only for what is
+    left. The full sha256 of a 7-24 GB checkpoint took 5-17 s, which the trainers spent before their first step
+    (the metadata is built there; it is needed only at the first save). hashlib and file reads release the GIL."""
+    for path in paths:
+        if not path or not os.path.isfile(path) or str(path) in _PENDING_HASHES:
+            continue
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def work(path=path, future=future):
+            try:
+                future.set_result(_hash_file(path))
+            except BaseException as e:  # noqa: BLE001 - given to whoever asks for the hashes
+                future.set_exception(e)
+
+        _PENDING_HASHES[str(path)] = future
+        threading.Thread(target=work, name="file-hashes", daemon=True).start()
+
+
 def file_hashes(path: str) -> tuple[str, str]:
     """(ss_sd_model_hash, ss_new_sd_model_hash) as upstream computes them: the first 8 hex digits of sha256 over
     64 KiB at offset 1 MiB (A1111's old hash), and sha256 of the whole file; a folder gives "IsADirectory"."""
+    if (pending := _PENDING_HASHES.pop(str(path), None)) is not None:
+        return pending.result()
     if os.path.isdir(path):
         return "IsADirectory", "IsADirectory"
     if not os.path.isfile(path):
         return "NOFILE", "NOFILE"
+    return _hash_file(path)
+
+
+def _hash_file(path: str) -> tuple[str, str]:
     with open(path, "rb") as f:
         f.seek(0x100000)
         legacy = hashlib.sha256(f.read(0x10000)).hexdigest()[:8]

@@ -700,6 +700,7 @@ class NetworkTrainer:
         final_path = os.path.join(args.output_dir, train_util.last_file_name(args.output_name, ext))
         train_util.check_outputs_free(args.output_dir, args.output_name, ext, args.overwrite_output, bool(args.resume))
         state_folders.check_resume(args, ext)
+        metadata_util.start_file_hashes(args.pretrained_model_name_or_path, getattr(args, "vae", None))
         session_id = uuid.uuid4().int & ((1 << 31) - 1)
         training_started_at = time.time()
 

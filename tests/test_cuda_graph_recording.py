@@ -1,0 +1,86 @@
+"""library.cuda_graph_recording: the path scans give torch's answers; the CUDA-graph modes switch it on (CPU).
+
+The scans only read `path_weakrefs` (lists of torch's StorageWeakRefWrapper or None per graph on the path), so a
+stand-in node with real wrappers over CPU storages exercises torch's own methods and ours on the same data."""
+import argparse
+import types
+
+import pytest
+import torch
+from torch._inductor import cudagraph_trees as trees
+
+from library import compile_utils as cu
+from library import cuda_graph_recording as cgr
+
+ORIGINALS = {name: getattr(trees.CUDAGraphNode, name) for name in cgr.FAST_SCANS}
+
+
+@pytest.fixture
+def restore_torch(monkeypatch):
+    """Whatever a test installs into torch is undone after it."""
+    for name, fn in ORIGINALS.items():
+        monkeypatch.setattr(trees.CUDAGraphNode, name, fn)
+    with torch._inductor.config.patch({"triton.slow_path_cudagraph_asserts": True}):
+        yield
+
+
+def _path():
+    """A path of three graphs' outputs: live storages, a dead one, None entries, a view sharing a live storage,
+    and a dead output whose data pointer a live output of a later graph has again (the pool reuses memory)."""
+    live = [torch.zeros(4 + i) for i in range(5)]
+    dead = torch.zeros(3)
+    dead_ref = trees.StorageWeakRefWrapper(dead)
+    reused = trees.StorageWeakRefWrapper.from_weakref_and_data_ptr(
+        dead.untyped_storage()._weak_ref(), live[4].untyped_storage().data_ptr())
+    del dead
+    path = [
+        [trees.StorageWeakRefWrapper(live[0]), None, dead_ref],
+        [None, reused, trees.StorageWeakRefWrapper(live[1])],
+        [trees.StorageWeakRefWrapper(live[2]), trees.StorageWeakRefWrapper(live[4]), None],
+    ]
+    assert reused() is None and dead_ref() is None and path[2][1]() is not None
+    return types.SimpleNamespace(path_weakrefs=path), live
+
+
+def test_fast_scans_answer_as_torch():
+    node, live = _path()
+    probes = live + [live[1][1:], live[4].view(2, 4), torch.zeros(2), torch.zeros(0)]
+    answers = {name: [] for name in cgr.FAST_SCANS}
+    for t in probes:
+        for name, fast in cgr.FAST_SCANS.items():
+            expected = ORIGINALS[name](node, t)
+            assert fast(node, t) == expected, (name, t.shape)
+            answers[name].append(expected)
+    # the probes cover both answers of both scans, and the reused pointer resolves to the later live output
+    assert set(answers["_is_cuda_graph_recorded_tensor"]) == {True, False}
+    assert None in answers["_is_alias_of_live_recorded_tensor"]
+    assert cgr.is_alias_of_live_recorded_tensor(node, live[4]) == (2, 1)
+    assert cgr.is_alias_of_live_recorded_tensor(node, live[1][1:]) == (1, 2)
+
+
+def test_speed_up_installs_into_torch(restore_torch):
+    assert cgr.speed_up() == ["no pool checks", "fast path scans"]
+    assert torch._inductor.config.triton.slow_path_cudagraph_asserts is False
+    for name, fn in cgr.FAST_SCANS.items():
+        assert getattr(trees.CUDAGraphNode, name) is fn
+
+
+def test_torch_without_the_methods_is_left_alone(restore_torch, monkeypatch):
+    monkeypatch.delattr(trees.CUDAGraphNode, "_is_alias_of_live_recorded_tensor")
+    assert cgr.install_fast_scans() is False
+    assert trees.CUDAGraphNode._is_cuda_graph_recorded_tensor is ORIGINALS["_is_cuda_graph_recorded_tensor"]
+
+
+@pytest.mark.parametrize("argv, applied", [
+    (["--compile", "--compile_mode", "reduce-overhead"], True),
+    (["--compile", "--compile_mode", "max-autotune"], True),
+    (["--compile", "--compile_mode", "default"], False),
+    (["--compile", "--compile_backend", "aot_eager", "--compile_mode", "reduce-overhead"], False),
+])
+def test_compile_setup_applies_it_for_cuda_graph_modes(argv, applied, restore_torch, tmp_path):
+    args = cu.add_compile_arguments(argparse.ArgumentParser()).parse_args(
+        argv + ["--compile_cache_dir", str(tmp_path)])
+    result = cu.setup_compile_environment(args)
+    assert ("cuda_graph_recording" in result) is applied
+    assert torch._inductor.config.triton.slow_path_cudagraph_asserts is (not applied)
+    assert (trees.CUDAGraphNode._is_cuda_graph_recorded_tensor is cgr.is_cuda_graph_recorded_tensor) is applied
