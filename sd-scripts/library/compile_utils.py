@@ -371,6 +371,7 @@ def setup_compile_environment(args) -> dict:
 
         if applied_speedups := cuda_graph_recording.speed_up():
             applied["cuda_graph_recording"] = applied_speedups
+            logger.info("CUDA-graph recording: %s (library.cuda_graph_recording)", ", ".join(applied_speedups))
 
     limit = getattr(args, "compile_cache_size_limit", 0) or 0
     if limit > 0:
