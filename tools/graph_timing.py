@@ -138,7 +138,10 @@ def report() -> None:
     print("graph_timing: " + json.dumps({k: [v[0], round(v[1], 3)] for k, v in sorted(TOTALS.items())}), flush=True)
     if PROFILE is not None:
         out = io.StringIO()
-        pstats.Stats(PROFILE, stream=out).sort_stats("tottime").print_stats(30)
+        try:
+            pstats.Stats(PROFILE, stream=out).sort_stats("tottime").print_stats(30)
+        except TypeError:  # nothing was recorded (no CUDA graphs in this run)
+            out.write("nothing recorded")
         print("graph_timing profile:\n" + out.getvalue(), flush=True)
     try:
         import torch._dynamo.utils
