@@ -3,6 +3,7 @@
 The scans only read `path_weakrefs` (lists of torch's StorageWeakRefWrapper or None per graph on the path), so a
 stand-in node with real wrappers over CPU storages exercises torch's own methods and ours on the same data."""
 import argparse
+import inspect
 import types
 
 import pytest
@@ -12,7 +13,8 @@ from torch._inductor import cudagraph_trees as trees
 from library import compile_utils as cu
 from library import cuda_graph_recording as cgr
 
-ORIGINALS = {name: getattr(trees.CUDAGraphNode, name) for name in cgr.FAST_SCANS}
+ORIGINALS = {name: inspect.getattr_static(trees.CUDAGraphNode, name) for name in cgr.FAST_SCANS}
+SCANS = ("_is_cuda_graph_recorded_tensor", "_is_alias_of_live_recorded_tensor")
 
 
 @pytest.fixture
@@ -45,12 +47,15 @@ def _path():
 def test_fast_scans_answer_as_torch():
     node, live = _path()
     probes = live + [live[1][1:], live[4].view(2, 4), torch.zeros(2), torch.zeros(0)]
-    answers = {name: [] for name in cgr.FAST_SCANS}
+    answers = {name: [] for name in SCANS}
     for t in probes:
-        for name, fast in cgr.FAST_SCANS.items():
+        for name in SCANS:
             expected = ORIGINALS[name](node, t)
-            assert fast(node, t) == expected, (name, t.shape)
+            assert cgr.FAST_SCANS[name](node, t) == expected, (name, t.shape)
             answers[name].append(expected)
+    liveness = ORIGINALS["_get_liveness"].__func__(node.path_weakrefs)
+    assert cgr.get_liveness(node.path_weakrefs) == liveness == [[True, False, False], [False, False, True],
+                                                                [True, True, False]]
     # the probes cover both answers of both scans, and the reused pointer resolves to the later live output
     assert set(answers["_is_cuda_graph_recorded_tensor"]) == {True, False}
     assert None in answers["_is_alias_of_live_recorded_tensor"]
@@ -62,7 +67,7 @@ def test_speed_up_installs_into_torch(restore_torch):
     assert cgr.speed_up() == ["no pool checks", "fast path scans"]
     assert torch._inductor.config.triton.slow_path_cudagraph_asserts is False
     for name, fn in cgr.FAST_SCANS.items():
-        assert getattr(trees.CUDAGraphNode, name) is fn
+        assert inspect.getattr_static(trees.CUDAGraphNode, name) is fn
 
 
 def test_torch_without_the_methods_is_left_alone(restore_torch, monkeypatch):
