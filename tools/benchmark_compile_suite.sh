@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind docs/BENCHMARKS.md, on one CUDA GPU (dp2: two). Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|fused_final|sdp|sdp_bs4|attn_lora|lycoris[_bs1|_bs4]|record|full_sdxl|dp2|shipped_buckets|shipped_fixed [OUTDIR]
+# The runs behind docs/BENCHMARKS.md, on one CUDA GPU (dp2: two). Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|fused_final|sdp|sdp_bs4|attn_lora|lycoris[_bs1|_bs4]|record|full_sdxl|dp2|shipped_buckets|shipped_fixed|shipped_recording [OUTDIR]
 # Each configuration runs in its own process (eager and compiled in that one process) with a fresh compile
 # cache, so "first compiled step" is a cold compile; the warm-start run reuses the SDXL bs1+GC cache.
 set -u
@@ -192,6 +192,21 @@ case "${1:-}" in
     echo "=== warm restart, one shape, on the 'after' cache"
     $B $R --steps 10 --tag warm --cache_tag after --timeout ${LIMIT_WARM:-100} --log_out "$OUTDIR/warm.log" \
       --json_out "$OUTDIR/warm.json" | cut -c1-1500
+    ;;
+  shipped_recording)  # issue 15: warm restarts of the shipped SDXL LoRA trainer (r32 bs1 + GC, one 1024 shape) with
+    # torch's CUDA-graph bookkeeping, without its pool checks, and as shipped (library/cuda_graph_recording.py), on one
+    # cache made by a cold run first; then one shipped run under cProfile (tools/graph_timing.py GRAPH_TIMING_*)
+    W=${WORKDIR:-/tmp/bench_shipped}
+    B="$PY tools/bench_shipped.py"
+    echo "=== prepare"; $B prepare --workdir "$W" >"$OUTDIR/prepare.log" 2>&1 || { tail -20 "$OUTDIR/prepare.log"; exit 1; }
+    R="run --workdir $W --phases compiled --gradient_checkpointing --time_graphs --log_out $OUTDIR/trainer.log"
+    echo "=== cold"; $B $R --steps 6 --tag cold --timeout ${LIMIT_COLD:-220} | cut -c1-1500
+    for v in torch no_pool_checks shipped; do
+      echo "=== warm $v"
+      GRAPH_TIMING_VARIANT=$v $B $R --steps 5 --tag warm_$v --cache_tag cold --timeout ${LIMIT_WARM:-100} | cut -c1-1500
+    done
+    echo "=== warm, profiled"
+    GRAPH_TIMING_PROFILE=1 $B $R --steps 4 --tag warm_prof --cache_tag cold --timeout ${LIMIT_WARM:-100} | cut -c1-1500
     ;;
   *) echo "usage: $0 sdxl|flux|tune_sdxl|full_sdxl|dp2|... [OUTDIR]"; exit 2 ;;
 esac
