@@ -90,9 +90,10 @@ def test_network_metadata_has_every_upstream_key(tmp_path, tiny_dataset_dir, has
     args.pretrained_model_name_or_path = str(model)
     if hashed_on_a_thread:  # as the trainers start it (network_trainer._train): the same values come out
         metadata.start_file_hashes(str(model), str(vae), None)
-        assert set(metadata._PENDING_HASHES) == {str(model), str(vae)}
+        assert {k[0] for k in metadata._HASHES} >= {str(model), str(vae)}
     md = _network_md(args)
-    assert not metadata._PENDING_HASHES  # taken once; a later call hashes again
+    assert "ss_sd_model_hash" not in md  # the hashes are added at save time (save_lora)
+    md.update(metadata.file_hash_metadata(args))
     expected = UPSTREAM_COMMON + UPSTREAM_NO_CONFIG + UPSTREAM_CONDITIONAL
     assert not [k for k in expected if k not in md]
     assert all(isinstance(v, str) for v in md.values())
@@ -110,9 +111,24 @@ def test_network_metadata_has_every_upstream_key(tmp_path, tiny_dataset_dir, has
     assert metadata.minimum_network_metadata(md).keys() == set(UPSTREAM_MINIMUM)
 
     # only with the option / an existing file
-    plain = _network_md(_lora_args(tiny_dataset_dir, tmp_path))
+    plain_args = _lora_args(tiny_dataset_dir, tmp_path)
+    plain = _network_md(plain_args)
     assert not [k for k in ("ss_network_args", "ss_sd_model_hash", "ss_vae_name") if k in plain]
     assert plain["ss_sd_model_name"] == "model.safetensors"
+    assert metadata.file_hash_metadata(plain_args) == {}  # no such file: no hash keys, as upstream
+
+
+def test_file_hashes_kept_per_file_version(tmp_path):
+    """A run saves many times and hashes once; a file written again (size or time changed) is hashed again."""
+    f = tmp_path / "m.safetensors"
+    f.write_bytes(b"a" * 100)
+    first = metadata.file_hashes(str(f))
+    assert first[1] == hashlib.sha256(b"a" * 100).hexdigest()
+    assert metadata.file_hashes(str(f)) is first
+    f.write_bytes(b"b" * 101)
+    assert metadata.file_hashes(str(f))[1] == hashlib.sha256(b"b" * 101).hexdigest()
+    assert metadata.file_hashes(str(tmp_path)) == ("IsADirectory", "IsADirectory")
+    assert metadata.file_hashes(str(tmp_path / "none")) == ("NOFILE", "NOFILE")
 
 
 def test_network_metadata_with_adafactor_relative_step(tmp_path, tiny_dataset_dir):

@@ -9,6 +9,7 @@ train_network.py writes, read by A1111/Forge, CivitAI and the additional-network
     minimum_network_metadata(md)             what --no_metadata still writes (upstream's minimum keys)
     file_hashes(path) -> (legacy 8-hex hash, sha256)  ss_sd_model_hash / ss_new_sd_model_hash of the base model
     start_file_hashes(*paths)                those hashes on a thread from the start of a run (see there)
+    file_hash_metadata(args) -> {"ss_*hash": str}   the model/VAE hash keys, added at save time
 
 Values follow upstream: every key upstream always writes is written (None as the text "None"), the keys upstream
 writes only in some cases (ss_network_args, the model/VAE hashes, ss_datasets with --dataset_config, ...) only then.
@@ -168,15 +169,21 @@ def modelspec_metadata(args, *, family: str, lora: bool, v_prediction: bool, flu
 # ss_* training metadata
 
 
-_PENDING_HASHES: dict[str, concurrent.futures.Future] = {}
+# (path, size, mtime) -> Future of file_hashes' answer: started by start_file_hashes or the first file_hashes call
+_HASHES: dict[tuple, concurrent.futures.Future] = {}
+
+
+def _hash_key(path) -> tuple:
+    st = os.stat(path)
+    return os.path.abspath(path), st.st_size, st.st_mtime_ns
 
 
 def start_file_hashes(*paths) -> None:
     """Start hashing these files (the base model, the VAE) on a thread; file_hashes then waits only for what is
-    left. The full sha256 of a 7-24 GB checkpoint took 5-17 s, which the trainers spent before their first step
-    (the metadata is built there; it is needed only at the first save). hashlib and file reads release the GIL."""
+    left. The full sha256 of a 7-23 GB checkpoint took 5-20 s, which the trainers used to spend before their first
+    step; the hashes are needed only at the first save. hashlib and file reads release the GIL."""
     for path in paths:
-        if not path or not os.path.isfile(path) or str(path) in _PENDING_HASHES:
+        if not path or not os.path.isfile(path) or (key := _hash_key(path)) in _HASHES:
             continue
         future: concurrent.futures.Future = concurrent.futures.Future()
 
@@ -186,20 +193,23 @@ def start_file_hashes(*paths) -> None:
             except BaseException as e:  # noqa: BLE001 - given to whoever asks for the hashes
                 future.set_exception(e)
 
-        _PENDING_HASHES[str(path)] = future
+        _HASHES[key] = future
         threading.Thread(target=work, name="file-hashes", daemon=True).start()
 
 
 def file_hashes(path: str) -> tuple[str, str]:
     """(ss_sd_model_hash, ss_new_sd_model_hash) as upstream computes them: the first 8 hex digits of sha256 over
-    64 KiB at offset 1 MiB (A1111's old hash), and sha256 of the whole file; a folder gives "IsADirectory"."""
-    if (pending := _PENDING_HASHES.pop(str(path), None)) is not None:
-        return pending.result()
+    64 KiB at offset 1 MiB (A1111's old hash), and sha256 of the whole file; a folder gives "IsADirectory".
+    Kept per file for the process (a run saves many times)."""
     if os.path.isdir(path):
         return "IsADirectory", "IsADirectory"
     if not os.path.isfile(path):
         return "NOFILE", "NOFILE"
-    return _hash_file(path)
+    if (future := _HASHES.get(key := _hash_key(path))) is None:
+        future = concurrent.futures.Future()
+        future.set_result(_hash_file(path))
+        _HASHES[key] = future
+    return future.result()
 
 
 def _hash_file(path: str) -> tuple[str, str]:
@@ -374,20 +384,26 @@ def network_metadata(args, *, group, session_id: int, started_at: float, opt_cla
         from library.network_trainer import parse_network_args
 
         md["ss_network_args"] = json.dumps(parse_network_args(args.network_args))
-    model = g("pretrained_model_name_or_path", None)
-    if model is not None:
-        name = str(model)
-        if os.path.exists(name):
-            md["ss_sd_model_hash"], md["ss_new_sd_model_hash"] = file_hashes(name)
-            name = os.path.basename(name.rstrip("/\\"))
-        md["ss_sd_model_name"] = name
-    if g("vae", None) is not None:
-        name = str(args.vae)
-        if os.path.exists(name):
-            md["ss_vae_hash"], md["ss_new_vae_hash"] = file_hashes(name)
-            name = os.path.basename(name.rstrip("/\\"))
-        md["ss_vae_name"] = name
+    for option, key in HASHED_FILES:
+        if (value := g(option, None)) is not None:  # an existing file or folder by its name, else as given
+            name = str(value)
+            md[f"ss_{key}_name"] = os.path.basename(name.rstrip("/\\")) if os.path.exists(name) else name
     return {k: v if isinstance(v, str) else str(v) for k, v in md.items()}
+
+
+# option -> the ss_* key stem of its file's name and hashes (ss_sd_model_name, ss_sd_model_hash, ss_new_sd_model_hash)
+HASHED_FILES = (("pretrained_model_name_or_path", "sd_model"), ("vae", "vae"))
+
+
+def file_hash_metadata(args) -> dict[str, str]:
+    """The base model's and VAE's hashes (upstream writes them for existing files only), added at each save: the
+    first one waits for what the thread of start_file_hashes has left, later ones reuse the result."""
+    md = {}
+    for option, key in HASHED_FILES:
+        path = getattr(args, option, None)
+        if path is not None and os.path.exists(str(path)):
+            md[f"ss_{key}_hash"], md[f"ss_new_{key}_hash"] = file_hashes(str(path))
+    return md
 
 
 def minimum_network_metadata(md: dict[str, str]) -> dict[str, str]:

@@ -1133,6 +1133,8 @@ class NetworkTrainer:
         md["ss_epoch"] = str(epoch)
         if args.no_metadata:
             md = metadata_util.minimum_network_metadata(md)
+        else:  # here, not in build_metadata: hashing a 23 GB base model must not delay the first step
+            md.update(metadata_util.file_hash_metadata(args))
         md.update(self.modelspec(args))
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         network = accelerator.unwrap_model(network)
