@@ -62,6 +62,19 @@ def test_fast_scans_answer_as_torch():
     assert cgr.is_alias_of_live_recorded_tensor(node, live[4]) == (2, 1)
     assert cgr.is_alias_of_live_recorded_tensor(node, live[1][1:]) == (1, 2)
 
+    # the index kept on the node follows what changes while it lives: its own output list grows while it
+    # records, and outputs die
+    late = torch.zeros(7)
+    node.path_weakrefs[2].append(trees.StorageWeakRefWrapper(late))
+    del live[1]  # the storage of path[1][2] is gone once the probes let go of it too
+    probes = live + [late, late[2:], torch.zeros(2)]
+    assert node.path_weakrefs[1][2]() is None
+    for t in probes:
+        for name in SCANS:
+            assert cgr.FAST_SCANS[name](node, t) == ORIGINALS[name](node, t), (name, t.shape)
+    assert cgr.is_alias_of_live_recorded_tensor(node, late) == (2, 3)
+    assert cgr.is_cuda_graph_recorded_tensor(node, late)
+
 
 def test_speed_up_installs_into_torch(restore_torch):
     assert cgr.speed_up() == ["no pool checks", "fast path scans"]

@@ -11,9 +11,10 @@ path, so a step's recording grows quadratically:
 - `CUDAGraphNode._is_cuda_graph_recorded_tensor` / `_is_alias_of_live_recorded_tensor`, asked for every input and
   output of a new graph: they compare its storage with every output of the path, and per comparison they build a
   storage object (and dereference a weak reference); `_get_liveness` (several times per graph) maps over every
-  output of the path with torch's pytree. `install_fast_scans` puts in versions that give the same answers,
-  comparing the plain integers first, in C where possible. Applied only where torch has the methods this was
-  written against (tests compare both versions' answers on the installed torch).
+  output of the path with torch's pytree. `install_fast_scans` puts in versions that give the same answers from
+  an index of the path's data pointers that each node builds once (dictionary lookups instead of scans), and a
+  liveness list without pytree. Applied only where torch has the methods this was written against (tests
+  compare both versions' answers on the installed torch).
 """
 from __future__ import annotations
 
@@ -26,27 +27,41 @@ def _storage_ptr(t) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _path_ptrs(node) -> list:
-    """The data pointers of every output on the node's path (StorageWeakRefWrapper keeps it in `_data_ptr`, also
-    after the storage is gone), in one list comprehension: a per-entry method call was the scans' main cost."""
-    return [ref._data_ptr for refs in node.path_weakrefs for ref in refs if ref is not None]
+def _path_index(node) -> list[dict]:
+    """For each graph on the node's path: its outputs' data pointers -> their indexes. StorageWeakRefWrapper keeps
+    the pointer in `_data_ptr` (also after the storage is gone), and an output's pointer never changes once
+    recorded (torch rebuilds a replayed output's storage at the recorded pointer), so a graph's entry is kept on
+    the asking node while its output list keeps its length (the node's own list grows while it records)."""
+    cache = node.__dict__.setdefault("_sd_scripts_ptr_index", {})
+    levels = []
+    for refs in node.path_weakrefs:
+        entry = cache.get(id(refs))  # the lists live as long as the path, which this node holds
+        if entry is None or entry[0] != len(refs):
+            index: dict[int, list[int]] = {}
+            for i, ref in enumerate(refs):
+                if ref is not None:
+                    index.setdefault(ref._data_ptr, []).append(i)
+            entry = cache[id(refs)] = (len(refs), index)
+        levels.append(entry[1])
+    return levels
 
 
 def is_cuda_graph_recorded_tensor(self, t) -> bool:
     """Is `t` stored in an output of a graph on this node's path (live or not)."""
-    return _storage_ptr(t) in _path_ptrs(self)
+    ptr = _storage_ptr(t)
+    return any(ptr in index for index in _path_index(self))
 
 
 def is_alias_of_live_recorded_tensor(self, t):
     """(depth, index) of the first live output on this node's path that `t` shares its storage with, or None."""
     ptr = _storage_ptr(t)
-    if ptr not in _path_ptrs(self):  # most tensors: parameters and inputs that no graph on the path wrote
-        return None
-    for depth, refs in enumerate(self.path_weakrefs):
-        for index, ref in enumerate(refs):
+    for depth, index in enumerate(_path_index(self)):
+        refs = self.path_weakrefs[depth]
+        for i in index.get(ptr, ()):
+            ref = refs[i]
             # ref() is None once the storage is gone (torch's maybe_deref)
             if ref is not None and ref._data_ptr == ptr and ref() is not None:
-                return depth, index
+                return depth, i
     return None
 
 
@@ -63,7 +78,8 @@ FAST_SCANS = {
 
 
 def install_fast_scans() -> bool:
-    """Replace torch's two path scans by the equivalent ones above; False (nothing changed) on a torch without them."""
+    """Put the scans and liveness above into torch's CUDAGraphNode; False (nothing changed) on a torch whose
+    classes differ from what they were written against."""
     try:
         from torch._inductor import cudagraph_trees
     except ImportError:
@@ -76,6 +92,8 @@ def install_fast_scans() -> bool:
     if pytree.tree_map(lambda x: 1, [None]) != [1]:  # torch's liveness maps over None entries as leaves
         return False
     if "_data_ptr" not in getattr(cudagraph_trees.StorageWeakRefWrapper, "__slots__", ()):
+        return False
+    if "__slots__" in vars(node):  # the index is kept in the node's __dict__
         return False
     for name, fn in FAST_SCANS.items():
         setattr(node, name, fn)
