@@ -17,7 +17,8 @@ those of the calls inside it):
 - get_checkpoint_state / set_checkpoint_state: the allocator checkpoints of the graph pool
 - apply_checkpoint: CUDAGraphTreeManager.apply_checkpoint_execution_state_in_allocator
 - try_end_recording, dealloc_path_weakrefs: the tree manager's path changes
-- node_init: CUDAGraphNode.__init__ (its inputs checked against the path's outputs: recorded_scan, alias_scan)
+- node_init: CUDAGraphNode.__init__ (torch records the graph in it; its inputs and outputs are checked against the
+  path's outputs: recorded_scan, alias_scan)
 - pool_check: check_memory_pool (inductor's slow_path_cudagraph_asserts) / liveness: CUDAGraphNode._get_liveness
 - synchronize, empty_cache, gc_collect: torch.cuda.synchronize / empty_cache, gc.collect, from anywhere
 The dynamo/inductor compile-time table of torch (torch._dynamo.utils.compile_times) follows on its own lines.

@@ -18,10 +18,6 @@ path, so a step's recording grows quadratically:
 """
 from __future__ import annotations
 
-import logging
-
-logger = logging.getLogger(__name__)
-
 
 def _storage_ptr(t) -> int:
     return t.untyped_storage().data_ptr()
