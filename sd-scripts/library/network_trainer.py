@@ -700,11 +700,12 @@ class NetworkTrainer:
         final_path = os.path.join(args.output_dir, train_util.last_file_name(args.output_name, ext))
         train_util.check_outputs_free(args.output_dir, args.output_name, ext, args.overwrite_output, bool(args.resume))
         state_folders.check_resume(args, ext)
-        metadata_util.start_file_hashes(args.pretrained_model_name_or_path, getattr(args, "vae", None))
         session_id = uuid.uuid4().int & ((1 << 31) - 1)
         training_started_at = time.time()
 
         accelerator = self.make_accelerator(args)
+        if accelerator.is_main_process and not args.no_metadata:  # the one that saves (save_lora) needs the hashes
+            metadata_util.start_file_hashes(args.pretrained_model_name_or_path, getattr(args, "vae", None))
         # before the dataset: its batch order and augmentations follow the seed (a random one without --seed)
         train_util.prepare_seed(args, accelerator)
         family = self.family_for(args)
