@@ -17,6 +17,12 @@ before_tree() {  # a copy of sd-scripts in $1 with the image-size dynamic marks 
     "$1/sd-scripts/library/compile_utils.py"
   grep -q "if False:  # before: no image-size marks" "$1/sd-scripts/library/compile_utils.py" || { echo "before tree not made"; exit 1; }
 }
+WORK=${WORKDIR:-/tmp/bench_shipped}  # the shipped_* cases: tools/bench_shipped.py's work folder
+B="$PY tools/bench_shipped.py"
+prepare_shipped() {  # bench_shipped.py prepare with more flags ($@); stops the case when it fails
+  echo "=== prepare"
+  $B prepare --workdir "$WORK" "$@" >"$OUTDIR/prepare.log" 2>&1 || { tail -20 "$OUTDIR/prepare.log"; exit 1; }
+}
 run() {  # name, timeout, args...
   local name=$1 limit=$2; shift 2
   echo "=== $name: $*"
@@ -161,28 +167,24 @@ case "${1:-}" in
     ;;
   shipped_fixed)  # issue 15: one fixed 1024x1024 shape, SDXL LoRA r32 bs1 (no GC), reduce-overhead, shipped
     # trainer: "before" = this tree with the image-size dynamic marks off, "after" = this tree (auto marks them)
-    W=${WORKDIR:-/tmp/bench_shipped}
-    B="$PY tools/bench_shipped.py"
     BEFORE=/tmp/before_tree
     before_tree "$BEFORE"
-    echo "=== prepare"; $B prepare --workdir "$W" >"$OUTDIR/prepare.log" 2>&1 || { tail -20 "$OUTDIR/prepare.log"; exit 1; }
+    prepare_shipped
     for tag in before after; do
       dir=$([ $tag = before ] && echo "$BEFORE/sd-scripts" || echo sd-scripts)
       echo "=== fixed $tag"
-      $B run --workdir "$W" --phases compiled --steps ${STEPS_FIXED:-60} --tag fixed_$tag --scripts_dir "$dir" \
+      $B run --workdir "$WORK" --phases compiled --steps ${STEPS_FIXED:-60} --tag fixed_$tag --scripts_dir "$dir" \
         --timeout ${LIMIT_FIXED:-220} --json_out "$OUTDIR/fixed_$tag.json" | cut -c1-1500
     done
     ;;
   shipped_buckets)  # issue 15: the SHIPPED SDXL LoRA trainer (tools/bench_shipped.py), r32 bs1 + GC, reduce-overhead,
     # on 4 bucket shapes: "before" = this tree with the image-size dynamic marks off (a copy of sd-scripts),
     # "after" = this tree; then a warm restart on one shape (1024x1024) from the "after" compile cache.
-    W=${WORKDIR:-/tmp/bench_shipped}
-    B="$PY tools/bench_shipped.py"
     BEFORE=/tmp/before_tree
     before_tree "$BEFORE"
-    echo "=== prepare"; $B prepare --workdir "$W" --buckets >"$OUTDIR/prepare.log" 2>&1 || { tail -20 "$OUTDIR/prepare.log"; exit 1; }
+    prepare_shipped --buckets
     tail -2 "$OUTDIR/prepare.log"
-    R="run --workdir $W --phases compiled --gradient_checkpointing --recompiles --time_graphs"
+    R="run --workdir $WORK --phases compiled --gradient_checkpointing --recompiles --time_graphs"
     for tag in before after; do
       dir=$([ $tag = before ] && echo "$BEFORE/sd-scripts" || echo sd-scripts)
       echo "=== buckets $tag"
@@ -196,10 +198,8 @@ case "${1:-}" in
   shipped_recording)  # issue 15: warm restarts of the shipped SDXL LoRA trainer (r32 bs1 + GC, one 1024 shape) with
     # torch's CUDA-graph bookkeeping, without its pool checks, and as shipped (library/cuda_graph_recording.py), on one
     # cache made by a cold run first; then one shipped run under cProfile (tools/graph_timing.py GRAPH_TIMING_*)
-    W=${WORKDIR:-/tmp/bench_shipped}
-    B="$PY tools/bench_shipped.py"
-    echo "=== prepare"; $B prepare --workdir "$W" >"$OUTDIR/prepare.log" 2>&1 || { tail -20 "$OUTDIR/prepare.log"; exit 1; }
-    R="run --workdir $W --phases compiled --gradient_checkpointing --time_graphs --log_out $OUTDIR/trainer.log"
+    prepare_shipped
+    R="run --workdir $WORK --phases compiled --gradient_checkpointing --time_graphs --log_out $OUTDIR/trainer.log"
     echo "=== cold"; $B $R --steps 6 --tag cold --timeout ${LIMIT_COLD:-220} | cut -c1-1500
     for v in torch no_pool_checks shipped; do
       echo "=== warm $v"
