@@ -29,6 +29,9 @@ Environment:
   one machine.
 - GRAPH_TIMING_PROFILE=1: cProfile over the warm-up runs and recordings; the 30 functions with the most own time
   are printed at the end (cProfile slows Python code, so its times are only relative).
+- GRAPH_TIMING_STEADY=A:B: cProfile over the steady steps A to B-1 (counted by the trainer's calls of
+  torch.compiler.cudagraph_mark_step_begin, so only with the CUDA-graph modes): the host work of a replayed step,
+  by own time and by cumulative time.
 """
 from __future__ import annotations
 
@@ -48,6 +51,10 @@ import time
 TOTALS: dict[str, list] = {}
 VARIANTS = ("shipped", "torch", "no_pool_checks")
 PROFILE = cProfile.Profile() if os.environ.get("GRAPH_TIMING_PROFILE") == "1" else None
+STEADY = tuple(int(x) for x in os.environ["GRAPH_TIMING_STEADY"].split(":")) if os.environ.get(
+    "GRAPH_TIMING_STEADY") else None
+STEADY_PROFILE = cProfile.Profile() if STEADY else None
+_steps = [0]
 
 
 def _timed(name: str, fn, profiled: bool = False):
@@ -101,6 +108,21 @@ def _apply_variant(variant: str) -> None:
           flush=True)
 
 
+def _count_steps(mark_step_begin):
+    """The trainer marks each optimizer step's start: profile the steps STEADY asks for."""
+
+    @functools.wraps(mark_step_begin)
+    def wrapper():
+        _steps[0] += 1
+        if _steps[0] == STEADY[0]:
+            STEADY_PROFILE.enable()
+        elif _steps[0] == STEADY[1]:
+            STEADY_PROFILE.disable()
+        return mark_step_begin()
+
+    return wrapper
+
+
 def install() -> None:
     import torch
     from torch._inductor import cudagraph_trees as trees
@@ -132,6 +154,8 @@ def install() -> None:
         (gc, "collect", "gc_collect"),
     ):
         _wrap(owner, attr, name)
+    if STEADY:
+        torch.compiler.cudagraph_mark_step_begin = _count_steps(torch.compiler.cudagraph_mark_step_begin)
     atexit.register(report)
 
 
@@ -144,6 +168,16 @@ def report() -> None:
         except TypeError:  # nothing was recorded (no CUDA graphs in this run)
             out.write("nothing recorded")
         print("graph_timing profile:\n" + out.getvalue(), flush=True)
+    if STEADY_PROFILE is not None:
+        STEADY_PROFILE.disable()
+        out = io.StringIO()
+        try:
+            stats = pstats.Stats(STEADY_PROFILE, stream=out)
+            stats.sort_stats("tottime").print_stats(45)
+            stats.sort_stats("cumulative").print_stats(60)
+        except TypeError:
+            out.write("nothing recorded")
+        print(f"graph_timing steady profile, steps {STEADY[0]}-{STEADY[1] - 1}:\n" + out.getvalue(), flush=True)
     try:
         import torch._dynamo.utils
 
