@@ -461,6 +461,11 @@ OVERLAY: tuple[Param, ...] = (  # what the GUI adds to the trainers' options: la
     _p("compile_fullgraph", "bool", False, "Fullgraph",
        "Require each compiled block to be one graph; fails on graph breaks. Keep off unless debugging.",
        "compile", families=COMPILE_FAMILIES),
+    _p("cuda_graph_step", "bool", False, "CUDA graph of the whole step",
+       "Capture forward, backward and optimizer step as one CUDA graph after the first steps of each batch shape: "
+       "no per-step Python overhead at batch 1-4. One GPU; needs cached latents and text-encoder outputs, AdamW "
+       "and no gradient accumulation. The blocks then compile without CUDA graphs of their own.", "compile",
+       tabs=LORA, families=COMPILE_FAMILIES),
     _p("cuda_allow_tf32", "bool", False, "Allow TF32", "Faster matmuls on Ampere or newer GPUs.", "compile",
        families=COMPILE_FAMILIES),
     _p("cuda_cudnn_benchmark", "bool", False, "cuDNN benchmark", "Let cuDNN pick the fastest kernels.",
@@ -490,6 +495,8 @@ NOT_SHOWN: dict[tuple[str, str], str] = {
     ("fused_backward_pass", "lora"): "upstream's LoRA scripts accept it but never fuse; it is for full training",
     **{("fused_backward_pass", f): "sd-scripts fuses the backward pass for SDXL and FLUX.1 full training"
        for f in ("SD1.x", "SD2.x")},
+    **{("cuda_graph_step", f): "it sits with the Torch Compile Settings, which are for SDXL and FLUX.1 (train_network.py "
+       "takes it on the command line)" for f in ("SD1.x", "SD2.x")},
 }
 
 

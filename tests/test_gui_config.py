@@ -13,7 +13,7 @@ from kohya_gui import config_file, presets
 from kohya_gui import params as P
 from kohya_gui.ui import actions as A
 
-COMPILE_KEYS = [p.name for p in P.PARAMS if p.accordion == "compile"]
+COMPILE_PARAMS = [p for p in P.PARAMS if p.accordion == "compile"]
 
 
 def _save_open_save(tmp_path, tab, family, values):
@@ -41,7 +41,8 @@ def test_round_trip_all_non_default(tmp_path, tab, family):
     assert data["gui"] == {"tab": tab, "family": family, "additional_parameters": values["additional_parameters"]}
     flat = {k: v for t in data.values() for k, v in t.items()}
     has_compile = family in ("SDXL", "FLUX.1")
-    assert all((k in flat) == has_compile for k in COMPILE_KEYS)
+    assert all((p.name in flat) == has_compile for p in COMPILE_PARAMS if tab in p.tabs)
+    assert all(p.name not in flat for p in COMPILE_PARAMS if tab not in p.tabs)  # cuda_graph_step: LoRA only
     if family == "SD2.x":
         assert data["model"]["v2"] is True
 
@@ -91,13 +92,13 @@ def test_visibility_rules():
         return controls, accs, ups[-1]["value"]
 
     c, a, note = shown("lora", "SD1.x")
-    assert not a["compile"] and not any(c[k] for k in COMPILE_KEYS)
+    assert not a["compile"] and not any(c[p.name] for p in COMPILE_PARAMS)
     assert not a["flux"] and not c["clip_l"] and c["v_parameterization"]  # v-pred SD1.x checkpoints exist
     c_flux, _, _ = shown("lora", "FLUX.1")
     assert not c_flux["v_parameterization"] and not c_flux["vae"]
     assert "train_network.py" in note
     c, a, note = shown("lora", "SDXL")
-    assert a["compile"] and all(c[k] for k in COMPILE_KEYS) and not a["flux"]
+    assert a["compile"] and all(c[p.name] for p in COMPILE_PARAMS) and not a["flux"]
     assert "sdxl_train_network.py" in note
     c, a, note = shown("lora", "FLUX.1")
     assert a["compile"] and a["flux"] and c["clip_l"] and c["blocks_to_swap"] and not c["vae"]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind docs/BENCHMARKS.md, on one CUDA GPU (dp2: two). Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|fused_final|sdp|sdp_bs4|attn_lora|lycoris[_bs1|_bs4]|record|full_sdxl|dp2|shipped_buckets|shipped_fixed|shipped_recording [OUTDIR]
+# The runs behind docs/BENCHMARKS.md, on one CUDA GPU (dp2: two). Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|fused_final|sdp|sdp_bs4|attn_lora|lycoris[_bs1|_bs4]|record|full_sdxl|dp2|shipped_buckets|shipped_fixed|shipped_recording|step_graph [OUTDIR]
 # Each configuration runs in its own process (eager and compiled in that one process) with a fresh compile
 # cache, so "first compiled step" is a cold compile; the warm-start run reuses the SDXL bs1+GC cache.
 set -u
@@ -194,6 +194,34 @@ case "${1:-}" in
     echo "=== warm restart, one shape, on the 'after' cache"
     $B $R --steps 10 --tag warm --cache_tag after --timeout ${LIMIT_WARM:-100} --log_out "$OUTDIR/warm.log" \
       --json_out "$OUTDIR/warm.json" | cut -c1-1500
+    ;;
+  step_graph)  # issue 15 item 6: --cuda_graph_step. The same 12 steps with and without it (blocks compiled with
+    # mode default in both: the same kernels; cosine schedule with warm-up, so the rate changes every step), the saved
+    # LoRA files compared; whether the step with min-SNR and noise offset captures; then SDXL bs1 and bs1 + GC, 45
+    # steps: reduce-overhead (the blocks' own CUDA graphs) against reduce-overhead + --cuda_graph_step
+    prepare_shipped
+    R="run --workdir $WORK --phases compiled --log_out $OUTDIR/trainer.log"
+    CHECK="--lr_scheduler cosine --lr_warmup_steps 4"
+    echo "=== check: ordinary"; $B $R --compile_mode default --steps 12 --tag ref --json_out $OUTDIR/check_ref.json -- $CHECK | cut -c1-400
+    echo "=== check: step graph"; $B $R --compile_mode default --steps 12 --tag sg --cache_tag ref --json_out $OUTDIR/check_sg.json -- $CHECK --cuda_graph_step | cut -c1-400
+    $PY - "$WORK/out_ref_compiled/bench.safetensors" "$WORK/out_sg_compiled/bench.safetensors" <<'PYEOF'
+import sys
+from safetensors.torch import load_file
+a, b = load_file(sys.argv[1]), load_file(sys.argv[2])
+assert a.keys() == b.keys(), "different keys"
+diff = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+scale = max(a[k].float().abs().max().item() for k in a)
+ups = [k for k in a if "lora_up" in k]
+moved = max(a[k].float().abs().max().item() for k in ups)  # lora_up starts at zero: what 12 steps trained
+print(f"check: {len(a)} tensors, max abs difference {diff:.3g} (largest value {scale:.3g}, largest lora_up {moved:.3g})")
+PYEOF
+    echo "=== capture with min-SNR and noise offset"; $B $R --compile_mode default --steps 6 --tag sg_opts --cache_tag ref -- --cuda_graph_step --min_snr_gamma 5 --noise_offset 0.05 | cut -c1-300
+    grep -h "step graph:" "$OUTDIR/trainer.log" | cut -c1-300
+    for gc in "" --gradient_checkpointing; do
+      t=${gc:+_gc}
+      echo "=== blocks$t"; $B $R $gc --steps 45 --tag ro$t --json_out $OUTDIR/ro$t.json | cut -c1-400
+      echo "=== step graph$t"; $B $R $gc --steps 45 --tag sg$t --cache_tag ref$t --json_out $OUTDIR/sg$t.json -- --cuda_graph_step | cut -c1-400
+    done
     ;;
   shipped_recording)  # issue 15: warm restarts of the shipped SDXL LoRA trainer (r32 bs1 + GC, one 1024 shape) with
     # torch's CUDA-graph bookkeeping, without its pool checks, and as shipped (library/cuda_graph_recording.py), on one

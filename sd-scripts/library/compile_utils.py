@@ -202,7 +202,9 @@ def dynamic_value(args) -> bool | None:
 
 
 def uses_cuda_graphs(args) -> bool:
-    if not getattr(args, "compile", False):
+    """Whether the compiled blocks record CUDA graphs of their own (not under --cuda_graph_step: its graph of the
+    whole step holds them)."""
+    if not getattr(args, "compile", False) or getattr(args, "cuda_graph_step", False):
         return False
     if args.compile_backend == "cudagraphs":
         return True
@@ -635,12 +637,16 @@ def compile_model_blocks(
     if not blocks:
         raise CompileConfigError(f"{model_name}: none of the repeated blocks {list(names)} were found in the model")
 
+    from library import step_graph
+
     dynamic = dynamic_value(args)
     backend = args.compile_backend
-    mode = args.compile_mode
+    mode = step_graph.block_compile_mode(args)
     fullgraph = bool(args.compile_fullgraph)
     logger.info(
         f"Compiling {model_name} with torch.compile: backend={backend}, mode={mode}, dynamic={dynamic}, fullgraph={fullgraph}"
+        + (f" (--compile_mode {args.compile_mode}: the blocks record no CUDA graphs of their own, --cuda_graph_step "
+           "captures the whole step)" if mode != args.compile_mode else "")
     )
 
     if offload_checkpointing:

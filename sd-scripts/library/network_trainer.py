@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from library import (config_util, data_parallel, huggingface_util, losses, masks, network_options, noise,
+from library import (config_util, data_parallel, step_graph, huggingface_util, losses, masks, network_options, noise,
                      optimizers, parity, run_requests, saving, schedulers, state_folders, stop_signal,
                      train_util, validation)
 from library import metadata as metadata_util
@@ -132,6 +132,7 @@ def setup_parser() -> argparse.ArgumentParser:
     masks.add_masked_loss_arguments(parser)
     precision.add_fp8_base_unet_argument(parser)
     offload_checkpointing.add_cpu_offload_checkpointing_argument(parser)
+    step_graph.add_arguments(parser)
     return parser
 
 
@@ -515,6 +516,7 @@ class NetworkTrainer:
         if args.dim_from_weights and not args.network_weights:
             raise ConfigError("--dim_from_weights needs --network_weights")
         network_options.check_network_option_args(args, ConfigError)
+        step_graph.check_args(args, ConfigError)
         if args.pretrained_model_name_or_path is None:
             raise ConfigError("--pretrained_model_name_or_path is required")
         try:
@@ -704,6 +706,9 @@ class NetworkTrainer:
         training_started_at = time.time()
 
         accelerator = self.make_accelerator(args)
+        if step_graph.enabled(args) and accelerator.num_processes > 1:
+            raise ConfigError(f"--cuda_graph_step runs on one GPU; this run has {accelerator.num_processes} "
+                              "processes: drop --cuda_graph_step or train on one GPU")
         if accelerator.is_main_process and not args.no_metadata:  # the one that saves (save_lora) needs the hashes
             metadata_util.start_file_hashes(args.pretrained_model_name_or_path, getattr(args, "vae", None))
         # before the dataset: its batch order and augmentations follow the seed (a random one without --seed)
@@ -858,9 +863,27 @@ class NetworkTrainer:
 
         last_loss = avr_loss = float("nan")
         # with compile on, the timer tells each input shape's setup steps (compile, graph recording) from the rest
-        timer = StepTimer(global_step, setup_steps_per_shape=2 if compile_utils.uses_cuda_graphs(compiled) else 1)
+        setup_steps = step_graph.WARMUP + 1 if step_graph.enabled(args) else \
+            2 if compile_utils.uses_cuda_graphs(compiled) else 1
+        timer = StepTimer(global_step, setup_steps_per_shape=setup_steps)
         step_shapes: list = []  # input shapes of the micro-steps of the step in progress
         late = LateLosses(device)
+        graphs = step_graph.StepGraphs(self.optimizers, device, [self.noise_generator]) \
+            if step_graph.enabled(args) else None
+
+        def run_step(batch):
+            """Forward to optimizer step (no zero_grad): what a step graph captures."""
+            loss = self.training_step(args, accelerator, noise_scheduler, batch, components, weight_dtype,
+                                      train_text_encoder, caching_te, device)
+            accelerator.backward(loss)  # with fused backward the optimizer steps in here, per parameter
+            if not fused:
+                if accelerator.sync_gradients:
+                    data_parallel.all_reduce_gradients(trained_params, accelerator)
+                    if args.max_grad_norm:
+                        accelerator.clip_grad_norm_(trained_params, args.max_grad_norm)
+                    network_options.after_grad_sync(trainable.models)
+                optimizer.step()
+            return loss
 
         def report(ready):
             """Progress line, progress bar and tracker logs of finished steps whose losses are now read."""
@@ -909,17 +932,12 @@ class NetworkTrainer:
                     step_shapes.append(shape_log.shape_of(batch))
                 set_network_multiplier(trainable.models, batch)
                 with accelerator.accumulate(*trainable.models):
-                    loss = self.training_step(args, accelerator, noise_scheduler, batch, components, weight_dtype,
-                                              train_text_encoder, caching_te, device)
-                    accelerator.backward(loss)  # with fused backward the optimizer steps in here, per parameter
-                    if not fused:
-                        if accelerator.sync_gradients:
-                            data_parallel.all_reduce_gradients(trained_params, accelerator)
-                            if args.max_grad_norm:
-                                accelerator.clip_grad_norm_(trained_params, args.max_grad_norm)
-                            network_options.after_grad_sync(trainable.models)
-                        optimizer.step()
-                        optimizer.zero_grad(set_to_none=True)
+                    if graphs is not None:  # a replay of the step's graph once captured (library.step_graph)
+                        loss = graphs.step(batch, run_step)
+                    else:
+                        loss = run_step(batch)
+                        if not fused:
+                            optimizer.zero_grad(set_to_none=True)
                     schedulers.step(lr_scheduler, self.optimizers, num_processes=accelerator.num_processes,
                                     sync_gradients=accelerator.sync_gradients)
 

@@ -1,0 +1,227 @@
+"""--cuda_graph_step: the whole training step (forward, loss, backward, gradient clipping, optimizer step) as one
+CUDA graph, captured once per batch shape after a few ordinary steps and replayed from then on.
+
+At batch 1-4 an SDXL LoRA step is host-bound: the Python work of a step (the compiled blocks' call wrappers, the
+eager layers between them, autograd, clipping and the optimizer's loops over 1,444 tensors) takes longer than the
+GPU's work (docs/BENCHMARKS.md). A replayed graph launches all of it with one call, so the step costs what the GPU
+needs. With --compile the blocks are compiled as usual, without CUDA graphs of their own (the step graph holds
+them).
+
+What a captured graph cannot see is kept equal or out of it:
+- the batch's tensors are copied into the graph's own input tensors before each replay; a batch whose tensor
+  shapes, dtypes or network multiplier differ gets a graph of its own (up to LIMIT, later ones run uncaptured);
+- the learning rates: the optimizer reads them from tensors that are filled from its param groups before each
+  replay, so schedulers work as they do without the graph;
+- the random numbers: the noise generator is registered with each graph, so each replay draws new ones;
+- a step that cannot be captured (an operation that waits for the host) is run the ordinary way, and the run
+  goes on without step graphs after a warning that says why.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+WARMUP = 2  # ordinary steps of a batch shape before its capture (compiles, cuBLAS/cuDNN set-up)
+LIMIT = 4  # batch shapes with a graph of their own: each keeps its activations' memory for the rest of the run
+# --compile_mode values whose blocks would record CUDA graphs of their own -> the same mode without them
+_BLOCK_MODES = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument(
+        "--cuda_graph_step", action="store_true",
+        help="capture the whole training step (forward, backward, optimizer step) as one CUDA graph after its first "
+             f"{WARMUP} steps per batch shape and replay it: no per-step Python overhead at small batch sizes. Needs "
+             "one CUDA GPU, cached latents and text-encoder outputs, AdamW/Adam and no gradient accumulation")
+
+
+def enabled(args) -> bool:
+    return bool(getattr(args, "cuda_graph_step", False))
+
+
+def check_args(args, error: type[Exception]) -> None:
+    """Settings the step graph cannot follow, before any model loads (raises `error`)."""
+    if not enabled(args):
+        return
+    from library import optimizers
+
+    def refuse(why: str) -> None:
+        raise error(f"--cuda_graph_step {why}; drop --cuda_graph_step or change that setting")
+
+    if args.gradient_accumulation_steps > 1:
+        refuse(f"replays one whole optimizer step, so it cannot accumulate gradients "
+               f"(--gradient_accumulation_steps {args.gradient_accumulation_steps})")
+    if not (args.cache_latents or args.cache_latents_to_disk):
+        refuse("needs cached latents (--cache_latents or --cache_latents_to_disk): encoding images checks them on "
+               "the host each step")
+    if not (getattr(args, "cache_text_encoder_outputs", False) or
+            getattr(args, "cache_text_encoder_outputs_to_disk", False)):
+        refuse("needs cached text-encoder outputs (--cache_text_encoder_outputs or "
+               "--cache_text_encoder_outputs_to_disk): captions are tokenized on the host each step")
+    if args.mixed_precision == "fp16":
+        refuse("cannot replay fp16's loss scaling, which checks the gradients on the host (--mixed_precision fp16); "
+               "use bf16")
+    for flag in ("fused_backward_pass", "cpu_offload_checkpointing"):
+        if getattr(args, flag, False):
+            refuse(f"cannot capture --{flag}")
+    if (getattr(args, "blocks_to_swap", None) or 0) > 0:
+        refuse(f"cannot capture blocks moving between CPU and GPU (--blocks_to_swap {args.blocks_to_swap})")
+    if getattr(args, "compile", False) and args.compile_backend == "cudagraphs":
+        refuse("holds the compiled blocks in its own CUDA graph: use --compile_backend inductor, not cudagraphs")
+    name = optimizers.canonical_name(optimizers.optimizer_type(args)) or optimizers.optimizer_type(args)
+    given = optimizers.parse_optimizer_args(args.optimizer_args)
+    if name not in ("AdamW", "Adam") or {"fused", "foreach", "differentiable"} & given.keys():
+        refuse(f"needs torch's AdamW or Adam in its fused form (--optimizer_type AdamW, no fused/foreach/"
+               f"differentiable in --optimizer_args); got --optimizer_type {optimizers.optimizer_type(args)}"
+               + (f" with {sorted(given)}" if given else ""))
+    if not torch.cuda.is_available():
+        refuse("needs a CUDA GPU, and none is available")
+
+
+def block_compile_mode(args) -> str:
+    """The --compile_mode the blocks are compiled with: without their own CUDA graphs under the step graph."""
+    mode = args.compile_mode
+    if enabled(args) and mode in _BLOCK_MODES:
+        return _BLOCK_MODES[mode]
+    return mode
+
+
+def _walk(value, key: str = ""):
+    """(dotted key, leaf) of a batch: dicts are walked, everything else is a leaf."""
+    if isinstance(value, dict):
+        for k in sorted(value):
+            yield from _walk(value[k], f"{key}.{k}" if key else k)
+    else:
+        yield key, value
+
+
+def signature(batch: dict) -> tuple | None:
+    """What a captured graph holds fixed about a batch: its tensors' keys, shapes and dtypes, which entries are
+    None, and the network multiplier (a float the LoRA modules read on the host). None for a batch that no graph
+    may take: samples of differential output preservation (a second forward with the network off)."""
+    if any(a.get("diff_output_preservation") for a in batch.get("custom_attributes") or []):
+        return None
+    parts = []
+    for key, value in _walk(batch):
+        if isinstance(value, torch.Tensor):
+            parts.append((key, tuple(value.shape), value.dtype))
+        elif value is None:
+            parts.append((key, None))
+    multipliers = batch.get("network_multipliers")
+    parts.append(("network_multiplier", float(multipliers[0]) if multipliers is not None and len(multipliers)
+                  else None))
+    return tuple(parts)
+
+
+def _static_copy(value, device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device, copy=True)
+    if isinstance(value, dict):
+        return {k: _static_copy(v, device) for k, v in value.items()}
+    return value
+
+
+def _load(static, batch) -> None:
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor):
+            static[k].copy_(v, non_blocking=True)
+        elif isinstance(v, dict):
+            _load(static[k], v)
+
+
+class _Captured:
+    def __init__(self, graph, batch: dict, loss: torch.Tensor):
+        self.graph, self.batch, self.loss = graph, batch, loss
+
+
+def _cuda_capture(run: Callable[[], torch.Tensor], generators: list) -> tuple:
+    """Captures run() into a new CUDA graph with a pool of its own -> (graph, loss). Nothing runs until replay."""
+    graph = torch.cuda.CUDAGraph()
+    for g in generators:
+        graph.register_generator_state(g)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        loss = run()
+    return graph, loss
+
+
+class StepGraphs:
+    """Runs each optimizer step: the ordinary way for a batch shape's first WARMUP steps, then captured once and
+    replayed. `run_step(batch)` is the step from forward to the optimizer step (no zero_grad) and returns the loss.
+    `capture(run, generators) -> (graph, loss)` is _cuda_capture unless a test gives another."""
+
+    def __init__(self, optimizers: list, device, generators=(), capture=_cuda_capture):
+        self.optimizers = [getattr(o, "optimizer", o) for o in optimizers]  # accelerate's wrapper -> torch's
+        self.device = torch.device(device)
+        self.generators = [g for g in generators if g is not None and g.device.type == "cuda"]
+        self.capture = capture
+        self.seen: Counter = Counter()
+        self.graphs: dict[tuple, _Captured] = {}
+        self.lrs: list[torch.Tensor] | None = None
+        self.off: str | None = None  # why the run goes on without step graphs
+        self.uncaptured_logged = False
+
+    @property
+    def groups(self) -> list[dict]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    def step(self, batch: dict, run_step: Callable[[dict], torch.Tensor]) -> torch.Tensor:
+        key = None if self.off else signature(batch)
+        captured = self.graphs.get(key) if key is not None else None
+        if captured is None and key is not None:
+            self.seen[key] += 1
+            if self.seen[key] > WARMUP:
+                if len(self.graphs) < LIMIT:
+                    captured = self._capture(key, batch, run_step)
+                elif not self.uncaptured_logged:
+                    self.uncaptured_logged = True
+                    logger.info("step graph: %d batch shapes have graphs; further shapes run without one", LIMIT)
+        if captured is None:
+            loss = run_step(batch)
+            for o in self.optimizers:
+                o.zero_grad(set_to_none=True)
+            return loss
+        _load(captured.batch, batch)
+        self._load_lrs()
+        captured.graph.replay()
+        return captured.loss
+
+    def _load_lrs(self) -> None:
+        for t, g in zip(self.lrs, self.groups):
+            t.fill_(float(g["lr"]))
+
+    def _capture(self, key: tuple, batch: dict, run_step) -> _Captured | None:
+        static = _static_copy(batch, self.device)
+        groups = self.groups
+        if self.lrs is None:
+            self.lrs = [torch.tensor(float(g["lr"]), dtype=torch.float32, device=self.device) for g in groups]
+        self._load_lrs()
+        saved = [(g["lr"], g.get("capturable", False)) for g in groups]
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=True)  # the graph's backward makes the gradients, in its own memory
+        try:
+            for g, lr in zip(groups, self.lrs):
+                g["lr"], g["capturable"] = lr, True  # the optimizer reads the rate from the tensor on replay
+            graph, loss = self.capture(lambda: run_step(static), self.generators)
+        except Exception as e:  # an operation capture does not allow: the step runs the ordinary way instead
+            self.off = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            logger.warning("step graph: the training step could not be captured (%s); training goes on without "
+                           "--cuda_graph_step", self.off)
+            for o in self.optimizers:
+                o.zero_grad(set_to_none=True)
+            return None
+        finally:
+            for g, (lr, capturable) in zip(groups, saved):
+                g["lr"], g["capturable"] = lr, capturable
+        captured = _Captured(graph, static, loss)
+        self.graphs[key] = captured
+        shapes = ", ".join(f"{k} {'x'.join(map(str, s))}" for k, s, *_ in key if isinstance(s, tuple) and
+                           k in ("latents", "images"))
+        logger.info("step graph: captured the training step for batch %s (%d of at most %d graphs)",
+                    shapes or "shape", len(self.graphs), LIMIT)
+        return captured

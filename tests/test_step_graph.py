@@ -1,0 +1,203 @@
+"""--cuda_graph_step (library.step_graph): which runs may use it, and how steps go from ordinary runs to a captured
+graph's replays. CUDA graphs need a GPU: here a stand-in capture re-runs the captured step on each replay (with the
+batch tensors the real graph reads), so the bookkeeping around it is what is tested; the GPU check that the real
+graph trains like the ordinary step is tools/benchmark_compile_suite.sh step_graph (docs/BENCHMARKS.md)."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+import pytest
+import torch
+
+from library import step_graph
+from library.train_util import ConfigError
+
+
+def _args(**kw):
+    base = dict(cuda_graph_step=True, gradient_accumulation_steps=1, cache_latents=True, cache_latents_to_disk=False,
+                cache_text_encoder_outputs=True, cache_text_encoder_outputs_to_disk=False, mixed_precision="bf16",
+                fused_backward_pass=False, cpu_offload_checkpointing=False, blocks_to_swap=0, compile=True,
+                compile_backend="inductor", compile_mode="reduce-overhead", optimizer_type="AdamW",
+                optimizer_args=[], use_8bit_adam=False, use_lion_optimizer=False)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+@pytest.mark.parametrize("change, expected", [
+    (dict(gradient_accumulation_steps=2), "cannot accumulate gradients (--gradient_accumulation_steps 2)"),
+    (dict(cache_latents=False), "needs cached latents (--cache_latents or --cache_latents_to_disk)"),
+    (dict(cache_text_encoder_outputs=False), "needs cached text-encoder outputs"),
+    (dict(mixed_precision="fp16"), "(--mixed_precision fp16); use bf16"),
+    (dict(blocks_to_swap=4), "(--blocks_to_swap 4)"),
+    (dict(cpu_offload_checkpointing=True), "cannot capture --cpu_offload_checkpointing"),
+    (dict(compile_backend="cudagraphs"), "use --compile_backend inductor, not cudagraphs"),
+    (dict(optimizer_type="Lion"), "got --optimizer_type Lion"),
+    (dict(optimizer_args=["foreach=True"]), "with ['foreach']"),
+])
+def test_settings_it_cannot_follow_are_refused_by_name(change, expected, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError) as e:
+        step_graph.check_args(_args(**change), ConfigError)
+    assert str(e.value).startswith("--cuda_graph_step ") and expected in str(e.value)
+    assert "drop --cuda_graph_step" in str(e.value)
+    step_graph.check_args(_args(), ConfigError)  # the same run without that setting passes
+    step_graph.check_args(_args(cuda_graph_step=False, **change), ConfigError)  # and without the flag
+
+
+def test_the_trainer_refuses_it_with_exit_2_before_loading_a_model(tmp_path, capsys, monkeypatch,
+                                                                   tiny_sd1_single_file, tiny_dataset_dir):
+    import train_network
+    from library import model_util
+
+    monkeypatch.setattr(model_util, "load_sd_components",
+                        lambda *a, **k: pytest.fail("a model was loaded before the error was found"))
+    argv = ["--pretrained_model_name_or_path", str(tiny_sd1_single_file), "--train_data_dir", str(tiny_dataset_dir),
+            "--output_dir", str(tmp_path / "out"), "--network_module", "networks.lora", "--resolution", "64",
+            "--max_train_steps", "1", "--cuda_graph_step", "--cache_latents"]
+    with pytest.raises(SystemExit) as e:
+        train_network.main(argv)
+    assert e.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--cuda_graph_step needs cached text-encoder outputs" in errors[0], errors
+    with pytest.raises(SystemExit) as e:  # everything cached: this machine has no CUDA GPU
+        train_network.main(argv + ["--cache_text_encoder_outputs", "--network_train_unet_only"])
+    assert e.value.code == 2
+    assert "--cuda_graph_step needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_blocks_compile_without_their_own_cuda_graphs_under_it():
+    assert step_graph.block_compile_mode(_args()) == "default"
+    assert step_graph.block_compile_mode(_args(compile_mode="max-autotune")) == "max-autotune-no-cudagraphs"
+    assert step_graph.block_compile_mode(_args(cuda_graph_step=False)) == "reduce-overhead"
+    from library import compile_utils
+
+    assert not compile_utils.uses_cuda_graphs(_args())
+    assert compile_utils.uses_cuda_graphs(_args(cuda_graph_step=False))
+
+
+def _batch(value: float, size: int = 4, multiplier: float = 1.0, **extra) -> dict:
+    return {"latents": torch.full((1, size), value), "te_outputs": {"pooled": torch.full((1, 3), value)},
+            "loss_weights": torch.ones(1), "network_multipliers": torch.full((1,), multiplier), "images": None,
+            "captions": [f"caption {value}"], **extra}
+
+
+def test_signature_holds_shapes_dtypes_nones_and_the_multiplier_not_values_or_captions():
+    key = step_graph.signature(_batch(1.0))
+    assert key == step_graph.signature(_batch(2.0))  # other values and captions: the same graph
+    assert key != step_graph.signature(_batch(1.0, size=8))  # another bucket shape
+    assert key != step_graph.signature(_batch(1.0, multiplier=0.5))  # a float the LoRA reads on the host
+    assert key != step_graph.signature({**_batch(1.0), "alpha_masks": torch.ones(1, 8, 8)})
+    dop = _batch(1.0, custom_attributes=[{"diff_output_preservation": True}])
+    assert step_graph.signature(dop) is None
+
+
+class _Replaying:
+    """Stands in for a CUDA graph: replay() runs the captured step again on the batch tensors the graph was
+    captured with, writing its loss into the tensor the capture returned."""
+
+    def __init__(self, run, log: list):
+        self.run, self.log = run, log
+        self.loss = torch.zeros(())
+
+    def replay(self):
+        self.log.append("replay")
+        self.loss.copy_(self.run())
+
+
+class _Trainer:
+    def __init__(self, fail_capture: bool = False):
+        torch.manual_seed(0)
+        self.model = torch.nn.Linear(4, 1)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.1)
+        self.log: list = []
+        self.seen_batches: list[torch.Tensor] = []
+        self.during_capture: list = []
+        self.fail_capture = fail_capture
+
+    def run_step(self, batch):
+        self.seen_batches.append(batch["latents"].clone())
+        x = batch["latents"].reshape(-1, batch["latents"].shape[-1])[:, :4]
+        loss = (self.model(x) ** 2).mean()
+        loss.backward()
+        self.optimizer.step()
+        return loss
+
+    def capture(self, run, generators):
+        group = self.optimizer.param_groups[0]
+        self.during_capture.append((group["lr"], group["capturable"], [p.grad for p in self.model.parameters()]))
+        if self.fail_capture:
+            raise RuntimeError("operation not permitted when stream is capturing\nmore")
+        self.log.append("capture")
+        graph = _Replaying(run, self.log)
+        return graph, graph.loss
+
+
+def test_each_shape_warms_up_then_replays_its_graph_with_the_new_batch_and_learning_rate(caplog):
+    t = _Trainer()
+    graphs = step_graph.StepGraphs([t.optimizer], "cpu", capture=t.capture)
+    with caplog.at_level(logging.INFO, logger="library.step_graph"):
+        for i in range(step_graph.WARMUP):
+            graphs.step(_batch(float(i)), t.run_step)
+            assert all(p.grad is None for p in t.model.parameters())  # ordinary steps end with zero_grad
+        assert t.log == []
+        t.optimizer.param_groups[0]["lr"] = 0.05  # a scheduler's change
+        loss = graphs.step(_batch(7.0), t.run_step)
+    assert t.log == ["capture", "replay"]  # captured, then replayed for this very step
+    lr, capturable, grads = t.during_capture[0]
+    assert isinstance(lr, torch.Tensor) and lr.item() == pytest.approx(0.05) and capturable
+    assert grads == [None, None]  # the graph's backward makes the gradients
+    group = t.optimizer.param_groups[0]
+    assert group["lr"] == 0.05 and group["capturable"] is False  # the ordinary settings come back
+    assert torch.equal(t.seen_batches[-1], torch.full((1, 4), 7.0))
+    assert loss.item() > 0
+    assert "captured the training step for batch latents 1x4 (1 of at most 4 graphs)" in caplog.text
+
+    group["lr"] = 0.01
+    graphs.step(_batch(9.0), t.run_step)
+    assert t.log == ["capture", "replay", "replay"]
+    assert graphs.lrs[0].item() == pytest.approx(0.01)  # filled from the param group before the replay
+    assert torch.equal(t.seen_batches[-1], torch.full((1, 4), 9.0))  # copied into the captured batch tensors
+    static = graphs.graphs[step_graph.signature(_batch(0.0))].batch["latents"]
+    assert torch.equal(static, torch.full((1, 4), 9.0))
+
+    graphs.step(_batch(1.0, size=8), t.run_step)  # a new shape: ordinary steps first
+    assert t.log.count("capture") == 1 and len(t.seen_batches) == 5
+    for _ in range(step_graph.WARMUP):
+        graphs.step(_batch(2.0, size=8), t.run_step)
+    assert t.log.count("capture") == 2 and len(graphs.graphs) == 2
+
+
+def test_no_more_than_limit_graphs(monkeypatch, caplog):
+    monkeypatch.setattr(step_graph, "LIMIT", 1)
+    t = _Trainer()
+    graphs = step_graph.StepGraphs([t.optimizer], "cpu", capture=t.capture)
+    with caplog.at_level(logging.INFO, logger="library.step_graph"):
+        for size in (4, 8):
+            for _ in range(step_graph.WARMUP + 2):
+                graphs.step(_batch(1.0, size=size), t.run_step)
+    assert t.log.count("capture") == 1 and len(graphs.graphs) == 1
+    assert "1 batch shapes have graphs; further shapes run without one" in caplog.text
+
+
+def test_a_step_that_cannot_be_captured_runs_the_ordinary_way_and_the_run_goes_on(caplog):
+    t = _Trainer(fail_capture=True)
+    graphs = step_graph.StepGraphs([t.optimizer], "cpu", capture=t.capture)
+    with caplog.at_level(logging.WARNING, logger="library.step_graph"):
+        for i in range(step_graph.WARMUP + 3):
+            loss = graphs.step(_batch(float(i)), t.run_step)
+            assert loss.requires_grad  # every step the ordinary one
+    assert len(t.during_capture) == 1  # tried once
+    assert len(t.seen_batches) == step_graph.WARMUP + 3  # the failed step's batch trained too
+    assert torch.equal(t.seen_batches[step_graph.WARMUP], torch.full((1, 4), float(step_graph.WARMUP)))
+    assert "could not be captured (RuntimeError: operation not permitted when stream is capturing)" in caplog.text
+    group = t.optimizer.param_groups[0]
+    assert group["lr"] == 0.1 and group["capturable"] is False
+
+
+def test_batches_no_graph_may_take_run_the_ordinary_way():
+    t = _Trainer()
+    graphs = step_graph.StepGraphs([t.optimizer], "cpu", capture=t.capture)
+    for _ in range(step_graph.WARMUP + 2):
+        graphs.step(_batch(1.0, custom_attributes=[{"diff_output_preservation": True}]), t.run_step)
+    assert t.log == [] and len(t.seen_batches) == step_graph.WARMUP + 2
