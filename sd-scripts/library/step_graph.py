@@ -150,6 +150,16 @@ def _cuda_capture(run: Callable[[], torch.Tensor], generators: list) -> tuple:
     return graph, loss
 
 
+def _reset_generators(generators: list, device) -> None:
+    """After a failed capture the generators it registered (and the device's default one) still count as
+    capturing, and the next random draw fails: give each a fresh copy of its seed and offset."""
+    if device.type != "cuda":
+        return
+    default = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    for g in [*generators, default]:
+        g.graphsafe_set_state(g.clone_state())
+
+
 class StepGraphs:
     """Runs each optimizer step: the ordinary way for a batch shape's first WARMUP steps, then captured once and
     replayed. `run_step(batch)` is the step from forward to the optimizer step (no zero_grad) and returns the loss.
@@ -185,7 +195,9 @@ class StepGraphs:
             loss = run_step(batch)
             for o in self.optimizers:
                 o.zero_grad(set_to_none=True)
-            return loss
+            # detached, so that no autograd node of this step outlives it: a capture that found the parameters'
+            # AccumulateGrad nodes of an ordinary step would sync with their stream, which capture does not allow
+            return loss.detach()
         _load(captured.batch, batch)
         self._load_lrs()
         captured.graph.replay()
@@ -214,6 +226,7 @@ class StepGraphs:
                            "--cuda_graph_step", self.off)
             for o in self.optimizers:
                 o.zero_grad(set_to_none=True)
+            _reset_generators(self.generators, self.device)
             return None
         finally:
             for g, (lr, capturable) in zip(groups, saved):
