@@ -229,13 +229,13 @@ PYEOF
     R="run --workdir $WORK --phases compiled --gradient_checkpointing --recompiles --log_out $OUTDIR/trainer.log"
     for sg in "" --cuda_graph_step; do
       echo "=== buckets ${sg:-blocks}"; $B $R --buckets --steps 30 --tag bk${sg:+_sg} --json_out $OUTDIR/buckets${sg:+_sg}.json \
-        --timeout 200 -- $sg | cut -c1-700
+        --timeout 200 ${sg:+-- $sg} | cut -c1-700
     done
     grep -h "step graph:" "$OUTDIR/trainer.log" | cut -c1-200
     prepare_shipped --family flux
     for sg in "" --cuda_graph_step; do
       echo "=== flux ${sg:-blocks}"; $B $R --family flux --steps 20 --tag flux${sg:+_sg} --json_out $OUTDIR/flux${sg:+_sg}.json \
-        --timeout 200 -- $sg | cut -c1-500
+        --timeout 200 ${sg:+-- $sg} | cut -c1-500
     done
     ;;
   shipped_recording)  # issue 15: warm restarts of the shipped SDXL LoRA trainer (r32 bs1 + GC, one 1024 shape) with
