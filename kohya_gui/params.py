@@ -463,8 +463,9 @@ OVERLAY: tuple[Param, ...] = (  # what the GUI adds to the trainers' options: la
        "compile", families=COMPILE_FAMILIES),
     _p("cuda_graph_step", "bool", False, "CUDA graph of the whole step",
        "Capture forward, backward and optimizer step as one CUDA graph after the first steps of each batch shape: "
-       "no per-step Python overhead at batch 1-4. One GPU; needs cached latents and text-encoder outputs, AdamW "
-       "and no gradient accumulation. The blocks then compile without CUDA graphs of their own.", "compile",
+       "no per-step Python overhead at batch 1-4 (SDXL 1024 bs1 on an H100: 191 -> 95 ms; FLUX.1 was slower). One "
+       "GPU; needs cached latents and text-encoder outputs, AdamW and no gradient accumulation. The blocks then "
+       "compile without CUDA graphs of their own.", "compile",
        tabs=LORA, families=COMPILE_FAMILIES),
     _p("cuda_allow_tf32", "bool", False, "Allow TF32", "Faster matmuls on Ampere or newer GPUs.", "compile",
        families=COMPILE_FAMILIES),

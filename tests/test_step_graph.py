@@ -202,3 +202,20 @@ def test_batches_no_graph_may_take_run_the_ordinary_way():
     for _ in range(step_graph.WARMUP + 2):
         graphs.step(_batch(1.0, custom_attributes=[{"diff_output_preservation": True}]), t.run_step)
     assert t.log == [] and len(t.seen_batches) == step_graph.WARMUP + 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA GPU")
+def test_random_draws_work_after_a_failed_capture_once_the_generators_are_reset():
+    # on an H100 (torch 2.11): without the reset the next draw failed with "Offset increment outside graph capture
+    # encountered unexpectedly"
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    graph = torch.cuda.CUDAGraph()
+    graph.register_generator_state(gen)
+    torch.cuda.synchronize()
+    with pytest.raises(Exception):
+        with torch.cuda.graph(graph):
+            torch.randn(4, device=device, generator=gen).sum().item()  # a host sync: capture refuses it
+    step_graph._reset_generators([gen], device)
+    drawn = torch.randn(4, device=device, generator=gen) + torch.rand(4, device=device)
+    assert torch.isfinite(drawn).all()
