@@ -44,8 +44,8 @@ from typing import Any
 
 import torch
 
-from library import (config_util, data_parallel, step_graph, huggingface_util, losses, masks, network_options, noise,
-                     optimizers, parity, run_requests, saving, schedulers, state_folders, stop_signal,
+from library import (config_util, data_parallel, huggingface_util, losses, masks, network_options, noise,
+                     optimizers, parity, run_requests, saving, schedulers, state_folders, step_graph, stop_signal,
                      train_util, validation)
 from library import metadata as metadata_util
 from library.captions import apply_token_weights, weighted_for, weighted_token_ids
