@@ -86,7 +86,7 @@ def test_bucketed_run_figures_read_from_the_trainer_log():
         (70.0, "steps: 12/24 loss=0.1 it/s=0.1"),
         (72.0, "steps: 24/24 loss=0.1 it/s=0.1"),
         (72.1, "median step 166.7 ms (steps 13-24); first step 29.0 s, second step 12.5 s; 2 input shapes: 4 setup "
-               "steps (compile, graph recording) 58.2 s in all"),
+               "steps (compile, graph recording) 58.2 s in all; peak GPU memory 7.11 GiB"),
         (75.0, 'graph_timing: {"capture": [280, 4.5], "record_function": [280, 9.25]}'),
     ]
     r = _bench().read_log(log, warmup=10)
@@ -95,6 +95,7 @@ def test_bucketed_run_figures_read_from_the_trainer_log():
     assert r["recompiles"] == 2 and r["recompiles_by_shapes_seen"] == {"1": 1, "2": 1}
     assert r["setup"] == {"shapes": 2, "steps": 4, "what": "compile, graph recording", "seconds": 58.2}
     assert r["trainer_summary"]["median_ms"] == 166.7 and r["trainer_summary"]["steps"] == "13-24"
+    assert r["trainer_summary"]["peak_gib"] == 7.11
     assert r["graph_timing"] == {"capture": [280, 4.5], "record_function": [280, 9.25]}
     assert r["compile_line_to_step2_done_s"] == 30.0
     assert r["outside_ms_per_step"] == 166.7 and r["outside_steps"] == "12-24"

@@ -46,6 +46,41 @@ def test_defaults_and_choices():
         _parse("--compile_backend", "tensorrt")
 
 
+
+@pytest.mark.parametrize("choice, crashed_here, expected", [
+    ("auto", False, None),  # torch's own choice, untouched
+    ("auto", True, False),  # torch 2.11 + CUDA 13 on Hopper
+    ("on", True, True),
+    ("off", False, False),
+])
+def test_cudnn_sdp_choice(monkeypatch, choice, crashed_here, expected):
+    monkeypatch.setattr(cu, "_needs_cudnn_sdpa_workaround", lambda: crashed_here)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")  # named in the log
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        applied = cu.setup_compile_environment(_parse("--cudnn_sdp", choice))
+        assert applied.get("cudnn_sdp") == expected
+        assert torch.backends.cuda.cudnn_sdp_enabled() is (expected is not False)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+    with pytest.raises(SystemExit):
+        _parse("--cudnn_sdp", "yes")
+
+
+@pytest.mark.parametrize("version, cuda, capability, needed", [
+    ((2, 11), "13.0", (9, 0), True),
+    ((2, 11), "12.8", (9, 0), False),
+    ((2, 12), "13.0", (9, 0), False),
+    ((2, 11), "13.0", (8, 9), False),
+])
+def test_cudnn_sdpa_workaround_rule(monkeypatch, version, cuda, capability, needed):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    monkeypatch.setattr(cu, "_torch_version", lambda: version)
+    assert cu._needs_cudnn_sdpa_workaround() is needed
+
 @pytest.mark.parametrize(
     "argv, swap, needles",
     [

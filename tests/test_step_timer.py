@@ -23,6 +23,12 @@ def test_resumed_run_counts_from_its_start_step_and_short_runs_keep_half():
     assert _timer([2.0]).summary() == "median step 2000.0 ms (steps 1-1)"
 
 
+def test_summary_ends_with_the_peak_memory_on_a_gpu():
+    t = _timer([30.0, 12.0] + [0.1] * 20)
+    assert t.summary(int(7.11 * 2**30)) == ("median step 100.0 ms (steps 11-22); first step 30.0 s, second step "
+                                            "12.0 s; peak GPU memory 7.11 GiB")
+
+
 def test_restart_excludes_the_time_between_steps():
     t = StepTimer()
     t.step_done()

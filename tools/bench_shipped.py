@@ -41,6 +41,7 @@ SD_SCRIPTS = REPO / "sd-scripts"
 
 PROGRESS = re.compile(r"^steps: (\d+)/(\d+) ")
 SUMMARY = re.compile(r"^median step ([\d.]+) ms \(steps (\d+)-(\d+)\)(?:; (.*))?$")
+PEAK = re.compile(r"peak GPU memory ([\d.]+) GiB")
 SETUP = re.compile(r"(\d+) input shapes: (\d+) setup steps \(([^)]*)\) ([\d.]+) s in all")
 NEW_SHAPE = re.compile(r"torch\.compile: new input shape (\S+)(?: at step (\d+))? \((\d+) so far\)")
 COMPILING = re.compile(r"Compiling .* with torch\.compile")
@@ -216,6 +217,8 @@ def read_log(lines: list[tuple[float, str]], warmup: int) -> dict:
         elif m := SUMMARY.match(line):
             result["trainer_summary"] = {"median_ms": float(m.group(1)), "steps": f"{m.group(2)}-{m.group(3)}",
                                          "first_steps": m.group(4)}
+            if m.group(4) and (p := PEAK.search(m.group(4))):
+                result["trainer_summary"]["peak_gib"] = float(p.group(1))
             if m.group(4) and (s := SETUP.search(m.group(4))):
                 result["setup"] = {"shapes": int(s.group(1)), "steps": int(s.group(2)), "what": s.group(3),
                                    "seconds": float(s.group(4))}

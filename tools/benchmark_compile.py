@@ -122,8 +122,6 @@ def parse_args(argv=None):
                    help="gc.collect(); gc.freeze() after the warm-up steps (measures Python GC pauses)")
     p.add_argument("--channels_last", action="store_true",
                    help="--family sdxl: the UNet in channels-last memory format (NHWC convolutions)")
-    p.add_argument("--cudnn_sdp", choices=("auto", "on", "off"), default="auto",
-                   help="cuDNN SDPA backend: auto = as the trainers set it (off where its backward is known to crash)")
     p.add_argument("--adamw", choices=("trainer", "foreach"), default="trainer",
                    help="LoRA optimizer: AdamW as library.train_util.get_optimizer builds it (fused), or torch's default foreach")
     p.add_argument("--profile", type=int, default=0, metavar="N",
@@ -510,8 +508,6 @@ def main(argv=None):
     compile_utils.validate_compile_args(args)
     env = compile_utils.setup_compile_environment(args)
     apply_inductor_config(args.inductor_config)
-    if args.cudnn_sdp != "auto":
-        torch.backends.cuda.enable_cudnn_sdp(args.cudnn_sdp == "on")
     for name in ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache"):
         lg = logging.getLogger(name)
         lg.addHandler(_BYPASS)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind docs/BENCHMARKS.md, on one CUDA GPU (dp2: two). Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|fused_final|sdp|sdp_bs4|attn_lora|lycoris[_bs1|_bs4]|record|full_sdxl|dp2|shipped_buckets|shipped_fixed|shipped_recording|step_graph|step_graph_more [OUTDIR]
+# The runs behind docs/BENCHMARKS.md, on one CUDA GPU (dp2: two). Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|fused_final|sdp|sdp_bs4|attn_lora|lycoris[_bs1|_bs4]|record|full_sdxl|dp2|shipped_buckets|shipped_fixed|shipped_recording|step_graph|step_graph_more|cudnn_flux|cudnn_sdxl [OUTDIR]
 # Each configuration runs in its own process (eager and compiled in that one process) with a fresh compile
 # cache, so "first compiled step" is a cold compile; the warm-start run reuses the SDXL bs1+GC cache.
 set -u
@@ -236,6 +236,33 @@ PYEOF
     for sg in "" --cuda_graph_step; do
       echo "=== flux ${sg:-blocks}"; $B $R --family flux --steps 20 --tag flux${sg:+_sg} --json_out $OUTDIR/flux${sg:+_sg}.json \
         --timeout 200 ${sg:+-- $sg} | cut -c1-500
+    done
+    ;;
+  cudnn_flux)  # issue 15: --cudnn_sdp on FLUX.1 (shipped flux_train_network.py): the attention probe, then 1024 bs1 + GC
+    # reduce-overhead with flash attention (--cudnn_sdp off) against cuDNN (on), then cuDNN eager at 512 px (where
+    # its backward once crashed); one call, ~8 min on a fresh H100
+    echo "=== probe"; timeout 120 $PY tools/probe_cudnn_sdpa.py
+    prepare_shipped --family flux
+    R="run --workdir $WORK --family flux --log_out $OUTDIR/trainer.log"
+    for v in off on; do
+      echo "=== 1024 + GC, --cudnn_sdp $v"; $B $R --phases compiled --gradient_checkpointing --steps 25 --tag cudnn_$v \
+        --json_out $OUTDIR/flux_cudnn_$v.json --timeout 200 -- --cudnn_sdp $v | cut -c1-600
+    done
+    echo "=== 512 eager, --cudnn_sdp on"; $B $R --phases eager --resolution 512 --steps 8 --warmup 3 --tag e512 \
+      --json_out $OUTDIR/flux_e512.json --timeout 150 -- --cudnn_sdp on | cut -c1-600
+    grep -h -i "illegal memory\|cuDNN SDPA" "$OUTDIR/trainer.log" | cut -c1-200 | sort | uniq -c
+    ;;
+  cudnn_sdxl)  # issue 15: SDXL 1024 bs4 + GC and bs1 + GC (the summary's peak memory), shipped sdxl_train_network.py:
+    # the blocks' own CUDA graphs or --cuda_graph_step, each with flash attention and with --cudnn_sdp on (~1 min a
+    # run: BS_LIST=4, then BS_LIST=1 in a second call keeps each call under 10 min)
+    prepare_shipped
+    R="run --workdir $WORK --phases compiled --gradient_checkpointing --steps 30 --log_out $OUTDIR/trainer.log"
+    for bs in ${BS_LIST:-4 1}; do
+      for v in "" "--cuda_graph_step" "--cudnn_sdp on" "--cuda_graph_step --cudnn_sdp on"; do
+        t=bs${bs}$(echo "$v" | tr -d ' -' | sed 's/cuda_graph_step/_sg/; s/cudnn_sdpon/_cudnn/g')
+        echo "=== bs$bs ${v:-blocks}"; $B $R --batch_size $bs --tag $t --json_out $OUTDIR/$t.json --timeout 150 \
+          ${v:+-- $v} | cut -c1-500
+      done
     done
     ;;
   shipped_recording)  # issue 15: warm restarts of the shipped SDXL LoRA trainer (r32 bs1 + GC, one 1024 shape) with

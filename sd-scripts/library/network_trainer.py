@@ -866,6 +866,9 @@ class NetworkTrainer:
         setup_steps = step_graph.WARMUP + 1 if step_graph.enabled(args) else \
             2 if compile_utils.uses_cuda_graphs(compiled) else 1
         timer = StepTimer(global_step, setup_steps_per_shape=setup_steps)
+        on_gpu = device.type == "cuda"
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats(device)  # the summary's peak: the loop's, not loading's or caching's
         step_shapes: list = []  # input shapes of the micro-steps of the step in progress
         late = LateLosses(device)
         graphs = step_graph.StepGraphs(self.optimizers, device, [self.noise_generator]) \
@@ -1014,7 +1017,7 @@ class NetworkTrainer:
                 self.sample_images(args, epoch=done_epoch, steps=global_step, **sample_kwargs)
 
         progress.close()
-        summary = timer.summary()
+        summary = timer.summary(torch.cuda.max_memory_allocated(device) if on_gpu else None)
         if summary and accelerator.is_main_process:
             print(summary, flush=True)  # stdout, under the last progress line
         data_parallel.log_process_done(accelerator, global_step, last_loss, trained_params)

@@ -13,6 +13,10 @@ last of them (after the warm-up too):
 
     median step 171.0 ms (steps 21-40); first step 30.1 s, second step 0.4 s; 4 input shapes: 8 setup steps
     (compile, graph recording) 85.3 s in all
+
+On a GPU the line ends with the training loop's peak of allocated memory ("peak GPU memory 7.11 GiB":
+torch.cuda.max_memory_allocated since the loop began, so model loading and caching are not in it; the CUDA
+context and the allocator's reserve come on top, as nvidia-smi shows them).
 """
 from __future__ import annotations
 
@@ -51,7 +55,7 @@ class StepTimer:
             self.seen[shape] = count + 1
         self.setup.append(setup)
 
-    def summary(self) -> str | None:
+    def summary(self, peak_memory_bytes: int | None = None) -> str | None:
         n = len(self.durations)
         if n == 0:
             return None
@@ -74,4 +78,6 @@ class StepTimer:
             setup_times = [d for d, s in zip(self.durations, setup) if s]
             parts.append(f"{len(self.seen)} input shapes: {len(setup_times)} setup steps ({kinds}) "
                          f"{sum(setup_times):.1f} s in all")
+        if peak_memory_bytes is not None:
+            parts.append(f"peak GPU memory {peak_memory_bytes / 2**30:.2f} GiB")
         return "; ".join(parts)
