@@ -5,6 +5,7 @@ One inductor case (tiny UNet); everything else uses aot_eager / eager so the fil
 import argparse
 import copy
 import logging
+import os
 
 import pytest
 import torch
@@ -67,6 +68,26 @@ def test_cudnn_sdp_choice(monkeypatch, choice, crashed_here, expected):
     with pytest.raises(SystemExit):
         _parse("--cudnn_sdp", "yes")
 
+
+def test_compile_caches_are_keyed_by_the_attention_backends(tmp_path, monkeypatch):
+    """A graph traced with cuDNN attention must not come back from the persistent cache in a run that turned it off:
+    the backend switches go into inductor's config, which is part of the FX-graph and AOTAutograd cache keys."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", ""))  # restored after
+    saved = (torch.backends.cuda.cudnn_sdp_enabled(), dict(inductor_config.unsafe_marked_cacheable_functions))
+    keys = {}
+    try:
+        for choice in ("on", "off"):
+            cu.setup_compile_environment(_parse("--compile", "--cudnn_sdp", choice, "--compile_cache_dir",
+                                                str(tmp_path)))
+            keys[choice] = inductor_config.save_config_portable()["unsafe_marked_cacheable_functions"]
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(saved[0])
+        inductor_config.unsafe_marked_cacheable_functions = saved[1]
+        torch._logging.set_logs()
+    assert keys["on"][cu.SDPA_CACHE_KEY].startswith("cudnn=1,")
+    assert keys["off"][cu.SDPA_CACHE_KEY].startswith("cudnn=0,")
 
 @pytest.mark.parametrize("version, cuda, capability, needed", [
     ((2, 11), "13.0", (9, 0), True),

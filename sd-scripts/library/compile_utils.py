@@ -334,6 +334,23 @@ def _needs_cudnn_sdpa_workaround() -> bool:
     return torch.cuda.get_device_capability()[0] == 9
 
 
+SDPA_CACHE_KEY = "sd-scripts.sdpa_backends"  # an entry of inductor's config, so part of every compile cache key
+
+
+def _key_caches_by_sdpa_backends(inductor_config) -> None:
+    """The attention backend is picked when a graph is traced, and torch's cache keys leave the backend switches
+    out: a graph traced with cuDNN attention would come back from the cache in a run that turned it off (and crash
+    where it crashed before). An entry naming the switches in the (otherwise unused) marked-cacheable-functions
+    table of inductor's config puts them into the FX-graph and AOTAutograd cache keys."""
+    table = getattr(inductor_config, "unsafe_marked_cacheable_functions", None)
+    if table is None:  # older torch: no such table (nor an AOTAutograd cache)
+        return
+    b = torch.backends.cuda
+    state = (f"cudnn={int(b.cudnn_sdp_enabled())},flash={int(b.flash_sdp_enabled())},"
+             f"efficient={int(b.mem_efficient_sdp_enabled())},math={int(b.math_sdp_enabled())}")
+    inductor_config.unsafe_marked_cacheable_functions = {**table, SDPA_CACHE_KEY: state}
+
+
 def setup_compile_environment(args) -> dict:
     """Apply the global settings the compile flags ask for. Returns what was set (for logs and metadata)."""
     applied: dict = {}
@@ -380,6 +397,7 @@ def setup_compile_environment(args) -> dict:
         functorch_config.enable_autograd_cache = True
     except (ImportError, AttributeError):  # older torch: FX graph cache only
         pass
+    _key_caches_by_sdpa_backends(inductor_config)
     applied["cache_dir"] = cache_dir
     logger.info("Persistent compile cache: %s", cache_dir)
 
