@@ -47,7 +47,6 @@ def test_defaults_and_choices():
         _parse("--compile_backend", "tensorrt")
 
 
-
 @pytest.mark.parametrize("choice, crashed_here, expected", [
     ("auto", False, None),  # torch's own choice, untouched
     ("auto", True, False),  # torch 2.11 + CUDA 13 on Hopper
@@ -89,6 +88,7 @@ def test_compile_caches_are_keyed_by_the_attention_backends(tmp_path, monkeypatc
     assert keys["on"][cu.SDPA_CACHE_KEY].startswith("cudnn=1,")
     assert keys["off"][cu.SDPA_CACHE_KEY].startswith("cudnn=0,")
 
+
 @pytest.mark.parametrize("version, cuda, capability, needed", [
     ((2, 11), "13.0", (9, 0), True),
     ((2, 11), "12.8", (9, 0), False),
@@ -101,6 +101,7 @@ def test_cudnn_sdpa_workaround_rule(monkeypatch, version, cuda, capability, need
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
     monkeypatch.setattr(cu, "_torch_version", lambda: version)
     assert cu._needs_cudnn_sdpa_workaround() is needed
+
 
 @pytest.mark.parametrize(
     "argv, swap, needles",
