@@ -38,6 +38,23 @@ def test_restart_excludes_the_time_between_steps():
     assert t.durations[1] < 1.0
 
 
+def test_a_wait_for_the_gpu_between_steps_goes_to_the_last_step():
+    # one-batch epochs with a step that is queued in 30 ms: the epoch end waits 0.3 s for the GPU, then the
+    # epoch-end work (2 s) is left out; the median is the 330 ms a step really takes
+    t = StepTimer()
+    t.waited()  # nothing finished yet: nothing to add to, and nothing carried over
+    assert t.durations == []
+    for _ in range(12):
+        t._last -= 0.03
+        t.step_done()
+        t._last -= 0.3
+        t.waited()
+        t._last -= 2.0
+        t.restart()
+    assert [round(d, 2) for d in t.durations] == [0.33] * 12
+    assert t.summary().startswith("median step 330.0 ms")
+
+
 def _shaped(steps, setup_steps_per_shape=2):
     """steps: (seconds, shape) per step, timed as if they had taken that long."""
     t = StepTimer(setup_steps_per_shape=setup_steps_per_shape)

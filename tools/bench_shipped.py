@@ -53,13 +53,13 @@ BUCKET_SIZES = ((1024, 1024), (896, 1152), (1152, 896), (832, 1216))
 
 
 def prepare(workdir: Path, images: int, resolution: int, checkpoint: str | None = None, family: str = "sdxl",
-            bucket_images: int = 0) -> None:
+            bucket_images: int = 0, repeats: int = 1) -> None:
     sys.path.insert(0, str(SD_SCRIPTS))
     if bucket_images:
         make_bucket_images(workdir, bucket_images)
     if family == "flux":
         prepare_flux(workdir / "flux")
-        return make_images(workdir, images, resolution)
+        return make_images(workdir, images, resolution, repeats)
     import torch
     from accelerate import init_empty_weights
     from diffusers import AutoencoderKL, UNet2DConditionModel
@@ -93,7 +93,7 @@ def prepare(workdir: Path, images: int, resolution: int, checkpoint: str | None 
                              prediction_type="epsilon", source="random full-size sdxl")
         model_util.save_sd_checkpoint(ckpt, comps, save_dtype=torch.bfloat16)
         print(f"wrote {ckpt} ({ckpt.stat().st_size / 2**30:.1f} GiB) in {time.perf_counter() - t0:.0f} s")
-    make_images(workdir, images, resolution)
+    make_images(workdir, images, resolution, repeats)
 
 
 # FLUX.1-dev's shapes (black-forest-labs/FLUX.1-dev): transformer, CLIP-L and T5-XXL v1.1 encoder, AE
@@ -151,11 +151,11 @@ def prepare_flux(dest: Path, shapes: dict | None = None) -> None:
     write("ae.safetensors", flux_models.ae_diffusers_to_bfl(ae.state_dict()))
 
 
-def make_images(workdir: Path, images: int, resolution: int) -> None:
+def make_images(workdir: Path, images: int, resolution: int, repeats: int) -> None:
     from library import tiny_models
 
     if not (workdir / "data").exists():
-        tiny_models.make_captioned_images(workdir / "data", n=images, size=(resolution, resolution), repeats=1,
+        tiny_models.make_captioned_images(workdir / "data", n=images, size=(resolution, resolution), repeats=repeats,
                                           name="bench")
 
 
@@ -300,6 +300,9 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default="bench_work")
     p.add_argument("--images", type=int, default=4)
     p.add_argument("--resolution", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=40,
+                   help="prepare: the image folder's repeats, so that the timed steps fall inside one epoch, as on a "
+                        "user's dataset (an epoch's end waits for the GPU, which a one-batch epoch does every step)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the outside measurement")
     p.add_argument("--batch_size", type=int, default=1)
@@ -329,7 +332,7 @@ def main(argv=None) -> int:
     workdir = Path(args.workdir).resolve()
     if args.action == "prepare":
         prepare(workdir, args.images, args.resolution, args.checkpoint, args.family,
-                args.bucket_images if args.buckets else 0)
+                args.bucket_images if args.buckets else 0, args.repeats)
         return 0
     results = []
     for phase in args.phases.split(","):

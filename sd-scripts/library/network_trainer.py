@@ -905,6 +905,11 @@ class NetworkTrainer:
                 if log_with:
                     accelerator.log({"loss/current": last_loss, "loss/average": avr_loss, **logs}, step=step)
 
+        def flush_losses():
+            """Reads every pending loss (waits for the GPU); the wait is the last step's time, not the pause's."""
+            report(late.flush())
+            timer.waited()
+
         val_args = (args, accelerator, validator, noise_scheduler, components, weight_dtype, caching_te, device,
                     trainable.models)
         stop = self.stop.install()
@@ -964,7 +969,7 @@ class NetworkTrainer:
                     logs.update(optimizers.d_lr_logs(self.optimizers, names))
                 report(late.step_done((global_step, epoch, lr_scheduler.get_last_lr()[0], norm_postfix, logs)))
                 if validator is not None and validator.due_after_step(global_step):
-                    report(late.flush())
+                    flush_losses()
                     validator.report(accelerator, self.validation_loss(*val_args), avr_loss, global_step=global_step,
                                      epoch=epoch + 1, at_epoch_end=False)
                     timer.restart()
@@ -972,7 +977,7 @@ class NetworkTrainer:
                 asked = requests.take(accelerator, stop_flag=stop.flag)  # Save now / Sample now / Stop
                 saved = args.save_every_n_steps and global_step % args.save_every_n_steps == 0  # the last step too
                 if saved or "save" in asked:
-                    report(late.flush())
+                    flush_losses()
                     if not saved:
                         logger.info("save requested: saving at step %d", global_step)
                     self.save_checkpoint(args, accelerator, trainable, metadata, epoch + 1, global_step, ext,
@@ -982,7 +987,7 @@ class NetworkTrainer:
 
                 sampled = should_sample(args, epoch=None, steps=global_step)
                 if sampled or "sample" in asked:
-                    report(late.flush())
+                    flush_losses()
                     if not sampled:
                         logger.info("sample requested: sampling at step %d" if args.sample_prompts else
                                     "sample requested at step %d, but there is no --sample_prompts file", global_step)
@@ -995,7 +1000,7 @@ class NetworkTrainer:
                         logger.warning("stop requested: stopping after step %d and saving", global_step)
                     stop.flag = stopping = True
                     break
-            report(late.flush())
+            flush_losses()
             if stopping:
                 break  # mid-epoch: no epoch-end save, sample or validation
 

@@ -4,7 +4,9 @@
 
 The first step holds the compile (and model warm-up), the second the CUDA-graph recording of the
 reduce-overhead modes, so they are reported on their own; the median is taken over the steps after the
-warm-up. The loop already waits for each step's loss, so the time between two step ends is the step's time.
+warm-up. The loop reads each step's loss a step late, so the time between two step ends is the step's time; where
+it waits for the GPU outside a step (every pending loss read before an epoch ends, a save, a sample), the wait is
+added to the last step, whose GPU work it is, before the pause is left out.
 
 With several input shapes (aspect-ratio buckets) each new shape has setup steps of its own: its first step
 compiles (or, with shape-generic graphs, runs CUDA graphs' warm-up) and, with CUDA graphs, its second step
@@ -42,6 +44,14 @@ class StepTimer:
     def restart(self) -> None:
         """Call after work between steps that is not a step (sample images, saving, validation)."""
         self._last = time.perf_counter()
+
+    def waited(self) -> None:
+        """Call after waiting for the GPU between steps (reading the pending losses): the wait goes to the last step,
+        whose GPU work it is (with short epochs, or a step graph that queues a step in a few ms, it is most of it)."""
+        now = time.perf_counter()
+        if self.durations:
+            self.durations[-1] += now - self._last
+        self._last = now
 
     def step_done(self, shapes: Iterable[Hashable] = ()) -> None:
         """shapes: the input shapes of the step's batches (its micro-steps); none when not tracked."""
