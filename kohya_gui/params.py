@@ -474,7 +474,8 @@ OVERLAY: tuple[Param, ...] = (  # what the GUI adds to the trainers' options: la
     _p("cudnn_sdp", "choice", "auto", "cuDNN attention",
        "auto: torch's choice, but off on torch 2.11 + CUDA 13 with Hopper GPUs (H100/H200), where its backward "
        "crashed FLUX.1 training. on: use it there too (on an H100 with cuDNN 9.19 a compiled FLUX.1 1024 px "
-       "step took 514 instead of 584 ms, but an eager 512 px run still crashed). off: never.", "compile", families=COMPILE_FAMILIES, choices=("auto", "on", "off")),
+       "step took 514 instead of 584 ms, but an eager 512 px run still crashed). off: never.", "compile",
+       families=COMPILE_FAMILIES, choices=("auto", "on", "off")),
 )
 
 # ---- every other trainer option, from the trainers' own descriptions ------------------------------------------

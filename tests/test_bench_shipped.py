@@ -14,7 +14,9 @@ REPO = Path(__file__).resolve().parent.parent
 def test_tiny_eager_phase_reports_trainer_and_outside_timings(tmp_path, tiny_sdxl_single_file):
     tool = [sys.executable, str(REPO / "tools" / "bench_shipped.py")]
     common = ["--workdir", str(tmp_path / "w"), "--resolution", "64", "--images", "2"]
-    subprocess.run(tool + ["prepare", "--checkpoint", str(tiny_sdxl_single_file)] + common, check=True, timeout=300, capture_output=True)
+    subprocess.run(tool + ["prepare", "--checkpoint", str(tiny_sdxl_single_file), "--repeats", "3"] + common,
+                   check=True, timeout=300, capture_output=True)
+    assert sorted(p.name for p in (tmp_path / "w" / "data" / "3_bench").glob("*.png")) == ["img_0.png", "img_1.png"]
     out = tmp_path / "r.json"
     proc = subprocess.run(tool + ["run", "--phases", "eager", "--steps", "6", "--warmup", "1", "--network_dim", "4",
                                   "--json_out", str(out)] + common + ["--", "--mixed_precision", "no"],

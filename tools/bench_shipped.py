@@ -7,7 +7,8 @@
 
 `prepare` writes random weights in users' file layouts (nothing is downloaded): SDXL `W/sdxl.safetensors` (SGM
 keys, bf16); FLUX.1 `W/flux/` with the BFL dev transformer, CLIP-L, T5-XXL (bf16) and the AE, all full size. Plus
-tokenizers and a kohya image folder. `run` starts `sdxl_train_network.py` (LoRA r32) or `flux_train_network.py`
+tokenizers and a kohya image folder (its images repeated `--repeats` times, so that the timed steps fall inside
+one epoch, as on a user's dataset). `run` starts `sdxl_train_network.py` (LoRA r32) or `flux_train_network.py`
 (LoRA r16) once per phase (bf16, AdamW, cached latents and text-encoder outputs) and reports two figures per phase:
 - the trainer's own summary line ("median step ... ms"; library/step_timer.py), and
 - a measurement from outside: the time between the progress lines the trainer prints (at most one a second)
@@ -48,12 +49,16 @@ COMPILING = re.compile(r"Compiling .* with torch\.compile")
 RECOMPILE = "Recompiling function"
 GRAPH_TIMING = re.compile(r"^graph_timing: (\{.*\})$")
 
+# the image folder's repeats: an epoch longer than a run's steps, as on a user's dataset (an epoch's end waits for
+# the GPU; a one-batch epoch would do that every step)
+REPEATS = 40
+
 # (width, height) of the bucketed set: four buckets of about 1024x1024 pixels, as SDXL users train
 BUCKET_SIZES = ((1024, 1024), (896, 1152), (1152, 896), (832, 1216))
 
 
 def prepare(workdir: Path, images: int, resolution: int, checkpoint: str | None = None, family: str = "sdxl",
-            bucket_images: int = 0, repeats: int = 1) -> None:
+            bucket_images: int = 0, repeats: int = REPEATS) -> None:
     sys.path.insert(0, str(SD_SCRIPTS))
     if bucket_images:
         make_bucket_images(workdir, bucket_images)
@@ -151,7 +156,7 @@ def prepare_flux(dest: Path, shapes: dict | None = None) -> None:
     write("ae.safetensors", flux_models.ae_diffusers_to_bfl(ae.state_dict()))
 
 
-def make_images(workdir: Path, images: int, resolution: int, repeats: int) -> None:
+def make_images(workdir: Path, images: int, resolution: int, repeats: int = REPEATS) -> None:
     from library import tiny_models
 
     if not (workdir / "data").exists():
@@ -300,9 +305,7 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default="bench_work")
     p.add_argument("--images", type=int, default=4)
     p.add_argument("--resolution", type=int, default=1024)
-    p.add_argument("--repeats", type=int, default=40,
-                   help="prepare: the image folder's repeats, so that the timed steps fall inside one epoch, as on a "
-                        "user's dataset (an epoch's end waits for the GPU, which a one-batch epoch does every step)")
+    p.add_argument("--repeats", type=int, default=REPEATS, help="prepare: the image folder's repeats")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the outside measurement")
     p.add_argument("--batch_size", type=int, default=1)
