@@ -449,6 +449,49 @@ def test_unet_lora_with_checkpointing_inside_compiled_region_same_grads():
     assert all("_orig_mod" not in k for k in compiled.state_dict())
 
 
+def _backward_matmuls(model, network, argv, gradient_checkpointing=True):
+    """Run one step with the blocks compiled through AOTAutograd's min-cut partitioner (inductor's); return the grads
+    and the number of mm / addmm calls in the blocks' backward graphs (recomputed forward matmuls included)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    backward_graphs = []
+
+    def keep_backward(gm, example_inputs):
+        backward_graphs.append(gm)
+        return make_boxed_func(gm)
+
+    args = _parse("--compile", "--compile_backend", "aot_eager", "--compile_dynamic", "false", *argv)
+    args.compile_backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm), bw_compiler=keep_backward,
+                                        partition_fn=min_cut_rematerialization_partition)
+    cu.compile_model_blocks(model, args, model_name="SDXL UNet", gradient_checkpointing=gradient_checkpointing)
+    got = _unet_step(model, network=network)
+    matmuls = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    return got, sum(n.target in matmuls for gm in backward_graphs for n in gm.graph.nodes)
+
+
+def test_checkpoint_keep_choices_recompute_fewer_matmuls_with_the_same_grads():
+    """--compile_checkpoint_keep: attention recomputes every Linear of a block in backward, projections only the
+    widening ones (the MLP's up projection, LoRA's up), linear none (as many matmuls as no checkpointing)."""
+    base = _tiny_unet()
+    net_base = _with_lora(base)
+    ref = _unet_step(base, network=net_base)  # eager, no checkpointing
+    counts = {}
+    for keep in (None, *cu.CHECKPOINT_KEEP_CHOICES):
+        torch._dynamo.reset()
+        model = _tiny_unet()
+        net = _with_lora(model)
+        net.load_state_dict(net_base.state_dict())
+        argv = () if keep is None else ("--compile_checkpoint_keep", keep)
+        got, counts[keep] = _backward_matmuls(model, net, argv, gradient_checkpointing=keep is not None)
+        _assert_same(ref, got)
+    assert counts["attention"] > counts["projections"] > counts["linear"] == counts[None] > 0, counts
+    with pytest.raises(SystemExit):
+        _parse("--compile_checkpoint_keep", "everything")
+    assert _parse().compile_checkpoint_keep == "attention"
+
+
 def test_flux_double_and_single_blocks_with_checkpointing():
     eager = _tiny_flux()
     compiled = copy.deepcopy(eager)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind docs/BENCHMARKS.md, on one CUDA GPU (dp2: two). Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|fused_final|sdp|sdp_bs4|attn_lora|lycoris[_bs1|_bs4]|record|full_sdxl|dp2|shipped_buckets|shipped_fixed|shipped_recording|step_graph|step_graph_more|cudnn_flux|cudnn_sdxl|sdxl_bs4_levers [OUTDIR]
+# The runs behind docs/BENCHMARKS.md, on one CUDA GPU (dp2: two). Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|fused_final|sdp|sdp_bs4|attn_lora|lycoris[_bs1|_bs4]|record|full_sdxl|dp2|shipped_buckets|shipped_fixed|shipped_recording|step_graph|step_graph_more|cudnn_flux|cudnn_sdxl|sdxl_bs4_levers|keep_sdxl|keep_flux [OUTDIR]
 # Each configuration runs in its own process (eager and compiled in that one process) with a fresh compile
 # cache, so "first compiled step" is a cold compile; the warm-start run reuses the SDXL bs1+GC cache.
 set -u
@@ -274,6 +274,26 @@ PYEOF
       t=bs4_sg_cudnn$(echo "$v" | tr -d ' -' | sed 's/cuda_cudnn_benchmark/_bench/')
       echo "=== bs4 ${v:-baseline}"; $B $R --tag $t --json_out $OUTDIR/$t.json --timeout 150 \
         -- --cuda_graph_step --cudnn_sdp on $v | cut -c1-500
+    done
+    ;;
+  keep_sdxl)  # issue 15: SDXL 1024 bs4 + GC (step graph, cuDNN attention) with each --compile_checkpoint_keep, then
+    # attention with cudnn.benchmark for the eager ResNet convolutions (its search runs before the capture); ~7 min
+    prepare_shipped
+    R="run --workdir $WORK --phases compiled --gradient_checkpointing --batch_size ${BS:-4} --steps 30 --log_out $OUTDIR/trainer.log"
+    for v in attention projections linear "attention --cuda_cudnn_benchmark"; do
+      t=bs${BS:-4}_keep_$(echo "$v" | sed 's/ --cuda_cudnn_benchmark/_bench/')
+      echo "=== $t"; $B $R --tag $t --json_out $OUTDIR/$t.json --timeout 150 \
+        -- --cuda_graph_step --cudnn_sdp on --compile_checkpoint_keep $v | cut -c1-500
+    done
+    ;;
+  keep_flux)  # issue 15: FLUX.1 1024 + GC with --compile_checkpoint_keep projections and linear (KEEP_LIST), with
+    # --cudnn_sdp $CUDNN (default on); ~3 min a run
+    prepare_shipped --family flux
+    R="run --workdir $WORK --family flux --phases compiled --gradient_checkpointing --steps 25 --log_out $OUTDIR/trainer.log"
+    for v in ${KEEP_LIST:-projections linear}; do
+      t=flux_keep_${v}_cudnn_${CUDNN:-on}
+      echo "=== $t"; $B $R --tag $t --json_out $OUTDIR/$t.json --timeout 220 \
+        -- --cudnn_sdp ${CUDNN:-on} --compile_checkpoint_keep $v | cut -c1-600
     done
     ;;
   shipped_recording)  # issue 15: warm restarts of the shipped SDXL LoRA trainer (r32 bs1 + GC, one 1024 shape) with

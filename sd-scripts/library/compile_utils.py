@@ -123,6 +123,16 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         "TORCHINDUCTOR_CACHE_DIR (default: $TORCHINDUCTOR_CACHE_DIR if you set it, else "
         "$XDG_CACHE_HOME or ~/.cache, + /sd-scripts/torch_compile)",
     )
+    group.add_argument(
+        "--compile_checkpoint_keep",
+        type=str,
+        default="attention",
+        choices=CHECKPOINT_KEEP_CHOICES,
+        help="with --gradient_checkpointing, what the checkpoint inside each compiled block keeps for backward: "
+        "attention (the attention outputs; least memory), projections (also the outputs of the Linear layers no "
+        "wider than their inputs: only the MLP's widening projection is recomputed), linear (every Linear output: "
+        "least recompute, most memory)",
+    )
     group.add_argument("--cuda_allow_tf32", action="store_true", help="allow TF32 matmul/cuDNN on Ampere or newer GPUs")
     group.add_argument("--cuda_cudnn_benchmark", action="store_true", help="enable cudnn.benchmark")
     group.add_argument(
@@ -498,23 +508,60 @@ def _attention_ops() -> set:
 _ATTENTION_OPS = _attention_ops()
 
 
-def _save_attention_policy(ctx, op, *args, **kwargs):
-    # Keep attention outputs, recompute the rest of the block. Attention is the costliest op to recompute, its
-    # output is only as large as the hidden states, and not recomputing it keeps the graph free of the RNG-state
-    # wrapper that torch puts around recomputed SDPA (which the FX graph cache cannot store).
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    return CheckpointPolicy.MUST_SAVE if op in _ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+_LINEAR_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}  # what nn.Linear runs as
 
 
-def _save_attention_context():
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+def _linear_widths(op, args) -> tuple[int, int]:
+    """(input, output) features of an mm / addmm call: its weight operand is (in, out)."""
+    weight = args[1] if op is torch.ops.aten.mm.default else args[2]
+    return weight.shape[0], weight.shape[1]
 
-    return create_selective_checkpoint_contexts(_save_attention_policy)
+
+def _keeps_attention(op, args) -> bool:
+    # Attention is the costliest op to recompute and its output is only as large as the hidden states. Not
+    # recomputing it also keeps the graph free of the RNG-state wrapper that torch puts around recomputed SDPA
+    # (which the FX graph cache cannot store).
+    return op in _ATTENTION_OPS
 
 
-# lets the AOTAutograd cache store graphs that use this policy (bump when the policy changes)
-_save_attention_context.cache_hash = "sd-scripts/compile_utils/save-attention-v1"
+def _keeps_projections(op, args) -> bool:
+    # also the Linear outputs no wider than their inputs (q/k/v, output projections, the MLP's down projection):
+    # only the MLP's widening projection is recomputed, the largest activation of a block
+    if op in _LINEAR_OPS:
+        width_in, width_out = _linear_widths(op, args)
+        return width_out <= width_in
+    return _keeps_attention(op, args)
+
+
+def _keeps_linear(op, args) -> bool:
+    return op in _LINEAR_OPS or _keeps_attention(op, args)
+
+
+def _checkpoint_context(keeps, version: str):
+    """The context_fn of a selective checkpoint that saves the outputs `keeps` picks and recomputes the rest."""
+
+    def policy(ctx, op, *args, **kwargs):
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        return CheckpointPolicy.MUST_SAVE if keeps(op, args) else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def context():
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        return create_selective_checkpoint_contexts(policy)
+
+    # lets the AOTAutograd cache store graphs that use this policy (bump the version when the policy changes)
+    context.cache_hash = f"sd-scripts/compile_utils/{version}"
+    return context
+
+
+# --compile_checkpoint_keep: what the checkpoint inside each compiled block saves (the rest is recomputed in backward)
+CHECKPOINT_CONTEXTS = {
+    "attention": _checkpoint_context(_keeps_attention, "save-attention-v1"),
+    "projections": _checkpoint_context(_keeps_projections, "save-projections-v1"),
+    "linear": _checkpoint_context(_keeps_linear, "save-linear-v1"),
+}
+CHECKPOINT_KEEP_CHOICES = tuple(CHECKPOINT_CONTEXTS)
 
 
 def _checkpointed_forward(self, *args, **kwargs):
@@ -524,7 +571,7 @@ def _checkpointed_forward(self, *args, **kwargs):
         *args,
         use_reentrant=False,
         preserve_rng_state=self._ckpt_rng,
-        context_fn=_save_attention_context,
+        context_fn=self._ckpt_context,
         **kwargs,
     )
 
@@ -698,6 +745,7 @@ def compile_model_blocks(
         if gradient_checkpointing and not hasattr(block, "_forward_inside_checkpoint"):
             # Saving/restoring the RNG state is only needed when the recompute draws random numbers (dropout).
             block._ckpt_rng = _uses_dropout(block)
+            block._ckpt_context = CHECKPOINT_CONTEXTS[getattr(args, "compile_checkpoint_keep", "attention")]
             block._forward_inside_checkpoint = block.forward
             block.forward = types.MethodType(_checkpointed_forward, block)
         block.compile(**compile_kwargs)
