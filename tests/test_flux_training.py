@@ -115,10 +115,12 @@ def test_lora_compile_aot_eager_with_block_swap(flux_set, flux_data, tmp_path, c
     caplog.set_level(logging.INFO)
     argv = lora_argv(flux_set, flux_data, tmp_path, "swap",
                      ["--compile", "--compile_backend", "aot_eager", "--blocks_to_swap", "1",
-                      "--gradient_checkpointing", "--network_train_unet_only", "--cache_text_encoder_outputs",
+                      "--gradient_checkpointing", "--compile_checkpoint_keep", "projections",
+                      "--network_train_unet_only", "--cache_text_encoder_outputs",
                       "--cache_latents", "--network_args", "train_blocks=all"])
     path = flux_train_network.main(argv)
     assert "Compiling FLUX with torch.compile: backend=aot_eager, mode=default" in caplog.text
+    assert "gradient checkpointing inside the compiled region (keeps projections outputs)" in caplog.text
     assert "Linear layers in the compiled blocks run outside the graph" in caplog.text
     assert "Block swap: 1 of 2 blocks swapped" in caplog.text
     sd, md = read(path)

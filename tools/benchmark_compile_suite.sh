@@ -280,17 +280,17 @@ PYEOF
     # attention with cudnn.benchmark for the eager ResNet convolutions (its search runs before the capture); ~7 min
     prepare_shipped
     R="run --workdir $WORK --phases compiled --gradient_checkpointing --batch_size ${BS:-4} --steps 30 --log_out $OUTDIR/trainer.log"
-    for v in attention projections linear "attention --cuda_cudnn_benchmark"; do
+    for v in ${KEEP_LIST:-attention projections} "attention --cuda_cudnn_benchmark"; do
       t=bs${BS:-4}_keep_$(echo "$v" | sed 's/ --cuda_cudnn_benchmark/_bench/')
       echo "=== $t"; $B $R --tag $t --json_out $OUTDIR/$t.json --timeout 150 \
         -- --cuda_graph_step --cudnn_sdp on --compile_checkpoint_keep $v | cut -c1-500
     done
     ;;
-  keep_flux)  # issue 15: FLUX.1 1024 + GC with --compile_checkpoint_keep projections and linear (KEEP_LIST), with
-    # --cudnn_sdp $CUDNN (default on); ~3 min a run
+  keep_flux)  # issue 15: FLUX.1 1024 + GC with --compile_checkpoint_keep attention and projections (KEEP_LIST), with
+    # --cudnn_sdp $CUDNN (default on); ~2 min a run
     prepare_shipped --family flux
     R="run --workdir $WORK --family flux --phases compiled --gradient_checkpointing --steps 25 --log_out $OUTDIR/trainer.log"
-    for v in ${KEEP_LIST:-projections linear}; do
+    for v in ${KEEP_LIST:-attention projections}; do
       t=flux_keep_${v}_cudnn_${CUDNN:-on}
       echo "=== $t"; $B $R --tag $t --json_out $OUTDIR/$t.json --timeout 220 \
         -- --cudnn_sdp ${CUDNN:-on} --compile_checkpoint_keep $v | cut -c1-600
