@@ -462,7 +462,7 @@ def _backward_matmuls(model, network, argv, gradient_checkpointing=True):
         backward_graphs.append(gm)
         return make_boxed_func(gm)
 
-    args = _parse("--compile", "--compile_backend", "aot_eager", "--compile_dynamic", "false", *argv)
+    args = _parse("--compile", "--compile_backend", "aot_eager", *argv)  # --compile_dynamic auto: symbolic tokens
     args.compile_backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm), bw_compiler=keep_backward,
                                         partition_fn=min_cut_rematerialization_partition)
     cu.compile_model_blocks(model, args, model_name="SDXL UNet", gradient_checkpointing=gradient_checkpointing)
