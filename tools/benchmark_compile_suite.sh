@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind docs/BENCHMARKS.md, on one CUDA GPU (dp2: two). Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|fused_final|sdp|sdp_bs4|attn_lora|lycoris[_bs1|_bs4]|record|full_sdxl|dp2|shipped_buckets|shipped_fixed|shipped_recording|step_graph|step_graph_more|cudnn_flux|cudnn_sdxl|sdxl_bs4_levers|keep_sdxl|keep_flux [OUTDIR]
+# The runs behind docs/BENCHMARKS.md, on one CUDA GPU (dp2: two). Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|fused_final|sdp|sdp_bs4|attn_lora|lycoris[_bs1|_bs4]|record|full_sdxl|dp2|shipped_buckets|shipped_fixed|shipped_recording|step_graph|step_graph_more|cudnn_flux|cudnn_sdxl|sdxl_bs4_levers|keep_sdxl|keep_flux|keep_buckets [OUTDIR]
 # Each configuration runs in its own process (eager and compiled in that one process) with a fresh compile
 # cache, so "first compiled step" is a cold compile; the warm-start run reuses the SDXL bs1+GC cache.
 set -u
@@ -276,15 +276,24 @@ PYEOF
         -- --cuda_graph_step --cudnn_sdp on $v | cut -c1-500
     done
     ;;
-  keep_sdxl)  # issue 15: SDXL 1024 bs4 + GC (step graph, cuDNN attention) with each --compile_checkpoint_keep, then
-    # attention with cudnn.benchmark for the eager ResNet convolutions (its search runs before the capture); ~7 min
+  keep_sdxl)  # issue 15: SDXL 1024 bs$BS (default 4) + GC (step graph, cuDNN attention) with each --compile_checkpoint_keep
+    # of KEEP_LIST, then (CUDNN_BENCH=1, the default) attention with cudnn.benchmark for the eager ResNet convolutions
+    # (its search runs before the capture); ~70 s a run
     prepare_shipped
     R="run --workdir $WORK --phases compiled --gradient_checkpointing --batch_size ${BS:-4} --steps 30 --log_out $OUTDIR/trainer.log"
-    for v in ${KEEP_LIST:-attention projections} "attention --cuda_cudnn_benchmark"; do
-      t=bs${BS:-4}_keep_$(echo "$v" | sed 's/ --cuda_cudnn_benchmark/_bench/')
+    for v in ${KEEP_LIST:-attention projections} $([ "${CUDNN_BENCH:-1}" = 1 ] && echo attention_bench); do
+      t=bs${BS:-4}_keep_$v
       echo "=== $t"; $B $R --tag $t --json_out $OUTDIR/$t.json --timeout 150 \
-        -- --cuda_graph_step --cudnn_sdp on --compile_checkpoint_keep $v | cut -c1-500
+        -- --cuda_graph_step --cudnn_sdp on --compile_checkpoint_keep ${v%_bench} \
+        $([ "$v" = attention_bench ] && echo --cuda_cudnn_benchmark) | cut -c1-500
     done
+    ;;
+  keep_buckets)  # issue 15: SDXL bs1 + GC on 4 bucket shapes (blocks' CUDA graphs) with --compile_checkpoint_keep
+    # projections: recompiles and the summary line
+    prepare_shipped --buckets
+    $B run --workdir $WORK --phases compiled --gradient_checkpointing --recompiles --buckets --steps 24 \
+      --tag buckets_projections --timeout 200 --log_out "$OUTDIR/buckets.log" --json_out "$OUTDIR/buckets_projections.json" \
+      -- --compile_checkpoint_keep projections | cut -c1-1200
     ;;
   keep_flux)  # issue 15: FLUX.1 1024 + GC with --compile_checkpoint_keep attention and projections (KEEP_LIST), with
     # --cudnn_sdp $CUDNN (default on); ~2 min a run
