@@ -477,11 +477,12 @@ OVERLAY: tuple[Param, ...] = (  # what the GUI adds to the trainers' options: la
        "step took 514 instead of 584 ms, but an eager 512 px run still crashed). off: never.", "compile",
        families=COMPILE_FAMILIES, choices=("auto", "on", "off")),
     _p("compile_checkpoint_keep", "choice", "attention", "Checkpointing keeps",
-       "With gradient checkpointing: what each compiled block keeps for backward (the rest is recomputed). "
-       "attention: the attention outputs, least memory. projections: also the Linear outputs no wider than their "
-       "inputs (q/k/v, output projections), so only the MLP's widening projection is recomputed; on an H100 SDXL "
-       "1024 bs4 293 -> 275 ms at 10.6 -> 15.5 GiB, FLUX.1 1024 581 -> 521 ms at 27.3 -> 33.8 GiB.", "compile",
-       families=COMPILE_FAMILIES, choices=("attention", "projections")),
+       "With gradient checkpointing: what is kept for backward instead of recomputed; each choice uses more memory "
+       "for less recompute. attention: the compiled blocks' attention outputs (least memory). projections: also "
+       "their Linear outputs no wider than the inputs (q/k/v, output projections). resnets: projections, and the "
+       "UNet's ResNets are not checkpointed (FLUX.1: as projections). On an H100, SDXL 1024 bs4: 299 -> 264 ms "
+       "(attention -> resnets) at 10.6 -> 18.8 GiB; FLUX.1 1024: 581 -> 521 ms (attention -> projections) at "
+       "27.3 -> 33.8 GiB.", "compile", families=COMPILE_FAMILIES, choices=("attention", "projections", "resnets")),
 )
 
 # ---- every other trainer option, from the trainers' own descriptions ------------------------------------------

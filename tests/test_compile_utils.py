@@ -449,31 +449,37 @@ def test_unet_lora_with_checkpointing_inside_compiled_region_same_grads():
     assert all("_orig_mod" not in k for k in compiled.state_dict())
 
 
-def _backward_matmuls(model, network, argv, gradient_checkpointing=True):
-    """Run one step with the blocks compiled through AOTAutograd's min-cut partitioner (inductor's); return the grads
-    and the number of mm / addmm calls in the blocks' backward graphs (recomputed forward matmuls included)."""
+def _recompute_counts(model, network, argv, gradient_checkpointing=True):
+    """Run one step with the blocks compiled through AOTAutograd's min-cut partitioner (inductor's); return the grads,
+    the number of mm / addmm calls in the blocks' backward graphs (recomputed forward matmuls included) and the
+    number of ResNet forwards (twice each where diffusers' checkpoint recomputes them)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    backward_graphs = []
+    backward_graphs, resnet_calls = [], []
 
     def keep_backward(gm, example_inputs):
         backward_graphs.append(gm)
         return make_boxed_func(gm)
 
+    if gradient_checkpointing:
+        model.enable_gradient_checkpointing()  # diffusers' way first, as a trainer does
+    for m in model.modules():
+        if type(m).__name__ == "ResnetBlock2D":
+            m.register_forward_pre_hook(lambda *a: resnet_calls.append(1))  # (a recompute stops early)
     args = _parse("--compile", "--compile_backend", "aot_eager", *argv)  # --compile_dynamic auto: symbolic tokens
     args.compile_backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm), bw_compiler=keep_backward,
                                         partition_fn=min_cut_rematerialization_partition)
     cu.compile_model_blocks(model, args, model_name="SDXL UNet", gradient_checkpointing=gradient_checkpointing)
     got = _unet_step(model, network=network)
     matmuls = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
-    return got, sum(n.target in matmuls for gm in backward_graphs for n in gm.graph.nodes)
+    return got, (sum(n.target in matmuls for gm in backward_graphs for n in gm.graph.nodes), len(resnet_calls))
 
 
-def test_checkpoint_keep_choices_recompute_fewer_matmuls_with_the_same_grads():
+def test_checkpoint_keep_choices_recompute_less_with_the_same_grads():
     """--compile_checkpoint_keep: attention recomputes every Linear of a block in backward, projections only the
-    widening ones (the MLP's up projection, LoRA's up); no checkpointing recomputes none."""
+    widening ones (the MLP's up projection, LoRA's up), resnets those and no ResNet; no checkpointing nothing."""
     base = _tiny_unet()
     net_base = _with_lora(base)
     ref = _unet_step(base, network=net_base)  # eager, no checkpointing
@@ -484,12 +490,35 @@ def test_checkpoint_keep_choices_recompute_fewer_matmuls_with_the_same_grads():
         net = _with_lora(model)
         net.load_state_dict(net_base.state_dict())
         argv = () if keep is None else ("--compile_checkpoint_keep", keep)
-        got, counts[keep] = _backward_matmuls(model, net, argv, gradient_checkpointing=keep is not None)
+        got, counts[keep] = _recompute_counts(model, net, argv, gradient_checkpointing=keep is not None)
         _assert_same(ref, got)
-    assert counts["attention"] > counts["projections"] > counts[None] > 0, counts
+    (mm_attention, resnets), (mm_projections, resnets_p), (mm_resnets, resnets_r), (mm_none, resnets_none) = (
+        counts[k] for k in ("attention", "projections", "resnets", None))
+    assert mm_attention > mm_projections == mm_resnets > mm_none > 0, counts
+    assert resnets == resnets_p > resnets_r == resnets_none > 0, counts  # diffusers' checkpoint recomputes ResNets
     with pytest.raises(SystemExit):
         _parse("--compile_checkpoint_keep", "everything")
     assert _parse().compile_checkpoint_keep == "attention"
+
+
+@pytest.mark.parametrize("argv, applies", [
+    (["--compile", "--gradient_checkpointing"], True),
+    (["--gradient_checkpointing"], False),
+    (["--compile"], False),
+    (["--compile", "--gradient_checkpointing", "--cpu_offload_checkpointing"], False),
+])
+def test_checkpoint_keep_without_inside_checkpointing_warns(argv, applies, caplog):
+    parser = cu.add_compile_arguments(argparse.ArgumentParser())
+    parser.add_argument("--gradient_checkpointing", action="store_true")
+    parser.add_argument("--cpu_offload_checkpointing", action="store_true")
+    args = parser.parse_args(argv + ["--compile_backend", "aot_eager", "--compile_checkpoint_keep", "resnets"])
+    with caplog.at_level(logging.WARNING, logger="library.compile_utils"):
+        cu.validate_compile_args(args)
+    assert ("--compile_checkpoint_keep resnets has no effect" in caplog.text) != applies
+    args.compile_checkpoint_keep = "everything"  # as a config file can set it
+    with pytest.raises(cu.CompileConfigError, match="--compile_checkpoint_keep must be one of attention, "
+                                                    "projections, resnets; got 'everything'"):
+        cu.validate_compile_args(args)
 
 
 def test_flux_double_and_single_blocks_with_checkpointing():

@@ -120,7 +120,7 @@ def test_lora_compile_aot_eager_with_block_swap(flux_set, flux_data, tmp_path, c
                       "--cache_latents", "--network_args", "train_blocks=all"])
     path = flux_train_network.main(argv)
     assert "Compiling FLUX with torch.compile: backend=aot_eager, mode=default" in caplog.text
-    assert "gradient checkpointing inside the compiled region (keeps projections outputs)" in caplog.text
+    assert "gradient checkpointing inside the compiled region (--compile_checkpoint_keep projections)" in caplog.text
     assert "Linear layers in the compiled blocks run outside the graph" in caplog.text
     assert "Block swap: 1 of 2 blocks swapped" in caplog.text
     sd, md = read(path)

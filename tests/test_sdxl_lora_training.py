@@ -145,7 +145,7 @@ def test_sdxl_compile_aot_eager(tmp_path, tiny_sdxl_single_file, tiny_dataset_di
     assert len(trainer.losses) == 4 and marks == [0, 2]
     assert "Compiling SDXL UNet with torch.compile: backend=aot_eager, mode=default, dynamic=None, fullgraph=False" \
         in caplog.text
-    assert "gradient checkpointing inside the compiled region (keeps attention outputs)" in caplog.text  # default
+    assert "gradient checkpointing inside the compiled region (--compile_checkpoint_keep attention)" in caplog.text  # default
     n_blocks = count_transformer_blocks(tiny_sdxl_single_file)
     assert n_blocks > 0 and trainer.compiled_blocks == n_blocks
     sd, md = read_lora(path)

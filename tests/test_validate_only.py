@@ -64,6 +64,17 @@ def test_all_problems_are_reported_at_once_with_exit_2(not_models, tmp_path, cap
     assert "Traceback" not in err
 
 
+def test_a_missing_output_dir_is_a_problem_not_a_traceback(not_models, tiny_dataset_dir, tmp_path, capsys):
+    import sdxl_train_network
+
+    argv = argv_for("sdxl_train_network", not_models, tiny_dataset_dir, tmp_path / "out")
+    i = argv.index("--output_dir")
+    with pytest.raises(SystemExit) as e:
+        sdxl_train_network.main(argv[:i] + argv[i + 2:])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--output_dir is required" in err and "Traceback" not in err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a CUDA GPU")
 def test_cudagraphs_backend_without_a_gpu_is_refused(not_models, tiny_dataset_dir, tmp_path, capsys):
     import sdxl_train_network

@@ -128,10 +128,13 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         type=str,
         default="attention",
         choices=CHECKPOINT_KEEP_CHOICES,
-        help="with --gradient_checkpointing, what the checkpoint inside each compiled block keeps for backward "
-        "(the rest is recomputed): attention (the attention outputs; least memory), projections (also the outputs "
-        "of the Linear layers no wider than their inputs, so only the MLP's widening projection is recomputed: on an "
-        "H100 SDXL 1024 bs4 293 -> 275 ms at 10.6 -> 15.5 GiB, FLUX.1 1024 581 -> 521 ms at 27.3 -> 33.8 GiB)",
+        help="with --gradient_checkpointing, what is kept for backward instead of recomputed; each choice keeps "
+        "more memory for less recompute: attention (the compiled blocks' attention outputs; least memory), "
+        "projections (also the outputs of their Linear layers no wider than their inputs, so only the MLP's "
+        "widening projection is recomputed), resnets (projections, and a UNet's ResNets are not checkpointed; "
+        "FLUX.1: as projections). On an H100, SDXL 1024 bs4 (--cuda_graph_step --cudnn_sdp on): 299 / 264 ms "
+        "(attention / resnets) at 10.6 / 18.8 GiB; FLUX.1 1024: 581 / 521 ms (attention / projections) at 27.3 / "
+        "33.8 GiB",
     )
     group.add_argument("--cuda_allow_tf32", action="store_true", help="allow TF32 matmul/cuDNN on Ampere or newer GPUs")
     group.add_argument("--cuda_cudnn_benchmark", action="store_true", help="enable cudnn.benchmark")
@@ -275,9 +278,16 @@ def validate_compile_args(args) -> None:
         ("--compile_backend", args.compile_backend, BACKENDS),
         ("--compile_mode", args.compile_mode, MODES),
         ("--compile_dynamic", args.compile_dynamic, DYNAMIC_CHOICES),
+        ("--compile_checkpoint_keep", getattr(args, "compile_checkpoint_keep", "attention"), CHECKPOINT_KEEP_CHOICES),
     ):
         if value not in choices:
             raise CompileConfigError(f"{flag} must be one of {', '.join(choices)}; got {value!r}")
+    keep = getattr(args, "compile_checkpoint_keep", "attention")
+    checkpoints_inside = getattr(args, "compile", False) and getattr(args, "gradient_checkpointing", False) and not \
+        getattr(args, "cpu_offload_checkpointing", False)
+    if keep != "attention" and not checkpoints_inside:
+        logger.warning(f"--compile_checkpoint_keep {keep} has no effect: it applies with --compile and "
+                       "--gradient_checkpointing (without --cpu_offload_checkpointing)")
     if not getattr(args, "compile", False):
         return
 
@@ -551,10 +561,13 @@ def _checkpoint_context(keeps, version: str):
     return context
 
 
-# --compile_checkpoint_keep: what the checkpoint inside each compiled block saves (the rest is recomputed in backward)
+# --compile_checkpoint_keep: what the checkpoint inside each compiled block saves (the rest is recomputed in backward);
+# "resnets" saves what "projections" does and also stops diffusers' checkpointing outside the blocks (a UNet's ResNets)
+_KEEP_PROJECTIONS = _checkpoint_context(_keeps_projections, "save-projections-v1")
 CHECKPOINT_CONTEXTS = {
     "attention": _checkpoint_context(_keeps_attention, "save-attention-v1"),
-    "projections": _checkpoint_context(_keeps_projections, "save-projections-v1"),
+    "projections": _KEEP_PROJECTIONS,
+    "resnets": _KEEP_PROJECTIONS,
 }
 CHECKPOINT_KEEP_CHOICES = tuple(CHECKPOINT_CONTEXTS)
 
@@ -638,6 +651,16 @@ def _move_checkpointing_inside(model: torch.nn.Module, names: tuple[str, ...]) -
         for child in module.children():
             children.extend(child if isinstance(child, torch.nn.ModuleList) else [child])
         if any(type(c).__name__ in names for c in children):
+            module.gradient_checkpointing = False
+            switched += 1
+    return switched
+
+
+def _checkpointing_off(model: torch.nn.Module) -> int:
+    """Turn off diffusers' checkpointing flags everywhere in `model`; return how many modules had it on."""
+    switched = 0
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False):
             module.gradient_checkpointing = False
             switched += 1
     return switched
@@ -729,11 +752,14 @@ def compile_model_blocks(
         gradient_checkpointing = False
     elif _move_checkpointing_inside(model, names):
         gradient_checkpointing = True
+    keep = getattr(args, "compile_checkpoint_keep", "attention")
+    if gradient_checkpointing and keep == "resnets" and _checkpointing_off(model):
+        logger.info(f"{model_name}: the layers outside the compiled blocks (ResNets) are not checkpointed "
+                    "(--compile_checkpoint_keep resnets)")
     if disable_linear:
         n_linear = sum(_keep_linear_out_of_graph(b) for b in blocks)
         logger.info(f"Block swap: {n_linear} Linear layers in the compiled blocks run outside the graph (torch._dynamo.disable)")
 
-    keep = getattr(args, "compile_checkpoint_keep", "attention")
     compile_kwargs = dict(backend=backend, dynamic=dynamic, fullgraph=fullgraph)
     if backend == "inductor":
         compile_kwargs["mode"] = mode
@@ -756,8 +782,8 @@ def compile_model_blocks(
     kinds = sorted({type(b).__name__ for b in blocks})
     logger.info(
         f"Compiled {len(blocks)} blocks of {model_name} ({', '.join(kinds)})"
-        + (f", gradient checkpointing inside the compiled region (keeps {keep} outputs)" if gradient_checkpointing
-           else "")
+        + (f", gradient checkpointing inside the compiled region (--compile_checkpoint_keep {keep})"
+           if gradient_checkpointing else "")
         + (", inside checkpoints that keep their inputs in CPU memory" if offload_checkpointing else "")
         + (", image-size dimensions of their inputs dynamic (bucket shapes share the graphs)" if marked else "")
     )

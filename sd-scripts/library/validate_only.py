@@ -87,8 +87,9 @@ def run(trainer, args) -> None:
     problems.extend(missing_paths(args))
     output_name = args.output_name or trainer.default_output_name
     ext = trainer.output_ext(args)
-    attempt(lambda: train_util.check_outputs_free(args.output_dir, output_name, ext, args.overwrite_output,
-                                                  bool(args.resume)))
+    if args.output_dir:  # unset: the checks above said so
+        attempt(lambda: train_util.check_outputs_free(args.output_dir, output_name, ext, args.overwrite_output,
+                                                      bool(args.resume)))
     if args.resume and os.path.isdir(args.resume):
         attempt(lambda: state_folders.check_resume(args, ext))
     images = None
