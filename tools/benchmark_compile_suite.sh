@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind docs/BENCHMARKS.md, on one CUDA GPU (dp2: two). Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|fused_final|sdp|sdp_bs4|attn_lora|lycoris[_bs1|_bs4]|record|full_sdxl|dp2|shipped_buckets|shipped_fixed|shipped_recording|step_graph|step_graph_more|cudnn_flux|cudnn_sdxl|sdxl_bs4_levers|keep_sdxl|keep_flux|keep_buckets [OUTDIR]
+# The runs behind docs/BENCHMARKS.md, on one CUDA GPU (dp2: two). Usage: tools/benchmark_compile_suite.sh sdxl|sdxl_gc_blocks_only|sdxl_warm|sdxl_final|final|warm_gc|freeze|flux|flux_presets|tune_sdxl|fused|fused_final|sdp|sdp_bs4|attn_lora|lycoris[_bs1|_bs4]|record|full_sdxl|dp2|shipped_buckets|shipped_fixed|shipped_recording|step_graph|step_graph_more|cudnn_flux|cudnn_sdxl|keep_sdxl|keep_flux|keep_buckets [OUTDIR]
 # Each configuration runs in its own process (eager and compiled in that one process) with a fresh compile
 # cache, so "first compiled step" is a cold compile; the warm-start run reuses the SDXL bs1+GC cache.
 set -u
@@ -263,17 +263,6 @@ PYEOF
         echo "=== bs$bs ${v:-blocks}"; $B $R --batch_size $bs --tag $t --json_out $OUTDIR/$t.json --timeout 150 \
           ${v:+-- $v} | cut -c1-500
       done
-    done
-    ;;
-  sdxl_bs4_levers)  # issue 15: SDXL 1024 bs4 + GC (GPU-bound, 314 ms at best in run51) with --cuda_graph_step and
-    # --cudnn_sdp on, then the same with cudnn.benchmark for the eager ResNet convolutions (--cuda_cudnn_benchmark;
-    # its search runs in the ordinary steps before the capture); ~4 min
-    prepare_shipped
-    R="run --workdir $WORK --phases compiled --gradient_checkpointing --batch_size 4 --steps 30 --log_out $OUTDIR/trainer.log"
-    for v in "" "--cuda_cudnn_benchmark"; do
-      t=bs4_sg_cudnn$(echo "$v" | tr -d ' -' | sed 's/cuda_cudnn_benchmark/_bench/')
-      echo "=== bs4 ${v:-baseline}"; $B $R --tag $t --json_out $OUTDIR/$t.json --timeout 150 \
-        -- --cuda_graph_step --cudnn_sdp on $v | cut -c1-500
     done
     ;;
   keep_sdxl)  # issue 15: SDXL 1024 bs$BS (default 4) + GC (step graph, cuDNN attention) with each --compile_checkpoint_keep

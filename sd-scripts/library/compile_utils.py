@@ -128,7 +128,7 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         type=str,
         default="attention",
         choices=CHECKPOINT_KEEP_CHOICES,
-        help="with --gradient_checkpointing, what is kept for backward instead of recomputed; each choice keeps "
+        help="with --gradient_checkpointing, what is kept for backward instead of recomputed; each choice uses "
         "more memory for less recompute: attention (the compiled blocks' attention outputs; least memory), "
         "projections (also the outputs of their Linear layers no wider than their inputs, so only the MLP's "
         "widening projection is recomputed), resnets (projections, and a UNet's ResNets are not checkpointed; "
