@@ -449,6 +449,15 @@ def test_unet_lora_with_checkpointing_inside_compiled_region_same_grads():
     assert all("_orig_mod" not in k for k in compiled.state_dict())
 
 
+def _count_resnet_forwards(model) -> list:
+    """A list that grows by one at each ResnetBlock2D forward (a pre-hook: a checkpoint's recompute stops early)."""
+    calls = []
+    for m in model.modules():
+        if type(m).__name__ == "ResnetBlock2D":
+            m.register_forward_pre_hook(lambda *a: calls.append(1))
+    return calls
+
+
 def _recompute_counts(model, network, argv):
     """Run one step with the blocks compiled through AOTAutograd's min-cut partitioner (inductor's); return the grads,
     the number of mm / addmm calls in the blocks' backward graphs (recomputed forward matmuls included) and the
@@ -457,16 +466,14 @@ def _recompute_counts(model, network, argv):
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    backward_graphs, resnet_calls = [], []
+    backward_graphs = []
 
     def keep_backward(gm, example_inputs):
         backward_graphs.append(gm)
         return make_boxed_func(gm)
 
     model.enable_gradient_checkpointing()  # diffusers' way first, as a trainer does
-    for m in model.modules():
-        if type(m).__name__ == "ResnetBlock2D":
-            m.register_forward_pre_hook(lambda *a: resnet_calls.append(1))  # (a recompute stops early)
+    resnet_calls = _count_resnet_forwards(model)
     args = _parse("--compile", "--compile_backend", "aot_eager", *argv)  # --compile_dynamic auto: symbolic tokens
     args.compile_backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm), bw_compiler=keep_backward,
                                         partition_fn=min_cut_rematerialization_partition)
@@ -482,10 +489,7 @@ def test_checkpoint_keep_choices_recompute_less_with_the_same_grads():
     widening ones (the MLP's up projection, LoRA's up), resnets those and no ResNet."""
     base = _tiny_unet()
     net_base = _with_lora(base)
-    resnet_calls = []
-    for m in base.modules():
-        if type(m).__name__ == "ResnetBlock2D":
-            m.register_forward_pre_hook(lambda *a: resnet_calls.append(1))
+    resnet_calls = _count_resnet_forwards(base)
     ref = _unet_step(base, network=net_base)  # eager, no checkpointing: each ResNet runs once
     counts = {}
     for keep in cu.CHECKPOINT_KEEP_CHOICES:

@@ -274,15 +274,15 @@ def validate_compile_args(args) -> None:
     limit = getattr(args, "compile_cache_size_limit", 0) or 0
     if limit < 0:
         raise CompileConfigError(f"--compile_cache_size_limit must be 0 (torch default) or a positive integer, got {limit}")
+    keep = getattr(args, "compile_checkpoint_keep", "attention")
     for flag, value, choices in (
         ("--compile_backend", args.compile_backend, BACKENDS),
         ("--compile_mode", args.compile_mode, MODES),
         ("--compile_dynamic", args.compile_dynamic, DYNAMIC_CHOICES),
-        ("--compile_checkpoint_keep", getattr(args, "compile_checkpoint_keep", "attention"), CHECKPOINT_KEEP_CHOICES),
+        ("--compile_checkpoint_keep", keep, CHECKPOINT_KEEP_CHOICES),
     ):
         if value not in choices:
             raise CompileConfigError(f"{flag} must be one of {', '.join(choices)}; got {value!r}")
-    keep = getattr(args, "compile_checkpoint_keep", "attention")
     checkpoints_inside = getattr(args, "compile", False) and getattr(args, "gradient_checkpointing", False) and not \
         getattr(args, "cpu_offload_checkpointing", False)
     if keep != "attention" and not checkpoints_inside:
