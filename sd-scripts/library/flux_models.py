@@ -26,6 +26,7 @@ import torch
 
 # the fp8 base mechanism is shared with SD/SDXL (library.precision); its names stay importable from here
 from library.precision import FP8_DTYPE, apply_fp8_base  # noqa: F401
+from library.errors import FluxModelError  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +37,6 @@ ROPE_AXES = (16, 56, 56)
 CLIP_L_HUB_ID = "openai/clip-vit-large-patch14"
 T5XXL_HUB_ID = "google/t5-v1_1-xxl"
 _BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
-
-
-class FluxModelError(ValueError):
-    """A FLUX model file or folder that cannot be used (message names the file and the problem)."""
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -170,7 +170,7 @@ def resume_state_dir(args) -> str:
     downloaded into the huggingface_hub cache."""
     if not getattr(args, "resume_from_huggingface", False):
         return args.resume
-    from library.network_trainer import TrainingError
+    from library.errors import TrainingError
 
     repo_id, path_in_repo, revision, repo_type = parse_hub_state(args.resume)
     logger.info("downloading the state %s from Hugging Face repo %s (revision %s)", path_in_repo or "/", repo_id,

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from library.compile_utils import strip_orig_mod  # noqa: F401 - the one shared helper; re-exported
+from library.errors import ModelLoadError  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +50,6 @@ TOKENIZER_SOURCES = {
     "sdxl": [("openai/clip-vit-large-patch14", None), ("laion/CLIP-ViT-bigG-14-laion2B-39B-b160k", None)],
 }
 TOKENIZER_MAX_LENGTH = 77
-
-
-class ModelLoadError(ValueError):
-    """A model path, file or option that cannot be loaded; the message names the file and what to do."""
 
 
 @dataclass

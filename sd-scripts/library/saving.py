@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
+from library.errors import SaveError  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -242,10 +243,6 @@ def save_safetensors_streaming(path: str | os.PathLike, entries: Iterable[Tensor
             del t
         f.flush()
         os.fsync(f.fileno())
-
-
-class SaveError(RuntimeError):
-    """A save the disk refused (full, read-only, no permission): the run stops with this one line."""
 
 
 @contextlib.contextmanager

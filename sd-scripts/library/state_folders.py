@@ -111,7 +111,7 @@ def check_resume(args, ext: str) -> None:
     """Before any model loads. A local --resume folder (train_util checks it exists) must hold our step counter;
     without --overwrite_output the names the resumed run will write must be free: the final `-state` folder (with
     --save_state / --save_state_on_train_end) and the step / epoch saves after the resumed position."""
-    from library.network_trainer import TrainingError
+    from library.errors import TrainingError
 
     if not args.resume or getattr(args, "resume_from_huggingface", False):
         return

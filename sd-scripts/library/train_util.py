@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from library import parity
+from library.errors import ConfigError, OptionalPackageError, OutputExistsError  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -33,18 +34,6 @@ logger = logging.getLogger(__name__)
 GUI_ONLY_TABLES = ("accelerate", "gui")
 # Args never written into a run's TOML (they describe how the TOML itself is handled).
 _NOT_IN_RUN_CONFIG = ("config_file", "output_config")
-
-
-class ConfigError(ValueError):
-    """A bad `--config_file` or a bad combination of options; the message names the key/flag."""
-
-
-class OptionalPackageError(RuntimeError):
-    """An option needs a package that is not installed; the message says which and how to install it."""
-
-
-class OutputExistsError(FileExistsError):
-    """A result file already exists and `--overwrite_output` was not given."""
 
 
 def setup_logging(level: int = logging.INFO) -> None:

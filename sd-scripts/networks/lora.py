@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from networks import lora_blocks
+from library.errors import NetworkArgsError, NetworkWeightsError  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +54,6 @@ def arg_bool(value) -> bool:
 
 
 arg_bool.__name__ = "bool (True/False)"
-
-
-class NetworkArgsError(ValueError):
-    """A bad `--network_args` entry; the message names it and lists the allowed keys."""
-
-
-class NetworkWeightsError(NetworkArgsError):
-    """`--network_weights` that cannot be loaded into the network (a shape that differs)."""
 
 
 def _layers(module: nn.Module) -> list[nn.Module]:
