@@ -256,14 +256,10 @@ def read_safetensors(path: str | os.PathLike, what: str) -> dict:
 
 
 def save_safetensors_atomic(sd: dict, path: str | os.PathLike, metadata: dict | None = None) -> None:
-    """Write to a temporary name in the same folder, then rename: a failed save never leaves a broken file."""
-    from safetensors.torch import save_file
+    """Written through library.files' atomic writer: a failed save never leaves a broken file."""
+    from library import files
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
+    files.save_safetensors(sd, path, metadata, overwrite=True)
 
 
 def _check_exists(path: str, flag: str) -> None:

@@ -51,6 +51,7 @@ from library import metadata as metadata_util
 from library.captions import apply_token_weights, weighted_for, weighted_token_ids
 from library.latent_cache import FAMILY_FORMATS, LatentCacheFormat
 from library.late_loss import LateLosses
+from library.network_options import parse_network_args  # noqa: F401  (re-exported)
 from library.step_timer import StepTimer
 from library.te_cache import TeCacheFormat
 from library.errors import ConfigError, TrainingError, UserError  # noqa: F401  (re-exported)
@@ -167,16 +168,6 @@ def save_network_state_dict(network, path: str, dtype, metadata: dict | None, ov
                                            overwrite=overwrite)
     else:
         train_util.save_torch_atomic(sd, path, overwrite=overwrite)
-
-
-def parse_network_args(items: list[str] | None) -> dict[str, str]:
-    out = {}
-    for item in items or []:
-        if "=" not in item:
-            raise ConfigError(f"--network_args: {item!r} must be key=value")
-        k, v = item.split("=", 1)
-        out[k.strip()] = v.strip()
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------------

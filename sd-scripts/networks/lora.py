@@ -505,18 +505,18 @@ class LoRANetwork(nn.Module):
     def save_weights(self, file: str, dtype: torch.dtype | None, metadata: dict[str, str] | None,
                      overwrite: bool = False) -> None:
         """Atomic save; .safetensors gets `metadata` plus sshs_model_hash / sshs_legacy_hash."""
-        from library import train_util
+        from library import files, metadata as metadata_util
 
         sd = self.lora_state_dict(dtype)
         if os.path.splitext(file)[1] == ".safetensors":
             metadata = dict(metadata or {})
             if metadata:
-                model_hash, legacy_hash = train_util.model_hashes(sd, metadata)
+                model_hash, legacy_hash = metadata_util.model_hashes(sd, metadata)
                 metadata["sshs_model_hash"] = model_hash
                 metadata["sshs_legacy_hash"] = legacy_hash
-            train_util.save_safetensors_atomic(sd, file, metadata or None, overwrite=overwrite)
+            files.save_safetensors(sd, file, metadata or None, overwrite=overwrite)
         else:
-            train_util.save_torch_atomic(sd, file, overwrite=overwrite)
+            files.save_torch(sd, file, overwrite=overwrite)
 
 
 def load_lora_state_dict(file: str) -> dict[str, torch.Tensor]:
