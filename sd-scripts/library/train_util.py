@@ -382,10 +382,6 @@ def verify_training_args(args: argparse.Namespace) -> None:
 
     optimizers.check_optimizer_args(args)  # a missing optimizer package is reported now, not after models load
     schedulers.check_scheduler_args(args)
-    mint = 0 if args.min_timestep is None else args.min_timestep
-    maxt = 1000 if args.max_timestep is None else args.max_timestep
-    if not 0 <= mint < maxt <= 1000:
-        raise ConfigError(f"--min_timestep/--max_timestep must satisfy 0 <= min < max <= 1000, got {mint}, {maxt}")
 
 
 # ----------------------------------------------------------------------------------------------------------
