@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from library.compile_utils import strip_orig_mod  # noqa: F401 - the one shared helper; re-exported
+from library.compile.regional import strip_orig_mod  # noqa: F401 - the one shared helper; re-exported
 
 logger = logging.getLogger(__name__)
 
