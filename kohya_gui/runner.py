@@ -26,7 +26,7 @@ from .run_history import NUM, RunHistory
 # the trainers' last line after a stop-and-save (library.stop_signal.stopped_line)
 STOPPED_LINE = re.compile(r"^stopped at step \d+, saved ")
 SAVE_TIMEOUT = 600.0  # a stop waits this long for the step and the saves to finish
-# the trainers' line before a step that compiles (library.compile_utils.ShapeLog); with CUDA graphs the step
+# the trainers' line before a step that compiles (library.compile.regional.ShapeLog); with CUDA graphs the step
 # after it records them, so "compiling" lasts two steps then
 COMPILE_LINE = re.compile(r"torch\.compile: new input shape (\S+) .*this step (compiles and records CUDA graphs|compiles)")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from library import files
-from library.compile_utils import strip_orig_mod  # noqa: F401 - the one shared helper; re-exported
+from library.compile.regional import strip_orig_mod  # noqa: F401 - the one shared helper; re-exported
 from library.errors import ModelLoadError  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
