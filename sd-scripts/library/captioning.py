@@ -1,0 +1,239 @@
+"""What the captioning and dataset tools of `sd-scripts/finetune/` share: finding the images, the rule for caption
+files that already exist, images that will not open (skipped with their name, the run goes on), batches through a
+DataLoader, the device, optional packages named by their install extra, and the command-line wrapper (bad input =
+one line, exit 2; `--dump_options` for the GUI).
+
+torch is imported only where a batch loader or a device is asked for, so the metadata tools start fast.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import sys
+from typing import Callable, Iterable, Iterator, Optional
+
+from library.dataset_files import DatasetError, list_images
+
+logger = logging.getLogger(__name__)
+
+EXTRA = "captioning"  # pyproject's install extra with the tools' optional packages
+
+
+class ToolError(Exception):
+    """Bad input or a missing package: the script prints the message as one line and exits 2."""
+
+
+def require(module: str, package: Optional[str] = None, what: str = "this tool"):
+    """Imports an optional package, or raises ToolError naming the package and the install extra."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        package = package or module
+        raise ToolError(f"{what} needs the '{package}' package, which is not installed ({e}): "
+                        f"pip install '{package}' (or the project's '{EXTRA}' extra: pip install -e '.[{EXTRA}]')") from e
+
+
+# ----------------------------------------------------------------------------- images and caption files
+
+
+def find_images(train_data_dir: str, recursive: bool) -> list[str]:
+    try:
+        images = list_images(train_data_dir, recursive=recursive)
+    except DatasetError as e:
+        raise ToolError(f"train_data_dir: {e}") from e
+    if not images:
+        hint = "" if recursive else " (add --recursive to look in subfolders)"
+        raise ToolError(f"train_data_dir: no images (.png .jpg .jpeg .webp .bmp) in {train_data_dir}{hint}")
+    logger.info("found %d images in %s", len(images), train_data_dir)
+    return images
+
+
+def caption_path(image_path: str, caption_extension: str) -> str:
+    ext = caption_extension if caption_extension.startswith(".") else "." + caption_extension
+    return os.path.splitext(image_path)[0] + ext
+
+
+def add_existing_caption_arguments(parser: argparse.ArgumentParser) -> None:
+    """Our own choice for caption files that exist already (upstream replaces them without a word)."""
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace caption files that exist already (without this or --skip_existing the tool "
+                             "stops before captioning when one exists)")
+    parser.add_argument("--skip_existing", action="store_true",
+                        help="leave images that have a caption file already as they are and caption the others")
+
+
+def images_to_caption(images: list[str], caption_extension: str, overwrite: bool, skip_existing: bool,
+                      append_flag: Optional[str] = None) -> list[str]:
+    """The images to caption under the existing-file rule: with neither choice made an existing caption file
+    stops the run (ToolError) before any model loads, so no earlier caption is lost."""
+    existing = [p for p in images if os.path.exists(caption_path(p, caption_extension))]
+    if not existing or overwrite:
+        return images
+    if skip_existing:
+        logger.info("skipping %d images that have a %s file already (--skip_existing)", len(existing),
+                    caption_extension)
+        keep = set(existing)
+        return [p for p in images if p not in keep]
+    choices = "--overwrite to replace them, --skip_existing to caption only the other images"
+    if append_flag:
+        choices += f" or {append_flag} to add to them"
+    raise ToolError(f"{len(existing)} of {len(images)} images have a {caption_extension} file already (first: "
+                    f"{caption_path(existing[0], caption_extension)}): pass {choices}")
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Writes through a temporary file and a rename: an interrupted run never leaves half a file."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def write_caption(image_path: str, caption_extension: str, caption: str) -> str:
+    path = caption_path(image_path, caption_extension)
+    write_text_atomic(path, caption + "\n")
+    return path
+
+
+def write_json_atomic(path: str, data, indent: int = 2) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    write_text_atomic(path, json.dumps(data, indent=indent, ensure_ascii=False))
+
+
+def read_metadata(path: str, what: str = "in_json") -> dict:
+    """A kohya metadata JSON {image_key: {...}}; a missing or broken file is a ToolError naming `what`."""
+    if not os.path.isfile(path):
+        raise ToolError(f"{what}: the metadata file does not exist: {path}")
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            metadata = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ToolError(f"{what}: not a valid JSON file: {path} ({e})") from e
+    if not isinstance(metadata, dict) or not all(isinstance(v, dict) for v in metadata.values()):
+        raise ToolError(f"{what}: must hold a JSON object {{image_key: {{caption, tags, ...}}}}: {path}")
+    return metadata
+
+
+# ----------------------------------------------------------------------------- loading images in batches
+
+
+def open_image(path: str):
+    """The image as PIL (file contents loaded), or None after logging why it was skipped."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as img:
+            img.load()
+            return img.copy() if img.mode != "P" else img.convert("RGBA")
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        logger.error("skipping %s: the image will not open (%s)", path, e)
+        return None
+
+
+class _PreparedImages:
+    """torch Dataset of (path, prepare(PIL image)); None for an image that will not open or prepare."""
+
+    def __init__(self, paths: list[str], prepare: Callable):
+        self.paths, self.prepare = paths, prepare
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int):
+        path = self.paths[i]
+        img = open_image(path)
+        if img is None:
+            return None
+        try:
+            return path, img.size, self.prepare(img)
+        except (OSError, ValueError) as e:  # a truncated file can fail only when decoded further
+            logger.error("skipping %s: the image will not open (%s)", path, e)
+            return None
+
+
+def _keep_loaded(batch: list) -> list:
+    return [item for item in batch if item is not None]
+
+
+def default_workers(requested: Optional[int]) -> int:
+    """--max_data_loader_n_workers: None = upstream's loading in the main process on the CPU; with a GPU a few
+    workers load the next batch while the model runs (same results, only sooner)."""
+    if requested is not None:
+        return max(0, int(requested))
+    import torch
+
+    return min(4, max(1, (os.cpu_count() or 2) // 2)) if torch.cuda.is_available() else 0
+
+
+def image_batches(paths: list[str], prepare: Callable, batch_size: int,
+                  workers: Optional[int] = None) -> Iterator[list[tuple[str, tuple[int, int], object]]]:
+    """Batches of (path, (w, h), prepare(image)) in path order; images that will not open are left out (logged),
+    so a batch can be shorter than batch_size. A progress bar counts the images."""
+    import torch
+    from tqdm import tqdm
+
+    loader = torch.utils.data.DataLoader(_PreparedImages(paths, prepare), batch_size=max(1, int(batch_size)),
+                                         shuffle=False, num_workers=default_workers(workers),
+                                         collate_fn=_keep_loaded, drop_last=False)
+    step = max(1, int(batch_size))
+    with tqdm(total=len(paths), smoothing=0.0, unit="img") as bar:
+        for batch in loader:  # one list per `step` paths, in order (images that did not open left out)
+            if batch:
+                yield batch
+            bar.update(min(step, len(paths) - bar.n))
+
+
+def pick_device(name: Optional[str] = None):
+    import torch
+
+    if name:
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def setup_logging() -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+
+
+def run_tool(parser: argparse.ArgumentParser, main: Callable[[argparse.Namespace], Optional[int]],
+             argv: Optional[list[str]] = None, after_parse: Optional[Callable] = None) -> int:
+    """`--dump_options` (the GUI's form), then parse and run; ToolError / DatasetError = one line on stderr and
+    exit 2 (no traceback)."""
+    from library import option_dump
+
+    option_dump.dump_if_asked(parser, argv)
+    args = parser.parse_args(argv)
+    setup_logging()
+    try:
+        if after_parse is not None:
+            after_parse(args)
+        return int(main(args) or 0)
+    except (ToolError, DatasetError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+def add_dump_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from library import option_dump
+
+    option_dump.add_dump_options_argument(parser)
+    return parser
+
+
+def check_positive(args: argparse.Namespace, names: Iterable[str]) -> None:
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ToolError(f"--{name} must be 1 or more, got {value}")
