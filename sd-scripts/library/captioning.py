@@ -237,3 +237,45 @@ def check_positive(args: argparse.Namespace, names: Iterable[str]) -> None:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise ToolError(f"--{name} must be 1 or more, got {value}")
+
+
+# ----------------------------------------------------------------------------- metadata JSON (fine-tuning)
+
+
+def image_key(image_path: str, full_path: bool) -> str:
+    """upstream's metadata key: the file name without extension, or the image's path with --full_path."""
+    return os.path.abspath(image_path) if full_path else os.path.splitext(os.path.basename(image_path))[0]
+
+
+def merge_text_files(train_data_dir: str, out_json: str, in_json: Optional[str], caption_extension: str,
+                     field: str, full_path: bool, recursive: bool, debug: bool = False) -> dict:
+    """Each image's `caption_extension` file becomes metadata[key][field] ("caption" or "tags"); other fields
+    and entries of the metadata read (in_json, else an existing out_json, as upstream) are kept. Images without
+    the file are listed and left out. Returns the metadata (not written)."""
+    from library.captions import find_caption, normalize_caption_extension
+
+    if in_json is None and os.path.isfile(out_json):
+        in_json = out_json
+    metadata = read_metadata(in_json) if in_json else {}
+    if in_json:
+        logger.info("merging into the metadata of %s (the %s of images found here are replaced)", in_json, field)
+    ext = normalize_caption_extension(caption_extension)
+    seen: dict[str, str] = {}
+    merged, missing = 0, []
+    for path in find_images(train_data_dir, recursive):
+        key = image_key(path, full_path)
+        if key in seen:
+            raise ToolError(f"images {seen[key]} and {path} have the same key {key!r}: add --full_path")
+        seen[key] = path
+        text = find_caption(path, ext, enable_wildcard=True)  # the whole file (every non-blank line), stripped
+        if text is None:
+            missing.append(path)
+            continue
+        metadata.setdefault(key, {})[field] = text
+        merged += 1
+        if debug:
+            logger.info("%s: %s", key, text)
+    for path in missing:
+        logger.warning("no %s file for %s: left out", ext, path)
+    logger.info("merged %d %s files (%s) into %d entries", merged, ext, field, len(metadata))
+    return metadata
