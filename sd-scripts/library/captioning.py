@@ -279,3 +279,55 @@ def merge_text_files(train_data_dir: str, out_json: str, in_json: Optional[str],
         logger.warning("no %s file for %s: left out", ext, path)
     logger.info("merged %d %s files (%s) into %d entries", merged, ext, field, len(metadata))
     return metadata
+
+
+# ----------------------------------------------------------------------------- transformers captioners
+
+
+class PixelValues:
+    """A transformers image processor as the DataLoader's per-image step (picklable for worker processes)."""
+
+    def __init__(self, image_processor):
+        self.image_processor = image_processor
+
+    def __call__(self, image):
+        rgb = image if image.mode == "RGB" else image.convert("RGB")
+        return self.image_processor(images=rgb, return_tensors="pt")["pixel_values"][0]
+
+
+def from_pretrained(cls, model_id: str, option: str, **kwargs):
+    """cls.from_pretrained(model_id) for a Hub id or a local folder; a failure is one line naming the option."""
+    try:
+        return cls.from_pretrained(model_id, **kwargs)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        where = "the folder" if os.path.isdir(model_id) else "the Hugging Face Hub model"
+        raise ToolError(f"{option}: could not load {where} {model_id!r} as {cls.__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+
+
+def caption_images(images: list[str], caption_extension: str, prepare: Callable,
+                   caption_batch: Callable[[list], list[str]], batch_size: int, workers: Optional[int],
+                   debug: bool = False) -> int:
+    """Captions `images` batch by batch: prepare(PIL image) runs in the DataLoader, caption_batch(list of
+    prepared) -> captions on the model's device; each caption file is written as soon as its batch is done.
+    Returns the number written."""
+    import torch
+
+    written = 0
+    with torch.inference_mode():
+        for batch in image_batches(images, prepare, batch_size, workers):
+            for (path, _, _), text in zip(batch, caption_batch([item for _, _, item in batch])):
+                text = " ".join(text.split())  # one line
+                write_caption(path, caption_extension, text)
+                written += 1
+                if debug:
+                    logger.info("%s: %s", path, text)
+    logger.info("wrote %d caption files (%s)", written, caption_extension)
+    return written
+
+
+def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch_size", type=int, default=1, help="images per inference batch")
+    parser.add_argument("--max_data_loader_n_workers", type=int, default=None,
+                        help="processes reading the images (unset: in the main process on the CPU, a few with a "
+                             "GPU)")
