@@ -4,27 +4,19 @@ what the model generates for each image on its own (so batching, the data loader
 nothing), images that will not open are skipped by name, existing captions are kept unless asked."""
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 import torch
 from PIL import Image
 
-from kohya_gui import REPO
+from finetune_tools import load as _load
 
-FINETUNE = REPO / "sd-scripts" / "finetune"
 WORDS = "a picture of red blue cube ball on the table dog cat with sign".split()
 COLOURS = {"a_red": (255, 0, 0), "c_blue": (0, 0, 255), "d_green": (0, 200, 0)}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, FINETUNE / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _bert_tokenizer(folder, extra=()):
@@ -244,11 +236,11 @@ def test_florence2_tags_task(tiny_florence2, tmp_path):
 
 
 def test_captioners_dump_options():
+    from library import option_dump
+
     for name, flag in (("make_captions", "beam_search"), ("make_captions_by_git", "remove_words"),
                        ("make_captions_by_florence2", "task")):
-        opts = {o["name"]: o for o in __import__("library.option_dump", fromlist=["describe"]).describe(
-            _load(name).setup_parser())}
+        opts = {o["name"]: o for o in option_dump.describe(_load(name).setup_parser())}
         assert flag in opts and "overwrite" in opts and opts["batch_size"]["default"] == 1
-    florence = {o["name"]: o for o in __import__("library.option_dump", fromlist=["describe"]).describe(
-        _load("make_captions_by_florence2").setup_parser())}
+    florence = {o["name"]: o for o in option_dump.describe(_load("make_captions_by_florence2").setup_parser())}
     assert florence["task"]["choices"] == ["caption", "detailed_caption", "more_detailed_caption", "tags"]

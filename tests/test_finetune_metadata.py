@@ -3,22 +3,14 @@
 (upstream's tag and caption rules, the old three-argument form)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 from PIL import Image
 
-from kohya_gui import REPO
-
-FINETUNE = REPO / "sd-scripts" / "finetune"
+from finetune_tools import load as _load
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, FINETUNE / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ again and a fine_tune.py run reuses them), and train_resolution into the metadat
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 
@@ -12,21 +11,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from kohya_gui import REPO
+from finetune_tools import load as _load
 
-FINETUNE = REPO / "sd-scripts" / "finetune"
 SIZES = {"square": (128, 128), "wide": (192, 128), "tall": (64, 192)}
 BUCKETS = {"square": (128, 128), "wide": (128, 128), "tall": (64, 192)}  # resolution 128, steps 64, 64..256
 BUCKET_FLAGS = ["--min_bucket_reso", "64", "--max_bucket_reso", "256", "--bucket_reso_steps", "64"]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, FINETUNE / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture

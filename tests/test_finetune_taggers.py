@@ -4,7 +4,6 @@ existing-file rule, an image that will not open, JSON/JSONL output and the tag_m
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import math
 import subprocess
@@ -14,13 +13,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from kohya_gui import REPO
+from finetune_tools import FINETUNE, load
 
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 from onnx import TensorProto, helper  # noqa: E402
 
-SCRIPT = REPO / "sd-scripts" / "finetune" / "tag_images_by_wd14_tagger.py"
+SCRIPT = FINETUNE / "tag_images_by_wd14_tagger.py"
 RED, BLUE = (255, 0, 0), (0, 0, 255)
 
 # (name, category, probability on a red image, on a blue image); SmilingWolf order: ratings, general, character
@@ -90,10 +89,7 @@ def make_mapping_tagger(folder, tags, size=32):
 
 @pytest.fixture(scope="module")
 def tagger_module():
-    spec = importlib.util.spec_from_file_location("tag_images_by_wd14_tagger", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load("tag_images_by_wd14_tagger")
 
 
 @pytest.fixture(scope="module")

@@ -48,10 +48,8 @@ def strip_prompt(caption: str) -> str:
 
 
 def main(args) -> int:
-    images = captioning.find_images(args.train_data_dir, args.recursive)
-    images = captioning.images_to_caption(images, args.caption_extension, args.overwrite, args.skip_existing)
+    images = captioning.images_to_write(args)
     if not images:
-        logger.info("nothing to caption")
         return 0
     name = model_id(args.caption_weights)
     import numpy as np
@@ -109,10 +107,7 @@ def setup_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_length", type=int, default=75, help="longest caption in tokens (the prompt included)")
     p.add_argument("--min_length", type=int, default=5, help="shortest caption in tokens")
     p.add_argument("--seed", default=42, type=int, help="seed of the sampling")
-    p.add_argument("--debug", action="store_true", help="print each caption")
-    p.add_argument("--recursive", action="store_true", help="also caption the images in subfolders")
-    captioning.add_existing_caption_arguments(p)
-    return captioning.add_dump_options(p)
+    return captioning.add_captioner_arguments(p)
 
 
 def cli(argv=None) -> int:

@@ -42,10 +42,8 @@ def load_dtype(name: str, device):
 
 
 def main(args) -> int:
-    images = captioning.find_images(args.train_data_dir, args.recursive)
-    images = captioning.images_to_caption(images, args.caption_extension, args.overwrite, args.skip_existing)
+    images = captioning.images_to_write(args)
     if not images:
-        logger.info("nothing to caption")
         return 0
     import torch
     from PIL import Image
@@ -107,10 +105,7 @@ def setup_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", type=str, default="auto", choices=list(DTYPES),
                    help="model precision (auto: bfloat16 on a GPU that has it, float16 on other GPUs, float32 on the "
                         "CPU)")
-    p.add_argument("--debug", action="store_true", help="print each caption")
-    p.add_argument("--recursive", action="store_true", help="also caption the images in subfolders")
-    captioning.add_existing_caption_arguments(p)
-    return captioning.add_dump_options(p)
+    return captioning.add_captioner_arguments(p)
 
 
 def cli(argv=None) -> int:

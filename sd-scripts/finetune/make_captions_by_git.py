@@ -43,10 +43,8 @@ def remove_words(caption: str, debug: bool = False) -> str:
 
 
 def main(args) -> int:
-    images = captioning.find_images(args.train_data_dir, args.recursive)
-    images = captioning.images_to_caption(images, args.caption_extension, args.overwrite, args.skip_existing)
+    images = captioning.images_to_write(args)
     if not images:
-        logger.info("nothing to caption")
         return 0
     import torch
     from transformers import AutoModelForCausalLM, AutoProcessor
@@ -77,10 +75,7 @@ def setup_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_length", type=int, default=50, help="longest caption in tokens")
     p.add_argument("--remove_words", action="store_true",
                    help="remove text GIT reads on signs, such as 'with the words xxx'")
-    p.add_argument("--debug", action="store_true", help="print each caption")
-    p.add_argument("--recursive", action="store_true", help="also caption the images in subfolders")
-    captioning.add_existing_caption_arguments(p)
-    return captioning.add_dump_options(p)
+    return captioning.add_captioner_arguments(p)
 
 
 def check_args(args) -> None:

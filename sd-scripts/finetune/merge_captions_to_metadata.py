@@ -18,34 +18,19 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from library import captioning  # noqa: E402
-from library.captions import resolve_caption_extension_alias  # noqa: E402
 
 
 def main(args) -> int:
-    metadata = captioning.merge_text_files(args.train_data_dir, args.out_json, args.in_json, args.caption_extension,
-                                           "caption", args.full_path, args.recursive, args.debug)
-    captioning.write_json_atomic(args.out_json, metadata)
-    captioning.logger.info("wrote %s", args.out_json)
-    return 0
+    return captioning.run_merge(args, "caption")
 
 
 def setup_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("train_data_dir", type=str, help="folder with images and caption files")
-    parser.add_argument("out_json", type=str, help="metadata JSON to write")
-    parser.add_argument("--in_json", type=str, default=None,
-                        help="metadata to merge into (unset: OUT_JSON when it exists)")
-    parser.add_argument("--caption_extention", type=str, default=None,
-                        help="deprecated spelling of --caption_extension (wins when set, as upstream)")
-    parser.add_argument("--caption_extension", type=str, default=".caption", help="caption file extension")
-    parser.add_argument("--full_path", action="store_true", help="use the image's full path as its key")
-    parser.add_argument("--recursive", action="store_true", help="also read images in subfolders")
-    parser.add_argument("--debug", action="store_true", help="print each caption")
-    return captioning.add_dump_options(parser)
+    return captioning.add_merge_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]), "caption",
+                                          ".caption", with_alias=True)
 
 
 def cli(argv=None) -> int:
-    return captioning.run_tool(setup_parser(), main, argv, after_parse=resolve_caption_extension_alias)
+    return captioning.run_tool(setup_parser(), main, argv)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import logging
 import os
@@ -355,12 +356,11 @@ def resolve_args(args) -> None:
 def main(args) -> int:
     if not args.onnx:
         logger.info("running the tagger's ONNX model (--onnx is implied: TensorFlow/Keras models are not supported)")
-    images = captioning.find_images(args.train_data_dir, args.recursive)
-    if not args.output_path:
-        images = captioning.images_to_caption(images, args.caption_extension, args.overwrite or args.append_tags,
-                                              args.skip_existing, append_flag="--append_tags")
+    if args.output_path:  # no caption files written
+        images = captioning.find_images(args.train_data_dir, args.recursive)
+    else:
+        images = captioning.images_to_write(args, args.overwrite or args.append_tags, append_flag="--append_tags")
         if not images:
-            logger.info("nothing to tag")
             return 0
     if args.tag_replacement is not None:
         parse_tag_replacement(args.tag_replacement)  # a bad entry stops the run before the model loads
@@ -371,9 +371,7 @@ def main(args) -> int:
     model = OnnxModel(files.onnx_path, args.batch_size)
     tagger = Tagger(tags, args)
 
-    def prepare(img):
-        return prepare_image(img, model.size, model.channels_first)
-
+    prepare = functools.partial(prepare_image, size=model.size, channels_first=model.channels_first)  # picklable
     results = {}
     for batch in captioning.image_batches(images, prepare, model.batch_size, args.max_data_loader_n_workers):
         probs = model(np.stack([pixels for _, _, pixels in batch]))

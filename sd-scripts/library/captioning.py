@@ -84,6 +84,25 @@ def images_to_caption(images: list[str], caption_extension: str, overwrite: bool
                     f"{caption_path(existing[0], caption_extension)}): pass {choices}")
 
 
+def images_to_write(args, overwrite: Optional[bool] = None, append_flag: Optional[str] = None) -> list[str]:
+    """The images of args.train_data_dir (args.recursive) whose caption file may be written (see
+    images_to_caption); `overwrite` defaults to args.overwrite."""
+    images = find_images(args.train_data_dir, args.recursive)
+    images = images_to_caption(images, args.caption_extension, args.overwrite if overwrite is None else overwrite,
+                               args.skip_existing, append_flag)
+    if not images:
+        logger.info("nothing to caption: every image has a %s file", args.caption_extension)
+    return images
+
+
+def add_captioner_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options every captioner ends with: --debug, --recursive, the existing-caption choice, --dump_options."""
+    parser.add_argument("--debug", action="store_true", help="print each caption")
+    parser.add_argument("--recursive", action="store_true", help="also caption the images in subfolders")
+    add_existing_caption_arguments(parser)
+    return add_dump_options(parser)
+
+
 def write_text_atomic(path: str, text: str) -> None:
     """Writes through a temporary file and a rename: an interrupted run never leaves half a file."""
     tmp = f"{path}.{os.getpid()}.tmp"
@@ -240,6 +259,34 @@ def check_positive(args: argparse.Namespace, names: Iterable[str]) -> None:
 
 
 # ----------------------------------------------------------------------------- metadata JSON (fine-tuning)
+
+
+def add_merge_arguments(parser: argparse.ArgumentParser, what: str, caption_extension: str,
+                        with_alias: bool) -> argparse.ArgumentParser:
+    """The two metadata mergers' command line (upstream's)."""
+    parser.add_argument("train_data_dir", type=str, help=f"folder with images and {what} files")
+    parser.add_argument("out_json", type=str, help="metadata JSON to write")
+    parser.add_argument("--in_json", type=str, default=None,
+                        help="metadata to merge into (unset: OUT_JSON when it exists)")
+    if with_alias:
+        parser.add_argument("--caption_extention", type=str, default=None,
+                            help="deprecated spelling of --caption_extension (wins when set, as upstream)")
+    parser.add_argument("--caption_extension", type=str, default=caption_extension, help=f"{what} file extension")
+    parser.add_argument("--full_path", action="store_true", help="use the image's full path as its key")
+    parser.add_argument("--recursive", action="store_true", help="also read images in subfolders")
+    parser.add_argument("--debug", action="store_true", help=f"print each {what}")
+    return add_dump_options(parser)
+
+
+def run_merge(args, field: str) -> int:
+    from library.captions import resolve_caption_extension_alias
+
+    resolve_caption_extension_alias(args)
+    metadata = merge_text_files(args.train_data_dir, args.out_json, args.in_json, args.caption_extension, field,
+                                args.full_path, args.recursive, args.debug)
+    write_json_atomic(args.out_json, metadata)
+    logger.info("wrote %s", args.out_json)
+    return 0
 
 
 def image_key(image_path: str, full_path: bool) -> str:
