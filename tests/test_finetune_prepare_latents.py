@@ -116,3 +116,16 @@ def test_fine_tune_run_reuses_the_files(captioned, tiny_sd1_single_file, tmp_pat
                         "--max_data_loader_n_workers", "0", "--learning_rate", "1e-4"])
     assert "0 images to encode, 3 reused from disk" in caplog.text
     assert {n: _npz(imgs, n).stat().st_mtime_ns for n in SIZES} == mtimes
+
+
+def test_sdxl_model_gets_sdxl_cache_names(captioned, tiny_sdxl_single_file, tmp_path):
+    imgs, meta = captioned
+    assert _load("prepare_buckets_latents").cli([str(imgs), str(meta), str(tmp_path / "out.json"),
+                                                 str(tiny_sdxl_single_file), "--max_resolution", "128,128",
+                                                 *BUCKET_FLAGS, "--mixed_precision", "bf16"]) == 0
+    for name in SIZES:
+        w, h = SIZES[name]
+        with np.load(imgs / f"{name}_{w:04d}x{h:04d}_sdxl.npz") as npz:
+            bw, bh = BUCKETS[name]
+            assert npz["latents"].shape == (4, bh // 8, bw // 8) and npz["latents"].dtype == np.float32
+    assert not list(imgs.glob("*_sd.npz"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -219,3 +220,55 @@ def test_command_line_and_dump_options(tagger_dir, tmp_path):
     opts = {o["name"]: o for o in json.loads(r.stdout)}
     assert opts["thresh"]["default"] == 0.35 and opts["append_tags"]["kind"] == "bool"
     assert opts["repo_id"]["default"] == "SmilingWolf/wd-v1-4-convnext-tagger-v2"
+
+
+def test_preprocessing_is_upstreams(tagger_module):
+    """Transparency onto white, BGR, padded to a white square, resized; NCHW in -1..1 for tag_mapping taggers."""
+    img = Image.new("RGBA", (40, 20), (255, 0, 0, 255))
+    img.putpixel((0, 10), (0, 255, 0, 0))  # fully transparent: white
+    px = tagger_module.prepare_image(img, 40, channels_first=False)
+    assert px.shape == (40, 40, 3) and px.dtype == np.float32
+    assert px[0, 20].tolist() == [255, 255, 255] and px[20, 20].tolist() == [0, 0, 255]  # pad row / red in BGR
+    assert px[20, 0].tolist() == [255, 255, 255]
+    assert tagger_module.prepare_image(Image.new("L", (8, 8), 0), 16, channels_first=True).shape == (3, 16, 16)
+    assert tagger_module.prepare_image(Image.new("RGB", (8, 8), (255, 0, 0)), 16, True)[:, 4, 4].tolist() == \
+        [-1.0, -1.0, 1.0]
+
+
+def test_recursive_tags_subfolders(tagger_module, tagger_dir, tmp_path, capsys):
+    imgs = _images(tmp_path / "imgs" / "sub", {"red": RED})
+    root = tmp_path / "imgs"
+    assert tagger_module.cli([str(root), "--repo_id", str(tagger_dir)]) == 2  # no images at the top
+    assert "--recursive" in capsys.readouterr().err
+    assert tagger_module.cli([str(root), "--repo_id", str(tagger_dir), "--recursive", "--thresh", "0.8"]) == 0
+    assert _caption(imgs, "red") == "red_thing, alice_(wonderland)\n"
+
+
+def test_hub_download_into_model_dir(tagger_module, tagger_dir, tmp_path, monkeypatch):
+    """The files asked from the Hub and where they go (huggingface_hub replaced: nothing downloaded)."""
+    import shutil
+
+    import huggingface_hub
+
+    calls = []
+
+    def fake_download(repo_id, filename, subfolder=None, local_dir=None, force_download=False):
+        calls.append((repo_id, filename, subfolder, force_download))
+        dest = os.path.join(local_dir, subfolder or "", filename)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        shutil.copy(tagger_dir / filename, dest)
+        return dest
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    imgs = _images(tmp_path / "imgs", {"red": RED})
+    models = tmp_path / "models"
+    args = [str(imgs), "--repo_id", "SmilingWolf/wd-vit-tagger-v3", "--model_dir", str(models), "--thresh", "0.8",
+            "--overwrite"]
+    assert tagger_module.cli(args) == 0
+    assert sorted(calls) == [("SmilingWolf/wd-vit-tagger-v3", "model.onnx", None, False),
+                             ("SmilingWolf/wd-vit-tagger-v3", "selected_tags.csv", None, False)]
+    assert (models / "SmilingWolf_wd-vit-tagger-v3" / "model.onnx").is_file()
+    assert _caption(imgs, "red") == "red_thing, alice_(wonderland)\n"
+    calls.clear()
+    assert tagger_module.cli(args) == 0 and calls == []  # already there
+    assert tagger_module.cli(args + ["--force_download"]) == 0 and len(calls) == 2 and calls[0][3] is True
