@@ -52,7 +52,7 @@ def test_writes_the_trainers_cache_files_and_train_resolution(captioned, tiny_sd
     for name, (bw, bh) in BUCKETS.items():
         assert md[name] == {"caption": f"a {name} picture", "train_resolution": [bw, bh]}
         with np.load(_npz(imgs, name)) as npz:
-            assert npz["latents"].shape == (4, bh // 8, bw // 8) and npz["latents_flipped"].shape == (4, bh // 8, bw // 8)
+            assert npz["latents"].shape == npz["latents_flipped"].shape == (4, bh // 8, bw // 8)
             assert npz["original_size"].tolist() == list(SIZES[name]) and "signature" not in npz.files
             assert np.isfinite(npz["latents"]).all() and not np.allclose(npz["latents"], npz["latents_flipped"])
 

@@ -131,7 +131,8 @@ def test_rating_last_always_first_replacement_separator(tagger_module, tagger_di
     imgs = _images(tmp_path / "imgs", {"blue": BLUE})
     assert tagger_module.cli([str(imgs), "--repo_id", str(tagger_dir), "--use_rating_tags_as_last_tag",
                               "--always_first_tags", "blue_thing", "--caption_separator", ";",
-                              "--tag_replacement", "1girl,one girl;bob_(series),bob", "--caption_extension", ".cap"]) == 0
+                              "--tag_replacement", "1girl,one girl;bob_(series),bob",
+                              "--caption_extension", ".cap"]) == 0
     assert _caption(imgs, "blue", ".cap") == "blue_thing;one girl;bob;general\n"
 
 

@@ -22,7 +22,8 @@ logger = logging.getLogger("make_captions_by_git")
 
 # upstream's patterns, applied in this order
 PATTERN_REPLACE = [
-    re.compile(r'(has|with|and) the (words?|letters?|name) (" ?[^"]*"|\w+)( ?(is )?(on|in) (the |her |their |him )?\w+)?'),
+    re.compile(r'(has|with|and) the (words?|letters?|name) (" ?[^"]*"|\w+)'
+               r'( ?(is )?(on|in) (the |her |their |him )?\w+)?'),
     re.compile(r'(with a sign )?that says ?(" ?[^"]*"|\w+)( ?on it)?'),
     re.compile(r"(with a sign )?that says ?(' ?(i'm)?[^']*'|\w+)( ?on it)?"),
     re.compile(r"with the number \d+ on (it|\w+ \w+)"),

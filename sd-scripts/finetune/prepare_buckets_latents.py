@@ -102,17 +102,13 @@ def main(args) -> int:
     import torch
 
     from library import model_util
-    from library.dataset_files import DatasetError
     from library.latent_cache import FAMILY_FORMATS
 
     family = model_util.detect_family(args.model_name_or_path) or ("sd2" if args.v2 else "sd1")
     if family == "flux":
         raise ToolError("model_name_or_path: a FLUX.1 model; cache its latents with flux_train*.py "
                         "--cache_latents_to_disk")
-    try:
-        dataset = build_dataset(args, images)
-    except DatasetError as e:
-        raise ToolError(str(e)) from e
+    dataset = build_dataset(args, images)  # a bucket problem is a DatasetError: one line, exit 2
     fmt = dataclasses.replace(FAMILY_FORMATS[family], scale=1.0)  # the files hold the unscaled VAE sample
     npz_of = {info.path: fmt.npz_path(info.path, info.size) for info in dataset.images}
     todo = []

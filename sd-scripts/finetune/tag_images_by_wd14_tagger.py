@@ -2,7 +2,8 @@
 `namespace/repo/subdir` tagger with tag_mapping.json) through onnxruntime; writes one caption file per image
 (`--caption_extension`, default .txt) or a metadata JSON/JSONL (`--output_path`). Command line as kohya-ss/sd-scripts.
 
-    python sd-scripts/finetune/tag_images_by_wd14_tagger.py IMAGES --onnx --repo_id SmilingWolf/wd-eva02-large-tagger-v3 \
+    python sd-scripts/finetune/tag_images_by_wd14_tagger.py IMAGES --onnx \
+        --repo_id SmilingWolf/wd-eva02-large-tagger-v3 \
         --batch_size 8 --general_threshold 0.35 --character_threshold 0.85 --character_tags_first --append_tags
 
 The model is read from `--model_dir/<repo_id with _ for />` (downloaded there from the Hub when missing, or with
@@ -23,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from library import captioning  # noqa: E402
+from library import captioning, files  # noqa: E402
 from library.captioning import ToolError  # noqa: E402
 
 logger = logging.getLogger("tag_images_by_wd14_tagger")
@@ -58,28 +59,30 @@ class ModelFiles:
 def locate_model(args) -> ModelFiles:
     """upstream's places: model_dir/<namespace_repo>[/subdir]; a local folder given as --repo_id is used as is."""
     if os.path.isdir(args.repo_id):
-        files = ModelFiles(args.repo_id, subdir_layout=not os.path.isfile(os.path.join(args.repo_id, CSV_FILE))
-                           and os.path.isfile(os.path.join(args.repo_id, TAG_JSON_FILE)))
-        if files.missing():
-            raise ToolError(f"--repo_id: the folder {args.repo_id} has no {', '.join(map(os.path.basename, files.missing()))}")
-        return files
+        mapping_only = not os.path.isfile(os.path.join(args.repo_id, CSV_FILE)) and \
+            os.path.isfile(os.path.join(args.repo_id, TAG_JSON_FILE))
+        model_files = ModelFiles(args.repo_id, subdir_layout=mapping_only)
+        if model_files.missing():
+            missing = ", ".join(os.path.basename(p) for p in model_files.missing())
+            raise ToolError(f"--repo_id: the folder {args.repo_id} has no {missing}")
+        return model_files
     tokens = args.repo_id.split("/")
     if len(tokens) < 2 or not all(tokens):
         raise ToolError(f"--repo_id: expected a Hub id 'namespace/name' (or 'namespace/name/subdir'), or a local "
                         f"folder, got {args.repo_id!r}")
     repo_id, subdir = "/".join(tokens[:2]), "/".join(tokens[2:]) or None
     root = os.path.join(args.model_dir, repo_id.replace("/", "_"))
-    files = ModelFiles(os.path.join(root, subdir) if subdir else root, subdir_layout=subdir is not None)
-    if args.force_download or not os.path.isdir(files.folder) or files.missing():
-        download(repo_id, subdir, root, files, args.force_download)
+    model_files = ModelFiles(os.path.join(root, subdir) if subdir else root, subdir_layout=subdir is not None)
+    if args.force_download or not os.path.isdir(model_files.folder) or model_files.missing():
+        download(repo_id, subdir, root, model_files, args.force_download)
     else:
-        logger.info("using the tagger in %s", files.folder)
-    return files
+        logger.info("using the tagger in %s", model_files.folder)
+    return model_files
 
 
-def download(repo_id: str, subdir, root: str, files: ModelFiles, force: bool) -> None:
+def download(repo_id: str, subdir, root: str, model_files: ModelFiles, force: bool) -> None:
     hub = captioning.require("huggingface_hub", what="downloading the tagger")
-    names = [os.path.basename(p) for p in (files.onnx_path, files.csv_path, files.mapping_path) if p]
+    names = [os.path.basename(p) for p in (model_files.onnx_path, model_files.csv_path, model_files.mapping_path) if p]
     logger.info("downloading the tagger %s%s (%s) to %s", repo_id, f"/{subdir}" if subdir else "", ", ".join(names),
                 root)
     os.makedirs(root, exist_ok=True)
@@ -365,10 +368,10 @@ def main(args) -> int:
     if args.tag_replacement is not None:
         parse_tag_replacement(args.tag_replacement)  # a bad entry stops the run before the model loads
     captioning.require("onnxruntime", "onnxruntime", "tag_images_by_wd14_tagger.py (onnxruntime-gpu for CUDA)")
-    files = locate_model(args)
-    tags = TagSet.from_mapping(files.mapping_path, args) if files.subdir_layout else \
-        TagSet.from_csv(files.csv_path, args)
-    model = OnnxModel(files.onnx_path, args.batch_size)
+    model_files = locate_model(args)
+    tags = TagSet.from_mapping(model_files.mapping_path, args) if model_files.subdir_layout else \
+        TagSet.from_csv(model_files.csv_path, args)
+    model = OnnxModel(model_files.onnx_path, args.batch_size)
     tagger = Tagger(tags, args)
 
     prepare = functools.partial(prepare_image, size=model.size, channels_first=model.channels_first)  # picklable
@@ -391,7 +394,7 @@ def main(args) -> int:
         if args.output_path.lower().endswith(".jsonl"):
             lines = "".join(json.dumps({"image_path": p, "caption": e["tags"], "image_size": e["image_size"]},
                                        ensure_ascii=False) + "\n" for p, e in results.items())
-            captioning.write_text_atomic(args.output_path, lines)
+            files.write_text(args.output_path, lines)
         else:
             captioning.write_json_atomic(args.output_path, results, indent=4)
         logger.info("tags of %d images written to %s", len(results), args.output_path)
