@@ -244,3 +244,20 @@ def test_captioners_dump_options():
         assert flag in opts and "overwrite" in opts and opts["batch_size"]["default"] == 1
     florence = {o["name"]: o for o in option_dump.describe(_load("make_captions_by_florence2").setup_parser())}
     assert florence["task"]["choices"] == ["caption", "detailed_caption", "more_detailed_caption", "tags"]
+
+
+def test_florence2_tags_from_detections(tiny_florence2, tmp_path, monkeypatch):
+    """--task tags: the labels of the detections the model writes, each once, in order (generate replaced by a
+    fixed detection sequence, decoded and parsed by the model's own processor)."""
+    from transformers import AutoProcessor, Florence2ForConditionalGeneration
+
+    tok = AutoProcessor.from_pretrained(tiny_florence2).tokenizer
+    text = "</s><s>cat<loc_1><loc_2><loc_500><loc_600>red cube<loc_3><loc_4><loc_900><loc_900>" \
+           "cat<loc_10><loc_20><loc_30><loc_40></s>"
+    ids = torch.tensor([tok(text, add_special_tokens=False).input_ids])
+    monkeypatch.setattr(Florence2ForConditionalGeneration, "generate",
+                        lambda self, pixel_values=None, **kw: ids.repeat(pixel_values.shape[0], 1))
+    imgs = _images(tmp_path / "imgs")
+    assert _load("make_captions_by_florence2").cli([str(imgs), "--model_id", str(tiny_florence2), "--task", "tags",
+                                                    "--caption_extension", ".txt", "--batch_size", "2"]) == 0
+    assert _captions(imgs, ".txt") == {name: "cat, red cube\n" for name in COLOURS}

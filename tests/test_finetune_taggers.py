@@ -273,3 +273,12 @@ def test_hub_download_into_model_dir(tagger_module, tagger_dir, tmp_path, monkey
     calls.clear()
     assert tagger_module.cli(args) == 0 and calls == []  # already there
     assert tagger_module.cli(args + ["--force_download"]) == 0 and len(calls) == 2 and calls[0][3] is True
+
+
+def test_missing_onnxruntime_is_one_line_naming_the_extra(tagger_module, tagger_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import fails as if not installed
+    imgs = _images(tmp_path / "imgs", {"red": RED})
+    assert tagger_module.cli([str(imgs), "--repo_id", str(tagger_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "onnxruntime" in err and "[captioning]" in err and "Traceback" not in err and len(err.splitlines()) == 1
+    assert not (imgs / "red.txt").exists()
