@@ -46,6 +46,13 @@ def test_every_upstream_option_parses_as_upstream(script, upstream, parsers):
     assert not bad, f"{script}.py differs from upstream:\n" + "\n".join(bad)
 
 
+@needs_upstream
+def test_tool_scripts_parse_as_upstream():
+    """The captioning, dataset and LoRA tools (parity.TOOLS) against upstream's tables, with their own
+    TOOL_DIFFERENT entries, none of them stale."""
+    assert gen_parity.tool_problems(gen_parity.load_tools()) == []
+
+
 @pytest.mark.parametrize("script", parity.SCRIPTS)
 def test_help_renders(script, parsers):
     """--help formats every option's help (a stray '%' in a help text breaks argparse's --help)."""

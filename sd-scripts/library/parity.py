@@ -221,3 +221,49 @@ def refusal_message(args: argparse.Namespace) -> str | None:
         return None
     reasons = dict.fromkeys(REFUSED[n] for n in names)  # ordered, without repeats
     return f"{', '.join('--' + n for n in names)}: {'; '.join(reasons)}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tool scripts (captioning, dataset and LoRA tools): upstream's table name -> our script (path under sd-scripts/).
+# Their differences are per script (their option names repeat the trainers' with other meanings):
+# TOOL_DIFFERENT[table][option]. tools/gen_parity.py renders them under "Tool scripts" in docs/PARITY.md.
+TOOLS: dict[str, str] = {
+    "finetune__tag_images_by_wd14_tagger": "finetune/tag_images_by_wd14_tagger.py",
+    "finetune__make_captions": "finetune/make_captions.py",
+    "finetune__make_captions_by_git": "finetune/make_captions_by_git.py",
+    "finetune__merge_captions_to_metadata": "finetune/merge_captions_to_metadata.py",
+    "finetune__merge_dd_tags_to_metadata": "finetune/merge_dd_tags_to_metadata.py",
+    "finetune__clean_captions_and_tags": "finetune/clean_captions_and_tags.py",
+    "finetune__prepare_buckets_latents": "finetune/prepare_buckets_latents.py",
+}
+
+_NEW_CAPTIONS = ("an existing caption file stops the run (exit 2, nothing written) unless --overwrite or "
+                 "--skip_existing (ours) is given; upstream replaces it without a word")
+TOOL_DIFFERENT: dict[str, dict[str, Different]] = {
+    "finetune__tag_images_by_wd14_tagger": {
+        "repo_id": Different("the same default: upstream's table holds the constant's name "
+                             "(DEFAULT_WD14_TAGGER_REPO = SmilingWolf/wd-v1-4-convnext-tagger-v2); a local folder "
+                             "with model.onnx and selected_tags.csv is also accepted", ("default",)),
+        "onnx": Different("the ONNX model always runs (through onnxruntime): the TensorFlow/Keras models upstream "
+                          "runs without --onnx are not supported"),
+        "append_tags": Different(_NEW_CAPTIONS + "; --append_tags adds to it as upstream"),
+        "tag_replacement": Different("each source tag is replaced (upstream's loop compares against the pair it "
+                                     "just split, so its replacement does nothing)"),
+    },
+    "finetune__make_captions": {
+        "caption_weights": Different("a transformers BLIP model (Hub id or folder): upstream's default URL of "
+                                     "model_large_caption.pth reads as Salesforce/blip-image-captioning-large (the "
+                                     "same weights converted); other original .pth checkpoints stop with the reason"),
+        "caption_extension": Different(_NEW_CAPTIONS),
+    },
+    "finetune__make_captions_by_git": {
+        "caption_extension": Different(_NEW_CAPTIONS),
+    },
+    "finetune__prepare_buckets_latents": {
+        "recursive": Different("each image's cache file lies next to it, where the trainers look (upstream writes "
+                               "the files of subfolder images into train_data_dir without --full_path)"),
+        "skip_existing": Different("the trainers' cache files (`<image>_<W>x<H>_sd.npz` / `_sdxl.npz`, or an "
+                                   "existing `<image>.npz`) are written and reused; upstream's current script "
+                                   "encodes but writes nothing"),
+    },
+}
