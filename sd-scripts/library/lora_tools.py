@@ -802,3 +802,197 @@ def add_sd_merge_arguments(parser: argparse.ArgumentParser, lbws: bool) -> None:
     parser.add_argument("--concat", action="store_true",
                         help="concatenate the LoRAs instead of adding them (the output rank is the sum of ranks)")
     parser.add_argument("--shuffle", action="store_true", help="shuffle each module's rank components")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# extracting a LoRA from the difference of two models (extract_lora_from_models.py, flux_extract_lora.py)
+
+
+def extract_from_diffs(diffs: dict[str, torch.Tensor], ranks: dict[str, int], device: torch.device,
+                       clamp: float, save_dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """A LoRA (up, down, alpha = rank) of each weight difference: the SVD cut to the module's rank (at most the
+    layer's in/out size), both matrices clamped at the `clamp` quantile (upstream's rule). 3x3 convs are
+    decomposed flattened to (out, in * 3 * 3)."""
+    mats = {n: d.reshape(d.shape[0], -1) for n, d in diffs.items()}
+    out = {}
+    with torch.no_grad():
+        for name, U, S, Vh in svd_many(mats, device, desc="extracting"):
+            shape = tuple(diffs[name].shape)
+            rank = min(ranks[name], shape[0], shape[1])
+            up, down = truncate(U, S, Vh, rank)
+            up, down = clamp_quantile(up, down, clamp)
+            up, down = to_lora_shapes(up, down, shape)
+            out[name + ".lora_up.weight"] = up.to("cpu", save_dtype or torch.float32).contiguous()
+            out[name + ".lora_down.weight"] = down.to("cpu", save_dtype or torch.float32).contiguous()
+            out[name + ".alpha"] = torch.tensor(float(rank), dtype=save_dtype or torch.float32)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# FLUX.1: BFL state dicts, kohya <-> diffusers (ai-toolkit) LoRA layouts
+
+
+def flux_transformer_state_dict(path: str, flag: str, device="cpu", folder_dtype: torch.dtype = torch.float32
+                                ) -> tuple[dict[str, torch.Tensor], bool]:
+    """A FLUX.1 transformer as a BFL state dict (keys as in the file; a diffusers folder converted to BFL keys),
+    its tensors on `device` in their stored dtype; (state dict, came from a diffusers folder)."""
+    from library import flux_models
+
+    if not os.path.exists(path):
+        raise ToolError(f"{flag}: not found: {path}")
+    if os.path.isdir(path):
+        if not (flux_models.is_diffusers_folder(path) or (Path(path) / "config.json").is_file()
+                or (Path(path) / "transformer" / "config.json").is_file()):
+            raise ToolError(f"{flag} {path}: a folder, but not a FLUX.1 diffusers model (no model_index.json or "
+                            "transformer/config.json)")
+        model = flux_models.load_flux_transformer(path, dtype=folder_dtype)
+        sd = flux_models.diffusers_to_bfl(model.state_dict())
+        return {k: v.to(device) for k, v in sd.items()}, True
+    from safetensors.torch import load_file
+
+    try:
+        sd = load_file(path, device=str(device))
+    except Exception as e:  # noqa: BLE001
+        raise ToolError(f"{flag} {path}: cannot read it as safetensors ({str(e).splitlines()[0][:200]})") from e
+    if not any(".double_blocks." in "." + k or ".single_blocks." in "." + k for k in sd):
+        raise ToolError(f"{flag} {path}: no FLUX.1 transformer (no double_blocks / single_blocks weights)")
+    return sd, False
+
+
+def lora_name_map(keys: Iterable[str], prefix: str) -> dict[str, str]:
+    """kohya LoRA name -> the `.weight` key it targets in a state dict (upstream's naming: prefix + the module
+    path with '.' -> '_'; BFL files' "model.diffusion_model." prefix is not part of the name)."""
+    from library.flux_models import _BFL_PREFIXES
+
+    out = {}
+    for key in keys:
+        if not key.endswith(".weight"):
+            continue
+        module = key[: -len(".weight")]
+        for p in _BFL_PREFIXES:
+            if module.startswith(p):
+                module = module[len(p):]
+                break
+        out[f"{prefix}_{module.replace('.', '_')}"] = key
+    return out
+
+
+def _block_counts(names: Iterable[str]) -> tuple[int, int]:
+    double = {int(m.group(1)) for n in names if (m := re.search(r"(?:double_blocks|^transformer_blocks)[._](\d+)[._]", n))}
+    single = {int(m.group(1)) for n in names if (m := re.search(r"(?:single_blocks|single_transformer_blocks)[._](\d+)[._]", n))}
+    return (max(double) + 1 if double else 0), (max(single) + 1 if single else 0)
+
+
+_CLIP_MODULE = re.compile(r"^text_model_encoder_layers_(\d+)_(self_attn_(?:q|k|v|out)_proj|mlp_fc[12])$")
+
+
+def _clip_path(rest: str) -> str | None:
+    m = _CLIP_MODULE.match(rest)
+    if not m:
+        return None
+    part = m.group(2)
+    part = part.replace("self_attn_", "self_attn.").replace("mlp_", "mlp.")
+    return f"text_model.encoder.layers.{m.group(1)}.{part}"
+
+
+def is_diffusers_flux_lora(sd: dict) -> bool:
+    return any(k.endswith((".lora_A.weight", ".lora_B.weight")) for k in sd) and \
+        not any(k.startswith("lora_unet_") for k in sd)
+
+
+def flux_lora_to_diffusers(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """kohya FLUX.1 LoRA (BFL module names, fused qkv / linear1, alpha) -> diffusers' PEFT layout (ai-toolkit's:
+    `transformer.<module>.lora_A/B.weight`, CLIP-L as `text_encoder.<module>`, no alpha: alpha / rank is folded
+    into both matrices). A fused module is split into its parts: a block-diagonal up (a LoRA made from parts)
+    gives each part its own rows of down, otherwise each part gets all of down and its rows of up."""
+    from library.flux_models import bfl_linear_map
+
+    mods = lora_modules(sd)
+    n_double, n_single = _block_counts(mods)
+    bfl = {f"lora_unet_{k.replace('.', '_')}": v for k, v in bfl_linear_map(n_double, n_single).items()}
+    out, skipped = {}, []
+    for name, m in mods.items():
+        s = math.sqrt(m.scale)
+        down, up = m.down * s, m.up * s
+        if name.startswith("lora_te1_") and (path := _clip_path(name[len("lora_te1_"):])):
+            out[f"text_encoder.{path}.lora_A.weight"] = down.contiguous()
+            out[f"text_encoder.{path}.lora_B.weight"] = up.contiguous()
+            continue
+        parts = bfl.get(name)
+        if parts is None:
+            skipped.append(name)
+            continue
+        if len(parts) == 1:
+            out[f"transformer.{parts[0]}.lora_A.weight"] = down.contiguous()
+            out[f"transformer.{parts[0]}.lora_B.weight"] = up.contiguous()
+            continue
+        width = down.shape[1]
+        dims = [width] * 3 + ([up.shape[0] - 3 * width] if len(parts) == 4 else [])
+        if sum(dims) != up.shape[0]:
+            raise ToolError(f"{name}: lora_up has {up.shape[0]} rows, expected {sum(dims)} for {len(parts)} parts")
+        rows = torch.split(up, dims, dim=0)
+        r = m.rank // len(parts) if m.rank % len(parts) == 0 else None
+        block_diag = r is not None and all(
+            bool((rows[i][:, : i * r] == 0).all() and (rows[i][:, (i + 1) * r:] == 0).all()) for i in range(len(parts)))
+        for i, part in enumerate(parts):
+            if block_diag:
+                out[f"transformer.{part}.lora_A.weight"] = down[i * r:(i + 1) * r].contiguous()
+                out[f"transformer.{part}.lora_B.weight"] = rows[i][:, i * r:(i + 1) * r].contiguous()
+            else:
+                out[f"transformer.{part}.lora_A.weight"] = down.clone()
+                out[f"transformer.{part}.lora_B.weight"] = rows[i].contiguous()
+    if skipped:
+        logger.warning("%d modules have no diffusers counterpart and were left out, e.g. %s", len(skipped),
+                       skipped[:3])
+    return out
+
+
+def flux_lora_from_diffusers(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """diffusers / ai-toolkit FLUX.1 LoRA (`transformer.<module>.lora_A/B.weight`, also without the
+    "transformer." prefix or with "diffusion_model.") -> kohya's layout: the q/k/v (and proj_mlp) parts of one
+    BFL Linear side by side in down, block-diagonal in up, alpha = the new rank (scale 1, as the file has)."""
+    from library.flux_models import bfl_linear_map
+
+    mods = {}
+    for name, m in lora_modules(sd).items():
+        path = name
+        for p in ("diffusion_model.", "transformer."):
+            if path.startswith(p):
+                path = path[len(p):]
+        mods[path] = m
+    n_double, n_single = _block_counts(mods)
+    out, used = {}, set()
+    for bfl_name, parts in bfl_linear_map(n_double, n_single).items():
+        found = [mods.get(p) for p in parts]
+        if not any(found):
+            continue
+        if not all(found):
+            raise ToolError(f"{bfl_name}: the LoRA has {sum(f is not None for f in found)} of its {len(parts)} parts "
+                            f"({', '.join(parts)}); kohya's layout needs all")
+        name = "lora_unet_" + bfl_name.replace(".", "_")
+        used.update(parts)
+        downs = [f.down * math.sqrt(f.scale) for f in found]
+        ups = [f.up * math.sqrt(f.scale) for f in found]
+        if len(found) == 1:
+            down, up = downs[0], ups[0]
+        else:
+            down = torch.cat(downs, dim=0)
+            up = torch.zeros(sum(u.shape[0] for u in ups), down.shape[0], dtype=ups[0].dtype)
+            row = col = 0
+            for u in ups:
+                up[row:row + u.shape[0], col:col + u.shape[1]] = u
+                row, col = row + u.shape[0], col + u.shape[1]
+        out[name + ".lora_down.weight"] = down.contiguous()
+        out[name + ".lora_up.weight"] = up.contiguous()
+        out[name + ".alpha"] = torch.tensor(float(down.shape[0]), dtype=down.dtype)
+    for path, m in mods.items():
+        if path.startswith("text_encoder.text_model."):
+            name = "lora_te1_" + path[len("text_encoder."):].replace(".", "_")
+            out[name + ".lora_down.weight"] = m.down * math.sqrt(m.scale)
+            out[name + ".lora_up.weight"] = m.up * math.sqrt(m.scale)
+            out[name + ".alpha"] = torch.tensor(float(m.rank), dtype=m.down.dtype)
+            used.add(path)
+    left = sorted(set(mods) - used)
+    if left:
+        logger.warning("%d modules have no kohya counterpart and were left out, e.g. %s", len(left), left[:3])
+    return out
