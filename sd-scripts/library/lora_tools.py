@@ -443,10 +443,10 @@ _FAMILY_PATTERNS = (
 
 def lora_family(keys: Iterable[str]) -> str | None:
     """sd (SD1.x/SD2.x), sdxl or flux from a LoRA's key names; None when none of them says."""
-    for key in keys:
-        for family, pattern in _FAMILY_PATTERNS:
-            if pattern.search(key):
-                return family
+    keys = list(keys)
+    for family, pattern in _FAMILY_PATTERNS:  # FLUX first: its CLIP-L modules are named lora_te1_ as SDXL's
+        if any(pattern.search(k) for k in keys):
+            return family
     return None
 
 
