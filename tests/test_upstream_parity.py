@@ -1,4 +1,5 @@
-"""Option parity with kohya-ss/sd-scripts: every upstream option of the seven scripts parses here with the same
+"""Option parity with kohya-ss/sd-scripts: every upstream option of the seven scripts (and of the LoRA tools in
+sd-scripts/networks/) parses here with the same
 option strings, type, default, choices and nargs, except the documented tables of `library/parity.py`
 (REFUSED, DIFFERENT, NOT_YET); those tables cannot go stale; docs/PARITY.md is generated from the same data.
 
@@ -55,6 +56,46 @@ def test_help_renders(script, parsers):
 @needs_upstream
 def test_exception_tables_are_not_stale(upstream, parsers):
     assert gen_parity.table_problems(upstream, parsers) == []
+
+
+# -- the LoRA tool scripts (sd-scripts/networks/*.py) -----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tool_upstream():
+    return gen_parity.load_tool_upstream()
+
+
+@pytest.fixture(scope="module")
+def tool_parsers():
+    return gen_parity.load_tool_parsers()
+
+
+@needs_upstream
+@pytest.mark.parametrize("tool", list(parity.LORA_TOOL_SCRIPTS))
+def test_every_upstream_tool_option_parses_as_upstream(tool, tool_upstream, tool_parsers):
+    rows = gen_parity.tool_rows(tool_upstream, tool_parsers)[tool]
+    bad = [f"--{r.option}: {r.status}: {r.note}" for r in rows if r.status in (gen_parity.MISSING,
+                                                                               gen_parity.DIFFERS)]
+    assert not bad, f"{tool} differs from upstream:\n" + "\n".join(bad)
+    assert rows, f"{tool}: no upstream options compared"
+
+
+@pytest.mark.parametrize("tool", list(parity.LORA_TOOL_SCRIPTS))
+def test_tool_help_renders(tool, tool_parsers):
+    assert "--dump_options" in tool_parsers[tool].format_help()
+
+
+@needs_upstream
+def test_tool_exception_tables_are_not_stale(tool_upstream, tool_parsers):
+    assert gen_parity.tool_table_problems(tool_upstream, tool_parsers) == []
+    stale = {"networks__resize_lora": {"no_such_option": parity.Different("x")}}
+    original = parity.LORA_TOOL_DIFFERENT
+    try:
+        parity.LORA_TOOL_DIFFERENT = stale
+        assert gen_parity.tool_table_problems(tool_upstream, tool_parsers) == [
+            "parity.LORA_TOOL_DIFFERENT['networks__resize_lora']: 'no_such_option' is no upstream option of it"]
+    finally:
+        parity.LORA_TOOL_DIFFERENT = original
 
 
 @needs_upstream

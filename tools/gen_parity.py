@@ -1,4 +1,5 @@
-"""Generates docs/PARITY.md: every kohya-ss/sd-scripts (upstream) option of the seven scripts and its status here.
+"""Generates docs/PARITY.md: every kohya-ss/sd-scripts (upstream) option of the seven scripts and of the LoRA tools
+(sd-scripts/networks/*.py) and its status here.
 
     python tools/gen_parity.py            # writes docs/PARITY.md
     python tools/gen_parity.py --check    # exit 1 when docs/PARITY.md is stale or a parser differs unexplained
@@ -60,6 +61,38 @@ def load_parsers() -> dict[str, argparse.ArgumentParser]:
     return {s: importlib.import_module(s).setup_parser() for s in parity.SCRIPTS}
 
 
+def load_tool_upstream(flags_dir: Path = UPSTREAM_FLAGS) -> dict[str, dict[str, dict]]:
+    """The LoRA tools' upstream tables (parity.UPSTREAM_TABLES_BY_HAND for a tool the shared tables lack)."""
+    return {t: parity.UPSTREAM_TABLES_BY_HAND[t] if t in parity.UPSTREAM_TABLES_BY_HAND
+            else json.loads((flags_dir / f"{t}.json").read_text()) for t in parity.LORA_TOOL_SCRIPTS}
+
+
+def load_tool_parsers() -> dict[str, argparse.ArgumentParser]:
+    return {t: importlib.import_module(m).setup_parser() for t, m in parity.LORA_TOOL_SCRIPTS.items()}
+
+
+def tool_rows(tool_upstream: dict, tool_parsers: dict) -> dict[str, list[Row]]:
+    return {t: script_rows(tool_upstream[t], tool_parsers[t], parity.LORA_TOOL_DIFFERENT.get(t, {}))
+            for t in parity.LORA_TOOL_SCRIPTS}
+
+
+def tool_table_problems(tool_upstream: dict, tool_parsers: dict) -> list[str]:
+    """Stale entries of parity.LORA_TOOL_DIFFERENT: a tool or option upstream does not have, declared fields that
+    no longer differ."""
+    problems = []
+    for tool, table in parity.LORA_TOOL_DIFFERENT.items():
+        if tool not in tool_upstream:
+            problems.append(f"parity.LORA_TOOL_DIFFERENT: {tool!r} is no LoRA tool of parity.LORA_TOOL_SCRIPTS")
+            continue
+        for name, spec in table.items():
+            if name not in tool_upstream[tool]:
+                problems.append(f"parity.LORA_TOOL_DIFFERENT[{tool!r}]: {name!r} is no upstream option of it")
+            elif spec.fields and not set(spec.fields) & set(
+                    field_diffs(tool_upstream[tool][name], _ours(tool_parsers[tool], name) or {})):
+                problems.append(f"parity.LORA_TOOL_DIFFERENT[{tool!r}]: {name!r} no longer differs in {spec.fields}")
+    return problems
+
+
 def describe(action: argparse.Action) -> dict:
     """One of our parser's options in the format of upstream's tables (default as repr, choices as str)."""
     t = action.type
@@ -96,28 +129,33 @@ def _fmt_diffs(diffs: dict[str, tuple]) -> str:
     return "; ".join(f"{f}: upstream {u!s}, here {o!s}" for f, (u, o) in diffs.items())
 
 
-def script_rows(upstream: dict[str, dict], parser: argparse.ArgumentParser) -> list[Row]:
-    """The status of every upstream option of one script."""
+def script_rows(upstream: dict[str, dict], parser: argparse.ArgumentParser,
+                different: dict | None = None) -> list[Row]:
+    """The status of every upstream option of one script; `different`: a LoRA tool's own DIFFERENT table (the
+    tools have no REFUSED or NOT_YET options)."""
+    tool = different is not None
+    refused, not_yet = ({}, frozenset()) if tool else (parity.REFUSED, parity.NOT_YET)
+    different = different if tool else parity.DIFFERENT
     ours = {a.dest: describe(a) for a in parser._actions if a.option_strings and a.dest != "help"}
     rows = []
     for name in sorted(upstream):
         if name not in ours:
-            if name in parity.NOT_YET:
+            if name in not_yet:
                 rows.append(Row(name, NOT_YET))
             else:
                 rows.append(Row(name, MISSING, "not accepted and not in parity.NOT_YET"))
             continue
         diffs = field_diffs(upstream[name], ours[name])
-        if name in parity.REFUSED:
-            rows.append(Row(name, DIFFERS, _fmt_diffs(diffs)) if diffs else Row(name, REFUSED, parity.REFUSED[name]))
-        elif name in parity.DIFFERENT:
-            spec = parity.DIFFERENT[name]
+        if name in refused:
+            rows.append(Row(name, DIFFERS, _fmt_diffs(diffs)) if diffs else Row(name, REFUSED, refused[name]))
+        elif name in different:
+            spec = different[name]
             unexplained = {f: d for f, d in diffs.items() if f not in spec.fields}
             if unexplained:
                 rows.append(Row(name, DIFFERS, _fmt_diffs(unexplained)))
             else:
                 rows.append(Row(name, DIFFERENT, "; ".join(x for x in (spec.reason, _fmt_diffs(diffs)) if x)))
-        elif name in parity.NOT_YET:
+        elif name in not_yet:
             rows.append(Row(name, NOT_YET, f"parsed differently for now ({_fmt_diffs(diffs)})" if diffs else ""))
         elif diffs:
             rows.append(Row(name, DIFFERS, _fmt_diffs(diffs)))
@@ -210,6 +248,7 @@ def render(upstream_all: dict, parsers: dict) -> str:
                        if a.option_strings and a.dest != "help" and a.dest not in upstream_all[s])
         if extra:
             out += ["", "Options only here: " + ", ".join(f"`{o}`" for o in extra) + "."]
+    out += render_tools(load_tool_upstream(), load_tool_parsers())
     out += ["", "## Config files (`--config_file`)", "",
             "Upstream accepts any key in a config file and ignores the ones that are no option; here an unknown key",
             "stops the run (exit 2, every bad key named in one message with the closest option), except these keys",
@@ -224,6 +263,28 @@ def render(upstream_all: dict, parsers: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def render_tools(tool_upstream: dict, tool_parsers: dict) -> list[str]:
+    rows = tool_rows(tool_upstream, tool_parsers)
+    out = ["", "## LoRA tools (`sd-scripts/networks/`)", "",
+           "Same statuses; every tool also takes `--dump_options` (its options as JSON, for the GUI) and `--overwrite`",
+           "(ours: an existing output is replaced only with it). `convert_flux_lora.py`'s upstream options come from",
+           "its source (`parity.UPSTREAM_TABLES_BY_HAND`): upstream builds that parser outside `setup_parser()`.", "",
+           "| tool | upstream options | same | different |", "|---|---|---|---|"]
+    for t, module in parity.LORA_TOOL_SCRIPTS.items():
+        counts = {st: sum(r.status == st for r in rows[t]) for st in _STATUS_WORD}
+        out.append(f"| `{module.replace('.', '/')}.py` | {len(rows[t])} | {counts[SAME]} | {counts[DIFFERENT]} |")
+    for t, module in parity.LORA_TOOL_SCRIPTS.items():
+        out += ["", f"### {module.split('.')[-1]}.py", "", "| option | status | note |", "|---|---|---|"]
+        for r in rows[t]:
+            note = r.note.replace("|", "\\|")
+            out.append(f"| `--{r.option}` | {_STATUS_WORD[r.status]} | {note} |")
+        extra = sorted(a.option_strings[0] for a in tool_parsers[t]._actions
+                       if a.option_strings and a.dest != "help" and a.dest not in tool_upstream[t])
+        if extra:
+            out += ["", "Options only here: " + ", ".join(f"`{o}`" for o in extra) + "."]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="only check that docs/PARITY.md is up to date")
@@ -236,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     text = render(upstream_all, parsers)
     problems = table_problems(upstream_all, parsers)
     for s, rs in all_rows(upstream_all, parsers).items():
+        problems += [f"{s}: --{r.option}: {r.status}: {r.note}" for r in rs if r.status in (MISSING, DIFFERS)]
+    tool_upstream, tool_parsers = load_tool_upstream(a.upstream_flags), load_tool_parsers()
+    problems += tool_table_problems(tool_upstream, tool_parsers)
+    for s, rs in tool_rows(tool_upstream, tool_parsers).items():
         problems += [f"{s}: --{r.option}: {r.status}: {r.note}" for r in rs if r.status in (MISSING, DIFFERS)]
     for p in problems:
         print(p, file=sys.stderr)
