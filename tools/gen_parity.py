@@ -1,4 +1,5 @@
-"""Generates docs/PARITY.md: every kohya-ss/sd-scripts (upstream) option of the seven scripts and its status here.
+"""Generates docs/PARITY.md: every kohya-ss/sd-scripts (upstream) option of the seven scripts and of the tool scripts
+(parity.TOOLS: captioning, dataset and LoRA tools) and its status here.
 
     python tools/gen_parity.py            # writes docs/PARITY.md
     python tools/gen_parity.py --check    # exit 1 when docs/PARITY.md is stale or a parser differs unexplained
@@ -98,20 +99,23 @@ def _fmt_diffs(diffs: dict[str, tuple]) -> str:
 
 def script_rows(upstream: dict[str, dict], parser: argparse.ArgumentParser,
                 different: dict | None = None) -> list[Row]:
-    """The status of every upstream option of one script (`different`: a tool script's own table)."""
-    different = parity.DIFFERENT if different is None else different
+    """The status of every upstream option of one script; `different`: a tool script's own DIFFERENT table (the
+    tools have no REFUSED or NOT_YET options)."""
+    tool = different is not None
+    refused, not_yet = ({}, frozenset()) if tool else (parity.REFUSED, parity.NOT_YET)
+    different = different if tool else parity.DIFFERENT
     ours = {a.dest: describe(a) for a in parser._actions if a.option_strings and a.dest != "help"}
     rows = []
     for name in sorted(upstream):
         if name not in ours:
-            if name in parity.NOT_YET:
+            if name in not_yet:
                 rows.append(Row(name, NOT_YET))
             else:
                 rows.append(Row(name, MISSING, "not accepted and not in parity.NOT_YET"))
             continue
         diffs = field_diffs(upstream[name], ours[name])
-        if name in parity.REFUSED:
-            rows.append(Row(name, DIFFERS, _fmt_diffs(diffs)) if diffs else Row(name, REFUSED, parity.REFUSED[name]))
+        if name in refused:
+            rows.append(Row(name, DIFFERS, _fmt_diffs(diffs)) if diffs else Row(name, REFUSED, refused[name]))
         elif name in different:
             spec = different[name]
             unexplained = {f: d for f, d in diffs.items() if f not in spec.fields}
@@ -119,7 +123,7 @@ def script_rows(upstream: dict[str, dict], parser: argparse.ArgumentParser,
                 rows.append(Row(name, DIFFERS, _fmt_diffs(unexplained)))
             else:
                 rows.append(Row(name, DIFFERENT, "; ".join(x for x in (spec.reason, _fmt_diffs(diffs)) if x)))
-        elif name in parity.NOT_YET:
+        elif name in not_yet:
             rows.append(Row(name, NOT_YET, f"parsed differently for now ({_fmt_diffs(diffs)})" if diffs else ""))
         elif diffs:
             rows.append(Row(name, DIFFERS, _fmt_diffs(diffs)))
@@ -186,7 +190,8 @@ _STATUS_WORD = {SAME: "same", REFUSED: "refused", DIFFERENT: "different", NOT_YE
 
 
 def load_tools(flags_dir: Path = UPSTREAM_FLAGS) -> dict[str, tuple[dict, argparse.ArgumentParser]]:
-    """table -> (upstream's options, our script's parser); the scripts are loaded from their files."""
+    """table -> (upstream's options, our script's parser); the scripts are loaded from their files. A tool whose
+    parser upstream builds outside setup_parser() has its table in parity.UPSTREAM_TABLES_BY_HAND."""
     import importlib.util
 
     out = {}
@@ -194,7 +199,8 @@ def load_tools(flags_dir: Path = UPSTREAM_FLAGS) -> dict[str, tuple[dict, argpar
         spec = importlib.util.spec_from_file_location(f"_parity_{table}", SD_SCRIPTS / path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        out[table] = (json.loads((flags_dir / f"{table}.json").read_text()), module.setup_parser())
+        upstream = parity.UPSTREAM_TABLES_BY_HAND.get(table) or json.loads((flags_dir / f"{table}.json").read_text())
+        out[table] = (upstream, module.setup_parser())
     return out
 
 
@@ -225,7 +231,10 @@ def render_tools(tools: dict) -> list[str]:
     rows = tool_rows(tools)
     out = ["", "## Tool scripts", "",
            "Upstream's captioning, dataset and LoRA tools, with the same file names under `sd-scripts/` "
-           "(differences per script, from `parity.TOOL_DIFFERENT`).", "",
+           "(differences per script, from `parity.TOOL_DIFFERENT`). Every tool also takes `--dump_options` (its "
+           "options as JSON, for the GUI); the LoRA tools take `--overwrite` (an existing output is replaced only "
+           "with it). `convert_flux_lora.py`'s upstream options come from its source "
+           "(`parity.UPSTREAM_TABLES_BY_HAND`): upstream builds that parser outside `setup_parser()`.", "",
            "| script | upstream options | same | different |", "|---|---|---|---|"]
     for t, rs in rows.items():
         out.append(f"| `{parity.TOOLS[t]}` | {len(rs)} | {sum(r.status == SAME for r in rs)} | "

@@ -831,11 +831,12 @@ def _download(hub_id: str) -> Path:
 
 
 def load_sd_components(path, family, *, vae=None, tokenizer_cache_dir=None, dtype=torch.float32,
-                       v_parameterization=False) -> SDComponents:
+                       v_parameterization=False, tokenizers=True) -> SDComponents:
     """Load an SD1.x / SD2.x / SDXL model from a single file, a diffusers folder or a hub id.
 
     ``vae``: optional VAE to use instead of the model's (file, diffusers folder or hub id).
     ``v_parameterization``: the model predicts v (SD2 768-v); a diffusers folder's scheduler can also say so.
+    ``tokenizers=False``: no tokenizers (`.tokenizers` is []): the LoRA tools need weights only.
     """
     _check_family(family)
     if path is None or str(path).strip() == "":
@@ -864,7 +865,7 @@ def load_sd_components(path, family, *, vae=None, tokenizer_cache_dir=None, dtyp
 
     if vae is not None and str(vae).strip():
         vae_model = load_vae(vae, family, dtype)
-    tokenizers = load_tokenizers(family, model_dir=model_dir, tokenizer_cache_dir=tokenizer_cache_dir)
+    tokenizers = load_tokenizers(family, model_dir=model_dir, tokenizer_cache_dir=tokenizer_cache_dir) if tokenizers else []
     prediction_type = "v_prediction" if v_parameterization or prediction == "v_prediction" else "epsilon"
     logger.info("loaded %s model from %s (prediction: %s)", FAMILY_LABELS[family], path, prediction_type)
     return SDComponents(family=family, unet=unet, vae=vae_model, text_encoders=tes, tokenizers=tokenizers,
