@@ -1,0 +1,233 @@
+"""The Utilities tab's tool scripts (captioning, dataset and LoRA tools under sd-scripts/networks and
+sd-scripts/finetune): a table of presentation (label, group, which options come first, which ones name what the
+tool writes), their options from each script's `--dump_options` (kohya_gui/options/tools/*.json, written by
+tools/gen_gui_options.py), and a run through the training runner: `python sd-scripts/<folder>/<script>.py ...`.
+
+The GUI never imports the scripts; a tool whose script or option file is missing is not in TOOLS."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import REPO, last_settings, quoting
+
+OPTIONS_DIR = Path(__file__).with_name("options") / "tools"
+GROUPS = {"captioning": "Captioning", "dataset": "Dataset preparation", "lora": "LoRA tools"}
+NOT_SETTINGS = frozenset({"dump_options"})
+
+
+class ToolError(ValueError):
+    """Tool settings that cannot be run; the message names the field and what is allowed."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One argument of a tool script, as its `--dump_options` describes it."""
+    name: str
+    flag: str  # "" for a positional argument
+    kind: str  # bool, int, float, str
+    default: Any
+    help: str = ""
+    choices: tuple = ()
+    nargs: Any = None
+    required: bool = False
+
+    @property
+    def positional(self) -> bool:
+        return not self.flag
+
+    @property
+    def is_list(self) -> bool:
+        return self.nargs not in (None, "?")
+
+    def convert(self, value: Any) -> Any:
+        """A control's value as the script's type (empty = the default). Raises ValueError with the reason."""
+        if self.kind == "bool":
+            return bool(value)
+        if isinstance(value, str):
+            value = value.strip()
+        if value is None or value == "":
+            return self.default
+        if self.is_list:
+            items = shlex.split(value) if isinstance(value, str) else [str(v) for v in value]
+            return [self._one(v) for v in items]
+        return self._one(value)
+
+    def _one(self, value: Any) -> Any:
+        if self.kind in ("int", "float"):
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"expected a number, got {value!r}") from None
+            if self.kind == "int":
+                if number != int(number):
+                    raise ValueError(f"expected a whole number, got {value!r}")
+                value = int(number)
+            else:
+                value = number
+        else:
+            value = str(value)
+        if self.choices and value not in self.choices:
+            raise ValueError(f"{value!r} is not one of {', '.join(str(c) for c in self.choices)}")
+        return value
+
+    def args(self, value: Any) -> list[str]:
+        """The command-line words for this value ([] at the default)."""
+        if self.kind == "bool":
+            return [self.flag] if value != bool(self.default) else []
+        if value is None or (value == self.default and not self.positional):
+            return []
+        words = [_word(v) for v in value] if isinstance(value, list) else [_word(value)]
+        return words if self.positional else [self.flag, *words]
+
+
+def _word(value: Any) -> str:
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+@dataclass(frozen=True)
+class Tool:
+    script: str  # under sd-scripts/, e.g. "networks/resize_lora.py"
+    label: str
+    group: str  # a GROUPS key
+    about: str
+    main: tuple[str, ...] = ()  # options shown first, in this order; the others go under "More options"
+    outputs: tuple[str, ...] = ()  # options naming the file or folder the tool writes (refused when it exists)
+    folders: tuple[str, ...] = ()  # options naming a folder (presentation: placeholder; output folder)
+    labels: dict = field(default_factory=dict)  # option -> label (else the option name in words)
+
+    @property
+    def key(self) -> str:
+        return Path(self.script).stem
+
+    @property
+    def option_file(self) -> Path:
+        return OPTIONS_DIR / f"{self.script.replace('/', '__')}.json"
+
+    @property
+    def options(self) -> list[Option]:
+        return _options(self.option_file)
+
+    def option(self, name: str) -> Option:
+        return next(o for o in self.options if o.name == name)
+
+    def label_of(self, o: Option) -> str:
+        return self.labels.get(o.name) or o.name.replace("_", " ").capitalize()
+
+    def ordered(self) -> tuple[list[Option], list[Option]]:
+        """(main options in `main` order after the positionals, the other options in the script's order)."""
+        opts = [o for o in self.options if o.name not in NOT_SETTINGS]
+        first = [o for o in opts if o.positional] + [self.option(n) for n in self.main
+                                                     if not self.option(n).positional]
+        return first, [o for o in opts if o not in first]
+
+
+def _options(path: Path) -> list[Option]:
+    return [Option(o["name"], o["flag"], o["kind"], o["default"], o.get("help", ""), tuple(o.get("choices") or ()),
+                   o.get("nargs"), bool(o.get("required") or o.get("positional")))
+            for o in json.loads(path.read_text(encoding="utf-8"))]
+
+
+_TABLE = (
+    Tool("finetune/merge_captions_to_metadata.py", "Merge captions into metadata JSON", "dataset",
+         "Writes each image's caption file into kohya's fine-tune metadata JSON (the Fine-tune tab's "
+         "`in_json`).", main=("in_json", "caption_extension", "recursive", "full_path"),
+         outputs=("out_json",), folders=("train_data_dir",),
+         labels={"train_data_dir": "Image folder", "out_json": "Metadata JSON to write",
+                 "in_json": "Existing metadata JSON to merge into"}),
+)
+
+TOOLS: tuple[Tool, ...] = tuple(t for t in _TABLE if (REPO / "sd-scripts" / t.script).is_file() and t.option_file.is_file())
+
+
+def tool(key: str) -> Tool:
+    for t in TOOLS:
+        if t.key == key:
+            return t
+    raise ToolError(f"unknown tool {key!r}; the tools are: {', '.join(t.key for t in TOOLS)}")
+
+
+def in_group(group: str) -> list[Tool]:
+    return [t for t in TOOLS if t.group == group]
+
+
+# ---- values -> command -----------------------------------------------------------------------------------------
+
+def values_from_ui(t: Tool, ui_values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """(values, errors) from the controls' values by option name; errors name the field."""
+    values, errors = {}, []
+    for o in t.options:
+        if o.name in NOT_SETTINGS:
+            continue
+        try:
+            values[o.name] = o.convert(ui_values.get(o.name))
+        except ValueError as e:
+            errors.append(f"{t.label_of(o)} ({o.flag or o.name}): {e}")
+            values[o.name] = o.default
+    return values, errors
+
+
+def validation_errors(t: Tool, values: dict[str, Any], overwrite: bool = False) -> list[str]:
+    errors = [f"{t.label_of(o)} ({o.flag or o.name}) is required" for o in t.options
+              if o.required and values.get(o.name) in (None, "", [])]
+    if not overwrite:
+        for name in t.outputs:
+            value = values.get(name)
+            if value and name not in t.folders and Path(value).is_file():
+                errors.append(f"{t.label_of(t.option(name))} ({t.option(name).flag or name}): {value} already "
+                              "exists; choose another name, or tick 'Overwrite an existing result'")
+    return errors
+
+
+def script_path(t: Tool) -> str:
+    path = REPO / "sd-scripts" / t.script
+    try:
+        return os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd().resolve()) else str(path)
+    except ValueError:  # other drive on Windows
+        return str(path)
+
+
+def argv(t: Tool, values: dict[str, Any]) -> list[str]:
+    """`python sd-scripts/<script> <positionals> <options not at their default>` (python: the venv's, first on the
+    run's PATH)."""
+    words = [w for o in t.options if o.positional for w in o.args(values.get(o.name))]
+    words += [w for o in t.options if not o.positional and o.name not in NOT_SETTINGS
+              for w in o.args(values.get(o.name, o.default))]
+    return ["python", script_path(t), *words]
+
+
+def printable(argv_: list[str], shell: str | None = None) -> str:
+    return quoting.join(argv_, shell)
+
+
+def output_dir(t: Tool, values: dict[str, Any]) -> str | None:
+    """Where the tool's results go (the run panel lists the new files there)."""
+    for name in t.outputs:
+        value = values.get(name)
+        if value:
+            return str(value) if name in t.folders else str(Path(value).parent)
+    return None
+
+
+def log_path(t: Tool) -> Path:
+    """Tool logs stay out of the user's dataset folders: <user config>/kohya_gui/tool_logs/<tool>.log."""
+    return last_settings.folder() / "tool_logs" / f"{t.key}.log"
+
+
+def start(runner, t: Tool, values: dict[str, Any], overwrite: bool = False) -> list[str]:
+    """Checks, then runs the tool with the training runner (progress, log, Stop). Returns its argv. Raises ToolError
+    or runner.RunnerBusy."""
+    from .training import run_env
+
+    errors = validation_errors(t, values, overwrite)
+    if errors:
+        raise ToolError(f"Cannot run {t.label}:\n" + "\n".join(f"- {e}" for e in errors))
+    command = argv(t, values)
+    with runner.reserved():
+        runner.start([command], log_path(t), env=run_env(), output_dir=output_dir(t, values), cwd=os.getcwd())
+    return command
