@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import last_settings
+from .config_file import write_text_atomic
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")  # the trainers' (sd-scripts library.dataset_files)
 
@@ -47,12 +48,6 @@ def caption_path(image: str | os.PathLike, ext: str = ".txt") -> Path:
 def read_caption(image: str | os.PathLike, ext: str = ".txt") -> str:
     path = caption_path(image, ext)
     return path.read_text(encoding="utf-8") if path.is_file() else ""
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def write_caption(image: str | os.PathLike, ext: str, text: str) -> Path:

@@ -219,15 +219,41 @@ def log_path(t: Tool) -> Path:
     return last_settings.folder() / "tool_logs" / f"{t.key}.log"
 
 
+def check(t: Tool, values: dict[str, Any], overwrite: bool = False) -> None:
+    """Raises ToolError listing what must be fixed before the tool can run."""
+    errors = validation_errors(t, values, overwrite)
+    if errors:
+        raise ToolError(f"Cannot run {t.label}:\n" + "\n".join(f"- {e}" for e in errors))
+
+
 def start(runner, t: Tool, values: dict[str, Any], overwrite: bool = False) -> list[str]:
     """Checks, then runs the tool with the training runner (progress, log, Stop). Returns its argv. Raises ToolError
     or runner.RunnerBusy."""
     from .training import run_env
 
-    errors = validation_errors(t, values, overwrite)
-    if errors:
-        raise ToolError(f"Cannot run {t.label}:\n" + "\n".join(f"- {e}" for e in errors))
+    check(t, values, overwrite)
     command = argv(t, values)
     with runner.reserved():
         runner.start([command], log_path(t), env=run_env(), output_dir=output_dir(t, values), cwd=os.getcwd())
     return command
+
+
+# ---- the run queue ---------------------------------------------------------------------------------------------------
+
+QUEUE_TAB = "tool"  # a queue entry's "tab" for a tool run; its settings file is <id>.tool.json
+
+
+def save_queued(path: Path, t: Tool, values: dict[str, Any], overwrite: bool) -> None:
+    from .config_file import write_text_atomic
+
+    write_text_atomic(path, json.dumps({"tool": t.key, "values": values, "overwrite": overwrite}, indent=1) + "\n")
+
+
+def start_queued(runner, path: str | os.PathLike) -> list[str]:
+    """Starts a queued tool run from its settings file (checked again: a result may exist by now)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        t, values, overwrite = tool(data["tool"]), data["values"], bool(data.get("overwrite"))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ToolError(f"Cannot read the queued tool run {path}: {e}") from None
+    return start(runner, t, values, overwrite)
