@@ -19,6 +19,9 @@ from . import REPO, last_settings, quoting
 OPTIONS_DIR = Path(__file__).with_name("options") / "tools"
 GROUPS = {"captioning": "Captioning", "dataset": "Dataset preparation", "lora": "LoRA tools"}
 NOT_SETTINGS = frozenset({"dump_options"})
+# the tools' own --overwrite is the form's "Overwrite existing results" box (one box for every tool)
+OVERWRITE = "overwrite"
+NO_CONTROL = NOT_SETTINGS | {OVERWRITE}
 
 
 class ToolError(ValueError):
@@ -117,11 +120,11 @@ class Tool:
         return next(o for o in self.options if o.name == name)
 
     def label_of(self, o: Option) -> str:
-        return self.labels.get(o.name) or o.name.replace("_", " ").capitalize()
+        return self.labels.get(o.name) or COMMON_LABELS.get(o.name) or o.name.replace("_", " ").capitalize()
 
     def ordered(self) -> tuple[list[Option], list[Option]]:
         """(main options in `main` order after the positionals, the other options in the script's order)."""
-        opts = [o for o in self.options if o.name not in NOT_SETTINGS]
+        opts = [o for o in self.options if o.name not in NO_CONTROL]
         first = [o for o in opts if o.positional] + [self.option(n) for n in self.main
                                                      if not self.option(n).positional]
         return first, [o for o in opts if o not in first]
@@ -133,13 +136,92 @@ def _options(path: Path) -> list[Option]:
             for o in json.loads(path.read_text(encoding="utf-8"))]
 
 
+COMMON_LABELS = {"sd_model": "Model to merge into", "models": "LoRA files", "ratios": "Ratios (one per LoRA)",
+                "save_to": "Save to", "model_org": "Original model", "model_tuned": "Tuned model"}
+CAPTION_MAIN = ("caption_extension", "batch_size", "recursive", "debug")
 _TABLE = (
+    # captioning: each writes a caption file next to every image of the folder
+    Tool("finetune/tag_images_by_wd14_tagger.py", "WD14 tagger (ONNX)", "captioning",
+         "Tags the images with a SmilingWolf WD tagger (v2, v3, eva02-large ...) from the Hub or a folder.",
+         main=("repo_id", "thresh", "general_threshold", "character_threshold", "undesired_tags",
+               "always_first_tags", "tag_replacement", "model_dir", "caption_separator", *CAPTION_MAIN,
+               "append_tags", "skip_existing", "character_tags_first", "remove_underscore", "use_rating_tags"),
+         folders=("train_data_dir", "model_dir"), labels={"train_data_dir": "Image folder", "repo_id": "Tagger"}),
+    Tool("finetune/make_captions.py", "BLIP captions", "captioning", "Captions the images with BLIP.",
+         main=("caption_weights", "beam_search", "num_beams", "top_p", "max_length", "min_length", *CAPTION_MAIN,
+               "skip_existing"),
+         folders=("train_data_dir",), labels={"train_data_dir": "Image folder", "caption_weights": "BLIP model"}),
+    Tool("finetune/make_captions_by_git.py", "GIT captions", "captioning", "Captions the images with GIT.",
+         main=("model_id", "max_length", "remove_words", *CAPTION_MAIN, "skip_existing"),
+         folders=("train_data_dir",), labels={"train_data_dir": "Image folder", "model_id": "GIT model"}),
+    Tool("finetune/make_captions_by_florence2.py", "Florence-2 captions", "captioning",
+         "Captions (short, detailed, more detailed) or tags the images with Florence-2.",
+         main=("model_id", "task", "prompt", "num_beams", "max_new_tokens", "dtype", *CAPTION_MAIN, "skip_existing"),
+         folders=("train_data_dir",), labels={"train_data_dir": "Image folder", "model_id": "Florence-2 model"}),
+    # dataset: kohya's fine-tune metadata
     Tool("finetune/merge_captions_to_metadata.py", "Merge captions into metadata JSON", "dataset",
          "Writes each image's caption file into kohya's fine-tune metadata JSON (the Fine-tune tab's "
          "`in_json`).", main=("in_json", "caption_extension", "recursive", "full_path"),
          outputs=("out_json",), folders=("train_data_dir",),
          labels={"train_data_dir": "Image folder", "out_json": "Metadata JSON to write",
                  "in_json": "Existing metadata JSON to merge into"}),
+    Tool("finetune/merge_dd_tags_to_metadata.py", "Merge tags into metadata JSON", "dataset",
+         "Writes each image's tag file (the WD14 tagger's) into the fine-tune metadata JSON.",
+         main=("in_json", "caption_extension", "recursive", "full_path"), outputs=("out_json",),
+         folders=("train_data_dir",), labels={"train_data_dir": "Image folder", "out_json": "Metadata JSON to write",
+                                              "in_json": "Existing metadata JSON to merge into"}),
+    Tool("finetune/clean_captions_and_tags.py", "Clean captions and tags", "dataset",
+         "Cleans the captions and tags of a metadata JSON as upstream does (tag spelling, duplicated words).",
+         outputs=("out_json",), labels={"in_json": "Metadata JSON", "out_json": "Cleaned metadata JSON to write"}),
+    Tool("finetune/prepare_buckets_latents.py", "Bucket latents (fine-tune)", "dataset",
+         "Sorts the images into resolution buckets and caches their latents for the Fine-tune tab.",
+         main=("max_resolution", "min_bucket_reso", "max_bucket_reso", "bucket_reso_steps", "batch_size",
+               "mixed_precision", "bucket_no_upscale", "flip_aug", "skip_existing", "recursive", "full_path"),
+         outputs=("out_json",), folders=("train_data_dir",),
+         labels={"train_data_dir": "Image folder", "in_json": "Metadata JSON", "out_json": "Metadata JSON to write",
+                 "model_name_or_path": "Model (its VAE encodes the images)"}),
+    # LoRA tools
+    Tool("networks/resize_lora.py", "Resize LoRA", "lora",
+         "Gives a LoRA a lower rank by SVD: a fixed rank, or per module from its singular values (sv_ratio, "
+         "sv_fro, sv_cumulative).",
+         main=("model", "save_to", "new_rank", "new_conv_rank", "dynamic_method", "dynamic_param", "save_precision",
+               "device", "verbose"), outputs=("save_to",), labels={"model": "LoRA to resize"}),
+    Tool("networks/merge_lora.py", "Merge LoRA (SD1.x / SD2.x)", "lora",
+         "Merges LoRAs into a model (with a model), or into one LoRA (without).",
+         main=("sd_model", "models", "ratios", "save_to", "precision", "save_precision", "v2", "concat"),
+         outputs=("save_to",)),
+    Tool("networks/sdxl_merge_lora.py", "Merge LoRA (SDXL)", "lora",
+         "Merges LoRAs into an SDXL model (with a model), or into one LoRA (without).",
+         main=("sd_model", "models", "ratios", "save_to", "precision", "save_precision", "lbws", "concat"),
+         outputs=("save_to",)),
+    Tool("networks/flux_merge_lora.py", "Merge LoRA (FLUX.1)", "lora",
+         "Merges LoRAs into a FLUX.1 model and its text encoders (with a model), or into one LoRA (without).",
+         main=("flux_model", "models", "ratios", "save_to", "clip_l", "clip_l_save_to", "t5xxl", "t5xxl_save_to",
+               "precision", "save_precision", "diffusers", "concat"),
+         outputs=("save_to", "clip_l_save_to", "t5xxl_save_to"),
+         labels={"flux_model": "FLUX.1 model to merge into"}),
+    Tool("networks/svd_merge_lora.py", "Merge LoRAs by SVD (new rank)", "lora",
+         "Adds LoRAs of any ranks and makes one LoRA of a new rank by SVD.",
+         main=("models", "ratios", "save_to", "new_rank", "new_conv_rank", "precision", "save_precision", "device"),
+         outputs=("save_to",)),
+    Tool("networks/extract_lora_from_models.py", "Extract LoRA (SD1.x / SD2.x / SDXL)", "lora",
+         "Makes a LoRA from the difference between a tuned model and its original, by SVD.",
+         main=("model_org", "model_tuned", "save_to", "dim", "conv_dim", "sdxl", "v2", "device", "clamp_quantile",
+               "save_precision"), outputs=("save_to",)),
+    Tool("networks/flux_extract_lora.py", "Extract LoRA (FLUX.1)", "lora",
+         "Makes a LoRA from the difference between a tuned FLUX.1 model and its original, by SVD.",
+         main=("model_org", "model_tuned", "save_to", "dim", "device", "clamp_quantile", "save_precision"),
+         outputs=("save_to",)),
+    Tool("networks/extract_lora_from_dylora.py", "Extract LoRAs from a DyLoRA", "lora",
+         "Writes one LoRA per rank step of a DyLoRA (<name>-<rank>).", main=("model", "save_to", "unit"),
+         outputs=("save_to",), labels={"model": "DyLoRA file"}),
+    Tool("networks/check_lora_weights.py", "Check LoRA weights", "lora",
+         "Lists a LoRA's modules with the mean and the mean absolute value of their weights (all zero = not "
+         "trained).", labels={"file": "LoRA file"}),
+    Tool("networks/convert_flux_lora.py", "Convert FLUX.1 LoRA format", "lora",
+         "Converts a FLUX.1 LoRA between sd-scripts' keys and ai-toolkit / diffusers keys.",
+         main=("src_path", "dst_path", "src", "dst"), outputs=("dst_path",),
+         labels={"src_path": "LoRA to convert", "dst_path": "Save to", "src": "From format", "dst": "To format"}),
 )
 
 TOOLS: tuple[Tool, ...] = tuple(t for t in _TABLE if (REPO / "sd-scripts" / t.script).is_file() and t.option_file.is_file())
@@ -162,7 +244,7 @@ def values_from_ui(t: Tool, ui_values: dict[str, Any]) -> tuple[dict[str, Any], 
     """(values, errors) from the controls' values by option name; errors name the field."""
     values, errors = {}, []
     for o in t.options:
-        if o.name in NOT_SETTINGS:
+        if o.name in NO_CONTROL:
             continue
         try:
             values[o.name] = o.convert(ui_values.get(o.name))
@@ -180,7 +262,7 @@ def validation_errors(t: Tool, values: dict[str, Any], overwrite: bool = False) 
             value = values.get(name)
             if value and name not in t.folders and Path(value).is_file():
                 errors.append(f"{t.label_of(t.option(name))} ({t.option(name).flag or name}): {value} already "
-                              "exists; choose another name, or tick 'Overwrite an existing result'")
+                              "exists; choose another name, or tick 'Overwrite existing results'")
     return errors
 
 
@@ -219,6 +301,11 @@ def log_path(t: Tool) -> Path:
     return last_settings.folder() / "tool_logs" / f"{t.key}.log"
 
 
+def with_overwrite(t: Tool, values: dict[str, Any], overwrite: bool) -> dict[str, Any]:
+    """The values with the tool's own --overwrite set from the form's box (when the tool has one)."""
+    return {**values, OVERWRITE: bool(overwrite)} if any(o.name == OVERWRITE for o in t.options) else values
+
+
 def check(t: Tool, values: dict[str, Any], overwrite: bool = False) -> None:
     """Raises ToolError listing what must be fixed before the tool can run."""
     errors = validation_errors(t, values, overwrite)
@@ -232,7 +319,7 @@ def start(runner, t: Tool, values: dict[str, Any], overwrite: bool = False) -> l
     from .training import run_env
 
     check(t, values, overwrite)
-    command = argv(t, values)
+    command = argv(t, with_overwrite(t, values, overwrite))
     with runner.reserved():
         runner.start([command], log_path(t), env=run_env(), output_dir=output_dir(t, values), cwd=os.getcwd())
     return command

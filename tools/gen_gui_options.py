@@ -18,7 +18,12 @@ OUT = REPO / "kohya_gui" / "options"
 SCRIPTS = ("sdxl_train_network", "train_network", "flux_train_network", "sdxl_train", "train_db", "fine_tune",
            "flux_train")
 # the Utilities tab's tools (kohya_gui/tools.py has their presentation); a script that is not there yet is left out
-TOOL_SCRIPTS = ("finetune/merge_captions_to_metadata",)
+TOOL_SCRIPTS = tuple(f"finetune/{n}" for n in (
+    "tag_images_by_wd14_tagger", "make_captions", "make_captions_by_git", "make_captions_by_florence2",
+    "merge_captions_to_metadata", "merge_dd_tags_to_metadata", "clean_captions_and_tags", "prepare_buckets_latents")
+) + tuple(f"networks/{n}" for n in (
+    "resize_lora", "merge_lora", "sdxl_merge_lora", "flux_merge_lora", "svd_merge_lora", "extract_lora_from_models",
+    "flux_extract_lora", "extract_lora_from_dylora", "check_lora_weights", "convert_flux_lora"))
 
 
 def render(script: str) -> str:

@@ -81,7 +81,7 @@ def _rows(t: tools.Tool, options: list[tools.Option], controls: dict) -> None:
 
 def group_params(group: str) -> list[tuple[tools.Tool, tools.Option]]:
     """Every control of a group's tool forms, in the order the handlers receive their values."""
-    return [(t, o) for t in tools.in_group(group) for o in t.options if o.name not in tools.NOT_SETTINGS]
+    return [(t, o) for t in tools.in_group(group) for o in t.options if o.name not in tools.NO_CONTROL]
 
 
 def tool_values(group: str, key: str, ui_values) -> tuple[tools.Tool, dict[str, Any]]:
@@ -107,7 +107,7 @@ def print_tool(group: str, key: str, overwrite: bool, *ui_values) -> tuple[str, 
     t, values, error = _checked(group, key, ui_values)
     if error:
         return gr.update(), error
-    command = tools.printable(tools.argv(t, values))
+    command = tools.printable(tools.argv(t, tools.with_overwrite(t, values, overwrite)))
     problems = tools.validation_errors(t, values, overwrite)
     if problems:
         return command, A.error_md("The command is shown, but these must be fixed before a run:\n"
@@ -168,7 +168,8 @@ def build_tool_group(group: str) -> dict:
         queue_btn = gr.Button("Add to queue", elem_id=f"util-{group}-queue")
         stop_btn = gr.Button("Stop", variant="stop", elem_id=f"util-{group}-stop")
         print_btn = gr.Button("Print command", elem_id=f"util-{group}-print")
-        overwrite = gr.Checkbox(False, label="Overwrite an existing result", elem_id=f"util-{group}-overwrite")
+        overwrite = gr.Checkbox(False, label="Overwrite existing results", elem_id=f"util-{group}-overwrite",
+                                info="files the tool would write over (its --overwrite)")
     status = feedback.message_area(f"util-{group}-status")
     command = gr.Textbox(label="Command (what Run runs)", lines=2, max_lines=6, interactive=False, buttons=["copy"],
                          elem_id=f"util-{group}-command")

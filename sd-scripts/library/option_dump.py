@@ -1,10 +1,8 @@
 """`--dump_options`: the script's options as JSON, for the GUI (which never imports the trainers).
 
-Each entry: name (the dest = TOML key), flag, kind (bool, int, float, str), nargs, choices, default, help, and
+Each entry: name (the dest = TOML key), flag ("" and `positional: true` for a positional argument), kind (bool, int, float, str), nargs, choices, default, help, and
 `suggested` where the option takes any value but the trainer knows names for it (optimizers, schedulers,
-network modules), and on --network_args the `keys` each network module reads (kind, choices).
-Positional arguments (the tool scripts' folders and files) come with flag "" and `positional`, in
-command-line order; options argparse requires have `required`. kohya_gui/options/<script>.json holds this output per script (tools/gen_gui_options.py writes
+network modules), and on --network_args the `keys` each network module reads (kind, choices). kohya_gui/options/<script>.json holds this output per script (tools/gen_gui_options.py writes
 them; a test keeps them fresh). Our own option: upstream has none.
 """
 from __future__ import annotations
@@ -77,9 +75,11 @@ def describe(parser: argparse.ArgumentParser) -> list[dict[str, Any]]:
     for action in parser._actions:
         if action.dest in ("help", "dump_options"):
             continue
-        # positional arguments (the tool scripts' folders and files): flag "", in their command-line order
-        flag = next((s for s in action.option_strings if s.startswith("--")), action.option_strings[0]) \
-            if action.option_strings else ""
+        if not action.option_strings:  # a positional argument (check_lora_weights.py's file): flag ""
+            out.append({"name": action.dest, "flag": "", "positional": True, "kind": "str",
+                        "default": _json_value(action.default), "help": action.help or ""})
+            continue
+        flag = next((s for s in action.option_strings if s.startswith("--")), action.option_strings[0])
         if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             kind = "bool"
         else:
@@ -94,10 +94,6 @@ def describe(parser: argparse.ArgumentParser) -> list[dict[str, Any]]:
             entry["suggested"] = suggested[action.dest]
         if action.dest == "network_args":
             entry["keys"] = network_arg_keys()
-        if not action.option_strings:
-            entry["positional"] = True
-        elif action.required:
-            entry["required"] = True
         if action.dest in parity.REFUSED:  # accepted only at its default (library/parity.py says why)
             entry["refused"] = parity.REFUSED[action.dest]
         out.append(entry)
