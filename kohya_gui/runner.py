@@ -375,3 +375,11 @@ def training_env() -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     return env
+
+
+def run_env() -> dict[str, str]:
+    env = training_env()
+    from . import REPO  # the demo helper runs `python -m kohya_gui`, also when it is not installed
+
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    return env

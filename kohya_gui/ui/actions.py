@@ -17,7 +17,7 @@ from .. import params as P
 from ..run_queue import QueueError, QueueWorker, RunQueue
 from ..runner import Runner, RunnerBusy, format_eta, new_outputs
 from ..tensorboard import TensorBoard, TensorBoardError
-from . import feedback
+from . import run_notice
 
 RUNNER = Runner()  # one training at a time for the whole app
 TENSORBOARD = TensorBoard()  # one TensorBoard server, a child of the GUI
@@ -246,13 +246,13 @@ def start_training(tab: str, family: str, *ui_values) -> tuple[str, str, str, st
     """(command, stand-alone command, status, both commands for the other shell)."""
     values, errors = values_from_ui(tab, ui_values)
     if errors:
-        feedback.NOTICE.start_failed(RUNNER.snapshot())
+        run_notice.NOTICE.start_failed(RUNNER.snapshot())
         return (gr.update(), gr.update(), error_md("Cannot start training:\n" + "\n".join(f"- {e}" for e in errors)),
                 gr.update(), gr.update())
     try:
         argv = training.start(RUNNER, tab, family, values)
     except (training.RunError, RunnerBusy) as e:
-        feedback.NOTICE.start_failed(RUNNER.snapshot())
+        run_notice.NOTICE.start_failed(RUNNER.snapshot())
         return gr.update(), gr.update(), error_md(str(e)), gr.update(), gr.update()
     return commands(argv, command.standalone_argv(tab, family, values),
                     ok_md(f"Training started; log: `{command.log_path(values)}`"))
@@ -340,12 +340,12 @@ def request_now(request: str) -> str:
 def run_panel(seen: int = -1) -> tuple:
     """(progress HTML, log text, result markdown, version) for the current or last run; parts that did not
     change since version `seen` are skipped so the page keeps its scroll position."""
-    version = RUNNER.version + feedback.NOTICE.version
+    version = RUNNER.version + run_notice.NOTICE.version
     s = RUNNER.snapshot()
     if version == seen:
         return (progress_html(s) if s.running else gr.skip()), gr.skip(), gr.skip(), version
-    if feedback.NOTICE.hides(s):  # the last Start click failed: the previous run's result is not the answer
-        return feedback.not_started_html(), RUNNER.log_tail(300), "", version
+    if run_notice.NOTICE.hides(s):  # the last Start click failed: the previous run's result is not the answer
+        return run_notice.not_started_html(), RUNNER.log_tail(300), "", version
     return progress_html(s), RUNNER.log_tail(300), result_md(s), version
 
 
@@ -388,7 +388,7 @@ def progress_html(s) -> str:
     elapsed = (s.ended or time.time()) - s.started
     parts.append(f"elapsed {format_eta(elapsed)}")
     return (f"<div class='kg-progress'><div class='kg-bar'><div style='width:{frac * 100:.1f}%'></div></div>"
-            f"<div class='kg-stats'>{' &middot; '.join(parts)}</div>{feedback.settings_html(s)}</div>")
+            f"<div class='kg-stats'>{' &middot; '.join(parts)}</div>{run_notice.settings_html(s)}</div>")
 
 
 def result_md(s) -> str:

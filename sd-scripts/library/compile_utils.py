@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 import torch._dynamo
+from library.errors import CompileConfigError  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +46,6 @@ _FALLBACK_REPEATED_BLOCKS = {
     "UNet2DConditionModel": ("BasicTransformerBlock",),
     "FluxTransformer2DModel": ("FluxTransformerBlock", "FluxSingleTransformerBlock"),
 }
-
-
-class CompileConfigError(ValueError):
-    """An impossible or unsupported combination of compile settings."""
 
 
 def user_inductor_cache_dir() -> str | None:

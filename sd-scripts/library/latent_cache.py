@@ -112,10 +112,10 @@ class LatentCacheFormat:
 
 
 def save_npz_atomic(path: str, arrays: dict) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"  # unique per process: several ranks may cache at once
-    with open(tmp, "wb") as f:
+    from library import files
+
+    with files.atomic_target(path) as tmp, open(tmp, "wb") as f:  # each process its own temporary name
         np.savez(f, **arrays)
-    os.replace(tmp, path)
 
 
 def _unscaled(t: torch.Tensor, scale: float) -> np.ndarray:

@@ -51,15 +51,12 @@ from library import metadata as metadata_util
 from library.captions import apply_token_weights, weighted_for, weighted_token_ids
 from library.latent_cache import FAMILY_FORMATS, LatentCacheFormat
 from library.late_loss import LateLosses
+from library.network_options import parse_network_args  # noqa: F401  (re-exported)
 from library.step_timer import StepTimer
 from library.te_cache import TeCacheFormat
-from library.train_util import ConfigError
+from library.errors import ConfigError, TrainingError, UserError  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
-
-
-class TrainingError(RuntimeError):
-    """Something that stops a run with a clear message (not a bug)."""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -171,16 +168,6 @@ def save_network_state_dict(network, path: str, dtype, metadata: dict | None, ov
                                            overwrite=overwrite)
     else:
         train_util.save_torch_atomic(sd, path, overwrite=overwrite)
-
-
-def parse_network_args(items: list[str] | None) -> dict[str, str]:
-    out = {}
-    for item in items or []:
-        if "=" not in item:
-            raise ConfigError(f"--network_args: {item!r} must be key=value")
-        k, v = item.split("=", 1)
-        out[k.strip()] = v.strip()
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1343,11 +1330,11 @@ def run(trainer: NetworkTrainer, parser: argparse.ArgumentParser, argv: list[str
     try:
         args = train_util.parse_args(parser, argv)
         return trainer.train(args)
-    except expected_errors() as e:
+    except UserError as e:
         _close_progress_bars()  # so the message starts its own line
         logger.error("%s", e)
         print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from e
+        raise SystemExit(e.exit_code) from e
 
 
 def _close_progress_bars() -> None:
@@ -1358,39 +1345,6 @@ def _close_progress_bars() -> None:
 
 
 def expected_errors() -> tuple:
-    """The errors that mean bad settings or inputs (exit 2 with their message, no traceback)."""
-    from library.datasets import DatasetError
-
-    return (ConfigError, DatasetError, TrainingError, saving.SaveError, train_util.OptionalPackageError,
-            _prompt_file_error(),
-            _model_load_error(), train_util.OutputExistsError, _compile_error(), _network_args_error())
-
-
-def _model_load_error():
-    from library.model_util import ModelLoadError
-
-    return ModelLoadError
-
-
-def _prompt_file_error():
-    from library.sample_prompts import PromptFileError
-
-    return PromptFileError
-
-
-def _compile_error():
-    try:
-        from library.compile_utils import CompileConfigError
-
-        return CompileConfigError
-    except ImportError:  # pragma: no cover
-        return ConfigError
-
-
-def _network_args_error():
-    try:
-        from networks.lora import NetworkArgsError
-
-        return NetworkArgsError
-    except ImportError:  # pragma: no cover
-        return ConfigError
+    """The errors that mean bad settings or inputs (exit 2 with their message, no traceback): library.errors'
+    one base class."""
+    return (UserError,)

@@ -65,6 +65,11 @@ DIFFERENT: dict[str, Different] = {
         "hard-codes FLUX.1's)"),
     "ddp_gradient_as_bucket_view": Different(_NO_DDP),
     "ddp_static_graph": Different(_NO_DDP),
+    "v_parameterization": Different(
+        "not needed for a diffusers folder whose scheduler says prediction_type v_prediction: such a model trains "
+        "as v-prediction (and its metadata says v) without the flag, with a log line saying so; upstream trains it "
+        "as epsilon unless --v_parameterization is given, which wrecks a v-prediction model. Single files and "
+        "epsilon folders train as upstream (epsilon unless the flag)"),
     "v_pred_like_loss": Different("train_db.py and fine_tune.py apply it as the other scripts do (upstream parses it "
                                   "there but never applies it)"),
     "huber_schedule": Different("FLUX with --loss_type huber/smooth_l1 and the snr schedule (a DDPM schedule) is "

@@ -12,7 +12,7 @@ import argparse
 import os
 import re
 
-from library.train_util import ConfigError
+from library.errors import ConfigError, UserError
 
 # path options that must exist when set (a hub id "owner/name" is allowed where upstream allows one)
 FILES = ("vae", "clip_l", "t5xxl", "ae", "network_weights", "in_json", "dataset_config", "sample_prompts",
@@ -68,14 +68,12 @@ def run(trainer, args) -> None:
     """Runs the checks; raises ValidationProblems (exit 2 through the scripts' run()) or prints the ok line."""
     from library import compile_utils, config_util, state_folders, train_util
 
-    from library.network_trainer import expected_errors
-
     problems: list[str] = []
 
     def attempt(fn):
         try:
             return fn()
-        except expected_errors() as e:
+        except UserError as e:
             problems.extend(e.problems if isinstance(e, ValidationProblems) else [str(e)])
             return None
 
