@@ -17,6 +17,7 @@ import tomlkit
 from tomlkit.exceptions import TOMLKitError
 
 from . import REPO, config_file
+from .runner import run_env
 from .captions_edit import CaptionError, list_images
 from .dataset_prep import REPEATS_FOLDER
 
@@ -186,8 +187,6 @@ def check(text: str, family: str = "SDXL", path: str = "") -> tuple[bool, list[s
     script, module = CHECK_SCRIPTS.get(family, (None, None))
     if script is None:
         raise DatasetTomlError(f"Family: {family!r} is not one of {', '.join(CHECK_SCRIPTS)}")
-    from .training import run_env
-
     folder = Path(path).expanduser().parent if (path or "").strip() else Path.cwd()
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kohya_gui_dataset_check_") as out, \

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import REPO, last_settings, quoting
+from . import REPO, config_file, last_settings, quoting
+from .runner import run_env
 
 OPTIONS_DIR = Path(__file__).with_name("options") / "tools"
 GROUPS = {"captioning": "Captioning", "dataset": "Dataset preparation", "lora": "LoRA tools"}
@@ -316,8 +317,6 @@ def check(t: Tool, values: dict[str, Any], overwrite: bool = False) -> None:
 def start(runner, t: Tool, values: dict[str, Any], overwrite: bool = False) -> list[str]:
     """Checks, then runs the tool with the training runner (progress, log, Stop). Returns its argv. Raises ToolError
     or runner.RunnerBusy."""
-    from .training import run_env
-
     check(t, values, overwrite)
     command = argv(t, with_overwrite(t, values, overwrite))
     with runner.reserved():
@@ -331,9 +330,7 @@ QUEUE_TAB = "tool"  # a queue entry's "tab" for a tool run; its settings file is
 
 
 def save_queued(path: Path, t: Tool, values: dict[str, Any], overwrite: bool) -> None:
-    from .config_file import write_text_atomic
-
-    write_text_atomic(path, json.dumps({"tool": t.key, "values": values, "overwrite": overwrite}, indent=1) + "\n")
+    config_file.write_text_atomic(path, json.dumps({"tool": t.key, "values": values, "overwrite": overwrite}, indent=1) + "\n")
 
 
 def start_queued(runner, path: str | os.PathLike) -> list[str]:
