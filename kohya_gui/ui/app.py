@@ -216,6 +216,7 @@ def build_app() -> gr.Blocks:
                                  elem_id="run-samples")
             result = gr.Markdown(elem_id="run-result")
             files = gr.Markdown(elem_id="run-files")
+            utilities.build_lora_shortcuts(tabs, util)  # the result's "resize" / "merge into model"
             log = gr.Textbox(label="Log", lines=14, max_lines=14, autoscroll=True, interactive=False,
                              elem_id="kg-log", buttons=["copy"])
         with gr.Accordion("Queue", open=False, elem_id="run-queue"):

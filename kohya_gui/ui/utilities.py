@@ -16,7 +16,7 @@ from typing import Any
 import gradio as gr
 
 from .. import captions_edit as C
-from .. import dataset_prep, dataset_toml, tools
+from .. import config_file, dataset_prep, dataset_toml, tools
 from ..runner import RunnerBusy
 from . import actions as A
 from . import feedback
@@ -528,3 +528,84 @@ def build_tab() -> dict:
             handles["meta_path"] = meta_path
     return handles
 
+
+
+# ---- the run panel's shortcuts: the last run's LoRA into the LoRA tools ---------------------------------------------
+
+MERGE_TOOLS = {"SD1.x": ("merge_lora", "sd_model"), "SD2.x": ("merge_lora", "sd_model"),
+               "SDXL": ("sdxl_merge_lora", "sd_model"), "FLUX.1": ("flux_merge_lora", "flux_model")}
+
+
+def _free_name(path: Path) -> Path:
+    """path, or path with -2, -3 ... before the suffix when it exists (a shortcut never fills in an existing file)."""
+    candidate, n = path, 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.stem}-{n}{path.suffix}")
+    return candidate
+
+
+def last_lora() -> tuple[Path, Any]:
+    """(the last run's newest .safetensors result, its run settings or None). Raises ValueError with the reason."""
+    s = A.RUNNER.snapshot()
+    if s.running:
+        raise ValueError("A run is active: wait until it has finished.")
+    results = [Path(p) for p in s.outputs if p.endswith(".safetensors") and not Path(p).parent.name.endswith("-state")]
+    if not results:
+        raise ValueError("The last run wrote no .safetensors file.")
+    settings = None
+    if s.config_path:
+        try:
+            settings = config_file.load(s.config_path)
+        except config_file.ConfigError:
+            settings = None
+    return results[-1], settings
+
+
+def lora_fills(action: str) -> tuple[str, dict[str, Any], str]:
+    """(tool key, {option: control value}, message) for "resize" / "merge" of the last run's LoRA."""
+    lora, settings = last_lora()
+    if action == "resize":
+        return "resize_lora", {"model": str(lora),
+                               "save_to": str(_free_name(lora.with_name(f"{lora.stem}-resized.safetensors")))}, \
+            f"Resize `{lora.name}`: choose the new rank, then Run."
+    if settings is None or settings.tab != "lora":
+        raise ValueError(f"{lora.name} is not from a LoRA training run of this GUI: choose the merge tool and its "
+                         "model yourself.")
+    key, model_option = MERGE_TOOLS[settings.family]
+    fills = {model_option: settings.values.get("pretrained_model_name_or_path") or "", "models": shlex.quote(str(lora)),
+             "ratios": "1", "save_to": str(_free_name(lora.with_name(f"{lora.stem}-merged.safetensors")))}
+    if settings.family == "SD2.x":
+        fills["v2"] = True
+    return key, fills, f"Merge `{lora.name}` into its {settings.family} model: check the paths, then Run."
+
+
+def lora_shortcut(action: str) -> list:
+    """[outer tabs, sub-tabs, LoRA tool picker, *tool forms' visibility, *LoRA tool controls, message]."""
+    params = group_params("lora")
+    try:
+        key, fills, note = lora_fills(action)
+        tools.tool(key)
+    except (ValueError, tools.ToolError) as e:
+        return [gr.skip(), gr.skip(), gr.skip(), *[gr.skip() for _ in tools.in_group("lora")],
+                *[gr.skip() for _ in params], A.error_md(str(e))]
+    controls = [gr.update(value=fills[o.name]) if t.key == key and o.name in fills else gr.skip() for t, o in params]
+    return [gr.Tabs(selected="utilities"), gr.Tabs(selected=SUBTABS["lora"]), gr.update(value=key),
+            *choose_tool("lora", key), *controls, A.ok_md(note)]
+
+
+def build_lora_shortcuts(outer_tabs, handles: dict) -> None:
+    """Under the run panel's output files: "Resize this LoRA" / "Merge it into its model", when those tools exist."""
+    lora = handles.get("lora")
+    wanted = [("resize", "Resize this LoRA", {"resize_lora"}),
+              ("merge", "Merge it into its model", {k for k, _ in MERGE_TOOLS.values()})]
+    buttons = [(action, label) for action, label, keys in wanted
+               if lora and keys & {t.key for t in tools.in_group("lora")}]
+    if not buttons:
+        return
+    with gr.Row():
+        for action, label in buttons:
+            btn = gr.Button(f"{label} (the last run's result)", size="sm", elem_id=f"run-lora-{action}")
+            outputs = [outer_tabs, handles["subtabs"], lora["picker"], *lora["columns"],
+                       *[lora["controls"][(t.key, o.name)] for t, o in group_params("lora")], lora["status"]]
+            btn.click(functools.partial(lora_shortcut, action), outputs=outputs)
