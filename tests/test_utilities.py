@@ -186,3 +186,51 @@ def test_show_metadata_lists_the_files_metadata(tmp_path):
     assert "is not a file" in U.show_metadata(str(tmp_path / "none.safetensors"))
     (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")
     assert "is not a safetensors file" in U.show_metadata(str(tmp_path / "bad.safetensors"))
+
+
+def test_the_run_panels_lora_shortcuts_fill_resize_and_merge(tmp_path, monkeypatch):
+    """After a LoRA run, "Resize this LoRA" / "Merge it into its model" open the LoRA tools with the result, the
+    run's model and the family's merge script filled in (the run here: a command that writes the LoRA file)."""
+    import sys
+
+    from kohya_gui import config_file
+    from kohya_gui.ui import actions as A
+    from kohya_gui.ui import utilities as U
+
+    if not {"resize_lora", "sdxl_merge_lora"} <= {t.key for t in tools.TOOLS}:
+        pytest.skip("the LoRA tool scripts are not here")
+    out = tmp_path / "out"
+    run_toml = out / "mylora.toml"
+    config_file.save(run_toml, "lora", "SDXL", {"pretrained_model_name_or_path": "models/base.safetensors",
+                                                "output_dir": str(out), "output_name": "mylora"})
+    (out / "mylora-resized.safetensors").write_bytes(b"x")  # taken: the shortcut picks a free name
+    runner = Runner()
+    runner.start([[sys.executable, "-c", f"open({str(out / 'mylora.safetensors')!r}, 'wb').write(b'x')"]],
+                 tmp_path / "run.log", output_dir=out, config_path=run_toml)
+    assert runner.wait(60).returncode == 0
+    monkeypatch.setattr(A, "RUNNER", runner)
+    key, fills, _ = U.lora_fills("resize")
+    assert key == "resize_lora" and fills == {"model": str(out / "mylora.safetensors"),
+                                              "save_to": str(out / "mylora-resized-2.safetensors")}
+    key, fills, note = U.lora_fills("merge")
+    assert key == "sdxl_merge_lora" and "SDXL" in note
+    assert fills == {"sd_model": "models/base.safetensors", "models": str(out / "mylora.safetensors"),
+                     "ratios": "1", "save_to": str(out / "mylora-merged.safetensors")}
+    values, errors = tools.values_from_ui(tools.tool(key), fills)  # the filled form makes a valid command
+    assert not errors and not tools.validation_errors(tools.tool(key), values)
+    assert tools.argv(tools.tool(key), values)[2:] == [
+        "--sd_model", "models/base.safetensors", "--save_to", str(out / "mylora-merged.safetensors"),
+        "--models", str(out / "mylora.safetensors"), "--ratios", "1.0"]
+    updates = U.lora_shortcut("merge")
+    assert updates[2]["value"] == "sdxl_merge_lora" and "Merge `mylora.safetensors`" in updates[-1]
+
+
+def test_a_tools_progress_bar_is_the_run_panels_progress():
+    from kohya_gui.runner import parse_progress
+
+    p = parse_progress("resizing: 100%|##########| 2/2 [00:01<00:00,  6.17it/s]")
+    assert (p["step"], p["total"], p["its"], p["eta_s"]) == (2, 2, 6.17, 0)
+    p = parse_progress("tagging:  40%|####      | 40/100 [00:10<00:15,  4.00it/s]")
+    assert (p["step"], p["total"], p["eta_s"]) == (40, 100, 15)
+    assert parse_progress("steps: 3/10 loss=0.5")["step"] == 3  # the trainers' line as before
+    assert parse_progress("merged 2 captions into out.json") is None
