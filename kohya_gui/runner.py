@@ -34,7 +34,7 @@ COMPILE_LINE = re.compile(r"torch\.compile: new input shape (\S+) .*this step (c
 # The trainers print plain lines such as "steps: 12/100 loss=0.1234 it/s=1.23 eta=00:40" (docs/ARCHITECTURE.md);
 # tqdm-style lines ("steps:  12%|##  | 12/100 [00:05<00:40,  2.15it/s, avr_loss=0.123]") are understood too.
 
-_STEPS = re.compile(r"\bsteps?\b[^\n]*?(\d+)\s*/\s*(\d+)", re.I)
+_STEPS = re.compile(r"(?:\bsteps?\b[^\n]*?|\d+%\|[^|\n]*\|\s*)(\d+)\s*/\s*(\d+)", re.I)  # or any tqdm bar (tools)
 _LOSS = re.compile(r"\b(avr_loss|avg_loss|loss)\s*[=:]\s*" + NUM, re.I)
 _ITS = re.compile(r"(?:\bit/s\s*[=:]\s*" + NUM + r")|(?:" + NUM + r"\s*it/s(?!\s*[=:]))", re.I)
 _SIT = re.compile(NUM + r"\s*s/it", re.I)

@@ -294,7 +294,7 @@ def add_to_queue(tab: str, family: str, *ui_values) -> str:
 def queue_md(entries) -> str:
     if not entries:
         return "The queue is empty: **Add to queue** beside Start training puts the tab's settings here."
-    rows = [f"| {i} | `{e.name}` | {P.TAB_LABELS[e.tab]} {e.family} | {e.state} | "
+    rows = [f"| {i} | `{e.name}` | {P.TAB_LABELS.get(e.tab, 'Utilities')} {e.family} | {e.state} | "
             f"{e.message.splitlines()[0][:120] if e.message else ''} |" for i, e in enumerate(entries, 1)]
     return "| # | output name | tab | state | note |\n|---|---|---|---|---|\n" + "\n".join(rows)
 

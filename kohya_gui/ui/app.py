@@ -10,7 +10,7 @@ import gradio as gr
 from .. import presets, quoting
 from .. import params as P
 from . import actions as A
-from . import feedback
+from . import feedback, utilities
 from .option_filter import filter_js
 
 CSS = """
@@ -202,6 +202,8 @@ def build_app() -> gr.Blocks:
             for tab in P.TABS:
                 with gr.Tab(P.TAB_LABELS[tab], id=tab, elem_id=f"tab-{tab}"):
                     forms.append(build_tab(tab)["form"])
+            with gr.Tab("Utilities", id="utilities", elem_id="tab-utilities"):
+                util = utilities.build_tab()
         feedback.restore_on_load(app, forms, tabs)
         with gr.Accordion("Training run", open=True, elem_id="run-panel"):
             progress = gr.HTML(A.progress_html(A.RUNNER.snapshot()), elem_id="run-progress")
@@ -214,6 +216,7 @@ def build_app() -> gr.Blocks:
                                  elem_id="run-samples")
             result = gr.Markdown(elem_id="run-result")
             files = gr.Markdown(elem_id="run-files")
+            utilities.build_lora_shortcuts(tabs, util)  # the result's "resize" / "merge into model"
             log = gr.Textbox(label="Log", lines=14, max_lines=14, autoscroll=True, interactive=False,
                              elem_id="kg-log", buttons=["copy"])
         with gr.Accordion("Queue", open=False, elem_id="run-queue"):
