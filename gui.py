@@ -62,6 +62,18 @@ def stop_run_on_exit(runner) -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # so atexit handlers run on SIGTERM too
 
 
+def login_kwargs(username: str, password: str) -> dict:
+    """launch() arguments for the login: none without a user name."""
+    if not username:
+        return {}
+    from starlette.middleware import Middleware
+
+    from kohya_gui.login import ClientAddress, Login
+
+    # the wait after wrong passwords is per client address: ClientAddress tells the check who asks
+    return {"auth": Login(username, password).check, "app_kwargs": {"middleware": [Middleware(ClientAddress)]}}
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -73,7 +85,6 @@ def main(argv=None) -> None:
     from kohya_gui.ui.app import build_app, launch_kwargs
 
     from kohya_gui import tensorboard
-    from kohya_gui.login import Login
 
     tensorboard.HOST["address"] = args.listen  # the TensorBoard button serves where the GUI does
     stop_run_on_exit(RUNNER)
@@ -89,7 +100,7 @@ def main(argv=None) -> None:
             server_port=args.server_port,
             share=args.share,
             inbrowser=args.inbrowser and not args.headless,
-            auth=Login(args.username, args.password) if args.username else None,
+            **login_kwargs(args.username, args.password),
             show_error=True,
             footer_links=["gradio", "settings"],  # no "Use via API": the GUI's events are not a documented API
             **launch_kwargs(),
