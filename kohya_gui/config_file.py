@@ -30,6 +30,7 @@ from typing import Any
 import tomlkit
 
 from . import params as P
+from .secret_options import without_secrets
 
 
 class ConfigError(ValueError):
@@ -52,7 +53,9 @@ def _toml_value(p: P.Param, value: Any) -> Any:
 
 
 def to_toml(tab: str, family: str, values: dict[str, Any]) -> str:
-    """The file text for these values: [gui], then trainer tables in accordion order, then [accelerate]."""
+    """The file text for these values: [gui], then trainer tables in accordion order, then [accelerate].
+    Secrets (tokens, API keys) are never written (kohya_gui.secret_options)."""
+    values = without_secrets(values)
     doc = tomlkit.document()
     gui = tomlkit.table()
     gui.add("tab", tab)

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from . import command, config_file, demo, trainer_check
+from . import command, config_file, demo, secret_options, trainer_check
 from .runner import Runner, training_env
 
 
@@ -40,7 +40,8 @@ def _checked_start(runner: Runner, tab: str, family: str, values: dict[str, Any]
     argv = command.build_argv(tab, family, values, config_path)
     (Path(config_path).with_suffix(".command.txt")).write_text(command.printable(argv) + "\n", encoding="utf-8")
     commands = demo.prepare_commands(family, values, config_path) + [argv]
-    runner.start(commands, command.log_path(values), env=run_env(), output_dir=values.get("output_dir"),
+    env = {**run_env(), **secret_options.secret_env(values)}  # never in the TOML or the command
+    runner.start(commands, command.log_path(values), env=env, output_dir=values.get("output_dir"),
                  cwd=os.getcwd(), config_path=config_path)
     return argv
 
