@@ -104,12 +104,29 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     return path
 
 
-def save(path: str | os.PathLike, tab: str, family: str, values: dict[str, Any]) -> Path:
+# the first line of a run's TOML (training.start): the record of what that run trained, which no Save replaces
+RUN_RECORD = "# kohya_gui: the settings a training run was started with; Save configuration never replaces this file\n"
+
+
+def is_run_record(path: str | os.PathLike) -> bool:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.readline(len(RUN_RECORD) + 1) == RUN_RECORD
+    except OSError:
+        return False
+
+
+def save(path: str | os.PathLike, tab: str, family: str, values: dict[str, Any], *, run_record: bool = False) -> Path:
+    """Writes the configuration. An existing run record (a run's TOML in its output folder) is never replaced, so
+    a run trains, and its folder keeps, exactly what Start wrote; `run_record=True` (Start) writes one."""
+    if not run_record and is_run_record(path):
+        raise ConfigError(f"{path} is the record of a training run (written by Start: what that run trained); "
+                          "save your settings under another name")
     try:
         text = to_toml(tab, family, values)
     except ValueError as e:
         raise ConfigError(f"{path}: cannot save: {e}") from e
-    return write_text_atomic(path, text)
+    return write_text_atomic(path, (RUN_RECORD if run_record else "") + text)
 
 
 def _closest(name: str) -> str:

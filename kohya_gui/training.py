@@ -34,8 +34,8 @@ def _checked_start(runner: Runner, tab: str, family: str, values: dict[str, Any]
                        + "\n".join(f"- {p}" for p in problems))
     config_path = command.run_config_path(values)
     try:
-        config_file.save(config_path, tab, family, values)
-    except OSError as e:
+        config_file.save(config_path, tab, family, values, run_record=True)
+    except (OSError, config_file.ConfigError) as e:
         raise RunError(f"Cannot write the run configuration {config_path}: {e}") from e
     argv = command.build_argv(tab, family, values, config_path)
     (Path(config_path).with_suffix(".command.txt")).write_text(command.printable(argv) + "\n", encoding="utf-8")
