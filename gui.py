@@ -49,6 +49,17 @@ def exposure_warning(args: argparse.Namespace) -> str | None:
     return None
 
 
+def follow_runs(runner) -> None:
+    """The GUI notes its active run in its config folder; a run an earlier GUI started (and outlived: it was
+    killed) is taken over: shown in the run panel, Stop and Save now work, Start waits for it."""
+    from kohya_gui import last_settings
+
+    runner.record = last_settings.folder() / "active_run.json"
+    if runner.adopt():
+        print(f"A training run started by an earlier GUI is still going (log: {runner.snapshot().log_path}); "
+              "the run panel follows it.", file=sys.stderr, flush=True)
+
+
 def stop_run_on_exit(runner) -> None:
     """A run lives in its own process group (so Stop can end all of it); end it when the GUI ends, too (Ctrl+C,
     SIGTERM, normal exit), rather than leaving an unseen training process behind."""
@@ -87,6 +98,7 @@ def main(argv=None) -> None:
     from kohya_gui import tensorboard
 
     tensorboard.HOST["address"] = args.listen  # the TensorBoard button serves where the GUI does
+    follow_runs(RUNNER)
     stop_run_on_exit(RUNNER)
     app = build_app()
     from kohya_gui.ui.actions import start_queue_worker
