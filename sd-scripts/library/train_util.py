@@ -19,7 +19,6 @@ import math
 import os
 import re
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -230,11 +229,12 @@ def load_config_file(path: str | os.PathLike, parser: argparse.ArgumentParser) -
             path = path + ".toml"
         else:
             raise ConfigError(f"config file not found: {path}")
+    from library.input_files import MAX_PROBLEMS, InputFileError, capped, load_toml
+
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from e
+        data = load_toml(path)  # any file: one line (binary, too large, nested too deep, ...)
+    except InputFileError as e:
+        raise ConfigError(str(e)) from None
     actions = _option_actions(parser)
     values, problems, skipped = {}, [], []
     # every bad key is reported, in one message
@@ -252,7 +252,7 @@ def load_config_file(path: str | os.PathLike, parser: argparse.ArgumentParser) -
             values[key] = aliases[value]
             continue
         if action is None:
-            close = difflib.get_close_matches(key, list(actions), n=1)
+            close = difflib.get_close_matches(key, list(actions), n=1) if len(problems) < MAX_PROBLEMS else None
             problems.append(f"unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
             continue
         try:
@@ -265,7 +265,7 @@ def load_config_file(path: str | os.PathLike, parser: argparse.ArgumentParser) -
     if len(problems) == 1:
         raise ConfigError(f"{path}: {problems[0]}")
     if problems:
-        raise ConfigError(f"{path}: {len(problems)} bad keys: " + "; ".join(problems))
+        raise ConfigError(f"{path}: {len(problems)} bad keys: " + "; ".join(capped(problems)))
     return values
 
 
