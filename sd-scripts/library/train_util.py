@@ -282,6 +282,10 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
     refused = parity.refusal_message(args)
     if refused:
         raise ConfigError(refused)
+    from library.finite_guard import non_finite_options
+
+    if bad := non_finite_options(args):  # one line per option
+        raise ConfigError("; ".join(bad))
     return args
 
 
@@ -454,9 +458,29 @@ def ensure_can_write(path: str | os.PathLike, overwrite: bool) -> None:
                                 "or pass --overwrite_output to replace it")
 
 
+def check_output_dir(output_dir: str) -> None:
+    """Before any model loads: files can be written in the output folder, or in its nearest existing parent when it
+    does not exist yet (/proc/..., a read-only disk, a file in the way): one line instead of a traceback later."""
+    import tempfile
+
+    existing = os.path.abspath(output_dir)
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"--output_dir {output_dir}: {existing} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--output_dir {output_dir}: cannot write files in {existing} ({e.strerror or e})") \
+            from None
+
+
 def check_outputs_free(output_dir: str, output_name: str, ext: str, overwrite: bool, resuming: bool) -> None:
-    """Before any model loads: the results this run will write must not exist yet (the final file, and without
-    --resume also epoch/step saves and state folders of an earlier run with the same name)."""
+    """Before any model loads: the output folder can be written, and the results this run will write must not exist
+    yet (the final file, and without --resume also epoch/step saves and state folders of an earlier run with the
+    same name)."""
+    check_output_dir(output_dir)
     if overwrite or not os.path.isdir(output_dir):
         return
     final = os.path.join(output_dir, last_file_name(output_name, ext))
