@@ -247,14 +247,17 @@ def load(path: str | Path, tab: str | None = None) -> Imported:
     """A kohya_ss JSON, or a run TOML (kohya_ss' config_*.toml, sd-scripts' --output_config) whose keys are the
     trainers' options. Raises ImportError_ with the file's name."""
     path = Path(path)
+    kind = "JSON" if path.suffix.lower() == ".json" else "TOML"
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ImportError_(f"{path}: cannot read it ({e.strerror or e})") from e
+        text = config_file.read_text(path)  # a missing, huge, binary or UTF-16 file: one line
+    except config_file.ConfigError as e:
+        raise ImportError_(str(e)) from None
     try:
-        data = json.loads(text) if path.suffix.lower() == ".json" else _flat_toml(tomllib.loads(text))
+        data = json.loads(text) if kind == "JSON" else _flat_toml(tomllib.loads(text))
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
-        raise ImportError_(f"{path}: not valid {'JSON' if path.suffix.lower() == '.json' else 'TOML'}: {e}") from e
+        raise ImportError_(f"{path}: not valid {kind}: {e}") from None
+    except (ValueError, RecursionError) as e:  # nested too deeply, a 5000-digit integer
+        raise ImportError_(f"{path}: not valid {kind}: {(str(e) or 'nested too deeply').split(';')[0]}") from None
     if not isinstance(data, dict):
         raise ImportError_(f"{path}: expected a JSON object of settings")
     if path.suffix.lower() != ".json" and tab is None:

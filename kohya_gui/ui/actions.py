@@ -12,7 +12,7 @@ from typing import Any
 import gradio as gr
 import pandas as pd
 
-from .. import command, config_file, importer, presets, quoting, run_requests, trainer_check, training
+from .. import command, config_file, importer, presets, quoting, run_requests, secret_options, trainer_check, training
 from .. import params as P
 from ..run_queue import QueueError, QueueWorker, RunQueue
 from ..runner import Runner, RunnerBusy, format_eta, new_outputs
@@ -210,7 +210,12 @@ def save_config(tab: str, path: str, family: str, *ui_values, overwrite: bool = 
         config_file.save(path, tab, family, values)
     except (config_file.ConfigError, OSError) as e:
         return error_md(f"Not saved: {e}")
-    return ok_md(f"Saved {path}")
+    return ok_md(f"Saved {path}" + _secrets_note(values))
+
+
+def _secrets_note(values: dict) -> str:
+    text = secret_options.note(values)
+    return f"\n\n{text}" if text else ""
 
 
 # ---- command, start, stop ----------------------------------------------------------------------------------
@@ -235,7 +240,8 @@ def print_command(tab: str, family: str, *ui_values) -> tuple[str, str, str, str
     argv = command.build_argv(tab, family, values)
     standalone = command.standalone_argv(tab, family, values)
     note = ok_md(f"Start training writes the settings to `{command.run_config_path(values)}` and runs the first "
-                 "command; the second is the same run with every setting as a flag, for another machine.")
+                 "command; the second is the same run with every setting as a flag, for another machine."
+                 + _secrets_note(values))
     if errors:
         note = error_md("The command is shown, but these must be fixed before a run:\n"
                         + "\n".join(f"- {e}" for e in errors))
@@ -255,7 +261,7 @@ def start_training(tab: str, family: str, *ui_values) -> tuple[str, str, str, st
         run_notice.NOTICE.start_failed(RUNNER.snapshot())
         return gr.update(), gr.update(), error_md(str(e)), gr.update(), gr.update()
     return commands(argv, command.standalone_argv(tab, family, values),
-                    ok_md(f"Training started; log: `{command.log_path(values)}`"))
+                    ok_md(f"Training started; log: `{command.log_path(values)}`" + _secrets_note(values)))
 
 
 def stop_training(now: bool = False) -> str:

@@ -9,6 +9,7 @@ import gradio as gr
 
 from .. import presets, quoting
 from .. import params as P
+from ..secret_options import SECRET_OPTIONS
 from . import actions as A
 from . import feedback, utilities
 from .option_filter import filter_js
@@ -63,6 +64,8 @@ def make_control(tab: str, p: P.Param, value, family: str, module: str = ""):
     if p.kind == "choice":
         choices = [(p.choice_labels.get(c, c), c) for c in p.choices_for(tab)]
         return gr.Dropdown(choices=choices, value=v, allow_custom_value=p.open_choices, **kw)
+    if p.name in SECRET_OPTIONS:  # shown as dots; never written to a file (kohya_gui.secret_options)
+        return gr.Textbox(value=v, type="password", placeholder=f"or set ${SECRET_OPTIONS[p.name]}", **kw)
     placeholder = {"path": "path to a file", "dir": "path to a folder", "list": "key=value key2=value2"}
     return gr.Textbox(value=v, placeholder=placeholder.get(p.kind), **kw)
 

@@ -44,8 +44,8 @@ from typing import Any
 
 import torch
 
-from library import (config_util, data_parallel, huggingface_util, losses, masks, network_options, noise,
-                     optimizers, parity, run_requests, saving, schedulers, state_folders, stop_signal,
+from library import (config_util, data_parallel, finite_guard, huggingface_util, losses, masks, network_options,
+                     noise, optimizers, parity, run_requests, saving, schedulers, state_folders, stop_signal,
                      train_util, validation)
 from library import metadata as metadata_util
 from library.compile import graphs as compile_graphs
@@ -813,7 +813,7 @@ class NetworkTrainer:
         accelerator.register_for_checkpointing(state)  # last: state_folders.resumed_position reads it so
         if args.resume:
             logger.info("resuming from %s", args.resume)
-            accelerator.load_state(huggingface_util.resume_state_dir(args))
+            state_folders.load_state(accelerator, huggingface_util.resume_state_dir(args))  # one line on a mismatch
             optimizer_train()  # a schedule-free optimizer's state was saved in eval mode
             logger.info("resumed at step %d (epoch %d)", state.global_step, state.epoch)
 
@@ -883,6 +883,7 @@ class NetworkTrainer:
             """Progress line, progress bar and tracker logs of finished steps whose losses are now read."""
             nonlocal last_loss, avr_loss
             for (step, step_epoch, lr, postfix, logs), values in ready:
+                finite_guard.check_losses(args, step, values)  # a NaN / inf loss: stop, no save (issue 26)
                 losses.extend(values)
                 self.losses = losses
                 last_loss = values[-1]

@@ -101,3 +101,20 @@ def check_resume(args, ext: str) -> None:
         raise train_util.OutputExistsError(
             f"--resume would write {', '.join(taken[:3])}{', ...' if len(taken) > 3 else ''} in {out}, which "
             "already exist; choose another --output_name / --output_dir, or pass --overwrite_output to replace them")
+
+
+def load_state(accelerator, folder: str) -> None:
+    """--resume: accelerate's load_state. A state saved by a run with another network (its --network_dim,
+    --conv_dim, --network_module or --network_args) is one line naming the first difference, not a traceback."""
+    from library.network_trainer import TrainingError
+
+    try:
+        accelerator.load_state(folder)
+    except RuntimeError as e:
+        lines = [ln.strip() for ln in str(e).splitlines()]
+        first = next((ln for ln in lines if ln.startswith(("size mismatch", "Missing key", "Unexpected key"))), None)
+        if first is None:
+            raise
+        raise TrainingError(f"--resume {folder}: the state was saved by a run with another network (--network_dim, "
+                            f"--conv_dim, --network_module or --network_args differ): {first[:300]}; resume with "
+                            "that run's network options") from None
