@@ -359,3 +359,29 @@ def test_import_and_print_command_guess_the_same_family(tmp_path, capsys):
     sd.write_text('pretrained_model_name_or_path = "m.ckpt"\nlearning_rate_te = 1e-6\n')  # train_db.py's option
     assert importer.load(sd).family == config_file.load(sd, "dreambooth").family == "SD1.x"
     assert importer.load(sd, family="SD2.x").family == "SD2.x"
+
+
+def test_print_command_warns_as_the_guis_print(tmp_path, tiny_dataset_dir, capsys):
+    """print-command on the command line shows what the GUI's Print shows: the trainer's own problems (missing
+    model and data, an unknown optimizer, a resolution it refuses) as warnings, after the command."""
+    def warnings(**kw):
+        cfg = tmp_path / "c.toml"
+        values = {**P.defaults("lora"), "pretrained_model_name_or_path": str(tmp_path / "no.safetensors"),
+                  "output_dir": str(tmp_path), "output_name": "x", **kw}
+        config_file.save(cfg, "lora", "SDXL", values)
+        assert cli.main(["print-command", str(cfg)]) == 0
+        out, err = capsys.readouterr()
+        assert "sdxl_train_network.py" in out
+        return "\n".join(ln for ln in err.splitlines() if ln.startswith("warning:"))
+
+    found = warnings(train_data_dir=str(tmp_path / "nodata"), optimizer_type="NoSuchOpt")
+    assert "no.safetensors" in found and "nodata" in found and "NoSuchOpt" in found
+    assert "resolution" in warnings(train_data_dir=str(tiny_dataset_dir), resolution="64,abc")
+
+
+def test_import_has_its_own_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["import", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m kohya_gui import") and "--output" in out and "--family" in out
