@@ -44,12 +44,19 @@ class Imported:
     def report_lines(self) -> list[str]:
         return [f"{key}: {what}" + (f" ({why})" if why else "") for key, what, why in self.report]
 
-    def write_side_files(self, base: Path, force: bool = False) -> list[Path]:
-        """Writes the side files as <base stem><suffix> and sets their options; never overwrites without `force`
-        (nothing is written when one is in the way)."""
-        paths = {name: base.with_name(base.stem + suffix) for name, (suffix, _) in self.side_files.items()}
+    def write_side_files(self, base: Path, force: bool = False, free_names: bool = False) -> list[Path]:
+        """Writes the side files as <base stem><suffix> and sets their options. Never overwrites: without `force`
+        an existing one stops it (nothing written); with `free_names` an existing different file makes it take
+        the next free name (<stem>-2<suffix> ...)."""
+        paths = {}
+        for name, (suffix, text) in self.side_files.items():
+            path, n = base.with_name(base.stem + suffix), 1
+            while free_names and path.exists() and path.read_text(encoding="utf-8", errors="replace") != text:
+                n += 1
+                path = base.with_name(f"{base.stem}-{n}{suffix}")
+            paths[name] = path
         taken = [str(p) for p in paths.values() if p.exists()]
-        if taken and not force:
+        if taken and not force and not free_names:
             raise ImportError_(f"{', '.join(taken)} exists; choose another name or pass --force")
         for name, path in paths.items():
             config_file.write_text_atomic(path, self.side_files[name][1])

@@ -170,7 +170,8 @@ def test_open_in_the_gui_fills_the_form_and_shows_the_report(tmp_path):
     assert "open it in that tab" in wrong_tab[0]
 
 
-def test_kohya_ss_presets_in_the_dropdown_import_when_chosen():
+def test_kohya_ss_presets_in_the_dropdown_import_when_chosen(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # configs/ (where Save goes) is relative to the working folder
     from kohya_gui import presets
     from kohya_gui.ui import actions as A
 
@@ -385,3 +386,41 @@ def test_import_has_its_own_help(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: python -m kohya_gui import") and "--output" in out and "--family" in out
+
+
+def test_gui_import_keeps_the_inline_prompts_through_save_and_clears_the_preset(tmp_path, monkeypatch):
+    """Open a kohya_ss JSON in the GUI: the inline prompts are written at once to a file beside where Save goes
+    (configs/<tab>/<name>.prompts.txt, never over another file), the form holds its path, Save keeps it; the
+    path box names our TOML and the Preset box is cleared."""
+    from gui_helpers import ui_values_from_updates
+
+    from kohya_gui.ui import actions as A
+
+    monkeypatch.chdir(tmp_path)
+    src = tmp_path / "mine.json"
+    src.write_text(json.dumps(kohya(sample_prompts="a photo of sks dog --w 1024\na cat", sample_every_n_steps=10)))
+    (tmp_path / "configs" / "lora").mkdir(parents=True)
+    (tmp_path / "configs" / "lora" / "mine.prompts.txt").write_text("someone else's prompts\n")
+    out = A.open_from_box("lora", str(src), "SD1.x")
+    *opened, path_box, preset_box = out
+    assert "Imported the kohya_ss configuration" in opened[0] and preset_box == {"value": None, "__type__": "update"}
+    assert path_box["value"] == str(Path("configs/lora/mine.toml"))
+    prompts = Path("configs/lora/mine-2.prompts.txt")  # the existing file stays as it was
+    assert prompts.read_text() == "a photo of sks dog --w 1024\na cat\n" and str(prompts) in opened[0]
+    assert (tmp_path / "configs/lora/mine.prompts.txt").read_text() == "someone else's prompts\n"
+    ui = ui_values_from_updates("lora", opened)
+    assert "Saved" in A.save_config("lora", path_box["value"], "SDXL", *ui)
+    saved = config_file.load(path_box["value"])
+    assert saved.values["sample_prompts"] == str(prompts) and saved.values["sample_every_n_steps"] == 10
+
+
+def test_the_option_filter_knows_each_options_families():
+    """The filter's index says which families an option is for: "block swap" on SDXL hints "FLUX.1 only"."""
+    from kohya_gui.ui import actions as A
+    from kohya_gui.ui.option_filter import filter_js
+
+    js = filter_js("lora", A.tab_params("lora"))
+    index = json.loads(js.split("index = ", 1)[1].split(";\n", 1)[0])
+    row = next(r for r in index if r[0] == "blocks_to_swap")
+    assert row[3] == ["FLUX.1"] and all(w in row[1] for w in ("block", "swap"))
+    assert "No option matches" in js and "only)" in js
