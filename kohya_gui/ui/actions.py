@@ -181,8 +181,9 @@ def _open(tab: str, path: str, family: str) -> tuple[list, str | None]:
                     gr.update(), *no_change(tab)], None
         target = import_target(tab, path)
         try:  # kohya_ss makes these files before a run: written now, so the form (and Save) has their paths
-            target.parent.mkdir(parents=True, exist_ok=True)
-            imp.write_side_files(target, free_names=True)
+            if imp.side_files:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                imp.write_side_files(target, free_names=True)
         except OSError as e:
             return [error_md(f"{path}: cannot write the files kohya_ss makes before a run beside {target}: {e}"),
                     gr.update(), *no_change(tab)], None
