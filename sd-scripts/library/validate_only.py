@@ -99,6 +99,10 @@ def run(trainer, args) -> None:
         if groups is not None:
             group = groups[0]
             images = sum(1 for _ in group.all_images())
+            multiple = getattr(trainer, "bucket_reso_steps_multiple", None)  # the run's own check, where it has one
+            for g in groups:
+                if g is not None and multiple:
+                    attempt(lambda g=g: g.verify_bucket_reso_steps(multiple))
             if len(group) == 0:
                 problems.append("the dataset has no images: check --train_data_dir (N_name subfolders of images) "
                                 "or --dataset_config")
