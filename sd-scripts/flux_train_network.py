@@ -52,10 +52,11 @@ class FluxNetworkTrainer(NetworkTrainer):
     def assert_extra_args(self, args) -> None:
         if args.v2 or args.v_parameterization:
             raise ConfigError("--v2 / --v_parameterization are for SD2.x; flux_train_network.py trains FLUX.1")
-        if getattr(args, "network_module", None) == "lycoris.kohya":
-            raise ConfigError("--network_module lycoris.kohya is not supported for FLUX.1 here (LyCORIS targets the "
-                              "BFL block classes, the model here is diffusers'); use networks.lora_flux")
-        if getattr(args, "network_module", None) not in (None, "networks.lora_flux", "networks.oft_flux"):
+        if getattr(args, "network_module", None) == "lycoris.kohya":  # the LyCORIS algos that run on FLUX.1 here
+            from networks import lycoris_kohya
+
+            lycoris_kohya.check_flux_algo(network_trainer.parse_network_args(args.network_args), ConfigError)
+        elif getattr(args, "network_module", None) not in (None, "networks.lora_flux", "networks.oft_flux"):
             logger.warning("--network_module %s: FLUX LoRA files in kohya's format come from networks.lora_flux",
                            args.network_module)
         self.train_t5xxl = _network_arg_true(args, "train_t5xxl")
