@@ -17,7 +17,8 @@ input layers), ``network_reg_dims`` / ``network_reg_lrs`` (``regex=value,...`` o
 ``split_qkv`` (one LoRA per q/k/v(/mlp) part; saved in the fused layout), ``train_t5xxl`` (``lora_te3_*`` on
 T5-XXL), ``ggpo_sigma`` / ``ggpo_beta`` (LoRA-GGPO weight perturbation), ``verbose``, ``rank_dropout``,
 ``module_dropout``, ``loraplus_lr_ratio``, ``loraplus_unet_lr_ratio``, ``loraplus_text_encoder_lr_ratio``,
-``conv_dim`` / ``conv_alpha`` (accepted as sd-scripts does; FLUX has no convolutions).
+``conv_dim`` / ``conv_alpha`` (accepted as sd-scripts does; FLUX has no convolutions); ``dora_wd`` /
+``wd_on_output`` (DoRA, networks.lora's: the magnitude covers the whole fused BFL layer, ``dora_scale`` in the file).
 
 Block counts come from the model (19/38 on the real FLUX.1), so the same rules work on any depth.
 """
@@ -58,6 +59,7 @@ NETWORK_ARGS: dict[str, Any] = {
     "network_reg_lrs": str, "ggpo_sigma": float, "ggpo_beta": float,
     **{name: int for name, _ in TYPE_DIM_ARGS},
     **{name: float for name in lora_sd.LORAPLUS_ARGS},
+    **lora_sd.DORA_ARGS,
 }
 NETWORK_ARG_CHOICES = {"train_blocks": TRAIN_BLOCKS}
 
@@ -181,6 +183,7 @@ class FluxLoRAModule(lora_sd.LoRABase):
         else:
             up = self.lora_up.weight[rows] if len(self.split_dims) > 1 else None
             out = self.add_lora(org, x, up)
+        out = self.dora_output(org, out, x, self._orgs[i], rows)  # DoRA (networks.lora), when enabled
         if self.training and self.uses_ggpo and self.combined_weight_norms is not None \
                 and self.grad_norms is not None:
             out = out + self._perturbation(x, rows).to(out.dtype)
@@ -351,6 +354,8 @@ class LoRANetworkFlux(lora_sd.LoRANetwork):
             out[f"{name}.lora_down.weight"] = torch.cat(downs)
             out[f"{name}.lora_up.weight"] = up
             out[f"{name}.alpha"] = sd[f"{name}.alpha"] * n  # alpha / (n * r) == part alpha / r
+            if f"{name}.dora_scale" in sd:
+                out[f"{name}.dora_scale"] = sd[f"{name}.dora_scale"]
         return out
 
     def _file_to_own(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -369,6 +374,8 @@ class LoRANetworkFlux(lora_sd.LoRANetwork):
                 out[f"{name}.lora_up.{i}.weight"] = up[o:o + d, i * r:(i + 1) * r]
             if f"{name}.alpha" in sd:
                 out[f"{name}.alpha"] = sd[f"{name}.alpha"] / n
+            if f"{name}.dora_scale" in sd:
+                out[f"{name}.dora_scale"] = sd[f"{name}.dora_scale"]
         return out
 
     # -- training ----------------------------------------------------------------------------------------
@@ -481,6 +488,7 @@ def create_network(multiplier: float, network_dim: int | None, network_alpha: fl
         **selections)
     if any(opts.get(k) is not None for k in lora_sd.LORAPLUS_ARGS):
         network.set_loraplus_lr_ratio(*(opts.get(k) for k in lora_sd.LORAPLUS_ARGS))
+    lora_sd.enable_dora(network, opts)
     return network
 
 
@@ -501,4 +509,5 @@ def create_network_from_weights(multiplier: float, file: str | None, ae, text_en
                               if "network_reg_lrs" in opts else None)
     if any(opts.get(k) is not None for k in lora_sd.LORAPLUS_ARGS):
         network.set_loraplus_lr_ratio(*(opts.get(k) for k in lora_sd.LORAPLUS_ARGS))
+    lora_sd.enable_dora(network, opts, weights_sd)
     return network, weights_sd
