@@ -202,3 +202,21 @@ def test_flux_lora_dora_trains_and_saves(tmp_path, one_image):
     assert sd["lora_unet_double_blocks_0_img_attn_qkv.dora_scale"].shape[0] == \
         sd["lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight"].shape[0]
     assert any(n.startswith("lora_te1_") for n in {k.split(".")[0] for k in sd})
+
+
+def test_dora_inside_a_compiled_block_without_graph_breaks(tiny_sd1):
+    block = copy.deepcopy(next(m for m in tiny_sd1.unet.modules() if type(m).__name__ == "BasicTransformerBlock"))
+    layers = [(n, m) for n, m in block.named_modules() if isinstance(m, nn.Linear)]
+    modules = [lora.LoRAModule(f"lora_unet_{n}".replace(".", "_"), m, 1.0, 4, 1.0) for n, m in layers]
+    for m in modules:
+        m.enable_dora(True)
+        m.apply_to()
+    width = block.attn1.to_q.in_features
+    x = torch.randn(1, 16, width)
+    ctx = torch.randn(1, 77, tiny_sd1.unet.config.cross_attention_dim)
+    torch._dynamo.reset()
+    explain = torch._dynamo.explain(block)(x, encoder_hidden_states=ctx)
+    assert explain.graph_break_count == 0, [str(r.reason)[:200] for r in explain.break_reasons[:3]]
+    compiled = torch.compile(block, backend="eager")
+    with torch.no_grad():
+        assert torch.allclose(compiled(x, encoder_hidden_states=ctx), block(x, encoder_hidden_states=ctx), atol=1e-6)
