@@ -38,20 +38,18 @@ import logging
 import os
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from library import (config_util, data_parallel, huggingface_util, losses, masks, network_options, noise,
-                     optimizers, parity, run_requests, saving, schedulers, state_folders, step_graph, stop_signal,
-                     train_util, validation)
+                     optimizers, parity, saving, schedulers, state_folders, step_graph, train_util, validation)
 from library import metadata as metadata_util
 from library.captions import apply_token_weights, weighted_for, weighted_token_ids
 from library.latent_cache import FAMILY_FORMATS, LatentCacheFormat
-from library.late_loss import LateLosses
-from library.step_timer import StepTimer
+from library.run.state import TrainState  # noqa: F401 - its old place (tests, state_folders' doc)
+from library.run.step import set_network_multiplier  # noqa: F401 - its old place
 from library.te_cache import TeCacheFormat
 from library.train_util import ConfigError
 
@@ -260,27 +258,6 @@ class Trainable:
     lr_descriptions: list | None = None  # names of the param groups in the lr logs (lr/unet, lr/unet plus, ...)
 
 
-class TrainState:
-    """The step counter saved with `--save_state` (accelerate custom checkpoint object)."""
-
-    def __init__(self):
-        self.global_step = 0
-        self.epoch = 0
-        self.generator: torch.Generator | None = None
-
-    def state_dict(self) -> dict:
-        out = {"global_step": self.global_step, "epoch": self.epoch}
-        if self.generator is not None:
-            out["noise_rng"] = self.generator.get_state()
-        return out
-
-    def load_state_dict(self, state: dict) -> None:
-        self.global_step = int(state["global_step"])
-        self.epoch = int(state["epoch"])
-        if self.generator is not None and "noise_rng" in state:
-            self.generator.set_state(state["noise_rng"])
-
-
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -292,7 +269,6 @@ class NetworkTrainer:
     dataset_kinds = (config_util.DREAMBOOTH, config_util.FINETUNING)  # what --dataset_config may hold
     model_label = "UNet"
     bucket_reso_steps_multiple = 64  # upstream's verify_bucket_reso_steps per script (SD 64, SDXL 32, FLUX 32/16)
-    losses: list[float] = []  # per micro-step loss of the last train() call (tests, benchmarks)
     flow_matching = False  # FLUX: no DDPM schedule, so noise.DDPM_ONLY_OPTIONS and the SNR weights do nothing
     # noise, timesteps and VAE sampling draw from this generator; it is saved with --save_state, so a resumed
     # run continues with the same random numbers (the data order is seeded per epoch by the dataset)
@@ -671,396 +647,36 @@ class NetworkTrainer:
             raise TrainingError(str(e)) from e
         return accelerator
 
-    def train(self, args) -> str:
-        """Runs the training; returns the path of the final result (the LoRA file here). SIGTERM / Ctrl+C
-        during the loop stop it after the current step, with the results saved (library.stop_signal)."""
-        self.stop = stop_signal.StopRequest()
-        self.run_config_path, self.training_started = None, False
-        try:
-            return self._train(args)
-        except BaseException:
-            if self.run_config_path and not self.training_started and os.path.exists(self.run_config_path):
-                os.remove(self.run_config_path)  # a run that never trained leaves no settings file behind
-            raise
-        finally:
-            self.stop.restore()  # the handlers before this run (callers in the same process are unaffected)
+    def train(self, args) -> str | None:
+        """Runs the training (library.run.loop); returns the path of the final result (the LoRA file here)."""
+        from library.run import loop
 
-    def _train(self, args) -> str:
-        from library import data_parallel, trackers
+        return loop.train(self, args)
 
-        train_util.setup_logging()
-        if getattr(args, "output_config", False):
-            return train_util.write_output_config(args)
-        if getattr(args, "validate_only", False):
-            from library import validate_only
-
-            return validate_only.run(self, args)
-        self.check_common_options(args)
-        self.check_args(args)
-        args.output_name = args.output_name or self.default_output_name
-        ext = self.output_ext(args)
-        final_path = os.path.join(args.output_dir, train_util.last_file_name(args.output_name, ext))
-        train_util.check_outputs_free(args.output_dir, args.output_name, ext, args.overwrite_output, bool(args.resume))
-        state_folders.check_resume(args, ext)
-        session_id = uuid.uuid4().int & ((1 << 31) - 1)
-        training_started_at = time.time()
-
-        accelerator = self.make_accelerator(args)
-        if step_graph.enabled(args) and accelerator.num_processes > 1:
-            raise ConfigError(f"--cuda_graph_step runs on one GPU; this run has {accelerator.num_processes} "
-                              "processes: drop --cuda_graph_step or train on one GPU")
-        if accelerator.is_main_process and not args.no_metadata:  # the one that saves (save_lora) needs the hashes
-            metadata_util.start_file_hashes(args.pretrained_model_name_or_path, getattr(args, "vae", None))
-        # before the dataset: its batch order and augmentations follow the seed (a random one without --seed)
-        train_util.prepare_seed(args, accelerator)
-        family = self.family_for(args)
-        kinds = self.dataset_kinds + ((config_util.CONTROLNET,) if getattr(args, "masked_loss", False) else ())
-        group, val_group = config_util.build_dataset_groups(args, family, kinds)  # upstream: ControlNet subsets
-        # (conditioning_data_dir) with --masked_loss
-        groups = [g for g in (group, val_group) if g is not None]  # what is cached
-        for g in groups:
-            g.verify_bucket_reso_steps(self.bucket_reso_steps_multiple)
-        if len(group) == 0:
-            raise TrainingError("the dataset has no batches: no training images found")
-        if getattr(args, "debug_dataset", False):
-            from library.datasets import debug_dataset
-
-            debug_dataset(group)
-            return None
-
-        log_with = trackers.log_with(args)
-        os.makedirs(args.output_dir, exist_ok=True)
-        requests = run_requests.RunRequests(args.output_dir, accelerator.is_main_process)
-        requests.clear_stale()  # before models load: a request sent while they load is this run's
-        if accelerator.is_main_process:
-            state_folders.remove_stale(args.output_dir, args.output_name)
-            self.run_config_path = self.write_run_config(args)
-        weight_dtype = train_util.weight_dtype_for(args)
-        device = accelerator.device
-
-        from library import precision, safetensors_io
-
-        with safetensors_io.mmap_setting(args):
-            components = self.load_target_model(args, accelerator, weight_dtype)
-        self.merge_base_weights(args, components, weight_dtype)
-        self.components = components
-        self.apply_fp8(args, components)
-        self.set_attention_backend(args, components)
-        vae = components.vae
-        prediction_type = self.prediction_type(args, components)
-        self.use_prediction_type(args, prediction_type)
-        self.trained_prediction_type = prediction_type  # what the modelspec metadata states
-
-        vae_dtype = torch.float32 if args.no_half_vae else weight_dtype
-        caching_latents = args.cache_latents or args.cache_latents_to_disk
-        if caching_latents:
-            vae.to(device, dtype=vae_dtype)
-            vae.requires_grad_(False).eval()
-            with data_parallel.main_process_first(accelerator, args.cache_latents_to_disk, "latents"):
-                for g in groups:
-                    g.cache_latents(lambda images: self.encode_images(args, components, images),
-                                    to_disk=args.cache_latents_to_disk, signature=self.cache_signature(args, "vae"),
-                                    batch_size=args.vae_batch_size, fmt=self.latent_cache_format(args, components),
-                                    skip_check=args.skip_cache_check)
-            vae.to("cpu")
-        caching_te = args.cache_text_encoder_outputs or args.cache_text_encoder_outputs_to_disk
-        for te in components.text_encoders:
-            te.requires_grad_(False)
-            precision.to_device_dtype(te, device, weight_dtype)  # fp8 weights stay fp8
-        if caching_te:
-            for te in components.text_encoders:
-                te.eval()
-            with data_parallel.main_process_first(accelerator, args.cache_text_encoder_outputs_to_disk,
-                                                  "text encoder outputs"):
-                for g in groups:
-                    g.cache_text_encoder_outputs(lambda caps: self.encode_prompts(args, components, caps, False),
-                                                 to_disk=args.cache_text_encoder_outputs_to_disk,
-                                                 batch_size=getattr(args, "text_encoder_batch_size", None),
-                                                 signature=self.cache_signature(args, "te"),
-                                                 skip_check=args.skip_cache_check,
-                                                 fmt=self.te_cache_format(args, components))
-            for te in components.text_encoders:
-                te.to("cpu")
-
-        trainable = self.setup_trainable(args, accelerator, components, weight_dtype, caching_te)
-        self.multiplier_models = [m for m in trainable.models if hasattr(m, "set_multiplier")]
-        train_text_encoder = trainable.train_text_encoder
-        if not caching_latents:
-            vae.requires_grad_(False).eval()
-            vae.to(device, dtype=vae_dtype)
-
-        # one optimizer, or one per part of the model for the full trainers' fused optimizer groups
-        built = [optimizers.get_optimizer(args, groups) for groups in self.optimizer_param_groups(args, trainable)]
-        opt_name, opt_class = built[0][:2]
-        # sharded over the processes: each sees len(group) / num_processes batches per epoch
-        dataloader = accelerator.prepare(_make_dataloader(group, args))
-        num_batches = len(dataloader)
-        steps_per_epoch, max_train_steps, num_epochs = train_util.resolve_train_length(args, num_batches)
-        args.max_train_steps = max_train_steps
-        saving.apply_save_n_epoch_ratio(args, num_epochs)
-        for g in groups:  # token warm-up (upstream's validation batches follow the training step too)
-            g.set_max_train_steps(max_train_steps)
-        # not prepared by accelerate (our loop steps it: schedulers.step follows accelerate's rule exactly)
-        lr_scheduler = schedulers.group([schedulers.get_scheduler(args, b[2], max_train_steps,
-                                                                  accelerator.num_processes) for b in built])
-        self.optimizers = [accelerator.prepare(b[2]) for b in built]
-        optimizer = self.optimizers[0]
-        if args.full_fp16:
-            _allow_fp16_grad_unscale(accelerator)
-        self.prepare_unet_with_accelerator(args, accelerator, components)
-        self.after_prepare(args, accelerator, trainable, optimizer)
-        trained_params = [p for m in trainable.models for p in m.parameters() if p.requires_grad]
-
-        optimizer_train, _ = optimizers.train_eval_fns(self.optimizers, args)
-        state = TrainState()
-        seed = args.seed
-        self.noise_generator = torch.Generator(device=device).manual_seed(seed + accelerator.process_index)
-        state.generator = self.noise_generator
-        for model in trainable.models:
-            accelerator.register_for_checkpointing(model)
-        accelerator.register_for_checkpointing(lr_scheduler)
-        accelerator.register_for_checkpointing(state)  # last: state_folders.resumed_position reads it so
-        if args.resume:
-            logger.info("resuming from %s", args.resume)
-            accelerator.load_state(huggingface_util.resume_state_dir(args))
-            optimizer_train()  # a schedule-free optimizer's state was saved in eval mode
-            logger.info("resumed at step %d (epoch %d)", state.global_step, state.epoch)
-
-        noise_scheduler = self.get_noise_scheduler(args, components)
-        validator = validation.build_validator(args, val_group, accelerator, lambda g: _make_dataloader(g, args),
-                                               seed, self.num_train_timesteps(noise_scheduler))
-
-        total_batch = args.train_batch_size * args.gradient_accumulation_steps * accelerator.num_processes
-        metadata = self.build_metadata(args, group, session_id, training_started_at, opt_class, opt_name,
-                                       num_batches, num_epochs, max_train_steps, total_batch)
-        metadata.update({k: train_util.metadata_value(v) for k, v in validation.metadata(args, val_group).items()})
-        if log_with:
-            trackers.init_trackers(accelerator, args, self.tracker_name)
-
-        logger.info("running training: %d batches per epoch, %d epochs, %d steps, batch size %d "
-                    "(total with accumulation and processes %d)", num_batches, num_epochs, max_train_steps,
-                    args.train_batch_size, total_batch)
-        data_parallel.log_process(accelerator, num_batches)
-
-        from tqdm.auto import tqdm
-
-        start = saving.start_position(args, steps_per_epoch, state.global_step, max_train_steps)
-        global_step, first_epoch, skip_batches = start.global_step, start.epoch, start.skip_batches
-        progress = tqdm(total=max_train_steps, initial=global_step, smoothing=0,
-                        disable=not accelerator.is_local_main_process, desc="steps", file=sys.stderr)
-        line = train_util.ProgressLine(max_train_steps, num_epochs, start_step=global_step)
-        losses: list[float] = []
-        sample_kwargs = dict(components=components, accelerator=accelerator, models=trainable.models,
-                             prediction_type=prediction_type)
-        fused = self.steps_in_backward(args)
-        from library import compile_utils
-
-        compiled = compile_utils.compile_args(args)
-        shape_log = compile_utils.ShapeLog(compiled) if compiled is not None and compiled.compile else None
-
-        if args.sample_at_first:
-            self.sample_images(args, epoch=None, steps=global_step, **sample_kwargs)
-
-        last_loss = avr_loss = float("nan")
-        # with compile on, the timer tells each input shape's setup steps (compile, graph recording) from the rest
-        setup_steps = step_graph.WARMUP + 1 if step_graph.enabled(args) else \
-            2 if compile_utils.uses_cuda_graphs(compiled) else 1
-        timer = StepTimer(global_step, setup_steps_per_shape=setup_steps)
-        on_gpu = device.type == "cuda"
-        if on_gpu:
-            torch.cuda.reset_peak_memory_stats(device)  # the summary's peak: the loop's, not loading's or caching's
-        step_shapes: list = []  # input shapes of the micro-steps of the step in progress
-        late = LateLosses(device)
-        graphs = step_graph.StepGraphs(self.optimizers, device, [self.noise_generator]) \
-            if step_graph.enabled(args) else None
-
-        def run_step(batch):
-            """Forward to optimizer step (no zero_grad): what a step graph captures."""
-            loss = self.training_step(args, accelerator, noise_scheduler, batch, components, weight_dtype,
-                                      train_text_encoder, caching_te, device)
-            accelerator.backward(loss)  # with fused backward the optimizer steps in here, per parameter
-            if not fused:
-                if accelerator.sync_gradients:
-                    data_parallel.all_reduce_gradients(trained_params, accelerator)
-                    if args.max_grad_norm:
-                        accelerator.clip_grad_norm_(trained_params, args.max_grad_norm)
-                    network_options.after_grad_sync(trainable.models)
-                optimizer.step()
-            return loss
-
-        def report(ready):
-            """Progress line, progress bar and tracker logs of finished steps whose losses are now read."""
-            nonlocal last_loss, avr_loss
-            for (step, step_epoch, lr, postfix, logs), values in ready:
-                losses.extend(values)
-                self.losses = losses
-                last_loss = values[-1]
-                window = losses[-steps_per_epoch * args.gradient_accumulation_steps:]
-                avr_loss = sum(window) / len(window)
-                progress.set_postfix(loss=f"{last_loss:.4f}", avr_loss=f"{avr_loss:.4f}", lr=f"{lr:.2e}", **postfix)
-                if accelerator.is_main_process and line.should_print(step):
-                    progress.write(line.format(step, last_loss, avr_loss, lr, step_epoch + 1,
-                                               validator.last_loss if validator else None), file=sys.stdout)
-                    sys.stdout.flush()
-                if log_with:
-                    accelerator.log({"loss/current": last_loss, "loss/average": avr_loss, **logs}, step=step)
-
-        def flush_losses():
-            """Reads every pending loss (waits for the GPU); the wait is the last step's time, not the pause's."""
-            report(late.flush())
-            timer.waited()
-
-        val_args = (args, accelerator, validator, noise_scheduler, components, weight_dtype, caching_te, device,
-                    trainable.models)
-        stop = self.stop.install()
-        self.training_started = True
-        stopping = False  # the ranks' agreed answer (a signal can reach one rank after the others' last check)
-        for epoch in range(first_epoch, num_epochs):
-            if global_step >= max_train_steps or stopping:
-                break
-            group.set_current_epoch(epoch + 1)
-            for g in groups:
-                g.set_current_step(global_step)
-            self.on_epoch_start(args, trainable, components)
-            timer.restart()  # epoch-end saves and samples are not step time
-            loader = dataloader
-            if skip_batches:
-                from accelerate import skip_first_batches
-
-                loader = skip_first_batches(dataloader, skip_batches)
-                skip_batches = 0
-            for batch in loader:
-                if train_text_encoder and not self.keep_training_text_encoder(args, global_step):
-                    train_text_encoder = False
-                self.on_step_start(args)
-                if compile_utils.opens_accumulation_window(accelerator.step, args.gradient_accumulation_steps):
-                    compile_utils.mark_step_begin(compiled)  # once per optimizer step (CUDA graphs)
-                if shape_log is not None:
-                    shape_log.see(batch, global_step + 1)
-                    step_shapes.append(shape_log.shape_of(batch))
-                set_network_multiplier(trainable.models, batch)
-                with accelerator.accumulate(*trainable.models):
-                    if graphs is not None:  # a replay of the step's graph once captured (library.step_graph)
-                        loss = graphs.step(batch, run_step)
-                    else:
-                        loss = run_step(batch)
-                        if not fused:
-                            optimizer.zero_grad(set_to_none=True)
-                    schedulers.step(lr_scheduler, self.optimizers, num_processes=accelerator.num_processes,
-                                    sync_gradients=accelerator.sync_gradients)
-
-                late.add(loss)  # read a step later: no wait for the GPU here
-                if not accelerator.sync_gradients:
-                    continue
-                norm_postfix, norm_logs = network_options.after_optimizer_step(
-                    args, [accelerator.unwrap_model(m) for m in trainable.models], device) if not fused else ({}, {})
-                global_step += 1
-                timer.step_done(step_shapes)
-                step_shapes = []
-                for g in groups:  # for the batches loaded from now on (token warm-up)
-                    g.set_current_step(global_step)
-                state.global_step, state.epoch = global_step, epoch
-                progress.update(1)
-                logs = dict(norm_logs)
-                if log_with:  # this step's learning rates, logged with its loss once that is read
-                    names = trainable.lr_descriptions
-                    for i, g_lr in enumerate(lr_scheduler.get_last_lr()):
-                        logs[f"lr/{names[i]}" if names and i < len(names) else f"lr/group{i}"] = g_lr
-                    logs.update(optimizers.d_lr_logs(self.optimizers, names))
-                report(late.step_done((global_step, epoch, lr_scheduler.get_last_lr()[0], norm_postfix, logs)))
-                if validator is not None and validator.due_after_step(global_step):
-                    flush_losses()
-                    validator.report(accelerator, self.validation_loss(*val_args), avr_loss, global_step=global_step,
-                                     epoch=epoch + 1, at_epoch_end=False)
-                    timer.restart()
-
-                asked = requests.take(accelerator, stop_flag=stop.flag)  # Save now / Sample now / Stop
-                saved = args.save_every_n_steps and global_step % args.save_every_n_steps == 0  # the last step too
-                if saved or "save" in asked:
-                    flush_losses()
-                    if not saved:
-                        logger.info("save requested: saving at step %d", global_step)
-                    self.save_checkpoint(args, accelerator, trainable, metadata, epoch + 1, global_step, ext,
-                                         by_step=True, prune=bool(saved))
-                    timer.restart()
-                from library.sampling import should_sample
-
-                sampled = should_sample(args, epoch=None, steps=global_step)
-                if sampled or "sample" in asked:
-                    flush_losses()
-                    if not sampled:
-                        logger.info("sample requested: sampling at step %d" if args.sample_prompts else
-                                    "sample requested at step %d, but there is no --sample_prompts file", global_step)
-                    self.sample_images(args, epoch=None, steps=global_step, **sample_kwargs)
-                    timer.restart()
-                if global_step >= max_train_steps:
-                    break
-                if "stop" in asked:
-                    if not stop.flag:
-                        logger.warning("stop requested: stopping after step %d and saving", global_step)
-                    stop.flag = stopping = True
-                    break
-            flush_losses()
-            if stopping:
-                break  # mid-epoch: no epoch-end save, sample or validation
-
-            done_epoch = epoch + 1
-            state.epoch = done_epoch
-            if validator is not None and validator.due_after_epoch(done_epoch):
-                validator.report(accelerator, self.validation_loss(*val_args), avr_loss, global_step=global_step,
-                                 epoch=done_epoch, at_epoch_end=True)
-            if log_with:
-                accelerator.log({"loss/epoch": sum(losses[-num_batches:]) / max(1, len(losses[-num_batches:]))},
-                                step=global_step)
-            if args.save_every_n_epochs and done_epoch % args.save_every_n_epochs == 0 and done_epoch < num_epochs \
-                    and global_step < max_train_steps:
-                self.save_checkpoint(args, accelerator, trainable, metadata, done_epoch, global_step, ext,
-                                     by_step=False)
-            from library.sampling import should_sample
-
-            if should_sample(args, epoch=done_epoch, steps=global_step):
-                self.sample_images(args, epoch=done_epoch, steps=global_step, **sample_kwargs)
-
-        progress.close()
-        summary = timer.summary(torch.cuda.max_memory_allocated(device) if on_gpu else None)
-        if summary and accelerator.is_main_process:
-            print(summary, flush=True)  # stdout, under the last progress line
-        data_parallel.log_process_done(accelerator, global_step, last_loss, trained_params)
-        final_epoch = max(state.epoch, 1)
-        accelerator.wait_for_everyone()
-        with self.eval_weights(args):
-            if accelerator.is_main_process:
-                with saving.explained_save_errors(final_path):
-                    self.save_model(args, accelerator, trainable, metadata, final_path, final_epoch, global_step)
-                huggingface_util.upload(args, final_path, os.path.basename(final_path), force_sync=True)
-            if args.save_state or args.save_state_on_train_end:
-                self.save_state(args, accelerator, train_util.state_dir_name(args.output_name))
-        huggingface_util.wait_for_uploads()
-        accelerator.wait_for_everyone()
-        accelerator.end_training()
-        logger.info("model saved: %s", final_path)
-        if stop.flag and accelerator.is_main_process:
-            line = stop_signal.stopped_line(global_step, final_path)
-            logger.info("%s", line)
-            print(line, flush=True)
-        return final_path
+    @property
+    def losses(self) -> list[float]:
+        """Each micro-step's loss of the last train() call (tests, benchmarks)."""
+        state = getattr(self, "state", None)
+        return state.losses if state is not None else []
 
     def num_train_timesteps(self, noise_scheduler) -> int:
         return noise_scheduler.config.num_train_timesteps if noise_scheduler is not None else 1000
 
-    def validation_loss(self, args, accelerator, validator, noise_scheduler, components, weight_dtype, caching_te,
-                        device, models) -> float:
+    def validation_loss(self, state) -> float:
         """One validation pass (library.validation): the training step's loss at each fixed timestep, without
-        gradients (text encoders too), `models` in eval mode."""
+        gradients (text encoders too), the trained modules in eval mode."""
         from library import compile_utils
+
+        args = state.args
 
         def step(batch, timestep):
             self.on_step_start(args)
             compile_utils.mark_step_begin(compile_utils.compile_args(args))
-            return self.training_step(args, accelerator, noise_scheduler, batch, components, weight_dtype, False,
-                                      caching_te, device, fixed_timestep=timestep)
+            return self.training_step(args, state.accelerator, state.noise_scheduler, batch, state.components,
+                                      state.weight_dtype, False, state.caching_te, state.device,
+                                      fixed_timestep=timestep)
 
-        return validator.run(step, models, self, accelerator)
+        return state.validator.run(step, state.trainable.models, self, state.accelerator)
 
     def training_step(self, args, accelerator, noise_scheduler, batch, components, weight_dtype,
                       train_text_encoder, caching_te, device, fixed_timestep=None) -> torch.Tensor:
@@ -1267,18 +883,6 @@ class NetworkTrainer:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def set_network_multiplier(models: list, batch: dict) -> None:
-    """The dataset's `network_multiplier` for this batch (a batch comes from one dataset). Only a network with
-    `set_multiplier` (networks.lora) takes it, and only when it changes, so the default of 1.0 costs nothing."""
-    multipliers = batch.get("network_multipliers")
-    if multipliers is None or not len(multipliers):
-        return
-    value = float(multipliers[0])
-    for model in models:
-        if hasattr(model, "set_multiplier") and getattr(model, "multiplier", 1.0) != value:
-            model.set_multiplier(value)
-
-
 def diff_output_preservation_indices(batch: dict) -> list[int]:
     """Samples whose subset has custom_attributes.diff_output_preservation = true (upstream's DOP)."""
     return [i for i, a in enumerate(batch.get("custom_attributes") or []) if a.get("diff_output_preservation")]
@@ -1314,27 +918,6 @@ def _remove(path: str) -> None:
     elif os.path.isfile(path):
         os.remove(path)
         logger.info("removed old checkpoint %s", path)
-
-
-def _make_dataloader(group, args):
-    from library.datasets import make_dataloader
-
-    # the group itself shuffles per epoch (seeded), so resumed runs see the same order
-    return make_dataloader(group, num_workers=args.max_data_loader_n_workers,
-                           persistent_workers=args.persistent_data_loader_workers, shuffle=False)
-
-
-def _allow_fp16_grad_unscale(accelerator) -> None:
-    """--full_fp16: the LoRA weights themselves are fp16, which GradScaler refuses to unscale by default."""
-    scaler = getattr(accelerator, "scaler", None)
-    if scaler is None:
-        return
-    org = scaler._unscale_grads_
-
-    def unscale(optimizer, inv_scale, found_inf, allow_fp16):
-        return org(optimizer, inv_scale, found_inf, True)
-
-    scaler._unscale_grads_ = unscale
 
 
 def run(trainer: NetworkTrainer, parser: argparse.ArgumentParser, argv: list[str] | None = None) -> str | None:
