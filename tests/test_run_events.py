@@ -13,11 +13,11 @@ class Trainer:
     def __init__(self):
         self.calls = []
 
-    def save_checkpoint(self, args, accelerator, trainable, metadata, epoch, step, ext, *, by_step, prune=True):
-        self.calls.append(("save", epoch, step, ext, by_step, prune))
+    def save_checkpoint(self, state, epoch, step, *, by_step, prune=True):
+        self.calls.append(("save", epoch, step, state.ext, by_step, prune))
 
-    def sample_images(self, args, *, epoch, steps, **kw):
-        self.calls.append(("sample", epoch, steps))
+    def sample_images(self, state, *, epoch):
+        self.calls.append(("sample", epoch, state.global_step))
 
     def validation_loss(self, state):
         self.calls.append(("validate", state.global_step))

@@ -68,6 +68,15 @@ class SDComponents:
     # text_projection, logit_scale). Kept so that saving a single file writes them back unchanged.
     extra_state: dict = field(default_factory=dict)
 
+    # the neutral names the training core (library.run, library.targets) uses
+    @property
+    def denoiser(self):
+        return self.unet
+
+    @property
+    def autoencoder(self):
+        return self.vae
+
 
 # --------------------------------------------------------------------------------------------------------------
 # shipped configs

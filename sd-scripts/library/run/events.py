@@ -180,14 +180,11 @@ class EpochLoss:
 
 
 def save_checkpoint(state, *, by_step: bool, prune: bool = True) -> None:
-    state.trainer.save_checkpoint(state.args, state.accelerator, state.trainable, state.metadata, state.done_epoch,
-                                  state.global_step, state.ext, by_step=by_step, prune=prune)
+    state.trainer.save_checkpoint(state, state.done_epoch, state.global_step, by_step=by_step, prune=prune)
 
 
 def sample_images(state, *, epoch: int | None) -> None:
-    state.trainer.sample_images(state.args, epoch=epoch, steps=state.global_step, components=state.components,
-                                accelerator=state.accelerator, models=state.trainable.models,
-                                prediction_type=state.prediction_type)
+    state.trainer.sample_images(state, epoch=epoch)
 
 
 def step_events(progress_bar, line, late) -> list:

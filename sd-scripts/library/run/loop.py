@@ -85,7 +85,8 @@ def start_epoch(state) -> None:
     state.group.set_current_epoch(state.epoch + 1)
     for g in state.groups:
         g.set_current_step(state.global_step)
-    state.trainer.on_epoch_start(state.args, state.trainable, state.components)
+    trainer = state.trainer
+    trainer.target.on_epoch_start(state.args, trainer.family, state.trainable, state.components)
     state.timer.restart()  # epoch-end saves and samples are not step time
 
 
@@ -118,11 +119,10 @@ def finish(state) -> str:
     final_epoch = max(state.checkpoint.epoch, 1)
     final_path = state.final_path
     accelerator.wait_for_everyone()
-    with trainer.eval_weights(args):
+    with trainer.eval_weights(state):
         if accelerator.is_main_process:
             with saving.explained_save_errors(final_path):
-                trainer.save_model(args, accelerator, state.trainable, state.metadata, final_path, final_epoch,
-                                   state.global_step)
+                trainer.save_model(state, final_path, final_epoch, state.global_step)
             huggingface_util.upload(args, final_path, os.path.basename(final_path), force_sync=True)
         if args.save_state or args.save_state_on_train_end:
             trainer.save_state(args, accelerator, train_util.state_dir_name(args.output_name))

@@ -67,12 +67,14 @@ def prepare(trainer, args, startup: Startup) -> RunState | Done:
         state_folders.remove_stale(args.output_dir, args.output_name)
         startup.run_config_path = trainer.write_run_config(args)
     weight_dtype = train_util.weight_dtype_for(args)
-    components, prediction_type = load_models(trainer, args, accelerator, weight_dtype)
+    components = trainer.load_models(args, weight_dtype)
+    prediction_type = trainer.family.prediction_type(args, components)
+    trainer.use_prediction_type(args, prediction_type)  # the prediction type that trains, as the metadata says
     caching_te = cache(trainer, args, accelerator, components, groups, weight_dtype)
-    trainable = trainer.setup_trainable(args, accelerator, components, weight_dtype, caching_te)
+    trainable = trainer.target.setup_trainable(args, accelerator, trainer.family, components, weight_dtype, caching_te)
     if not (args.cache_latents or args.cache_latents_to_disk):
-        components.vae.requires_grad_(False).eval()
-        components.vae.to(accelerator.device, dtype=vae_dtype(args, weight_dtype))
+        components.autoencoder.requires_grad_(False).eval()
+        components.autoencoder.to(accelerator.device, dtype=vae_dtype(args, weight_dtype))
     optimization = build_optimization(trainer, args, accelerator, components, trainable, group, groups)
     state = RunState(
         args=args, trainer=trainer, accelerator=accelerator, components=components, trainable=trainable,
@@ -80,10 +82,10 @@ def prepare(trainer, args, startup: Startup) -> RunState | Done:
         prediction_type=prediction_type, requests=requests, train_text_encoder=trainable.train_text_encoder,
         multiplier_models=[m for m in trainable.models if hasattr(m, "set_multiplier")], **optimization)
     resume(trainer, args, state)
-    state.noise_scheduler = trainer.get_noise_scheduler(args, components)
+    state.noise_scheduler = trainer.objective.noise_scheduler(args, prediction_type)
     state.validator = validation.build_validator(args, val_group, accelerator,
                                                  lambda g: make_dataloader(g, args), args.seed,
-                                                 trainer.num_train_timesteps(state.noise_scheduler))
+                                                 trainer.objective.num_train_timesteps(state.noise_scheduler))
     describe(trainer, args, state, val_group, session_id, started_at)
     return state
 
@@ -122,23 +124,6 @@ def build_data(trainer, args):
     return group, val_group, groups
 
 
-def load_models(trainer, args, accelerator, weight_dtype):
-    """The family's models, --base_weights merged, fp8 and the attention backend applied; the prediction type
-    that trains (and that the metadata states)."""
-    from library import safetensors_io
-
-    with safetensors_io.mmap_setting(args):
-        components = trainer.load_target_model(args, accelerator, weight_dtype)
-    trainer.merge_base_weights(args, components, weight_dtype)
-    trainer.components = components
-    trainer.apply_fp8(args, components)
-    trainer.set_attention_backend(args, components)
-    prediction_type = trainer.prediction_type(args, components)
-    trainer.use_prediction_type(args, prediction_type)
-    trainer.trained_prediction_type = prediction_type  # what the modelspec metadata states
-    return components, prediction_type
-
-
 def vae_dtype(args, weight_dtype):
     return torch.float32 if args.no_half_vae else weight_dtype
 
@@ -148,33 +133,32 @@ def cache(trainer, args, accelerator, components, groups, weight_dtype) -> bool:
     outputs are cached (then the encoders stay on the CPU)."""
     from library import precision
 
-    device, vae = accelerator.device, components.vae
+    device, vae, family = accelerator.device, components.autoencoder, trainer.family
     if args.cache_latents or args.cache_latents_to_disk:
         vae.to(device, dtype=vae_dtype(args, weight_dtype))
         vae.requires_grad_(False).eval()
         with data_parallel.main_process_first(accelerator, args.cache_latents_to_disk, "latents"):
             for g in groups:
-                g.cache_latents(lambda images: trainer.encode_images(args, components, images),
-                                to_disk=args.cache_latents_to_disk, signature=trainer.cache_signature(args, "vae"),
-                                batch_size=args.vae_batch_size, fmt=trainer.latent_cache_format(args, components),
+                g.cache_latents(lambda images: family.encode_images(args, components, images, None),
+                                to_disk=args.cache_latents_to_disk, signature=family.cache_signature(args, "vae"),
+                                batch_size=args.vae_batch_size, fmt=family.latent_cache_format(args, components),
                                 skip_check=args.skip_cache_check)
         vae.to("cpu")
     caching_te = args.cache_text_encoder_outputs or args.cache_text_encoder_outputs_to_disk
     for te in components.text_encoders:
-        te.requires_grad_(False)
+        # frozen until the target trains it: eval mode, or T5-XXL's dropout would draw from the global generator
+        te.requires_grad_(False).eval()
         precision.to_device_dtype(te, device, weight_dtype)  # fp8 weights stay fp8
     if caching_te:
-        for te in components.text_encoders:
-            te.eval()
         with data_parallel.main_process_first(accelerator, args.cache_text_encoder_outputs_to_disk,
                                               "text encoder outputs"):
             for g in groups:
-                g.cache_text_encoder_outputs(lambda caps: trainer.encode_prompts(args, components, caps, False),
+                g.cache_text_encoder_outputs(lambda caps: family.encode_prompts(args, components, caps, False),
                                              to_disk=args.cache_text_encoder_outputs_to_disk,
                                              batch_size=getattr(args, "text_encoder_batch_size", None),
-                                             signature=trainer.cache_signature(args, "te"),
+                                             signature=family.cache_signature(args, "te"),
                                              skip_check=args.skip_cache_check,
-                                             fmt=trainer.te_cache_format(args, components))
+                                             fmt=family.te_cache_format(args, components))
         for te in components.text_encoders:
             te.to("cpu")
     return bool(caching_te)
@@ -183,7 +167,8 @@ def cache(trainer, args, accelerator, components, groups, weight_dtype) -> bool:
 def build_optimization(trainer, args, accelerator, components, trainable, group, groups) -> dict:
     """Optimizers (one, or one per part for fused optimizer groups), the dataloader and the run's length, the
     LR schedulers, accelerate's prepare, the compile of the denoiser and the fused-backward hooks."""
-    built = [optimizers.get_optimizer(args, g) for g in trainer.optimizer_param_groups(args, trainable)]
+    built = [optimizers.get_optimizer(args, g)
+             for g in trainer.target.optimizer_param_groups(args, trainer.family, components, trainable)]
     # sharded over the processes: each sees len(group) / num_processes batches per epoch
     dataloader = accelerator.prepare(make_dataloader(group, args))
     num_batches = len(dataloader)
@@ -196,11 +181,10 @@ def build_optimization(trainer, args, accelerator, components, trainable, group,
     lr_scheduler = schedulers.group([schedulers.get_scheduler(args, b[2], max_train_steps,
                                                               accelerator.num_processes) for b in built])
     prepared = [accelerator.prepare(b[2]) for b in built]
-    trainer.optimizers = prepared  # eval_weights (schedule-free) and the full trainers' fused groups read them
     if args.full_fp16:
         allow_fp16_grad_unscale(accelerator)
-    trainer.prepare_unet_with_accelerator(args, accelerator, components)
-    trainer.after_prepare(args, accelerator, trainable, prepared[0])
+    trainer.family.compile(args, components)  # after prepare: the denoiser is frozen and on its device
+    trainer.target.after_prepare(args, accelerator, trainable, prepared)
     return dict(optimizers=prepared, lr_scheduler=lr_scheduler, dataloader=dataloader, num_batches=num_batches,
                 num_epochs=num_epochs, steps_per_epoch=steps_per_epoch, max_train_steps=max_train_steps,
                 optimizer_names=(built[0][0], built[0][1]))
@@ -211,7 +195,6 @@ def resume(trainer, args, state: RunState) -> None:
     accelerator = state.accelerator
     optimizer_train, _ = optimizers.train_eval_fns(state.optimizers, args)
     state.generator = torch.Generator(device=accelerator.device).manual_seed(args.seed + accelerator.process_index)
-    trainer.noise_generator = state.generator
     state.checkpoint.generator = state.generator
     for model in state.trainable.models:
         accelerator.register_for_checkpointing(model)

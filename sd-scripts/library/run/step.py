@@ -10,7 +10,7 @@ class MicroStep:
     def __init__(self, state, late):
         args, trainer = state.args, state.trainer
         self.late = late  # library.late_loss.LateLosses: each micro-step's loss, read a step later
-        self.fused = trainer.steps_in_backward(args)  # the optimizer steps inside backward (full trainers)
+        self.fused = trainer.target.steps_in_backward(args)  # the optimizer steps inside backward (full trainers)
         self.compiled = compile_utils.compile_args(args)
         self.shape_log = compile_utils.ShapeLog(self.compiled) \
             if self.compiled is not None and self.compiled.compile else None
@@ -22,9 +22,7 @@ class MicroStep:
     def forward_to_optimizer_step(self, state, batch):
         """Forward to optimizer step (no zero_grad): what a step graph captures."""
         args, accelerator = state.args, state.accelerator
-        loss = state.trainer.training_step(args, accelerator, state.noise_scheduler, batch, state.components,
-                                           state.weight_dtype, state.train_text_encoder, state.caching_te,
-                                           state.device)
+        loss = state.trainer.training_step(state, batch, train_text_encoder=state.train_text_encoder)
         accelerator.backward(loss)  # with fused backward the optimizer steps in here, per parameter
         if not self.fused:
             if accelerator.sync_gradients:
@@ -38,9 +36,10 @@ class MicroStep:
     def __call__(self, state, batch) -> bool:
         """One micro-step; True when it ended an optimizer step (the step events are due then)."""
         args, accelerator, trainer = state.args, state.accelerator, state.trainer
-        if state.train_text_encoder and not trainer.keep_training_text_encoder(args, state.global_step):
+        if state.train_text_encoder and \
+                not trainer.target.keep_training_text_encoder(args, state.global_step, state.components):
             state.train_text_encoder = False
-        trainer.on_step_start(args)
+        trainer.target.on_step_start(args)
         if compile_utils.opens_accumulation_window(accelerator.step, args.gradient_accumulation_steps):
             compile_utils.mark_step_begin(self.compiled)  # once per optimizer step (CUDA graphs)
         if self.shape_log is not None:
