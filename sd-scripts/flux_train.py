@@ -17,9 +17,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from library import (compile_utils, flux_train_utils, full_trainer, masks, network_trainer,  # noqa: E402
+from library import (flux_train_utils, full_trainer, masks, network_trainer,  # noqa: E402
                      offload_checkpointing, safetensors_io, saving)
 from library.families.flux import Flux  # noqa: E402
+from library.compile import options as compile_options  # noqa: E402
 from library.run.trainer import Trainer  # noqa: E402
 from library.targets.full import Full  # noqa: E402
 
@@ -37,7 +38,7 @@ def setup_parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip_latents_validity_check", action="store_true",
                         help="[deprecated] the same as --skip_cache_check")
     masks.add_masked_loss_arguments(parser)
-    compile_utils.add_compile_arguments(parser)
+    compile_options.add_compile_arguments(parser)
     safetensors_io.add_mmap_argument(parser)
     offload_checkpointing.add_cpu_offload_checkpointing_argument(parser)
     for name in ("double_blocks_to_swap", "single_blocks_to_swap"):

@@ -16,8 +16,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from library import compile_utils, flux_train_utils, network_trainer, safetensors_io  # noqa: E402
+from library import flux_train_utils, network_trainer, safetensors_io  # noqa: E402
 from library.families.flux import Flux  # noqa: E402
+from library.compile import options as compile_options  # noqa: E402
 from library.run.trainer import Trainer  # noqa: E402
 from library.targets.lora import LoRA  # noqa: E402
 
@@ -25,7 +26,7 @@ from library.targets.lora import LoRA  # noqa: E402
 def setup_parser() -> argparse.ArgumentParser:
     parser = network_trainer.setup_parser()
     flux_train_utils.add_flux_arguments(parser)
-    compile_utils.add_compile_arguments(parser)
+    compile_options.add_compile_arguments(parser)
     safetensors_io.add_mmap_argument(parser)
     parser.add_argument("--split_mode", action="store_true",
                         help="deprecated upstream: same as --blocks_to_swap 18 (ignored when --blocks_to_swap is set)")

@@ -20,8 +20,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from library import compile_utils, full_trainer, masks, network_trainer, safetensors_io  # noqa: E402
+from library import full_trainer, masks, network_trainer, safetensors_io  # noqa: E402
 from library.families import sdxl  # noqa: E402
+from library.compile import options as compile_options  # noqa: E402
 from library.run.trainer import Trainer  # noqa: E402
 from library.targets.full import Full  # noqa: E402
 
@@ -33,7 +34,7 @@ def setup_parser() -> argparse.ArgumentParser:
                              "comma-separated (0 = the block is not trained)")
     full_trainer.add_fused_optimizer_groups_argument(parser)
     masks.add_masked_loss_arguments(parser)
-    compile_utils.add_compile_arguments(parser)
+    compile_options.add_compile_arguments(parser)
     safetensors_io.add_mmap_argument(parser)
     full_trainer.add_diffusers_xformers_argument(parser)
     return parser

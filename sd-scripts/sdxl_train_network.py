@@ -15,15 +15,16 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from library import compile_utils, network_trainer, safetensors_io  # noqa: E402
+from library import network_trainer, safetensors_io  # noqa: E402
 from library.families.sdxl import SDXL  # noqa: E402
+from library.compile import options as compile_options  # noqa: E402
 from library.run.trainer import Trainer  # noqa: E402
 from library.targets.lora import LoRA  # noqa: E402
 
 
 def setup_parser() -> argparse.ArgumentParser:
     parser = network_trainer.setup_parser()
-    compile_utils.add_compile_arguments(parser)
+    compile_options.add_compile_arguments(parser)
     safetensors_io.add_mmap_argument(parser)
     return parser
 

@@ -245,17 +245,18 @@ def cache_signature(args, what: str) -> str:
 def save_transformer(args, components, path: str, metadata, save_dtype, swapper=None) -> None:
     """The transformer as a BFL-layout .safetensors (flux_train.py); --mem_eff_save streams one tensor at a time
     from the live weights (no second copy of the model in memory)."""
-    from library import compile_utils, saving, train_util
+    from library import saving, train_util
+    from library.compile.regional import strip_orig_mod
 
     if swapper is not None:
         swapper.synchronize()  # block copies still in flight must land before the weights are read
     if getattr(args, "mem_eff_save", False):
-        sd = compile_utils.strip_orig_mod(components.transformer.state_dict())
+        sd = strip_orig_mod(components.transformer.state_dict())
         saving.save_safetensors_streaming(path, flux_models.diffusers_to_bfl_entries(sd, save_dtype), metadata,
                                           overwrite=args.overwrite_output)
         return
     sd = {k: v.detach().to("cpu") for k, v in components.transformer.state_dict().items()}
-    bfl = flux_models.diffusers_to_bfl(compile_utils.strip_orig_mod(sd))
+    bfl = flux_models.diffusers_to_bfl(strip_orig_mod(sd))
     if save_dtype is not None:
         bfl = {k: v.to(save_dtype) for k, v in bfl.items()}
     train_util.save_safetensors_atomic(bfl, path, metadata, overwrite=args.overwrite_output)

@@ -14,15 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from library import (config_util, data_parallel, huggingface_util, losses, masks, noise, optimizers, parity,
-                     saving, schedulers, step_graph, train_util, validation)
+                     saving, schedulers, train_util, validation)
 from library import metadata as metadata_util
-from library.train_util import ConfigError
+from library.compile import graphs as compile_graphs
+from library.errors import ConfigError, TrainingError, UserError  # noqa: F401  (re-exported)
+from library.network_options import parse_network_args  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
-
-
-class TrainingError(RuntimeError):
-    """Something that stops a run with a clear message (not a bug)."""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -58,7 +56,8 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
 
 def base_parser() -> argparse.ArgumentParser:
     """The arguments of every trainer, LoRA and full (models, dataset, training, optimizer, --config_file)."""
-    from library import compile_utils, console_log, option_dump, precision, trackers, validate_only
+    from library import console_log, option_dump, precision, trackers, validate_only
+    from library.compile import options as compile_options
 
     parser = argparse.ArgumentParser(allow_abbrev=False)
     train_util.add_sd_models_arguments(parser)
@@ -78,7 +77,7 @@ def base_parser() -> argparse.ArgumentParser:
     trackers.add_tracker_arguments(parser)
     precision.add_fp8_base_argument(parser)
     precision.add_fp16_master_argument(parser)
-    compile_utils.add_torch_compile_arguments(parser)
+    compile_options.add_torch_compile_arguments(parser)
     validate_only.add_validate_only_argument(parser)
     option_dump.add_dump_options_argument(parser)
     return parser
@@ -95,7 +94,7 @@ def setup_parser() -> argparse.ArgumentParser:
     masks.add_masked_loss_arguments(parser)
     precision.add_fp8_base_unet_argument(parser)
     offload_checkpointing.add_cpu_offload_checkpointing_argument(parser)
-    step_graph.add_arguments(parser)
+    compile_graphs.add_arguments(parser)
     return parser
 
 
@@ -122,7 +121,7 @@ def import_network_module(name: str):
 def save_network_state_dict(network, path: str, dtype, metadata: dict | None, overwrite: bool) -> None:
     """A network's state_dict (``_orig_mod.`` removed, cast to `dtype`) as .safetensors (metadata + hashes) or
     torch file, atomically."""
-    from library.compile_utils import strip_orig_mod
+    from library.compile.regional import strip_orig_mod
 
     sd = {k: v.detach().to("cpu", dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype)
           for k, v in strip_orig_mod(network.state_dict()).items()}
@@ -134,16 +133,6 @@ def save_network_state_dict(network, path: str, dtype, metadata: dict | None, ov
                                            overwrite=overwrite)
     else:
         train_util.save_torch_atomic(sd, path, overwrite=overwrite)
-
-
-def parse_network_args(items: list[str] | None) -> dict[str, str]:
-    out = {}
-    for item in items or []:
-        if "=" not in item:
-            raise ConfigError(f"--network_args: {item!r} must be key=value")
-        k, v = item.split("=", 1)
-        out[k.strip()] = v.strip()
-    return out
 
 
 @dataclass
@@ -191,11 +180,11 @@ def run(trainer, parser: argparse.ArgumentParser, argv: list[str] | None = None)
     try:
         args = train_util.parse_args(parser, argv)
         return trainer.train(args)
-    except expected_errors() as e:
+    except UserError as e:
         _close_progress_bars()  # so the message starts its own line
         logger.error("%s", e)
         print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from e
+        raise SystemExit(e.exit_code) from e
 
 
 def _close_progress_bars() -> None:
@@ -206,39 +195,6 @@ def _close_progress_bars() -> None:
 
 
 def expected_errors() -> tuple:
-    """The errors that mean bad settings or inputs (exit 2 with their message, no traceback)."""
-    from library.datasets import DatasetError
-
-    return (ConfigError, DatasetError, TrainingError, saving.SaveError, train_util.OptionalPackageError,
-            _prompt_file_error(),
-            _model_load_error(), train_util.OutputExistsError, _compile_error(), _network_args_error())
-
-
-def _model_load_error():
-    from library.model_util import ModelLoadError
-
-    return ModelLoadError
-
-
-def _prompt_file_error():
-    from library.sample_prompts import PromptFileError
-
-    return PromptFileError
-
-
-def _compile_error():
-    try:
-        from library.compile_utils import CompileConfigError
-
-        return CompileConfigError
-    except ImportError:  # pragma: no cover
-        return ConfigError
-
-
-def _network_args_error():
-    try:
-        from networks.lora import NetworkArgsError
-
-        return NetworkArgsError
-    except ImportError:  # pragma: no cover
-        return ConfigError
+    """The errors that mean bad settings or inputs (exit 2 with their message, no traceback): library.errors'
+    one base class."""
+    return (UserError,)

@@ -29,7 +29,7 @@ class Flux:
         return "flux"
 
     def check_args(self, args) -> None:
-        from library import compile_utils
+        from library.compile import options as compile_options
         from library.train_util import ConfigError
 
         if args.v2 or args.v_parameterization:
@@ -50,7 +50,7 @@ class Flux:
                 args.blocks_to_swap = 18
         offload_checkpointing.check_args(args, ConfigError)
         flux_train_utils.check_flux_args(args, ConfigError)
-        compile_utils.validate_compile_args(args)
+        compile_options.validate_compile_args(args)
 
     def load(self, args, weight_dtype, fp8_denoiser: bool):
         from library.train_util import ConfigError
@@ -117,11 +117,11 @@ class Flux:
         sd.set_attention_backend(args, components)
 
     def compile(self, args, components) -> None:
-        from library import compile_utils
+        from library.compile import environment as compile_environment, regional
 
-        compile_utils.setup_compile_environment(args)
+        compile_environment.setup_compile_environment(args)
         if args.compile:
-            self.compiled_blocks = compile_utils.compile_model_blocks(
+            self.compiled_blocks = regional.compile_model_blocks(
                 components.transformer, args, model_name=self.label,
                 gradient_checkpointing=args.gradient_checkpointing, disable_linear=(args.blocks_to_swap or 0) > 0,
                 offload_checkpointing=offload_checkpointing.enabled(args))
@@ -134,9 +134,9 @@ class Flux:
         return "flux1"
 
     def metadata(self, args, fp8_targets) -> dict[str, str]:
-        from library import compile_utils
+        from library.compile import options as compile_options
 
-        md = dict(compile_utils.compile_settings_metadata(args))
+        md = dict(compile_options.compile_settings_metadata(args))
         md.update({
             "ss_model_type": str(getattr(args, "model_type", "flux")),  # upstream's --model_type (flux/chroma)
             "ss_guidance_scale": str(args.guidance_scale),

@@ -186,16 +186,17 @@ def set_attention_backend(args, components) -> None:
 def compile_denoiser(args, denoiser, label: str) -> int:
     """Regional compilation of the denoiser's repeated blocks with --compile / --torch_compile; the number of
     compiled blocks (0 = not compiled)."""
-    from library import compile_utils, offload_checkpointing
+    from library import offload_checkpointing
+    from library.compile import environment as compile_environment, options as compile_options, regional
 
-    cargs = compile_utils.compile_args(args)
+    cargs = compile_options.compile_args(args)
     if cargs is None:
         return 0
-    compile_utils.setup_compile_environment(cargs)
+    compile_environment.setup_compile_environment(cargs)
     if not cargs.compile:
         return 0
-    # compile_utils moves diffusers' checkpointing of these blocks inside the compiled region
-    return compile_utils.compile_model_blocks(denoiser, cargs, model_name=label,
+    # regional compilation moves diffusers' checkpointing of these blocks inside the compiled region
+    return regional.compile_model_blocks(denoiser, cargs, model_name=label,
                                               gradient_checkpointing=args.gradient_checkpointing,
                                               offload_checkpointing=offload_checkpointing.enabled(args))
 

@@ -28,14 +28,13 @@ class SDXL:
         return "sdxl"
 
     def check_args(self, args) -> None:
-        from library import compile_utils
-        from library.train_util import ConfigError
+        from library.compile import options as compile_options
 
         if args.v2:
             raise ConfigError("--v2 is for SD2.x models; sdxl_train_network.py trains SDXL (drop --v2)")
         if args.clip_skip:
             logger.warning("--clip_skip is ignored for SDXL (it always uses the penultimate layers)")
-        compile_utils.validate_compile_args(args)
+        compile_options.validate_compile_args(args)
 
     def load(self, args, weight_dtype, fp8_denoiser: bool):
         return sd.load_components(args, "sdxl")
@@ -110,9 +109,9 @@ class SDXL:
         return "sdxl_base_v1-0"
 
     def metadata(self, args, fp8_targets) -> dict[str, str]:
-        from library import compile_utils
+        from library.compile import options as compile_options
 
-        md = dict(compile_utils.compile_settings_metadata(args))
+        md = dict(compile_options.compile_settings_metadata(args))
         if self.compiled_blocks:
             md["ss_compile_blocks"] = str(self.compiled_blocks)
         return md

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from library import optimizers, stop_signal
+from library import finite_guard, optimizers, stop_signal
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class Progress:
     def report(self, state, ready) -> None:
         args, accelerator = state.args, state.accelerator
         for (step, step_epoch, lr, postfix, logs), values in ready:
+            finite_guard.check_losses(args, step, values)  # a NaN / inf loss: stop, no save (issue 26)
             state.losses.extend(values)
             state.last_loss = values[-1]
             window = state.losses[-state.steps_per_epoch * args.gradient_accumulation_steps:]

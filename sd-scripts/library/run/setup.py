@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from library import (config_util, data_parallel, huggingface_util, optimizers, run_requests, saving, schedulers,
-                     state_folders, step_graph, train_util, validation)
+                     state_folders, train_util, validation)
 from library import metadata as metadata_util
 from library.run.state import RunState
 
@@ -93,7 +93,9 @@ def prepare(trainer, args, startup: Startup) -> RunState | Done:
 def start_accelerator(trainer, args):
     """The accelerator (library.data_parallel), the base-model hashes started on a thread, the seed."""
     accelerator = trainer.make_accelerator(args)
-    if step_graph.enabled(args) and accelerator.num_processes > 1:
+    from library.compile import graphs as compile_graphs
+
+    if compile_graphs.cuda_graphs(args) == "step" and accelerator.num_processes > 1:
         raise train_util.ConfigError(f"--cuda_graph_step runs on one GPU; this run has {accelerator.num_processes} "
                                      "processes: drop --cuda_graph_step or train on one GPU")
     if accelerator.is_main_process and not args.no_metadata:  # the one that saves (save_lora) needs the hashes
@@ -202,7 +204,7 @@ def resume(trainer, args, state: RunState) -> None:
     accelerator.register_for_checkpointing(state.checkpoint)  # last: state_folders.resumed_position reads it so
     if args.resume:
         logger.info("resuming from %s", args.resume)
-        accelerator.load_state(huggingface_util.resume_state_dir(args))
+        state_folders.load_state(accelerator, huggingface_util.resume_state_dir(args))  # one line on a mismatch
         optimizer_train()  # a schedule-free optimizer's state was saved in eval mode
         logger.info("resumed at step %d (epoch %d)", state.checkpoint.global_step, state.checkpoint.epoch)
     start = saving.start_position(args, state.steps_per_epoch, state.checkpoint.global_step, state.max_train_steps)

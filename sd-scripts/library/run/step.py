@@ -1,9 +1,10 @@
 """The micro-step: one batch forward, backward and (at the end of an accumulation window) the optimizer step,
 with the CUDA-graph step mark once per window, the compile shape log, the dataset's network multiplier and the
-whole-step CUDA graph of --cuda_graph_step (library.step_graph)."""
+whole-step CUDA graph of --cuda_graph_step (library.compile.step_graph)."""
 from __future__ import annotations
 
-from library import compile_utils, data_parallel, network_options, schedulers, step_graph
+from library import data_parallel, network_options, schedulers
+from library.compile import graphs as compile_graphs, options as compile_options, regional, step_graph
 
 
 class MicroStep:
@@ -11,13 +12,13 @@ class MicroStep:
         args, trainer = state.args, state.trainer
         self.late = late  # library.late_loss.LateLosses: each micro-step's loss, read a step later
         self.fused = trainer.target.steps_in_backward(args)  # the optimizer steps inside backward (full trainers)
-        self.compiled = compile_utils.compile_args(args)
-        self.shape_log = compile_utils.ShapeLog(self.compiled) \
+        self.compiled = compile_options.compile_args(args)
+        self.shape_log = regional.ShapeLog(self.compiled) \
             if self.compiled is not None and self.compiled.compile else None
         self.trained_params = state.trained_params = [p for m in state.trainable.models for p in m.parameters()
                                                       if p.requires_grad]
         self.graphs = step_graph.StepGraphs(state.optimizers, state.device, [state.generator]) \
-            if step_graph.enabled(args) else None
+            if compile_graphs.cuda_graphs(args) == "step" else None
 
     def forward_to_optimizer_step(self, state, batch):
         """Forward to optimizer step (no zero_grad): what a step graph captures."""
@@ -40,14 +41,14 @@ class MicroStep:
                 not trainer.target.keep_training_text_encoder(args, state.global_step, state.components):
             state.train_text_encoder = False
         trainer.target.on_step_start(args)
-        if compile_utils.opens_accumulation_window(accelerator.step, args.gradient_accumulation_steps):
-            compile_utils.mark_step_begin(self.compiled)  # once per optimizer step (CUDA graphs)
+        if compile_graphs.opens_accumulation_window(accelerator.step, args.gradient_accumulation_steps):
+            compile_graphs.mark_step_begin(self.compiled)  # once per optimizer step (CUDA graphs)
         if self.shape_log is not None:
             self.shape_log.see(batch, state.global_step + 1)
             state.step_shapes.append(self.shape_log.shape_of(batch))
         set_network_multiplier(state.trainable.models, batch)
         with accelerator.accumulate(*state.trainable.models):
-            if self.graphs is not None:  # a replay of the step's graph once captured (library.step_graph)
+            if self.graphs is not None:  # a replay of the step's graph once captured (library.compile.step_graph)
                 loss = self.graphs.step(batch, lambda b: self.forward_to_optimizer_step(state, b))
             else:
                 loss = self.forward_to_optimizer_step(state, batch)
@@ -65,9 +66,9 @@ class MicroStep:
 
     def setup_steps_per_shape(self, args) -> int:
         """Steps of each input shape that are setup (compile, graph recording), for the step timer."""
-        if step_graph.enabled(args):
+        if compile_graphs.cuda_graphs(args) == "step":
             return step_graph.WARMUP + 1
-        return 2 if compile_utils.uses_cuda_graphs(self.compiled) else 1
+        return 2 if compile_graphs.cuda_graphs(self.compiled) == "blocks" else 1
 
 
 def set_network_multiplier(models: list, batch: dict) -> None:

@@ -62,10 +62,11 @@ class Trainer:
     def check_common_options(self, args) -> None:
         """Logging, tracker, precision, memory and compile-switch options of every trainer, before the
         script's own checks (which validate the compile settings --torch_compile sets)."""
-        from library import compile_utils, console_log, precision, trackers
+        from library import console_log, precision, trackers
+        from library.compile import options as compile_options
 
         console_log.apply_console_log_args(args)
-        compile_utils.apply_torch_compile_alias(args)
+        compile_options.apply_torch_compile_alias(args)
         trackers.check_tracker_args(args)
         precision.check_precision_args(args)
 
@@ -221,11 +222,11 @@ class Trainer:
     def validation_loss(self, state) -> float:
         """One validation pass (library.validation): the training step's loss at each fixed timestep, without
         gradients (text encoders too), the trained modules in eval mode."""
-        from library import compile_utils
+        from library.compile import graphs as compile_graphs, options as compile_options
 
         def step(batch, timestep):
             self.target.on_step_start(state.args)
-            compile_utils.mark_step_begin(compile_utils.compile_args(state.args))
+            compile_graphs.mark_step_begin(compile_options.compile_args(state.args))
             return self.training_step(state, batch, train_text_encoder=False, fixed_timestep=timestep)
 
         return state.validator.run(step, state.trainable.models, state, state.accelerator)

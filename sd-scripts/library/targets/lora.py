@@ -8,7 +8,8 @@ import os
 import time
 from typing import Any
 
-from library import config_util, network_options, precision, step_graph, train_util
+from library import config_util, network_options, precision, train_util
+from library.compile import graphs as compile_graphs
 from library import metadata as metadata_util
 from library.network_trainer import (Trainable, import_network_module, parse_network_args, save_network_state_dict,
                                      text_encoder_lr)
@@ -44,7 +45,7 @@ class LoRA:
         if args.dim_from_weights and not args.network_weights:
             raise ConfigError("--dim_from_weights needs --network_weights")
         network_options.check_network_option_args(args, ConfigError)
-        step_graph.check_args(args, ConfigError)
+        compile_graphs.check_args(args, ConfigError)
         if args.pretrained_model_name_or_path is None:
             raise ConfigError("--pretrained_model_name_or_path is required")
         self._check_network_module(args, family_name)
