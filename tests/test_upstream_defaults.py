@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import train_network
 
 from library import network_trainer, train_util
 
