@@ -14,7 +14,6 @@ logger = logging.getLogger(__name__)
 
 class Flux:
     label = "FLUX"
-    has_lora_text_encoders = True  # CLIP-L (and T5-XXL with --network_args train_t5xxl=True)
 
     def __init__(self, bucket_reso_steps_multiple: int = 32):
         self.objective = FlowMatching()

@@ -18,7 +18,6 @@ logger = logging.getLogger(__name__)
 class SD:
     label = "UNet"  # the denoiser's name in log lines
     bucket_reso_steps_multiple = 64  # upstream's verify_bucket_reso_steps for SD
-    has_lora_text_encoders = True
 
     def __init__(self):
         self.objective = DDPM()

@@ -18,7 +18,6 @@ logger = logging.getLogger(__name__)
 class SDXL:
     label = "SDXL UNet"
     bucket_reso_steps_multiple = 32
-    has_lora_text_encoders = True
 
     def __init__(self):
         self.objective = DDPM()
