@@ -710,9 +710,6 @@ class NetworkTrainer:
         training_started_at = time.time()
 
         accelerator = self.make_accelerator(args)
-        if compile_graphs.cuda_graphs(args) == "step" and accelerator.num_processes > 1:
-            raise ConfigError(f"--cuda_graph_step runs on one GPU; this run has {accelerator.num_processes} "
-                              "processes: drop --cuda_graph_step or train on one GPU")
         if accelerator.is_main_process and not args.no_metadata:  # the one that saves (save_lora) needs the hashes
             metadata_util.start_file_hashes(args.pretrained_model_name_or_path, getattr(args, "vae", None))
         # before the dataset: its batch order and augmentations follow the seed (a random one without --seed)
@@ -726,6 +723,8 @@ class NetworkTrainer:
             g.verify_bucket_reso_steps(self.bucket_reso_steps_multiple)
         if len(group) == 0:
             raise TrainingError("the dataset has no batches: no training images found")
+        # --cuda_graph_step auto and --compile_dynamic auto follow the dataset's bucket shapes
+        compile_graphs.resolve(args, groups, accelerator.num_processes, family, ConfigError)
         if getattr(args, "debug_dataset", False):
             from library.datasets import debug_dataset
 
