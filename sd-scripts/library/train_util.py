@@ -213,8 +213,8 @@ def load_config_file(path: str | os.PathLike, parser: argparse.ArgumentParser) -
             skipped.append(key)
             continue
         aliases = parity.CONFIG_VALUE_ALIASES.get(key, {})
-        if action is not None and isinstance(value, (int, float, str)) and not isinstance(value, bool) \
-                and value in aliases:
+        if action is not None and isinstance(value, (int, float, str)) and value in aliases \
+                and isinstance(value, bool) == any(isinstance(k, bool) for k in aliases):
             values[key] = aliases[value]
             continue
         if action is None:
