@@ -822,7 +822,7 @@ class NetworkTrainer:
         accelerator.register_for_checkpointing(state)  # last: state_folders.resumed_position reads it so
         if args.resume:
             logger.info("resuming from %s", args.resume)
-            state_folders.load_state(accelerator, huggingface_util.resume_state_dir(args))  # one line on a mismatch
+            state_folders.load_state(accelerator, huggingface_util.resume_state_dir(args), steps_per_epoch)
             optimizer_train()  # a schedule-free optimizer's state was saved in eval mode
             logger.info("resumed at step %d (epoch %d)", state.global_step, state.epoch)
 
@@ -933,6 +933,7 @@ class NetworkTrainer:
             for batch in loader:
                 if train_text_encoder and not self.keep_training_text_encoder(args, global_step):
                     train_text_encoder = False
+                state_folders.restore_resumed_rng()  # --resume: dropout's RNG as saved (issue 26)
                 self.on_step_start(args)
                 if compile_utils.opens_accumulation_window(accelerator.step, args.gradient_accumulation_steps):
                     compile_utils.mark_step_begin(compiled)  # once per optimizer step (CUDA graphs)
