@@ -997,6 +997,8 @@ class NetworkTrainer:
                     timer.restart()
                 if global_step >= max_train_steps:
                     break
+                if (saved or sampled or asked) and requests.stop_agreed(accelerator, stop.flag):
+                    asked.add("stop")  # a stop signal during the save / the samples: no step more (issue 26)
                 if "stop" in asked:
                     if not stop.flag:
                         logger.warning("stop requested: stopping after step %d and saving", global_step)
