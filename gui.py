@@ -26,6 +26,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="require this password (with --username); other users of the machine can see it in `ps`: "
                         "prefer --password_file or the KOHYA_GUI_PASSWORD environment variable")
     p.add_argument("--password_file", default=None, help="read the password from the first line of this file")
+    p.add_argument("--config_dir", default=None,
+                   help="where the GUI keeps each tab's last used settings and the run queue (default: "
+                        "~/.config/kohya_gui, %%APPDATA%%\\kohya_gui on Windows; everyone using the same account shares "
+                        "that folder)")
     args = p.parse_args(argv)
     from kohya_gui.login import PasswordError, password_from
 
@@ -34,6 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.password = password_from(args.password, args.password_file, os.environ if args.username else {})
     except PasswordError as e:
         p.error(str(e))
+    if args.config_dir:  # before anything reads it (kohya_gui.last_settings.folder)
+        os.environ["KOHYA_GUI_CONFIG_DIR"] = os.path.abspath(args.config_dir)
     if bool(args.username) != bool(args.password):
         p.error("--username and a password (--password, --password_file or KOHYA_GUI_PASSWORD) go together")
     return args

@@ -158,12 +158,8 @@ def _flatten(source: str, data: dict) -> tuple[dict, dict, list[tuple[str, str, 
 
 
 def infer_family(keys: dict[str, Any], fallback: str) -> str:
-    """Family of a plain sd-scripts TOML without a [gui] table."""
-    if keys.get("network_module") == "networks.lora_flux" or any(k in keys for k in ("clip_l", "t5xxl", "ae")):
-        return "FLUX.1"
-    if keys.get("v2") is True:
-        return "SD2.x"
-    return fallback
+    """Family of a plain sd-scripts TOML without a [gui] table (the importer uses the same rule)."""
+    return P.guess_family(keys, fallback)
 
 
 def parse(text: str, source: str, tab: str | None = None, family: str = "SDXL") -> Config:

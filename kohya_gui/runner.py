@@ -35,7 +35,7 @@ from .run_history import NUM, RunHistory
 STOPPED_LINE = re.compile(r"^stopped at step \d+, saved ")
 SAVE_TIMEOUT = 600.0  # a stop waits this long for the step and the saves to finish
 POLL_S = 0.1  # how often the log file is read while the run writes nothing
-# the trainers' line before a step that compiles (library.compile_utils.ShapeLog); with CUDA graphs the step
+# the trainers' line before a step that compiles (library.compile.regional.ShapeLog); with CUDA graphs the step
 # after it records them, so "compiling" lasts two steps then
 COMPILE_LINE = re.compile(r"torch\.compile: new input shape (\S+) .*this step (compiles and records CUDA graphs|compiles)")
 
@@ -43,7 +43,7 @@ COMPILE_LINE = re.compile(r"torch\.compile: new input shape (\S+) .*this step (c
 # The trainers print plain lines such as "steps: 12/100 loss=0.1234 it/s=1.23 eta=00:40" (docs/ARCHITECTURE.md);
 # tqdm-style lines ("steps:  12%|##  | 12/100 [00:05<00:40,  2.15it/s, avr_loss=0.123]") are understood too.
 
-_STEPS = re.compile(r"\bsteps?\b[^\n]*?(\d+)\s*/\s*(\d+)", re.I)
+_STEPS = re.compile(r"(?:\bsteps?\b[^\n]*?|\d+%\|[^|\n]*\|\s*)(\d+)\s*/\s*(\d+)", re.I)  # or any tqdm bar (tools)
 _LOSS = re.compile(r"\b(avr_loss|avg_loss|loss)\s*[=:]\s*" + NUM, re.I)
 _ITS = re.compile(r"(?:\bit/s\s*[=:]\s*" + NUM + r")|(?:" + NUM + r"\s*it/s(?!\s*[=:]))", re.I)
 _SIT = re.compile(NUM + r"\s*s/it", re.I)
@@ -517,4 +517,12 @@ def training_env() -> dict[str, str]:
     env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    return env
+
+
+def run_env() -> dict[str, str]:
+    env = training_env()
+    from . import REPO  # the demo helper runs `python -m kohya_gui`, also when it is not installed
+
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     return env

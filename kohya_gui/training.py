@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from . import command, config_file, demo, secret_options, trainer_check
-from .runner import Runner, training_env
+from .runner import Runner, run_env, training_env  # noqa: F401  (run_env re-exported)
 
 
 class RunError(ValueError):
@@ -44,11 +44,3 @@ def _checked_start(runner: Runner, tab: str, family: str, values: dict[str, Any]
     runner.start(commands, command.log_path(values), env=env, output_dir=values.get("output_dir"),
                  cwd=os.getcwd(), config_path=config_path)
     return argv
-
-
-def run_env() -> dict[str, str]:
-    env = training_env()
-    from . import REPO  # the demo helper runs `python -m kohya_gui`, also when it is not installed
-
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
-    return env

@@ -133,7 +133,8 @@ def _all_presets():
 def test_presets_pass_the_trainers_checks(tab, name):
     """Every shipped preset parses with its trainer and passes the option checks the trainer makes before any
     model loads (files that only exist on the user's machine aside)."""
-    from library import compile_utils, train_util
+    from library import train_util
+    from library.compile import options as compile_options
 
     from kohya_gui import presets
 
@@ -144,7 +145,7 @@ def test_presets_pass_the_trainers_checks(tab, name):
     args.sample_prompts = args.resume = None  # files that are made on first use / exist on the user's machine
     train_util.verify_training_args(args)
     if cfg.family in P.COMPILE_FAMILIES:
-        compile_utils.validate_compile_args(args)
+        compile_options.validate_compile_args(args)
     else:
         assert not hasattr(args, "compile")
 
