@@ -142,7 +142,7 @@ def load_state(accelerator, folder: str, steps_per_epoch: int | None = None) -> 
     the first resumed step (restore_resumed_rng; at an epoch's end the saved run drew the next epoch's data loader
     seed after the save, as the resumed run does). A state saved by a run with another network (its --network_dim,
     --conv_dim, --network_module or --network_args) is one line naming the first difference, not a traceback."""
-    from library.network_trainer import TrainingError
+    from library.errors import TrainingError
 
     try:
         accelerator.load_state(folder)
