@@ -203,7 +203,7 @@ def resume(trainer, args, state: RunState) -> None:
     accelerator.register_for_checkpointing(state.checkpoint)  # last: state_folders.resumed_position reads it so
     if args.resume:
         logger.info("resuming from %s", args.resume)
-        state_folders.load_state(accelerator, huggingface_util.resume_state_dir(args))  # one line on a mismatch
+        state_folders.load_state(accelerator, huggingface_util.resume_state_dir(args), state.steps_per_epoch)
         optimizer_train()  # a schedule-free optimizer's state was saved in eval mode
         logger.info("resumed at step %d (epoch %d)", state.checkpoint.global_step, state.checkpoint.epoch)
     start = saving.start_position(args, state.steps_per_epoch, state.checkpoint.global_step, state.max_train_steps)
