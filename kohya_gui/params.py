@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import shlex
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
