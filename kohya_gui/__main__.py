@@ -147,7 +147,8 @@ def main(argv=None) -> int:
     print(f"# {state.message}")
     for path in state.outputs:
         print(f"output: {path}")
-    return 0 if state.returncode == 0 else (state.returncode or 1)
+    rc = state.returncode  # the training's (the runner leaves `accelerate launch` to end with it)
+    return 128 - rc if rc is not None and rc < 0 else 1 if rc is None else rc  # killed by signal N: 128 + N
 
 
 def import_file(args) -> int:

@@ -408,15 +408,18 @@ def load(path: str | Path, tab: str | None = None, family: str | None = None) ->
     """A kohya_ss JSON, or a run TOML (kohya_ss' config_*.toml, sd-scripts' --output_config) whose keys are the
     trainers' options. Raises ImportError_ with the file's name."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ImportError_(f"{path}: cannot read it ({getattr(e, 'strerror', None) or e})") from e
     is_json = path.suffix.lower() == ".json"
+    try:
+        text = config_file.read_text(path)  # a missing, huge, binary or UTF-16 file: one line
+    except config_file.ConfigError as e:
+        raise ImportError_(str(e)) from None
+    kind = "JSON" if is_json else "TOML"
     try:
         data = json.loads(text) if is_json else _flat_toml(tomllib.loads(text))
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
-        raise ImportError_(f"{path}: not valid {'JSON' if is_json else 'TOML'}: {e}") from e
+        raise ImportError_(f"{path}: not valid {kind}: {e}") from None
+    except (ValueError, RecursionError) as e:  # nested too deeply, a 5000-digit integer
+        raise ImportError_(f"{path}: not valid {kind}: {(str(e) or 'nested too deeply').split(';')[0]}") from None
     if not isinstance(data, dict):
         raise ImportError_(f"{path}: expected a JSON object of settings")
     if not is_json and tab is None:

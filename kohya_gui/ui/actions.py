@@ -12,12 +12,12 @@ from typing import Any
 import gradio as gr
 import pandas as pd
 
-from .. import command, config_file, importer, presets, quoting, run_requests, trainer_check, training
+from .. import command, config_file, importer, presets, quoting, run_requests, secret_options, trainer_check, training
 from .. import params as P
 from ..run_queue import QueueError, QueueWorker, RunQueue
 from ..runner import Runner, RunnerBusy, format_eta, new_outputs
 from ..tensorboard import TensorBoard, TensorBoardError
-from . import feedback
+from . import run_notice
 
 RUNNER = Runner()  # one training at a time for the whole app
 TENSORBOARD = TensorBoard()  # one TensorBoard server, a child of the GUI
@@ -239,7 +239,12 @@ def save_config(tab: str, path: str, family: str, *ui_values, overwrite: bool = 
         config_file.save(path, tab, family, values)
     except (config_file.ConfigError, OSError) as e:
         return error_md(f"Not saved: {e}")
-    return ok_md(f"Saved {path}")
+    return ok_md(f"Saved {path}" + _secrets_note(values))
+
+
+def _secrets_note(values: dict) -> str:
+    text = secret_options.note(values)
+    return f"\n\n{text}" if text else ""
 
 
 # ---- command, start, stop ----------------------------------------------------------------------------------
@@ -264,7 +269,8 @@ def print_command(tab: str, family: str, *ui_values) -> tuple[str, str, str, str
     argv = command.build_argv(tab, family, values)
     standalone = command.standalone_argv(tab, family, values)
     note = ok_md(f"Start training writes the settings to `{command.run_config_path(values)}` and runs the first "
-                 "command; the second is the same run with every setting as a flag, for another machine.")
+                 "command; the second is the same run with every setting as a flag, for another machine."
+                 + _secrets_note(values))
     if errors:
         note = error_md("The command is shown, but these must be fixed before a run:\n"
                         + "\n".join(f"- {e}" for e in errors))
@@ -275,16 +281,16 @@ def start_training(tab: str, family: str, *ui_values) -> tuple[str, str, str, st
     """(command, stand-alone command, status, both commands for the other shell)."""
     values, errors = values_from_ui(tab, ui_values)
     if errors:
-        feedback.NOTICE.start_failed(RUNNER.snapshot())
+        run_notice.NOTICE.start_failed(RUNNER.snapshot())
         return (gr.update(), gr.update(), error_md("Cannot start training:\n" + "\n".join(f"- {e}" for e in errors)),
                 gr.update(), gr.update())
     try:
         argv = training.start(RUNNER, tab, family, values)
     except (training.RunError, RunnerBusy) as e:
-        feedback.NOTICE.start_failed(RUNNER.snapshot())
+        run_notice.NOTICE.start_failed(RUNNER.snapshot())
         return gr.update(), gr.update(), error_md(str(e)), gr.update(), gr.update()
     return commands(argv, command.standalone_argv(tab, family, values),
-                    ok_md(f"Training started; log: `{command.log_path(values)}`"))
+                    ok_md(f"Training started; log: `{command.log_path(values)}`" + _secrets_note(values)))
 
 
 def stop_training(now: bool = False) -> str:
@@ -323,7 +329,7 @@ def add_to_queue(tab: str, family: str, *ui_values) -> str:
 def queue_md(entries) -> str:
     if not entries:
         return "The queue is empty: **Add to queue** beside Start training puts the tab's settings here."
-    rows = [f"| {i} | `{e.name}` | {P.TAB_LABELS[e.tab]} {e.family} | {e.state} | "
+    rows = [f"| {i} | `{e.name}` | {P.TAB_LABELS.get(e.tab, 'Utilities')} {e.family} | {e.state} | "
             f"{e.message.splitlines()[0][:120] if e.message else ''} |" for i, e in enumerate(entries, 1)]
     return "| # | output name | tab | state | note |\n|---|---|---|---|---|\n" + "\n".join(rows)
 
@@ -369,12 +375,12 @@ def request_now(request: str) -> str:
 def run_panel(seen: int = -1) -> tuple:
     """(progress HTML, log text, result markdown, version) for the current or last run; parts that did not
     change since version `seen` are skipped so the page keeps its scroll position."""
-    version = RUNNER.version + feedback.NOTICE.version
+    version = RUNNER.version + run_notice.NOTICE.version
     s = RUNNER.snapshot()
     if version == seen:
         return (progress_html(s) if s.running else gr.skip()), gr.skip(), gr.skip(), version
-    if feedback.NOTICE.hides(s):  # the last Start click failed: the previous run's result is not the answer
-        return feedback.not_started_html(), RUNNER.log_tail(300), "", version
+    if run_notice.NOTICE.hides(s):  # the last Start click failed: the previous run's result is not the answer
+        return run_notice.not_started_html(), RUNNER.log_tail(300), "", version
     return progress_html(s), RUNNER.log_tail(300), result_md(s), version
 
 
@@ -417,7 +423,7 @@ def progress_html(s) -> str:
     elapsed = (s.ended or time.time()) - s.started
     parts.append(f"elapsed {format_eta(elapsed)}")
     return (f"<div class='kg-progress'><div class='kg-bar'><div style='width:{frac * 100:.1f}%'></div></div>"
-            f"<div class='kg-stats'>{' &middot; '.join(parts)}</div>{feedback.settings_html(s)}</div>")
+            f"<div class='kg-stats'>{' &middot; '.join(parts)}</div>{run_notice.settings_html(s)}</div>")
 
 
 def result_md(s) -> str:

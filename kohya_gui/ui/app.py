@@ -9,8 +9,9 @@ import gradio as gr
 
 from .. import presets, quoting
 from .. import params as P
+from ..secret_options import SECRET_OPTIONS
 from . import actions as A
-from . import feedback
+from . import feedback, utilities
 from .option_filter import filter_js
 
 CSS = """
@@ -63,6 +64,8 @@ def make_control(tab: str, p: P.Param, value, family: str, module: str = ""):
     if p.kind == "choice":
         choices = [(p.choice_labels.get(c, c), c) for c in p.choices_for(tab)]
         return gr.Dropdown(choices=choices, value=v, allow_custom_value=p.open_choices, **kw)
+    if p.name in SECRET_OPTIONS:  # shown as dots; never written to a file (kohya_gui.secret_options)
+        return gr.Textbox(value=v, type="password", placeholder=f"or set ${SECRET_OPTIONS[p.name]}", **kw)
     placeholder = {"path": "path to a file", "dir": "path to a folder", "list": "key=value key2=value2"}
     return gr.Textbox(value=v, placeholder=placeholder.get(p.kind), **kw)
 
@@ -204,6 +207,8 @@ def build_app() -> gr.Blocks:
             for tab in P.TABS:
                 with gr.Tab(P.TAB_LABELS[tab], id=tab, elem_id=f"tab-{tab}"):
                     forms.append(build_tab(tab)["form"])
+            with gr.Tab("Utilities", id="utilities", elem_id="tab-utilities"):
+                util = utilities.build_tab()
         feedback.restore_on_load(app, forms, tabs)
         with gr.Accordion("Training run", open=True, elem_id="run-panel"):
             progress = gr.HTML(A.progress_html(A.RUNNER.snapshot()), elem_id="run-progress")
@@ -216,6 +221,7 @@ def build_app() -> gr.Blocks:
                                  elem_id="run-samples")
             result = gr.Markdown(elem_id="run-result")
             files = gr.Markdown(elem_id="run-files")
+            utilities.build_lora_shortcuts(tabs, util)  # the result's "resize" / "merge into model"
             log = gr.Textbox(label="Log", lines=14, max_lines=14, autoscroll=True, interactive=False,
                              elem_id="kg-log", buttons=["copy"])
         with gr.Accordion("Queue", open=False, elem_id="run-queue"):
