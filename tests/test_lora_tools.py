@@ -404,3 +404,24 @@ def test_dump_options(tool, capsys):
     assert {"dump_options", "help"}.isdisjoint(names) and entries
     parser = tool.setup_parser()
     assert names == {a.dest for a in parser._actions if a.dest not in ("help", "dump_options")}
+
+
+def test_benchmark_commands_are_valid_tool_command_lines(tmp_path, capsys):
+    """tools/bench_lora_tools.py --dry_run: the command lines it would time (ours and upstream's) parse with the
+    tools' own parsers (the same options upstream's take, plus --overwrite for ours)."""
+    import importlib.util
+    import shlex
+
+    spec = importlib.util.spec_from_file_location("bench_lora_tools", REPO / "tools" / "bench_lora_tools.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--work_dir", str(tmp_path), "--dry_run", "--upstream", "/opt/sd-scripts"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert len(lines) == 10
+    by_name = {t.__name__.split(".")[-1]: t for t in TOOLS}
+    for line in lines:
+        who, rest = line.split("] ", 1)
+        argv = shlex.split(rest.split(": ", 1)[1])
+        script = argv[1].rsplit("/", 1)[1][:-3]
+        assert argv[1].startswith("/opt/sd-scripts/networks/" if who == "[upstream" else str(REPO))
+        by_name[script].setup_parser().parse_args(argv[2:])
