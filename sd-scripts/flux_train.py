@@ -21,8 +21,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from flux_train_network import FluxNetworkTrainer  # noqa: E402
-from library import (compile_utils, flux_models, flux_train_utils, full_trainer, masks,  # noqa: E402
+from library import (flux_models, flux_train_utils, full_trainer, masks,  # noqa: E402
                      offload_checkpointing, optimizers, safetensors_io, saving, train_util)
+from library.compile import options as compile_options, regional  # noqa: E402
 from library.full_trainer import FullTrainer  # noqa: E402
 from library.train_util import ConfigError  # noqa: E402
 
@@ -126,12 +127,12 @@ class FluxTrainer(FullTrainer, FluxNetworkTrainer):
             self.swapper.synchronize()  # block copies still in flight must land before the weights are read
         if args.mem_eff_save:
             # one BFL tensor at a time, made from the live weights: no second copy of the model in memory
-            sd = compile_utils.strip_orig_mod(components.transformer.state_dict())
+            sd = regional.strip_orig_mod(components.transformer.state_dict())
             saving.save_safetensors_streaming(path, flux_models.diffusers_to_bfl_entries(sd, save_dtype), metadata,
                                               overwrite=args.overwrite_output)
             return
         sd = {k: v.detach().to("cpu") for k, v in components.transformer.state_dict().items()}
-        bfl = flux_models.diffusers_to_bfl(compile_utils.strip_orig_mod(sd))
+        bfl = flux_models.diffusers_to_bfl(regional.strip_orig_mod(sd))
         if save_dtype is not None:
             bfl = {k: v.to(save_dtype) for k, v in bfl.items()}
         train_util.save_safetensors_atomic(bfl, path, metadata, overwrite=args.overwrite_output)
@@ -168,7 +169,7 @@ def setup_parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip_latents_validity_check", action="store_true",
                         help="[deprecated] the same as --skip_cache_check")
     masks.add_masked_loss_arguments(parser)
-    compile_utils.add_compile_arguments(parser)
+    compile_options.add_compile_arguments(parser)
     safetensors_io.add_mmap_argument(parser)
     offload_checkpointing.add_cpu_offload_checkpointing_argument(parser)
     for name in ("double_blocks_to_swap", "single_blocks_to_swap"):

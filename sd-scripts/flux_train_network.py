@@ -19,8 +19,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from library import (compile_utils, flux_models, flux_train_utils, network_trainer,  # noqa: E402
+from library import (flux_models, flux_train_utils, network_trainer,  # noqa: E402
                      offload_checkpointing, safetensors_io)
+from library.compile import environment as compile_environment, options as compile_options, regional  # noqa: E402
 from library.network_trainer import NetworkTrainer  # noqa: E402
 from library.train_util import ConfigError  # noqa: E402
 from library import te_cache  # noqa: E402
@@ -67,7 +68,7 @@ class FluxNetworkTrainer(NetworkTrainer):
                 args.blocks_to_swap = 18
         offload_checkpointing.check_args(args, ConfigError)
         flux_train_utils.check_flux_args(args, ConfigError)
-        compile_utils.validate_compile_args(args)
+        compile_options.validate_compile_args(args)
 
     def load_target_model(self, args, accelerator, weight_dtype):
         try:
@@ -139,9 +140,9 @@ class FluxNetworkTrainer(NetworkTrainer):
             raise ConfigError(str(e)) from e
 
     def prepare_unet_with_accelerator(self, args, accelerator, components) -> None:
-        compile_utils.setup_compile_environment(args)
+        compile_environment.setup_compile_environment(args)
         if args.compile:
-            self.compiled_blocks = compile_utils.compile_model_blocks(
+            self.compiled_blocks = regional.compile_model_blocks(
                 components.transformer, args, model_name=self.model_label,
                 gradient_checkpointing=args.gradient_checkpointing, disable_linear=(args.blocks_to_swap or 0) > 0,
                 offload_checkpointing=offload_checkpointing.enabled(args))
@@ -163,7 +164,7 @@ class FluxNetworkTrainer(NetworkTrainer):
         return None if components is None else "schnell" if components.is_schnell else "dev"
 
     def update_metadata(self, metadata: dict, args) -> None:
-        metadata.update(compile_utils.compile_settings_metadata(args))
+        metadata.update(compile_options.compile_settings_metadata(args))
         metadata.update({
             "ss_model_type": str(getattr(args, "model_type", "flux")),  # upstream's --model_type (flux/chroma)
             "ss_guidance_scale": str(args.guidance_scale),
@@ -192,7 +193,7 @@ def _network_arg_true(args, key: str) -> bool:
 def setup_parser() -> argparse.ArgumentParser:
     parser = network_trainer.setup_parser()
     flux_train_utils.add_flux_arguments(parser)
-    compile_utils.add_compile_arguments(parser)
+    compile_options.add_compile_arguments(parser)
     safetensors_io.add_mmap_argument(parser)
     parser.add_argument("--split_mode", action="store_true",
                         help="deprecated upstream: same as --blocks_to_swap 18 (ignored when --blocks_to_swap is set)")

@@ -21,7 +21,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from library import compile_utils, full_trainer, masks, safetensors_io  # noqa: E402
+from library import full_trainer, masks, safetensors_io  # noqa: E402
+from library.compile import options as compile_options  # noqa: E402
 from library.full_trainer import FullTrainer  # noqa: E402
 from library.train_util import ConfigError  # noqa: E402
 from sdxl_train_network import SDXLNetworkTrainer  # noqa: E402
@@ -118,7 +119,7 @@ def setup_parser() -> argparse.ArgumentParser:
                              "(0 = the block is not trained)")
     full_trainer.add_fused_optimizer_groups_argument(parser)
     masks.add_masked_loss_arguments(parser)
-    compile_utils.add_compile_arguments(parser)
+    compile_options.add_compile_arguments(parser)
     safetensors_io.add_mmap_argument(parser)
     full_trainer.add_diffusers_xformers_argument(parser)
     return parser

@@ -18,7 +18,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from library import compile_utils, network_trainer, safetensors_io, te_cache  # noqa: E402
+from library import network_trainer, safetensors_io, te_cache  # noqa: E402
+from library.compile import options as compile_options  # noqa: E402
 from library.captions import weighted_for  # noqa: E402
 from library.network_trainer import NetworkTrainer, encode_clip  # noqa: E402
 from library.train_util import ConfigError  # noqa: E402
@@ -41,7 +42,7 @@ class SDXLNetworkTrainer(NetworkTrainer):
             raise ConfigError("--v2 is for SD2.x models; sdxl_train_network.py trains SDXL (drop --v2)")
         if args.clip_skip:
             logger.warning("--clip_skip is ignored for SDXL (it always uses the penultimate layers)")
-        compile_utils.validate_compile_args(args)
+        compile_options.validate_compile_args(args)
 
     def encode_prompts(self, args, components, captions, with_grad=False) -> dict:
         (te1, te2), (tok1, tok2) = components.text_encoders, components.tokenizers
@@ -88,14 +89,14 @@ class SDXLNetworkTrainer(NetworkTrainer):
         return "sdxl_base_v1-0"
 
     def update_metadata(self, metadata: dict, args) -> None:
-        metadata.update(compile_utils.compile_settings_metadata(args))
+        metadata.update(compile_options.compile_settings_metadata(args))
         if self.compiled_blocks:
             metadata["ss_compile_blocks"] = str(self.compiled_blocks)
 
 
 def setup_parser() -> argparse.ArgumentParser:
     parser = network_trainer.setup_parser()
-    compile_utils.add_compile_arguments(parser)
+    compile_options.add_compile_arguments(parser)
     safetensors_io.add_mmap_argument(parser)
     return parser
 

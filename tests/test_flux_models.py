@@ -15,7 +15,8 @@ import logging
 import pytest
 import torch
 
-from library import block_swap, compile_utils, flux_models, flux_tiny, flux_train_utils
+from library import block_swap, flux_models, flux_tiny, flux_train_utils
+from library.compile import options as compile_options, regional
 from networks import lora_flux
 
 
@@ -271,9 +272,9 @@ def _swap_run(compiled: bool, swap: int, checkpointing: bool):
             b.register_forward_pre_hook(check(i))
     if compiled:
         p = argparse.ArgumentParser()
-        compile_utils.add_compile_arguments(p)
+        compile_options.add_compile_arguments(p)
         args = p.parse_args(["--compile", "--compile_backend", "aot_eager"])
-        compile_utils.compile_model_blocks(t, args, model_name="FLUX", gradient_checkpointing=checkpointing,
+        regional.compile_model_blocks(t, args, model_name="FLUX", gradient_checkpointing=checkpointing,
                                            disable_linear=swap > 0)
     losses, grads = [], None
     for step in range(2):  # the second step starts from the placement the first one left

@@ -378,3 +378,30 @@ def test_flux_huber_threshold_uses_sigma_times_1000():
     args = ns(loss_type="huber", huber_schedule="exponential", huber_c=0.2, huber_scale=2.0)
     got = flux_train_network.FluxNetworkTrainer().huber_threshold(args, sigmas, None)
     assert torch.allclose(got, 0.2 ** sigmas * 2.0, rtol=1e-5)
+
+
+def test_diffusers_folder_with_v_prediction_scheduler_trains_v_and_parity_says_so(tmp_path, tiny_sd1_diffusers):
+    """Issue 24 bug 5: upstream trains such a folder as epsilon unless --v_parameterization; we train it as
+    v-prediction (a v-model trained on epsilon targets is wrecked), and docs/PARITY.md says so."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from library import parity
+    from library.model_util import load_sd_components
+
+    folder = tmp_path / "v_model"
+    shutil.copytree(tiny_sd1_diffusers, folder)
+    config = folder / "scheduler" / "scheduler_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "prediction_type": "v_prediction"}))
+    tokenizers = Path(tiny_sd1_diffusers).parent / "tokenizers"
+    comps = load_sd_components(str(folder), "sd1", tokenizer_cache_dir=str(tokenizers))
+    assert comps.prediction_type == "v_prediction"
+    trainer = NetworkTrainer()
+    args = ns(v_parameterization=False, v_pred_like_loss=None)
+    trainer.use_prediction_type(args, trainer.prediction_type(args, comps))
+    assert args.v_parameterization is True
+    reason = parity.DIFFERENT["v_parameterization"].reason
+    assert "v_prediction" in reason and "upstream trains it as epsilon" in reason
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "PARITY.md").read_text(encoding="utf-8")
+    assert f"| `--v_parameterization` | different | {reason} |" in docs

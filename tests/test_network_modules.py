@@ -104,10 +104,10 @@ def test_dylora_trains_one_rank_unit_and_keeps_lora_math(tiny_sd1):
         drawn.add(r)
     assert len(drawn) > 1
     # in a compiled block: the same output and rank slice (the LoRA term runs eagerly), and the log says so
-    from library import compile_utils
+    from library.compile import regional
 
     block = nn.Sequential(layer, nn.GELU())
-    assert compile_utils.adapter_kinds(block) == {"DyLoRAModule eager: a graph break each": 1}
+    assert regional.adapter_kinds(block) == {"DyLoRAModule eager: a graph break each": 1}
     compiled = torch.compile(block, backend="eager")
     torch.manual_seed(7)
     eager_out = block(x)

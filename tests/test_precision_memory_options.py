@@ -2,7 +2,7 @@
 
 --fp8_base / --fp8_base_unet (library.precision), --fp16_master_weights_and_gradients, --cpu_offload_checkpointing
 (library.offload_checkpointing), --disable_mmap_load_safetensors (library.safetensors_io), --torch_compile /
---dynamo_backend (compile_utils.apply_torch_compile_alias), --diffusers_xformers, and the FLUX options --model_type,
+--dynamo_backend (library.compile.options.apply_torch_compile_alias), --diffusers_xformers, and the FLUX options --model_type,
 --split_mode, --double_blocks_to_swap / --single_blocks_to_swap, --controlnet_model_name_or_path.
 One tiny end-to-end SDXL LoRA run combines them (slow)."""
 from __future__ import annotations
@@ -20,8 +20,9 @@ import flux_train_network
 import sdxl_train
 import sdxl_train_network
 import train_network
-from library import compile_utils, offload_checkpointing, precision, safetensors_io, train_util
-from library.compile_utils import CompileConfigError
+from library import offload_checkpointing, precision, safetensors_io, train_util
+from library.compile import options as compile_options, regional
+from library.compile.options import CompileConfigError
 from library.train_util import ConfigError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -144,12 +145,12 @@ def test_torch_compile_maps_to_regional_compile(caplog):
     args = parse(sdxl_train_network, ["--torch_compile", "--dynamo_backend", "aot_eager"])
     assert not args.compile
     with caplog.at_level(logging.INFO):
-        compile_utils.apply_torch_compile_alias(args)
+        compile_options.apply_torch_compile_alias(args)
     assert args.compile and args.compile_backend == "aot_eager"
     assert ("--torch_compile/--dynamo_backend aot_eager: using regional compilation "
             "(--compile --compile_backend aot_eager)") in caplog.messages
     args = parse(flux_train, ["--torch_compile"])  # upstream's default backend
-    compile_utils.apply_torch_compile_alias(args)
+    compile_options.apply_torch_compile_alias(args)
     assert args.compile and args.compile_backend == "inductor"
 
 
@@ -159,39 +160,39 @@ def test_dynamo_backend_no_from_the_kohya_gui_is_a_quiet_no_op(tmp_path, caplog)
     for script in (sdxl_train_network, train_network, flux_train):
         args = parse(script, ["--config_file", str(cfg)])
         with caplog.at_level(logging.INFO):
-            compile_utils.apply_torch_compile_alias(args)
-        assert compile_utils.compile_args(args) is None or not args.compile
+            compile_options.apply_torch_compile_alias(args)
+        assert compile_options.compile_args(args) is None or not args.compile
     assert "regional" not in caplog.text
     args = parse(sdxl_train_network, ["--dynamo_backend", "NO"])
     assert args.dynamo_backend == "NO"
     # upstream's choices are the listed ones; an unknown one is refused by argparse
     action = next(a for a in sdxl_train_network.setup_parser()._actions if a.dest == "dynamo_backend")
-    assert list(action.choices) == list(compile_utils.DYNAMO_BACKENDS) and action.default == "inductor"
+    assert list(action.choices) == list(compile_options.DYNAMO_BACKENDS) and action.default == "inductor"
     with pytest.raises(SystemExit):
         parse(sdxl_train_network, ["--dynamo_backend", "bogus"])
 
 
 def test_dynamo_backend_without_torch_compile_changes_nothing():
     args = parse(sdxl_train_network, ["--dynamo_backend", "aot_eager"])
-    compile_utils.apply_torch_compile_alias(args)
+    compile_options.apply_torch_compile_alias(args)
     assert not args.compile and args.compile_backend == "inductor"
 
 
 def test_unavailable_dynamo_backend_is_a_clear_error():
     args = parse(sdxl_train_network, ["--torch_compile", "--dynamo_backend", "tvm"])
     with pytest.raises(CompileConfigError, match="--dynamo_backend tvm: not available .* use one of inductor"):
-        compile_utils.apply_torch_compile_alias(args)
+        compile_options.apply_torch_compile_alias(args)
 
 
 def test_torch_compile_gives_sd1_scripts_regional_compile(tiny_sd1_single_file, caplog):
     from library.model_util import load_sd_components
 
     args = parse(train_network, ["--torch_compile", "--dynamo_backend", "eager"])
-    compile_utils.apply_torch_compile_alias(args)
+    compile_options.apply_torch_compile_alias(args)
     assert not hasattr(args, "compile")  # the SD1.x scripts have no --compile flags ...
     keys = {line.split("=")[0].strip() for line in train_util.dumps_config(args).splitlines() if "=" in line}
     assert "torch_compile" in keys and not keys & {"compile", "compile_backend"}  # ... nor does their run TOML
-    cargs = compile_utils.compile_args(args)
+    cargs = compile_options.compile_args(args)
     assert cargs.compile and cargs.compile_backend == "eager" and cargs.compile_mode == "default"
     comps = load_sd_components(str(tiny_sd1_single_file), "sd1",
                                tokenizer_cache_dir=str(tiny_sd1_single_file.parent / "tokenizers"))
@@ -202,7 +203,7 @@ def test_torch_compile_gives_sd1_scripts_regional_compile(tiny_sd1_single_file, 
     assert trainer.compiled_blocks == n > 0
     assert f"Compiled {n} blocks of UNet (BasicTransformerBlock)" in caplog.text
     plain = parse(train_network, [])
-    assert compile_utils.compile_args(plain) is None
+    assert compile_options.compile_args(plain) is None
 
 
 # ---------------------------------------------------------------------------------------------- cpu offload
@@ -251,13 +252,13 @@ def test_cpu_offload_checkpointing_around_compiled_blocks():
     offload_checkpointing.enable(comp)
     args = argparse.Namespace(compile=True, compile_backend="aot_eager", compile_mode="default",
                               compile_dynamic="auto", compile_fullgraph=False)
-    n = compile_utils.compile_model_blocks(comp, args, model_name="SDXL UNet", gradient_checkpointing=True,
+    n = regional.compile_model_blocks(comp, args, model_name="SDXL UNet", gradient_checkpointing=True,
                                            offload_checkpointing=True)
     assert n == 7
     # the offloading checkpoint stays around the blocks; nothing is checkpointed inside the compiled region
     t2d = [m for m in comp.modules() if type(m).__name__ == "Transformer2DModel"]
     assert all(m.gradient_checkpointing for m in t2d)
-    assert not any(hasattr(b, "_forward_inside_checkpoint") for b in compile_utils.find_repeated_blocks(comp))
+    assert not any(hasattr(b, "_forward_inside_checkpoint") for b in regional.find_repeated_blocks(comp))
     _assert_same(ref, _unet_step(comp, network=net_comp))
 
 
@@ -265,9 +266,9 @@ def test_cpu_offload_checkpointing_refusals():
     args = parse(sdxl_train_network, ["--cpu_offload_checkpointing", "--gradient_checkpointing", "--compile",
                                       "--compile_mode", "reduce-overhead"])
     with pytest.raises(CompileConfigError, match="--cpu_offload_checkpointing .*--compile_mode reduce-overhead"):
-        compile_utils.validate_compile_args(args)
+        compile_options.validate_compile_args(args)
     args.compile_mode = "max-autotune-no-cudagraphs"
-    compile_utils.validate_compile_args(args)  # fine without CUDA graphs
+    compile_options.validate_compile_args(args)  # fine without CUDA graphs
     args = parse(flux_train_network, ["--cpu_offload_checkpointing", "--blocks_to_swap", "2"])
     with pytest.raises(ConfigError, match="--cpu_offload_checkpointing cannot be used with --blocks_to_swap 2"):
         flux_train_network.FluxNetworkTrainer().assert_extra_args(args)
@@ -327,7 +328,7 @@ def test_cpu_offload_checkpointing_frees_gpu_activations():
     comp.train()
     cargs = argparse.Namespace(compile=True, compile_backend="inductor", compile_mode="default",
                                compile_dynamic="false", compile_fullgraph=False)
-    compile_utils.compile_model_blocks(comp, cargs, model_name="UNet", gradient_checkpointing=True,
+    regional.compile_model_blocks(comp, cargs, model_name="UNet", gradient_checkpointing=True,
                                        offload_checkpointing=True)
     held_comp, grad_comp = held_after_forward(comp)
     torch.testing.assert_close(grad_comp, grad_plain, atol=1e-3, rtol=1e-2)

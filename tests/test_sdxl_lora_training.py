@@ -126,7 +126,7 @@ def test_sdxl_eager_subprocess_from_config_file(tmp_path, tiny_sdxl_single_file,
 
 def test_sdxl_compile_aot_eager(tmp_path, tiny_sdxl_single_file, tiny_dataset_dir, caplog, monkeypatch):
     import sdxl_train_network
-    from library import compile_utils
+    from library.compile import graphs as compile_graphs
 
     caplog.set_level(logging.INFO)
     argv = base_argv(tiny_sdxl_single_file, tmp_path, tiny_dataset_dir, "compiled",
@@ -137,7 +137,7 @@ def test_sdxl_compile_aot_eager(tmp_path, tiny_sdxl_single_file, tiny_dataset_di
     from library import network_trainer
 
     marks, micro_steps = [], []
-    monkeypatch.setattr(compile_utils, "mark_step_begin", lambda a: marks.append(len(micro_steps)))
+    monkeypatch.setattr(compile_graphs, "mark_step_begin", lambda a: marks.append(len(micro_steps)))
     step = trainer.training_step
     monkeypatch.setattr(trainer, "training_step", lambda *a, **k: micro_steps.append(1) or step(*a, **k))
     path = network_trainer.run(trainer, sdxl_train_network.setup_parser(), argv)
@@ -264,7 +264,7 @@ def test_missing_optional_optimizer_package(tmp_path, tiny_dataset_dir, monkeypa
 
 
 def test_bad_compile_settings_refused(tmp_path, tiny_dataset_dir):
-    from library.compile_utils import CompileConfigError
+    from library.compile.options import CompileConfigError
 
     with pytest.raises(CompileConfigError, match="--compile_mode reduce-overhead"):
         _train(base_argv(tmp_path / "missing.safetensors", tmp_path / "out", tiny_dataset_dir, "x",
@@ -329,3 +329,28 @@ def test_cli_error_exits_cleanly(tmp_path, tiny_dataset_dir, capsys):
         sdxl_train_network.main(["--config_file", str(cfg)])
     assert e.value.code == 2
     assert "unknown key 'network_dimm' (did you mean 'network_dim'?)" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_min_timestep_equal_to_max_timestep_trains_at_that_timestep(tmp_path, tiny_sdxl_single_file,
+                                                                     tiny_dataset_dir, monkeypatch):
+    """Issue 24 bug 1: `--min_timestep 300 --max_timestep 300` trains every step at t=300, as upstream and
+    library.noise accept it (train_util refused it with a second, different check)."""
+    import sdxl_train_network
+    from library import network_trainer, noise
+
+    seen = []
+    real = noise.sample_timesteps
+
+    def recording(*a, **k):
+        t = real(*a, **k)
+        seen.append(t.tolist())
+        return t
+
+    monkeypatch.setattr(noise, "sample_timesteps", recording)
+    out = network_trainer.run(sdxl_train_network.SDXLNetworkTrainer(), sdxl_train_network.setup_parser(),
+                              base_argv(tiny_sdxl_single_file, tmp_path, tiny_dataset_dir, "t300", steps=2,
+                                        extra=["--network_train_unet_only", "--min_timestep", "300",
+                                               "--max_timestep", "300"]))
+    assert Path(out).is_file()
+    assert seen and all(t == 300 for step in seen for t in step)

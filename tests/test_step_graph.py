@@ -1,4 +1,4 @@
-"""--cuda_graph_step (library.step_graph): which runs may use it, and how steps go from ordinary runs to a captured
+"""--cuda_graph_step (library.compile.step_graph, library.compile.graphs): which runs may use it, and how steps go from ordinary runs to a captured
 graph's replays. CUDA graphs need a GPU: here a stand-in capture re-runs the captured step on each replay (with the
 batch tensors the real graph reads), so the bookkeeping around it is what is tested; the GPU check that the real
 graph trains like the ordinary step is tools/benchmark_compile_suite.sh step_graph (docs/BENCHMARKS.md)."""
@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from library import step_graph
+from library.compile import graphs as compile_graphs, step_graph
 from library.train_util import ConfigError
 
 
@@ -38,11 +38,11 @@ def _args(**kw):
 def test_settings_it_cannot_follow_are_refused_by_name(change, expected, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(ConfigError) as e:
-        step_graph.check_args(_args(**change), ConfigError)
+        compile_graphs.check_args(_args(**change), ConfigError)
     assert str(e.value).startswith("--cuda_graph_step ") and expected in str(e.value)
     assert "drop --cuda_graph_step" in str(e.value)
-    step_graph.check_args(_args(), ConfigError)  # the same run without that setting passes
-    step_graph.check_args(_args(cuda_graph_step=False, **change), ConfigError)  # and without the flag
+    compile_graphs.check_args(_args(), ConfigError)  # the same run without that setting passes
+    compile_graphs.check_args(_args(cuda_graph_step=False, **change), ConfigError)  # and without the flag
 
 
 def test_the_trainer_refuses_it_with_exit_2_before_loading_a_model(tmp_path, capsys, monkeypatch,
@@ -67,13 +67,14 @@ def test_the_trainer_refuses_it_with_exit_2_before_loading_a_model(tmp_path, cap
 
 
 def test_blocks_compile_without_their_own_cuda_graphs_under_it():
-    assert step_graph.block_compile_mode(_args()) == "default"
-    assert step_graph.block_compile_mode(_args(compile_mode="max-autotune")) == "max-autotune-no-cudagraphs"
-    assert step_graph.block_compile_mode(_args(cuda_graph_step=False)) == "reduce-overhead"
-    from library import compile_utils
-
-    assert not compile_utils.uses_cuda_graphs(_args())
-    assert compile_utils.uses_cuda_graphs(_args(cuda_graph_step=False))
+    assert compile_graphs.block_compile_mode(_args()) == "default"
+    assert compile_graphs.block_compile_mode(_args(compile_mode="max-autotune")) == "max-autotune-no-cudagraphs"
+    assert compile_graphs.block_compile_mode(_args(cuda_graph_step=False)) == "reduce-overhead"
+    assert compile_graphs.cuda_graphs(_args()) == "step"
+    assert compile_graphs.cuda_graphs(_args(cuda_graph_step=False)) == "blocks"
+    assert compile_graphs.cuda_graphs(_args(cuda_graph_step=False, compile_mode="default")) is None
+    assert compile_graphs.cuda_graphs(_args(compile=False)) == "step"  # the step graph needs no compile
+    assert compile_graphs.cuda_graphs(None) is None
 
 
 def _batch(value: float, size: int = 4, multiplier: float = 1.0, **extra) -> dict:
@@ -136,7 +137,7 @@ class _Trainer:
 def test_each_shape_warms_up_then_replays_its_graph_with_the_new_batch_and_learning_rate(caplog):
     t = _Trainer()
     graphs = step_graph.StepGraphs([t.optimizer], "cpu", capture=t.capture)
-    with caplog.at_level(logging.INFO, logger="library.step_graph"):
+    with caplog.at_level(logging.INFO, logger="library.compile.step_graph"):
         for i in range(step_graph.WARMUP):
             graphs.step(_batch(float(i)), t.run_step)
             assert all(p.grad is None for p in t.model.parameters())  # ordinary steps end with zero_grad
@@ -172,7 +173,7 @@ def test_no_more_than_limit_graphs(monkeypatch, caplog):
     monkeypatch.setattr(step_graph, "LIMIT", 1)
     t = _Trainer()
     graphs = step_graph.StepGraphs([t.optimizer], "cpu", capture=t.capture)
-    with caplog.at_level(logging.INFO, logger="library.step_graph"):
+    with caplog.at_level(logging.INFO, logger="library.compile.step_graph"):
         for size in (4, 8):
             for _ in range(step_graph.WARMUP + 2):
                 graphs.step(_batch(1.0, size=size), t.run_step)
@@ -183,7 +184,7 @@ def test_no_more_than_limit_graphs(monkeypatch, caplog):
 def test_a_step_that_cannot_be_captured_runs_the_ordinary_way_and_the_run_goes_on(caplog):
     t = _Trainer(fail_capture=True)
     graphs = step_graph.StepGraphs([t.optimizer], "cpu", capture=t.capture)
-    with caplog.at_level(logging.WARNING, logger="library.step_graph"):
+    with caplog.at_level(logging.WARNING, logger="library.compile.step_graph"):
         for i in range(step_graph.WARMUP + 3):
             loss = graphs.step(_batch(float(i)), t.run_step)
             assert loss.grad_fn is None and loss.item() > 0  # detached: no autograd node outlives the step

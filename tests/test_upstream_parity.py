@@ -47,6 +47,13 @@ def test_every_upstream_option_parses_as_upstream(script, upstream, parsers):
     assert not bad, f"{script}.py differs from upstream:\n" + "\n".join(bad)
 
 
+@needs_upstream
+def test_tool_scripts_parse_as_upstream():
+    """The captioning, dataset and LoRA tools (parity.TOOLS) against upstream's tables, with their own
+    TOOL_DIFFERENT entries, none of them stale."""
+    assert gen_parity.tool_problems(gen_parity.load_tools()) == []
+
+
 @pytest.mark.parametrize("script", parity.SCRIPTS)
 def test_help_renders(script, parsers):
     """--help formats every option's help (a stray '%' in a help text breaks argparse's --help)."""
@@ -58,44 +65,32 @@ def test_exception_tables_are_not_stale(upstream, parsers):
     assert gen_parity.table_problems(upstream, parsers) == []
 
 
-# -- the LoRA tool scripts (sd-scripts/networks/*.py) -----------------------------------------------------------
+# -- the tool scripts (parity.TOOLS) --------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tool_upstream():
-    return gen_parity.load_tool_upstream()
-
-
-@pytest.fixture(scope="module")
-def tool_parsers():
-    return gen_parity.load_tool_parsers()
+def tools():
+    return gen_parity.load_tools()
 
 
 @needs_upstream
-@pytest.mark.parametrize("tool", list(parity.LORA_TOOL_SCRIPTS))
-def test_every_upstream_tool_option_parses_as_upstream(tool, tool_upstream, tool_parsers):
-    rows = gen_parity.tool_rows(tool_upstream, tool_parsers)[tool]
-    bad = [f"--{r.option}: {r.status}: {r.note}" for r in rows if r.status in (gen_parity.MISSING,
-                                                                               gen_parity.DIFFERS)]
-    assert not bad, f"{tool} differs from upstream:\n" + "\n".join(bad)
-    assert rows, f"{tool}: no upstream options compared"
-
-
-@pytest.mark.parametrize("tool", list(parity.LORA_TOOL_SCRIPTS))
-def test_tool_help_renders(tool, tool_parsers):
-    assert "--dump_options" in tool_parsers[tool].format_help()
+@pytest.mark.parametrize("table", list(parity.TOOLS))
+def test_every_upstream_tool_option_is_compared(table, tools):
+    upstream_options, _parser = tools[table]
+    rows = gen_parity.tool_rows({table: tools[table]})[table]
+    assert rows and len(rows) == len(upstream_options), f"{table}: upstream options not all compared"
 
 
 @needs_upstream
-def test_tool_exception_tables_are_not_stale(tool_upstream, tool_parsers):
-    assert gen_parity.tool_table_problems(tool_upstream, tool_parsers) == []
-    stale = {"networks__resize_lora": {"no_such_option": parity.Different("x")}}
-    original = parity.LORA_TOOL_DIFFERENT
-    try:
-        parity.LORA_TOOL_DIFFERENT = stale
-        assert gen_parity.tool_table_problems(tool_upstream, tool_parsers) == [
-            "parity.LORA_TOOL_DIFFERENT['networks__resize_lora']: 'no_such_option' is no upstream option of it"]
-    finally:
-        parity.LORA_TOOL_DIFFERENT = original
+@pytest.mark.parametrize("table", list(parity.TOOLS))
+def test_tool_help_renders(table, tools):
+    assert "--dump_options" in tools[table][1].format_help()
+
+
+@needs_upstream
+def test_a_stale_tool_entry_is_reported(tools, monkeypatch):
+    monkeypatch.setitem(parity.TOOL_DIFFERENT, "networks__resize_lora", {"no_such_option": parity.Different("x")})
+    assert gen_parity.tool_problems(tools) == [
+        "parity.TOOL_DIFFERENT['networks__resize_lora']: 'no_such_option' is no upstream option of it"]
 
 
 @needs_upstream

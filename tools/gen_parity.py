@@ -1,5 +1,5 @@
-"""Generates docs/PARITY.md: every kohya-ss/sd-scripts (upstream) option of the seven scripts and of the LoRA tools
-(sd-scripts/networks/*.py) and its status here.
+"""Generates docs/PARITY.md: every kohya-ss/sd-scripts (upstream) option of the seven scripts and of the tool scripts
+(parity.TOOLS: captioning, dataset and LoRA tools) and its status here.
 
     python tools/gen_parity.py            # writes docs/PARITY.md
     python tools/gen_parity.py --check    # exit 1 when docs/PARITY.md is stale or a parser differs unexplained
@@ -61,38 +61,6 @@ def load_parsers() -> dict[str, argparse.ArgumentParser]:
     return {s: importlib.import_module(s).setup_parser() for s in parity.SCRIPTS}
 
 
-def load_tool_upstream(flags_dir: Path = UPSTREAM_FLAGS) -> dict[str, dict[str, dict]]:
-    """The LoRA tools' upstream tables (parity.UPSTREAM_TABLES_BY_HAND for a tool the shared tables lack)."""
-    return {t: parity.UPSTREAM_TABLES_BY_HAND[t] if t in parity.UPSTREAM_TABLES_BY_HAND
-            else json.loads((flags_dir / f"{t}.json").read_text()) for t in parity.LORA_TOOL_SCRIPTS}
-
-
-def load_tool_parsers() -> dict[str, argparse.ArgumentParser]:
-    return {t: importlib.import_module(m).setup_parser() for t, m in parity.LORA_TOOL_SCRIPTS.items()}
-
-
-def tool_rows(tool_upstream: dict, tool_parsers: dict) -> dict[str, list[Row]]:
-    return {t: script_rows(tool_upstream[t], tool_parsers[t], parity.LORA_TOOL_DIFFERENT.get(t, {}))
-            for t in parity.LORA_TOOL_SCRIPTS}
-
-
-def tool_table_problems(tool_upstream: dict, tool_parsers: dict) -> list[str]:
-    """Stale entries of parity.LORA_TOOL_DIFFERENT: a tool or option upstream does not have, declared fields that
-    no longer differ."""
-    problems = []
-    for tool, table in parity.LORA_TOOL_DIFFERENT.items():
-        if tool not in tool_upstream:
-            problems.append(f"parity.LORA_TOOL_DIFFERENT: {tool!r} is no LoRA tool of parity.LORA_TOOL_SCRIPTS")
-            continue
-        for name, spec in table.items():
-            if name not in tool_upstream[tool]:
-                problems.append(f"parity.LORA_TOOL_DIFFERENT[{tool!r}]: {name!r} is no upstream option of it")
-            elif spec.fields and not set(spec.fields) & set(
-                    field_diffs(tool_upstream[tool][name], _ours(tool_parsers[tool], name) or {})):
-                problems.append(f"parity.LORA_TOOL_DIFFERENT[{tool!r}]: {name!r} no longer differs in {spec.fields}")
-    return problems
-
-
 def describe(action: argparse.Action) -> dict:
     """One of our parser's options in the format of upstream's tables (default as repr, choices as str)."""
     t = action.type
@@ -131,7 +99,7 @@ def _fmt_diffs(diffs: dict[str, tuple]) -> str:
 
 def script_rows(upstream: dict[str, dict], parser: argparse.ArgumentParser,
                 different: dict | None = None) -> list[Row]:
-    """The status of every upstream option of one script; `different`: a LoRA tool's own DIFFERENT table (the
+    """The status of every upstream option of one script; `different`: a tool script's own DIFFERENT table (the
     tools have no REFUSED or NOT_YET options)."""
     tool = different is not None
     refused, not_yet = ({}, frozenset()) if tool else (parity.REFUSED, parity.NOT_YET)
@@ -217,7 +185,73 @@ _STATUS_WORD = {SAME: "same", REFUSED: "refused", DIFFERENT: "different", NOT_YE
                 MISSING: "**missing**", DIFFERS: "**differs**"}
 
 
-def render(upstream_all: dict, parsers: dict) -> str:
+# ----------------------------------------------------------------------------------------------------------
+# tool scripts (parity.TOOLS: captioning, dataset and LoRA tools)
+
+
+def load_tools(flags_dir: Path = UPSTREAM_FLAGS) -> dict[str, tuple[dict, argparse.ArgumentParser]]:
+    """table -> (upstream's options, our script's parser); the scripts are loaded from their files. A tool whose
+    parser upstream builds outside setup_parser() has its table in parity.UPSTREAM_TABLES_BY_HAND."""
+    import importlib.util
+
+    out = {}
+    for table, path in parity.TOOLS.items():
+        spec = importlib.util.spec_from_file_location(f"_parity_{table}", SD_SCRIPTS / path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        upstream = parity.UPSTREAM_TABLES_BY_HAND.get(table) or json.loads((flags_dir / f"{table}.json").read_text())
+        out[table] = (upstream, module.setup_parser())
+    return out
+
+
+def tool_rows(tools: dict) -> dict[str, list[Row]]:
+    return {t: script_rows(up, parser, parity.TOOL_DIFFERENT.get(t, {})) for t, (up, parser) in tools.items()}
+
+
+def tool_problems(tools: dict) -> list[str]:
+    """Unexplained differences and stale TOOL_DIFFERENT entries of the tool scripts."""
+    problems = [f"{parity.TOOLS[t]}: --{r.option}: {r.status}: {r.note}" for t, rows in tool_rows(tools).items()
+                for r in rows if r.status in (MISSING, DIFFERS)]
+    for table in sorted(set(parity.TOOL_DIFFERENT) - set(parity.TOOLS)):
+        problems.append(f"parity.TOOL_DIFFERENT: {table!r} is not in parity.TOOLS")
+    for table, entries in parity.TOOL_DIFFERENT.items():
+        if table not in tools:
+            continue
+        up, parser = tools[table]
+        for name, spec in entries.items():
+            if name not in up:
+                problems.append(f"parity.TOOL_DIFFERENT[{table!r}]: {name!r} is no upstream option of it")
+            elif spec.fields and _ours(parser, name) is not None and not (
+                    set(spec.fields) & set(field_diffs(up[name], _ours(parser, name)))):
+                problems.append(f"parity.TOOL_DIFFERENT[{table!r}]: {name!r} no longer differs in {spec.fields}")
+    return problems
+
+
+def render_tools(tools: dict) -> list[str]:
+    rows = tool_rows(tools)
+    out = ["", "## Tool scripts", "",
+           "Upstream's captioning, dataset and LoRA tools, with the same file names under `sd-scripts/` "
+           "(differences per script, from `parity.TOOL_DIFFERENT`). Every tool also takes `--dump_options` (its "
+           "options as JSON, for the GUI); the LoRA tools take `--overwrite` (an existing output is replaced only "
+           "with it). `convert_flux_lora.py`'s upstream options come from its source "
+           "(`parity.UPSTREAM_TABLES_BY_HAND`): upstream builds that parser outside `setup_parser()`.", "",
+           "| script | upstream options | same | different |", "|---|---|---|---|"]
+    for t, rs in rows.items():
+        out.append(f"| `{parity.TOOLS[t]}` | {len(rs)} | {sum(r.status == SAME for r in rs)} | "
+                   f"{sum(r.status == DIFFERENT for r in rs)} |")
+    for t, rs in rows.items():
+        out += ["", f"### {parity.TOOLS[t]}", "", "| option | status | note |", "|---|---|---|"]
+        out += [f"| `--{r.option}` | {_STATUS_WORD[r.status]} | {r.note.replace('|', chr(92) + '|')} |" for r in rs]
+        up, parser = tools[t]
+        extra = sorted(a.option_strings[0] for a in parser._actions
+                       if a.option_strings and a.dest != "help" and a.dest not in up)
+        if extra:
+            out += ["", "Options only here: " + ", ".join(f"`{o}`" for o in extra) + "."]
+    return out
+
+
+def render(upstream_all: dict, parsers: dict, tools: dict | None = None) -> str:
+    tools = load_tools() if tools is None else tools
     rows = all_rows(upstream_all, parsers)
     out = [
         "# Option parity with kohya-ss/sd-scripts",
@@ -248,7 +282,6 @@ def render(upstream_all: dict, parsers: dict) -> str:
                        if a.option_strings and a.dest != "help" and a.dest not in upstream_all[s])
         if extra:
             out += ["", "Options only here: " + ", ".join(f"`{o}`" for o in extra) + "."]
-    out += render_tools(load_tool_upstream(), load_tool_parsers())
     out += ["", "## Config files (`--config_file`)", "",
             "Upstream accepts any key in a config file and ignores the ones that are no option; here an unknown key",
             "stops the run (exit 2, every bad key named in one message with the closest option), except these keys",
@@ -260,29 +293,8 @@ def render(upstream_all: dict, parsers: dict) -> str:
     out += [f"- `{k} = {v!r}` means `{k}` unset ({'the default' if m is None else m})"
             for k, aliases in parity.CONFIG_VALUE_ALIASES.items() for v, m in aliases.items()]
     out += ["- `0` / `1` for an on/off option (e.g. `persistent_data_loader_workers = 1`) mean false / true."]
+    out += render_tools(tools)
     return "\n".join(out) + "\n"
-
-
-def render_tools(tool_upstream: dict, tool_parsers: dict) -> list[str]:
-    rows = tool_rows(tool_upstream, tool_parsers)
-    out = ["", "## LoRA tools (`sd-scripts/networks/`)", "",
-           "Same statuses; every tool also takes `--dump_options` (its options as JSON, for the GUI) and `--overwrite`",
-           "(ours: an existing output is replaced only with it). `convert_flux_lora.py`'s upstream options come from",
-           "its source (`parity.UPSTREAM_TABLES_BY_HAND`): upstream builds that parser outside `setup_parser()`.", "",
-           "| tool | upstream options | same | different |", "|---|---|---|---|"]
-    for t, module in parity.LORA_TOOL_SCRIPTS.items():
-        counts = {st: sum(r.status == st for r in rows[t]) for st in _STATUS_WORD}
-        out.append(f"| `{module.replace('.', '/')}.py` | {len(rows[t])} | {counts[SAME]} | {counts[DIFFERENT]} |")
-    for t, module in parity.LORA_TOOL_SCRIPTS.items():
-        out += ["", f"### {module.split('.')[-1]}.py", "", "| option | status | note |", "|---|---|---|"]
-        for r in rows[t]:
-            note = r.note.replace("|", "\\|")
-            out.append(f"| `--{r.option}` | {_STATUS_WORD[r.status]} | {note} |")
-        extra = sorted(a.option_strings[0] for a in tool_parsers[t]._actions
-                       if a.option_strings and a.dest != "help" and a.dest not in tool_upstream[t])
-        if extra:
-            out += ["", "Options only here: " + ", ".join(f"`{o}`" for o in extra) + "."]
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,14 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     if not a.upstream_flags.is_dir():
         print(f"upstream option tables not found: {a.upstream_flags}", file=sys.stderr)
         return 2
-    upstream_all, parsers = load_upstream(a.upstream_flags), load_parsers()
-    text = render(upstream_all, parsers)
-    problems = table_problems(upstream_all, parsers)
+    upstream_all, parsers, tools = load_upstream(a.upstream_flags), load_parsers(), load_tools(a.upstream_flags)
+    text = render(upstream_all, parsers, tools)
+    problems = table_problems(upstream_all, parsers) + tool_problems(tools)
     for s, rs in all_rows(upstream_all, parsers).items():
-        problems += [f"{s}: --{r.option}: {r.status}: {r.note}" for r in rs if r.status in (MISSING, DIFFERS)]
-    tool_upstream, tool_parsers = load_tool_upstream(a.upstream_flags), load_tool_parsers()
-    problems += tool_table_problems(tool_upstream, tool_parsers)
-    for s, rs in tool_rows(tool_upstream, tool_parsers).items():
         problems += [f"{s}: --{r.option}: {r.status}: {r.note}" for r in rs if r.status in (MISSING, DIFFERS)]
     for p in problems:
         print(p, file=sys.stderr)

@@ -13,14 +13,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from library.compile_utils import strip_orig_mod  # noqa: F401 - the one shared helper; re-exported
+from library import files
+from library.compile.regional import strip_orig_mod  # noqa: F401 - the one shared helper; re-exported
+from library.errors import ModelLoadError  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +49,6 @@ TOKENIZER_SOURCES = {
     "sdxl": [("openai/clip-vit-large-patch14", None), ("laion/CLIP-ViT-bigG-14-laion2B-39B-b160k", None)],
 }
 TOKENIZER_MAX_LENGTH = 77
-
-
-class ModelLoadError(ValueError):
-    """A model path, file or option that cannot be loaded; the message names the file and what to do."""
 
 
 @dataclass
@@ -886,10 +882,6 @@ def _cast(sd: dict, dtype) -> dict:
             for k, v in sd.items()}
 
 
-def _tmp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-
-
 def save_sd_checkpoint(path, comps: SDComponents, *, save_dtype=None, metadata=None, overwrite=False) -> Path:
     """Write the model as one file in the SGM (SDXL) / LDM (SD1/SD2) key layout (.safetensors or .ckpt).
 
@@ -901,21 +893,12 @@ def save_sd_checkpoint(path, comps: SDComponents, *, save_dtype=None, metadata=N
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} already exists; not overwriting it (choose another name, or overwrite=True)")
     sd = _cast(components_to_ldm_state_dict(comps), save_dtype)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_name(path)
-    try:
-        if suffix == ".safetensors":
-            from safetensors.torch import save_file
-
-            meta = {str(k): str(v) for k, v in (metadata or {}).items()}
-            meta.setdefault("format", "pt")
-            save_file(sd, str(tmp), metadata=meta)
-        else:
-            torch.save({"state_dict": sd}, str(tmp))
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    if suffix == ".safetensors":
+        meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+        meta.setdefault("format", "pt")
+        files.save_safetensors(sd, path, meta, overwrite=True)
+    else:
+        files.save_torch({"state_dict": sd}, path, overwrite=True)
     return path
 
 
@@ -952,9 +935,8 @@ def save_sd_diffusers(folder, comps: SDComponents, *, save_dtype=None, overwrite
     folder = Path(folder)
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())) and not overwrite:
         raise FileExistsError(f"{folder} already exists; not overwriting it (choose another name, or overwrite=True)")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_name(folder)
-    try:
+    with files.atomic_target(folder) as tmp:
+        tmp = Path(tmp)
         pipe = make_pipeline(comps)
         pipe.save_config(str(tmp))  # model_index.json
         pipe.scheduler.save_pretrained(str(tmp / "scheduler"))
@@ -978,14 +960,4 @@ def save_sd_diffusers(folder, comps: SDComponents, *, save_dtype=None, overwrite
             cfg["dtype"] = cfg["torch_dtype"] = str(dtype).removeprefix("torch.")  # 5.x and 4.x names
             cfg_path.write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
             comps.tokenizers[i].save_pretrained(str(tmp / ("tokenizer" if i == 0 else "tokenizer_2")))
-        if folder.exists():
-            old = _tmp_name(folder)
-            os.replace(folder, old)
-            os.replace(tmp, folder)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, folder)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return folder

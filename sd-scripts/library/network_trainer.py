@@ -44,22 +44,20 @@ from typing import Any
 
 import torch
 
-from library import (config_util, data_parallel, huggingface_util, losses, masks, network_options, noise,
-                     optimizers, parity, run_requests, saving, schedulers, state_folders, step_graph, stop_signal,
+from library import (config_util, data_parallel, finite_guard, huggingface_util, losses, masks, network_options,
+                     noise, optimizers, parity, run_requests, saving, schedulers, state_folders, stop_signal,
                      train_util, validation)
 from library import metadata as metadata_util
+from library.compile import graphs as compile_graphs
 from library.captions import apply_token_weights, weighted_for, weighted_token_ids
 from library.latent_cache import FAMILY_FORMATS, LatentCacheFormat
 from library.late_loss import LateLosses
+from library.network_options import parse_network_args  # noqa: F401  (re-exported)
 from library.step_timer import StepTimer
 from library.te_cache import TeCacheFormat
-from library.train_util import ConfigError
+from library.errors import ConfigError, TrainingError, UserError  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
-
-
-class TrainingError(RuntimeError):
-    """Something that stops a run with a clear message (not a bug)."""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -95,7 +93,8 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
 
 def base_parser() -> argparse.ArgumentParser:
     """The arguments of every trainer, LoRA and full (models, dataset, training, optimizer, --config_file)."""
-    from library import compile_utils, console_log, option_dump, precision, trackers, validate_only
+    from library import console_log, option_dump, precision, trackers, validate_only
+    from library.compile import options as compile_options
 
     parser = argparse.ArgumentParser(allow_abbrev=False)
     train_util.add_sd_models_arguments(parser)
@@ -115,7 +114,7 @@ def base_parser() -> argparse.ArgumentParser:
     trackers.add_tracker_arguments(parser)
     precision.add_fp8_base_argument(parser)
     precision.add_fp16_master_argument(parser)
-    compile_utils.add_torch_compile_arguments(parser)
+    compile_options.add_torch_compile_arguments(parser)
     validate_only.add_validate_only_argument(parser)
     option_dump.add_dump_options_argument(parser)
     return parser
@@ -132,7 +131,7 @@ def setup_parser() -> argparse.ArgumentParser:
     masks.add_masked_loss_arguments(parser)
     precision.add_fp8_base_unet_argument(parser)
     offload_checkpointing.add_cpu_offload_checkpointing_argument(parser)
-    step_graph.add_arguments(parser)
+    compile_graphs.add_arguments(parser)
     return parser
 
 
@@ -159,7 +158,7 @@ def import_network_module(name: str):
 def save_network_state_dict(network, path: str, dtype, metadata: dict | None, overwrite: bool) -> None:
     """A network's state_dict (``_orig_mod.`` removed, cast to `dtype`) as .safetensors (metadata + hashes) or
     torch file, atomically."""
-    from library.compile_utils import strip_orig_mod
+    from library.compile.regional import strip_orig_mod
 
     sd = {k: v.detach().to("cpu", dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype)
           for k, v in strip_orig_mod(network.state_dict()).items()}
@@ -171,16 +170,6 @@ def save_network_state_dict(network, path: str, dtype, metadata: dict | None, ov
                                            overwrite=overwrite)
     else:
         train_util.save_torch_atomic(sd, path, overwrite=overwrite)
-
-
-def parse_network_args(items: list[str] | None) -> dict[str, str]:
-    out = {}
-    for item in items or []:
-        if "=" not in item:
-            raise ConfigError(f"--network_args: {item!r} must be key=value")
-        k, v = item.split("=", 1)
-        out[k.strip()] = v.strip()
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -435,15 +424,16 @@ class NetworkTrainer:
     def prepare_unet_with_accelerator(self, args, accelerator, components) -> None:
         """After accelerator.prepare: the UNet is frozen and on its device. Regional compilation of its repeated
         blocks with --compile (SDXL) or upstream's --torch_compile (every SD script)."""
-        from library import compile_utils, offload_checkpointing
+        from library import offload_checkpointing
+        from library.compile import environment as compile_environment, options as compile_options, regional
 
-        cargs = compile_utils.compile_args(args)
+        cargs = compile_options.compile_args(args)
         if cargs is None:
             return
-        compile_utils.setup_compile_environment(cargs)
+        compile_environment.setup_compile_environment(cargs)
         if cargs.compile:
-            # compile_utils moves diffusers' checkpointing of these blocks inside the compiled region
-            self.compiled_blocks = compile_utils.compile_model_blocks(
+            # regional compilation moves diffusers' checkpointing of these blocks inside the compiled region
+            self.compiled_blocks = regional.compile_model_blocks(
                 components.unet, cargs, model_name=self.model_label, gradient_checkpointing=args.gradient_checkpointing,
                 offload_checkpointing=offload_checkpointing.enabled(args))
 
@@ -516,7 +506,7 @@ class NetworkTrainer:
         if args.dim_from_weights and not args.network_weights:
             raise ConfigError("--dim_from_weights needs --network_weights")
         network_options.check_network_option_args(args, ConfigError)
-        step_graph.check_args(args, ConfigError)
+        compile_graphs.check_args(args, ConfigError)
         if args.pretrained_model_name_or_path is None:
             raise ConfigError("--pretrained_model_name_or_path is required")
         try:
@@ -546,10 +536,11 @@ class NetworkTrainer:
     def check_common_options(self, args) -> None:
         """Logging, tracker, precision, memory and compile-switch options of every trainer, before the
         script's own checks (which validate the compile settings --torch_compile sets)."""
-        from library import compile_utils, console_log, precision, trackers
+        from library import console_log, precision, trackers
+        from library.compile import options as compile_options
 
         console_log.apply_console_log_args(args)
-        compile_utils.apply_torch_compile_alias(args)
+        compile_options.apply_torch_compile_alias(args)
         trackers.check_tracker_args(args)
         precision.check_precision_args(args)
 
@@ -706,7 +697,7 @@ class NetworkTrainer:
         training_started_at = time.time()
 
         accelerator = self.make_accelerator(args)
-        if step_graph.enabled(args) and accelerator.num_processes > 1:
+        if compile_graphs.cuda_graphs(args) == "step" and accelerator.num_processes > 1:
             raise ConfigError(f"--cuda_graph_step runs on one GPU; this run has {accelerator.num_processes} "
                               "processes: drop --cuda_graph_step or train on one GPU")
         if accelerator.is_main_process and not args.no_metadata:  # the one that saves (save_lora) needs the hashes
@@ -822,7 +813,7 @@ class NetworkTrainer:
         accelerator.register_for_checkpointing(state)  # last: state_folders.resumed_position reads it so
         if args.resume:
             logger.info("resuming from %s", args.resume)
-            accelerator.load_state(huggingface_util.resume_state_dir(args))
+            state_folders.load_state(accelerator, huggingface_util.resume_state_dir(args))  # one line on a mismatch
             optimizer_train()  # a schedule-free optimizer's state was saved in eval mode
             logger.info("resumed at step %d (epoch %d)", state.global_step, state.epoch)
 
@@ -853,18 +844,18 @@ class NetworkTrainer:
         sample_kwargs = dict(components=components, accelerator=accelerator, models=trainable.models,
                              prediction_type=prediction_type)
         fused = self.steps_in_backward(args)
-        from library import compile_utils
+        from library.compile import options as compile_options, regional, step_graph
 
-        compiled = compile_utils.compile_args(args)
-        shape_log = compile_utils.ShapeLog(compiled) if compiled is not None and compiled.compile else None
+        compiled = compile_options.compile_args(args)
+        shape_log = regional.ShapeLog(compiled) if compiled is not None and compiled.compile else None
 
         if args.sample_at_first:
             self.sample_images(args, epoch=None, steps=global_step, **sample_kwargs)
 
         last_loss = avr_loss = float("nan")
         # with compile on, the timer tells each input shape's setup steps (compile, graph recording) from the rest
-        setup_steps = step_graph.WARMUP + 1 if step_graph.enabled(args) else \
-            2 if compile_utils.uses_cuda_graphs(compiled) else 1
+        setup_steps = step_graph.WARMUP + 1 if compile_graphs.cuda_graphs(args) == "step" else \
+            2 if compile_graphs.cuda_graphs(compiled) == "blocks" else 1
         timer = StepTimer(global_step, setup_steps_per_shape=setup_steps)
         on_gpu = device.type == "cuda"
         if on_gpu:
@@ -872,7 +863,7 @@ class NetworkTrainer:
         step_shapes: list = []  # input shapes of the micro-steps of the step in progress
         late = LateLosses(device)
         graphs = step_graph.StepGraphs(self.optimizers, device, [self.noise_generator]) \
-            if step_graph.enabled(args) else None
+            if compile_graphs.cuda_graphs(args) == "step" else None
 
         def run_step(batch):
             """Forward to optimizer step (no zero_grad): what a step graph captures."""
@@ -892,6 +883,7 @@ class NetworkTrainer:
             """Progress line, progress bar and tracker logs of finished steps whose losses are now read."""
             nonlocal last_loss, avr_loss
             for (step, step_epoch, lr, postfix, logs), values in ready:
+                finite_guard.check_losses(args, step, values)  # a NaN / inf loss: stop, no save (issue 26)
                 losses.extend(values)
                 self.losses = losses
                 last_loss = values[-1]
@@ -933,14 +925,14 @@ class NetworkTrainer:
                 if train_text_encoder and not self.keep_training_text_encoder(args, global_step):
                     train_text_encoder = False
                 self.on_step_start(args)
-                if compile_utils.opens_accumulation_window(accelerator.step, args.gradient_accumulation_steps):
-                    compile_utils.mark_step_begin(compiled)  # once per optimizer step (CUDA graphs)
+                if compile_graphs.opens_accumulation_window(accelerator.step, args.gradient_accumulation_steps):
+                    compile_graphs.mark_step_begin(compiled)  # once per optimizer step (CUDA graphs)
                 if shape_log is not None:
                     shape_log.see(batch, global_step + 1)
                     step_shapes.append(shape_log.shape_of(batch))
                 set_network_multiplier(trainable.models, batch)
                 with accelerator.accumulate(*trainable.models):
-                    if graphs is not None:  # a replay of the step's graph once captured (library.step_graph)
+                    if graphs is not None:  # a replay of the step's graph once captured (library.compile.step_graph)
                         loss = graphs.step(batch, run_step)
                     else:
                         loss = run_step(batch)
@@ -1052,11 +1044,11 @@ class NetworkTrainer:
                         device, models) -> float:
         """One validation pass (library.validation): the training step's loss at each fixed timestep, without
         gradients (text encoders too), `models` in eval mode."""
-        from library import compile_utils
+        from library.compile import graphs as compile_graphs, options as compile_options
 
         def step(batch, timestep):
             self.on_step_start(args)
-            compile_utils.mark_step_begin(compile_utils.compile_args(args))
+            compile_graphs.mark_step_begin(compile_options.compile_args(args))
             return self.training_step(args, accelerator, noise_scheduler, batch, components, weight_dtype, False,
                                       caching_te, device, fixed_timestep=timestep)
 
@@ -1343,11 +1335,11 @@ def run(trainer: NetworkTrainer, parser: argparse.ArgumentParser, argv: list[str
     try:
         args = train_util.parse_args(parser, argv)
         return trainer.train(args)
-    except expected_errors() as e:
+    except UserError as e:
         _close_progress_bars()  # so the message starts its own line
         logger.error("%s", e)
         print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from e
+        raise SystemExit(e.exit_code) from e
 
 
 def _close_progress_bars() -> None:
@@ -1358,39 +1350,6 @@ def _close_progress_bars() -> None:
 
 
 def expected_errors() -> tuple:
-    """The errors that mean bad settings or inputs (exit 2 with their message, no traceback)."""
-    from library.datasets import DatasetError
-
-    return (ConfigError, DatasetError, TrainingError, saving.SaveError, train_util.OptionalPackageError,
-            _prompt_file_error(),
-            _model_load_error(), train_util.OutputExistsError, _compile_error(), _network_args_error())
-
-
-def _model_load_error():
-    from library.model_util import ModelLoadError
-
-    return ModelLoadError
-
-
-def _prompt_file_error():
-    from library.sample_prompts import PromptFileError
-
-    return PromptFileError
-
-
-def _compile_error():
-    try:
-        from library.compile_utils import CompileConfigError
-
-        return CompileConfigError
-    except ImportError:  # pragma: no cover
-        return ConfigError
-
-
-def _network_args_error():
-    try:
-        from networks.lora import NetworkArgsError
-
-        return NetworkArgsError
-    except ImportError:  # pragma: no cover
-        return ConfigError
+    """The errors that mean bad settings or inputs (exit 2 with their message, no traceback): library.errors'
+    one base class."""
+    return (UserError,)

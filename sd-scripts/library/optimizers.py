@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from library.train_util import ConfigError, OptionalPackageError
+from library.errors import ConfigError, OptionalPackageError
 
 logger = logging.getLogger(__name__)
 

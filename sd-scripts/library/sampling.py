@@ -15,6 +15,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from library import files
+
 logger = logging.getLogger(__name__)
 
 # kohya's --sample_sampler names -> (diffusers scheduler class, extra kwargs)
@@ -98,9 +100,8 @@ def save_sample_image(image, args, *, epoch: int | None, steps: int, index: int,
     """Writes a sample to <output_dir>/sample/ under kohya's name (temporary name, then renamed)."""
     out_dir = os.path.join(args.output_dir, "sample")
     path = os.path.join(out_dir, sample_image_name(args.output_name, epoch, steps, index, seed))
-    tmp = path + ".tmp.png"
-    image.save(tmp)
-    os.replace(tmp, path)
+    with files.atomic_target(path) as tmp:
+        image.save(tmp)
     logger.info("sample image: %s (prompt %r)", path, prompt)
     return path
 

@@ -31,6 +31,9 @@ from typing import Callable, Iterable
 
 import torch
 
+from library import files
+from library.errors import SaveError  # noqa: F401  (re-exported)
+
 logger = logging.getLogger(__name__)
 
 # --save_model_as of the full trainers (None = as the input model)
@@ -77,7 +80,7 @@ def add_mem_eff_save_argument(parser: argparse.ArgumentParser) -> None:
 
 def validate_saving_args(args) -> None:
     """Before anything loads: counts must be positive, the start step not negative."""
-    from library.train_util import ConfigError
+    from library.errors import ConfigError
 
     for name in ("save_last_n_epochs_state", "save_last_n_steps_state", "initial_epoch"):
         value = getattr(args, name, None)
@@ -166,7 +169,7 @@ def start_position(args, steps_per_epoch: int, resumed_step: int, max_train_step
     upstream, the state's step count is then ignored): the loop starts in the epoch of that step; with
     --skip_until_initial_step the batches of the earlier steps of that epoch are skipped and counting goes on
     from the step, otherwise that epoch is trained from its first batch and counted from its first step."""
-    from library.train_util import ConfigError
+    from library.errors import ConfigError
 
     ga = args.gradient_accumulation_steps
     start = initial_step(args, steps_per_epoch)
@@ -215,10 +218,8 @@ def save_safetensors_streaming(path: str | os.PathLike, entries: Iterable[Tensor
     """A .safetensors file written one tensor at a time: the header comes from the shapes and dtypes, then each
     tensor is made, written and dropped, so memory holds one tensor beyond the model (not a second copy of
     it). Written to a temporary name beside `path` and renamed when complete, like every other save."""
-    from library import train_util
-
     path = os.fspath(path)
-    train_util.ensure_can_write(path, overwrite)
+    files.ensure_can_write(path, overwrite)
     entries = list(entries)
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
@@ -230,7 +231,7 @@ def save_safetensors_streaming(path: str | os.PathLike, entries: Iterable[Tensor
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    with train_util.atomic_target(path) as tmp, open(tmp, "wb") as f:
+    with files.atomic_target(path, overwrite=overwrite) as tmp, open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for e in entries:
@@ -244,21 +245,8 @@ def save_safetensors_streaming(path: str | os.PathLike, entries: Iterable[Tensor
         os.fsync(f.fileno())
 
 
-class SaveError(RuntimeError):
-    """A save the disk refused (full, read-only, no permission): the run stops with this one line."""
-
-
-@contextlib.contextmanager
 def explained_save_errors(path: str):
-    """Turns an OSError of a save into SaveError naming the path and the reason. The atomic writers have removed
-    their temporary file by then, and the earlier saves are untouched (every save has its own name)."""
-    try:
-        yield
-    except OSError as e:
-        reason = e.strerror or str(e)
-        hint = " (free some space, or choose another --output_dir)" if e.errno in _FULL else ""
-        raise SaveError(f"cannot save {path}: {reason}{hint}; the earlier saves in "
-                        f"{os.path.dirname(path) or '.'} are kept") from e
-
-
-_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+    """A save the disk refuses (full, read-only, no permission) -> SaveError naming the path (library.files). The
+    atomic writers have removed their temporary files by then, and the earlier saves are untouched (every save has
+    its own name)."""
+    return files.explained_write_errors(path)

@@ -14,7 +14,7 @@ import logging
 import os
 import tomllib
 
-from library.train_util import ConfigError, OptionalPackageError
+from library.errors import ConfigError, OptionalPackageError
 
 logger = logging.getLogger(__name__)
 

@@ -8,9 +8,7 @@ in `network_trainer.py`.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import difflib
-import hashlib
 import importlib
 import io
 import json
@@ -19,13 +17,16 @@ import math
 import os
 import re
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from library import parity
+from library import files, parity
+from library.errors import ConfigError, OptionalPackageError, OutputExistsError  # noqa: F401  (re-exported)
+from library.files import atomic_target, ensure_can_write  # noqa: F401  (re-exported)
+from library.metadata import model_hashes  # noqa: F401  (re-exported)
+from library.files import write_bytes as atomic_write_bytes, write_text as atomic_write_text  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -33,18 +34,6 @@ logger = logging.getLogger(__name__)
 GUI_ONLY_TABLES = ("accelerate", "gui")
 # Args never written into a run's TOML (they describe how the TOML itself is handled).
 _NOT_IN_RUN_CONFIG = ("config_file", "output_config")
-
-
-class ConfigError(ValueError):
-    """A bad `--config_file` or a bad combination of options; the message names the key/flag."""
-
-
-class OptionalPackageError(RuntimeError):
-    """An option needs a package that is not installed; the message says which and how to install it."""
-
-
-class OutputExistsError(FileExistsError):
-    """A result file already exists and `--overwrite_output` was not given."""
 
 
 def setup_logging(level: int = logging.INFO) -> None:
@@ -230,11 +219,12 @@ def load_config_file(path: str | os.PathLike, parser: argparse.ArgumentParser) -
             path = path + ".toml"
         else:
             raise ConfigError(f"config file not found: {path}")
+    from library.input_files import MAX_PROBLEMS, InputFileError, capped, load_toml
+
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from e
+        data = load_toml(path)  # any file: one line (binary, too large, nested too deep, ...)
+    except InputFileError as e:
+        raise ConfigError(str(e)) from None
     actions = _option_actions(parser)
     values, problems, skipped = {}, [], []
     # every bad key is reported, in one message
@@ -252,7 +242,7 @@ def load_config_file(path: str | os.PathLike, parser: argparse.ArgumentParser) -
             values[key] = aliases[value]
             continue
         if action is None:
-            close = difflib.get_close_matches(key, list(actions), n=1)
+            close = difflib.get_close_matches(key, list(actions), n=1) if len(problems) < MAX_PROBLEMS else None
             problems.append(f"unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
             continue
         try:
@@ -265,7 +255,7 @@ def load_config_file(path: str | os.PathLike, parser: argparse.ArgumentParser) -
     if len(problems) == 1:
         raise ConfigError(f"{path}: {problems[0]}")
     if problems:
-        raise ConfigError(f"{path}: {len(problems)} bad keys: " + "; ".join(problems))
+        raise ConfigError(f"{path}: {len(problems)} bad keys: " + "; ".join(capped(problems)))
     return values
 
 
@@ -282,6 +272,10 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
     refused = parity.refusal_message(args)
     if refused:
         raise ConfigError(refused)
+    from library.finite_guard import non_finite_options
+
+    if bad := non_finite_options(args):  # one line per option
+        raise ConfigError("; ".join(bad))
     return args
 
 
@@ -392,10 +386,6 @@ def verify_training_args(args: argparse.Namespace) -> None:
 
     optimizers.check_optimizer_args(args)  # a missing optimizer package is reported now, not after models load
     schedulers.check_scheduler_args(args)
-    mint = 0 if args.min_timestep is None else args.min_timestep
-    maxt = 1000 if args.max_timestep is None else args.max_timestep
-    if not 0 <= mint < maxt <= 1000:
-        raise ConfigError(f"--min_timestep/--max_timestep must satisfy 0 <= min < max <= 1000, got {mint}, {maxt}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -448,15 +438,29 @@ def state_dir_name(output_name: str, epoch: int | None = None, step: int | None 
     return f"{output_name}-state"
 
 
-def ensure_can_write(path: str | os.PathLike, overwrite: bool) -> None:
-    if os.path.exists(path) and not overwrite:
-        raise OutputExistsError(f"{path} already exists; choose another --output_name / --output_dir, "
-                                "or pass --overwrite_output to replace it")
+def check_output_dir(output_dir: str) -> None:
+    """Before any model loads: files can be written in the output folder, or in its nearest existing parent when it
+    does not exist yet (/proc/..., a read-only disk, a file in the way): one line instead of a traceback later."""
+    import tempfile
+
+    existing = os.path.abspath(output_dir)
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"--output_dir {output_dir}: {existing} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--output_dir {output_dir}: cannot write files in {existing} ({e.strerror or e})") \
+            from None
 
 
 def check_outputs_free(output_dir: str, output_name: str, ext: str, overwrite: bool, resuming: bool) -> None:
-    """Before any model loads: the results this run will write must not exist yet (the final file, and without
-    --resume also epoch/step saves and state folders of an earlier run with the same name)."""
+    """Before any model loads: the output folder can be written, and the results this run will write must not exist
+    yet (the final file, and without --resume also epoch/step saves and state folders of an earlier run with the
+    same name)."""
+    check_output_dir(output_dir)
     if overwrite or not os.path.isdir(output_dir):
         return
     final = os.path.join(output_dir, last_file_name(output_name, ext))
@@ -471,71 +475,18 @@ def check_outputs_free(output_dir: str, output_name: str, ext: str, overwrite: b
                                 "--output_name / --output_dir, --resume it, or pass --overwrite_output to replace them")
 
 
-def _tmp_name(path: str) -> str:
-    d, base = os.path.split(path)
-    return os.path.join(d, f".{base}.tmp-{os.getpid()}")
-
-
-@contextlib.contextmanager
-def atomic_target(path: str | os.PathLike):
-    """The one atomic writer: yields a hidden temp name beside `path` to write to; when the block completes it is
-    renamed to `path`, when it fails it is removed (a failed or stopped save never leaves a broken result)."""
-    path = os.fspath(path)
-    tmp = _tmp_name(path)
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    with atomic_target(path) as tmp, open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
 def save_safetensors_atomic(tensors: dict[str, torch.Tensor], path: str | os.PathLike,
                             metadata: dict[str, str] | None = None, *, overwrite: bool = False) -> None:
-    """Writes to a hidden temp name beside `path`, then renames; an existing file needs overwrite=True."""
-    from safetensors.torch import save_file
-
-    ensure_can_write(path, overwrite)
-    tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
-    with atomic_target(path) as tmp:
-        save_file(tensors, tmp, metadata=metadata)
+    """library.files.save_safetensors (the one atomic writer)."""
+    files.save_safetensors(tensors, path, metadata, overwrite=overwrite)
 
 
 def save_torch_atomic(obj: Any, path: str | os.PathLike, *, overwrite: bool = False) -> None:
-    ensure_can_write(path, overwrite)
-    with atomic_target(path) as tmp:
-        torch.save(obj, tmp)
+    files.save_torch(obj, path, overwrite=overwrite)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # metadata and hashes (the hashes A1111's additional-networks and kohya write as sshs_*)
-
-
-def _safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
-    from safetensors.torch import save
-
-    return save({k: v.detach().contiguous() for k, v in tensors.items()}, metadata)
-
-
-def model_hashes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[str, str]:
-    """(sshs_model_hash, sshs_legacy_hash) of the file these tensors make with their `ss_*` metadata only:
-    sha256 of the data after the header, and the first 8 hex digits of sha256 of 64 KiB at offset 1 MiB."""
-    blob = _safetensors_bytes(tensors, {k: v for k, v in metadata.items() if k.startswith("ss_")})
-    header_len = int.from_bytes(blob[:8], "little")
-    model_hash = hashlib.sha256(blob[8 + header_len:]).hexdigest()
-    legacy_hash = hashlib.sha256(blob[0x100000:0x110000]).hexdigest()[:8]
-    return model_hash, legacy_hash
 
 
 def metadata_value(value: Any) -> str:

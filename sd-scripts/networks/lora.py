@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from networks import lora_blocks
+from library.errors import NetworkArgsError, NetworkWeightsError  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +54,6 @@ def arg_bool(value) -> bool:
 
 
 arg_bool.__name__ = "bool (True/False)"
-
-
-class NetworkArgsError(ValueError):
-    """A bad `--network_args` entry; the message names it and lists the allowed keys."""
-
-
-class NetworkWeightsError(NetworkArgsError):
-    """`--network_weights` that cannot be loaded into the network (a shape that differs)."""
 
 
 def _layers(module: nn.Module) -> list[nn.Module]:
@@ -498,7 +491,7 @@ class LoRANetwork(nn.Module):
         return sd
 
     def lora_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        from library.compile_utils import strip_orig_mod
+        from library.compile.regional import strip_orig_mod
 
         sd = self._own_to_file(strip_orig_mod(self.state_dict()))
         out = {}
@@ -512,22 +505,22 @@ class LoRANetwork(nn.Module):
     def save_weights(self, file: str, dtype: torch.dtype | None, metadata: dict[str, str] | None,
                      overwrite: bool = False) -> None:
         """Atomic save; .safetensors gets `metadata` plus sshs_model_hash / sshs_legacy_hash."""
-        from library import train_util
+        from library import files, metadata as metadata_util
 
         sd = self.lora_state_dict(dtype)
         if os.path.splitext(file)[1] == ".safetensors":
             metadata = dict(metadata or {})
             if metadata:
-                model_hash, legacy_hash = train_util.model_hashes(sd, metadata)
+                model_hash, legacy_hash = metadata_util.model_hashes(sd, metadata)
                 metadata["sshs_model_hash"] = model_hash
                 metadata["sshs_legacy_hash"] = legacy_hash
-            train_util.save_safetensors_atomic(sd, file, metadata or None, overwrite=overwrite)
+            files.save_safetensors(sd, file, metadata or None, overwrite=overwrite)
         else:
-            train_util.save_torch_atomic(sd, file, overwrite=overwrite)
+            files.save_torch(sd, file, overwrite=overwrite)
 
 
 def load_lora_state_dict(file: str) -> dict[str, torch.Tensor]:
-    from library.compile_utils import strip_orig_mod
+    from library.compile.regional import strip_orig_mod
 
     if not os.path.isfile(file):
         raise FileNotFoundError(f"LoRA file not found: {file}")

@@ -28,67 +28,6 @@ logger = logging.getLogger(__name__)
 
 WARMUP = 2  # ordinary steps of a batch shape before its capture (compiles, cuBLAS/cuDNN set-up)
 LIMIT = 4  # batch shapes with a graph of their own: each keeps its activations' memory for the rest of the run
-# --compile_mode values whose blocks would record CUDA graphs of their own -> the same mode without them
-_BLOCK_MODES = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument(
-        "--cuda_graph_step", action="store_true",
-        help="capture the whole training step (forward, backward, optimizer step) as one CUDA graph after its first "
-             f"{WARMUP} steps per batch shape and replay it: no per-step Python overhead at small batch sizes. Needs "
-             "one CUDA GPU, cached latents and text-encoder outputs, AdamW/Adam and no gradient accumulation")
-
-
-def enabled(args) -> bool:
-    return bool(getattr(args, "cuda_graph_step", False))
-
-
-def check_args(args, error: type[Exception]) -> None:
-    """Settings the step graph cannot follow, before any model loads (raises `error`)."""
-    if not enabled(args):
-        return
-    from library import optimizers
-
-    def refuse(why: str) -> None:
-        raise error(f"--cuda_graph_step {why}; drop --cuda_graph_step or change that setting")
-
-    if args.gradient_accumulation_steps > 1:
-        refuse(f"replays one whole optimizer step, so it cannot accumulate gradients "
-               f"(--gradient_accumulation_steps {args.gradient_accumulation_steps})")
-    if not (args.cache_latents or args.cache_latents_to_disk):
-        refuse("needs cached latents (--cache_latents or --cache_latents_to_disk): encoding images checks them on "
-               "the host each step")
-    if not (getattr(args, "cache_text_encoder_outputs", False) or
-            getattr(args, "cache_text_encoder_outputs_to_disk", False)):
-        refuse("needs cached text-encoder outputs (--cache_text_encoder_outputs or "
-               "--cache_text_encoder_outputs_to_disk): captions are tokenized on the host each step")
-    if args.mixed_precision == "fp16":
-        refuse("cannot replay fp16's loss scaling, which checks the gradients on the host (--mixed_precision fp16); "
-               "use bf16")
-    for flag in ("fused_backward_pass", "cpu_offload_checkpointing"):
-        if getattr(args, flag, False):
-            refuse(f"cannot capture --{flag}")
-    if (getattr(args, "blocks_to_swap", None) or 0) > 0:
-        refuse(f"cannot capture blocks moving between CPU and GPU (--blocks_to_swap {args.blocks_to_swap})")
-    if getattr(args, "compile", False) and args.compile_backend == "cudagraphs":
-        refuse("holds the compiled blocks in its own CUDA graph: use --compile_backend inductor, not cudagraphs")
-    name = optimizers.canonical_name(optimizers.optimizer_type(args)) or optimizers.optimizer_type(args)
-    given = optimizers.parse_optimizer_args(args.optimizer_args)
-    if name not in ("AdamW", "Adam") or {"fused", "foreach", "differentiable"} & given.keys():
-        refuse(f"needs torch's AdamW or Adam in its fused form (--optimizer_type AdamW, no fused/foreach/"
-               f"differentiable in --optimizer_args); got --optimizer_type {optimizers.optimizer_type(args)}"
-               + (f" with {sorted(given)}" if given else ""))
-    if not torch.cuda.is_available():
-        refuse("needs a CUDA GPU, and none is available")
-
-
-def block_compile_mode(args) -> str:
-    """The --compile_mode the blocks are compiled with: without their own CUDA graphs under the step graph."""
-    mode = args.compile_mode
-    if enabled(args) and mode in _BLOCK_MODES:
-        return _BLOCK_MODES[mode]
-    return mode
 
 
 def _walk(value, key: str = ""):
