@@ -782,16 +782,16 @@ def run_sd_merge(args: argparse.Namespace, family: str) -> None:
     save_lora(args.save_to, state_dict, md, overwrite=args.overwrite)
 
 
-def add_sd_merge_arguments(parser: argparse.ArgumentParser, lbws: bool) -> None:
+def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
+    """--save_precision / --precision of merge_lora.py, sdxl_merge_lora.py and svd_merge_lora.py."""
     parser.add_argument("--save_precision", type=str, default=None, choices=[None, "float", "fp16", "bf16"],
                         help="precision in saving (default: the merging precision)")
     parser.add_argument("--precision", type=str, default="float", choices=["float", "fp16", "bf16"],
                         help="precision in merging (float is recommended)")
-    parser.add_argument("--sd_model", type=str, default=None,
-                        help="model to merge the LoRAs into (single file or diffusers folder); omitted: the LoRAs "
-                             "are merged into one LoRA")
-    parser.add_argument("--save_to", type=str, default=None,
-                        help="output file: .safetensors or .ckpt (a model), .safetensors/.ckpt/.pt (a LoRA)")
+
+
+def add_models_arguments(parser: argparse.ArgumentParser, lbws: bool) -> None:
+    """--models / --ratios (/ --lbws) / --no_metadata of the merging tools."""
     parser.add_argument("--models", type=str, nargs="*", help="LoRA files to merge")
     parser.add_argument("--ratios", type=float, nargs="*", help="ratio of each LoRA (one per --models)")
     if lbws:
@@ -799,13 +799,51 @@ def add_sd_merge_arguments(parser: argparse.ArgumentParser, lbws: bool) -> None:
                             help="layer-block weights of each LoRA, a JSON list of 12, 17, 20 or 26 numbers each")
     parser.add_argument("--no_metadata", action="store_true",
                         help="do not save modelspec metadata (a LoRA keeps the minimum ss_* metadata)")
+
+
+def add_concat_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concat", action="store_true",
                         help="concatenate the LoRAs instead of adding them (the output rank is the sum of ranks)")
     parser.add_argument("--shuffle", action="store_true", help="shuffle each module's rank components")
 
 
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", type=str, default=None,
+                        help="device for the SVDs, e.g. cuda or cpu (default: the GPU when there is one)")
+
+
+def add_sd_merge_arguments(parser: argparse.ArgumentParser, lbws: bool) -> None:
+    add_precision_arguments(parser)
+    parser.add_argument("--sd_model", type=str, default=None,
+                        help="model to merge the LoRAs into (single file or diffusers folder); omitted: the LoRAs "
+                             "are merged into one LoRA")
+    parser.add_argument("--save_to", type=str, default=None,
+                        help="output file: .safetensors or .ckpt (a model), .safetensors/.ckpt/.pt (a LoRA)")
+    add_models_arguments(parser, lbws)
+    add_concat_arguments(parser)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # extracting a LoRA from the difference of two models (extract_lora_from_models.py, flux_extract_lora.py)
+
+
+def add_extract_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options both extract tools have (upstream's names and defaults)."""
+    parser.add_argument("--save_precision", type=str, default=None, choices=[None, "float", "fp16", "bf16"],
+                        help="precision in saving (default: float)")
+    parser.add_argument("--dim", type=int, default=4, help="rank of the LoRA (default 4)")
+    add_device_argument(parser)
+    parser.add_argument("--clamp_quantile", type=float, default=0.99,
+                        help="values are clamped at this quantile, (0-1]; default 0.99")
+    parser.add_argument("--no_metadata", action="store_true",
+                        help="do not save modelspec metadata (the minimum ss_* metadata is kept)")
+
+
+def check_extract_arguments(args: argparse.Namespace) -> None:
+    if args.dim < 1 or (getattr(args, "conv_dim", None) is not None and args.conv_dim < 1):
+        raise ToolError("--dim / --conv_dim must be at least 1")
+    if not 0 < args.clamp_quantile <= 1:
+        raise ToolError(f"--clamp_quantile {args.clamp_quantile}: must be in (0, 1]")
 
 
 def extract_from_diffs(diffs: dict[str, torch.Tensor], ranks: dict[str, int], device: torch.device,
