@@ -16,12 +16,13 @@ import math
 import os
 import re
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
+
+from library.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ BASE_MODEL_VERSIONS = {"sd1": "sd_v1", "sd2": "sd_v2", "sdxl": "sdxl_base_v1-0",
 SVD_BATCH_ELEMENTS = 1 << 27  # matrices stacked per batched SVD call (elements, fp32: 512 MiB)
 
 
-class ToolError(ValueError):
+class ToolError(UserError, ValueError):
     """Bad input to a tool: printed as one `error: ...` line, exit status 2."""
 
 
@@ -58,19 +59,16 @@ def run_tool(parser: argparse.ArgumentParser, main: Callable[[argparse.Namespace
     """--dump_options, then parse and run `main`; the errors a user can cause become one line on stderr and
     exit status 2 (no traceback)."""
     from library import option_dump
-    from library.flux_models import FluxModelError
-    from library.model_util import ModelLoadError
-    from library.train_util import OutputExistsError, setup_logging
+    from library.train_util import setup_logging
 
     option_dump.dump_if_asked(parser, argv)
     args = parser.parse_args(argv)
     setup_logging()
     try:
         main(args)
-    except (ToolError, ModelLoadError, FluxModelError, OutputExistsError, FileExistsError,
-            FileNotFoundError) as e:
+    except (UserError, FileExistsError, FileNotFoundError) as e:  # UserError: ours, the loaders', the savers'
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", 2)
     return 0
 
 
