@@ -115,10 +115,12 @@ def pick_device(name: str | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def progress(items, desc: str, total: int | None = None):
+def progress(items, desc: str | None, total: int | None = None):
+    """A progress bar on stderr (none when desc is None: a caller with its own bar)."""
     from tqdm import tqdm
 
-    return tqdm(items, desc=desc, total=total, file=sys.stderr, mininterval=1.0, dynamic_ncols=True)
+    return tqdm(items, desc=desc, total=total, file=sys.stderr, mininterval=1.0, dynamic_ncols=True,
+                disable=desc is None)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -306,7 +308,7 @@ def _batches(items: list, numel: Callable) -> Iterable[list]:
         yield batch
 
 
-def svd_many(mats: dict[str, torch.Tensor], device: torch.device, desc: str = "svd"
+def svd_many(mats: dict[str, torch.Tensor], device: torch.device, desc: str | None = "svd"
              ) -> Iterable[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(name, U, S, Vh) of every 2-D matrix, reduced SVD in float32 on `device`, matrices of one shape stacked
     into batched torch.linalg.svd calls; results on `device`."""
@@ -845,14 +847,15 @@ def check_extract_arguments(args: argparse.Namespace) -> None:
 
 
 def extract_from_diffs(diffs: dict[str, torch.Tensor], ranks: dict[str, int], device: torch.device,
-                       clamp: float, save_dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+                       clamp: float, save_dtype: torch.dtype | None, desc: str | None = "extracting"
+                       ) -> dict[str, torch.Tensor]:
     """A LoRA (up, down, alpha = rank) of each weight difference: the SVD cut to the module's rank (at most the
     layer's in/out size), both matrices clamped at the `clamp` quantile (upstream's rule). 3x3 convs are
     decomposed flattened to (out, in * 3 * 3)."""
     mats = {n: d.reshape(d.shape[0], -1) for n, d in diffs.items()}
     out = {}
     with torch.no_grad():
-        for name, U, S, Vh in svd_many(mats, device, desc="extracting"):
+        for name, U, S, Vh in svd_many(mats, device, desc=desc):
             shape = tuple(diffs[name].shape)
             rank = min(ranks[name], shape[0], shape[1])
             up, down = truncate(U, S, Vh, rank)

@@ -86,10 +86,10 @@ def svd(args: argparse.Namespace) -> None:
         nonlocal chunk, size
         if chunk:
             lora_sd.update(lora_tools.extract_from_diffs(chunk, dict.fromkeys(chunk, args.dim), device,
-                                                         args.clamp_quantile, save_dtype))
+                                                         args.clamp_quantile, save_dtype, desc=None))
         chunk, size = {}, 0
 
-    for name in lora_tools.progress(names, "reading"):
+    for name in lora_tools.progress(names, "extracting"):
         o, t = org.get(org_names[name]), tuned.get(tuned_names[name])
         if o.shape != t.shape:
             raise lora_tools.ToolError(f"{org_names[name]}: shape {tuple(o.shape)} in --model_org, "
