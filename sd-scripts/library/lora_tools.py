@@ -486,6 +486,19 @@ def sd_layer_map(text_encoders: list, unet, conv: bool = True) -> dict[str, torc
     return out
 
 
+def stored_dtype(path: str) -> torch.dtype:
+    """The dtype of a .safetensors single file's UNet weights (float32 for anything else): upstream loads the
+    models of extract_lora_from_models.py in the dtype they are stored in."""
+    if Path(path).suffix.lower() != ".safetensors" or not os.path.isfile(path):
+        return torch.float32
+    from safetensors import safe_open
+
+    names = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+    with safe_open(path, framework="pt") as f:
+        key = next((k for k in f.keys() if k.startswith("model.diffusion_model.") and k.endswith(".weight")), None)
+        return torch.float32 if key is None else names.get(f.get_slice(key).get_dtype(), torch.float32)
+
+
 def load_sd_model(path: str, family: str, dtype: torch.dtype, device: torch.device | str = "cpu"):
     """An SD1.x/SD2.x/SDXL model as the trainers read it (single file or diffusers folder), in `dtype` on
     `device`; a path that is no model of that family is a ToolError naming it."""

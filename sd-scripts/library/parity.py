@@ -286,7 +286,8 @@ _LORA_TOOL_DIFFERENT: dict[str, dict[str, Different]] = {
     "networks__svd_merge_lora": {"save_to": Different(_NO_OVERWRITE), "device": Different(_GPU_DEFAULT)},
     "networks__extract_lora_from_models": {
         "save_to": Different(_NO_OVERWRITE), "device": Different(_GPU_DEFAULT),
-        "load_precision": Different("unset = float32 (upstream: the dtype stored in the file)"),
+        "load_precision": Different("unset = the dtype a single file stores, as upstream; a diffusers folder "
+                                    "(which upstream does not read) loads in float32"),
         "v_parameterization": Different("default None = the same as --v2, as upstream's code and help say (the "
                                         "shared table records False)", ("default",)),
         "load_original_model_to": Different("every family (upstream: SDXL only); unset = --device's choice "

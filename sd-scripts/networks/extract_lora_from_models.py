@@ -37,16 +37,18 @@ def svd(args: argparse.Namespace) -> None:
     lora_tools.check_extract_arguments(args)
     family = "sdxl" if args.sdxl else "sd2" if args.v2 else "sd1"
     v_parameterization = args.v2 if args.v_parameterization is None else args.v_parameterization
-    load_dtype = lora_tools.str_to_dtype(args.load_precision, "--load_precision") or torch.float32
+    load_dtype = lora_tools.str_to_dtype(args.load_precision, "--load_precision")
     save_dtype = lora_tools.str_to_dtype(args.save_precision)
     device = lora_tools.pick_device(args.device)
     org_device = torch.device(args.load_original_model_to) if args.load_original_model_to else device
     tuned_device = torch.device(args.load_tuned_model_to) if args.load_tuned_model_to else device
 
     logger.info("loading original %s model: %s", lora_tools.FAMILY_NAMES[family], args.model_org)
-    org = lora_tools.load_sd_model(args.model_org, family, load_dtype, org_device)
+    org = lora_tools.load_sd_model(args.model_org, family, load_dtype or lora_tools.stored_dtype(args.model_org),
+                                   org_device)
     logger.info("loading tuned %s model: %s", lora_tools.FAMILY_NAMES[family], args.model_tuned)
-    tuned = lora_tools.load_sd_model(args.model_tuned, family, load_dtype, tuned_device)
+    tuned = lora_tools.load_sd_model(args.model_tuned, family,
+                                     load_dtype or lora_tools.stored_dtype(args.model_tuned), tuned_device)
     conv = args.conv_dim is not None
     layers_o = lora_tools.sd_layer_map(org.text_encoders, org.unet, conv=conv)
     layers_t = lora_tools.sd_layer_map(tuned.text_encoders, tuned.unet, conv=conv)
@@ -94,7 +96,7 @@ def setup_parser() -> argparse.ArgumentParser:
                         help="write the LoRA's metadata for v-parameterization (default: same as --v2)")
     parser.add_argument("--sdxl", action="store_true", help="the models are SDXL")
     parser.add_argument("--load_precision", type=str, default=None, choices=[None, "float", "fp16", "bf16"],
-                        help="precision the models are loaded in (default: float)")
+                        help="precision the models are loaded in (default: as stored; a diffusers folder: float)")
     parser.add_argument("--model_org", type=str, default=None, required=True,
                         help="original model: single file (.safetensors/.ckpt) or diffusers folder")
     parser.add_argument("--model_tuned", type=str, default=None, required=True,
