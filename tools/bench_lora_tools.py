@@ -7,7 +7,8 @@ same files: FLUX.1 extract, SDXL LoRA resize (fixed and sv_fro), SDXL merge into
 
 Inputs are made once under --work_dir (full size: SDXL checkpoint fp16 ~7 GB, SDXL LoRA rank 32 with 3x3 convs at
 16, two FLUX.1-dev-shaped transformers in bf16 ~24 GB each, the tuned one = the original + full-rank noise) and
-reused. Each command runs in its own process (model loading included: what a user waits for); the table goes to
+reused; with bf16 FLUX files and upstream's outputs too it needs ~70 GB of disk (--flux_dtype fp8: ~45 GB). Each
+command runs in its own process (model loading included: what a user waits for); the table goes to
 stdout and --json. Print the commands without running them with --dry_run.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ SIZES = {"full": {"flux": (3072, 19, 38), "sdxl": None, "lora_dim": 32, "conv_di
          "tiny": {"flux": (128, 1, 2), "sdxl": "tiny", "lora_dim": 8, "conv_dim": 4}}
 
 
-def _flux_entries(width: int, n_double: int, n_single: int, seed: int, noise: float):
+def _flux_entries(width: int, n_double: int, n_single: int, seed: int, noise: float, dtype=None):
     """(name, shape, make) of a FLUX.1 BFL transformer: shapes from diffusers' model on the meta device, values
     drawn per tensor (seeded by name), the tuned copy = the same values + noise * full-rank Gaussian."""
     import zlib
@@ -53,13 +54,14 @@ def _flux_entries(width: int, n_double: int, n_single: int, seed: int, noise: fl
             w = torch.randn(shape, generator=g) * (0.5 / width ** 0.5)
             if noise:
                 w += torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * noise / width ** 0.5
-            return w.to(torch.bfloat16)
+            return w.to(dtype)
         return draw
 
-    return [TensorEntry(k, s, torch.bfloat16, make(k, s)) for k, s in shapes.items()]
+    dtype = dtype or torch.bfloat16
+    return [TensorEntry(k, s, dtype, make(k, s)) for k, s in shapes.items()]
 
 
-def make_inputs(work: Path, size: str) -> dict[str, str]:
+def make_inputs(work: Path, size: str, flux_dtype: str = "bf16") -> dict[str, str]:
     import torch
 
     from library import lora_tools, model_util, tiny_models
@@ -73,7 +75,8 @@ def make_inputs(work: Path, size: str) -> dict[str, str]:
     for key, noise in (("flux_org", 0.0), ("flux_tuned", 0.01)):
         if not os.path.exists(paths[key]):
             print(f"making {paths[key]}", flush=True)
-            save_safetensors_streaming(paths[key], _flux_entries(*cfg["flux"], seed=1, noise=noise))
+            dtype = torch.float8_e4m3fn if flux_dtype == "fp8" else torch.bfloat16
+            save_safetensors_streaming(paths[key], _flux_entries(*cfg["flux"], seed=1, noise=noise, dtype=dtype))
     if not os.path.exists(paths["sdxl"]):
         print(f"making {paths['sdxl']}", flush=True)
         if cfg["sdxl"] == "tiny":
@@ -148,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work_dir", type=Path, required=True)
     ap.add_argument("--size", choices=list(SIZES), default="full")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--flux_dtype", choices=("bf16", "fp8"), default="bf16",
+                    help="dtype of the two FLUX.1 files (bf16: 2 x 24 GB, fp8: 2 x 12 GB)")
     ap.add_argument("--upstream", help="a kohya-ss/sd-scripts checkout to time on the same inputs")
     ap.add_argument("--upstream_python", default=sys.executable, help="the Python of upstream's environment")
     ap.add_argument("--only", nargs="*", help="run only these benchmarks (flux_extract, sdxl_resize, ...)")
@@ -159,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   ("flux_org", "flux_org.safetensors"),
                                                   ("flux_tuned", "flux_tuned.safetensors"))}
     if not a.dry_run:
-        paths = make_inputs(a.work_dir, a.size)
+        paths = make_inputs(a.work_dir, a.size, a.flux_dtype)
     runs = [("ours", commands(str(REPO / "sd-scripts"), sys.executable, paths, a.work_dir / "out_ours", a.device,
                               cfg, True))]
     if a.upstream:

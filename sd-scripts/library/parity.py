@@ -265,12 +265,14 @@ _LORA_TOOL_DIFFERENT: dict[str, dict[str, Different]] = {
     "networks__merge_lora": {
         "save_to": Different(_NO_OVERWRITE),
         "sd_model": Different("a diffusers folder is read too (the trainers' loader); a LoRA of another family "
-                              "stops the tool before the model loads (upstream skips its modules one by one)"),
+                              "stops the tool before the model loads (upstream skips its modules one by one); the "
+                              "merge runs on the GPU when there is one (upstream: the CPU)"),
     },
     "networks__sdxl_merge_lora": {
         "save_to": Different(_NO_OVERWRITE),
         "sd_model": Different("a diffusers folder is read too (the trainers' loader); a LoRA of another family "
-                              "stops the tool before the model loads"),
+                              "stops the tool before the model loads; the merge runs on the GPU when there is one "
+                              "(upstream: the CPU)"),
         "ratios": Different("OFT files are merged at their ratio (upstream merges OFT at 1 whatever the ratio)"),
     },
     "networks__flux_merge_lora": {
