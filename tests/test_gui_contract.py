@@ -15,6 +15,7 @@ from gui_helpers import all_non_default
 
 from kohya_gui import REPO, command, config_file
 from kohya_gui import params as P
+from kohya_gui.secret_options import SECRET_OPTIONS
 
 SD_SCRIPTS = REPO / "sd-scripts"
 
@@ -58,6 +59,8 @@ def expected_value(p, tab, family, values):
     """What the trainer must read: network_args with the chosen network type's fields folded in."""
     if p.fixed:
         return p.fixed[family]
+    if p.name in SECRET_OPTIONS:  # never in a file or a command: the run gets it in its environment
+        return None
     return P.fold_network_args(tab, family, values)[p.name]
 
 
@@ -130,7 +133,8 @@ def _all_presets():
 def test_presets_pass_the_trainers_checks(tab, name):
     """Every shipped preset parses with its trainer and passes the option checks the trainer makes before any
     model loads (files that only exist on the user's machine aside)."""
-    from library import compile_utils, train_util
+    from library import train_util
+    from library.compile import options as compile_options
 
     from kohya_gui import presets
 
@@ -141,7 +145,7 @@ def test_presets_pass_the_trainers_checks(tab, name):
     args.sample_prompts = args.resume = None  # files that are made on first use / exist on the user's machine
     train_util.verify_training_args(args)
     if cfg.family in P.COMPILE_FAMILIES:
-        compile_utils.validate_compile_args(args)
+        compile_options.validate_compile_args(args)
     else:
         assert not hasattr(args, "compile")
 
