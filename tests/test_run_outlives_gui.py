@@ -172,3 +172,32 @@ def test_stop_now_says_it_saves_nothing(tmp_path):
     text = (out / "x.log").read_text()
     assert "Stop now: ending the run's processes at once; nothing is saved" in text
     assert "stopped at step" not in text and not (out / "x.safetensors").exists()
+
+
+def test_the_queue_entry_of_a_run_taken_over_stays_running_and_is_noted_when_it_ends(tmp_path):
+    from kohya_gui import config_file, presets
+    from kohya_gui.run_queue import QueueWorker, RunQueue
+    from kohya_gui.runner import RunState
+
+    cfg = config_file.load(presets.resolve("demo-sdxl-tiny"))
+    q = RunQueue(tmp_path)
+    entry = q.add(cfg.tab, cfg.family, dict(cfg.values, output_name="taken"))
+    q.mark(entry.id, "running")
+
+    class TakenOver:  # the runner after gui.follow_runs took the earlier GUI's run over
+        state = RunState(running=True, started=5.0)
+
+        def snapshot(self):
+            return self.state
+
+    runner = TakenOver()
+    worker = QueueWorker(RunQueue(tmp_path), runner, poll_s=60)
+    worker.queue.set_options(run=False, stop_on_failure=False)  # nothing new starts here
+    worker.start()
+    try:
+        assert worker.queue.snapshot()[1][0].state == "running"
+        runner.state = RunState(running=False, started=5.0, stopped=True, message="stopped at step 3, saved x")
+        worker.step()
+        assert worker.queue.snapshot()[1][0].state == "stopped"
+    finally:
+        worker.stop()
