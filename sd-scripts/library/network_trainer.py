@@ -15,7 +15,7 @@ import torch
 
 from library import (config_util, data_parallel, huggingface_util, losses, masks, noise, optimizers, parity,
                      saving, schedulers, train_util, validation)
-from library import metadata as metadata_util
+from library import ema, metadata as metadata_util
 from library.compile import graphs as compile_graphs
 from library.errors import ConfigError, TrainingError, UserError  # noqa: F401  (re-exported)
 from library.network_options import parse_network_args  # noqa: F401  (re-exported)
@@ -77,6 +77,7 @@ def base_parser() -> argparse.ArgumentParser:
     trackers.add_tracker_arguments(parser)
     precision.add_fp8_base_argument(parser)
     precision.add_fp16_master_argument(parser)
+    ema.add_ema_arguments(parser)
     compile_options.add_torch_compile_arguments(parser)
     validate_only.add_validate_only_argument(parser)
     option_dump.add_dump_options_argument(parser)

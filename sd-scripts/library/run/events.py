@@ -11,6 +11,7 @@ import logging
 import sys
 
 from library import finite_guard, optimizers, stop_signal
+from library.ema import EMAUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -203,8 +204,8 @@ def sample_images(state, *, epoch: int | None) -> None:
 def step_events(progress_bar, line, late) -> list:
     """The events of a run, in the order they run: timing and progress first (the step's record), then the work
     that pauses training, then Stop (it ends the loop after the step, once the rest has run)."""
-    return [StepTiming(), Progress(progress_bar, line, late), Validate(), EpochLoss(), TakeRequests(), Save(),
-            Sample(), StopAfterPause(), Stop()]
+    return [StepTiming(), Progress(progress_bar, line, late), EMAUpdate(), Validate(), EpochLoss(), TakeRequests(),
+            Save(), Sample(), StopAfterPause(), Stop()]
 
 
 def stopped(state) -> None:

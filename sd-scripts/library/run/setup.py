@@ -16,7 +16,7 @@ import torch
 
 from library import (config_util, data_parallel, huggingface_util, optimizers, run_requests, saving, schedulers,
                      state_folders, train_util, validation)
-from library import metadata as metadata_util
+from library import ema, metadata as metadata_util
 from library.run.state import RunState
 
 logger = logging.getLogger(__name__)
@@ -85,6 +85,7 @@ def prepare(trainer, args, startup: Startup) -> RunState | Done:
         group=group, groups=groups, ext=ext, final_path=final_path, weight_dtype=weight_dtype, caching_te=caching_te,
         prediction_type=prediction_type, requests=requests, train_text_encoder=trainable.train_text_encoder,
         multiplier_models=[m for m in trainable.models if hasattr(m, "set_multiplier")], **optimization)
+    state.ema = ema.build(args, trainable)  # before resume: --save_state carries it
     resume(trainer, args, state)
     state.noise_scheduler = trainer.objective.noise_scheduler(args, prediction_type)
     state.validator = validation.build_validator(args, val_group, accelerator,
@@ -200,6 +201,8 @@ def resume(trainer, args, state: RunState) -> None:
     for model in state.trainable.models:
         accelerator.register_for_checkpointing(model)
     accelerator.register_for_checkpointing(state.lr_scheduler)
+    if state.ema is not None:
+        accelerator.register_for_checkpointing(state.ema)
     accelerator.register_for_checkpointing(state.checkpoint)  # last: state_folders.resumed_position reads it so
     if args.resume:
         logger.info("resuming from %s", args.resume)
@@ -221,6 +224,7 @@ def describe(trainer, args, state: RunState, val_group, session_id, started_at) 
                                             state.num_batches, state.num_epochs, state.max_train_steps, total_batch)
     state.metadata.update({k: train_util.metadata_value(v)
                            for k, v in validation.metadata(args, val_group).items()})
+    state.metadata.update(ema.metadata(args))
     state.log_with = trackers.log_with(args)
     if state.log_with:
         trackers.init_trackers(accelerator, args, trainer.tracker_name)

@@ -59,6 +59,7 @@ class RunState:
     max_train_steps: int
     requests: Any  # run_requests.RunRequests
     validator: Any = None
+    ema: Any = None  # library.ema.EMA with --ema_decay
     noise_scheduler: Any = None
     metadata: dict = field(default_factory=dict)
     log_with: Any = None

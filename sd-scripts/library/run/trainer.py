@@ -15,7 +15,7 @@ import torch
 
 from library import (huggingface_util, losses, masks, noise, optimizers, saving, state_folders, train_util,
                      validation)
-from library import metadata as metadata_util
+from library import ema, metadata as metadata_util
 from library.network_trainer import (ConfigError, TrainingError, base_model_prediction,
                                      diff_output_preservation_indices, text_encoder_lr)
 
@@ -69,6 +69,7 @@ class Trainer:
         compile_options.apply_torch_compile_alias(args)
         trackers.check_tracker_args(args)
         precision.check_precision_args(args)
+        ema.check_ema_args(args, ConfigError)
 
     def check_objective_args(self, args) -> None:
         """Loss, noise and validation options (library.losses / noise / validation), before models load."""
@@ -238,9 +239,13 @@ class Trainer:
         return optimizers.eval_mode(state.optimizers, state.args)
 
     def save_model(self, state, path: str, epoch: int, step: int) -> None:
-        """Writes the result (main process only)."""
-        self.target.save_model(state.args, state.accelerator, state.trainable, self.family, state.components,
-                               state.metadata, path, epoch, step, self.modelspec(state.args, state.prediction_type))
+        """Writes the result (main process only); with --ema_decay the EMA weights (library.ema)."""
+        def write(target_path):
+            self.target.save_model(state.args, state.accelerator, state.trainable, self.family, state.components,
+                                   state.metadata, target_path, epoch, step,
+                                   self.modelspec(state.args, state.prediction_type))
+
+        ema.save_model(state, write, path)
 
     def save_state(self, args, accelerator, name: str) -> str:
         """accelerate's state (models, optimizer, scheduler, step, every process's RNG); all processes call it.
@@ -284,7 +289,7 @@ class Trainer:
         args, accelerator = state.args, state.accelerator
         if not args.sample_prompts or not accelerator.is_main_process:
             return
-        with self.eval_weights(state):
+        with self.eval_weights(state), ema.with_ema(state):
             self.family.sample(args, state.components, accelerator, epoch=epoch, steps=state.global_step,
                                networks=[accelerator.unwrap_model(m) for m in state.trainable.models],
                                prediction_type=state.prediction_type)
