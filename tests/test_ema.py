@@ -4,6 +4,7 @@ round-trips; a LoRA run saves the EMA as the model (and the raw weights with --e
 decay gives, records it in the metadata, and --save_state / --resume continue it exactly."""
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -82,6 +83,27 @@ def test_update_every_n_steps_as_a_step_event():
     assert not event.due(SimpleNamespace(ema=None, at_epoch_end=False, global_step=3))
 
 
+def test_samples_are_drawn_with_the_average():
+    """Trainer.sample_images runs the family's sampler with the EMA swapped in, and the raw weights after."""
+    from types import SimpleNamespace
+
+    from library.run.trainer import Trainer
+
+    p = torch.nn.Parameter(torch.ones(3))
+    avg = ema.EMA([p], 0.5)
+    with torch.no_grad():
+        p.mul_(5)
+    seen = []
+    trainer = Trainer.__new__(Trainer)
+    trainer.family = SimpleNamespace(sample=lambda *a, **k: seen.append(p.detach().clone()))
+    trainer.eval_weights = lambda state: contextlib.nullcontext()
+    state = SimpleNamespace(args=SimpleNamespace(sample_prompts="p.txt"), ema=avg, components=None,
+                            accelerator=SimpleNamespace(is_main_process=True, unwrap_model=lambda m: m),
+                            trainable=SimpleNamespace(models=[]), global_step=1, prediction_type="epsilon")
+    trainer.sample_images(state, epoch=None)
+    assert torch.equal(seen[0], torch.ones(3)) and torch.equal(p.detach(), torch.full((3,), 5.0))
+
+
 def test_bad_values_are_one_line(tiny_sd1_single_file, tmp_path, capsys):
     import train_network
 
@@ -148,3 +170,26 @@ def test_save_state_and_resume_carry_the_average(tiny_sd1_single_file, one_image
     for k in want:
         assert torch.allclose(got[k], want[k], atol=1e-6), k
     assert json.loads(json.dumps(read_lora(resumed)[1]))["ss_ema_decay"] == "0.5"
+
+
+@pytest.mark.slow
+def test_full_finetune_saves_the_average(tiny_sd1_single_file, one_image, tmp_path):
+    """train_db.py with --ema_decay 0.5 --ema_device cpu --ema_save_raw: the saved model is the average (it
+    differs from the raw weights and lies nearer the base model than they do)."""
+    import train_db
+    from safetensors.torch import load_file
+
+    out = train_db.main(["--pretrained_model_name_or_path", str(tiny_sd1_single_file), "--tokenizer_cache_dir",
+                         str(tiny_sd1_single_file.parent / "tokenizers"), "--train_data_dir", str(one_image),
+                         "--output_dir", str(tmp_path), "--output_name", "db", "--resolution", "64",
+                         "--max_train_steps", "2", "--learning_rate", "1e-3", "--max_data_loader_n_workers", "0",
+                         "--seed", "3", "--ema_decay", "0.5", "--ema_device", "cpu", "--ema_save_raw",
+                         "--stop_text_encoder_training", "-1"])
+    avg, raw, base = load_file(str(out)), load_file(str(tmp_path / "db-raw.safetensors")), \
+        load_file(str(tiny_sd1_single_file))
+    changed = [k for k in raw if k in base and not torch.equal(raw[k], base[k])]
+    assert changed
+    for k in changed[:20]:
+        assert not torch.equal(avg[k], raw[k])
+        # s_2 = d_1 (d_0 w0 + (1 - d_0) w1) + (1 - d_1) w2: between the base and the raw weights here
+        assert (avg[k].float() - base[k].float()).norm() < (raw[k].float() - base[k].float()).norm()
