@@ -190,9 +190,11 @@ class Param:
         elif k in ("str", "path", "dir", "choice"):
             if k == "str" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 value = str(value)  # e.g. resolution = 1024 in a kohya TOML; the trainers read it the same way
+            allowed = self.choices_for(tab)
+            if k == "choice" and isinstance(value, bool) and {"on", "off"} <= set(allowed):
+                value = "on" if value else "off"  # a switch that became auto / on / off: older files say true / false
             if not isinstance(value, str):
                 raise ValueError(f"expected text, got {value!r}")
-            allowed = self.choices_for(tab)
             if k == "choice" and value not in allowed and not self.open_choices:
                 raise ValueError(f"{value!r} is not one of the allowed values: {', '.join(map(repr, allowed))}")
             return value
@@ -461,12 +463,12 @@ OVERLAY: tuple[Param, ...] = (  # what the GUI adds to the trainers' options: la
     _p("compile_fullgraph", "bool", False, "Fullgraph",
        "Require each compiled block to be one graph; fails on graph breaks. Keep off unless debugging.",
        "compile", families=COMPILE_FAMILIES),
-    _p("cuda_graph_step", "bool", False, "CUDA graph of the whole step",
+    _p("cuda_graph_step", "choice", "auto", "CUDA graph of the whole step",
        "Capture forward, backward and optimizer step as one CUDA graph after the first steps of each batch shape: "
        "no per-step Python overhead at batch 1-4 (SDXL 1024 bs1 on an H100: 191 -> 95 ms; FLUX.1 was slower). One "
-       "GPU; needs cached latents and text-encoder outputs, AdamW and no gradient accumulation. The blocks then "
-       "compile without CUDA graphs of their own.", "compile",
-       tabs=LORA, families=COMPILE_FAMILIES),
+       "GPU; needs cached latents and text-encoder outputs and no gradient accumulation. auto: on where it can "
+       "follow (one bucket shape, not FLUX.1; the log says what it chose and why), on: always, off: never.",
+       "compile", tabs=LORA, families=COMPILE_FAMILIES, choices=("auto", "on", "off")),
     _p("cuda_allow_tf32", "bool", False, "Allow TF32", "Faster matmuls on Ampere or newer GPUs.", "compile",
        families=COMPILE_FAMILIES),
     _p("cuda_cudnn_benchmark", "bool", False, "cuDNN benchmark", "Let cuDNN pick the fastest kernels.",

@@ -100,7 +100,7 @@ def test_a_run_whose_loss_becomes_nan_stops_without_saving_it(tmp_path, tiny_sdx
     argv = base_argv(tiny_sdxl_single_file, out, tiny_dataset_dir, "blowup", steps=30,
                      extra=["--network_train_unet_only", "--save_every_n_steps", "1", "--optimizer_type", "SGD"])
     argv[argv.index("--learning_rate") + 1] = "1e30"
-    trainer = sdxl_train_network.SDXLNetworkTrainer()
+    trainer = sdxl_train_network.trainer()
     with pytest.raises(SystemExit) as e:
         network_trainer.run(trainer, sdxl_train_network.setup_parser(), argv)
     message = str(e.value.__cause__)
@@ -120,14 +120,14 @@ def test_resume_with_another_network_dim_exits_2_with_one_line(tmp_path, tiny_sd
     from library import network_trainer
 
     out = tmp_path / "out"
-    network_trainer.run(sdxl_train_network.SDXLNetworkTrainer(), sdxl_train_network.setup_parser(),
+    network_trainer.run(sdxl_train_network.trainer(), sdxl_train_network.setup_parser(),
                         base_argv(tiny_sdxl_single_file, out, tiny_dataset_dir, "first", steps=1,
                                   extra=["--network_train_unet_only", "--save_state"]))
     argv = base_argv(tiny_sdxl_single_file, out, tiny_dataset_dir, "second", steps=2,
                      extra=["--network_train_unet_only", "--resume", str(out / "first-state")])
     argv[argv.index("--network_dim") + 1] = "8"
     with pytest.raises(SystemExit) as e:
-        network_trainer.run(sdxl_train_network.SDXLNetworkTrainer(), sdxl_train_network.setup_parser(), argv)
+        network_trainer.run(sdxl_train_network.trainer(), sdxl_train_network.setup_parser(), argv)
     assert e.value.code == 2
     cause = e.value.__cause__
     assert cause is not None and "the state was saved by a run with another network" in str(cause)

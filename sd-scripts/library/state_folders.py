@@ -45,14 +45,19 @@ def write_state(accelerator, path: str, overwrite: bool) -> None:
 
 def remove_stale(output_dir: str, output_name: str) -> None:
     """What a killed run of `output_name` left in `output_dir` and its sample folder: library.files' work folders
-    (results, state folders, samples); a state folder that was being replaced when the kill came is put back."""
-    for folder in (output_dir, os.path.join(output_dir, "sample")):
-        for path in files.remove_stale(folder, output_name):
+    of its results (model files or folders, step / epoch saves, state folders, run TOMLs, samples; not those of
+    another run such as `<output_name>_v2`); a state folder that was being replaced when the kill came is put
+    back."""
+    name = re.escape(output_name)
+    results = re.compile(name + r"(-(step)?\d+)?(-state|_config\.toml|\.\w+)?")
+    samples = re.compile(name + r"_e?\d+_\d+_\d+(_\d+)?\.png")
+    for folder, ours in ((output_dir, results), (os.path.join(output_dir, "sample"), samples)):
+        for path in files.remove_stale(folder, ours):
             logger.info("removed %s (left by a killed run)", path)
 
 
 def resumed_position(folder: str) -> tuple[int, int] | None:
-    """The step counter (network_trainer.TrainState) is the last checkpoint object registered, so accelerate
+    """The step counter (library.run.state.TrainState) is the last checkpoint object registered, so accelerate
     writes it as the custom_checkpoint_<highest>.pkl; None when that is not it."""
     import torch
 
