@@ -148,7 +148,9 @@ class LoRABase(nn.Module):
     # magnitude per output feature (|V| the norm of each output row, as the DoRA paper's code and peft) or, with
     # wd_on_output=False, per input feature (the norm of each input column over all output rows). Files hold
     # m as `<name>.dora_scale`, shaped (out, 1[, 1, 1]) or (1, in[, 1, 1]) as LyCORIS writes it and ComfyUI reads
-    # it (its axis from the shape). |V| is detached as in peft (DoRA paper, section 4.3).
+    # it (its axis from the shape). |V| is detached as in peft (DoRA paper, section 4.3). ComfyUI applies the
+    # input-axis form exactly; its output-axis branch divides by |W| instead of |V| (Comfy-Org/ComfyUI#15458 open),
+    # as it does for LyCORIS' wd_on_output files: close to |V| while the LoRA is small, not equal.
     dora_on_output = True
 
     @torch.no_grad()
