@@ -258,3 +258,21 @@ def test_kohya_ss_lokr_presets_train_on_flux(path, flux_set, flux_data, tmp_path
     sd, md = read_lora(flux_train_network.main(run))
     assert "lora_unet_single_blocks_0_linear1.lokr_w1" in sd or "lora_unet_single_blocks_0_linear1.lokr_w1_a" in sd
     assert md["ss_network_module"] == "lycoris.kohya"
+
+
+@pytest.mark.slow
+def test_flux_lokr_trains_compiled_with_block_swap(flux_set, flux_data, tmp_path, caplog):
+    """--compile (aot_eager) with gradient checkpointing and block swap: the LoKr modules run inside the compiled
+    FLUX blocks (the compile log counts them) and the run saves the file."""
+    import logging
+
+    import flux_train_network
+    from lora_checks import read_lora
+
+    caplog.set_level(logging.INFO)
+    out = flux_train_network.main(_argv(flux_set, flux_data, tmp_path, "compiled", ["algo=lokr", "factor=4"],
+                                        ["--compile", "--compile_backend", "aot_eager", "--gradient_checkpointing",
+                                         "--blocks_to_swap", "1", "--network_train_unet_only"]))
+    assert "adapter layers (LokrModule) run inside the compiled blocks" in caplog.text
+    sd, _ = read_lora(out)
+    assert "lora_unet_single_blocks_0_linear1.lokr_w1" in sd and not any("_orig_mod" in k for k in sd)
