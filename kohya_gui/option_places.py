@@ -365,6 +365,7 @@ PLACES: dict[str, Look] = {
     "ema_update_every": Look("optimizer", "EMA update every N steps", minimum=1),
     "ema_device": Look("optimizer", "EMA device"),
     "ema_save_raw": Look("optimizer", "EMA: also save the raw weights"),
+    "ema_sample_raw": Look("optimizer", "EMA: also sample with the raw weights"),
     "lr_scheduler_type": Look("optimizer_scheduler", "LR Scheduler type"),
     "lr_scheduler_args": Look("optimizer_scheduler", "LR Scheduler extra arguments"),
     "lr_decay_steps": Look("optimizer_scheduler", "LR decay steps"),

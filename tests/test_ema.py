@@ -4,6 +4,7 @@ round-trips; a LoRA run saves the EMA as the model (and the raw weights with --e
 decay gives, records it in the metadata, and --save_state / --resume continue it exactly."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 
@@ -83,8 +84,10 @@ def test_update_every_n_steps_as_a_step_event():
     assert not event.due(SimpleNamespace(ema=None, at_epoch_end=False, global_step=3))
 
 
-def test_samples_are_drawn_with_the_average():
-    """Trainer.sample_images runs the family's sampler with the EMA swapped in, and the raw weights after."""
+@pytest.mark.parametrize("sample_raw", [False, True])
+def test_samples_are_drawn_with_the_average(sample_raw):
+    """Trainer.sample_images runs the family's sampler with the EMA swapped in (and with --ema_sample_raw again
+    with the raw weights, under <output_name>-raw); the raw weights are back after."""
     from types import SimpleNamespace
 
     from library.run.trainer import Trainer
@@ -95,13 +98,18 @@ def test_samples_are_drawn_with_the_average():
         p.mul_(5)
     seen = []
     trainer = Trainer.__new__(Trainer)
-    trainer.family = SimpleNamespace(sample=lambda *a, **k: seen.append(p.detach().clone()))
+    trainer.family = SimpleNamespace(sample=lambda args, *a, **k: seen.append((args.output_name,
+                                                                              p.detach().clone())))
     trainer.eval_weights = lambda state: contextlib.nullcontext()
-    state = SimpleNamespace(args=SimpleNamespace(sample_prompts="p.txt"), ema=avg, components=None,
+    args = argparse.Namespace(sample_prompts="p.txt", output_name="run", ema_sample_raw=sample_raw)
+    state = SimpleNamespace(args=args, ema=avg, components=None,
                             accelerator=SimpleNamespace(is_main_process=True, unwrap_model=lambda m: m),
                             trainable=SimpleNamespace(models=[]), global_step=1, prediction_type="epsilon")
     trainer.sample_images(state, epoch=None)
-    assert torch.equal(seen[0], torch.ones(3)) and torch.equal(p.detach(), torch.full((3,), 5.0))
+    assert [name for name, _ in seen] == (["run", "run-raw"] if sample_raw else ["run"])
+    assert torch.equal(seen[0][1], torch.ones(3)) and torch.equal(p.detach(), torch.full((3,), 5.0))
+    if sample_raw:
+        assert torch.equal(seen[1][1], torch.full((3,), 5.0))
 
 
 def test_bad_values_are_one_line(tiny_sd1_single_file, tmp_path, capsys):
@@ -138,8 +146,15 @@ def test_lora_run_saves_the_average_as_the_decay_says(tiny_sd1_single_file, one_
     import train_network
     from lora_checks import read_lora
 
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle --w 64 --h 64 --s 2 --d 5\n")
     out = train_network.main(_argv(tiny_sd1_single_file, one_image, tmp_path, "e",
-                                   ["--ema_save_raw", "--save_every_n_steps", "1"]))
+                                   ["--ema_save_raw", "--save_every_n_steps", "1", "--sample_prompts", str(prompts),
+                                    "--sample_every_n_steps", "3", "--ema_sample_raw"]))
+    # samples with the EMA weights and with the raw ones, and they differ
+    ema_png, = (tmp_path / "sample").glob("e_000003_00_*_5.png")
+    raw_png, = (tmp_path / "sample").glob("e-raw_000003_00_*_5.png")
+    assert ema_png.read_bytes() != raw_png.read_bytes()
     raws = [read_lora(tmp_path / f"e-step{s:08d}-raw.safetensors")[0] for s in (1, 2, 3)]
     emas = [read_lora(tmp_path / f"e-step{s:08d}.safetensors")[0] for s in (1, 2)] + [read_lora(out)[0]]
     final_md = read_lora(out)[1]

@@ -2,7 +2,8 @@
 moving average of what is trained, updated every `--ema_update_every N` optimizer steps by one fused foreach lerp,
 on the GPU or (`--ema_device cpu`) in host memory. Warm-up as OneTrainer's: the k-th update uses
 min(D, (1 + k) / (10 + k)), so early updates follow the weights closely. Samples are drawn and results saved
-with the EMA weights (`--ema_save_raw` also writes the raw weights, as `<name>-raw<ext>`); `--save_state` folders
+with the EMA weights (`--ema_save_raw` also writes the raw weights, as `<name>-raw<ext>`; `--ema_sample_raw` also draws
+the samples with them, as `<output_name>-raw_...png`); `--save_state` folders
 carry the average (accelerate custom checkpoint object) and `--resume` continues it; the metadata records the
 settings (`ss_ema_*`). The update is the `EMAUpdate` step event (library.run.events)."""
 from __future__ import annotations
@@ -29,6 +30,9 @@ def add_ema_arguments(parser) -> None:
                              "fine-tuning of large models)")
     parser.add_argument("--ema_save_raw", action="store_true",
                         help="with --ema_decay: also save the raw (non-averaged) weights, as <name>-raw<ext>")
+    parser.add_argument("--ema_sample_raw", action="store_true",
+                        help="with --ema_decay: also draw the samples with the raw weights (files named "
+                             "<output_name>-raw_...)")
 
 
 def check_ema_args(args, error) -> None:
@@ -123,6 +127,20 @@ def with_ema(state):
     """Context for sampling and saving: the EMA weights in the model (nothing without --ema_decay)."""
     ema = getattr(state, "ema", None)
     return ema.swapped_in() if ema is not None else contextlib.nullcontext()
+
+
+def sample_passes(state) -> list:
+    """(args, weights context) of each sampling pass: the EMA weights, and with --ema_sample_raw also the raw ones
+    under `<output_name>-raw` (the sample file names start with it)."""
+    args = state.args
+    passes = [(args, with_ema(state))]
+    if getattr(state, "ema", None) is not None and args.ema_sample_raw:
+        import argparse
+
+        raw_args = argparse.Namespace(**vars(args))
+        raw_args.output_name = f"{args.output_name}-raw"
+        passes.append((raw_args, contextlib.nullcontext()))
+    return passes
 
 
 def save_model(state, write, path: str) -> None:

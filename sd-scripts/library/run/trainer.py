@@ -289,10 +289,13 @@ class Trainer:
         args, accelerator = state.args, state.accelerator
         if not args.sample_prompts or not accelerator.is_main_process:
             return
-        with self.eval_weights(state), ema.with_ema(state):
-            self.family.sample(args, state.components, accelerator, epoch=epoch, steps=state.global_step,
-                               networks=[accelerator.unwrap_model(m) for m in state.trainable.models],
-                               prediction_type=state.prediction_type)
+        with self.eval_weights(state):
+            for sample_args, weights in ema.sample_passes(state):  # with --ema_decay: the EMA (and raw) weights
+                with weights:
+                    self.family.sample(sample_args, state.components, accelerator, epoch=epoch,
+                                       steps=state.global_step,
+                                       networks=[accelerator.unwrap_model(m) for m in state.trainable.models],
+                                       prediction_type=state.prediction_type)
 
 
 def prune_checkpoints(args, epoch, step, ext, by_step: bool) -> None:
