@@ -1,4 +1,4 @@
-"""library.compile_utils: flags, validation, regional compilation of the repeated blocks (CPU).
+"""library.compile (options, environment, regional, checkpoint, graphs): flags, validation, regional compilation of the repeated blocks (CPU).
 
 One inductor case (tiny UNet); everything else uses aot_eager / eager so the file stays fast.
 """
@@ -11,11 +11,15 @@ import pytest
 import torch
 import torch._dynamo.testing
 
-from library import compile_utils as cu
+from library.compile import checkpoint as compile_checkpoint
+from library.compile import environment as compile_environment
+from library.compile import graphs as compile_graphs
+from library.compile import options as compile_options
+from library.compile import regional
 
 
 def _parse(*argv, blocks_to_swap=None):
-    parser = cu.add_compile_arguments(argparse.ArgumentParser())
+    parser = compile_options.add_compile_arguments(argparse.ArgumentParser())
     if blocks_to_swap is not None:
         parser.add_argument("--blocks_to_swap", type=int, default=0)
     return parser.parse_args(list(argv))
@@ -40,7 +44,7 @@ def test_defaults_and_choices():
                "--compile_dynamic", "false", "--compile_fullgraph", "--compile_cache_size_limit", "64",
                "--compile_cache_dir", "/tmp/cc", "--cuda_allow_tf32", "--cuda_cudnn_benchmark")
     assert a.compile_mode == "max-autotune-no-cudagraphs" and a.compile_cache_size_limit == 64
-    assert [cu.dynamic_value(_parse("--compile_dynamic", v)) for v in ("auto", "true", "false")] == [None, True, False]
+    assert [compile_options.dynamic_value(_parse("--compile_dynamic", v)) for v in ("auto", "true", "false")] == [None, True, False]
     with pytest.raises(SystemExit):
         _parse("--compile_mode", "fast")
     with pytest.raises(SystemExit):
@@ -54,12 +58,12 @@ def test_defaults_and_choices():
     ("off", False, False),
 ])
 def test_cudnn_sdp_choice(monkeypatch, choice, crashed_here, expected):
-    monkeypatch.setattr(cu, "_needs_cudnn_sdpa_workaround", lambda: crashed_here)
+    monkeypatch.setattr(compile_environment, "_needs_cudnn_sdpa_workaround", lambda: crashed_here)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")  # named in the log
     before = torch.backends.cuda.cudnn_sdp_enabled()
     try:
         torch.backends.cuda.enable_cudnn_sdp(True)
-        applied = cu.setup_compile_environment(_parse("--cudnn_sdp", choice))
+        applied = compile_environment.setup_compile_environment(_parse("--cudnn_sdp", choice))
         assert applied.get("cudnn_sdp") == expected
         assert torch.backends.cuda.cudnn_sdp_enabled() is (expected is not False)
     finally:
@@ -78,15 +82,15 @@ def test_compile_caches_are_keyed_by_the_attention_backends(tmp_path, monkeypatc
     keys = {}
     try:
         for choice in ("on", "off"):
-            cu.setup_compile_environment(_parse("--compile", "--cudnn_sdp", choice, "--compile_cache_dir",
+            compile_environment.setup_compile_environment(_parse("--compile", "--cudnn_sdp", choice, "--compile_cache_dir",
                                                 str(tmp_path)))
             keys[choice] = inductor_config.save_config_portable()["unsafe_marked_cacheable_functions"]
     finally:
         torch.backends.cuda.enable_cudnn_sdp(saved[0])
         inductor_config.unsafe_marked_cacheable_functions = saved[1]
         torch._logging.set_logs()
-    assert keys["on"][cu.SDPA_CACHE_KEY].startswith("cudnn=1,")
-    assert keys["off"][cu.SDPA_CACHE_KEY].startswith("cudnn=0,")
+    assert keys["on"][compile_environment.SDPA_CACHE_KEY].startswith("cudnn=1,")
+    assert keys["off"][compile_environment.SDPA_CACHE_KEY].startswith("cudnn=0,")
 
 
 @pytest.mark.parametrize("version, cuda, capability, needed", [
@@ -99,8 +103,8 @@ def test_cudnn_sdpa_workaround_rule(monkeypatch, version, cuda, capability, need
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.version, "cuda", cuda)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
-    monkeypatch.setattr(cu, "_torch_version", lambda: version)
-    assert cu._needs_cudnn_sdpa_workaround() is needed
+    monkeypatch.setattr(compile_environment, "_torch_version", lambda: version)
+    assert compile_environment._needs_cudnn_sdpa_workaround() is needed
 
 
 @pytest.mark.parametrize(
@@ -121,8 +125,8 @@ def test_validation_errors_name_the_flags(argv, swap, needles):
         args.blocks_to_swap = swap
     if "cudagraphs" in argv:
         args.device = "cuda:0"  # the block-swap rule as on a GPU machine (without one, cudagraphs is refused first)
-    with pytest.raises(cu.CompileConfigError) as e:
-        cu.validate_compile_args(args)
+    with pytest.raises(compile_options.CompileConfigError) as e:
+        compile_options.validate_compile_args(args)
     for n in needles:
         assert n in str(e.value)
 
@@ -130,22 +134,22 @@ def test_validation_errors_name_the_flags(argv, swap, needles):
 def test_validation_accepts_good_settings_and_block_swap_without_cudagraphs():
     args = _parse("--compile", "--compile_mode", "max-autotune-no-cudagraphs", blocks_to_swap=True)
     args.blocks_to_swap = 8
-    cu.validate_compile_args(args)  # no error
-    cu.validate_compile_args(_parse("--compile", "--compile_mode", "reduce-overhead"))
-    cu.validate_compile_args(_parse("--compile_mode", "reduce-overhead", blocks_to_swap=True))  # compile off
+    compile_options.validate_compile_args(args)  # no error
+    compile_options.validate_compile_args(_parse("--compile", "--compile_mode", "reduce-overhead"))
+    compile_options.validate_compile_args(_parse("--compile_mode", "reduce-overhead", blocks_to_swap=True))  # compile off
 
 
 def test_validation_missing_triton_and_old_torch(monkeypatch):
     args = _parse("--compile")
     args.device = "cuda"
-    monkeypatch.setattr(cu.importlib.util, "find_spec", lambda name: None if name == "triton" else object())
-    with pytest.raises(cu.CompileConfigError, match="needs a working triton, and triton is not installed"):
-        cu.validate_compile_args(args)
+    monkeypatch.setattr(compile_options.importlib.util, "find_spec", lambda name: None if name == "triton" else object())
+    with pytest.raises(compile_options.CompileConfigError, match="needs a working triton, and triton is not installed"):
+        compile_options.validate_compile_args(args)
     args.compile_backend = "aot_eager"
-    cu.validate_compile_args(args)  # aot_eager needs no triton
-    monkeypatch.setattr(cu, "_torch_version", lambda: (2, 0))
-    with pytest.raises(cu.CompileConfigError, match=r"torch >= 2\.2"):
-        cu.validate_compile_args(args)
+    compile_options.validate_compile_args(args)  # aot_eager needs no triton
+    monkeypatch.setattr(compile_options, "_torch_version", lambda: (2, 0))
+    with pytest.raises(compile_options.CompileConfigError, match=r"torch >= 2\.2"):
+        compile_options.validate_compile_args(args)
 
 
 def test_setup_environment_cache_dir_and_limits(tmp_path, monkeypatch):
@@ -154,18 +158,18 @@ def test_setup_environment_cache_dir_and_limits(tmp_path, monkeypatch):
     monkeypatch.setattr(library, "INDUCTOR_CACHE_DIR_AT_START", (None,))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert cu.default_compile_cache_dir() == str(tmp_path / "xdg" / "sd-scripts" / "torch_compile")
+    assert compile_environment.default_compile_cache_dir() == str(tmp_path / "xdg" / "sd-scripts" / "torch_compile")
     cfg = torch._dynamo.config
-    old = (cu.recompile_limit(), cfg.accumulated_recompile_limit)
+    old = (compile_environment.recompile_limit(), cfg.accumulated_recompile_limit)
     try:
         args = _parse("--compile", "--compile_cache_dir", str(tmp_path / "cc"), "--compile_cache_size_limit", "64")
-        applied = cu.setup_compile_environment(args)
+        applied = compile_environment.setup_compile_environment(args)
         assert applied["cache_dir"] == str(tmp_path / "cc") and (tmp_path / "cc").is_dir()
         import os
 
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cc")
         assert torch._inductor.config.fx_graph_cache is True
-        assert cu.recompile_limit() == 64 and cfg.accumulated_recompile_limit >= 64
+        assert compile_environment.recompile_limit() == 64 and cfg.accumulated_recompile_limit >= 64
     finally:
         cfg.recompile_limit, cfg.accumulated_recompile_limit = old
         torch._logging.set_logs()
@@ -177,7 +181,7 @@ def test_setup_environment_cache_dir_and_limits(tmp_path, monkeypatch):
     (3, [True, False, False, True, False, False, True]),
 ])
 def test_opens_accumulation_window(accumulation, expected):
-    assert [cu.opens_accumulation_window(n, accumulation) for n in range(7)] == expected
+    assert [compile_graphs.opens_accumulation_window(n, accumulation) for n in range(7)] == expected
 
 
 def _window_marks(accumulation, batches, epochs, skip=0, restored_step=0):
@@ -202,7 +206,7 @@ def _window_marks(accumulation, batches, epochs, skip=0, restored_step=0):
                 epoch_loader = skip_first_batches(loader, skip)
             rows = []
             for batch in epoch_loader:
-                marks = cu.opens_accumulation_window(acc.step, accumulation)
+                marks = compile_graphs.opens_accumulation_window(acc.step, accumulation)
                 with acc.accumulate(model):
                     rows.append((int(batch), marks, acc.sync_gradients))
             out.append(rows)
@@ -239,29 +243,29 @@ def test_cache_dir_user_value_versus_torch_default(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # what torch set on import
     monkeypatch.setattr(library, "INDUCTOR_CACHE_DIR_AT_START", (None,))  # the user set nothing
-    assert cu.default_compile_cache_dir() == xdg
+    assert compile_environment.default_compile_cache_dir() == xdg
     monkeypatch.setattr(library, "INDUCTOR_CACHE_DIR_AT_START", ("/data/ic",))  # the user's, before torch's import
-    assert cu.default_compile_cache_dir() == "/data/ic"
-    assert cu.resolve_cache_dir(_parse("--compile")) == "/data/ic"
-    assert cu.resolve_cache_dir(_parse("--compile", "--compile_cache_dir", str(tmp_path / "cc"))) == str(tmp_path / "cc")
+    assert compile_environment.default_compile_cache_dir() == "/data/ic"
+    assert compile_environment.resolve_cache_dir(_parse("--compile")) == "/data/ic"
+    assert compile_environment.resolve_cache_dir(_parse("--compile", "--compile_cache_dir", str(tmp_path / "cc"))) == str(tmp_path / "cc")
     # no snapshot (library imported after torch's inductor): torch's default value counts as unset
     monkeypatch.setattr(library, "INDUCTOR_CACHE_DIR_AT_START", None)
-    assert cu.default_compile_cache_dir() == xdg
+    assert compile_environment.default_compile_cache_dir() == xdg
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/data/other")
-    assert cu.default_compile_cache_dir() == "/data/other"
+    assert compile_environment.default_compile_cache_dir() == "/data/other"
 
 
 _CACHE_PROBE = """
 import sys
 import torch  # the scripts' import order: torch, then the library
 sys.path.insert(0, sys.argv[1])
-from library import compile_utils
+from library.compile import environment as compile_environment, options as compile_options
 import torch._dynamo  # sets TORCHINDUCTOR_CACHE_DIR to torch's /tmp default when unset
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch._inductor.codecache import FxGraphCache
-parser = compile_utils.add_compile_arguments(__import__("argparse").ArgumentParser())
+parser = compile_options.add_compile_arguments(__import__("argparse").ArgumentParser())
 for argv in (["--compile"], ["--compile", "--compile_cache_dir", sys.argv[2]]):
-    compile_utils.setup_compile_environment(parser.parse_args(argv))
+    compile_environment.setup_compile_environment(parser.parse_args(argv))
     print(cache_dir(), FxGraphCache._get_tmp_dir())
 """
 
@@ -275,7 +279,7 @@ def test_compile_cache_lands_in_the_documented_folder(tmp_path):
     import sys
     from pathlib import Path
 
-    sd_scripts = str(Path(cu.__file__).resolve().parents[1])
+    sd_scripts = str(Path(compile_options.__file__).resolve().parents[2])
     flag = str(tmp_path / "flag")
 
     def probe(**env):
@@ -295,17 +299,17 @@ def test_compile_cache_lands_in_the_documented_folder(tmp_path):
 def test_shape_log_one_line_per_new_shape_and_no_recompile_logs(tmp_path, monkeypatch, caplog):
     calls = []
     monkeypatch.setattr(torch._logging, "set_logs", lambda **kw: calls.append(kw))
-    cu.setup_compile_environment(_parse("--compile", "--compile_cache_dir", str(tmp_path)))
+    compile_environment.setup_compile_environment(_parse("--compile", "--compile_cache_dir", str(tmp_path)))
     assert not any(kw.get("recompiles") for kw in calls)  # torch's [__recompiles] lines stay off by default
 
-    caplog.set_level(logging.INFO, logger=cu.logger.name)
-    log = cu.ShapeLog(_parse("--compile", "--compile_mode", "reduce-overhead"))
+    caplog.set_level(logging.INFO, logger="library.compile")
+    log = regional.ShapeLog(_parse("--compile", "--compile_mode", "reduce-overhead"))
     square, wide = torch.zeros(1, 4, 8, 8), torch.zeros(1, 4, 4, 16)
     seen = [log.see({"latents": square}), log.see({"latents": square}), log.see({"latents": None, "images": wide}),
             log.see({"latents": square}), log.see({"latents": wide})]
     assert seen == [True, False, True, False, False]
-    assert cu.ShapeLog.shape_of({"latents": None, "images": wide}) == (1, 4, 4, 16)
-    assert cu.ShapeLog.shape_of({"latents": None}) is None
+    assert regional.ShapeLog.shape_of({"latents": None, "images": wide}) == (1, 4, 4, 16)
+    assert regional.ShapeLog.shape_of({"latents": None}) is None
     assert log.see({"latents": torch.zeros(1, 4, 6, 6)}, step=7)
     lines = [r.getMessage() for r in caplog.records if "new input shape" in r.getMessage()]
     assert lines == ["torch.compile: new input shape 1x4x8x8 (1 so far): this step compiles and records CUDA graphs "
@@ -318,9 +322,9 @@ def test_shape_log_one_line_per_new_shape_and_no_recompile_logs(tmp_path, monkey
 
 def test_strip_orig_mod():
     sd = {"a._orig_mod.b.weight": 1, "c.weight": 2}
-    assert cu.strip_orig_mod(sd) == {"a.b.weight": 1, "c.weight": 2}
+    assert regional.strip_orig_mod(sd) == {"a.b.weight": 1, "c.weight": 2}
     clean = {"x": 1}
-    assert cu.strip_orig_mod(clean) is clean
+    assert regional.strip_orig_mod(clean) is clean
 
 
 # ------------------------------------------------------------------------------------------ tiny models
@@ -408,8 +412,8 @@ def test_unet_aot_eager_matches_eager_log_line_and_clean_keys(caplog):
     args = _parse("--compile", "--compile_backend", "aot_eager")
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     args.compile_backend = counter  # counts the graphs dynamo hands to aot_eager
-    with caplog.at_level(logging.INFO, logger="library.compile_utils"):
-        n = cu.compile_model_blocks(compiled, args, model_name="SDXL UNet")
+    with caplog.at_level(logging.INFO, logger="library.compile"):
+        n = regional.compile_model_blocks(compiled, args, model_name="SDXL UNet")
     assert n == _count(eager, "BasicTransformerBlock") == 7
     _assert_same(ref, _unet_step(compiled))
     _assert_same(_unet_step(eager, seed=2), _unet_step(compiled, seed=2))
@@ -420,8 +424,8 @@ def test_unet_aot_eager_matches_eager_log_line_and_clean_keys(caplog):
 
     args = _parse("--compile", "--compile_mode", "reduce-overhead")
     m = _tiny_unet()
-    with caplog.at_level(logging.INFO, logger="library.compile_utils"):
-        cu.compile_model_blocks(m, args, model_name="SDXL UNet")
+    with caplog.at_level(logging.INFO, logger="library.compile"):
+        regional.compile_model_blocks(m, args, model_name="SDXL UNet")
     assert "Compiling SDXL UNet with torch.compile: backend=inductor, mode=reduce-overhead, dynamic=None, fullgraph=False" in caplog.messages
     assert any(msg.startswith("Compiled 7 blocks of SDXL UNet") for msg in caplog.messages)
 
@@ -435,7 +439,7 @@ def test_unet_lora_with_checkpointing_inside_compiled_region_same_grads():
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     args = _parse("--compile", "--compile_backend", "aot_eager")
     args.compile_backend = counter
-    n = cu.compile_model_blocks(compiled, args, model_name="SDXL UNet", gradient_checkpointing=True)
+    n = regional.compile_model_blocks(compiled, args, model_name="SDXL UNet", gradient_checkpointing=True)
     assert n == 7
     # diffusers' own checkpointing of the blocks is off (no double checkpoint); resnets keep theirs
     assert not any(m.gradient_checkpointing for m in compiled.modules() if type(m).__name__ == "Transformer2DModel")
@@ -477,7 +481,7 @@ def _recompute_counts(model, network, argv):
     args = _parse("--compile", "--compile_backend", "aot_eager", *argv)  # --compile_dynamic auto: symbolic tokens
     args.compile_backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm), bw_compiler=keep_backward,
                                         partition_fn=min_cut_rematerialization_partition)
-    cu.compile_model_blocks(model, args, model_name="SDXL UNet", gradient_checkpointing=True)
+    regional.compile_model_blocks(model, args, model_name="SDXL UNet", gradient_checkpointing=True)
     got = _unet_step(model, network=network)
     matmuls = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
     return got, (sum(n.target in matmuls for gm in backward_graphs for n in gm.graph.nodes), len(resnet_calls))
@@ -492,7 +496,7 @@ def test_checkpoint_keep_choices_recompute_less_with_the_same_grads():
     resnet_calls = _count_resnet_forwards(base)
     ref = _unet_step(base, network=net_base)  # eager, no checkpointing: each ResNet runs once
     counts = {}
-    for keep in cu.CHECKPOINT_KEEP_CHOICES:
+    for keep in compile_checkpoint.CHECKPOINT_KEEP_CHOICES:
         torch._dynamo.reset()
         model = _tiny_unet()
         net = _with_lora(model)
@@ -515,17 +519,17 @@ def test_checkpoint_keep_choices_recompute_less_with_the_same_grads():
     (["--compile", "--gradient_checkpointing", "--cpu_offload_checkpointing"], False),
 ])
 def test_checkpoint_keep_without_inside_checkpointing_warns(argv, applies, caplog):
-    parser = cu.add_compile_arguments(argparse.ArgumentParser())
+    parser = compile_options.add_compile_arguments(argparse.ArgumentParser())
     parser.add_argument("--gradient_checkpointing", action="store_true")
     parser.add_argument("--cpu_offload_checkpointing", action="store_true")
     args = parser.parse_args(argv + ["--compile_backend", "aot_eager", "--compile_checkpoint_keep", "resnets"])
-    with caplog.at_level(logging.WARNING, logger="library.compile_utils"):
-        cu.validate_compile_args(args)
+    with caplog.at_level(logging.WARNING, logger="library.compile"):
+        compile_options.validate_compile_args(args)
     assert ("--compile_checkpoint_keep resnets has no effect" in caplog.text) != applies
     args.compile_checkpoint_keep = "everything"  # as a config file can set it
-    with pytest.raises(cu.CompileConfigError, match="--compile_checkpoint_keep must be one of attention, "
+    with pytest.raises(compile_options.CompileConfigError, match="--compile_checkpoint_keep must be one of attention, "
                                                     "projections, resnets; got 'everything'"):
-        cu.validate_compile_args(args)
+        compile_options.validate_compile_args(args)
 
 
 def test_flux_double_and_single_blocks_with_checkpointing():
@@ -533,7 +537,7 @@ def test_flux_double_and_single_blocks_with_checkpointing():
     compiled = copy.deepcopy(eager)
     ref = _flux_step(eager)
     args = _parse("--compile", "--compile_backend", "aot_eager", "--compile_dynamic", "false")
-    n = cu.compile_model_blocks(compiled, args, model_name="FLUX", gradient_checkpointing=True)
+    n = regional.compile_model_blocks(compiled, args, model_name="FLUX", gradient_checkpointing=True)
     assert n == _count(eager, "FluxTransformerBlock") + _count(eager, "FluxSingleTransformerBlock") == 2
     _assert_same(ref, _flux_step(compiled))
 
@@ -543,10 +547,10 @@ def test_disable_linear_keeps_linears_out_of_graph(caplog):
     compiled = copy.deepcopy(eager)
     ref = _flux_step(eager)
     args = _parse("--compile", "--compile_backend", "eager")
-    with caplog.at_level(logging.INFO, logger="library.compile_utils"):
-        cu.compile_model_blocks(compiled, args, model_name="FLUX", disable_linear=True)
+    with caplog.at_level(logging.INFO, logger="library.compile"):
+        regional.compile_model_blocks(compiled, args, model_name="FLUX", disable_linear=True)
     assert any("Linear layers in the compiled blocks run outside the graph" in m for m in caplog.messages)
-    blocks = cu.find_repeated_blocks(compiled)
+    blocks = regional.find_repeated_blocks(compiled)
     linears = [m for b in blocks for m in b.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(hasattr(m, "_forward_outside_compile") for m in linears)
     _assert_same(ref, _flux_step(compiled))
@@ -554,8 +558,8 @@ def test_disable_linear_keeps_linears_out_of_graph(caplog):
 
 
 def test_unknown_model_is_a_clear_error():
-    with pytest.raises(cu.CompileConfigError, match="declares no repeated blocks"):
-        cu.compile_model_blocks(torch.nn.Linear(2, 2), _parse("--compile"), model_name="X")
+    with pytest.raises(compile_options.CompileConfigError, match="declares no repeated blocks"):
+        regional.compile_model_blocks(torch.nn.Linear(2, 2), _parse("--compile"), model_name="X")
 
 
 def test_inductor_tiny_unet_matches_eager():
@@ -563,7 +567,7 @@ def test_inductor_tiny_unet_matches_eager():
     eager = _tiny_unet()
     compiled = copy.deepcopy(eager)
     ref = _unet_step(eager)
-    n = cu.compile_model_blocks(compiled, _parse("--compile", "--compile_dynamic", "false"), model_name="SDXL UNet")
+    n = regional.compile_model_blocks(compiled, _parse("--compile", "--compile_dynamic", "false"), model_name="SDXL UNet")
     assert n == 7
     _assert_same(ref, _unet_step(compiled), tol=1e-4)
 
@@ -571,8 +575,8 @@ def test_inductor_tiny_unet_matches_eager():
 def test_triton_problem_names_a_missing_or_broken_triton(tmp_path, monkeypatch):
     import sys
 
-    monkeypatch.setattr(cu.importlib.util, "find_spec", lambda name: None if name == "triton" else object())
-    assert cu.triton_problem() == "triton is not installed"
+    monkeypatch.setattr(compile_options.importlib.util, "find_spec", lambda name: None if name == "triton" else object())
+    assert compile_options.triton_problem() == "triton is not installed"
     monkeypatch.undo()
     # an installed triton whose import fails, as a triton-windows built for another Python does
     (tmp_path / "triton").mkdir()
@@ -582,7 +586,7 @@ def test_triton_problem_names_a_missing_or_broken_triton(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "triton", raising=False)
     try:
-        assert cu.triton_problem() == ("triton does not load (ImportError: DLL load failed while importing libtriton: "
+        assert compile_options.triton_problem() == ("triton does not load (ImportError: DLL load failed while importing libtriton: "
                                        "The specified module could not be found.)")
     finally:
         sys.modules.pop("triton", None)
@@ -601,9 +605,9 @@ def test_compile_without_working_triton_stops_before_the_model_loads(tmp_path, c
         raise AssertionError("a model was loaded before the error was found")
 
     monkeypatch.setattr(model_util, "load_sd_components", no_load)
-    monkeypatch.setattr(cu, "_cuda_in_use", lambda args: True)
-    monkeypatch.setattr(cu, "triton_problem", lambda: "triton does not load (ImportError: DLL load failed)")
-    monkeypatch.setattr(cu.sys, "platform", platform)
+    monkeypatch.setattr(compile_options, "_cuda_in_use", lambda args: True)
+    monkeypatch.setattr(compile_options, "triton_problem", lambda: "triton does not load (ImportError: DLL load failed)")
+    monkeypatch.setattr(compile_options.sys, "platform", platform)
     argv = ["--pretrained_model_name_or_path", str(tmp_path / "model.safetensors"), "--train_data_dir",
             str(tiny_dataset_dir), "--output_dir", str(tmp_path / "out"), "--output_name", "x", "--network_module",
             "networks.lora", "--resolution", "64", "--max_train_steps", "1", "--compile"]
@@ -642,12 +646,12 @@ def _flux_at(model, rows, cols):
 
 
 def test_image_size_dims_of_the_repeated_blocks():
-    unet_block = cu.find_repeated_blocks(_tiny_unet())[0]
-    assert cu.image_size_dims(unet_block) == [("hidden_states", 0, (1,))]
-    double, single = cu.find_repeated_blocks(_tiny_flux())
+    unet_block = regional.find_repeated_blocks(_tiny_unet())[0]
+    assert regional.image_size_dims(unet_block) == [("hidden_states", 0, (1,))]
+    double, single = regional.find_repeated_blocks(_tiny_flux())
     for block in (double, single):
-        assert cu.image_size_dims(block) == [("hidden_states", 0, (1,)), ("image_rotary_emb", 3, (0,))]
-    assert cu.image_size_dims(torch.nn.Linear(2, 2)) == []
+        assert regional.image_size_dims(block) == [("hidden_states", 0, (1,)), ("image_rotary_emb", 3, (0,))]
+    assert regional.image_size_dims(torch.nn.Linear(2, 2)) == []
 
 
 @pytest.mark.parametrize("family", ["sdxl", "flux"])
@@ -664,8 +668,8 @@ def test_auto_dynamic_new_bucket_shapes_do_not_recompile(family, caplog):
         args = _parse("--compile", "--compile_backend", "eager", "--compile_dynamic", dynamic,
                       "--compile_cache_size_limit", "64")
         args.compile_backend = counter
-        with caplog.at_level(logging.INFO, logger="library.compile_utils"):
-            cu.compile_model_blocks(m, args, model_name=family, gradient_checkpointing=True)
+        with caplog.at_level(logging.INFO, logger="library.compile"):
+            regional.compile_model_blocks(m, args, model_name=family, gradient_checkpointing=True)
         counts[name] = []
         for h, w in shapes + shapes[:1]:
             step(m, h, w)

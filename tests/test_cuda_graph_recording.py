@@ -1,4 +1,4 @@
-"""library.cuda_graph_recording: the path scans give torch's answers; the CUDA-graph modes switch it on (CPU).
+"""library.compile.recording: the path scans give torch's answers; the CUDA-graph modes switch it on (CPU).
 
 The scans only read `path_weakrefs` (lists of torch's StorageWeakRefWrapper or None per graph on the path), so a
 stand-in node with real wrappers over CPU storages exercises torch's own methods and ours on the same data."""
@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch._inductor import cudagraph_trees as trees
 
-from library import compile_utils as cu
-from library import cuda_graph_recording as cgr
+from library.compile import environment as compile_environment, options as compile_options
+from library.compile import recording as cgr
 
 ORIGINALS = {name: inspect.getattr_static(trees.CUDAGraphNode, name) for name in cgr.FAST_SCANS}
 SCANS = ("_is_cuda_graph_recorded_tensor", "_is_alias_of_live_recorded_tensor")
@@ -96,9 +96,9 @@ def test_torch_without_the_methods_is_left_alone(restore_torch, monkeypatch):
     (["--compile", "--compile_backend", "aot_eager", "--compile_mode", "reduce-overhead"], False),
 ])
 def test_compile_setup_applies_it_for_cuda_graph_modes(argv, applied, restore_torch, tmp_path):
-    args = cu.add_compile_arguments(argparse.ArgumentParser()).parse_args(
+    args = compile_options.add_compile_arguments(argparse.ArgumentParser()).parse_args(
         argv + ["--compile_cache_dir", str(tmp_path)])
-    result = cu.setup_compile_environment(args)
+    result = compile_environment.setup_compile_environment(args)
     assert ("cuda_graph_recording" in result) is applied
     assert torch._inductor.config.triton.slow_path_cudagraph_asserts is (not applied)
     assert (trees.CUDAGraphNode._is_cuda_graph_recorded_tensor is cgr.is_cuda_graph_recorded_tensor) is applied

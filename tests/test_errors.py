@@ -17,7 +17,8 @@ def test_every_error_kind_derives_from_the_one_base():
 
 
 def test_the_old_names_are_the_bottom_layer_classes():
-    from library import block_swap, compile_utils, dataset_files, flux_models, model_util, sample_prompts, saving
+    from library import block_swap, dataset_files, flux_models, model_util, sample_prompts, saving
+    from library.compile import options as compile_options
     from networks import lora, lora_blocks
 
     assert train_util.ConfigError is errors.ConfigError
@@ -27,7 +28,7 @@ def test_the_old_names_are_the_bottom_layer_classes():
     assert saving.SaveError is errors.SaveError
     assert model_util.ModelLoadError is errors.ModelLoadError
     assert flux_models.FluxModelError is errors.FluxModelError
-    assert compile_utils.CompileConfigError is errors.CompileConfigError
+    assert compile_options.CompileConfigError is errors.CompileConfigError
     assert sample_prompts.PromptFileError is errors.PromptFileError
     assert dataset_files.DatasetError is errors.DatasetError
     assert block_swap.BlockSwapError is errors.BlockSwapError
@@ -45,7 +46,7 @@ def test_errors_imports_nothing_from_the_library():
 
 @pytest.mark.parametrize("cls", [errors.BlockSwapError, errors.FluxModelError, errors.SaveError])
 def test_run_turns_any_kind_into_one_line_and_exit_2(cls, capsys, monkeypatch):
-    class Failing(network_trainer.NetworkTrainer):
+    class Failing:
         def train(self, args):
             raise cls("the message naming --the_flag")
 

@@ -16,6 +16,7 @@ from gui_helpers import all_non_default
 
 from kohya_gui import REPO, command, config_file
 from kohya_gui import params as P
+from kohya_gui.secret_options import SECRET_OPTIONS
 
 SD_SCRIPTS = REPO / "sd-scripts"
 
@@ -59,6 +60,8 @@ def expected_value(p, tab, family, values):
     """What the trainer must read: network_args with the chosen network type's fields folded in."""
     if p.fixed:
         return p.fixed[family]
+    if p.name in SECRET_OPTIONS:  # never in a file or a command: the run gets it in its environment
+        return None
     return P.fold_network_args(tab, family, values)[p.name]
 
 
@@ -134,7 +137,8 @@ def _all_presets():
 def test_presets_pass_the_trainers_checks(tab, name):
     """Every shipped preset parses with its trainer and passes the option checks the trainer makes before any
     model loads (files that only exist on the user's machine aside)."""
-    from library import compile_utils, train_util
+    from library import train_util
+    from library.compile import options as compile_options
 
     from kohya_gui import presets
 
@@ -145,7 +149,7 @@ def test_presets_pass_the_trainers_checks(tab, name):
     args.sample_prompts = args.resume = None  # files that are made on first use / exist on the user's machine
     train_util.verify_training_args(args)
     if cfg.family in P.COMPILE_FAMILIES:
-        compile_utils.validate_compile_args(args)
+        compile_options.validate_compile_args(args)
     else:
         assert not hasattr(args, "compile")
 
@@ -189,14 +193,30 @@ def test_the_option_files_are_the_trainers_current_options():
 
 
 def test_every_trainer_option_has_a_kohya_ss_like_group_and_label():
-    """option_places.py places each option the trainers describe in one of the groups kohya_ss users know (nothing
-    is left in "Other options"), and names only options that exist (a renamed trainer option fails here)."""
+    """The presentation table (option_places.PLACES) covers every option the trainers describe with a group kohya_ss
+    users know (nothing is left in "Other options"), names only options that exist (a renamed trainer option
+    fails here) and states no option facts: kinds and defaults only for the options that are not the trainers'
+    (accelerate launch, the GUI's own), and its widget hints fit the trainer's option."""
     from kohya_gui import option_places
 
     described = {name for options in P.TRAINER_OPTIONS.values() for name in options}
-    declared = {p.name for p in P.OVERLAY}
     assert sorted(p.name for p in P.PARAMS if p.accordion == "other") == []
-    assert sorted(set(option_places.PLACES) - described) == []
-    assert sorted(set(option_places.PLACES) & declared) == [], "declared in the overlay and placed twice"
-    assert {P.top_group(g) for g, _ in option_places.PLACES.values()} <= set(P.ACCORDIONS)
+    own = {n for n, look in option_places.PLACES.items() if look.own}
+    assert sorted(set(option_places.PLACES) - described - own) == []
+    assert sorted(own & described) == [], "the trainers describe it: its kind and default come from there"
+    assert all(P.BY_NAME[n].target in ("launch", "gui") for n in own)
+    assert {P.top_group(look.group) for look in option_places.PLACES.values()} <= set(P.ACCORDIONS)
+    for name, look in option_places.PLACES.items():
+        per_script = {s: o[name] for s, o in P.TRAINER_OPTIONS.items() if name in o}
+        if look.widget == "names":
+            assert any(o.get("suggested") for o in per_script.values()), name
+        if look.widget == "one_number":
+            assert all("nargs" in o for o in per_script.values()), name
+        if look.widget in ("file", "folder"):
+            assert all(o["kind"] == "str" for o in per_script.values()), name
+        for tab, shown in look.tab_choices.items():  # which of the tab's trainer choices are offered
+            allowed = {c or "" for (t, _), script in P.SCRIPTS.items() if t == tab and script in per_script
+                       for c in per_script[script].get("choices") or []}
+            assert set(shown) <= allowed, (name, tab, set(shown) - allowed)
+        assert not look.choices or look.own, f"{name}: choices of a trainer option come from the trainer"
     assert all(parent in P.ACCORDIONS for _, parent in P.SUBGROUPS.values())

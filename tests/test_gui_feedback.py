@@ -34,13 +34,13 @@ def user_config(tmp_path, monkeypatch):
 # ---- "compiling" ---------------------------------------------------------------------------------------------
 
 def shape_log_line(caplog, mode: str) -> str:
-    """The line the trainers log before a step that compiles (library.compile_utils.ShapeLog), as printed."""
+    """The line the trainers log before a step that compiles (library.compile.regional.ShapeLog), as printed."""
     import torch
-    from library import compile_utils
+    from library.compile import regional
 
     args = Namespace(compile=True, compile_backend="inductor", compile_mode=mode)
-    with caplog.at_level(logging.INFO, logger=compile_utils.logger.name):
-        assert compile_utils.ShapeLog(args).see({"latents": torch.zeros(1, 4, 8, 8)})
+    with caplog.at_level(logging.INFO, logger=regional.logger.name):
+        assert regional.ShapeLog(args).see({"latents": torch.zeros(1, 4, 8, 8)})
     record = caplog.records[-1]
     return f"2026-01-01 00:00:00 INFO {record.name}: {record.getMessage()}"
 

@@ -126,7 +126,7 @@ def test_adapters_inside_compiled_block_without_graph_breaks(algo, tiny_sdxl):
     ctx = torch.randn(1, 77, tiny_sdxl.unet.config.cross_attention_dim)
     torch._dynamo.reset()
     explain = torch._dynamo.explain(block)(x, encoder_hidden_states=ctx)
-    from library.compile_utils import adapter_kinds
+    from library.compile.regional import adapter_kinds
 
     kinds = adapter_kinds(block)
     if algo == "dylora":
@@ -142,7 +142,7 @@ def test_adapters_inside_compiled_block_without_graph_breaks(algo, tiny_sdxl):
         return
     assert explain.graph_break_count == 0, [str(r.reason)[:200] for r in explain.break_reasons[:3]]
     assert explain.graph_count == 1 and len(kinds) == 1
-    from library.compile_utils import count_adapters
+    from library.compile.regional import count_adapters
 
     assert count_adapters(block) >= 6  # q, k, v, out of both attentions + ff
 
@@ -186,7 +186,7 @@ def test_compile_log_counts_adapters(tiny_sdxl, caplog):
     import copy
     from types import SimpleNamespace
 
-    from library import compile_utils
+    from library.compile import regional
 
     unet = copy.deepcopy(tiny_sdxl.unet)
     net = lycoris_kohya.create_network(1.0, 4, 1.0, None, tiny_sdxl.text_encoders, unet, algo="lokr")
@@ -194,6 +194,6 @@ def test_compile_log_counts_adapters(tiny_sdxl, caplog):
     args = SimpleNamespace(compile_backend="eager", compile_mode="default", compile_dynamic="auto",
                            compile_fullgraph=False)
     with caplog.at_level(logging.INFO):
-        compile_utils.compile_model_blocks(unet, args, model_name="SDXL UNet")
+        regional.compile_model_blocks(unet, args, model_name="SDXL UNet")
     n = sum(1 for m in net.unet_loras if "transformer_blocks" in m.lora_name)
     assert f"{n} adapter layers (LokrModule) run inside the compiled blocks" in caplog.text

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+import train_network
 from torch import nn
 
 from networks import dylora, lora, lora_fa, oft
@@ -104,10 +105,10 @@ def test_dylora_trains_one_rank_unit_and_keeps_lora_math(tiny_sd1):
         drawn.add(r)
     assert len(drawn) > 1
     # in a compiled block: the same output and rank slice (the LoRA term runs eagerly), and the log says so
-    from library import compile_utils
+    from library.compile import regional
 
     block = nn.Sequential(layer, nn.GELU())
-    assert compile_utils.adapter_kinds(block) == {"DyLoRAModule eager: a graph break each": 1}
+    assert regional.adapter_kinds(block) == {"DyLoRAModule eager: a graph break each": 1}
     compiled = torch.compile(block, backend="eager")
     torch.manual_seed(7)
     eager_out = block(x)
@@ -181,7 +182,7 @@ def test_module_trains_saves_and_continues(module, args, prefix, alpha, tiny_sd1
     import importlib
 
     import train_network
-    from library.network_trainer import NetworkTrainer, run
+    from library.network_trainer import run
     from lora_checks import read_lora
 
     def argv(out, name, extra):
@@ -191,7 +192,7 @@ def test_module_trains_saves_and_continues(module, args, prefix, alpha, tiny_sd1
                 "--network_alpha", str(alpha), "--resolution", "64", "--max_data_loader_n_workers", "0",
                 "--seed", "5", "--network_train_unet_only", "--cache_latents", *extra]
 
-    path = run(NetworkTrainer(), train_network.setup_parser(),
+    path = run(train_network.trainer(), train_network.setup_parser(),
                argv(tmp_path / "a", "m", ["--max_train_steps", "2", "--learning_rate", "1e-2",
                                           *(["--network_args", *args] if args else [])]))
     sd, md = read_lora(path)
@@ -203,7 +204,7 @@ def test_module_trains_saves_and_continues(module, args, prefix, alpha, tiny_sd1
     assert suffixes == ({"oft_blocks", "alpha"} if prefix == "oft_unet_" else
                         {"lora_down.weight", "lora_up.weight", "alpha"})
 
-    path2 = run(NetworkTrainer(), train_network.setup_parser(),
+    path2 = run(train_network.trainer(), train_network.setup_parser(),
                 argv(tmp_path / "b", "m2", ["--max_train_steps", "1", "--learning_rate", "1e-12", "--optimizer_type",
                                             "SGDNesterov", "--network_weights", path, "--seed", "6",
                                             *(["--network_args", *args] if args else [])]))

@@ -2,7 +2,7 @@
 
 --fp8_base / --fp8_base_unet (library.precision), --fp16_master_weights_and_gradients, --cpu_offload_checkpointing
 (library.offload_checkpointing), --disable_mmap_load_safetensors (library.safetensors_io), --torch_compile /
---dynamo_backend (compile_utils.apply_torch_compile_alias), --diffusers_xformers, and the FLUX options --model_type,
+--dynamo_backend (library.compile.options.apply_torch_compile_alias), --diffusers_xformers, and the FLUX options --model_type,
 --split_mode, --double_blocks_to_swap / --single_blocks_to_swap, --controlnet_model_name_or_path.
 One tiny end-to-end SDXL LoRA run combines them (slow)."""
 from __future__ import annotations
@@ -20,8 +20,9 @@ import flux_train_network
 import sdxl_train
 import sdxl_train_network
 import train_network
-from library import compile_utils, offload_checkpointing, precision, safetensors_io, train_util
-from library.compile_utils import CompileConfigError
+from library import flux_train_utils, offload_checkpointing, precision, safetensors_io, train_util
+from library.compile import options as compile_options, regional
+from library.compile.options import CompileConfigError
 from library.train_util import ConfigError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -51,7 +52,8 @@ def test_fp8_base_stores_sdxl_linear_weights_in_float8(tiny_sdxl_single_file):
     tok = str(tiny_sdxl_single_file.parent / "tokenizers")
     comps = load_sd_components(str(tiny_sdxl_single_file), "sdxl", tokenizer_cache_dir=tok)
     args = parse(sdxl_train_network, ["--fp8_base"])
-    sdxl_train_network.SDXLNetworkTrainer().apply_fp8(args, comps)
+    t = sdxl_train_network.trainer()
+    t.family.apply_fp8(args, comps, t.target.fp8_targets(args))
     for model in (comps.unet, *comps.text_encoders):
         assert _linears(model) and all(m.weight.dtype == torch.float8_e4m3fn for m in _linears(model))
     # convolutions, norms and embeddings keep the training dtype
@@ -70,7 +72,8 @@ def test_fp8_base_unet_leaves_the_text_encoders(tiny_sd1_single_file):
     comps = load_sd_components(str(tiny_sd1_single_file), "sd1",
                                tokenizer_cache_dir=str(tiny_sd1_single_file.parent / "tokenizers"))
     args = parse(train_network, ["--fp8_base_unet"])
-    train_network.NetworkTrainer().apply_fp8(args, comps)
+    t = train_network.trainer()
+    t.family.apply_fp8(args, comps, t.target.fp8_targets(args))
     assert all(m.weight.dtype == torch.float8_e4m3fn for m in _linears(comps.unet))
     assert all(m.weight.dtype == torch.float32 for m in _linears(comps.text_encoders[0]))
     assert precision.fp8_targets(args) == (True, False)
@@ -97,8 +100,8 @@ def test_fp8_t5_keeps_wo_and_stays_accurate():
 def test_full_trainers_ignore_fp8_base_with_a_warning(caplog, tmp_path):
     args = parse(fine_tune, ["--fp8_base", "--pretrained_model_name_or_path", "x.safetensors", "--output_dir",
                              str(tmp_path)])
-    trainer = fine_tune.FineTuneTrainer()
-    assert trainer.fp8_targets(args) == (False, False)
+    trainer = fine_tune.trainer()
+    assert trainer.target.fp8_targets(args) == (False, False)
     with caplog.at_level(logging.WARNING):
         trainer.check_args(args)
     assert "--fp8_base is for LoRA training" in caplog.text
@@ -144,12 +147,12 @@ def test_torch_compile_maps_to_regional_compile(caplog):
     args = parse(sdxl_train_network, ["--torch_compile", "--dynamo_backend", "aot_eager"])
     assert not args.compile
     with caplog.at_level(logging.INFO):
-        compile_utils.apply_torch_compile_alias(args)
+        compile_options.apply_torch_compile_alias(args)
     assert args.compile and args.compile_backend == "aot_eager"
     assert ("--torch_compile/--dynamo_backend aot_eager: using regional compilation "
             "(--compile --compile_backend aot_eager)") in caplog.messages
     args = parse(flux_train, ["--torch_compile"])  # upstream's default backend
-    compile_utils.apply_torch_compile_alias(args)
+    compile_options.apply_torch_compile_alias(args)
     assert args.compile and args.compile_backend == "inductor"
 
 
@@ -159,50 +162,50 @@ def test_dynamo_backend_no_from_the_kohya_gui_is_a_quiet_no_op(tmp_path, caplog)
     for script in (sdxl_train_network, train_network, flux_train):
         args = parse(script, ["--config_file", str(cfg)])
         with caplog.at_level(logging.INFO):
-            compile_utils.apply_torch_compile_alias(args)
-        assert compile_utils.compile_args(args) is None or not args.compile
+            compile_options.apply_torch_compile_alias(args)
+        assert compile_options.compile_args(args) is None or not args.compile
     assert "regional" not in caplog.text
     args = parse(sdxl_train_network, ["--dynamo_backend", "NO"])
     assert args.dynamo_backend == "NO"
     # upstream's choices are the listed ones; an unknown one is refused by argparse
     action = next(a for a in sdxl_train_network.setup_parser()._actions if a.dest == "dynamo_backend")
-    assert list(action.choices) == list(compile_utils.DYNAMO_BACKENDS) and action.default == "inductor"
+    assert list(action.choices) == list(compile_options.DYNAMO_BACKENDS) and action.default == "inductor"
     with pytest.raises(SystemExit):
         parse(sdxl_train_network, ["--dynamo_backend", "bogus"])
 
 
 def test_dynamo_backend_without_torch_compile_changes_nothing():
     args = parse(sdxl_train_network, ["--dynamo_backend", "aot_eager"])
-    compile_utils.apply_torch_compile_alias(args)
+    compile_options.apply_torch_compile_alias(args)
     assert not args.compile and args.compile_backend == "inductor"
 
 
 def test_unavailable_dynamo_backend_is_a_clear_error():
     args = parse(sdxl_train_network, ["--torch_compile", "--dynamo_backend", "tvm"])
     with pytest.raises(CompileConfigError, match="--dynamo_backend tvm: not available .* use one of inductor"):
-        compile_utils.apply_torch_compile_alias(args)
+        compile_options.apply_torch_compile_alias(args)
 
 
 def test_torch_compile_gives_sd1_scripts_regional_compile(tiny_sd1_single_file, caplog):
     from library.model_util import load_sd_components
 
     args = parse(train_network, ["--torch_compile", "--dynamo_backend", "eager"])
-    compile_utils.apply_torch_compile_alias(args)
+    compile_options.apply_torch_compile_alias(args)
     assert not hasattr(args, "compile")  # the SD1.x scripts have no --compile flags ...
     keys = {line.split("=")[0].strip() for line in train_util.dumps_config(args).splitlines() if "=" in line}
     assert "torch_compile" in keys and not keys & {"compile", "compile_backend"}  # ... nor does their run TOML
-    cargs = compile_utils.compile_args(args)
+    cargs = compile_options.compile_args(args)
     assert cargs.compile and cargs.compile_backend == "eager" and cargs.compile_mode == "default"
     comps = load_sd_components(str(tiny_sd1_single_file), "sd1",
                                tokenizer_cache_dir=str(tiny_sd1_single_file.parent / "tokenizers"))
-    trainer = train_network.NetworkTrainer()
+    trainer = train_network.trainer()
     with caplog.at_level(logging.INFO):
-        trainer.prepare_unet_with_accelerator(args, None, comps)
+        trainer.family.compile(args, comps)
     n = sum(1 for m in comps.unet.modules() if type(m).__name__ == "BasicTransformerBlock")
-    assert trainer.compiled_blocks == n > 0
+    assert trainer.family.compiled_blocks == n > 0
     assert f"Compiled {n} blocks of UNet (BasicTransformerBlock)" in caplog.text
     plain = parse(train_network, [])
-    assert compile_utils.compile_args(plain) is None
+    assert compile_options.compile_args(plain) is None
 
 
 # ---------------------------------------------------------------------------------------------- cpu offload
@@ -251,13 +254,13 @@ def test_cpu_offload_checkpointing_around_compiled_blocks():
     offload_checkpointing.enable(comp)
     args = argparse.Namespace(compile=True, compile_backend="aot_eager", compile_mode="default",
                               compile_dynamic="auto", compile_fullgraph=False)
-    n = compile_utils.compile_model_blocks(comp, args, model_name="SDXL UNet", gradient_checkpointing=True,
+    n = regional.compile_model_blocks(comp, args, model_name="SDXL UNet", gradient_checkpointing=True,
                                            offload_checkpointing=True)
     assert n == 7
     # the offloading checkpoint stays around the blocks; nothing is checkpointed inside the compiled region
     t2d = [m for m in comp.modules() if type(m).__name__ == "Transformer2DModel"]
     assert all(m.gradient_checkpointing for m in t2d)
-    assert not any(hasattr(b, "_forward_inside_checkpoint") for b in compile_utils.find_repeated_blocks(comp))
+    assert not any(hasattr(b, "_forward_inside_checkpoint") for b in regional.find_repeated_blocks(comp))
     _assert_same(ref, _unet_step(comp, network=net_comp))
 
 
@@ -265,12 +268,12 @@ def test_cpu_offload_checkpointing_refusals():
     args = parse(sdxl_train_network, ["--cpu_offload_checkpointing", "--gradient_checkpointing", "--compile",
                                       "--compile_mode", "reduce-overhead"])
     with pytest.raises(CompileConfigError, match="--cpu_offload_checkpointing .*--compile_mode reduce-overhead"):
-        compile_utils.validate_compile_args(args)
+        compile_options.validate_compile_args(args)
     args.compile_mode = "max-autotune-no-cudagraphs"
-    compile_utils.validate_compile_args(args)  # fine without CUDA graphs
+    compile_options.validate_compile_args(args)  # fine without CUDA graphs
     args = parse(flux_train_network, ["--cpu_offload_checkpointing", "--blocks_to_swap", "2"])
     with pytest.raises(ConfigError, match="--cpu_offload_checkpointing cannot be used with --blocks_to_swap 2"):
-        flux_train_network.FluxNetworkTrainer().assert_extra_args(args)
+        flux_train_network.trainer().family.check_args(args)
     # only with --gradient_checkpointing, as upstream's train_network
     assert not offload_checkpointing.enabled(parse(train_network, ["--cpu_offload_checkpointing"]))
     # the scripts that have it upstream
@@ -281,7 +284,7 @@ def test_cpu_offload_checkpointing_refusals():
 def test_flux_train_turns_on_gradient_checkpointing_for_cpu_offload(caplog):
     args = parse(flux_train, ["--cpu_offload_checkpointing", "--optimizer_type", "Adafactor"])
     with caplog.at_level(logging.WARNING):
-        flux_train.FluxTrainer().assert_extra_args(args)
+        flux_train_utils.check_full_args(args, None)
     assert args.gradient_checkpointing
     assert "cpu_offload_checkpointing is enabled, so gradient_checkpointing is also enabled" in caplog.text
 
@@ -327,7 +330,7 @@ def test_cpu_offload_checkpointing_frees_gpu_activations():
     comp.train()
     cargs = argparse.Namespace(compile=True, compile_backend="inductor", compile_mode="default",
                                compile_dynamic="false", compile_fullgraph=False)
-    compile_utils.compile_model_blocks(comp, cargs, model_name="UNet", gradient_checkpointing=True,
+    regional.compile_model_blocks(comp, cargs, model_name="UNet", gradient_checkpointing=True,
                                        offload_checkpointing=True)
     held_comp, grad_comp = held_after_forward(comp)
     torch.testing.assert_close(grad_comp, grad_plain, atol=1e-3, rtol=1e-2)
@@ -350,14 +353,15 @@ def test_diffusers_xformers_asks_diffusers_for_the_unet_and_the_vae(caplog):
     class VAE(Model):
         pass
 
-    comps = argparse.Namespace(unet=UNet(), vae=VAE())
+    unet, vae = UNet(), VAE()
+    comps = argparse.Namespace(unet=unet, vae=vae, denoiser=unet, autoencoder=vae)
     for script in (fine_tune, sdxl_train):
         calls.clear()
         args = parse(script, ["--diffusers_xformers"])
-        sdxl_train.SDXLTrainer().set_attention_backend(args, comps)
+        sdxl_train.trainer().family.set_attention_backend(args, comps)
         assert calls == ["UNet", "VAE"]
     calls.clear()
-    sdxl_train.SDXLTrainer().set_attention_backend(parse(sdxl_train, []), comps)
+    sdxl_train.trainer().family.set_attention_backend(parse(sdxl_train, []), comps)
     assert calls == []
     assert not hasattr(parse(sdxl_train_network, []), "diffusers_xformers")
 
@@ -368,17 +372,17 @@ def test_diffusers_xformers_asks_diffusers_for_the_unet_and_the_vae(caplog):
 def test_flux_model_type_chroma_is_refused_with_a_reason():
     args = parse(flux_train_network, ["--model_type", "chroma"])
     with pytest.raises(ConfigError, match="--model_type chroma: .*not supported.*allowed here: flux"):
-        flux_train_network.FluxNetworkTrainer().assert_extra_args(args)
-    flux_train_network.FluxNetworkTrainer().assert_extra_args(parse(flux_train_network, ["--model_type", "flux"]))
+        flux_train_network.trainer().family.check_args(args)
+    flux_train_network.trainer().family.check_args(parse(flux_train_network, ["--model_type", "flux"]))
 
 
 def test_flux_split_mode_maps_to_blocks_to_swap_18(caplog):
     args = parse(flux_train_network, ["--split_mode"])
     with caplog.at_level(logging.WARNING):
-        flux_train_network.FluxNetworkTrainer().assert_extra_args(args)
+        flux_train_network.trainer().family.check_args(args)
     assert args.blocks_to_swap == 18 and "`--blocks_to_swap 18` is automatically set" in caplog.text
     args = parse(flux_train_network, ["--split_mode", "--blocks_to_swap", "3"])
-    flux_train_network.FluxNetworkTrainer().assert_extra_args(args)
+    flux_train_network.trainer().family.check_args(args)
     assert args.blocks_to_swap == 3 and "`--split_mode` is ignored" in caplog.text
 
 
@@ -391,7 +395,7 @@ def test_flux_split_mode_maps_to_blocks_to_swap_18(caplog):
 def test_flux_train_deprecated_block_swap_counts(argv, expected, caplog):
     args = parse(flux_train, argv)
     with caplog.at_level(logging.WARNING):
-        flux_train.map_deprecated_swap_args(args)
+        flux_train_utils.map_deprecated_swap_args(args)
     assert args.blocks_to_swap == expected
     assert ("double_blocks_to_swap and single_blocks_to_swap are deprecated" in caplog.text) == (
         "--blocks_to_swap" not in argv and expected is not None)
@@ -400,7 +404,7 @@ def test_flux_train_deprecated_block_swap_counts(argv, expected, caplog):
 def test_flux_controlnet_path_is_ignored_with_a_warning(caplog):
     args = parse(flux_train_network, ["--controlnet_model_name_or_path", "cn.safetensors"])
     with caplog.at_level(logging.WARNING):
-        flux_train_network.FluxNetworkTrainer().assert_extra_args(args)
+        flux_train_network.trainer().family.check_args(args)
     assert "--controlnet_model_name_or_path is ignored" in caplog.text
 
 
@@ -415,10 +419,14 @@ def test_sdxl_lora_with_fp8_offload_torch_compile_and_logging(tmp_path, tiny_sdx
 
     seen = {}
 
-    class Trainer(sdxl_train_network.SDXLNetworkTrainer):
-        def setup_trainable(self, args, accelerator, components, weight_dtype, caching_te):
-            seen["components"] = components
-            return super().setup_trainable(args, accelerator, components, weight_dtype, caching_te)
+    trainer = sdxl_train_network.trainer()
+    setup_trainable = trainer.target.setup_trainable
+
+    def recording_setup_trainable(args, accelerator, family, components, *rest):
+        seen["components"] = components
+        return setup_trainable(args, accelerator, family, components, *rest)
+
+    trainer.target.setup_trainable = recording_setup_trainable
 
     log = tmp_path / "console.log"
     tracker_toml = tmp_path / "trackers.toml"
@@ -430,7 +438,6 @@ def test_sdxl_lora_with_fp8_offload_torch_compile_and_logging(tmp_path, tiny_sdx
         "--log_tracker_config", str(tracker_toml), "--wandb_api_key", "SECRET"])
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
-    trainer = Trainer()
     try:
         path = trainer.train(train_util.parse_args(sdxl_train_network.setup_parser(), argv))
     finally:
@@ -448,7 +455,7 @@ def test_sdxl_lora_with_fp8_offload_torch_compile_and_logging(tmp_path, tiny_sdx
     comps = seen["components"]
     for model in (comps.unet, *comps.text_encoders):
         assert all(m.weight.dtype == torch.float8_e4m3fn for m in _linears(model))
-    assert trainer.compiled_blocks > 0
+    assert trainer.family.compiled_blocks > 0
     text = log.read_text()
     assert "using regional compilation (--compile --compile_backend aot_eager)" in text
     assert "activations kept in CPU memory" in text and "read into memory without mmap" in text

@@ -58,7 +58,7 @@ def test_sigterm_saves_and_exits_zero(tmp_path, tiny_sdxl_single_file, tiny_data
     import sdxl_train_network
     from library import network_trainer
 
-    trainer = sdxl_train_network.SDXLNetworkTrainer()
+    trainer = sdxl_train_network.trainer()
     resumed = network_trainer.run(trainer, sdxl_train_network.setup_parser(),
                                   base_argv(tiny_sdxl_single_file, out, tiny_dataset_dir, "resumed", steps=step + 1,
                                             extra=["--network_train_unet_only", "--resume", str(state)]))
@@ -219,4 +219,4 @@ def _train(argv):
     from library import train_util
 
     args = train_util.parse_args(sdxl_train_network.setup_parser(), argv)
-    return sdxl_train_network.SDXLNetworkTrainer().train(args)
+    return sdxl_train_network.trainer().train(args)

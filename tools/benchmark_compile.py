@@ -5,7 +5,7 @@ SDXL: the UNet from sd-scripts/library/configs/sdxl/unet/config.json. FLUX.1: Fl
 the FLUX.1-dev shape (19 double + 38 single blocks, width 3072, guidance embedding). Nothing is downloaded.
 Frozen base weights in bf16, LoRA (rank 32 by default) in fp32, bf16 autocast, cached-latent shaped inputs
 (random latents and text-encoder outputs), AdamW step. The compiled phase uses sd-scripts' own
-library.compile_utils (regional compilation of the repeated blocks), exactly as the trainers do.
+library.compile (regional compilation of the repeated blocks), exactly as the trainers do.
 
 Examples:
     python tools/benchmark_compile.py --family sdxl --resolution 1024 --batch_size 1 --compile_mode reduce-overhead
@@ -46,7 +46,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from library import compile_utils, data_parallel  # noqa: E402
+from library import data_parallel  # noqa: E402
+from library.compile import environment as compile_environment, graphs as compile_graphs  # noqa: E402
+from library.compile import options as compile_options, regional  # noqa: E402
 
 logger = logging.getLogger("benchmark_compile")
 
@@ -132,7 +134,7 @@ def parse_args(argv=None):
                    help="experiment: torch.cuda.empty_cache() is a no-op in the compiled phase (each CUDA graph capture calls it)")
     p.add_argument("--json_out", default=None)
     p.add_argument("--seed", type=int, default=0)
-    compile_utils.add_compile_arguments(p)
+    compile_options.add_compile_arguments(p)
     p.set_defaults(compile_mode="reduce-overhead")
     args = p.parse_args(argv)
     args.compile = True  # for validation / environment; the eager phase simply does not call compile_model_blocks
@@ -345,7 +347,7 @@ def _sync(args):
 
 def train_step(model, optimizer, params, batch, args, compiled: bool) -> torch.Tensor:
     if compiled:
-        compile_utils.mark_step_begin(args)
+        compile_graphs.mark_step_begin(args)
     loss = loss_fn(model, batch, args)
     loss.backward()  # with --full (fused) the optimizer steps each parameter in here (after its all-reduce)
     if not args.fused:
@@ -505,8 +507,8 @@ def main(argv=None):
     t_start = time.perf_counter()
     args = parse_args(argv)
     setup_data_parallel(args)
-    compile_utils.validate_compile_args(args)
-    env = compile_utils.setup_compile_environment(args)
+    compile_options.validate_compile_args(args)
+    env = compile_environment.setup_compile_environment(args)
     apply_inductor_config(args.inductor_config)
     for name in ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache"):
         lg = logging.getLogger(name)
@@ -578,7 +580,7 @@ def main(argv=None):
         if args.gradient_checkpointing and args.gc_blocks_only:
             model.disable_gradient_checkpointing()
         result["gc_blocks_only"] = bool(args.gc_blocks_only)
-        result["compiled_blocks"] = compile_utils.compile_model_blocks(
+        result["compiled_blocks"] = regional.compile_model_blocks(
             model, args, model_name=name, gradient_checkpointing=args.gradient_checkpointing,
             disable_linear=args.blocks_to_swap > 0,
         )

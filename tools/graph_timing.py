@@ -24,7 +24,7 @@ those of the calls inside it):
 The dynamo/inductor compile-time table of torch (torch._dynamo.utils.compile_times) follows on its own lines.
 
 Environment:
-- GRAPH_TIMING_VARIANT: "shipped" (default: library.cuda_graph_recording.speed_up, as the trainers do), "torch"
+- GRAPH_TIMING_VARIANT: "shipped" (default: library.compile.recording.speed_up, as the trainers do), "torch"
   (torch's own bookkeeping), "no_pool_checks" (torch's, with slow_path_cudagraph_asserts off), to compare them on
   one machine.
 - GRAPH_TIMING_PROFILE=1: cProfile over the warm-up runs and recordings; the 30 functions with the most own time
@@ -88,16 +88,16 @@ def _wrap(owner, attr: str, name: str) -> None:
 
 def _apply_variant(variant: str) -> None:
     """Which CUDA-graph bookkeeping the run uses (see GRAPH_TIMING_VARIANT above). The trainer's own call of
-    library.cuda_graph_recording.speed_up is made a no-op, so that the timers put in after this stay."""
+    library.compile.recording.speed_up is made a no-op, so that the timers put in after this stay."""
     import torch._inductor.config as inductor_config
 
     if variant not in VARIANTS:
         raise SystemExit(f"GRAPH_TIMING_VARIANT: {variant!r} is not one of {', '.join(VARIANTS)}")
     try:
-        from library import cuda_graph_recording
+        from library.compile import recording as cuda_graph_recording
     except ImportError:  # an older tree (--scripts_dir): torch's bookkeeping is all it has
         if variant != "torch":
-            raise SystemExit(f"GRAPH_TIMING_VARIANT={variant} needs library.cuda_graph_recording")
+            raise SystemExit(f"GRAPH_TIMING_VARIANT={variant} needs library.compile.recording")
         return
     if variant == "shipped":
         cuda_graph_recording.speed_up()

@@ -15,7 +15,7 @@ a plain ``.to()`` otherwise. Moves replace ``param.data``, so tensors autograd s
 Hooks: a forward pre-hook on the root model (``prepare``: every forward starts from the initial placement),
 forward pre/post hooks on each block, and, from the post hook, a gradient hook on the block's outputs, which
 fires when that block's backward is about to run. The hooks are excluded from torch.compile (the compiled
-blocks break the graph around them; compile_utils keeps Linear layers out of the graph for the same reason).
+blocks break the graph around them; library.compile.regional keeps Linear layers out of the graph for the same reason).
 
 ``device`` and ``offload_device`` are arguments, so on a CPU-only machine both can be "cpu": the placement
 bookkeeping (``location``, ``events``) is the same and tests check it.

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from library import files
-from library.compile_utils import strip_orig_mod  # noqa: F401 - the one shared helper; re-exported
+from library.compile.regional import strip_orig_mod  # noqa: F401 - the one shared helper; re-exported
 from library.errors import ModelLoadError  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
@@ -74,6 +74,15 @@ class SDComponents:
     # Single-file weights that have no place in the diffusers modules (SD2's last open_clip layer and
     # text_projection, logit_scale). Kept so that saving a single file writes them back unchanged.
     extra_state: dict = field(default_factory=dict)
+
+    # the neutral names the training core (library.run, library.targets) uses
+    @property
+    def denoiser(self):
+        return self.unet
+
+    @property
+    def autoencoder(self):
+        return self.vae
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -842,11 +851,12 @@ def _download(hub_id: str) -> Path:
 
 
 def load_sd_components(path, family, *, vae=None, tokenizer_cache_dir=None, dtype=torch.float32,
-                       v_parameterization=False) -> SDComponents:
+                       v_parameterization=False, tokenizers=True) -> SDComponents:
     """Load an SD1.x / SD2.x / SDXL model from a single file, a diffusers folder or a hub id.
 
     ``vae``: optional VAE to use instead of the model's (file, diffusers folder or hub id).
     ``v_parameterization``: the model predicts v (SD2 768-v); a diffusers folder's scheduler can also say so.
+    ``tokenizers=False``: no tokenizers (`.tokenizers` is []): the LoRA tools need weights only.
     """
     _check_family(family)
     if path is None or str(path).strip() == "":
@@ -875,7 +885,7 @@ def load_sd_components(path, family, *, vae=None, tokenizer_cache_dir=None, dtyp
 
     if vae is not None and str(vae).strip():
         vae_model = load_vae(vae, family, dtype)
-    tokenizers = load_tokenizers(family, model_dir=model_dir, tokenizer_cache_dir=tokenizer_cache_dir)
+    tokenizers = load_tokenizers(family, model_dir=model_dir, tokenizer_cache_dir=tokenizer_cache_dir) if tokenizers else []
     prediction_type = "v_prediction" if v_parameterization or prediction == "v_prediction" else "epsilon"
     logger.info("loaded %s model from %s (prediction: %s)", FAMILY_LABELS[family], path, prediction_type)
     return SDComponents(family=family, unet=unet, vae=vae_model, text_encoders=tes, tokenizers=tokenizers,

@@ -10,7 +10,7 @@ FLUX transformer: it is diffusers' `gradient_checkpointing_func`). It costs two 
 Upstream's rules: it acts only with --gradient_checkpointing (flux_train.py turns that on, with a warning), and
 not with --blocks_to_swap. With --compile the compiled blocks run inside this (eager) checkpoint, which is
 recomputed in backward: that cannot replay CUDA graphs, so the CUDA-graph compile modes are refused
-(compile_utils.validate_compile_args).
+(library.compile.options.validate_compile_args).
 """
 from __future__ import annotations
 

@@ -17,7 +17,6 @@ import math
 import os
 import re
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -196,11 +195,12 @@ def load_config_file(path: str | os.PathLike, parser: argparse.ArgumentParser) -
             path = path + ".toml"
         else:
             raise ConfigError(f"config file not found: {path}")
+    from library.input_files import MAX_PROBLEMS, InputFileError, capped, load_toml
+
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from e
+        data = load_toml(path)  # any file: one line (binary, too large, nested too deep, ...)
+    except InputFileError as e:
+        raise ConfigError(str(e)) from None
     actions = _option_actions(parser)
     values, problems, skipped = {}, [], []
     # every bad key is reported, in one message
@@ -213,12 +213,12 @@ def load_config_file(path: str | os.PathLike, parser: argparse.ArgumentParser) -
             skipped.append(key)
             continue
         aliases = parity.CONFIG_VALUE_ALIASES.get(key, {})
-        if action is not None and isinstance(value, (int, float, str)) and not isinstance(value, bool) \
-                and value in aliases:
+        if action is not None and isinstance(value, (int, float, str)) and value in aliases \
+                and isinstance(value, bool) == any(isinstance(k, bool) for k in aliases):
             values[key] = aliases[value]
             continue
         if action is None:
-            close = difflib.get_close_matches(key, list(actions), n=1)
+            close = difflib.get_close_matches(key, list(actions), n=1) if len(problems) < MAX_PROBLEMS else None
             problems.append(f"unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
             continue
         try:
@@ -231,7 +231,7 @@ def load_config_file(path: str | os.PathLike, parser: argparse.ArgumentParser) -
     if len(problems) == 1:
         raise ConfigError(f"{path}: {problems[0]}")
     if problems:
-        raise ConfigError(f"{path}: {len(problems)} bad keys: " + "; ".join(problems))
+        raise ConfigError(f"{path}: {len(problems)} bad keys: " + "; ".join(capped(problems)))
     return values
 
 
@@ -248,6 +248,10 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
     refused = parity.refusal_message(args)
     if refused:
         raise ConfigError(refused)
+    from library.finite_guard import non_finite_options
+
+    if bad := non_finite_options(args):  # one line per option
+        raise ConfigError("; ".join(bad))
     return normalise_args(args)
 
 
@@ -390,9 +394,29 @@ def state_dir_name(output_name: str, epoch: int | None = None, step: int | None 
     return f"{output_name}-state"
 
 
+def check_output_dir(output_dir: str) -> None:
+    """Before any model loads: files can be written in the output folder, or in its nearest existing parent when it
+    does not exist yet (/proc/..., a read-only disk, a file in the way): one line instead of a traceback later."""
+    import tempfile
+
+    existing = os.path.abspath(output_dir)
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"--output_dir {output_dir}: {existing} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--output_dir {output_dir}: cannot write files in {existing} ({e.strerror or e})") \
+            from None
+
+
 def check_outputs_free(output_dir: str, output_name: str, ext: str, overwrite: bool, resuming: bool) -> None:
-    """Before any model loads: the results this run will write must not exist yet (the final file, and without
-    --resume also epoch/step saves and state folders of an earlier run with the same name)."""
+    """Before any model loads: the output folder can be written, and the results this run will write must not exist
+    yet (the final file, and without --resume also epoch/step saves and state folders of an earlier run with the
+    same name)."""
+    check_output_dir(output_dir)
     if overwrite or not os.path.isdir(output_dir):
         return
     final = os.path.join(output_dir, last_file_name(output_name, ext))

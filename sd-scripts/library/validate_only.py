@@ -66,7 +66,8 @@ def missing_paths(args) -> list[str]:
 
 def run(trainer, args) -> None:
     """Runs the checks; raises ValidationProblems (exit 2 through the scripts' run()) or prints the ok line."""
-    from library import compile_utils, config_util, state_folders, train_util
+    from library import config_util, state_folders, train_util
+    from library.compile import options as compile_options
 
     problems: list[str] = []
 
@@ -79,9 +80,9 @@ def run(trainer, args) -> None:
 
     attempt(lambda: trainer.check_common_options(args))
     attempt(lambda: trainer.check_args(args))
-    compiled = compile_utils.compile_args(args)
+    compiled = compile_options.compile_args(args)
     if compiled is not None:
-        attempt(lambda: compile_utils.validate_compile_args(compiled))
+        attempt(lambda: compile_options.validate_compile_args(compiled))
     problems.extend(missing_paths(args))
     output_name = args.output_name or trainer.default_output_name
     ext = trainer.output_ext(args)
@@ -98,6 +99,10 @@ def run(trainer, args) -> None:
         if groups is not None:
             group = groups[0]
             images = sum(1 for _ in group.all_images())
+            multiple = getattr(trainer, "bucket_reso_steps_multiple", None)  # the run's own check, where it has one
+            for g in groups:
+                if g is not None and multiple:
+                    attempt(lambda g=g: g.verify_bucket_reso_steps(multiple))
             if len(group) == 0:
                 problems.append("the dataset has no images: check --train_data_dir (N_name subfolders of images) "
                                 "or --dataset_config")

@@ -64,7 +64,7 @@ class RankRows(nn.Module):
 
 class DyLoRAModule(lora.LoRAModule):
     unit = 1
-    eager_in_compile = True  # _delta runs outside compiled graphs (compile_utils' log names it)
+    eager_in_compile = True  # _delta runs outside compiled graphs (library.compile.regional's log names it)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)  # networks.lora's layers and initialisation, then split into ranks

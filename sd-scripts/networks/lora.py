@@ -495,7 +495,7 @@ class LoRANetwork(nn.Module):
         return sd
 
     def lora_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        from library.compile_utils import strip_orig_mod
+        from library.compile.regional import strip_orig_mod
 
         sd = self._own_to_file(strip_orig_mod(self.state_dict()))
         out = {}
@@ -524,7 +524,7 @@ class LoRANetwork(nn.Module):
 
 
 def load_lora_state_dict(file: str) -> dict[str, torch.Tensor]:
-    from library.compile_utils import strip_orig_mod
+    from library.compile.regional import strip_orig_mod
 
     if not os.path.isfile(file):
         raise FileNotFoundError(f"LoRA file not found: {file}")
