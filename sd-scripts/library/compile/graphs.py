@@ -36,10 +36,18 @@ def step_graph_on(args) -> bool:
     return setting == "on" or (setting == "auto" and bool(getattr(args, "_step_graph_auto", False)))
 
 
+def compile_args(args):
+    """The namespace with the compile settings of a run: args itself when the script has the compile flags, the
+    one --torch_compile made for a script without them, else None."""
+    if hasattr(args, "compile"):
+        return args
+    return getattr(args, "_torch_compile", None)
+
+
 def cuda_graphs(args) -> str | None:
     """The one answer to "are CUDA graphs in use?": "step" (--cuda_graph_step: one graph of the whole training
     step), "blocks" (the compiled blocks record graphs of their own) or None. args: the run's settings or its
-    compile settings (options.compile_args); None = no compile."""
+    compile settings (compile_args); None = no compile."""
     if args is None:
         return None
     if step_graph_on(args):
@@ -143,11 +151,9 @@ def bucket_shapes(groups) -> int:
 def resolve(args, groups, num_processes: int, family: str, error: type[Exception]) -> None:
     """Once the dataset's buckets are known, before the model is compiled: decides --cuda_graph_step auto and
     notes the number of input shapes for --compile_dynamic auto (options.dynamic_value: static for one shape), on
-    args and on the compile settings (options.compile_args). One log line says what auto chose and why."""
-    from library.compile import options
-
+    args and on the compile settings (compile_args). One log line says what auto chose and why."""
     shapes = bucket_shapes(groups)
-    compiled = options.compile_args(args)
+    compiled = compile_args(args)
     setting = step_graph_setting(args)
     why = blocker(args, num_processes) if setting != "off" else None
     if setting == "on" and why:
