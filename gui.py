@@ -26,6 +26,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="require this password (with --username); other users of the machine can see it in `ps`: "
                         "prefer --password_file or the KOHYA_GUI_PASSWORD environment variable")
     p.add_argument("--password_file", default=None, help="read the password from the first line of this file")
+    p.add_argument("--config_dir", default=None,
+                   help="where the GUI keeps each tab's last used settings and the run queue (default: "
+                        "~/.config/kohya_gui, %%APPDATA%%\\kohya_gui on Windows; everyone using the same account shares "
+                        "that folder)")
     args = p.parse_args(argv)
     from kohya_gui.login import PasswordError, password_from
 
@@ -34,6 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.password = password_from(args.password, args.password_file, os.environ if args.username else {})
     except PasswordError as e:
         p.error(str(e))
+    if args.config_dir:  # before anything reads it (kohya_gui.last_settings.folder)
+        os.environ["KOHYA_GUI_CONFIG_DIR"] = os.path.abspath(args.config_dir)
     if bool(args.username) != bool(args.password):
         p.error("--username and a password (--password, --password_file or KOHYA_GUI_PASSWORD) go together")
     return args
@@ -49,6 +55,17 @@ def exposure_warning(args: argparse.Namespace) -> str | None:
     return None
 
 
+def follow_runs(runner) -> None:
+    """The GUI notes its active run in its config folder; a run an earlier GUI started (and outlived: it was
+    killed) is taken over: shown in the run panel, Stop and Save now work, Start waits for it."""
+    from kohya_gui import last_settings
+
+    runner.record = last_settings.folder() / "active_run.json"
+    if runner.adopt():
+        print(f"A training run started by an earlier GUI is still going (log: {runner.snapshot().log_path}); "
+              "the run panel follows it.", file=sys.stderr, flush=True)
+
+
 def stop_run_on_exit(runner) -> None:
     """A run lives in its own process group (so Stop can end all of it); end it when the GUI ends, too (Ctrl+C,
     SIGTERM, normal exit), rather than leaving an unseen training process behind."""
@@ -62,6 +79,18 @@ def stop_run_on_exit(runner) -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # so atexit handlers run on SIGTERM too
 
 
+def login_kwargs(username: str, password: str) -> dict:
+    """launch() arguments for the login: none without a user name."""
+    if not username:
+        return {}
+    from starlette.middleware import Middleware
+
+    from kohya_gui.login import ClientAddress, Login
+
+    # the wait after wrong passwords is per client address: ClientAddress tells the check who asks
+    return {"auth": Login(username, password).check, "app_kwargs": {"middleware": [Middleware(ClientAddress)]}}
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -73,9 +102,9 @@ def main(argv=None) -> None:
     from kohya_gui.ui.app import build_app, launch_kwargs
 
     from kohya_gui import tensorboard
-    from kohya_gui.login import Login
 
     tensorboard.HOST["address"] = args.listen  # the TensorBoard button serves where the GUI does
+    follow_runs(RUNNER)
     stop_run_on_exit(RUNNER)
     app = build_app()
     from kohya_gui.ui.actions import start_queue_worker
@@ -89,7 +118,7 @@ def main(argv=None) -> None:
             server_port=args.server_port,
             share=args.share,
             inbrowser=args.inbrowser and not args.headless,
-            auth=Login(args.username, args.password) if args.username else None,
+            **login_kwargs(args.username, args.password),
             show_error=True,
             footer_links=["gradio", "settings"],  # no "Use via API": the GUI's events are not a documented API
             **launch_kwargs(),

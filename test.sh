@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Runs the whole test suite from nothing: creates .venv, installs the project and its pinned test
-# dependencies (CPU torch 2.13.0), installs Debian's chromium for the browser test, then runs pytest.
+# dependencies (CPU torch 2.13.0), installs Debian's chromium (apt-get, as root only) for the browser tests, then
+# runs pytest: 20-45 minutes on 2 CPU cores. Arguments go to pytest, e.g. the quick run:
+#   ./test.sh -m "not slow and not browser"
+# Tests that read ../shared/parity/ (kohya_ss presets, upstream option tables) are skipped without it.
 set -euo pipefail
 cd "$(dirname "$0")"
 ./setup.sh --test

@@ -9,6 +9,7 @@
     python -m kohya_gui signal save|sample|stop OUTPUT_DIR_OR_RUN_TOML   # Save now / Sample now / Stop (and save)
 
 print-command and train also take a kohya_ss JSON directly (imported on the fly, the report on stderr).
+`python -m kohya_gui ACTION --help` describes each action.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import argparse
 import signal
 import sys
 
-from . import command, config_file, demo, importer, params, presets, quoting, run_requests, training
+from . import command, config_file, demo, importer, params, presets, quoting, run_requests, trainer_check, training
 from .runner import Runner
 
 
@@ -38,48 +39,86 @@ def send_request(argv: list[str]) -> int:
     return 0
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m kohya_gui", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION",
+                                help="print-command, train, prepare-demo, import, signal (each has --help)")
+    config_help = ("a configuration TOML saved by the GUI, a preset name (demo-sdxl-tiny, "
+                   "dreambooth/sdxl-dreambooth-24gb), a kohya_ss GUI JSON or a run TOML of kohya_ss / sd-scripts")
+    family_help = f"the model family, where the file does not say it ({', '.join(params.FAMILIES)})"
+    printing = sub.add_parser("print-command", help="print the command Start training would run, and what the "
+                                                    "GUI's Print warns about (on stderr)")
+    printing.add_argument("config", help=config_help)
+    printing.add_argument("--standalone", action="store_true", help="every setting as a flag instead of --config_file")
+    printing.add_argument("--shell", choices=quoting.SHELLS, default=quoting.native_shell(),
+                          help="quote for a POSIX shell or for Windows cmd / PowerShell (default: this machine's, "
+                               "%(default)s)")
+    train = sub.add_parser("train", help="run it with the GUI's runner (Ctrl+C: stop and save; twice: stop now)")
+    train.add_argument("config", help=config_help)
+    demo_parser = sub.add_parser("prepare-demo", help="make a demo preset's tiny model and images")
+    demo_parser.add_argument("config", help=config_help)
+    importing = sub.add_parser(
+        "import", help="a kohya_ss GUI JSON or a run TOML as our configuration, with a report of every key",
+        description="Writes a kohya_ss GUI configuration (JSON, any version) or a run TOML (kohya_ss' "
+                    "config_*.toml, sd-scripts' --output_config) as our configuration TOML, which the GUI opens. "
+                    "Every key of the file is reported: mapped, converted (with what it became) or dropped (with "
+                    "why). Files kohya_ss makes from its form before a run (the inline sample prompts, the fine-tune "
+                    "image folder) are written beside OUT. Nothing is overwritten without --force.")
+    importing.add_argument("config", help="the kohya_ss JSON or run TOML")
+    importing.add_argument("-o", "--output", required=True, help="the TOML to write (e.g. configs/lora/mine.toml)")
+    importing.add_argument("--tab", choices=list(params.TABS), help="the tab (default: from the file)")
+    importing.add_argument("--force", action="store_true", help="overwrite existing output files")
+    for p in (printing, train):
+        p.add_argument("--tab", choices=list(params.TABS), help="the tab of a kohya_ss JSON (default: from the file)")
+    for p in (printing, train, importing):
+        p.add_argument("--family", choices=params.FAMILIES, help=family_help)
+    sub.add_parser("signal", help="python -m kohya_gui signal save|sample|stop OUTPUT_DIR_OR_RUN_TOML")
+    return parser
+
+
+def load_config(args) -> config_file.Config:
+    """The configuration of print-command / train / prepare-demo: a kohya_ss JSON is imported on the fly (its
+    report on stderr); our TOMLs, presets and plain sd-scripts TOMLs are opened."""
+    path = presets.resolve(args.config)
+    family = getattr(args, "family", None)
+    if path.suffix.lower() != ".json":  # ours; a plain sd-scripts TOML opens too (family: the import's rule)
+        return config_file.load(path, family=family or "SDXL")
+    imported = importer.load(path, getattr(args, "tab", None), family)
+    print("\n".join(f"import: {line}" for line in imported.report_lines()), file=sys.stderr)
+    for note in imported.notes:
+        print(f"note: {note}", file=sys.stderr)
+    for name in imported.side_files:
+        print(f"import: {name} is not used here (kohya_ss makes that file before a run); `import -o OUT.toml` "
+              "writes it beside OUT", file=sys.stderr)
+        imported.values[name] = ""
+    return config_file.Config(imported.tab, imported.family, imported.values)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["signal"]:
         return send_request(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m kohya_gui", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=["print-command", "train", "prepare-demo", "import", "signal"],
-                        help="signal: python -m kohya_gui signal save|sample|stop OUTPUT_DIR_OR_RUN_TOML")
-    parser.add_argument("config", help="a configuration TOML saved by the GUI, a preset name (demo-sdxl-tiny, "
-                                       "dreambooth/sdxl-dreambooth-24gb), or a kohya_ss GUI JSON")
-    parser.add_argument("--standalone", action="store_true",
-                        help="print-command: every setting as a flag instead of --config_file")
-    parser.add_argument("--shell", choices=quoting.SHELLS, default=quoting.native_shell(),
-                        help="print-command: quote for a POSIX shell or for Windows cmd / PowerShell (default: "
-                             "this machine's, %(default)s)")
-    parser.add_argument("-o", "--output", help="import: the TOML to write")
-    parser.add_argument("--tab", choices=list(params.TABS), help="import: the tab (default: from the file)")
-    parser.add_argument("--force", action="store_true", help="import: overwrite an existing output file")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.action == "import":
         return import_file(args)
     try:
-        if args.config.lower().endswith(".json"):
-            imported = importer.load(args.config, args.tab)
-            print("\n".join(f"import: {line}" for line in imported.report_lines()), file=sys.stderr)
-            if imported.sample_prompts_text:
-                print("import: the inline sample prompts are not used here; `import -o` writes them to a file",
-                      file=sys.stderr)
-                imported.values["sample_prompts"] = ""
-            cfg = config_file.Config(imported.tab, imported.family, imported.values)
-        else:
-            cfg = config_file.load(presets.resolve(args.config))
+        cfg = load_config(args)
     except (config_file.ConfigError, FileNotFoundError, importer.ImportError_) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
     if args.action == "print-command":
+        # what the GUI's Print shows: the form's own checks, then the trainer's (--validate_only)
         errors = command.validation_errors(cfg.tab, cfg.family, cfg.values)
+        errors = errors or trainer_check.problems(cfg.tab, cfg.family, cfg.values)
         build = command.standalone_argv if args.standalone else command.build_argv
         print(command.printable(build(cfg.tab, cfg.family, cfg.values), args.shell))
         for e in errors:
             print(f"warning: {e}", file=sys.stderr)
+        if errors:
+            print("warning: the command is printed, but a run with these settings stops; fix the above first",
+                  file=sys.stderr)
         return 0
     if args.action == "prepare-demo":
         demo.make_assets(cfg.family, cfg.values, log=lambda m: print(m, flush=True))
@@ -108,22 +147,25 @@ def main(argv=None) -> int:
     print(f"# {state.message}")
     for path in state.outputs:
         print(f"output: {path}")
-    return 0 if state.returncode == 0 else (state.returncode or 1)
+    rc = state.returncode  # the training's (the runner leaves `accelerate launch` to end with it)
+    return 128 - rc if rc is not None and rc < 0 else 1 if rc is None else rc  # killed by signal N: 128 + N
 
 
 def import_file(args) -> int:
-    if not args.output:
-        print("error: import needs -o OUT.toml (where to write our configuration)", file=sys.stderr)
-        return 2
     try:
-        imported = importer.load(args.config, args.tab)
+        imported = importer.load(args.config, args.tab, args.family)
         path = importer.write(imported, args.output, force=args.force)
     except importer.ImportError_ as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for line in imported.report_lines():
         print(line)
-    print(f"# wrote {path} ({params.TAB_LABELS[imported.tab]}, {imported.family})")
+    for note in imported.notes:
+        print(f"note: {note}")
+    for name in imported.side_files:
+        print(f"# wrote {imported.values[name]} ({name})")
+    print(f"# wrote {path} ({params.TAB_LABELS[imported.tab]}, {imported.family}); open it in the GUI or run "
+          f"python -m kohya_gui print-command {path}")
     return 0
 
 

@@ -14,7 +14,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from . import REPO, quoting
+from . import REPO, quoting, secret_options
 from . import params as P
 
 
@@ -93,9 +93,10 @@ def build_argv(tab: str, family: str, values: dict[str, Any], config_path: str |
 
 
 def trainer_args(tab: str, family: str, values: dict[str, Any]) -> list[str]:
-    """Every trainer option that is not at its default, as command-line flags (family-implied ones always)."""
+    """Every trainer option that is not at its default, as command-line flags (family-implied ones always).
+    Secrets are left out: the run gets them in its environment (kohya_gui.secret_options)."""
     out = []
-    values = P.fold_network_args(tab, family, values)
+    values = P.fold_network_args(tab, family, secret_options.without_secrets(values))
     for p in P.params_for(tab, family):
         if p.target in ("launch", "gui") or p.network_arg:
             continue
@@ -133,6 +134,9 @@ def validation_errors(tab: str, family: str, values: dict[str, Any]) -> list[str
         if p.required and p.is_default(value, tab):
             errors.append(f"{p.label} ({p.name}) is required")
     errors += additional_errors(tab, family, values) + P.network_arg_clashes(tab, family, values)
+    for flag in secret_options.flags_in(values.get("additional_parameters") or ""):
+        errors.append(f"Additional parameters (additional_parameters): {flag} would be written into the run's TOML "
+                      f"and command; use its own field or ${secret_options.SECRET_OPTIONS[flag[2:]]}")
     if not (values.get("train_data_dir") or values.get("dataset_config") or values.get("in_json")):
         errors.append("Give an image folder (train_data_dir) or a dataset config (dataset_config)")
     processes = values.get("num_processes") or 1

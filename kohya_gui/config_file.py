@@ -30,6 +30,11 @@ from typing import Any
 import tomlkit
 
 from . import params as P
+from .secret_options import without_secrets
+
+
+MAX_BYTES = 2 * 1024 * 1024  # a settings file is a few KiB
+MAX_PROBLEMS = 20  # problems listed (then a count); suggestions are worked out for these only
 
 
 class ConfigError(ValueError):
@@ -52,7 +57,9 @@ def _toml_value(p: P.Param, value: Any) -> Any:
 
 
 def to_toml(tab: str, family: str, values: dict[str, Any]) -> str:
-    """The file text for these values: [gui], then trainer tables in accordion order, then [accelerate]."""
+    """The file text for these values: [gui], then trainer tables in accordion order, then [accelerate].
+    Secrets (tokens, API keys) are never written (kohya_gui.secret_options)."""
+    values = without_secrets(values)
     doc = tomlkit.document()
     gui = tomlkit.table()
     gui.add("tab", tab)
@@ -101,12 +108,29 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     return path
 
 
-def save(path: str | os.PathLike, tab: str, family: str, values: dict[str, Any]) -> Path:
+# the first line of a run's TOML (training.start): the record of what that run trained, which no Save replaces
+RUN_RECORD = "# kohya_gui: the settings a training run was started with; Save configuration never replaces this file\n"
+
+
+def is_run_record(path: str | os.PathLike) -> bool:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.readline(len(RUN_RECORD) + 1) == RUN_RECORD
+    except OSError:
+        return False
+
+
+def save(path: str | os.PathLike, tab: str, family: str, values: dict[str, Any], *, run_record: bool = False) -> Path:
+    """Writes the configuration. An existing run record (a run's TOML in its output folder) is never replaced, so
+    a run trains, and its folder keeps, exactly what Start wrote; `run_record=True` (Start) writes one."""
+    if not run_record and is_run_record(path):
+        raise ConfigError(f"{path} is the record of a training run (written by Start: what that run trained); "
+                          "save your settings under another name")
     try:
         text = to_toml(tab, family, values)
     except ValueError as e:
         raise ConfigError(f"{path}: cannot save: {e}") from e
-    return write_text_atomic(path, text)
+    return write_text_atomic(path, (RUN_RECORD if run_record else "") + text)
 
 
 def _closest(name: str) -> str:
@@ -134,12 +158,8 @@ def _flatten(source: str, data: dict) -> tuple[dict, dict, list[tuple[str, str, 
 
 
 def infer_family(keys: dict[str, Any], fallback: str) -> str:
-    """Family of a plain sd-scripts TOML without a [gui] table."""
-    if keys.get("network_module") == "networks.lora_flux" or any(k in keys for k in ("clip_l", "t5xxl", "ae")):
-        return "FLUX.1"
-    if keys.get("v2") is True:
-        return "SD2.x"
-    return fallback
+    """Family of a plain sd-scripts TOML without a [gui] table (the importer uses the same rule)."""
+    return P.guess_family(keys, fallback)
 
 
 def parse(text: str, source: str, tab: str | None = None, family: str = "SDXL") -> Config:
@@ -148,7 +168,11 @@ def parse(text: str, source: str, tab: str | None = None, family: str = "SDXL") 
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{source}: not valid TOML: {e}") from e
+        raise ConfigError(f"{source}: not valid TOML: {e}") from None
+    except RecursionError:  # tomllib recurses into nested arrays and inline tables
+        raise ConfigError(f"{source}: not valid TOML: arrays or tables nested too deeply") from None
+    except ValueError as e:  # e.g. an integer longer than Python's 4300-digit limit
+        raise ConfigError(f"{source}: not valid TOML: {str(e).split(';')[0]}") from None
     gui, launch, trainer, errors = _flatten(source, data)
 
     gui_keys = ["tab", "family"] + [p.name for p in P.PARAMS if p.target == "gui"]
@@ -179,7 +203,7 @@ def parse(text: str, source: str, tab: str | None = None, family: str = "SDXL") 
         where = f"{source}: {'[' + table + '] ' if table else ''}{key}"
         p = P.BY_NAME.get(key)
         if p is None:
-            errors.append(f"{where}: unknown key{_closest(key)}")
+            errors.append(f"{where}: unknown key" + (_closest(key) if len(errors) < MAX_PROBLEMS else ""))
             continue
         if key in seen:
             errors.append(f"{where}: given twice")
@@ -206,16 +230,30 @@ def parse(text: str, source: str, tab: str | None = None, family: str = "SDXL") 
         except ValueError as e:
             errors.append(f"{where}: {e}")
     if errors:
-        raise ConfigError("\n".join(errors))
+        more = [f"... and {len(errors) - MAX_PROBLEMS} more problems"] if len(errors) > MAX_PROBLEMS else []
+        raise ConfigError("\n".join(errors[:MAX_PROBLEMS] + more))
     return Config(file_tab, file_family, P.unfold_network_args(file_tab, file_family, values))
 
 
 def load(path: str | os.PathLike, tab: str | None = None, family: str = "SDXL") -> Config:
+    return parse(read_text(path), str(path), tab, family)
+
+
+def read_text(path: str | os.PathLike) -> str:
+    """A settings file's text; a missing, huge, binary or non-UTF-8 file is a ConfigError naming it."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        if path.stat().st_size > MAX_BYTES:
+            raise ConfigError(f"{path}: {path.stat().st_size / 2**20:.1f} MiB is too large for a settings file "
+                              f"(at most {MAX_BYTES // 2**20} MiB)")
+        data = path.read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read: {e}") from e
-    return parse(text, str(path), tab, family)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff") or b"\x00" in data:
+        raise ConfigError(f"{path}: not a UTF-8 text file (binary, or UTF-16: save it as UTF-8)")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not a UTF-8 text file (byte {e.start}); save it as UTF-8") from None

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tomlkit
+
 from . import config_file
 from . import params as P
 
@@ -30,18 +32,52 @@ class Imported:
     family: str
     values: dict[str, Any]
     report: list[tuple[str, str, str]] = field(default_factory=list)  # (key, "mapped"/"converted"/"dropped", why)
-    sample_prompts_text: str = ""  # kohya_ss keeps the prompts in the form; they go to a file beside the config
+    # files kohya_ss makes from its form before a run, written beside our configuration: option -> (file name
+    # suffix, text); e.g. the inline sample prompts, the fine-tune image folder as a dataset config
+    side_files: dict[str, tuple[str, str]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # what the file does not say (a guessed model family)
+
+    @property
+    def sample_prompts_text(self) -> str:
+        return self.side_files.get("sample_prompts", ("", ""))[1]
 
     def report_lines(self) -> list[str]:
         return [f"{key}: {what}" + (f" ({why})" if why else "") for key, what, why in self.report]
+
+    def write_side_files(self, base: Path, force: bool = False, free_names: bool = False) -> list[Path]:
+        """Writes the side files as <base stem><suffix> and sets their options. Never overwrites: without `force`
+        an existing one stops it (nothing written); with `free_names` an existing different file makes it take
+        the next free name (<stem>-2<suffix> ...)."""
+        paths = {}
+        for name, (suffix, text) in self.side_files.items():
+            path, n = base.with_name(base.stem + suffix), 1
+            while free_names and path.exists() and path.read_text(encoding="utf-8", errors="replace") != text:
+                n += 1
+                path = base.with_name(f"{base.stem}-{n}{suffix}")
+            paths[name] = path
+        taken = [str(p) for p in paths.values() if p.exists()]
+        if taken and not force and not free_names:
+            raise ImportError_(f"{', '.join(taken)} exists; choose another name or pass --force")
+        for name, path in paths.items():
+            config_file.write_text_atomic(path, self.side_files[name][1])
+            self.values[name] = str(path)
+        return list(paths.values())
 
 
 RENAMED = {"max_resolution": "resolution", "optimizer": "optimizer_type", "lora_network_weights": "network_weights",
            "sdxl_no_half_vae": "no_half_vae", "sdxl_cache_text_encoder_outputs": "cache_text_encoder_outputs",
            "flux1_cache_text_encoder_outputs": "cache_text_encoder_outputs",
            "flux1_cache_text_encoder_outputs_to_disk": "cache_text_encoder_outputs_to_disk",
-           "learning_rate_te": "text_encoder_lr", "batch_size": "train_batch_size"}
+           "batch_size": "train_batch_size"}
+LORA_RENAMED = {"learning_rate_te": "text_encoder_lr"}  # the LoRA scripts' name for it; train_db/fine_tune keep it
 ZERO_IS_UNSET = {"vae_batch_size"}  # kohya_ss writes 0 for "not set" where the trainer's default is another number
+# text-encoder rates of the full trainers: kohya_ss passes 0 as written, and 0 means "not trained" there
+ZERO_IS_A_RATE = {"learning_rate_te", "learning_rate_te1", "learning_rate_te2"}
+# kohya_ss' fine-tune fields that describe the data (see _finetune_data)
+FINETUNE_DATA_KEYS = ("image_folder", "train_dir", "generate_caption_database", "create_caption",
+                      "generate_image_buckets", "create_buckets", "use_latent_files", "caption_metadata_filename",
+                      "latent_metadata_filename", "full_path")
+TEXTUAL_INVERSION_KEYS = ("token_string", "init_word", "num_vectors_per_token")
 FAMILY_KEYS = ("sdxl", "sdxl_checkbox", "v2", "flux1_checkbox", "sd3_checkbox", "model_list")
 # kohya_ss LoRA_type -> (network_module, fixed network_args); kohya_ss runs "LoCon" with LyCORIS
 LORA_TYPES = {
@@ -133,10 +169,32 @@ def _refused_by_the_trainer(key: str, value: Any, data: dict) -> str | None:
     return None
 
 
-def _family(data: dict) -> str:
+def refuse_non_config(data: dict) -> None:
+    """Files that are no configuration, and configurations of trainers we do not have: one line saying which."""
+    if not data:
+        raise ImportError_("holds no settings: not a kohya_ss configuration or a run TOML")
+    if any(k in data for k in TEXTUAL_INVERSION_KEYS):
+        raise ImportError_("this is a kohya_ss textual inversion configuration (token_string, init_word); there is "
+                           "no textual inversion trainer here yet (tabs: LoRA, DreamBooth, Fine-tune)")
+    if isinstance(data.get("datasets"), list):
+        raise ImportError_("this is a dataset config ([[datasets]]), not a run configuration; give it as the "
+                           "Dataset config TOML (dataset_config) of a run")
+    known = {*P.BY_NAME, *RENAMED, *LORA_RENAMED, *FAMILY_KEYS, *NET_FIELDS, *FINETUNE_DATA_KEYS, "LoRA_type",
+             "epoch", "lr_warmup", "sd3_checkbox"}
+    if not known & set(data):
+        if all(isinstance(v, dict) for v in data.values()):
+            raise ImportError_("this is caption metadata (image -> caption/tags), not a configuration; give it as "
+                               "the Metadata JSON (in_json) of a Fine-tune run")
+        raise ImportError_("none of its keys is a training setting: not a kohya_ss configuration or a run TOML "
+                           f"(keys: {', '.join(list(data)[:5])}{' ...' if len(data) > 5 else ''})")
+
+
+def _family(data: dict, run_toml: bool = False) -> str:
     if data.get("sd3_checkbox"):
         raise ImportError_("this is a kohya_ss SD3 configuration (sd3_checkbox); SD3 is not a model family here "
                            "(SD1.x, SD2.x, SDXL, FLUX.1)")
+    if run_toml:  # the trainers' own option names: the same rule as opening such a TOML
+        return P.guess_family(data)
     if data.get("flux1_checkbox"):
         return "FLUX.1"
     if data.get("sdxl") or data.get("sdxl_checkbox"):
@@ -161,14 +219,139 @@ def _convert(p: P.Param, value: Any, tab: str) -> Any:
     return p.check(value, tab)
 
 
-def from_kohya_ss(data: dict, tab: str | None = None) -> Imported:
+def _text_encoder_rates(data: dict, tab: str, family: str) -> tuple[dict[str, Any], dict[str, tuple[str, str]]]:
+    """kohya_ss' rules for what trains ({option: value}, {key: report}), from lora_gui.py and dreambooth_gui.py:
+    LoRA: a text-encoder rate of 0 with a UNet rate trains the UNet only (--network_train_unet_only), a UNet rate
+    of 0 with a text-encoder rate the text encoder only; both 0: both at the main rate. SDXL DreamBooth:
+    --train_text_encoder when learning_rate_te1 or learning_rate_te2 is above 0."""
+    def rate(key):
+        value = data.get(key)
+        value = value[0] if isinstance(value, list) and value else value
+        try:
+            return float(value or 0)
+        except (TypeError, ValueError):
+            return 0.0
+
+    values, handled = {}, {}
+    if tab == "lora" and "text_encoder_lr" in data and "unet_lr" in data:
+        te, unet = rate("text_encoder_lr"), rate("unet_lr")
+        if te == 0 and unet != 0:
+            values["network_train_unet_only"] = True
+            handled["text_encoder_lr"] = ("converted", "0 -> --network_train_unet_only: the text encoder is not "
+                                                       "trained (as kohya_ss runs it)")
+        elif unet == 0 and te != 0:
+            values["network_train_text_encoder_only"] = True
+            handled["unet_lr"] = ("converted", "0 -> --network_train_text_encoder_only: the UNet is not trained "
+                                               "(as kohya_ss runs it)")
+    if tab == "dreambooth" and family == "SDXL" and "train_text_encoder" not in data:
+        trained = [k for k in ("learning_rate_te1", "learning_rate_te2") if rate(k) > 0]
+        if trained:
+            values["train_text_encoder"] = True
+        for key in ("learning_rate_te1", "learning_rate_te2"):
+            if key in data and trained:
+                handled[key] = ("mapped", "with --train_text_encoder (kohya_ss sets it when a text-encoder rate is "
+                                          "above 0)")
+            elif key in data:
+                handled[key] = ("dropped", "the text encoders are not trained: kohya_ss sets --train_text_encoder "
+                                           "only when a text-encoder rate is above 0")
+    return values, handled
+
+
+def _finetune_data(data: dict) -> tuple[dict[str, Any], dict[str, tuple[str, str]], dict[str, tuple[str, str]]]:
+    """kohya_ss' fine-tune data ({option: value}, {key: report}, side files), from finetune_gui.py: the images are
+    `image_folder`; the run reads `train_dir`/meta_cap.json (meta_lat.json with use_latent_files "Yes"), which
+    kohya_ss first builds from the image folder's caption files when "generate caption database" is ticked. Here
+    that case reads the caption files straight from the image folder (a dataset config beside ours), so no
+    metadata step is needed; otherwise the run reads the metadata file kohya_ss would."""
+    keys = [k for k in FINETUNE_DATA_KEYS if k in data]
+    if not keys:
+        return {}, {}, {}
+    folder = data.get("image_folder") or ""
+    train_dir = data.get("train_dir") or ""
+    rebuilt = bool(data.get("generate_caption_database") or data.get("create_caption"))
+    latents = data.get("use_latent_files") == "Yes"
+    meta = (data.get("latent_metadata_filename") or "meta_lat.json") if latents else \
+        (data.get("caption_metadata_filename") or "meta_cap.json")
+    handled = {k: ("converted", "how kohya_ss prepares the fine-tune data") for k in keys}
+    if not folder:
+        handled.update((k, ("dropped", "no image_folder: the data is not set")) for k in keys)
+        return {}, handled, {}
+    values = {"train_data_dir": folder}
+    side = {}
+    if rebuilt:
+        repeats = int(float(data.get("dataset_repeats") or 1))
+        ext = data.get("caption_extension") or ".caption"  # kohya_ss' default for the caption database
+        side["dataset_config"] = (".dataset.toml", tomlkit.dumps({"datasets": [{"subsets": [
+            {"image_dir": folder, "num_repeats": repeats, "caption_extension": ext}]}]}))
+        handled["image_folder"] = ("converted", f"-> a dataset config beside ours: the images of {folder} with their "
+                                                f"{ext} captions, {repeats} repeat(s) (kohya_ss merges those captions "
+                                                f"into {meta} before each run)")
+    elif train_dir:
+        values["in_json"] = f"{train_dir}/{meta}"
+        handled["image_folder"] = ("converted", f"-> train_data_dir {folder}, with in_json {values['in_json']} "
+                                                "(as kohya_ss runs it)")
+    else:
+        handled["image_folder"] = ("dropped", "no train_dir holds its metadata, and the caption database is not "
+                                              "generated: the data is not set")
+        values = {}
+    return values, handled, side
+
+
+def _form_field(key: str, value: Any, data: dict, imported: Imported) -> tuple[str, str, str] | None:
+    """kohya_ss form fields that mean something else than the option of that name (or no option): the report
+    entry, or None for an ordinary option."""
+    values = imported.values
+    noise_type = data.get("noise_offset_type")  # kohya_ss' switch between the two kinds
+    if key == "sample_prompts" and isinstance(value, str) and value.strip() and not _looks_like_path(value):
+        imported.side_files["sample_prompts"] = (".prompts.txt", value.strip() + "\n")  # kept in kohya_ss' form
+        return key, "converted", "the prompts written to a prompt file beside the configuration"
+    why_not = _refused_by_the_trainer(key, value, data)
+    if why_not:
+        return key, "dropped", why_not
+    if key == "max_resolution" and isinstance(value, str) and _off_grid(value):
+        fixed = ",".join(str(int(v) // 8 * 8) for v in value.split(","))
+        values["resolution"] = fixed
+        return key, "converted", f"{value} -> resolution {fixed} (sd-scripts needs multiples of 8)"
+    if key == "xformers":
+        chosen = {"xformers": "xformers", True: "xformers", "sdpa": "sdpa"}.get(value)
+        if chosen:
+            values[chosen] = True
+        return key, "converted", f"{value!r} -> " + (f"--{chosen}" if chosen else "neither flag")
+    if key == "epoch":
+        if not _unset(value) and _unset(data.get("max_train_epochs")):
+            values["max_train_epochs"] = int(float(value))
+            return key, "converted", f"-> max_train_epochs {values['max_train_epochs']}"
+        return key, "dropped", "max_train_epochs is given" if not _unset(value) else "unset"
+    if key == "lr_warmup":
+        if not _unset(value) and _unset(data.get("lr_warmup_steps")):
+            values["lr_warmup_steps"] = float(value) / 100.0
+            return key, "converted", (f"{value}% -> lr_warmup_steps {values['lr_warmup_steps']:g} (a ratio of the "
+                                      "total steps, as the trainer reads it)")
+        return key, "dropped", "unset" if _unset(value) else "lr_warmup_steps is given"
+    if noise_type and (key in ("noise_offset", "adaptive_noise_scale") and noise_type != "Original" or
+                       key in ("multires_noise_iterations", "multires_noise_discount") and noise_type != "Multires"):
+        return key, "dropped", f"noise_offset_type is {noise_type}"
+    return None
+
+
+def from_kohya_ss(data: dict, tab: str | None = None, run_toml: bool = False, family: str | None = None) -> Imported:
+    """`run_toml`: the keys are the trainers' options (a kohya_ss or --output_config run TOML), not kohya_ss'
+    form fields. `family`: overrides what the file says or what is guessed."""
+    refuse_non_config(data)
     tab = tab or ("lora" if "LoRA_type" in data else "finetune" if "use_latent_files" in data else "dreambooth")
-    family = _family(data)
+    guessed = _family(data, run_toml)
+    family = family or guessed
     values = P.defaults(tab)
     report: list[tuple[str, str, str]] = []
     module, net_args, by_network = _network(data, report) if tab == "lora" else (None, [], {})
     imported = Imported(tab, family, values, report)
-    noise_type = data.get("noise_offset_type")  # kohya_ss' switch between the two kinds; run TOMLs have none
+    if run_toml and not P.guess_family(data, fallback="") and family == guessed:
+        imported.notes.append(f"the file does not say its model family: {family} is assumed (as when the GUI opens "
+                              "it); choose another with --family")
+    derived, by_rule = ({}, {}) if run_toml else _text_encoder_rates(data, tab, family)
+    data_values, by_data, side = ({}, {}, {}) if run_toml or tab != "finetune" else _finetune_data(data)
+    by_rule.update(by_data)
+    imported.side_files.update(side)
     for key, value in data.items():
         if key == "LoRA_type":
             continue
@@ -178,54 +361,27 @@ def from_kohya_ss(data: dict, tab: str | None = None) -> Imported:
         if key in by_network:
             report.append((key, *by_network[key]))
             continue
-        if key == "sample_prompts" and isinstance(value, str) and value.strip() and not _looks_like_path(value):
-            imported.sample_prompts_text = value  # kohya_ss keeps the prompt lines in its form
-            report.append((key, "converted", "the prompts written to a prompt file beside the configuration"))
+        if key in by_rule and by_rule[key][0] != "mapped":
+            report.append((key, *by_rule[key]))
             continue
-        why_not = _refused_by_the_trainer(key, value, data)
-        if why_not:
-            report.append((key, "dropped", why_not))
+        entry = None if run_toml else _form_field(key, value, data, imported)
+        if entry:
+            report.append(entry)
             continue
-        if key == "max_resolution" and isinstance(value, str) and _off_grid(value):
-            fixed = ",".join(str(int(v) // 8 * 8) for v in value.split(","))
-            values["resolution"] = fixed
-            report.append((key, "converted", f"{value} -> resolution {fixed} (sd-scripts needs multiples of 8)"))
-            continue
-        if key == "xformers":
-            chosen = {"xformers": "xformers", True: "xformers", "sdpa": "sdpa"}.get(value)
-            if chosen:
-                values[chosen] = True
-            report.append((key, "converted", f"{value!r} -> " + (f"--{chosen}" if chosen else "neither flag")))
-            continue
-        if key == "epoch":
-            if not _unset(value) and _unset(data.get("max_train_epochs")):
-                values["max_train_epochs"] = int(float(value))
-                report.append((key, "converted", f"-> max_train_epochs {values['max_train_epochs']}"))
-            else:
-                report.append((key, "dropped", "max_train_epochs is given" if not _unset(value) else "unset"))
-            continue
-        if key == "lr_warmup":
-            if not _unset(value) and _unset(data.get("lr_warmup_steps")):
-                values["lr_warmup_steps"] = float(value) / 100.0
-                report.append((key, "converted", f"{value}% -> lr_warmup_steps {values['lr_warmup_steps']:g} "
-                                                 "(a ratio of the total steps, as the trainer reads it)"))
-            else:
-                report.append((key, "dropped", "unset" if _unset(value) else "lr_warmup_steps is given"))
-            continue
-        if noise_type and (key in ("noise_offset", "adaptive_noise_scale") and noise_type != "Original" or
-                           key in ("multires_noise_iterations", "multires_noise_discount") and noise_type != "Multires"):
-            report.append((key, "dropped", f"noise_offset_type is {noise_type}"))
-            continue
-        name = RENAMED.get(key, key)
+        name = RENAMED.get(key, key) if not run_toml else key
+        if tab == "lora" and not run_toml:
+            name = LORA_RENAMED.get(key, name)
         p = P.BY_NAME.get(name)
         if p is None or not p.has_control:
-            report.append((key, "dropped", "a kohya_ss GUI field with no trainer option here"))
+            report.append((key, "dropped", "a kohya_ss GUI field with no trainer option here" if not run_toml
+                           else "no trainer option here"))
             continue
         if not p.applies(tab, family):
             report.append((key, "dropped", f"not used by {P.script_for(tab, family)}"))
             continue
-        if value == "" or (value in (0, "0") and (p.default is None or name in ZERO_IS_UNSET)
-                           and p.kind in ("int", "float")) or (name == "max_token_length" and str(value) == "75") \
+        zero_unset = value in (0, "0") and p.kind in ("int", "float") and not run_toml and \
+            name not in ZERO_IS_A_RATE and (p.default is None or name in ZERO_IS_UNSET)
+        if value == "" or zero_unset or (name == "max_token_length" and str(value) == "75") \
                 or (name == "dynamo_backend" and value == "no"):
             report.append((key, "mapped", "unset in kohya_ss: left at the default"))
             continue
@@ -234,8 +390,13 @@ def from_kohya_ss(data: dict, tab: str | None = None) -> Imported:
         except (ValueError, TypeError) as e:
             report.append((key, "dropped", f"{value!r}: {e}"))
             continue
+        if key in by_rule:
+            report.append((key, *by_rule[key]))
+            continue
         report.append((key, "mapped" if name == key else "converted",
                        "" if name == key else f"-> {name}"))
+    values.update(derived)
+    values.update(data_values)
     if module:
         values["network_module"] = module
         values["network_args"] = net_args + [a for a in values.get("network_args", []) if a not in net_args]
@@ -243,28 +404,30 @@ def from_kohya_ss(data: dict, tab: str | None = None) -> Imported:
     return imported
 
 
-def load(path: str | Path, tab: str | None = None) -> Imported:
+def load(path: str | Path, tab: str | None = None, family: str | None = None) -> Imported:
     """A kohya_ss JSON, or a run TOML (kohya_ss' config_*.toml, sd-scripts' --output_config) whose keys are the
     trainers' options. Raises ImportError_ with the file's name."""
     path = Path(path)
+    is_json = path.suffix.lower() == ".json"
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ImportError_(f"{path}: cannot read it ({e.strerror or e})") from e
+        text = config_file.read_text(path)  # a missing, huge, binary or UTF-16 file: one line
+    except config_file.ConfigError as e:
+        raise ImportError_(str(e)) from None
+    kind = "JSON" if is_json else "TOML"
     try:
-        data = json.loads(text) if path.suffix.lower() == ".json" else _flat_toml(tomllib.loads(text))
+        data = json.loads(text) if is_json else _flat_toml(tomllib.loads(text))
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
-        raise ImportError_(f"{path}: not valid {'JSON' if path.suffix.lower() == '.json' else 'TOML'}: {e}") from e
+        raise ImportError_(f"{path}: not valid {kind}: {e}") from None
+    except (ValueError, RecursionError) as e:  # nested too deeply, a 5000-digit integer
+        raise ImportError_(f"{path}: not valid {kind}: {(str(e) or 'nested too deeply').split(';')[0]}") from None
     if not isinstance(data, dict):
         raise ImportError_(f"{path}: expected a JSON object of settings")
-    if path.suffix.lower() != ".json" and tab is None:
+    if not is_json and tab is None:
         name = path.name.lower()
         tab = "lora" if "network_module" in data or "lora" in name else "finetune" if "finetune" in name \
             else "dreambooth"
-        if "network_module" in data:
-            data.setdefault("LoRA_type", None)
     try:
-        return from_kohya_ss(data, tab)
+        return from_kohya_ss(data, tab, run_toml=not is_json, family=family)
     except ImportError_ as e:
         raise ImportError_(f"{path}: {e}") from e
 
@@ -280,14 +443,11 @@ def _flat_toml(data: dict) -> dict:
 
 
 def write(imported: Imported, out: str | Path, force: bool = False) -> Path:
-    """Our TOML (and the prompt file kohya_ss kept inline). Never overwrites without `force`."""
+    """Our TOML and its side files (the prompt file, the dataset config). Never overwrites without `force`."""
     out = Path(out)
     if out.exists() and not force:
         raise ImportError_(f"{out} exists; choose another name or pass --force")
-    if imported.sample_prompts_text:
-        prompts = out.with_suffix(".prompts.txt")
-        config_file.write_text_atomic(prompts, imported.sample_prompts_text.strip() + "\n")
-        imported.values["sample_prompts"] = str(prompts)
+    imported.write_side_files(out, force)
     try:
         return config_file.save(out, imported.tab, imported.family, imported.values)
     except config_file.ConfigError as e:

@@ -1,7 +1,8 @@
 """Each tab's last used settings, kept in the user's config folder so that a browser refresh and a GUI restart
 reopen the tab as it was: `$XDG_CONFIG_HOME/kohya_gui/last_<tab>.toml` (`~/.config/...` without XDG_CONFIG_HOME;
-`%APPDATA%\\kohya_gui` on Windows). The file is an ordinary configuration file (config_file's format, so Open
-reads it too); its first line, a comment, keeps the path that was in the tab's "Configuration file" box.
+`%APPDATA%\\kohya_gui` on Windows; `gui.py --config_dir DIR` uses DIR instead). The file is an ordinary
+configuration file (config_file's format, so Open reads it too); its first line, a comment, keeps the path that
+was in the tab's "Configuration file" box.
 
 Nothing here raises: a file that cannot be written is logged, a file that cannot be read gives a note and the
 caller falls back to the preset."""
@@ -23,7 +24,14 @@ _HEADER = "# kohya_gui: last used settings of the {tab} tab; configuration file 
 _HEADER_PATH = re.compile(r"^# kohya_gui: .*; configuration file box: (.*)$")
 
 
+CONFIG_DIR_ENV = "KOHYA_GUI_CONFIG_DIR"  # gui.py --config_dir sets it: another folder for these files
+
+
 def folder() -> Path:
+    """The folder of the last used settings and the run queue. It belongs to the user account: people sharing an
+    account share these files, unless each starts the GUI with its own --config_dir."""
+    if os.environ.get(CONFIG_DIR_ENV):
+        return Path(os.environ[CONFIG_DIR_ENV])
     if os.name == "nt" and os.environ.get("APPDATA"):
         return Path(os.environ["APPDATA"]) / "kohya_gui"
     base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")

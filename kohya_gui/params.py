@@ -620,6 +620,27 @@ def script_flags(script: str) -> set[str]:
     return {o["flag"] for o in TRAINER_OPTIONS.get(script, {}).values()}
 
 
+def _family_options(family: str) -> set[str]:
+    return {name for (_, f), script in SCRIPTS.items() if f == family for name in TRAINER_OPTIONS.get(script, {})}
+
+
+def guess_family(keys: dict[str, Any], fallback: str = "SDXL") -> str:
+    """The model family of a run TOML that does not say (no [gui] table): the one rule of Open, print-command and
+    import. FLUX.1 by its model files or network, SD2.x by v2, else SDXL or SD1.x where a key only that family's
+    scripts accept says so, else `fallback` (the GUI's default family)."""
+    if keys.get("network_module") in ("networks.lora_flux", "networks.oft_flux") or \
+            any(keys.get(k) for k in ("clip_l", "t5xxl", "ae")):
+        return "FLUX.1"
+    if keys.get("v2") is True:
+        return "SD2.x"
+    sdxl, sd = _family_options("SDXL"), _family_options("SD1.x")
+    if any(k in sdxl and k not in sd for k in keys):
+        return "SDXL"
+    if any(k in sd and k not in sdxl for k in keys):
+        return "SD1.x"
+    return fallback
+
+
 def script_for(tab: str, family: str) -> str:
     return SCRIPTS[(tab, family)]
 

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from . import command, config_file, last_settings, training
+from . import command, config_file, last_settings, tools, training
 from . import params as P
 from .runner import Runner, RunnerBusy
 
@@ -76,11 +76,21 @@ class RunQueue:
         errors = command.validation_errors(tab, family, values)
         if errors:
             raise QueueError("Cannot queue this run:\n" + "\n".join(f"- {e}" for e in errors))
+        return self._append(tab, family, values.get("output_name") or "", ".toml",
+                            lambda config: config_file.save(config, tab, family, values))
+
+    def add_tool(self, tool: tools.Tool, values: dict[str, Any], overwrite: bool = False) -> Entry:
+        """Queues a Utilities tool run (checked as its Run button checks it). Raises tools.ToolError."""
+        tools.check(tool, values, overwrite)
+        return self._append(tools.QUEUE_TAB, tool.label, tool.key, ".tool.json",
+                            lambda config: tools.save_queued(config, tool, values, overwrite))
+
+    def _append(self, tab: str, family: str, name: str, suffix: str, write: Callable[[Path], Any]) -> Entry:
         with self._lock:
             entry_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-            config = self.folder / f"{entry_id}.toml"
-            config_file.save(config, tab, family, values)
-            entry = Entry(entry_id, tab, family, values.get("output_name") or "", str(config))
+            config = self.folder / f"{entry_id}{suffix}"
+            write(config)
+            entry = Entry(entry_id, tab, family, name, str(config))
             self.entries.append(entry)
             self._write()
             return entry
@@ -120,13 +130,18 @@ class RunQueue:
             entry.state, entry.message = state, message
             self._write()
 
-    def recover(self) -> None:
-        """At GUI start: a run the previous GUI was running ended with it."""
+    def recover(self, still_running: bool = False) -> Entry | None:
+        """At GUI start: a run the previous GUI was running ended with it, unless it is `still_running` (the
+        runner took it over): then that entry stays running and is returned."""
         with self._lock:
+            kept = None
             for e in self.entries:
-                if e.state == "running":
+                if e.state == "running" and still_running and kept is None:
+                    kept = e
+                elif e.state == "running":
                     e.state, e.message = "interrupted", "the GUI ended during this run"
             self._write()
+            return kept
 
     # -- reading --------------------------------------------------------------------------------------------
     def next_queued(self) -> Entry | None:
@@ -153,7 +168,10 @@ class QueueWorker:
         self._thread: threading.Thread | None = None
 
     def start(self) -> "QueueWorker":
-        self.queue.recover()
+        s = self.runner.snapshot()
+        kept = self.queue.recover(still_running=s.running)  # a run an earlier GUI started, taken over
+        if kept is not None:
+            self._current = (kept.id, s.started)  # noted as finished / stopped / failed when it ends
         self._thread = threading.Thread(target=self._loop, name="run-queue", daemon=True)
         self._thread.start()
         return self
@@ -187,12 +205,17 @@ class QueueWorker:
         if entry is None:
             return
         try:
-            cfg = config_file.load(entry.config)
-            self._start(self.runner, cfg.tab, cfg.family, cfg.values)
+            if entry.tab == tools.QUEUE_TAB:  # a Utilities tool
+                tools.start_queued(self.runner, entry.config)
+                what = entry.family
+            else:
+                cfg = config_file.load(entry.config)
+                self._start(self.runner, cfg.tab, cfg.family, cfg.values)
+                what = f"{P.TAB_LABELS[cfg.tab]} {cfg.family}"
         except RunnerBusy:
             return  # a Start click won the runner; try again later
-        except (training.RunError, config_file.ConfigError) as e:
+        except (training.RunError, config_file.ConfigError, tools.ToolError) as e:
             self.queue.mark(entry.id, "failed", str(e))
             return
         self._current = (entry.id, self.runner.snapshot().started)
-        self.queue.mark(entry.id, "running", f"{P.TAB_LABELS[cfg.tab]} {cfg.family}")
+        self.queue.mark(entry.id, "running", what)

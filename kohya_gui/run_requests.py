@@ -23,10 +23,15 @@ def output_dir_of(target: str | Path) -> Path:
         return target
     if not target.is_file():
         raise RequestError(f"{target}: no such folder or file (give the run's output folder or its TOML)")
+    from .config_file import ConfigError, read_text
+
     try:
-        data = tomllib.loads(target.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise RequestError(f"{target}: cannot read it as TOML: {e}") from e
+        data = tomllib.loads(read_text(target))
+    except ConfigError as e:  # huge, binary, not UTF-8
+        raise RequestError(str(e)) from None
+    except (ValueError, RecursionError) as e:  # not TOML (TOMLDecodeError is a ValueError), nested too deeply
+        raise RequestError(f"{target}: cannot read it as TOML: {str(e).split(';')[0] or 'nested too deeply'}") \
+            from None
     found = [v for v in (data, *(t for t in data.values() if isinstance(t, dict)))
              if isinstance(v.get("output_dir"), str)]
     if not found:

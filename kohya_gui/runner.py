@@ -1,16 +1,22 @@
-"""Runs one training at a time: spawns it in its own process group, streams its output into memory and a log
-file, parses progress, and stops the whole process tree (kohya_gui.proc_tree). Stop asks the trainer to finish the
-step, save and print "stopped at step N, saved <path>" (sd-scripts/library/stop_signal.py): with SIGTERM where POSIX
-process groups exist; on Windows, where no process can catch SIGTERM, with "stop" in the run's request file
-(kohya_gui.run_requests, read once per step). What is left of the tree is killed `grace` seconds after that line or
-after `save_timeout`. Before the first progress line (nothing to save yet) a Windows stop ends the tree at once, as
-SIGTERM's default action does then on POSIX. Stop now: SIGTERM (Windows: terminate), then SIGKILL after `grace`
-seconds (nothing saved)."""
+"""Runs one training at a time: spawns it in its own process group with its output going straight into the run's
+log file (never through a pipe to the GUI: a run outlives the GUI that started it), follows that file to parse
+progress, and stops the whole process tree (kohya_gui.proc_tree). A runner given a `record` file (the GUI's) notes
+its active run there, and a GUI started later takes over a run that is still going (`adopt`): the run panel, Stop
+and Save now work on it, and Start refuses a second run meanwhile.
+
+Stop asks the trainer to finish the step, save and print "stopped at step N, saved <path>"
+(sd-scripts/library/stop_signal.py): with SIGTERM to the processes under the command the runner started (so
+`accelerate launch` stays and ends with the trainer's exit status) where POSIX process groups exist; on Windows,
+where no process can catch SIGTERM, with "stop" in the run's request file (kohya_gui.run_requests, read once per
+step). What is left of the tree is killed `grace` seconds after that line or after `save_timeout`. Before the first
+progress line (nothing to save yet) a Windows stop ends the tree at once. Stop now: kills the tree at once, nothing
+saved (the log says so)."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import os
 import re
 import subprocess
@@ -20,12 +26,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from . import proc_tree, quoting, run_requests
 from .run_history import NUM, RunHistory
 
 # the trainers' last line after a stop-and-save (library.stop_signal.stopped_line)
 STOPPED_LINE = re.compile(r"^stopped at step \d+, saved ")
 SAVE_TIMEOUT = 600.0  # a stop waits this long for the step and the saves to finish
+POLL_S = 0.1  # how often the log file is read while the run writes nothing
 # the trainers' line before a step that compiles (library.compile.regional.ShapeLog); with CUDA graphs the step
 # after it records them, so "compiling" lasts two steps then
 COMPILE_LINE = re.compile(r"torch\.compile: new input shape (\S+) .*this step (compiles and records CUDA graphs|compiles)")
@@ -34,7 +43,7 @@ COMPILE_LINE = re.compile(r"torch\.compile: new input shape (\S+) .*this step (c
 # The trainers print plain lines such as "steps: 12/100 loss=0.1234 it/s=1.23 eta=00:40" (docs/ARCHITECTURE.md);
 # tqdm-style lines ("steps:  12%|##  | 12/100 [00:05<00:40,  2.15it/s, avr_loss=0.123]") are understood too.
 
-_STEPS = re.compile(r"\bsteps?\b[^\n]*?(\d+)\s*/\s*(\d+)", re.I)
+_STEPS = re.compile(r"(?:\bsteps?\b[^\n]*?|\d+%\|[^|\n]*\|\s*)(\d+)\s*/\s*(\d+)", re.I)  # or any tqdm bar (tools)
 _LOSS = re.compile(r"\b(avr_loss|avg_loss|loss)\s*[=:]\s*" + NUM, re.I)
 _ITS = re.compile(r"(?:\bit/s\s*[=:]\s*" + NUM + r")|(?:" + NUM + r"\s*it/s(?!\s*[=:]))", re.I)
 _SIT = re.compile(NUM + r"\s*s/it", re.I)
@@ -105,24 +114,41 @@ class RunState:
     config_path: str | None = None  # the settings file of the run (what Start wrote), if any
 
 
-class Runner:
-    """One training at a time. Thread-safe; the GUI and the CLI share this class."""
+class _Adopted:
+    """A run's leading process that an earlier GUI started (not our child): the parts of Popen the runner uses."""
 
-    def __init__(self, max_lines: int = 2000):
+    def __init__(self, process: psutil.Process):
+        self.process, self.pid = process, process.pid
+
+    def poll(self) -> int | None:
+        return None if proc_tree.alive(self.process) else 0  # its exit status is its parent's, gone with the GUI
+
+    def kill(self) -> None:
+        with contextlib.suppress(psutil.Error):
+            self.process.kill()
+
+
+class Runner:
+    """One training at a time. Thread-safe; the GUI and the CLI share this class. `record`: a file where the
+    runner notes its active run, for a GUI started later (`adopt`); None: not noted (the CLI)."""
+
+    def __init__(self, max_lines: int = 2000, record: str | os.PathLike | None = None):
         self._lock = threading.Lock()
         self._lines: collections.deque[str] = collections.deque(maxlen=max_lines)
         self._partial = ""  # an in-place progress line (ended by \r), shown after the lines
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen | _Adopted | None = None
         self._thread: threading.Thread | None = None
         self._stop_requested = threading.Event()
         self._stopped_line: tuple[float, str] | None = None  # (when, text) of the trainer's "stopped at step"
         self._compiling: list | None = None  # [steps it lasts, first step or None] after a COMPILE_LINE
+        self._log_fd: int | None = None  # the run's log file, opened for appending (the runner's own lines)
         self.state = RunState()
         self._reserved = False  # a Start is checking its settings and writing its files (see reserved())
         self.line_callback = None  # optional: called with every output line (the CLI echoes them)
         self.version = 0  # bumped whenever the log or the state changes (lets the page skip idle refreshes)
         self.history = RunHistory()  # the run's loss points and sample images (run panel chart and gallery)
         self.history_version = 0  # bumped when a point or a sample is added
+        self.record = Path(record) if record is not None else None
 
     # -- public ---------------------------------------------------------------------------------------------
     @property
@@ -152,6 +178,18 @@ class Runner:
             with self._lock:
                 self._reserved = False
 
+    def _begin(self, state: RunState) -> None:
+        """A new run's state and an empty log view (under the lock)."""
+        self._lines.clear()
+        self._partial = ""
+        self._stop_requested.clear()
+        self._stopped_line = None
+        self._compiling = None
+        self.version += 1
+        self.history = RunHistory()
+        self.history_version += 1
+        self.state = state
+
     def start(self, commands: list[list[str]], log_path: str | os.PathLike, *, cwd=None, env=None,
               output_dir: str | os.PathLike | None = None, config_path: str | os.PathLike | None = None) -> None:
         """Runs the argv lists one after another (a failing one ends the run). `config_path`: the run's settings
@@ -159,26 +197,46 @@ class Runner:
         with self._lock:
             if self.state.running:
                 raise RunnerBusy("A training run is already active; stop it first or wait for it to finish.")
-            self._lines.clear()
-            self._partial = ""
-            self._stop_requested.clear()
-            self._stopped_line = None
-            self._compiling = None
-            self.version += 1
-            self.history = RunHistory()
-            self.history_version += 1
-            self.state = RunState(running=True, commands=[list(c) for c in commands], log_path=str(log_path),
-                                  output_dir=str(output_dir) if output_dir else None, started=time.time(),
-                                  message="starting", config_path=str(config_path) if config_path else None)
+            self._begin(RunState(running=True, commands=[list(c) for c in commands], log_path=str(log_path),
+                                 output_dir=str(output_dir) if output_dir else None, started=time.time(),
+                                 message="starting", config_path=str(config_path) if config_path else None))
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         self._thread = threading.Thread(target=self._run, args=(commands, Path(log_path), cwd, env), daemon=True)
         self._thread.start()
 
+    def adopt(self) -> bool:
+        """At GUI start: takes over the run noted in `record` if it is still going (its panel, Stop, Save now; Start
+        refuses meanwhile). True when it did; a note of a run that has ended is removed."""
+        if self.record is None:
+            return False
+        try:
+            noted = json.loads(self.record.read_text(encoding="utf-8"))
+            process = psutil.Process(int(noted["pid"]))
+            same = abs(process.create_time() - float(noted["create_time"])) < 0.01  # not a reused pid
+        except (OSError, ValueError, KeyError, TypeError, psutil.Error):
+            same = False
+        if not same or not proc_tree.alive(process):
+            with contextlib.suppress(OSError):
+                self.record.unlink()
+            return False
+        log_path = Path(noted["log_path"])
+        with self._lock:
+            if self.state.running or self._reserved:
+                return False
+            self._begin(RunState(running=True, commands=noted.get("commands") or [], log_path=str(log_path),
+                                 output_dir=noted.get("output_dir"), started=noted.get("started"),
+                                 message="running", config_path=noted.get("config_path")))
+            self._proc = _Adopted(process)
+        self._thread = threading.Thread(target=self._watch_adopted, args=(log_path, int(noted.get("log_offset", 0))),
+                                        daemon=True)
+        self._thread.start()
+        return True
+
     def stop(self, grace: float = 10.0, *, now: bool = False, save_timeout: float = SAVE_TIMEOUT) -> bool:
-        """Stop and save: SIGTERM to the tree (without process groups: the "stop" request), then waits until the
-        tree has ended, killing what is left `grace` seconds after the trainer's "stopped at step" line or after
-        `save_timeout`. now=True: SIGTERM, SIGKILL after `grace` seconds (Stop now). Returns False when nothing was
-        running."""
+        """Stop and save: SIGTERM to the processes under the command (without process groups: the "stop"
+        request), then waits until the tree has ended, killing what is left `grace` seconds after the trainer's
+        "stopped at step" line or after `save_timeout`. now=True: kills the tree at once (Stop now; nothing is
+        saved). Returns False when nothing was running."""
         with self._lock:
             if not self.state.running:
                 return False
@@ -188,11 +246,16 @@ class Runner:
             # saved, and a run without an output folder has no such file
             now = now or (not proc_tree.groups() and (self.state.progress is None or not output_dir))
             self._compiling = None
-            self.state.message = "stopping now" if now else "stopping: the trainer finishes its step and saves"
+            self.state.message = "stopping now, without saving" if now else \
+                "stopping: the trainer finishes its step and saves"
             self.version += 1
+        if now:
+            self._note("# Stop now: ending the run's processes at once; nothing is saved (Stop saves first)")
         if proc is not None:
             if now:
-                proc_tree.end(proc, grace)
+                proc_tree.kill(proc.pid, proc_tree.tree(proc.pid))
+                if proc.poll() is None:
+                    proc.kill()
             else:
                 self._stop_and_save(proc, output_dir, grace, save_timeout)
         if self._thread is not None:
@@ -224,13 +287,15 @@ class Runner:
         return "\n".join(lines)
 
     # -- internals ------------------------------------------------------------------------------------------
-    def _stop_and_save(self, proc: subprocess.Popen, output_dir: str | None, grace: float,
-                       save_timeout: float) -> None:
-        # the whole tree is watched: `accelerate launch` itself dies on SIGTERM while its child saves
+    def _stop_and_save(self, proc, output_dir: str | None, grace: float, save_timeout: float) -> None:
         tree = proc_tree.tree(proc.pid)
         if proc_tree.groups():
-            # once per process: a second SIGTERM would be the trainer's "stop now" (no save)
-            proc_tree.terminate(proc.pid, tree[1:], once=True)
+            # the processes under the command (the trainer and its helpers), once each (a second SIGTERM is the
+            # trainer's "stop now"); `accelerate launch` itself stays, waits for the trainer and ends with its
+            # exit status. Nothing under it yet: the command itself (nothing to save).
+            for p in tree[1:] or tree[:1]:
+                with contextlib.suppress(psutil.Error):
+                    p.terminate()
         else:
             try:
                 run_requests.send("stop", output_dir)
@@ -246,7 +311,7 @@ class Runner:
         if alive:
             proc_tree.kill(proc.pid, alive)
 
-    def _add(self, text: str, in_place: bool, log) -> None:
+    def _add(self, text: str, in_place: bool) -> None:
         text = text.rstrip()
         if not text:
             return
@@ -265,11 +330,17 @@ class Runner:
             else:
                 self._partial = ""
                 self._lines.append(text)
-        if log is not None and not (in_place and prog is None):
-            log.write(text + "\n")
-            log.flush()
         if self.line_callback is not None and not in_place:
             self.line_callback(text)
+
+    def _note(self, text: str) -> None:
+        """A line of the runner's own: shown, and appended to the log file (one write: never inside a line of the
+        run's, which appends to the same file)."""
+        fd = self._log_fd
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(fd, (text + "\n").encode("utf-8"))
+        self._add(text, False)
 
     def _follow_compile(self, text: str, prog: dict | None, in_place: bool) -> None:
         """message = "compiling (...)" from a COMPILE_LINE until the step(s) it announces are done (the progress
@@ -290,67 +361,139 @@ class Runner:
 
     def _run(self, commands, log_path: Path, cwd, env) -> None:
         rc = None
-        with open(log_path, "a", encoding="utf-8") as log:
+        self._log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        run_start = os.fstat(self._log_fd).st_size
+        try:
             for argv in commands:
                 if self._stop_requested.is_set():
                     break
-                self._add("$ " + quoting.join(argv), False, log)
+                self._note("$ " + quoting.join(argv))
                 with self._lock:
                     self.state.message = "running"
+                offset = os.fstat(self._log_fd).st_size
                 try:
-                    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                    # the output goes into the log file itself: the run does not depend on the GUI staying alive
+                    proc = subprocess.Popen(argv, stdout=self._log_fd, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, cwd=cwd, env=env, **proc_tree.popen_kwargs())
                 except OSError as e:
-                    self._add(f"Could not start {argv[0]}: {e}", False, log)
+                    self._note(f"Could not start {argv[0]}: {e}")
                     rc = 127
                     break
                 with self._lock:
                     self._proc = proc
+                self._note_active(proc, log_path, run_start)
                 if self._stop_requested.is_set():  # stop() came between the check and Popen
                     proc_tree.end(proc, 5.0)
-                self._pump(proc, log)
-                rest = proc_tree.tree(proc.pid)[1:]  # normally none: the output ended, so did the processes
+                tree = self._follow(proc, log_path, offset)
                 rc = proc.wait()
-                proc_tree.kill(proc.pid, rest)  # leftovers of a finished run
+                proc_tree.kill(proc.pid, [p for p in tree if proc_tree.alive(p)])  # leftovers of a finished run
                 with self._lock:
                     self._proc = None
                 if rc != 0:
                     break
-            stopped = self._stop_requested.is_set()
+        finally:
+            self._finish(rc)
+
+    def _watch_adopted(self, log_path: Path, offset: int) -> None:
+        """Follows a run an earlier GUI started, until its processes have ended (its exit status is unknown)."""
+        try:
+            self._log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        except OSError:
+            self._log_fd = None
+        try:
+            self._note("# this run was started before the GUI restarted; followed from its log file")
+            self._follow(self._proc, log_path, offset)
+        finally:
+            self._finish(None, adopted=True)
+
+    def _finish(self, rc: int | None, adopted: bool = False) -> None:
+        stopped = self._stop_requested.is_set()
+        with self._lock:
+            st = self.state
+            self._proc = None
+            st.running, st.ended, st.returncode, st.stopped = False, time.time(), rc, stopped
+            st.outputs = new_outputs(st.output_dir, st.started)
+            if rc not in (0, None) and not stopped:
+                lines = [ln for ln in self._lines if not ln.startswith(("$ ", "# "))]
+                errs = [ln for ln in lines if ERROR_WORDS.search(ln)]
+                st.error_lines = (errs or lines)[-12:]
+            self.version += 1
+            if self._stopped_line:  # the trainer's "stopped at step N, saved ..."
+                st.message = self._stopped_line[1]
+            elif stopped:
+                st.message = "stopped"
+            elif adopted:
+                st.message = "ended (started before the GUI restarted: its exit status is unknown; see the log)"
+            else:
+                st.message = "finished" if rc == 0 else f"failed (exit status {rc})"
+            message = st.message
+        self._forget_active()
+        fd, self._log_fd = self._log_fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(fd, f"# {message}\n".encode("utf-8"))
+            os.close(fd)
+
+    def _follow(self, proc, log_path: Path, offset: int) -> list[psutil.Process]:
+        """Reads the log file from `offset` as the run writes it, until the command and every process under it
+        have ended (a launcher may end before its trainer). Returns the processes seen."""
+        tree = proc_tree.tree(proc.pid)
+        looked = time.monotonic()
+        buf = b""
+        try:
+            f = open(log_path, "rb")
+        except OSError:
+            f = None
+        with f if f is not None else contextlib.nullcontext():
+            if f is not None:
+                f.seek(offset)
+            while True:
+                chunk = f.read(65536) if f is not None else b""
+                if chunk:
+                    buf = self._feed(buf + chunk)
+                    continue
+                if proc.poll() is not None and not any(proc_tree.alive(p) for p in tree[1:]):
+                    rest = f.read() if f is not None else b""
+                    if not rest:
+                        break
+                    buf = self._feed(buf + rest)
+                    continue
+                time.sleep(POLL_S)
+                if time.monotonic() - looked > 0.5:  # processes started since (the trainer, its workers)
+                    tree, looked = proc_tree.grown(tree), time.monotonic()
+        if buf:
+            self._add(buf.decode("utf-8", "replace"), False)
+        return tree
+
+    def _feed(self, buf: bytes) -> bytes:
+        """Takes the complete lines (ended by \\n, or \\r for in-place progress) out of `buf`; returns the rest."""
+        while True:
+            idx = [i for i in (buf.find(b"\n"), buf.find(b"\r")) if i >= 0]
+            if not idx:
+                return buf
+            i = min(idx)
+            piece, sep, buf = buf[:i], buf[i:i + 1], buf[i + 1:]
+            self._add(piece.decode("utf-8", "replace"), sep == b"\r")
+
+    def _note_active(self, proc: subprocess.Popen, log_path: Path, run_start: int) -> None:
+        if self.record is None:
+            return
+        from .config_file import write_text_atomic
+
+        try:
             with self._lock:
                 st = self.state
-                st.running, st.ended, st.returncode, st.stopped = False, time.time(), rc, stopped
-                st.outputs = new_outputs(st.output_dir, st.started)
-                if rc not in (0, None) and not stopped:
-                    lines = list(self._lines)
-                    lines = [ln for ln in lines if not ln.startswith("$ ")]
-                    errs = [ln for ln in lines if ERROR_WORDS.search(ln)]
-                    st.error_lines = (errs or lines)[-12:]
-                self.version += 1
-                if stopped:  # the trainer's "stopped at step N, saved ..." when it saved
-                    st.message = self._stopped_line[1] if self._stopped_line else "stopped"
-                else:
-                    st.message = "finished" if rc == 0 else f"failed (exit status {rc})"
-            log.write(f"# {st.message}\n")
+                noted = {"pid": proc.pid, "create_time": psutil.Process(proc.pid).create_time(),
+                         "log_path": str(log_path), "log_offset": run_start, "output_dir": st.output_dir,
+                         "config_path": st.config_path, "started": st.started, "commands": st.commands}
+            write_text_atomic(self.record, json.dumps(noted, indent=1) + "\n")
+        except (OSError, psutil.Error) as e:
+            self._add(f"# cannot note the run in {self.record} ({e}); a GUI restart will not find it", False)
 
-    def _pump(self, proc: subprocess.Popen, log) -> None:
-        buf = b""
-        fd = proc.stdout.fileno()
-        while True:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            buf += chunk
-            while True:
-                idx = [i for i in (buf.find(b"\n"), buf.find(b"\r")) if i >= 0]
-                if not idx:
-                    break
-                i = min(idx)
-                piece, sep, buf = buf[:i], buf[i:i + 1], buf[i + 1:]
-                self._add(piece.decode("utf-8", "replace"), sep == b"\r", log)
-        if buf:
-            self._add(buf.decode("utf-8", "replace"), False, log)
-        proc.stdout.close()
+    def _forget_active(self) -> None:
+        if self.record is not None:
+            with contextlib.suppress(OSError):
+                self.record.unlink()
 
 
 def new_outputs(output_dir: str | None, since: float | None) -> list[str]:
@@ -374,4 +517,12 @@ def training_env() -> dict[str, str]:
     env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    return env
+
+
+def run_env() -> dict[str, str]:
+    env = training_env()
+    from . import REPO  # the demo helper runs `python -m kohya_gui`, also when it is not installed
+
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     return env

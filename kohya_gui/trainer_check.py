@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from . import REPO, command, demo
+from .runner import run_env
 
 TIMEOUT_S = 180
 
@@ -20,8 +21,6 @@ TIMEOUT_S = 180
 def problems(tab: str, family: str, values: dict[str, Any]) -> list[str]:
     """The trainer's problems with these settings (empty when it says ok). Paths that the embedded demo makes on
     the run's first start are not problems yet."""
-    from .training import run_env
-
     argv = [sys.executable, str(REPO / "sd-scripts" / command.P.script_for(tab, family)),
             *command.trainer_args(tab, family, values), "--validate_only"]
     try:

@@ -6,8 +6,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from . import command, config_file, demo, trainer_check
-from .runner import Runner, training_env
+from . import command, config_file, demo, secret_options, trainer_check
+from .runner import Runner, run_env, training_env  # noqa: F401  (run_env re-exported)
 
 
 class RunError(ValueError):
@@ -34,20 +34,13 @@ def _checked_start(runner: Runner, tab: str, family: str, values: dict[str, Any]
                        + "\n".join(f"- {p}" for p in problems))
     config_path = command.run_config_path(values)
     try:
-        config_file.save(config_path, tab, family, values)
-    except OSError as e:
+        config_file.save(config_path, tab, family, values, run_record=True)
+    except (OSError, config_file.ConfigError) as e:
         raise RunError(f"Cannot write the run configuration {config_path}: {e}") from e
     argv = command.build_argv(tab, family, values, config_path)
     (Path(config_path).with_suffix(".command.txt")).write_text(command.printable(argv) + "\n", encoding="utf-8")
     commands = demo.prepare_commands(family, values, config_path) + [argv]
-    runner.start(commands, command.log_path(values), env=run_env(), output_dir=values.get("output_dir"),
+    env = {**run_env(), **secret_options.secret_env(values)}  # never in the TOML or the command
+    runner.start(commands, command.log_path(values), env=env, output_dir=values.get("output_dir"),
                  cwd=os.getcwd(), config_path=config_path)
     return argv
-
-
-def run_env() -> dict[str, str]:
-    env = training_env()
-    from . import REPO  # the demo helper runs `python -m kohya_gui`, also when it is not installed
-
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
-    return env

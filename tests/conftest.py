@@ -95,3 +95,11 @@ def tiny_sd1(tiny_sd1_single_file):
 @pytest.fixture(scope="module")
 def tiny_sdxl(tiny_sdxl_single_file):
     return load_tiny_components(tiny_sdxl_single_file, "sdxl")
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that drives the browser (the `page` fixture of test_gui_e2e) is a `browser` test: `-m "not browser"`
+    leaves them out."""
+    for item in items:
+        if "page" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.browser)

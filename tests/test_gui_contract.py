@@ -15,6 +15,7 @@ from gui_helpers import all_non_default
 
 from kohya_gui import REPO, command, config_file
 from kohya_gui import params as P
+from kohya_gui.secret_options import SECRET_OPTIONS
 
 SD_SCRIPTS = REPO / "sd-scripts"
 
@@ -58,6 +59,8 @@ def expected_value(p, tab, family, values):
     """What the trainer must read: network_args with the chosen network type's fields folded in."""
     if p.fixed:
         return p.fixed[family]
+    if p.name in SECRET_OPTIONS:  # never in a file or a command: the run gets it in its environment
+        return None
     return P.fold_network_args(tab, family, values)[p.name]
 
 

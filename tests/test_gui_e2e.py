@@ -48,7 +48,8 @@ def test_real_training_stops_mid_run_and_leaves_no_process(workdir, monkeypatch)
     values = {**cfg.values, "max_train_steps": 500, "sample_every_n_steps": None, "output_name": "stopped"}
     runner = Runner()
     training.start(runner, cfg.tab, cfg.family, values)  # makes the demo files first, then trains
-    assert wait_for(lambda: (runner.snapshot().progress or {}).get("step", 0) >= 1 or not runner.running, 400), \
+    # the trainer's step line (a tqdm bar of the demo's preparation or of caching is progress too)
+    assert wait_for(lambda: (runner.snapshot().progress or {}).get("total") == 500 or not runner.running, 400), \
         runner.log_tail()
     assert runner.running, "the run ended before it could be stopped:\n" + runner.log_tail()
     leader = psutil.Process(runner.pid)
@@ -112,19 +113,32 @@ def gui_url(workdir):
         log.close()
 
 
+BROWSER_TIMEOUT_MS = 180_000  # the limit of every wait; waits end on the page's state, long before it when idle
+
+
 @pytest.fixture(scope="module")
-def page(gui_url):
+def browser(gui_url):
+    """One chromium per module (with its one GUI server, gui_url)."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM,
-                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
-        pg = browser.new_page(viewport={"width": 1400, "height": 1000})
-        pg.set_default_timeout(30000)
-        pg.goto(gui_url)
-        pg.wait_for_selector("#lora-family")
-        yield pg
-        browser.close()
+        b = p.chromium.launch(executable_path=CHROMIUM,
+                              args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser, gui_url):
+    """A fresh page per test, so a test that times out leaves nothing half-done for the next one. The server keeps
+    each tab's last used settings, so a test starts from the form the previous one left."""
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    pg = context.new_page()
+    pg.set_default_timeout(BROWSER_TIMEOUT_MS)
+    pg.goto(gui_url)
+    pg.wait_for_selector("#lora-family")
+    yield pg
+    context.close()
 
 
 def pick(page, elem_id: str, option: str):
@@ -241,7 +255,7 @@ def test_tensorboard_button_serves_the_log_folder(page, workdir):
     page.locator("#lora-filter input, #lora-filter textarea").first.fill("")
     page.locator("#lora-tensorboard").click()
     link = page.locator("#lora-run-status a")
-    link.wait_for(timeout=90_000)
+    link.wait_for()
     url = link.get_attribute("href")
     with urllib.request.urlopen(url, timeout=30) as r:
         assert r.status == 200 and b"TensorBoard" in r.read()

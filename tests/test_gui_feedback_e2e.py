@@ -1,20 +1,20 @@
 """In a real browser (the live server and page of test_gui_e2e.py, own working folder): a Start click at the
 bottom of the window with a bad value shows the error inside the window, in red; a refresh keeps the form; a
-refresh during a run shows the run's settings. The tests run in this order on one page."""
+refresh during a run shows the run's settings. The tests run in this order, each on a fresh page of one server."""
 
 from __future__ import annotations
 
 import pytest
 
-from test_gui_e2e import ARTIFACTS, field, gui_url, page, wait_for, workdir  # noqa: F401  (fixtures)
+from test_gui_e2e import ARTIFACTS, browser, field, gui_url, page, wait_for, workdir  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.slow
 
 
-def value_is(page, elem_id: str, value: str, timeout: float = 30_000):
+def value_is(page, elem_id: str, value: str):
     page.wait_for_function(
         "([id, v]) => { const e = document.querySelector(`#${id} input, #${id} textarea`); return e && e.value === v; }",
-        arg=[elem_id, value], timeout=timeout)
+        arg=[elem_id, value])
 
 
 def kept(workdir, text: str) -> bool:
@@ -31,7 +31,7 @@ def test_start_error_appears_inside_the_window_in_red(page):
     msg.get_by_text("image folder").wait_for()
     # the page scrolls the message into view once it is drawn
     page.wait_for_function("""() => { const r = document.querySelector('#lora-run-status blockquote')
-        .getBoundingClientRect(); return r.top >= 0 && r.bottom <= window.innerHeight; }""", timeout=10_000)
+        .getBoundingClientRect(); return r.top >= 0 && r.bottom <= window.innerHeight; }""")
     box, height = msg.bounding_box(), page.viewport_size["height"]
     assert box["y"] >= 0 and box["y"] + box["height"] <= height, (box, height)
     r, g, b = (int(x) for x in msg.evaluate("e => getComputedStyle(e).color").strip("rgba()").split(",")[:3])
@@ -78,4 +78,4 @@ def test_refresh_during_a_run_shows_the_runs_settings(page, workdir):
         panel.get_by_text("outputs/demo-sdxl-tiny/during-run.toml").wait_for()
     finally:
         page.locator("#lora-stop-now").click()
-        page.locator("#lora-run-status").get_by_text("Training stopped").wait_for(timeout=60_000)
+        page.locator("#lora-run-status").get_by_text("Training stopped").wait_for()

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from test_gui_e2e import field, gui_url, page, workdir  # noqa: F401  (fixtures)
+from test_gui_e2e import browser, field, gui_url, page, workdir  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.slow
 
@@ -58,8 +58,8 @@ def test_three_kohya_ss_presets_fill_the_form_and_show_the_report(page):
         status = page.locator("#lora-status")
         try:
             page.wait_for_function(f"""() => document.querySelector('#lora-status').innerText
-                                       .includes({json.dumps('Loaded preset kohya_ss: ' + name)})""",
-                                   timeout=90_000)  # a family change redraws ~230 controls
+                                       .includes({json.dumps('Loaded preset kohya_ss: ' + name)})""")
+                                   # a family change redraws ~230 controls
         except Exception:
             raise AssertionError(status.inner_text()[:500]) from None
         assert "Import report" in status.inner_text()
@@ -88,3 +88,18 @@ def test_network_fields_follow_the_network_module_and_reach_the_command(page):
         r"--network_args (\S+=\S+ )*algo=lokr factor=8", standalone), standalone
     pick(page, "lora-network_module", "LoRA (the family's)")
     page.locator("#lora-network_args-block_dims").wait_for(state="visible")
+
+
+def test_filter_box_says_when_nothing_matches_or_only_another_family(page):
+    box = page.locator("#lora-filter input, #lora-filter textarea").first
+
+    def hint_says(text):
+        page.wait_for_function("(t) => document.getElementById('lora-filter-hint').textContent.includes(t)", arg=text)
+
+    page.wait_for_function("() => document.querySelector('#lora-family input').value === 'SDXL'")
+    box.fill("block swap")  # FLUX.1's --blocks_to_swap, every word matched
+    hint_says("Blocks to swap (optional) (FLUX.1 only)")
+    box.fill("no such option at all")
+    hint_says('No option matches "no such option at all"')
+    box.fill("")
+    page.locator("#lora-filter-hint").wait_for(state="hidden")

@@ -1,5 +1,5 @@
 """Issue 13 item 6: preset names on the command line, files written with the user's umask, one exit status in
-the result, the password kept out of `ps` and slowed down, nothing of the GUI on the login page, a port in use."""
+the result, the password kept out of `ps` (wrong ones slowed down: test_login_wait.py), nothing of the GUI on the login page, a port in use."""
 from __future__ import annotations
 
 import os
@@ -55,16 +55,6 @@ def test_password_from_a_file_or_the_environment(tmp_path):
     assert a.password == "s3cret"
     with pytest.raises(SystemExit):
         gui.parse_args(["--username", "u", "--password_file", str(tmp_path / "missing")])
-
-
-def test_wrong_passwords_are_answered_more_and_more_slowly():
-    waits = []
-    check = login.Login("u", "p", sleep=waits.append)
-    assert not check("u", "x") and not check("u", "y") and not check("u", "z")
-    assert waits == [0.5, 1.0, 2.0]
-    assert check("u", "p") and waits == [0.5, 1.0, 2.0]  # a right one answers at once and resets
-    assert not check("u", "x") and waits[-1] == 0.5
-    assert login.delay_after(20) == login.MAX_DELAY_S
 
 
 def _free_port() -> int:

@@ -170,7 +170,8 @@ def test_open_in_the_gui_fills_the_form_and_shows_the_report(tmp_path):
     assert "open it in that tab" in wrong_tab[0]
 
 
-def test_kohya_ss_presets_in_the_dropdown_import_when_chosen():
+def test_kohya_ss_presets_in_the_dropdown_import_when_chosen(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # configs/ (where Save goes) is relative to the working folder
     from kohya_gui import presets
     from kohya_gui.ui import actions as A
 
@@ -195,3 +196,231 @@ def test_an_upstream_output_config_imports_key_for_key(tmp_path):
     for key, value in values.items():
         got = imp.values[key]
         assert got == value or got == pytest.approx(value), key
+
+
+# ---- issue 31: the run a kohya_ss config means -----------------------------------------------------------------
+
+def validate_in_process(imp, values, capsys) -> list[str]:
+    """The trainer's own --validate_only on the command the GUI builds, in-process: [] when ok, else the problems."""
+    import importlib
+
+    from kohya_gui import command
+
+    script = P.script_for(imp.tab, imp.family).removesuffix(".py")
+    try:
+        importlib.import_module(script).main(command.trainer_args(imp.tab, imp.family, values) + ["--validate_only"])
+    except SystemExit as e:
+        assert e.code == 2
+        return trainer_check.parse_errors(capsys.readouterr().err)
+    return []
+
+
+def argv_of(imp) -> list[str]:
+    from kohya_gui import command
+
+    return command.trainer_args(imp.tab, imp.family, imp.values)
+
+
+@pytest.mark.parametrize("tab", ["dreambooth", "finetune"])
+def test_the_text_encoder_rate_of_sd_dreambooth_and_finetune_comes_through(tab):
+    """kohya_ss passes learning_rate_te to train_db.py / fine_tune.py under that name (0: not trained)."""
+    imp = importer.from_kohya_ss({"learning_rate": 5e-5, "learning_rate_te": 1e-5, "v2": False}, tab)
+    assert imp.values["learning_rate_te"] == 1e-5 and "text_encoder_lr" not in imp.values
+    argv = argv_of(imp)
+    assert argv[argv.index("--learning_rate_te") + 1] == "1e-05"
+    frozen = importer.from_kohya_ss({"learning_rate": 5e-5, "learning_rate_te": 0}, tab)
+    assert frozen.values["learning_rate_te"] == 0.0
+
+
+def test_sdxl_dreambooth_trains_the_text_encoders_when_a_rate_is_above_zero():
+    """dreambooth_gui.py: train_text_encoder = learning_rate_te1 > 0 or learning_rate_te2 > 0 (SDXL)."""
+    imp = importer.from_kohya_ss({"sdxl": True, "learning_rate": 1e-5, "learning_rate_te1": 1e-5,
+                                  "learning_rate_te2": 0}, "dreambooth")
+    argv = argv_of(imp)
+    assert "--train_text_encoder" in argv and argv[argv.index("--learning_rate_te1") + 1] == "1e-05"
+    assert imp.values["learning_rate_te2"] == 0.0  # that one stays frozen
+    unet_only = importer.from_kohya_ss({"sdxl": True, "learning_rate_te1": 0, "learning_rate_te2": 0}, "dreambooth")
+    assert "--train_text_encoder" not in argv_of(unet_only)
+    report = {k: what for k, what, _ in unet_only.report}
+    assert report["learning_rate_te1"] == "dropped"
+
+
+def test_a_lora_text_encoder_rate_of_zero_trains_the_unet_only(tmp_path, tiny_dataset_dir, capsys):
+    """lora_gui.py: text_encoder_lr 0 with a UNet rate -> --network_train_unet_only (so caching the text-encoder
+    outputs is allowed, as in kohya_ss); a UNet rate of 0 -> --network_train_text_encoder_only."""
+    imp = importer.from_kohya_ss(kohya(optimizer="AdamW", text_encoder_lr=0, unet_lr=1e-4,
+                                       sdxl_cache_text_encoder_outputs=True))
+    assert imp.values["network_train_unet_only"] is True and imp.values["text_encoder_lr"] is None
+    assert "--network_train_unet_only" in argv_of(imp) and "--cache_text_encoder_outputs" in argv_of(imp)
+    assert validate_in_process(imp, with_tiny_paths(imp, tmp_path, tiny_dataset_dir), capsys) == []
+    te_only = importer.from_kohya_ss(kohya(text_encoder_lr=1e-5, unet_lr=0))
+    assert te_only.values["network_train_text_encoder_only"] is True and te_only.values["text_encoder_lr"] == 1e-5
+    both = importer.from_kohya_ss(kohya(text_encoder_lr=0, unet_lr=0))
+    assert not both.values.get("network_train_unet_only") and not both.values.get("network_train_text_encoder_only")
+
+
+def test_a_run_toml_keeps_a_zero_rate(tmp_path):
+    """In a run TOML the keys are the trainer's options: text_encoder_lr = 0 is passed on (upstream then leaves the
+    text encoder's parameter groups out)."""
+    path = tmp_path / "config_lora.toml"
+    path.write_text('network_module = "networks.lora"\ntext_encoder_lr = 0.0\nunet_lr = 0.0001\n'
+                    'pretrained_model_name_or_path = "m.safetensors"\n')
+    imp = importer.load(path)
+    argv = argv_of(imp)
+    assert argv[argv.index("--text_encoder_lr") + 1] == "0.0"
+
+
+def finetune_form(folder, train_dir, **kw):
+    return {"sdxl_checkbox": True, "use_latent_files": "No", "image_folder": str(folder), "train_dir": str(train_dir),
+            "caption_extension": ".txt", "dataset_repeats": "3", "full_path": True, "learning_rate": 1e-6,
+            "max_resolution": "64,64", "optimizer": "AdamW", **kw}
+
+
+def flat_images(folder):
+    """kohya_ss' fine-tune image folder: images and their caption files side by side, no N_name subfolders."""
+    from PIL import Image
+
+    folder.mkdir()
+    for i in range(3):
+        Image.new("RGB", (64, 64), (i * 60, 90, 200)).save(folder / f"img{i}.png")
+        (folder / f"img{i}.txt").write_text(f"a photo number {i}")
+    return folder
+
+
+def test_finetune_data_comes_through_as_kohya_ss_runs_it(tmp_path, capsys):
+    """finetune_gui.py: the images are image_folder; with "generate caption database" kohya_ss first merges their
+    caption files into train_dir/meta_cap.json. Here the run reads those caption files straight from the folder (a
+    dataset config written beside ours), and the trainer finds the images; without it, in_json is kohya_ss'
+    metadata file."""
+    folder = flat_images(tmp_path / "images")
+    src = tmp_path / "ft.json"
+    src.write_text(json.dumps(finetune_form(folder, tmp_path / "train", generate_caption_database=True)))
+    out = tmp_path / "ours.toml"
+    assert cli.main(["import", str(src), "-o", str(out)]) == 0
+    cfg = config_file.load(out)
+    dataset = Path(cfg.values["dataset_config"])
+    assert dataset == tmp_path / "ours.dataset.toml"
+    import tomllib
+
+    subset = tomllib.loads(dataset.read_text())["datasets"][0]["subsets"][0]
+    assert subset == {"image_dir": str(folder), "num_repeats": 3, "caption_extension": ".txt"}
+    imp = importer.load(src)
+    values = with_tiny_paths(imp, tmp_path, tmp_path / "unused")
+    values.update(dataset_config=str(dataset), train_data_dir="", compile=False)
+    capsys.readouterr()
+    assert validate_in_process(imp, values, capsys) == []
+    assert "(3 training images" in capsys.readouterr().out
+    existing = importer.from_kohya_ss(finetune_form(folder, tmp_path / "train", generate_caption_database=False,
+                                                    use_latent_files="Yes"))
+    assert existing.values["train_data_dir"] == str(folder)
+    assert existing.values["in_json"] == f"{tmp_path / 'train'}/meta_lat.json" and not existing.side_files
+
+
+@pytest.mark.parametrize("content, why", [
+    ({"LoRA_type": "Standard", "token_string": "sks", "init_word": "*", "num_vectors_per_token": 8},
+     "textual inversion"),
+    ({"img1": {"caption": "a dog", "tags": "dog"}, "img2": {"caption": "a cat"}}, "caption metadata"),
+    ({}, "holds no settings"),
+    ({"foo": 1, "bar": "x"}, "none of its keys is a training setting"),
+])
+def test_files_that_are_no_configuration_here_are_refused_with_one_line(tmp_path, capsys, content, why):
+    src = tmp_path / "file.json"
+    src.write_text(json.dumps(content))
+    assert cli.main(["import", str(src), "-o", str(tmp_path / "out.toml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and why in err and str(src) in err
+    assert not (tmp_path / "out.toml").exists()
+    from kohya_gui.ui import actions as A
+
+    assert why in A.open_config("lora", str(src), "SDXL")[0]
+
+
+def test_an_empty_toml_and_a_dataset_config_are_refused(tmp_path, capsys):
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    dataset = tmp_path / "dataset.toml"
+    dataset.write_text('[general]\nresolution = 512\n[[datasets]]\n[[datasets.subsets]]\nimage_dir = "x"\n')
+    for path, why in ((empty, "holds no settings"), (dataset, "this is a dataset config")):
+        assert cli.main(["import", str(path), "-o", str(tmp_path / "out.toml")]) == 2
+        assert why in capsys.readouterr().err
+
+
+def test_import_and_print_command_guess_the_same_family(tmp_path, capsys):
+    """One rule for a run TOML that does not say its family: import and print-command (Open) agree, and the import
+    says what it assumed."""
+    import tomlkit
+    from test_upstream_configs import upstream_output_config
+
+    path = tmp_path / "config_lora.toml"
+    path.write_text(tomlkit.dumps(upstream_output_config("model.safetensors", "tok", "data", "out")))
+    imp = importer.load(path)
+    assert imp.family == config_file.load(path).family == "SDXL"
+    assert imp.notes and "SDXL is assumed" in imp.notes[0]
+    sd = tmp_path / "config_db.toml"
+    sd.write_text('pretrained_model_name_or_path = "m.ckpt"\nlearning_rate_te = 1e-6\n')  # train_db.py's option
+    assert importer.load(sd).family == config_file.load(sd, "dreambooth").family == "SD1.x"
+    assert importer.load(sd, family="SD2.x").family == "SD2.x"
+
+
+def test_print_command_warns_as_the_guis_print(tmp_path, tiny_dataset_dir, capsys):
+    """print-command on the command line shows what the GUI's Print shows: the trainer's own problems (missing
+    model and data, an unknown optimizer, a resolution it refuses) as warnings, after the command."""
+    def warnings(**kw):
+        cfg = tmp_path / "c.toml"
+        values = {**P.defaults("lora"), "pretrained_model_name_or_path": str(tmp_path / "no.safetensors"),
+                  "output_dir": str(tmp_path), "output_name": "x", **kw}
+        config_file.save(cfg, "lora", "SDXL", values)
+        assert cli.main(["print-command", str(cfg)]) == 0
+        out, err = capsys.readouterr()
+        assert "sdxl_train_network.py" in out
+        return "\n".join(ln for ln in err.splitlines() if ln.startswith("warning:"))
+
+    found = warnings(train_data_dir=str(tmp_path / "nodata"), optimizer_type="NoSuchOpt")
+    assert "no.safetensors" in found and "nodata" in found and "NoSuchOpt" in found
+    assert "resolution" in warnings(train_data_dir=str(tiny_dataset_dir), resolution="64,abc")
+
+
+def test_import_has_its_own_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["import", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m kohya_gui import") and "--output" in out and "--family" in out
+
+
+def test_gui_import_keeps_the_inline_prompts_through_save_and_clears_the_preset(tmp_path, monkeypatch):
+    """Open a kohya_ss JSON in the GUI: the inline prompts are written at once to a file beside where Save goes
+    (configs/<tab>/<name>.prompts.txt, never over another file), the form holds its path, Save keeps it; the
+    path box names our TOML and the Preset box is cleared."""
+    from gui_helpers import ui_values_from_updates
+
+    from kohya_gui.ui import actions as A
+
+    monkeypatch.chdir(tmp_path)
+    src = tmp_path / "mine.json"
+    src.write_text(json.dumps(kohya(sample_prompts="a photo of sks dog --w 1024\na cat", sample_every_n_steps=10)))
+    (tmp_path / "configs" / "lora").mkdir(parents=True)
+    (tmp_path / "configs" / "lora" / "mine.prompts.txt").write_text("someone else's prompts\n")
+    out = A.open_from_box("lora", str(src), "SD1.x")
+    *opened, path_box, preset_box = out
+    assert "Imported the kohya_ss configuration" in opened[0] and preset_box == {"value": None, "__type__": "update"}
+    assert path_box["value"] == str(Path("configs/lora/mine.toml"))
+    prompts = Path("configs/lora/mine-2.prompts.txt")  # the existing file stays as it was
+    assert prompts.read_text() == "a photo of sks dog --w 1024\na cat\n" and str(prompts) in opened[0]
+    assert (tmp_path / "configs/lora/mine.prompts.txt").read_text() == "someone else's prompts\n"
+    ui = ui_values_from_updates("lora", opened)
+    assert "Saved" in A.save_config("lora", path_box["value"], "SDXL", *ui)
+    saved = config_file.load(path_box["value"])
+    assert saved.values["sample_prompts"] == str(prompts) and saved.values["sample_every_n_steps"] == 10
+
+
+def test_the_option_filter_knows_each_options_families():
+    """The filter's index says which families an option is for: "block swap" on SDXL hints "FLUX.1 only"."""
+    from kohya_gui.ui import actions as A
+    from kohya_gui.ui.option_filter import filter_js
+
+    js = filter_js("lora", A.tab_params("lora"))
+    index = json.loads(js.split("index = ", 1)[1].split(";\n", 1)[0])
+    row = next(r for r in index if r[0] == "blocks_to_swap")
+    assert row[3] == ["FLUX.1"] and all(w in row[1] for w in ("block", "swap"))
+    assert "No option matches" in js and "only)" in js

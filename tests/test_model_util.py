@@ -263,7 +263,9 @@ def test_save_strips_orig_mod_and_refuses_to_overwrite(sd1_comps, tmp_path):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(safetensors.torch, "save_file", failing_save)
-        with pytest.raises(OSError, match="disk full"):
+        from library.errors import SaveError
+
+        with pytest.raises(SaveError, match="cannot save .*c.safetensors: disk full; the earlier saves"):
             save_sd_checkpoint(out, sd1_comps, overwrite=True)
     assert out.read_bytes() != b"partial" and sorted(p.name for p in tmp_path.iterdir()) == ["c.safetensors"]
     with pytest.raises(ValueError, match="unknown precision 'fp8'"):

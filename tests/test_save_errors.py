@@ -33,14 +33,16 @@ def test_disk_full_at_the_final_save(tmp_path, tiny_sdxl_single_file, tiny_datas
     monkeypatch.setattr(safetensors.torch, "save_file", full_disk_on_second_save)
     out = tmp_path / "out"
     out.mkdir()
-    (out / ".full.safetensors.tmp-424242").write_bytes(b"left by a killed run")
-    (out / "sample").mkdir()
-    (out / "sample" / "full_000001_00_20261124_1.png.tmp.png").write_bytes(b"killed while sampling")
-    (out / ".other.safetensors.tmp-1").write_bytes(b"another run's: kept")
+    # library.files' work folders left by kill -9: one inside safetensors' own write (its .tmpXXXXXX), a sample's
+    (out / ".full.safetensors.tmp-424242").mkdir()
+    (out / ".full.safetensors.tmp-424242" / ".tmpAb12Cd").write_bytes(b"left by a killed run")
+    (out / "sample" / ".full_000001_00_20261124_1.png.tmp-1f").mkdir(parents=True)
+    (out / "sample" / ".full_000001_00_20261124_1.png.tmp-1f" / "full_000001_00_20261124_1.png").write_bytes(b"x")
+    (out / ".other.safetensors.tmp-1").mkdir()  # another run's: kept
     argv = base_argv(tiny_sdxl_single_file, out, tiny_dataset_dir, "full", steps=2,
                      extra=["--network_train_unet_only", "--save_every_n_steps", "1"])
     with pytest.raises(SystemExit) as e:
-        network_trainer.run(sdxl_train_network.SDXLNetworkTrainer(), sdxl_train_network.setup_parser(), argv)
+        network_trainer.run(sdxl_train_network.trainer(), sdxl_train_network.setup_parser(), argv)
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (f"error: cannot save {out / 'full-step00000002.safetensors'}: No space left on device "

@@ -1,4 +1,5 @@
-"""Option parity with kohya-ss/sd-scripts: every upstream option of the seven scripts parses here with the same
+"""Option parity with kohya-ss/sd-scripts: every upstream option of the seven scripts (and of the LoRA tools in
+sd-scripts/networks/) parses here with the same
 option strings, type, default, choices and nargs, except the documented tables of `library/parity.py`
 (REFUSED, DIFFERENT, NOT_YET); those tables cannot go stale; docs/PARITY.md is generated from the same data.
 
@@ -46,6 +47,13 @@ def test_every_upstream_option_parses_as_upstream(script, upstream, parsers):
     assert not bad, f"{script}.py differs from upstream:\n" + "\n".join(bad)
 
 
+@needs_upstream
+def test_tool_scripts_parse_as_upstream():
+    """The captioning, dataset and LoRA tools (parity.TOOLS) against upstream's tables, with their own
+    TOOL_DIFFERENT entries, none of them stale."""
+    assert gen_parity.tool_problems(gen_parity.load_tools()) == []
+
+
 @pytest.mark.parametrize("script", parity.SCRIPTS)
 def test_help_renders(script, parsers):
     """--help formats every option's help (a stray '%' in a help text breaks argparse's --help)."""
@@ -55,6 +63,34 @@ def test_help_renders(script, parsers):
 @needs_upstream
 def test_exception_tables_are_not_stale(upstream, parsers):
     assert gen_parity.table_problems(upstream, parsers) == []
+
+
+# -- the tool scripts (parity.TOOLS) --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tools():
+    return gen_parity.load_tools()
+
+
+@needs_upstream
+@pytest.mark.parametrize("table", list(parity.TOOLS))
+def test_every_upstream_tool_option_is_compared(table, tools):
+    upstream_options, _parser = tools[table]
+    rows = gen_parity.tool_rows({table: tools[table]})[table]
+    assert rows and len(rows) == len(upstream_options), f"{table}: upstream options not all compared"
+
+
+@needs_upstream
+@pytest.mark.parametrize("table", list(parity.TOOLS))
+def test_tool_help_renders(table, tools):
+    assert "--dump_options" in tools[table][1].format_help()
+
+
+@needs_upstream
+def test_a_stale_tool_entry_is_reported(tools, monkeypatch):
+    monkeypatch.setitem(parity.TOOL_DIFFERENT, "networks__resize_lora", {"no_such_option": parity.Different("x")})
+    assert gen_parity.tool_problems(tools) == [
+        "parity.TOOL_DIFFERENT['networks__resize_lora']: 'no_such_option' is no upstream option of it"]
 
 
 @needs_upstream

@@ -114,3 +114,20 @@ def test_gui_start_with_a_missing_model_starts_nothing(tmp_path, tiny_dataset_di
     with pytest.raises(training.RunError, match="--pretrained_model_name_or_path: file not found"):
         training.start(runner, "lora", "SDXL", values)
     assert not runner.running and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("extra, expected", [
+    # the run's own check (upstream's verify_bucket_reso_steps): SD1.x needs a multiple of 64
+    (["--enable_bucket", "--bucket_reso_steps", "32", "--min_bucket_reso", "64"], "bucket_reso_steps is 32: this script needs a multiple of 64"),
+    # 64 px images in 256 px steps: an empty bucket, named, instead of a ZeroDivisionError
+    (["--enable_bucket", "--bucket_reso_steps", "256", "--resolution", "512", "--bucket_no_upscale"],
+     "(64x64) is smaller than bucket_reso_steps (256)"),
+])
+def test_what_the_run_refuses_about_buckets_is_found_first(extra, expected, not_models, tiny_dataset_dir, tmp_path,
+                                                           capsys):
+    import train_network
+
+    with pytest.raises(SystemExit) as e:
+        train_network.main(argv_for("train_network", not_models, tiny_dataset_dir, tmp_path / "out", *extra))
+    assert e.value.code == 2
+    assert expected in capsys.readouterr().err

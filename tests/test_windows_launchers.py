@@ -145,3 +145,32 @@ def test_setup_test_extra_default_torch_and_failures(tmp_path, monkeypatch, caps
     monkeypatch.setattr(sys, "version_info", (3, 10, 14))
     assert setup_venv.main([], root=tmp_path) == 2
     assert "Python 3.11 or newer is needed" in capsys.readouterr().err
+
+
+def test_setup_says_what_it_does_and_hides_the_build_noise(tmp_path, monkeypatch, capsys):
+    """The first run prints each step (and how to get the optional extras) instead of minutes of silence; the
+    commands' own output (pip, setuptools' notes) shows only when one fails."""
+    fake_checkout(tmp_path, None)
+    monkeypatch.delenv("TORCH_SPEC", raising=False)
+    assert setup_venv.main([], root=tmp_path, run=lambda cmd, cwd: None) == 0
+    out = capsys.readouterr().out
+    assert "[1/3]" in out and "[2/3] installing torch==2.13.0" in out and "[3/3]" in out
+    assert "pip install -e '.[extras]'" in out
+    setup_venv.quiet_run([sys.executable, "-c", "import sys; print('noise'); print('warn', file=sys.stderr)"],
+                         tmp_path)
+    assert "noise" not in capsys.readouterr().out
+    with pytest.raises(subprocess.CalledProcessError):
+        setup_venv.quiet_run([sys.executable, "-c", "import sys; print('why it failed'); sys.exit(3)"], tmp_path)
+    assert "why it failed" in capsys.readouterr().err
+
+
+def test_the_package_builds_without_setuptools_warnings(tmp_path):
+    """pyproject's packaging: every folder of kohya_gui (kohya_gui.options holds data) is a package, so the build
+    prints no 'Package would be ignored' warning."""
+    proc = subprocess.run([sys.executable, "-c", "from setuptools import setup; setup()", "-q", "egg_info",
+                           "--egg-base", str(tmp_path)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    proc = subprocess.run([sys.executable, "-c", "from setuptools import setup; setup()", "-q", "build_py",
+                           "--build-lib", str(tmp_path / "lib")], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0 and "would be ignored" not in proc.stderr + proc.stdout, proc.stderr
+    assert (tmp_path / "lib" / "kohya_gui" / "options" / "sdxl_train.py.json").is_file()

@@ -1,4 +1,5 @@
-"""Generates docs/PARITY.md: every kohya-ss/sd-scripts (upstream) option of the seven scripts and its status here.
+"""Generates docs/PARITY.md: every kohya-ss/sd-scripts (upstream) option of the seven scripts and of the tool scripts
+(parity.TOOLS: captioning, dataset and LoRA tools) and its status here.
 
     python tools/gen_parity.py            # writes docs/PARITY.md
     python tools/gen_parity.py --check    # exit 1 when docs/PARITY.md is stale or a parser differs unexplained
@@ -96,28 +97,33 @@ def _fmt_diffs(diffs: dict[str, tuple]) -> str:
     return "; ".join(f"{f}: upstream {u!s}, here {o!s}" for f, (u, o) in diffs.items())
 
 
-def script_rows(upstream: dict[str, dict], parser: argparse.ArgumentParser) -> list[Row]:
-    """The status of every upstream option of one script."""
+def script_rows(upstream: dict[str, dict], parser: argparse.ArgumentParser,
+                different: dict | None = None) -> list[Row]:
+    """The status of every upstream option of one script; `different`: a tool script's own DIFFERENT table (the
+    tools have no REFUSED or NOT_YET options)."""
+    tool = different is not None
+    refused, not_yet = ({}, frozenset()) if tool else (parity.REFUSED, parity.NOT_YET)
+    different = different if tool else parity.DIFFERENT
     ours = {a.dest: describe(a) for a in parser._actions if a.option_strings and a.dest != "help"}
     rows = []
     for name in sorted(upstream):
         if name not in ours:
-            if name in parity.NOT_YET:
+            if name in not_yet:
                 rows.append(Row(name, NOT_YET))
             else:
                 rows.append(Row(name, MISSING, "not accepted and not in parity.NOT_YET"))
             continue
         diffs = field_diffs(upstream[name], ours[name])
-        if name in parity.REFUSED:
-            rows.append(Row(name, DIFFERS, _fmt_diffs(diffs)) if diffs else Row(name, REFUSED, parity.REFUSED[name]))
-        elif name in parity.DIFFERENT:
-            spec = parity.DIFFERENT[name]
+        if name in refused:
+            rows.append(Row(name, DIFFERS, _fmt_diffs(diffs)) if diffs else Row(name, REFUSED, refused[name]))
+        elif name in different:
+            spec = different[name]
             unexplained = {f: d for f, d in diffs.items() if f not in spec.fields}
             if unexplained:
                 rows.append(Row(name, DIFFERS, _fmt_diffs(unexplained)))
             else:
                 rows.append(Row(name, DIFFERENT, "; ".join(x for x in (spec.reason, _fmt_diffs(diffs)) if x)))
-        elif name in parity.NOT_YET:
+        elif name in not_yet:
             rows.append(Row(name, NOT_YET, f"parsed differently for now ({_fmt_diffs(diffs)})" if diffs else ""))
         elif diffs:
             rows.append(Row(name, DIFFERS, _fmt_diffs(diffs)))
@@ -179,7 +185,73 @@ _STATUS_WORD = {SAME: "same", REFUSED: "refused", DIFFERENT: "different", NOT_YE
                 MISSING: "**missing**", DIFFERS: "**differs**"}
 
 
-def render(upstream_all: dict, parsers: dict) -> str:
+# ----------------------------------------------------------------------------------------------------------
+# tool scripts (parity.TOOLS: captioning, dataset and LoRA tools)
+
+
+def load_tools(flags_dir: Path = UPSTREAM_FLAGS) -> dict[str, tuple[dict, argparse.ArgumentParser]]:
+    """table -> (upstream's options, our script's parser); the scripts are loaded from their files. A tool whose
+    parser upstream builds outside setup_parser() has its table in parity.UPSTREAM_TABLES_BY_HAND."""
+    import importlib.util
+
+    out = {}
+    for table, path in parity.TOOLS.items():
+        spec = importlib.util.spec_from_file_location(f"_parity_{table}", SD_SCRIPTS / path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        upstream = parity.UPSTREAM_TABLES_BY_HAND.get(table) or json.loads((flags_dir / f"{table}.json").read_text())
+        out[table] = (upstream, module.setup_parser())
+    return out
+
+
+def tool_rows(tools: dict) -> dict[str, list[Row]]:
+    return {t: script_rows(up, parser, parity.TOOL_DIFFERENT.get(t, {})) for t, (up, parser) in tools.items()}
+
+
+def tool_problems(tools: dict) -> list[str]:
+    """Unexplained differences and stale TOOL_DIFFERENT entries of the tool scripts."""
+    problems = [f"{parity.TOOLS[t]}: --{r.option}: {r.status}: {r.note}" for t, rows in tool_rows(tools).items()
+                for r in rows if r.status in (MISSING, DIFFERS)]
+    for table in sorted(set(parity.TOOL_DIFFERENT) - set(parity.TOOLS)):
+        problems.append(f"parity.TOOL_DIFFERENT: {table!r} is not in parity.TOOLS")
+    for table, entries in parity.TOOL_DIFFERENT.items():
+        if table not in tools:
+            continue
+        up, parser = tools[table]
+        for name, spec in entries.items():
+            if name not in up:
+                problems.append(f"parity.TOOL_DIFFERENT[{table!r}]: {name!r} is no upstream option of it")
+            elif spec.fields and _ours(parser, name) is not None and not (
+                    set(spec.fields) & set(field_diffs(up[name], _ours(parser, name)))):
+                problems.append(f"parity.TOOL_DIFFERENT[{table!r}]: {name!r} no longer differs in {spec.fields}")
+    return problems
+
+
+def render_tools(tools: dict) -> list[str]:
+    rows = tool_rows(tools)
+    out = ["", "## Tool scripts", "",
+           "Upstream's captioning, dataset and LoRA tools, with the same file names under `sd-scripts/` "
+           "(differences per script, from `parity.TOOL_DIFFERENT`). Every tool also takes `--dump_options` (its "
+           "options as JSON, for the GUI); the LoRA tools take `--overwrite` (an existing output is replaced only "
+           "with it). `convert_flux_lora.py`'s upstream options come from its source "
+           "(`parity.UPSTREAM_TABLES_BY_HAND`): upstream builds that parser outside `setup_parser()`.", "",
+           "| script | upstream options | same | different |", "|---|---|---|---|"]
+    for t, rs in rows.items():
+        out.append(f"| `{parity.TOOLS[t]}` | {len(rs)} | {sum(r.status == SAME for r in rs)} | "
+                   f"{sum(r.status == DIFFERENT for r in rs)} |")
+    for t, rs in rows.items():
+        out += ["", f"### {parity.TOOLS[t]}", "", "| option | status | note |", "|---|---|---|"]
+        out += [f"| `--{r.option}` | {_STATUS_WORD[r.status]} | {r.note.replace('|', chr(92) + '|')} |" for r in rs]
+        up, parser = tools[t]
+        extra = sorted(a.option_strings[0] for a in parser._actions
+                       if a.option_strings and a.dest != "help" and a.dest not in up)
+        if extra:
+            out += ["", "Options only here: " + ", ".join(f"`{o}`" for o in extra) + "."]
+    return out
+
+
+def render(upstream_all: dict, parsers: dict, tools: dict | None = None) -> str:
+    tools = load_tools() if tools is None else tools
     rows = all_rows(upstream_all, parsers)
     out = [
         "# Option parity with kohya-ss/sd-scripts",
@@ -223,6 +295,7 @@ def render(upstream_all: dict, parsers: dict) -> str:
             f"it had more values)"
             for k, aliases in parity.CONFIG_VALUE_ALIASES.items() for v, m in aliases.items()]
     out += ["- `0` / `1` for an on/off option (e.g. `persistent_data_loader_workers = 1`) mean false / true."]
+    out += render_tools(tools)
     return "\n".join(out) + "\n"
 
 
@@ -234,9 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     if not a.upstream_flags.is_dir():
         print(f"upstream option tables not found: {a.upstream_flags}", file=sys.stderr)
         return 2
-    upstream_all, parsers = load_upstream(a.upstream_flags), load_parsers()
-    text = render(upstream_all, parsers)
-    problems = table_problems(upstream_all, parsers)
+    upstream_all, parsers, tools = load_upstream(a.upstream_flags), load_parsers(), load_tools(a.upstream_flags)
+    text = render(upstream_all, parsers, tools)
+    problems = table_problems(upstream_all, parsers) + tool_problems(tools)
     for s, rs in all_rows(upstream_all, parsers).items():
         problems += [f"{s}: --{r.option}: {r.status}: {r.note}" for r in rs if r.status in (MISSING, DIFFERS)]
     for p in problems:

@@ -39,7 +39,23 @@ def install_commands(python: Path, test: bool, torch_spec: str) -> list[list[str
     return [pip + ["--upgrade", "pip"], pip + torch_spec.split(), pip + ["-e", ".[test]" if test else "."]]
 
 
-def main(argv: list[str] | None = None, root: Path = ROOT, run=subprocess.check_call) -> int:
+def step_messages(test: bool, torch_spec: str) -> list[str]:
+    """What each install command does, printed before it runs (the first run takes minutes)."""
+    return ["[1/3] updating pip ...",
+            f"[2/3] installing {torch_spec} (a download of several hundred MB; a CUDA build: a few GB) ...",
+            "[3/3] installing the project and its packages (diffusers, transformers, gradio ...)"
+            + (" and the test packages" if test else "") + " ..."]
+
+
+def quiet_run(cmd: list[str], cwd: Path) -> None:
+    """Runs one install command; its output (pip's and the build backend's notes) is shown only when it fails."""
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if proc.returncode:
+        sys.stderr.write(proc.stdout + proc.stderr)
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
+
+
+def main(argv: list[str] | None = None, root: Path = ROOT, run=quiet_run) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv not in ([], ["--test"]):
         print(f"error: unknown arguments {' '.join(argv)}; the only option is --test", file=sys.stderr)
@@ -54,14 +70,20 @@ def main(argv: list[str] | None = None, root: Path = ROOT, run=subprocess.check_
         print(f"creating {root / '.venv'} ...", flush=True)
         venv.EnvBuilder(with_pip=True).create(root / ".venv")
     if needs_install(root, test):
-        print("installing the project into .venv (the first time takes a while) ...", flush=True)
+        torch_spec = os.environ.get("TORCH_SPEC") or DEFAULT_TORCH
+        print("installing the project into .venv: the first time takes 3-10 minutes, depending on the network; "
+              "later starts skip this", flush=True)
         try:
-            for cmd in install_commands(python, test, os.environ.get("TORCH_SPEC") or DEFAULT_TORCH):
+            for message, cmd in zip(step_messages(test, torch_spec), install_commands(python, test, torch_spec)):
+                print(message, flush=True)
                 run(cmd, cwd=root)
         except subprocess.CalledProcessError as e:
             print(f"error: {' '.join(e.cmd)} failed with exit status {e.returncode}", file=sys.stderr)
             return 1
         stamp_path(root, test).touch()
+        print("installed. The optional optimizers and networks (bitsandbytes for AdamW8bit, Prodigy, Lion, "
+              f"D-Adaptation, schedule-free, LyCORIS) are an extra: {python} -m pip install -e '.[extras]'",
+              flush=True)
     return 0
 
 

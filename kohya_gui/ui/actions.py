@@ -12,12 +12,12 @@ from typing import Any
 import gradio as gr
 import pandas as pd
 
-from .. import command, config_file, importer, presets, quoting, run_requests, trainer_check, training
+from .. import command, config_file, importer, presets, quoting, run_requests, secret_options, trainer_check, training
 from .. import params as P
 from ..run_queue import QueueError, QueueWorker, RunQueue
 from ..runner import Runner, RunnerBusy, format_eta, new_outputs
 from ..tensorboard import TensorBoard, TensorBoardError
-from . import feedback
+from . import run_notice
 
 RUNNER = Runner()  # one training at a time for the whole app
 TENSORBOARD = TensorBoard()  # one TensorBoard server, a child of the GUI
@@ -146,36 +146,65 @@ def no_change(tab: str) -> list:
 def open_config(tab: str, path: str, family: str) -> list:
     """Returns [status, family update, *control updates, *accordion updates, script note]; on any error the
     status says why and nothing else changes."""
+    return _open(tab, path, family)[0]
+
+
+def open_from_box(tab: str, path: str, family: str) -> list:
+    """Open: open_config's updates, then the configuration path box (a kohya_ss JSON: where Save writes our TOML)
+    and the preset box (cleared: the form is no longer the preset)."""
+    out, target = _open(tab, path, family)
+    if out[1] == gr.update():  # not opened
+        return [*out, gr.update(), gr.update()]
+    return [*out, gr.update(value=target) if target else gr.update(), gr.update(value=None)]
+
+
+def import_target(tab: str, json_path: str) -> Path:
+    """Where Save puts an imported kohya_ss configuration (and where its side files go): configs/<tab>/<stem>.toml,
+    as for presets."""
+    return Path(presets.user_config_path(tab, Path(json_path).stem))
+
+
+def _open(tab: str, path: str, family: str) -> tuple[list, str | None]:
+    """(open_config's updates, the TOML path Save should use for an imported file, else None)."""
     path = (path or "").strip()
     if not path:
-        return [error_md("Enter the path of a configuration file to open."), gr.update(), *no_change(tab)]
+        return [error_md("Enter the path of a configuration file to open."), gr.update(), *no_change(tab)], None
     if path.lower().endswith(".json"):  # a kohya_ss GUI configuration: imported, with a report of every key
         try:
             imp = importer.load(path)
             if (imp.tab == "lora") == (tab == "lora") and imp.tab != tab:
                 imp = importer.load(path, tab)  # DreamBooth and Fine-tune files open in either tab
         except importer.ImportError_ as e:
-            return [error_md(str(e)), gr.update(), *no_change(tab)]
+            return [error_md(str(e)), gr.update(), *no_change(tab)], None
         if imp.tab != tab:
             return [error_md(f"{path} is a {P.TAB_LABELS[imp.tab]} configuration; open it in that tab"),
-                    gr.update(), *no_change(tab)]
-        return [ok_md(import_report_md(path, imp)), gr.update(value=imp.family),
-                *full_updates(tab, imp.family, imp.values)]
+                    gr.update(), *no_change(tab)], None
+        target = import_target(tab, path)
+        try:  # kohya_ss makes these files before a run: written now, so the form (and Save) has their paths
+            if imp.side_files:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                imp.write_side_files(target, free_names=True)
+        except OSError as e:
+            return [error_md(f"{path}: cannot write the files kohya_ss makes before a run beside {target}: {e}"),
+                    gr.update(), *no_change(tab)], None
+        return [ok_md(import_report_md(path, imp, target)), gr.update(value=imp.family),
+                *full_updates(tab, imp.family, imp.values)], str(target)
     try:
         cfg = config_file.load(path, tab, family)
     except config_file.ConfigError as e:
-        return [error_md(str(e)), gr.update(), *no_change(tab)]
-    return [ok_md(f"Opened {path}"), gr.update(value=cfg.family), *full_updates(tab, cfg.family, cfg.values)]
+        return [error_md(str(e)), gr.update(), *no_change(tab)], None
+    return [ok_md(f"Opened {path}"), gr.update(value=cfg.family), *full_updates(tab, cfg.family, cfg.values)], None
 
 
-def import_report_md(path: str, imp) -> str:
+def import_report_md(path: str, imp, target: Path) -> str:
     counts = {w: sum(1 for _, what, _ in imp.report if what == w) for w in ("mapped", "converted", "dropped")}
     lines = "\n".join(f"- `{k}`: {what}" + (f" ({why})" if why else "") for k, what, why in imp.report)
-    note = " The inline sample prompts are written to a file beside the configuration when you Save." \
-        if imp.sample_prompts_text else ""
+    files = "".join(f" The file kohya_ss makes before a run is written to `{imp.values[name]}` ({name})."
+                    for name in imp.side_files)
+    notes = "".join(f" Note: {n}." for n in imp.notes)
     return (f"Imported the kohya_ss configuration {path} ({imp.family}): {counts['mapped']} keys mapped, "
-            f"{counts['converted']} converted, {counts['dropped']} dropped. Save writes it as our TOML.{note}"
-            f"\n\n<details><summary>Import report</summary>\n\n{lines}\n\n</details>")
+            f"{counts['converted']} converted, {counts['dropped']} dropped. Save writes it as our TOML to "
+            f"`{target}`.{files}{notes}\n\n<details><summary>Import report</summary>\n\n{lines}\n\n</details>")
 
 
 def open_preset(tab: str, name: str, family: str) -> list:
@@ -186,12 +215,12 @@ def open_preset(tab: str, name: str, family: str) -> list:
         path = presets.preset_path(tab, name)
     except FileNotFoundError as e:
         return [gr.update(), error_md(str(e)), gr.update(), *no_change(tab)]
-    out = open_config(tab, str(path), family)
+    out, target = _open(tab, str(path), family)
     if out[1] != gr.update():  # opened
         report = f"\n\n{out[0]}" if name.startswith(presets.KOHYA_SS) else ""  # the import report
         out[0] = ok_md(f"Loaded preset **{name}**. Save writes to the path above; the preset stays as it is."
                        + report)
-        return [gr.update(value=presets.user_config_path(tab, name)), *out]
+        return [gr.update(value=target or presets.user_config_path(tab, name)), *out]
     return [gr.update(), *out]
 
 
@@ -210,7 +239,12 @@ def save_config(tab: str, path: str, family: str, *ui_values, overwrite: bool = 
         config_file.save(path, tab, family, values)
     except (config_file.ConfigError, OSError) as e:
         return error_md(f"Not saved: {e}")
-    return ok_md(f"Saved {path}")
+    return ok_md(f"Saved {path}" + _secrets_note(values))
+
+
+def _secrets_note(values: dict) -> str:
+    text = secret_options.note(values)
+    return f"\n\n{text}" if text else ""
 
 
 # ---- command, start, stop ----------------------------------------------------------------------------------
@@ -235,7 +269,8 @@ def print_command(tab: str, family: str, *ui_values) -> tuple[str, str, str, str
     argv = command.build_argv(tab, family, values)
     standalone = command.standalone_argv(tab, family, values)
     note = ok_md(f"Start training writes the settings to `{command.run_config_path(values)}` and runs the first "
-                 "command; the second is the same run with every setting as a flag, for another machine.")
+                 "command; the second is the same run with every setting as a flag, for another machine."
+                 + _secrets_note(values))
     if errors:
         note = error_md("The command is shown, but these must be fixed before a run:\n"
                         + "\n".join(f"- {e}" for e in errors))
@@ -246,16 +281,16 @@ def start_training(tab: str, family: str, *ui_values) -> tuple[str, str, str, st
     """(command, stand-alone command, status, both commands for the other shell)."""
     values, errors = values_from_ui(tab, ui_values)
     if errors:
-        feedback.NOTICE.start_failed(RUNNER.snapshot())
+        run_notice.NOTICE.start_failed(RUNNER.snapshot())
         return (gr.update(), gr.update(), error_md("Cannot start training:\n" + "\n".join(f"- {e}" for e in errors)),
                 gr.update(), gr.update())
     try:
         argv = training.start(RUNNER, tab, family, values)
     except (training.RunError, RunnerBusy) as e:
-        feedback.NOTICE.start_failed(RUNNER.snapshot())
+        run_notice.NOTICE.start_failed(RUNNER.snapshot())
         return gr.update(), gr.update(), error_md(str(e)), gr.update(), gr.update()
     return commands(argv, command.standalone_argv(tab, family, values),
-                    ok_md(f"Training started; log: `{command.log_path(values)}`"))
+                    ok_md(f"Training started; log: `{command.log_path(values)}`" + _secrets_note(values)))
 
 
 def stop_training(now: bool = False) -> str:
@@ -294,7 +329,7 @@ def add_to_queue(tab: str, family: str, *ui_values) -> str:
 def queue_md(entries) -> str:
     if not entries:
         return "The queue is empty: **Add to queue** beside Start training puts the tab's settings here."
-    rows = [f"| {i} | `{e.name}` | {P.TAB_LABELS[e.tab]} {e.family} | {e.state} | "
+    rows = [f"| {i} | `{e.name}` | {P.TAB_LABELS.get(e.tab, 'Utilities')} {e.family} | {e.state} | "
             f"{e.message.splitlines()[0][:120] if e.message else ''} |" for i, e in enumerate(entries, 1)]
     return "| # | output name | tab | state | note |\n|---|---|---|---|---|\n" + "\n".join(rows)
 
@@ -340,12 +375,12 @@ def request_now(request: str) -> str:
 def run_panel(seen: int = -1) -> tuple:
     """(progress HTML, log text, result markdown, version) for the current or last run; parts that did not
     change since version `seen` are skipped so the page keeps its scroll position."""
-    version = RUNNER.version + feedback.NOTICE.version
+    version = RUNNER.version + run_notice.NOTICE.version
     s = RUNNER.snapshot()
     if version == seen:
         return (progress_html(s) if s.running else gr.skip()), gr.skip(), gr.skip(), version
-    if feedback.NOTICE.hides(s):  # the last Start click failed: the previous run's result is not the answer
-        return feedback.not_started_html(), RUNNER.log_tail(300), "", version
+    if run_notice.NOTICE.hides(s):  # the last Start click failed: the previous run's result is not the answer
+        return run_notice.not_started_html(), RUNNER.log_tail(300), "", version
     return progress_html(s), RUNNER.log_tail(300), result_md(s), version
 
 
@@ -388,7 +423,7 @@ def progress_html(s) -> str:
     elapsed = (s.ended or time.time()) - s.started
     parts.append(f"elapsed {format_eta(elapsed)}")
     return (f"<div class='kg-progress'><div class='kg-bar'><div style='width:{frac * 100:.1f}%'></div></div>"
-            f"<div class='kg-stats'>{' &middot; '.join(parts)}</div>{feedback.settings_html(s)}</div>")
+            f"<div class='kg-stats'>{' &middot; '.join(parts)}</div>{run_notice.settings_html(s)}</div>")
 
 
 def result_md(s) -> str:

@@ -9,8 +9,9 @@ import gradio as gr
 
 from .. import presets, quoting
 from .. import params as P
+from ..secret_options import SECRET_OPTIONS
 from . import actions as A
-from . import feedback
+from . import feedback, utilities
 from .option_filter import filter_js
 
 CSS = """
@@ -63,6 +64,8 @@ def make_control(tab: str, p: P.Param, value, family: str, module: str = ""):
     if p.kind == "choice":
         choices = [(p.choice_labels.get(c, c), c) for c in p.choices_for(tab)]
         return gr.Dropdown(choices=choices, value=v, allow_custom_value=p.open_choices, **kw)
+    if p.name in SECRET_OPTIONS:  # shown as dots; never written to a file (kohya_gui.secret_options)
+        return gr.Textbox(value=v, type="password", placeholder=f"or set ${SECRET_OPTIONS[p.name]}", **kw)
     placeholder = {"path": "path to a file", "dir": "path to a folder", "list": "key=value key2=value2"}
     return gr.Textbox(value=v, placeholder=placeholder.get(p.kind), **kw)
 
@@ -86,8 +89,9 @@ def build_tab(tab: str) -> dict:
         preset = gr.Dropdown(choices=names, value=presets.DEFAULT_PRESET if presets.DEFAULT_PRESET in names else None,
                              label="Preset", scale=2, elem_id=f"{tab}-preset")
         path = gr.Textbox(label="Configuration file", scale=4, elem_id=f"{tab}-config-path",
-                          value=built.path,
-                          placeholder="configs/my-run.toml")
+                          value=built.path, placeholder="configs/my-run.toml",
+                          info="Type the path of a saved TOML, or of a kohya_ss GUI configuration (.json, imported "
+                               "with a report of every key), and press Open.")
         with gr.Column(scale=2, min_width=260, elem_classes="kg-config-buttons"):
             with gr.Row():
                 open_btn = gr.Button("Open", size="md", elem_id=f"{tab}-open", min_width=70)
@@ -96,6 +100,7 @@ def build_tab(tab: str) -> dict:
     status = gr.Markdown(built.note, elem_id=f"{tab}-status", elem_classes="kg-msg")
     option_filter = gr.Textbox(label="Find an option", placeholder="part of a label, an option name or a --flag",
                                elem_id=f"{tab}-filter", max_lines=1)
+    gr.HTML("", elem_id=f"{tab}-filter-hint", elem_classes="kg-note")  # the filter script writes into it
     option_filter.change(None, inputs=option_filter, js=filter_js(tab, A.tab_params(tab)))
 
     controls, accordions = {}, {}
@@ -164,8 +169,8 @@ def build_tab(tab: str) -> dict:
     if module:
         module.change(functools.partial(A.network_field_updates, tab), inputs=[family, module],
                       outputs=[controls[p.name] for p in A.network_fields(tab)], show_progress="hidden")
-    opened = open_btn.click(functools.partial(A.open_config, tab), inputs=[path, family],
-                            outputs=[status, family, *layout_outputs])
+    opened = open_btn.click(functools.partial(A.open_from_box, tab), inputs=[path, family],
+                            outputs=[status, family, *layout_outputs, path, preset])
     picked = preset.input(functools.partial(A.open_preset, tab), inputs=[preset, family],
                           outputs=[path, status, family, *layout_outputs])
     saved = save_btn.click(functools.partial(A.save_config, tab), inputs=[path, family, *inputs], outputs=status)
@@ -202,6 +207,8 @@ def build_app() -> gr.Blocks:
             for tab in P.TABS:
                 with gr.Tab(P.TAB_LABELS[tab], id=tab, elem_id=f"tab-{tab}"):
                     forms.append(build_tab(tab)["form"])
+            with gr.Tab("Utilities", id="utilities", elem_id="tab-utilities"):
+                util = utilities.build_tab()
         feedback.restore_on_load(app, forms, tabs)
         with gr.Accordion("Training run", open=True, elem_id="run-panel"):
             progress = gr.HTML(A.progress_html(A.RUNNER.snapshot()), elem_id="run-progress")
@@ -214,6 +221,7 @@ def build_app() -> gr.Blocks:
                                  elem_id="run-samples")
             result = gr.Markdown(elem_id="run-result")
             files = gr.Markdown(elem_id="run-files")
+            utilities.build_lora_shortcuts(tabs, util)  # the result's "resize" / "merge into model"
             log = gr.Textbox(label="Log", lines=14, max_lines=14, autoscroll=True, interactive=False,
                              elem_id="kg-log", buttons=["copy"])
         with gr.Accordion("Queue", open=False, elem_id="run-queue"):

@@ -11,8 +11,6 @@
 from __future__ import annotations
 
 import functools
-import html
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +19,7 @@ import gradio as gr
 from .. import config_file, last_settings, presets
 from .. import params as P
 from . import actions as A
+from .run_notice import NOTICE, StartNotice, not_started_html, settings_html  # noqa: F401  (re-exported)
 
 CSS = """
 .kg-msg blockquote {color: var(--error-text-color); background: var(--error-background-fill);
@@ -44,45 +43,7 @@ def follow(event, elem_id: str):
     return event.then(None, js=js)
 
 
-# ---- the run panel ---------------------------------------------------------------------------------------------
-
-class StartNotice:
-    """Remembers that a Start click did not start a run while none was running: the run panel then hides the
-    previous run's result (it would read as the answer to the click). A new run ends it."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.version = 0  # added to the runner's version: the panel redraws when it changes
-        self._hidden: tuple | None = None  # (started,) of the run whose result is hidden
-
-    def start_failed(self, snapshot) -> None:
-        if snapshot.running:  # the click failed because of the run: keep showing it
-            return
-        with self._lock:
-            self._hidden = (snapshot.started,)
-            self.version += 1
-
-    def hides(self, snapshot) -> bool:
-        with self._lock:
-            return not snapshot.running and self._hidden == (snapshot.started,)
-
-
-NOTICE = StartNotice()
-
-
-def not_started_html() -> str:
-    return ("<div class='kg-progress'><span class='kg-state'>Not started.</span> "
-            "<span class='kg-note'>The last Start training click did not start a run: the reason is shown next to "
-            "the button. The previous run's result is hidden; its log is below.</span></div>")
-
-
-def settings_html(s) -> str:
-    """The settings file of the run shown in the panel."""
-    if not getattr(s, "config_path", None):
-        return ""
-    return (f"<div class='kg-run-settings'>Settings of this run: <code>{html.escape(s.config_path)}</code>"
-            "</div>")
-
+# ---- the run panel: kohya_gui.ui.run_notice (actions uses it too) -----------------------------------------
 
 # ---- remembering and restoring the form ------------------------------------------------------------------------
 

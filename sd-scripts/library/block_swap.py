@@ -26,12 +26,9 @@ import logging
 
 import torch
 from torch import nn
+from library.errors import BlockSwapError  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
-
-
-class BlockSwapError(ValueError):
-    """Bad --blocks_to_swap for this model."""
 
 
 class BlockSwapper:

@@ -104,7 +104,8 @@ class BucketSelector:
             else:
                 resized = (width, height)  # never upscaled
             reso = (resized[0] - resized[0] % self.reso_steps, resized[1] - resized[1] % self.reso_steps)
-        return reso, resized, reso[0] / reso[1] - aspect
+        # a side below the step is an empty bucket: the dataset refuses it with the image's name
+        return reso, resized, (reso[0] / reso[1] - aspect) if min(reso) > 0 else math.inf
 
 
 def trim_box(resized: Size, bucket: Size, rng: Optional[random.Random] = None) -> tuple[int, int, int, int]:

@@ -9,15 +9,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import json
 import logging
 import os
 import re
-import tomllib
 from typing import Any
 
 from library import captions, image_utils
 from library.buckets import adjust_min_max_bucket_reso
+from library.input_files import MAX_PROBLEMS, capped
 from library.datasets import (
     DatasetError,
     DatasetGroup,
@@ -282,15 +281,12 @@ def _dataset_kind(subsets: list, kinds, where: str) -> str:
 def _read_config_file(path: str) -> dict:
     if not os.path.isfile(path):
         raise DatasetError(f"--dataset_config file does not exist: {path}")
-    try:
-        if path.lower().endswith(".json"):  # upstream reads JSON dataset configs too
-            with open(path, "r", encoding="utf-8") as f:
-                config = json.load(f)
-        else:
-            with open(path, "rb") as f:
-                config = tomllib.load(f)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DatasetError(f"{path}: not valid {'JSON' if path.lower().endswith('.json') else 'TOML'}: {e}") from e
+    from library.input_files import InputFileError, load_json, load_toml
+
+    try:  # upstream reads JSON dataset configs too
+        config = load_json(path) if path.lower().endswith(".json") else load_toml(path)
+    except InputFileError as e:  # any file: one line (binary, too large, nested too deep, ...)
+        raise DatasetError(str(e)) from None
     if not isinstance(config, dict):
         raise DatasetError(f"{path}: must hold a table with [general] and [[datasets]]")
     return config
@@ -310,7 +306,8 @@ def load_dataset_config(path: str, kinds=(DREAMBOOTH, FINETUNING)) -> dict:
             if level == "datasets" and key == "subsets":
                 continue
             if key not in allowed:
-                problems.append(_unknown_key_problem(key, allowed, where, level, table_kinds))
+                problems.append(_unknown_key_problem(key, allowed, where, level, table_kinds)
+                                if len(problems) < MAX_PROBLEMS else f"{where}: unknown key '{key}'")
                 if key not in SCHEMA:
                     bad_levels.setdefault(where.split(" #")[0], allowed)
                 continue
@@ -357,7 +354,7 @@ def load_dataset_config(path: str, kinds=(DREAMBOOTH, FINETUNING)) -> dict:
                          for where, allowed in bad_levels.items()]
         if len(problems) == 1:
             raise DatasetError(" ".join([f"{path}: {problems[0]}"] + allowed_lines))
-        raise DatasetError(f"{path}: {len(problems)} problems:\n  " + "\n  ".join(problems + allowed_lines))
+        raise DatasetError(f"{path}: {len(problems)} problems:\n  " + "\n  ".join(capped(problems) + allowed_lines))
     return config
 
 
@@ -558,7 +555,6 @@ def build_dataset_groups(args, family: str, kinds=(DREAMBOOTH, FINETUNING)) -> t
     from library.validation import split_images
 
     family = _normalize_family(family)
-    captions.resolve_caption_extension_alias(args)
     captions.check_caption_args(args, family)
     cli = _cli_layer(args, family)
     config_path = getattr(args, "dataset_config", None)

@@ -66,7 +66,7 @@ def apply_console_log_args(args) -> None:
     try:
         handler = logging.FileHandler(path, mode="w", encoding="utf-8") if path else logging.StreamHandler(sys.stdout)
     except OSError as e:
-        from library.train_util import ConfigError
+        from library.errors import ConfigError
 
         raise ConfigError(f"--console_log_file {path}: cannot write it ({e.strerror or e})") from e
     _install(handler, fmt, level)

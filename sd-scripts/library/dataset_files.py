@@ -6,15 +6,12 @@ import os
 from typing import Optional
 
 from PIL import Image, UnidentifiedImageError
+from library.errors import DatasetError  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 _EXIF_ORIENTATION = 0x0112
-
-
-class DatasetError(ValueError):
-    """Bad dataset input: the message names the file, folder or key and what is allowed."""
 
 
 def is_image_file(name: str) -> bool:

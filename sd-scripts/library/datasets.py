@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from library import buckets as buckets_mod
+from library import files
 from library import image_utils
 from library.buckets import BucketSelector, make_bucket_resolutions  # noqa: F401  (re-exported)
 from library.latent_cache import FAMILY_FORMATS, LatentCacheFormat
@@ -166,10 +167,7 @@ def images_from_dir(subset: SubsetParams) -> list[ImageInfo]:
     if subset.cache_info:
         metas = {info.path: {"caption": info.caption, "resolution": list(info.size)} for info in infos}
         text = json.dumps(metas, ensure_ascii=False, indent=2)
-        tmp = f"{cache_file}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, cache_file)
+        files.write_text(cache_file, text)
         logger.info("image info cached in %s", cache_file)
     return infos
 
@@ -828,10 +826,3 @@ def make_dataloader(group: DatasetGroup, num_workers: int = 8, persistent_worker
     return torch.utils.data.DataLoader(
         group, batch_size=1, shuffle=shuffle, collate_fn=collate_one, num_workers=n,
         persistent_workers=persistent_workers and n > 0)
-
-
-def build_dataset_group(args, family: str) -> DatasetGroup:
-    """See config_util.build_dataset_group (kept here too so trainers may import either module)."""
-    from library.config_util import build_dataset_group as _build
-
-    return _build(args, family)

@@ -26,6 +26,7 @@ import torch
 
 # the fp8 base mechanism is shared with SD/SDXL (library.precision); its names stay importable from here
 from library.precision import FP8_DTYPE, apply_fp8_base  # noqa: F401
+from library.errors import FluxModelError  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +37,6 @@ ROPE_AXES = (16, 56, 56)
 CLIP_L_HUB_ID = "openai/clip-vit-large-patch14"
 T5XXL_HUB_ID = "google/t5-v1_1-xxl"
 _BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
-
-
-class FluxModelError(ValueError):
-    """A FLUX model file or folder that cannot be used (message names the file and the problem)."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -259,14 +256,10 @@ def read_safetensors(path: str | os.PathLike, what: str) -> dict:
 
 
 def save_safetensors_atomic(sd: dict, path: str | os.PathLike, metadata: dict | None = None) -> None:
-    """Write to a temporary name in the same folder, then rename: a failed save never leaves a broken file."""
-    from safetensors.torch import save_file
+    """Written through library.files' atomic writer: a failed save never leaves a broken file."""
+    from library import files
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
+    files.save_safetensors(sd, path, metadata, overwrite=True)
 
 
 def _check_exists(path: str, flag: str) -> None:
@@ -561,13 +554,13 @@ class FluxComponents:
     def is_schnell(self) -> bool:
         return not self.transformer.config.guidance_embeds
 
-    # the names the shared LoRA trainer (library.network_trainer) uses
+    # the neutral names the training core (library.run, library.targets) uses
     @property
-    def unet(self):
+    def denoiser(self):
         return self.transformer
 
     @property
-    def vae(self):
+    def autoencoder(self):
         return self.ae
 
     @property

@@ -49,7 +49,7 @@ def add_huggingface_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def validate_huggingface_args(args) -> None:
-    from library.train_util import ConfigError
+    from library.errors import ConfigError
 
     repo_type = getattr(args, "huggingface_repo_type", None)
     if repo_type is not None and repo_type not in REPO_TYPES:
@@ -138,7 +138,7 @@ def wait_for_uploads(src: str | os.PathLike | None = None) -> None:
 def parse_hub_state(resume: str) -> tuple[str, str, str | None, str | None]:
     """'{owner}/{name}/{path...}[:{revision}[:{repo_type}]]' -> (repo_id, path_in_repo, revision, repo_type).
     As upstream: with a revision and no type the type is "model"."""
-    from library.train_util import ConfigError
+    from library.errors import ConfigError
 
     parts = resume.split("/")
     if len(parts) < 2 or not parts[0] or not parts[1]:
@@ -170,7 +170,7 @@ def resume_state_dir(args) -> str:
     downloaded into the huggingface_hub cache."""
     if not getattr(args, "resume_from_huggingface", False):
         return args.resume
-    from library.network_trainer import TrainingError
+    from library.errors import TrainingError
 
     repo_id, path_in_repo, revision, repo_type = parse_hub_state(args.resume)
     logger.info("downloading the state %s from Hugging Face repo %s (revision %s)", path_in_repo or "/", repo_id,

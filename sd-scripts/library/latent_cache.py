@@ -91,8 +91,9 @@ class LatentCacheFormat:
 
     def save(self, path: str, bucket: tuple[int, int], latents: torch.Tensor, original_size, ltrb,
              flipped: Optional[torch.Tensor] = None, alpha_mask: Optional[torch.Tensor] = None,
-             signature: str = "") -> None:
-        """Writes (or updates, keeping the other resolutions' keys as upstream does) the npz atomically."""
+             signature: Optional[str] = "") -> None:
+        """Writes (or updates, keeping the other resolutions' keys as upstream does) the npz atomically; signature
+        None writes none (finetune/prepare_buckets_latents.py: trusted by any trainer, as upstream's files)."""
         arrays = {}
         if os.path.isfile(path):
             try:
@@ -107,15 +108,18 @@ class LatentCacheFormat:
             arrays[self.key("latents_flipped", bucket)] = _unscaled(flipped, self.scale)
         if alpha_mask is not None:
             arrays[self.key("alpha_mask", bucket)] = alpha_mask.detach().float().cpu().numpy()
-        arrays[self.key(SIGNATURE_KEY, bucket)] = np.array(signature)
+        if signature is not None:
+            arrays[self.key(SIGNATURE_KEY, bucket)] = np.array(signature)
+        else:
+            arrays.pop(self.key(SIGNATURE_KEY, bucket), None)
         save_npz_atomic(path, arrays)
 
 
 def save_npz_atomic(path: str, arrays: dict) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"  # unique per process: several ranks may cache at once
-    with open(tmp, "wb") as f:
+    from library import files
+
+    with files.atomic_target(path) as tmp, open(tmp, "wb") as f:  # each process its own temporary name
         np.savez(f, **arrays)
-    os.replace(tmp, path)
 
 
 def _unscaled(t: torch.Tensor, scale: float) -> np.ndarray:
@@ -124,7 +128,7 @@ def _unscaled(t: torch.Tensor, scale: float) -> np.ndarray:
 
 
 # Per model family, as upstream names and scales them (SD/SDXL scale = the VAE's scaling factor; trainers pass
-# the loaded VAE's own factor, see NetworkTrainer.latent_cache_format).
+# the loaded VAE's own factor, see library.families.sd.sd_latent_cache_format).
 FAMILY_FORMATS = {
     "sd1": LatentCacheFormat("_sd.npz", 0.18215),
     "sd2": LatentCacheFormat("_sd.npz", 0.18215),

@@ -10,6 +10,7 @@ train_network.py writes, read by A1111/Forge, CivitAI and the additional-network
     file_hashes(path) -> (legacy 8-hex hash, sha256)  ss_sd_model_hash / ss_new_sd_model_hash of the base model
     start_file_hashes(*paths)                those hashes on a thread from the start of a run (see there)
     file_hash_metadata(args) -> {"ss_*hash": str}   the model/VAE hash keys, added at save time
+    model_hashes(tensors, metadata) -> (sshs_model_hash, sshs_legacy_hash)   of a saved LoRA file
 
 Values follow upstream: every key upstream always writes is written (None as the text "None"), the keys upstream
 writes only in some cases (ss_network_args, the model/VAE hashes, ss_datasets with --dataset_config, ...) only then.
@@ -381,7 +382,7 @@ def network_metadata(args, *, group, session_id: int, started_at: float, opt_cla
         md["ss_dataset_dirs"] = json.dumps(_dirs_info(group.datasets, reg=False))
         md["ss_reg_dataset_dirs"] = json.dumps(_dirs_info(group.datasets, reg=True))
     if g("network_args", None):
-        from library.network_trainer import parse_network_args
+        from library.network_options import parse_network_args
 
         md["ss_network_args"] = json.dumps(parse_network_args(args.network_args))
     for option, key in HASHED_FILES:
@@ -409,3 +410,23 @@ def file_hash_metadata(args) -> dict[str, str]:
 def minimum_network_metadata(md: dict[str, str]) -> dict[str, str]:
     """--no_metadata: only the keys tools filter LoRAs by (upstream's minimum metadata)."""
     return {k: md[k] for k in MINIMUM_KEYS if k in md}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# sshs_* hashes (the ones A1111's additional-networks and kohya write)
+
+
+def _safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    from safetensors.torch import save
+
+    return save({k: v.detach().contiguous() for k, v in tensors.items()}, metadata)
+
+
+def model_hashes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[str, str]:
+    """(sshs_model_hash, sshs_legacy_hash) of the file these tensors make with their `ss_*` metadata only:
+    sha256 of the data after the header, and the first 8 hex digits of sha256 of 64 KiB at offset 1 MiB."""
+    blob = _safetensors_bytes(tensors, {k: v for k, v in metadata.items() if k.startswith("ss_")})
+    header_len = int.from_bytes(blob[:8], "little")
+    model_hash = hashlib.sha256(blob[8 + header_len:]).hexdigest()
+    legacy_hash = hashlib.sha256(blob[0x100000:0x110000]).hexdigest()[:8]
+    return model_hash, legacy_hash

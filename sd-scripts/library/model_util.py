@@ -13,14 +13,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from library import files
 from library.compile.regional import strip_orig_mod  # noqa: F401 - the one shared helper; re-exported
+from library.errors import ModelLoadError  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +51,15 @@ TOKENIZER_SOURCES = {
 TOKENIZER_MAX_LENGTH = 77
 
 
-class ModelLoadError(ValueError):
-    """A model path, file or option that cannot be loaded; the message names the file and what to do."""
+def add_sd_model_arguments(parser) -> None:
+    """The SD1.x/2.x/SDXL model flags (train_util.add_sd_models_arguments adds them)."""
+    parser.add_argument("--v2", action="store_true", help="the model is Stable Diffusion 2.x")
+    parser.add_argument("--v_parameterization", action="store_true", help="v-prediction model (SD2.x 768-v)")
+    parser.add_argument("--pretrained_model_name_or_path", type=str, default=None,
+                        help="single-file checkpoint (.safetensors/.ckpt) or diffusers folder (or a hub id)")
+    parser.add_argument("--tokenizer_cache_dir", type=str, default=None,
+                        help="folder with (or to keep) the tokenizers, for offline use")
+    parser.add_argument("--vae", type=str, default=None, help="VAE to use instead of the checkpoint's")
 
 
 @dataclass
@@ -67,6 +74,15 @@ class SDComponents:
     # Single-file weights that have no place in the diffusers modules (SD2's last open_clip layer and
     # text_projection, logit_scale). Kept so that saving a single file writes them back unchanged.
     extra_state: dict = field(default_factory=dict)
+
+    # the neutral names the training core (library.run, library.targets) uses
+    @property
+    def denoiser(self):
+        return self.unet
+
+    @property
+    def autoencoder(self):
+        return self.vae
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -835,11 +851,12 @@ def _download(hub_id: str) -> Path:
 
 
 def load_sd_components(path, family, *, vae=None, tokenizer_cache_dir=None, dtype=torch.float32,
-                       v_parameterization=False) -> SDComponents:
+                       v_parameterization=False, tokenizers=True) -> SDComponents:
     """Load an SD1.x / SD2.x / SDXL model from a single file, a diffusers folder or a hub id.
 
     ``vae``: optional VAE to use instead of the model's (file, diffusers folder or hub id).
     ``v_parameterization``: the model predicts v (SD2 768-v); a diffusers folder's scheduler can also say so.
+    ``tokenizers=False``: no tokenizers (`.tokenizers` is []): the LoRA tools need weights only.
     """
     _check_family(family)
     if path is None or str(path).strip() == "":
@@ -868,7 +885,7 @@ def load_sd_components(path, family, *, vae=None, tokenizer_cache_dir=None, dtyp
 
     if vae is not None and str(vae).strip():
         vae_model = load_vae(vae, family, dtype)
-    tokenizers = load_tokenizers(family, model_dir=model_dir, tokenizer_cache_dir=tokenizer_cache_dir)
+    tokenizers = load_tokenizers(family, model_dir=model_dir, tokenizer_cache_dir=tokenizer_cache_dir) if tokenizers else []
     prediction_type = "v_prediction" if v_parameterization or prediction == "v_prediction" else "epsilon"
     logger.info("loaded %s model from %s (prediction: %s)", FAMILY_LABELS[family], path, prediction_type)
     return SDComponents(family=family, unet=unet, vae=vae_model, text_encoders=tes, tokenizers=tokenizers,
@@ -885,10 +902,6 @@ def _cast(sd: dict, dtype) -> dict:
             for k, v in sd.items()}
 
 
-def _tmp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-
-
 def save_sd_checkpoint(path, comps: SDComponents, *, save_dtype=None, metadata=None, overwrite=False) -> Path:
     """Write the model as one file in the SGM (SDXL) / LDM (SD1/SD2) key layout (.safetensors or .ckpt).
 
@@ -900,21 +913,12 @@ def save_sd_checkpoint(path, comps: SDComponents, *, save_dtype=None, metadata=N
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} already exists; not overwriting it (choose another name, or overwrite=True)")
     sd = _cast(components_to_ldm_state_dict(comps), save_dtype)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_name(path)
-    try:
-        if suffix == ".safetensors":
-            from safetensors.torch import save_file
-
-            meta = {str(k): str(v) for k, v in (metadata or {}).items()}
-            meta.setdefault("format", "pt")
-            save_file(sd, str(tmp), metadata=meta)
-        else:
-            torch.save({"state_dict": sd}, str(tmp))
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    if suffix == ".safetensors":
+        meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+        meta.setdefault("format", "pt")
+        files.save_safetensors(sd, path, meta, overwrite=True)
+    else:
+        files.save_torch({"state_dict": sd}, path, overwrite=True)
     return path
 
 
@@ -951,9 +955,8 @@ def save_sd_diffusers(folder, comps: SDComponents, *, save_dtype=None, overwrite
     folder = Path(folder)
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())) and not overwrite:
         raise FileExistsError(f"{folder} already exists; not overwriting it (choose another name, or overwrite=True)")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_name(folder)
-    try:
+    with files.atomic_target(folder) as tmp:
+        tmp = Path(tmp)
         pipe = make_pipeline(comps)
         pipe.save_config(str(tmp))  # model_index.json
         pipe.scheduler.save_pretrained(str(tmp / "scheduler"))
@@ -977,14 +980,4 @@ def save_sd_diffusers(folder, comps: SDComponents, *, save_dtype=None, overwrite
             cfg["dtype"] = cfg["torch_dtype"] = str(dtype).removeprefix("torch.")  # 5.x and 4.x names
             cfg_path.write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
             comps.tokenizers[i].save_pretrained(str(tmp / ("tokenizer" if i == 0 else "tokenizer_2")))
-        if folder.exists():
-            old = _tmp_name(folder)
-            os.replace(folder, old)
-            os.replace(tmp, folder)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, folder)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return folder

@@ -18,6 +18,8 @@ import argparse
 import logging
 import os
 
+from library.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 
@@ -29,6 +31,17 @@ def add_network_option_arguments(parser: argparse.ArgumentParser) -> None:
                         help="network files merged into the model before training")
     parser.add_argument("--base_weights_multiplier", type=float, default=None, nargs="*",
                         help="multiplier of each --base_weights file (default 1.0)")
+
+
+def parse_network_args(items: list[str] | None) -> dict[str, str]:
+    """`--network_args key=value ...` as a dict (values are strings; each network module converts its own)."""
+    out = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ConfigError(f"--network_args: {item!r} must be key=value")
+        k, v = item.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
 
 
 def check_network_option_args(args, error_cls) -> None:

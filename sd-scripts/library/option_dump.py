@@ -1,6 +1,6 @@
 """`--dump_options`: the script's options as JSON, for the GUI (which never imports the trainers).
 
-Each entry: name (the dest = TOML key), flag, kind (bool, int, float, str), nargs, choices, default, help, and
+Each entry: name (the dest = TOML key), flag ("" and `positional: true` for a positional argument), kind (bool, int, float, str), nargs, choices, default, help, and
 `suggested` where the option takes any value but the trainer knows names for it (optimizers, schedulers,
 network modules), and on --network_args the `keys` each network module reads (kind, choices). kohya_gui/options/<script>.json holds this output per script (tools/gen_gui_options.py writes
 them; a test keeps them fresh). Our own option: upstream has none.
@@ -73,7 +73,11 @@ def describe(parser: argparse.ArgumentParser) -> list[dict[str, Any]]:
     suggested = suggested_values()
     out = []
     for action in parser._actions:
-        if not action.option_strings or action.dest in ("help", "dump_options"):
+        if action.dest in ("help", "dump_options"):
+            continue
+        if not action.option_strings:  # a positional argument (check_lora_weights.py's file): flag ""
+            out.append({"name": action.dest, "flag": "", "positional": True, "kind": "str",
+                        "default": _json_value(action.default), "help": action.help or ""})
             continue
         flag = next((s for s in action.option_strings if s.startswith("--")), action.option_strings[0])
         if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):

@@ -65,6 +65,11 @@ DIFFERENT: dict[str, Different] = {
         "hard-codes FLUX.1's)"),
     "ddp_gradient_as_bucket_view": Different(_NO_DDP),
     "ddp_static_graph": Different(_NO_DDP),
+    "v_parameterization": Different(
+        "not needed for a diffusers folder whose scheduler says prediction_type v_prediction: such a model trains "
+        "as v-prediction (and its metadata says v) without the flag, with a log line saying so; upstream trains it "
+        "as epsilon unless --v_parameterization is given, which wrecks a v-prediction model. Single files and "
+        "epsilon folders train as upstream (epsilon unless the flag)"),
     "v_pred_like_loss": Different("train_db.py and fine_tune.py apply it as the other scripts do (upstream parses it "
                                   "there but never applies it)"),
     "huber_schedule": Different("FLUX with --loss_type huber/smooth_l1 and the snr schedule (a DDPM schedule) is "
@@ -159,6 +164,8 @@ DIFFERENT: dict[str, Different] = {
     "diffusers_xformers": Different("sdxl_train.py: the UNet too (a diffusers UNet here), not only the VAE"),
 }
 
+
+
 # upstream options not at parity yet (missing, or parsed differently until their owner lands them);
 # one name per line, remove it when the option lands
 NOT_YET: frozenset[str] = frozenset({
@@ -217,3 +224,142 @@ def refusal_message(args: argparse.Namespace) -> str | None:
         return None
     reasons = dict.fromkeys(REFUSED[n] for n in names)  # ordered, without repeats
     return f"{', '.join('--' + n for n in names)}: {'; '.join(reasons)}"
+
+
+# -- the LoRA tool scripts (sd-scripts/networks/*.py, issue 27) -----------------------------------------------
+# upstream's option table name (../shared/parity/upstream-flags/<name>.json) -> our script (joins TOOLS below)
+LORA_TOOLS: dict[str, str] = {
+    "networks__resize_lora": "networks/resize_lora.py",
+    "networks__merge_lora": "networks/merge_lora.py",
+    "networks__sdxl_merge_lora": "networks/sdxl_merge_lora.py",
+    "networks__flux_merge_lora": "networks/flux_merge_lora.py",
+    "networks__svd_merge_lora": "networks/svd_merge_lora.py",
+    "networks__extract_lora_from_models": "networks/extract_lora_from_models.py",
+    "networks__flux_extract_lora": "networks/flux_extract_lora.py",
+    "networks__extract_lora_from_dylora": "networks/extract_lora_from_dylora.py",
+    "networks__check_lora_weights": "networks/check_lora_weights.py",
+    "networks__convert_flux_lora": "networks/convert_flux_lora.py",
+}
+
+
+def _upstream_option(flag: str, default: str, type_: str | None = "str") -> dict:
+    return {"opts": [flag], "type": type_, "default": default, "choices": None, "nargs": None,
+            "action": "_StoreAction"}
+
+
+# upstream's convert_flux_lora.py builds its parser under `if __name__ == "__main__"`, so the shared tables have
+# none: its four options, as upstream 48d368f declares them
+UPSTREAM_TABLES_BY_HAND: dict[str, dict[str, dict]] = {
+    "networks__convert_flux_lora": {
+        "src": _upstream_option("--src", "'ai-toolkit'"), "dst": _upstream_option("--dst", "'sd-scripts'"),
+        "src_path": _upstream_option("--src_path", "None"), "dst_path": _upstream_option("--dst_path", "None"),
+    },
+}
+
+_NO_OVERWRITE = ("an existing output file stops the tool (exit 2) unless --overwrite is given (upstream "
+                 "overwrites it)")
+_GPU_DEFAULT = "unset = the GPU when there is one (upstream: the CPU); the SVDs run batched in float32 there"
+
+# tool -> option -> Different (the same option name means different things in different tools)
+_LORA_TOOL_DIFFERENT: dict[str, dict[str, Different]] = {
+    "networks__resize_lora": {"save_to": Different(_NO_OVERWRITE), "device": Different(_GPU_DEFAULT)},
+    "networks__merge_lora": {
+        "save_to": Different(_NO_OVERWRITE),
+        "sd_model": Different("a diffusers folder is read too (the trainers' loader); a LoRA of another family "
+                              "stops the tool before the model loads (upstream skips its modules one by one)"),
+    },
+    "networks__sdxl_merge_lora": {
+        "save_to": Different(_NO_OVERWRITE),
+        "sd_model": Different("a diffusers folder is read too (the trainers' loader); a LoRA of another family "
+                              "stops the tool before the model loads"),
+        "ratios": Different("OFT files are merged at their ratio (upstream merges OFT at 1 whatever the ratio)"),
+    },
+    "networks__flux_merge_lora": {
+        "save_to": Different(_NO_OVERWRITE),
+        "flux_model": Different("a diffusers folder is read too (written as a BFL file); BFL files with the "
+                                "model.diffusion_model. prefix keep it and are matched without it"),
+        "diffusers": Different("LoRAs in diffusers / ai-toolkit layout are found by their keys and converted to "
+                               "kohya's first, with or without the flag, also for --clip_l and LoRA-to-LoRA merges"),
+        "mem_eff_load_save": Different("accepted, no effect: the files are memory-mapped and written atomically"),
+        "models": Different("LoRA-to-LoRA merges write ss_network_module networks.lora_flux (upstream: "
+                            "networks.lora)"),
+    },
+    "networks__svd_merge_lora": {"save_to": Different(_NO_OVERWRITE), "device": Different(_GPU_DEFAULT)},
+    "networks__extract_lora_from_models": {
+        "save_to": Different(_NO_OVERWRITE), "device": Different(_GPU_DEFAULT),
+        "load_precision": Different("unset = float32 (upstream: the dtype stored in the file)"),
+        "v_parameterization": Different("default None = the same as --v2, as upstream's code and help say (the "
+                                        "shared table records False)", ("default",)),
+        "load_original_model_to": Different("every family (upstream: SDXL only); unset = --device's choice "
+                                            "(upstream: the CPU)"),
+        "load_tuned_model_to": Different("every family (upstream: SDXL only); unset = --device's choice "
+                                         "(upstream: the CPU)"),
+    },
+    "networks__flux_extract_lora": {
+        "save_to": Different(_NO_OVERWRITE), "device": Different(_GPU_DEFAULT),
+        "model_org": Different("a diffusers folder is read too; BFL files are read one tensor at a time onto "
+                               "--device, with or without the model.diffusion_model. prefix"),
+        "mem_eff_safe_open": Different("accepted, no effect: the files are always read one tensor at a time"),
+    },
+    "networks__extract_lora_from_dylora": {
+        "save_to": Different(_NO_OVERWRITE + "; each file's metadata gets its own sshs_* hashes (upstream "
+                             "computes them into the input's metadata, so they are never written)"),
+    },
+    "networks__check_lora_weights": {
+        "show_all_keys": Different("the other keys follow the LoRA keys once (upstream lists the LoRA keys twice)"),
+    },
+    "networks__convert_flux_lora": {
+        "dst_path": Different(_NO_OVERWRITE),
+        "dst": Different("every FLUX.1 Linear module and CLIP-L's are converted, block counts from the file "
+                         "(upstream: the 19 + 38 blocks' modules only); alpha / rank is folded into both matrices "
+                         "as its square root (upstream: into lora_A mostly)"),
+    },
+}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tool scripts (captioning, dataset and LoRA tools): upstream's table name -> our script (path under sd-scripts/).
+# Their differences are per script (their option names repeat the trainers' with other meanings):
+# TOOL_DIFFERENT[table][option]. tools/gen_parity.py renders them under "Tool scripts" in docs/PARITY.md.
+TOOLS: dict[str, str] = {
+    "finetune__tag_images_by_wd14_tagger": "finetune/tag_images_by_wd14_tagger.py",
+    "finetune__make_captions": "finetune/make_captions.py",
+    "finetune__make_captions_by_git": "finetune/make_captions_by_git.py",
+    "finetune__merge_captions_to_metadata": "finetune/merge_captions_to_metadata.py",
+    "finetune__merge_dd_tags_to_metadata": "finetune/merge_dd_tags_to_metadata.py",
+    "finetune__clean_captions_and_tags": "finetune/clean_captions_and_tags.py",
+    "finetune__prepare_buckets_latents": "finetune/prepare_buckets_latents.py",
+    **LORA_TOOLS,
+}
+
+_NEW_CAPTIONS = ("an existing caption file stops the run (exit 2, nothing written) unless --overwrite or "
+                 "--skip_existing (ours) is given; upstream replaces it without a word")
+TOOL_DIFFERENT: dict[str, dict[str, Different]] = {
+    "finetune__tag_images_by_wd14_tagger": {
+        "repo_id": Different("the same default: upstream's table holds the constant's name "
+                             "(DEFAULT_WD14_TAGGER_REPO = SmilingWolf/wd-v1-4-convnext-tagger-v2); a local folder "
+                             "with model.onnx and selected_tags.csv is also accepted", ("default",)),
+        "onnx": Different("the ONNX model always runs (through onnxruntime): the TensorFlow/Keras models upstream "
+                          "runs without --onnx are not supported"),
+        "append_tags": Different(_NEW_CAPTIONS + "; --append_tags adds to it as upstream"),
+        "tag_replacement": Different("each source tag is replaced (upstream's loop compares against the pair it "
+                                     "just split, so its replacement does nothing)"),
+    },
+    "finetune__make_captions": {
+        "caption_weights": Different("a transformers BLIP model (Hub id or folder): upstream's default URL of "
+                                     "model_large_caption.pth reads as Salesforce/blip-image-captioning-large (the "
+                                     "same weights converted); other original .pth checkpoints stop with the reason"),
+        "caption_extension": Different(_NEW_CAPTIONS),
+    },
+    "finetune__make_captions_by_git": {
+        "caption_extension": Different(_NEW_CAPTIONS),
+    },
+    "finetune__prepare_buckets_latents": {
+        "recursive": Different("each image's cache file lies next to it, where the trainers look (upstream writes "
+                               "the files of subfolder images into train_data_dir without --full_path)"),
+        "skip_existing": Different("the trainers' cache files (`<image>_<W>x<H>_sd.npz` / `_sdxl.npz`, or an "
+                                   "existing `<image>.npz`) are written and reused; upstream's current script "
+                                   "encodes but writes nothing"),
+    },
+    **_LORA_TOOL_DIFFERENT,
+}

@@ -13,6 +13,7 @@ import os
 import re
 import tomllib
 from typing import Any, Optional
+from library.errors import PromptFileError  # noqa: F401  (re-exported)
 
 SAMPLERS = (
     "ddim", "pndm", "lms", "euler", "euler_a", "heun", "dpm_2", "dpm_2_a", "dpmsolver", "dpmsolver++",
@@ -42,10 +43,6 @@ OPTIONS = {
     "ss": ("sample_sampler", "sampler name"),
 }
 KEYS = ("prompt",) + tuple(DEFAULTS)
-
-
-class PromptFileError(ValueError):
-    """A bad prompt file: the message names the file, the line (or entry) and what is allowed."""
 
 
 def _number(value, kind):

@@ -15,7 +15,34 @@ from typing import Callable, Iterator
 
 import torch
 
+from library import files
+
 logger = logging.getLogger(__name__)
+
+# kohya's sampler names -> diffusers scheduler class names (library.sampling builds them)
+SAMPLER_CHOICES = ["ddim", "pndm", "lms", "euler", "euler_a", "heun", "dpm_2", "dpm_2_a", "dpmsolver",
+                   "dpmsolver++", "dpmsingle", "k_lms", "k_euler", "k_euler_a", "k_dpm_2", "k_dpm_2_a"]
+
+
+def add_sample_arguments(parser) -> None:
+    parser.add_argument("--sample_every_n_steps", type=int, default=None, help="sample images every N steps")
+    parser.add_argument("--sample_every_n_epochs", type=int, default=None, help="sample images every N epochs")
+    parser.add_argument("--sample_prompts", type=str, default=None, help="prompt file (.txt/.toml/.json)")
+    parser.add_argument("--sample_sampler", type=str, default="ddim", choices=SAMPLER_CHOICES,
+                        help="sampler of the sample images")
+    parser.add_argument("--sample_at_first", action="store_true", help="sample images before training")
+
+
+def check_sample_args(args) -> None:
+    """Before anything loads: positive intervals, an existing prompt file."""
+    from library.errors import ConfigError
+
+    for name in ("sample_every_n_steps", "sample_every_n_epochs"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name} must be 1 or more, got {value}")
+    if args.sample_prompts and not os.path.isfile(args.sample_prompts):
+        raise ConfigError(f"--sample_prompts: file not found: {args.sample_prompts}")
 
 # kohya's --sample_sampler names -> (diffusers scheduler class, extra kwargs)
 _SAMPLERS = {
@@ -98,9 +125,8 @@ def save_sample_image(image, args, *, epoch: int | None, steps: int, index: int,
     """Writes a sample to <output_dir>/sample/ under kohya's name (temporary name, then renamed)."""
     out_dir = os.path.join(args.output_dir, "sample")
     path = os.path.join(out_dir, sample_image_name(args.output_name, epoch, steps, index, seed))
-    tmp = path + ".tmp.png"
-    image.save(tmp)
-    os.replace(tmp, path)
+    with files.atomic_target(path) as tmp:
+        image.save(tmp)
     logger.info("sample image: %s (prompt %r)", path, prompt)
     return path
 

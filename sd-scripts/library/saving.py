@@ -1,5 +1,8 @@
 """When and how results are saved, kept and resumed, with kohya-ss/sd-scripts' options and rules.
 
+    add_save_arguments(parser)           --save_precision --save_every_n_* --save_last_n_* --save_state
+                                         --save_state_on_train_end --resume (every script)
+    save_dtype_for(args)                 --save_precision as a dtype
     add_saving_arguments(parser)         --save_n_epoch_ratio --save_last_n_epochs_state --save_last_n_steps_state
     add_initial_step_arguments(parser)   --initial_epoch --initial_step --skip_until_initial_step (LoRA trainers)
     add_sd_saving_arguments(parser)      --save_model_as (None = the input model's format) --use_safetensors
@@ -31,10 +34,33 @@ from typing import Callable, Iterable
 
 import torch
 
+from library import files
+from library.errors import SaveError  # noqa: F401  (re-exported)
+
 logger = logging.getLogger(__name__)
 
 # --save_model_as of the full trainers (None = as the input model)
 SD_SAVE_FORMATS = (None, "ckpt", "safetensors", "diffusers", "diffusers_safetensors")
+
+
+def add_save_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every script's save flags (train_util.add_training_arguments adds them in upstream's place)."""
+    parser.add_argument("--save_precision", type=str, default=None, choices=[None, "float", "fp16", "bf16"],
+                        help="dtype of the saved weights (default: as trained)")
+    parser.add_argument("--save_every_n_epochs", type=int, default=None, help="save every N epochs")
+    parser.add_argument("--save_every_n_steps", type=int, default=None, help="save every N steps")
+    parser.add_argument("--save_last_n_epochs", type=int, default=None, help="keep only the last N epoch saves")
+    parser.add_argument("--save_last_n_steps", type=int, default=None,
+                        help="keep only the step saves of the last N steps")
+    parser.add_argument("--save_state", action="store_true",
+                        help="also save the training state (optimizer, scheduler, RNG, step) at every save")
+    parser.add_argument("--save_state_on_train_end", action="store_true", help="save the state at the end only")
+    parser.add_argument("--resume", type=str, default=None, help="state folder to resume from")
+
+
+def save_dtype_for(args) -> torch.dtype | None:
+    """--save_precision as a dtype (None: as trained)."""
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "float": torch.float32}.get(args.save_precision)
 
 
 def add_saving_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,16 +102,20 @@ def add_mem_eff_save_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def validate_saving_args(args) -> None:
-    """Before anything loads: counts must be positive, the start step not negative."""
-    from library.train_util import ConfigError
+    """Before anything loads: counts must be positive, the start step not negative, a local --resume folder
+    must exist."""
+    from library.errors import ConfigError
 
-    for name in ("save_last_n_epochs_state", "save_last_n_steps_state", "initial_epoch"):
+    for name in ("save_every_n_epochs", "save_every_n_steps", "save_last_n_epochs", "save_last_n_steps",
+                 "save_last_n_epochs_state", "save_last_n_steps_state", "initial_epoch"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise ConfigError(f"--{name} must be 1 or more, got {value}")
     if getattr(args, "initial_step", None) is not None and args.initial_step < 0:
         raise ConfigError(f"--initial_step must be 0 or more, got {args.initial_step}")
-
+    resume = getattr(args, "resume", None)
+    if resume and not getattr(args, "resume_from_huggingface", False) and not os.path.isdir(resume):
+        raise ConfigError(f"--resume: state folder not found: {resume}")
 
 
 def apply_save_n_epoch_ratio(args, num_epochs: int) -> None:
@@ -166,7 +196,7 @@ def start_position(args, steps_per_epoch: int, resumed_step: int, max_train_step
     upstream, the state's step count is then ignored): the loop starts in the epoch of that step; with
     --skip_until_initial_step the batches of the earlier steps of that epoch are skipped and counting goes on
     from the step, otherwise that epoch is trained from its first batch and counted from its first step."""
-    from library.train_util import ConfigError
+    from library.errors import ConfigError
 
     ga = args.gradient_accumulation_steps
     start = initial_step(args, steps_per_epoch)
@@ -215,10 +245,8 @@ def save_safetensors_streaming(path: str | os.PathLike, entries: Iterable[Tensor
     """A .safetensors file written one tensor at a time: the header comes from the shapes and dtypes, then each
     tensor is made, written and dropped, so memory holds one tensor beyond the model (not a second copy of
     it). Written to a temporary name beside `path` and renamed when complete, like every other save."""
-    from library import train_util
-
     path = os.fspath(path)
-    train_util.ensure_can_write(path, overwrite)
+    files.ensure_can_write(path, overwrite)
     entries = list(entries)
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
@@ -230,7 +258,7 @@ def save_safetensors_streaming(path: str | os.PathLike, entries: Iterable[Tensor
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    with train_util.atomic_target(path) as tmp, open(tmp, "wb") as f:
+    with files.atomic_target(path, overwrite=overwrite) as tmp, open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for e in entries:
@@ -244,21 +272,8 @@ def save_safetensors_streaming(path: str | os.PathLike, entries: Iterable[Tensor
         os.fsync(f.fileno())
 
 
-class SaveError(RuntimeError):
-    """A save the disk refused (full, read-only, no permission): the run stops with this one line."""
-
-
-@contextlib.contextmanager
 def explained_save_errors(path: str):
-    """Turns an OSError of a save into SaveError naming the path and the reason. The atomic writers have removed
-    their temporary file by then, and the earlier saves are untouched (every save has its own name)."""
-    try:
-        yield
-    except OSError as e:
-        reason = e.strerror or str(e)
-        hint = " (free some space, or choose another --output_dir)" if e.errno in _FULL else ""
-        raise SaveError(f"cannot save {path}: {reason}{hint}; the earlier saves in "
-                        f"{os.path.dirname(path) or '.'} are kept") from e
-
-
-_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+    """A save the disk refuses (full, read-only, no permission) -> SaveError naming the path (library.files). The
+    atomic writers have removed their temporary files by then, and the earlier saves are untouched (every save has
+    its own name)."""
+    return files.explained_write_errors(path)

@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-from library.train_util import ConfigError
+from library.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

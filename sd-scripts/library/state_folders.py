@@ -1,9 +1,10 @@
 """`-state` folders (--save_state) that a kill can never leave half-written, and --resume checks made before any
 model loads (issue 14; upstream writes the folder in place and checks nothing).
 
-    write_state(accelerator, path, overwrite)       accelerate's save_state into `.<name>.tmp` beside `path`, renamed
-                                                    to `path` when complete; an existing folder is replaced only then
-    remove_stale(output_dir, output_name)           temporary folders and files of killed runs (at the start of a run)
+    write_state(accelerator, path, overwrite)       accelerate's save_state into library.files' work folder beside
+                                                    `path`, renamed to `path` when complete; an existing folder is
+                                                    replaced only then
+    remove_stale(output_dir, output_name)           work folders of killed writers (at the start of a run)
     check_resume(args, ext)                         before loading: --resume is a state folder, and the names the
                                                     resumed run will write are free (else OutputExistsError)
     resumed_position(folder) -> (step, epoch) | None   read from the folder's step counter, without the models
@@ -16,83 +17,47 @@ import os
 import re
 import shutil
 
-from library import train_util
+from library import files, train_util
 
 logger = logging.getLogger(__name__)
 
-_TMP, _OLD = ".tmp", ".old"
-
-
-def _hidden(path: str, suffix: str) -> str:
-    d, base = os.path.split(os.path.normpath(path))
-    return os.path.join(d, f".{base}{suffix}")
-
 
 def write_state(accelerator, path: str, overwrite: bool) -> None:
-    """Every process calls it (each writes its RNG file into the same temporary folder)."""
-    tmp = _hidden(path, _TMP)
+    """Every process calls it (each writes its RNG file into the same temporary folder, library.files' work
+    folder with a name every process knows); the main process renames it into place when all are done."""
+    work = files.work_folder(path, shared=True)
+    tmp = os.path.join(work, os.path.basename(os.path.normpath(path)))
     if accelerator.is_main_process:
-        train_util.ensure_can_write(path, overwrite)
-        shutil.rmtree(tmp, ignore_errors=True)
+        files.ensure_can_write(path, overwrite)
+        shutil.rmtree(work, ignore_errors=True)
     accelerator.wait_for_everyone()
     try:
-        accelerator.save_state(tmp)
-        accelerator.wait_for_everyone()
+        with files.explained_write_errors(path):
+            accelerator.save_state(tmp)
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                files.commit(tmp, path, work)
+    finally:  # a failed or stopped save (second Ctrl+C) leaves the earlier folder and no partial one
         if accelerator.is_main_process:
-            _replace_dir(tmp, path)
-    except BaseException:  # a failed or stopped save (second Ctrl+C) leaves the earlier folder and no partial one
-        if accelerator.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            shutil.rmtree(work, ignore_errors=True)
     accelerator.wait_for_everyone()
-
-
-def _replace_dir(tmp: str, path: str) -> None:
-    # a folder cannot be renamed over a non-empty one: the old one steps aside first; a kill between the two
-    # renames leaves both complete folders under hidden names, and remove_stale puts the old one back
-    old = _hidden(path, _OLD)
-    if os.path.isdir(path):
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def remove_stale(output_dir: str, output_name: str) -> None:
-    """What a killed run of `output_name` left in `output_dir`: hidden state folders, and the temporary files of
-    the atomic writers (`.<file>.tmp-<pid or hex>`, files or diffusers folders; samples' `<image>.tmp.png`)."""
-    if not os.path.isdir(output_dir):
-        return
-    tmp_file = re.compile(r"\." + re.escape(output_name) + r"([-_.].*)?\.tmp-[0-9a-f]+")
-    sample_dir = os.path.join(output_dir, "sample")
-    stale = [os.path.join(output_dir, n) for n in os.listdir(output_dir) if tmp_file.fullmatch(n)]
-    if os.path.isdir(sample_dir):
-        stale += [os.path.join(sample_dir, n) for n in os.listdir(sample_dir)
-                  if n.startswith(output_name + "_") and n.endswith(".tmp.png")]
-    for path in stale:
-        if os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            os.remove(path)
-        logger.info("removed %s (left by a killed run)", path)
-    pattern = re.compile(r"\." + re.escape(output_name) + r"(-(step)?\d+)?-state(" + re.escape(_TMP) + "|"
-                         + re.escape(_OLD) + ")")
-    for name in sorted(os.listdir(output_dir)):
-        m = pattern.fullmatch(name)
-        if not m:
-            continue
-        hidden = os.path.join(output_dir, name)
-        final = os.path.join(output_dir, name[1:-len(m.group(3))])
-        if m.group(3) == _OLD and not os.path.exists(final):
-            os.replace(hidden, final)  # killed between the renames of _replace_dir: the complete old folder
-            logger.warning("restored %s (a state save of a killed run had moved it aside)", final)
-            continue
-        shutil.rmtree(hidden, ignore_errors=True)
-        logger.info("removed %s (left by a killed run)", hidden)
+    """What a killed run of `output_name` left in `output_dir` and its sample folder: library.files' work folders
+    of its results (model files or folders, step / epoch saves, state folders, run TOMLs, samples; not those of
+    another run such as `<output_name>_v2`); a state folder that was being replaced when the kill came is put
+    back."""
+    name = re.escape(output_name)
+    results = re.compile(name + r"(-(step)?\d+)?(-state|_config\.toml|\.\w+)?")
+    samples = re.compile(name + r"_e?\d+_\d+_\d+(_\d+)?\.png")
+    for folder, ours in ((output_dir, results), (os.path.join(output_dir, "sample"), samples)):
+        for path in files.remove_stale(folder, ours):
+            logger.info("removed %s (left by a killed run)", path)
 
 
 def resumed_position(folder: str) -> tuple[int, int] | None:
-    """The step counter (network_trainer.TrainState) is the last checkpoint object registered, so accelerate
+    """The step counter (library.run.state.TrainState) is the last checkpoint object registered, so accelerate
     writes it as the custom_checkpoint_<highest>.pkl; None when that is not it."""
     import torch
 
@@ -111,7 +76,7 @@ def check_resume(args, ext: str) -> None:
     """Before any model loads. A local --resume folder (train_util checks it exists) must hold our step counter;
     without --overwrite_output the names the resumed run will write must be free: the final `-state` folder (with
     --save_state / --save_state_on_train_end) and the step / epoch saves after the resumed position."""
-    from library.network_trainer import TrainingError
+    from library.errors import TrainingError
 
     if not args.resume or getattr(args, "resume_from_huggingface", False):
         return
@@ -141,3 +106,59 @@ def check_resume(args, ext: str) -> None:
         raise train_util.OutputExistsError(
             f"--resume would write {', '.join(taken[:3])}{', ...' if len(taken) > 3 else ''} in {out}, which "
             "already exist; choose another --output_name / --output_dir, or pass --overwrite_output to replace them")
+
+
+# the global RNG states as --resume restored them, until the first resumed step (restore_resumed_rng)
+_resumed_rng: list = []
+
+
+def _rng_states() -> tuple:
+    import random
+
+    import numpy as np
+    import torch
+
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda, random.getstate(), np.random.get_state()
+
+
+def restore_resumed_rng() -> None:
+    """At the start of each step (a no-op but the first after --resume): the global RNG states (what dropout,
+    rank / module dropout draw from) as the state folder holds them. accelerate restores them in load_state, but
+    the resumed run then draws from them before its first step (the resumed epoch's data loader takes a seed)
+    where the saved run did not, so the dropout masks would differ from the uninterrupted run's."""
+    if not _resumed_rng:
+        return
+    import random
+
+    import numpy as np
+    import torch
+
+    cpu, cuda, py, np_state = _resumed_rng.pop()
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+    random.setstate(py)
+    np.random.set_state(np_state)
+
+
+def load_state(accelerator, folder: str, steps_per_epoch: int | None = None) -> None:
+    """--resume: accelerate's load_state; a state saved in the middle of an epoch has its RNG states set again at
+    the first resumed step (restore_resumed_rng; at an epoch's end the saved run drew the next epoch's data loader
+    seed after the save, as the resumed run does). A state saved by a run with another network (its --network_dim,
+    --conv_dim, --network_module or --network_args) is one line naming the first difference, not a traceback."""
+    from library.errors import TrainingError
+
+    try:
+        accelerator.load_state(folder)
+        position = resumed_position(folder)
+        mid_epoch = bool(steps_per_epoch) and position is not None and position[0] % steps_per_epoch != 0
+        _resumed_rng[:] = [_rng_states()] if mid_epoch else []
+    except RuntimeError as e:
+        lines = [ln.strip() for ln in str(e).splitlines()]
+        first = next((ln for ln in lines if ln.startswith(("size mismatch", "Missing key", "Unexpected key"))), None)
+        if first is None:
+            raise
+        raise TrainingError(f"--resume {folder}: the state was saved by a run with another network (--network_dim, "
+                            f"--conv_dim, --network_module or --network_args differ): {first[:300]}; resume with "
+                            "that run's network options") from None

@@ -2,7 +2,10 @@
 results under their usual final names and exit 0 (not in upstream, which dies and loses the steps since the last
 save; kohya_ss#244).
 
-    stop = StopRequest().install()     # at the start of the training loop (main thread only; else a no-op)
+    stop = StopRequest()               # at the start of train(): a signal from now on ends the run before it
+                                       # trains (StoppedBeforeTraining: exit 0, nothing saved; the run's settings
+                                       # file is removed on the way out)
+    stop.install()                     # at the start of the training loop: from now on a signal = stop and save
     ... if stop.flag: break                        # once per optimizer step (the ranks agree through
                                                    # library.run_requests, with the other requests)
     stop.restore()                     # the previous handlers again (in-process callers are unaffected)
@@ -10,8 +13,13 @@ save; kohya_ss#244).
 A second signal (stop now) raises KeyboardInterrupt where the run is, also in the middle of a save: every result
 goes through a temporary name and a rename (train_util.atomic_target, library.state_folders), so an aborted save
 leaves the earlier files and no broken one. A repeat within REPEAT_WINDOW_S of the first is the same stop
-reaching the process twice (a tree-wide SIGTERM plus the one a launcher forwards) and is ignored. Before the loop starts the default handlers are in place (nothing to
-save yet); a first signal during the final save only lets it finish.
+reaching the process twice (a tree-wide SIGTERM plus the one a launcher forwards) and is ignored. A first signal
+during the final save only lets it finish.
+
+`accelerate launch` does not forward signals: SIGTERM to the launcher alone ends it and leaves the trainer
+orphaned. So a trainer started by it (ACCELERATE_DYNAMO_BACKEND in its environment, which `accelerate launch` sets)
+notes its parent process when the run starts, and `flag` turns on once its parent has changed (one getppid call per
+read): the launcher ended, the trainer stops and saves as for a signal.
 
 Windows: Ctrl+C (SIGINT) and Ctrl+Break (SIGBREAK) are handled; SIGTERM is not delivered there (another process
 ending it calls TerminateProcess, which cannot be caught), so a stop from outside a console has to send
@@ -20,6 +28,7 @@ CTRL_BREAK_EVENT to a process started with CREATE_NEW_PROCESS_GROUP.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -32,22 +41,45 @@ REPEAT_WINDOW_S = 2.0
 # the signals that mean "stop and save"; SIGBREAK exists only on Windows
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGBREAK") if hasattr(signal, name))
 
+# set by `accelerate launch` for the processes it starts
+LAUNCHER_ENV = "ACCELERATE_DYNAMO_BACKEND"
+
+
+class StoppedBeforeTraining(SystemExit):
+    """A stop signal before the training loop: nothing to save; the run ends with exit status 0."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(0)
+        self.signal_name = signal_name
+
 
 class StopRequest:
-    def __init__(self):
-        self.flag = False
+    def __init__(self, environ=os.environ):
+        self._flag = False
         self.signal_name: str | None = None
         self._first_at = 0.0
         self._previous: dict[int, object] = {}
+        self._parent = os.getppid() if LAUNCHER_ENV in environ and hasattr(os, "getppid") else None
+        self._set_handlers(self._handle_before_training)
+
+    @property
+    def flag(self) -> bool:
+        """A stop was asked: a signal, or the launcher that started this process has ended."""
+        if not self._flag and self._parent is not None and os.getppid() != self._parent:
+            self._flag = True
+            self._first_at = time.monotonic()
+            self.signal_name = "launcher ended"
+            logger.warning("the launcher (accelerate launch, process %d) has ended: stopping after the current "
+                           "step and saving", self._parent)
+        return self._flag
+
+    @flag.setter
+    def flag(self, value: bool) -> None:
+        self._flag = value
 
     def install(self) -> "StopRequest":
-        if threading.current_thread() is not threading.main_thread():
-            return self  # signal.signal works only there (a GUI thread running a trainer keeps its handlers)
-        for sig in STOP_SIGNALS:
-            try:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            except (OSError, ValueError):  # pragma: no cover - a signal this platform refuses
-                pass
+        """From now on (the training loop) a signal = stop after the current step and save."""
+        self._set_handlers(self._handle)
         return self
 
     def restore(self) -> None:
@@ -55,12 +87,28 @@ class StopRequest:
             signal.signal(sig, handler)
         self._previous.clear()
 
+    def _set_handlers(self, handler) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal.signal works only there (a GUI thread running a trainer keeps its handlers)
+        for sig in STOP_SIGNALS:
+            try:
+                previous = signal.signal(sig, handler)
+            except (OSError, ValueError):  # pragma: no cover - a signal this platform refuses
+                continue
+            self._previous.setdefault(sig, previous)
+
+    def _handle_before_training(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        logger.warning("%s received before training started: stopping; nothing trained, nothing saved", name)
+        print(f"stopped before training started ({name}): nothing saved", flush=True)
+        raise StoppedBeforeTraining(name)
+
     def _handle(self, signum, frame) -> None:
-        if self.flag:
+        if self._flag:
             if time.monotonic() - self._first_at < REPEAT_WINDOW_S:
                 return  # the same stop delivered twice
             raise KeyboardInterrupt  # stop now; the atomic writers remove their temporary files on the way out
-        self.flag = True
+        self._flag = True
         self._first_at = time.monotonic()
         self.signal_name = signal.Signals(signum).name
         logger.warning("%s received: stopping after the current step and saving (send it again to stop at once)",

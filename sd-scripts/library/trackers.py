@@ -14,7 +14,7 @@ import logging
 import os
 import tomllib
 
-from library.train_util import ConfigError, OptionalPackageError
+from library.errors import ConfigError, OptionalPackageError
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +22,16 @@ logger = logging.getLogger(__name__)
 SENSITIVE_ARGS = ("wandb_api_key", "huggingface_token")
 SENSITIVE_PATH_ARGS = ("pretrained_model_name_or_path", "vae", "tokenizer_cache_dir", "train_data_dir",
                        "conditioning_data_dir", "reg_data_dir", "output_dir", "logging_dir")
+
+
+def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every script's log folder and tracker choice (train_util.add_training_arguments adds them in upstream's
+    place)."""
+    parser.add_argument("--logging_dir", type=str, default=None, help="TensorBoard log folder")
+    parser.add_argument("--log_with", type=str, default=None, choices=["tensorboard", "wandb", "all"],
+                        help="tracker (default tensorboard when --logging_dir is set)")
+    parser.add_argument("--log_prefix", type=str, default=None, help="prefix of the log folder's run name")
+    parser.add_argument("--log_tracker_name", type=str, default=None, help="tracker project name")
 
 
 def add_tracker_arguments(parser: argparse.ArgumentParser) -> None:

@@ -8,9 +8,7 @@ in `network_trainer.py`.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import difflib
-import hashlib
 import importlib
 import io
 import json
@@ -19,13 +17,16 @@ import math
 import os
 import re
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from library import parity
+from library import files, parity
+from library.errors import ConfigError, OptionalPackageError, OutputExistsError  # noqa: F401  (re-exported)
+from library.files import atomic_target, ensure_can_write  # noqa: F401  (re-exported)
+from library.metadata import model_hashes  # noqa: F401  (re-exported)
+from library.files import write_bytes as atomic_write_bytes, write_text as atomic_write_text  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -33,18 +34,6 @@ logger = logging.getLogger(__name__)
 GUI_ONLY_TABLES = ("accelerate", "gui")
 # Args never written into a run's TOML (they describe how the TOML itself is handled).
 _NOT_IN_RUN_CONFIG = ("config_file", "output_config")
-
-
-class ConfigError(ValueError):
-    """A bad `--config_file` or a bad combination of options; the message names the key/flag."""
-
-
-class OptionalPackageError(RuntimeError):
-    """An option needs a package that is not installed; the message says which and how to install it."""
-
-
-class OutputExistsError(FileExistsError):
-    """A result file already exists and `--overwrite_output` was not given."""
 
 
 def setup_logging(level: int = logging.INFO) -> None:
@@ -58,14 +47,13 @@ def setup_logging(level: int = logging.INFO) -> None:
 # argparse groups (kohya-ss/sd-scripts flag names and defaults)
 
 
+
+
 def add_sd_models_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--v2", action="store_true", help="the model is Stable Diffusion 2.x")
-    parser.add_argument("--v_parameterization", action="store_true", help="v-prediction model (SD2.x 768-v)")
-    parser.add_argument("--pretrained_model_name_or_path", type=str, default=None,
-                        help="single-file checkpoint (.safetensors/.ckpt) or diffusers folder (or a hub id)")
-    parser.add_argument("--tokenizer_cache_dir", type=str, default=None,
-                        help="folder with (or to keep) the tokenizers, for offline use")
-    parser.add_argument("--vae", type=str, default=None, help="VAE to use instead of the checkpoint's")
+    """The SD1.x/2.x/SDXL model flags (library.model_util)."""
+    from library import model_util
+
+    model_util.add_sd_model_arguments(parser)
 
 
 def add_optimizer_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,8 +64,9 @@ def add_optimizer_arguments(parser: argparse.ArgumentParser) -> None:
     schedulers.add_scheduler_arguments(parser)
 
 
-# moved to library.optimizers / library.schedulers; these names still work from here
-_MOVED = {"get_optimizer": "optimizers", "parse_optimizer_args": "optimizers", "optimizer_name": "optimizers",
+# moved to their concern modules; these names still work from here
+_MOVED = {"LEARNING_RATE_OPTIONS": "optimizers", "SAMPLER_CHOICES": "sampling", "save_dtype_for": "saving",
+          "get_optimizer": "optimizers", "parse_optimizer_args": "optimizers", "optimizer_name": "optimizers",
           "OPTIMIZER_NAMES": "optimizers", "_can_fuse": "optimizers", "get_scheduler": "schedulers",
           "SCHEDULER_NAMES": "schedulers", "int_or_float": "schedulers"}
 
@@ -89,24 +78,17 @@ def __getattr__(name: str):
 
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
-    """Output, saving, steps, precision, logging and sampling flags (the dataset flags, including
-    --train_batch_size and the data loader workers, come from config_util.add_dataset_arguments; noise and
-    timesteps from library.noise, the loss from library.losses)."""
+    """Output, steps and text-encoder flags, then each concern's own group from the module that owns it (saving,
+    precision, trackers, sampling), in upstream's order (the dataset flags, including --train_batch_size and the
+    data loader workers, come from config_util.add_dataset_arguments; noise and timesteps from library.noise,
+    the loss from library.losses)."""
+    from library import precision, sampling, saving, trackers
+
     parser.add_argument("--output_dir", type=str, default=None, help="folder for the results")
     parser.add_argument("--output_name", type=str, default=None, help="base name of the result files")
     parser.add_argument("--overwrite_output", action="store_true",
                         help="allow replacing existing result files of the same name (off: such a run stops)")
-    parser.add_argument("--save_precision", type=str, default=None, choices=[None, "float", "fp16", "bf16"],
-                        help="dtype of the saved weights (default: as trained)")
-    parser.add_argument("--save_every_n_epochs", type=int, default=None, help="save every N epochs")
-    parser.add_argument("--save_every_n_steps", type=int, default=None, help="save every N steps")
-    parser.add_argument("--save_last_n_epochs", type=int, default=None, help="keep only the last N epoch saves")
-    parser.add_argument("--save_last_n_steps", type=int, default=None,
-                        help="keep only the step saves of the last N steps")
-    parser.add_argument("--save_state", action="store_true",
-                        help="also save the training state (optimizer, scheduler, RNG, step) at every save")
-    parser.add_argument("--save_state_on_train_end", action="store_true", help="save the state at the end only")
-    parser.add_argument("--resume", type=str, default=None, help="state folder to resume from")
+    saving.add_save_arguments(parser)  # --save_precision ... --resume
     parser.add_argument("--max_token_length", type=int, default=None, choices=[None, 150, 225],
                         help="max token length of the text encoder (default 75)")
     parser.add_argument("--mem_eff_attn", action="store_true", help="accepted for compatibility (SDPA is used)")
@@ -117,25 +99,11 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="random seed")
     parser.add_argument("--gradient_checkpointing", action="store_true", help="trade compute for memory")
     parser.add_argument("--gradient_accumulation_steps", type=int, default=1, help="steps to accumulate")
-    parser.add_argument("--mixed_precision", type=str, default="no", choices=["no", "fp16", "bf16"],
-                        help="mixed precision")
-    parser.add_argument("--full_fp16", action="store_true", help="fp16 training including the gradients")
-    parser.add_argument("--full_bf16", action="store_true", help="bf16 training including the gradients")
+    precision.add_mixed_precision_arguments(parser)  # --mixed_precision --full_fp16 --full_bf16
     parser.add_argument("--clip_skip", type=int, default=None, help="use the output of the N-th last CLIP layer")
-    parser.add_argument("--logging_dir", type=str, default=None, help="TensorBoard log folder")
-    parser.add_argument("--log_with", type=str, default=None, choices=["tensorboard", "wandb", "all"],
-                        help="tracker (default tensorboard when --logging_dir is set)")
-    parser.add_argument("--log_prefix", type=str, default=None, help="prefix of the log folder's run name")
-    parser.add_argument("--log_tracker_name", type=str, default=None, help="tracker project name")
-    parser.add_argument("--no_half_vae", action="store_true", help="keep the VAE in float32 under mixed precision")
-    parser.add_argument("--lowram", action="store_true", help="accepted for compatibility")
-    parser.add_argument("--highvram", action="store_true", help="accepted for compatibility")
-    parser.add_argument("--sample_every_n_steps", type=int, default=None, help="sample images every N steps")
-    parser.add_argument("--sample_every_n_epochs", type=int, default=None, help="sample images every N epochs")
-    parser.add_argument("--sample_prompts", type=str, default=None, help="prompt file (.txt/.toml/.json)")
-    parser.add_argument("--sample_sampler", type=str, default="ddim", choices=SAMPLER_CHOICES,
-                        help="sampler of the sample images")
-    parser.add_argument("--sample_at_first", action="store_true", help="sample images before training")
+    trackers.add_logging_arguments(parser)  # --logging_dir --log_with --log_prefix --log_tracker_name
+    precision.add_vae_and_memory_arguments(parser)  # --no_half_vae --lowram --highvram
+    sampling.add_sample_arguments(parser)  # --sample_every_n_steps ... --sample_at_first
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -145,9 +113,6 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write the options to --config_file and exit")
 
 
-# kohya's sampler names -> diffusers scheduler class names (library.sampling builds them)
-SAMPLER_CHOICES = ["ddim", "pndm", "lms", "euler", "euler_a", "heun", "dpm_2", "dpm_2_a", "dpmsolver",
-                   "dpmsolver++", "dpmsingle", "k_lms", "k_euler", "k_euler_a", "k_dpm_2", "k_dpm_2_a"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -230,11 +195,12 @@ def load_config_file(path: str | os.PathLike, parser: argparse.ArgumentParser) -
             path = path + ".toml"
         else:
             raise ConfigError(f"config file not found: {path}")
+    from library.input_files import MAX_PROBLEMS, InputFileError, capped, load_toml
+
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from e
+        data = load_toml(path)  # any file: one line (binary, too large, nested too deep, ...)
+    except InputFileError as e:
+        raise ConfigError(str(e)) from None
     actions = _option_actions(parser)
     values, problems, skipped = {}, [], []
     # every bad key is reported, in one message
@@ -252,7 +218,7 @@ def load_config_file(path: str | os.PathLike, parser: argparse.ArgumentParser) -
             values[key] = aliases[value]
             continue
         if action is None:
-            close = difflib.get_close_matches(key, list(actions), n=1)
+            close = difflib.get_close_matches(key, list(actions), n=1) if len(problems) < MAX_PROBLEMS else None
             problems.append(f"unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
             continue
         try:
@@ -265,7 +231,7 @@ def load_config_file(path: str | os.PathLike, parser: argparse.ArgumentParser) -
     if len(problems) == 1:
         raise ConfigError(f"{path}: {problems[0]}")
     if problems:
-        raise ConfigError(f"{path}: {len(problems)} bad keys: " + "; ".join(problems))
+        raise ConfigError(f"{path}: {len(problems)} bad keys: " + "; ".join(capped(problems)))
     return values
 
 
@@ -282,6 +248,19 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
     refused = parity.refusal_message(args)
     if refused:
         raise ConfigError(refused)
+    from library.finite_guard import non_finite_options
+
+    if bad := non_finite_options(args):  # one line per option
+        raise ConfigError("; ".join(bad))
+    return normalise_args(args)
+
+
+def normalise_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The one step that changes options after parsing, before anything checks or reads them (the checks never
+    change args): deprecated spellings become the options they stand for."""
+    from library import captions
+
+    captions.resolve_caption_extension_alias(args)
     return args
 
 
@@ -325,9 +304,6 @@ def write_output_config(args: argparse.Namespace) -> str:
 # ----------------------------------------------------------------------------------------------------------
 # checks done before any model loads
 
-# every learning-rate option of the seven scripts (each may be absent from a given parser)
-LEARNING_RATE_OPTIONS = ("learning_rate", "unet_lr", "text_encoder_lr", "learning_rate_te", "learning_rate_te1",
-                         "learning_rate_te2")
 
 
 def check_output_dir(output_dir: str) -> None:
@@ -358,44 +334,16 @@ def verify_training_args(args: argparse.Namespace) -> None:
     if name and (os.sep in name or "/" in name or (os.altsep and os.altsep in name) or name in (".", "..")):
         raise ConfigError(f"--output_name {name!r} must be a file name without a folder; put the folder in "
                           "--output_dir")
-    if getattr(args, "max_grad_norm", None) is not None and args.max_grad_norm < 0:
-        # a negative norm would flip the gradients' sign in clip_grad_norm_
-        raise ConfigError(f"--max_grad_norm must be 0 (no clipping) or more, got {args.max_grad_norm}")
-    for lr_name in LEARNING_RATE_OPTIONS:
-        value = getattr(args, lr_name, None)
-        values = value if isinstance(value, list) else [value]
-        if any(v is not None and (v < 0 or not math.isfinite(v)) for v in values):
-            raise ConfigError(f"--{lr_name} must be 0 or more, got {value}")
-    if args.full_fp16 and args.full_bf16:
-        raise ConfigError("--full_fp16 and --full_bf16 exclude each other")
-    if args.full_fp16 and args.mixed_precision != "fp16":
-        raise ConfigError("--full_fp16 needs --mixed_precision fp16")
-    if args.full_bf16 and args.mixed_precision != "bf16":
-        raise ConfigError("--full_bf16 needs --mixed_precision bf16")
-    for name in ("gradient_accumulation_steps", "max_train_steps"):
+    for name in ("gradient_accumulation_steps", "max_train_steps", "max_train_epochs"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ConfigError(f"--{name} must be 1 or more, got {getattr(args, name)}")
-    for name in ("max_train_epochs", "save_every_n_epochs", "save_every_n_steps", "save_last_n_epochs",
-                 "save_last_n_steps", "sample_every_n_steps", "sample_every_n_epochs"):
-        value = getattr(args, name, None)
-        if value is not None and value < 1:
-            raise ConfigError(f"--{name} must be 1 or more, got {value}")
-    if args.resume and not getattr(args, "resume_from_huggingface", False) and not os.path.isdir(args.resume):
-        raise ConfigError(f"--resume: state folder not found: {args.resume}")
-    from library import huggingface_util, saving
+    from library import huggingface_util, optimizers, sampling, saving, schedulers
 
     saving.validate_saving_args(args)
     huggingface_util.validate_huggingface_args(args)
-    if args.sample_prompts and not os.path.isfile(args.sample_prompts):
-        raise ConfigError(f"--sample_prompts: file not found: {args.sample_prompts}")
-    from library import optimizers, schedulers
-
+    sampling.check_sample_args(args)
     optimizers.check_optimizer_args(args)  # a missing optimizer package is reported now, not after models load
     schedulers.check_scheduler_args(args)
-    mint = 0 if args.min_timestep is None else args.min_timestep
-    maxt = 1000 if args.max_timestep is None else args.max_timestep
-    if not 0 <= mint < maxt <= 1000:
-        raise ConfigError(f"--min_timestep/--max_timestep must satisfy 0 <= min < max <= 1000, got {mint}, {maxt}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -416,8 +364,6 @@ def weight_dtype_for(args: argparse.Namespace) -> torch.dtype:
     return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.mixed_precision, torch.float32)
 
 
-def save_dtype_for(args: argparse.Namespace) -> torch.dtype | None:
-    return {"fp16": torch.float16, "bf16": torch.bfloat16, "float": torch.float32}.get(args.save_precision)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -448,15 +394,29 @@ def state_dir_name(output_name: str, epoch: int | None = None, step: int | None 
     return f"{output_name}-state"
 
 
-def ensure_can_write(path: str | os.PathLike, overwrite: bool) -> None:
-    if os.path.exists(path) and not overwrite:
-        raise OutputExistsError(f"{path} already exists; choose another --output_name / --output_dir, "
-                                "or pass --overwrite_output to replace it")
+def check_output_dir(output_dir: str) -> None:
+    """Before any model loads: files can be written in the output folder, or in its nearest existing parent when it
+    does not exist yet (/proc/..., a read-only disk, a file in the way): one line instead of a traceback later."""
+    import tempfile
+
+    existing = os.path.abspath(output_dir)
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"--output_dir {output_dir}: {existing} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--output_dir {output_dir}: cannot write files in {existing} ({e.strerror or e})") \
+            from None
 
 
 def check_outputs_free(output_dir: str, output_name: str, ext: str, overwrite: bool, resuming: bool) -> None:
-    """Before any model loads: the results this run will write must not exist yet (the final file, and without
-    --resume also epoch/step saves and state folders of an earlier run with the same name)."""
+    """Before any model loads: the output folder can be written, and the results this run will write must not exist
+    yet (the final file, and without --resume also epoch/step saves and state folders of an earlier run with the
+    same name)."""
+    check_output_dir(output_dir)
     if overwrite or not os.path.isdir(output_dir):
         return
     final = os.path.join(output_dir, last_file_name(output_name, ext))
@@ -471,71 +431,18 @@ def check_outputs_free(output_dir: str, output_name: str, ext: str, overwrite: b
                                 "--output_name / --output_dir, --resume it, or pass --overwrite_output to replace them")
 
 
-def _tmp_name(path: str) -> str:
-    d, base = os.path.split(path)
-    return os.path.join(d, f".{base}.tmp-{os.getpid()}")
-
-
-@contextlib.contextmanager
-def atomic_target(path: str | os.PathLike):
-    """The one atomic writer: yields a hidden temp name beside `path` to write to; when the block completes it is
-    renamed to `path`, when it fails it is removed (a failed or stopped save never leaves a broken result)."""
-    path = os.fspath(path)
-    tmp = _tmp_name(path)
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    with atomic_target(path) as tmp, open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
 def save_safetensors_atomic(tensors: dict[str, torch.Tensor], path: str | os.PathLike,
                             metadata: dict[str, str] | None = None, *, overwrite: bool = False) -> None:
-    """Writes to a hidden temp name beside `path`, then renames; an existing file needs overwrite=True."""
-    from safetensors.torch import save_file
-
-    ensure_can_write(path, overwrite)
-    tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
-    with atomic_target(path) as tmp:
-        save_file(tensors, tmp, metadata=metadata)
+    """library.files.save_safetensors (the one atomic writer)."""
+    files.save_safetensors(tensors, path, metadata, overwrite=overwrite)
 
 
 def save_torch_atomic(obj: Any, path: str | os.PathLike, *, overwrite: bool = False) -> None:
-    ensure_can_write(path, overwrite)
-    with atomic_target(path) as tmp:
-        torch.save(obj, tmp)
+    files.save_torch(obj, path, overwrite=overwrite)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # metadata and hashes (the hashes A1111's additional-networks and kohya write as sshs_*)
-
-
-def _safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
-    from safetensors.torch import save
-
-    return save({k: v.detach().contiguous() for k, v in tensors.items()}, metadata)
-
-
-def model_hashes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[str, str]:
-    """(sshs_model_hash, sshs_legacy_hash) of the file these tensors make with their `ss_*` metadata only:
-    sha256 of the data after the header, and the first 8 hex digits of sha256 of 64 KiB at offset 1 MiB."""
-    blob = _safetensors_bytes(tensors, {k: v for k, v in metadata.items() if k.startswith("ss_")})
-    header_len = int.from_bytes(blob[:8], "little")
-    model_hash = hashlib.sha256(blob[8 + header_len:]).hexdigest()
-    legacy_hash = hashlib.sha256(blob[0x100000:0x110000]).hexdigest()[:8]
-    return model_hash, legacy_hash
 
 
 def metadata_value(value: Any) -> str:

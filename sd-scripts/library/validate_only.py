@@ -12,7 +12,7 @@ import argparse
 import os
 import re
 
-from library.train_util import ConfigError
+from library.errors import ConfigError, UserError
 
 # path options that must exist when set (a hub id "owner/name" is allowed where upstream allows one)
 FILES = ("vae", "clip_l", "t5xxl", "ae", "network_weights", "in_json", "dataset_config", "sample_prompts",
@@ -69,14 +69,12 @@ def run(trainer, args) -> None:
     from library import config_util, state_folders, train_util
     from library.compile import options as compile_options
 
-    from library.network_trainer import expected_errors
-
     problems: list[str] = []
 
     def attempt(fn):
         try:
             return fn()
-        except expected_errors() as e:
+        except UserError as e:
             problems.extend(e.problems if isinstance(e, ValidationProblems) else [str(e)])
             return None
 
@@ -101,6 +99,10 @@ def run(trainer, args) -> None:
         if groups is not None:
             group = groups[0]
             images = sum(1 for _ in group.all_images())
+            multiple = getattr(trainer, "bucket_reso_steps_multiple", None)  # the run's own check, where it has one
+            for g in groups:
+                if g is not None and multiple:
+                    attempt(lambda g=g: g.verify_bucket_reso_steps(multiple))
             if len(group) == 0:
                 problems.append("the dataset has no images: check --train_data_dir (N_name subfolders of images) "
                                 "or --dataset_config")

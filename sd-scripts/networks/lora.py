@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from networks import lora_blocks
+from library.errors import NetworkArgsError, NetworkWeightsError  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +54,6 @@ def arg_bool(value) -> bool:
 
 
 arg_bool.__name__ = "bool (True/False)"
-
-
-class NetworkArgsError(ValueError):
-    """A bad `--network_args` entry; the message names it and lists the allowed keys."""
-
-
-class NetworkWeightsError(NetworkArgsError):
-    """`--network_weights` that cannot be loaded into the network (a shape that differs)."""
 
 
 def _layers(module: nn.Module) -> list[nn.Module]:
@@ -96,12 +89,20 @@ class LoRABase(nn.Module):
         self.rank_dropout = rank_dropout
         self.module_dropout = module_dropout
 
-    def add_lora(self, org: torch.Tensor, x: torch.Tensor, up_weight: torch.Tensor | None = None,
-                 down: nn.Module | None = None, up: nn.Module | None = None) -> torch.Tensor:
-        """org (the wrapped layer's output for x) plus the LoRA of x; `up_weight` replaces lora_up by these rows
-        of its weight (a split up-projection); `down`/`up` replace lora_down/lora_up (one part of a split LoRA)."""
-        if self.module_dropout and self.training and torch.rand(()) < self.module_dropout:
+    def add_lora(self, org: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """org (the wrapped layer's output for x) plus the LoRA of x."""
+        if self.module_dropped():
             return org
+        lx, scale = self.down_with_dropout(x)
+        return org + (self.lora_up(lx) * (self.multiplier * scale)).to(org.dtype)
+
+    def module_dropped(self) -> bool:
+        """module_dropout: this forward leaves the LoRA out (one draw)."""
+        return bool(self.module_dropout and self.training and torch.rand(()) < self.module_dropout)
+
+    def down_with_dropout(self, x: torch.Tensor, down: nn.Module | None = None) -> tuple[torch.Tensor, float]:
+        """(down(x) with --network_dropout and rank_dropout applied, the scale that goes with it); `down`
+        replaces lora_down (one part of a split LoRA)."""
         down = self.lora_down if down is None else down
         lx = down(x.to(down.weight.dtype) if not torch.is_autocast_enabled(x.device.type) else x)
         if self.dropout and self.training:
@@ -115,11 +116,7 @@ class LoRABase(nn.Module):
             mask = (torch.rand(shape, device=lx.device) > self.rank_dropout).to(lx.dtype)
             lx = lx * mask
             scale = scale / (1.0 - self.rank_dropout)
-        if up_weight is not None:
-            lx = F.linear(lx, up_weight)
-        else:
-            lx = (self.lora_up if up is None else up)(lx)
-        return org + (lx * (self.multiplier * scale)).to(org.dtype)
+        return lx, scale
 
     def delta_weight(self) -> torch.Tensor:
         """up @ down * alpha / dim in float32, shaped like the wrapped layer's weight (all parts stacked)."""
@@ -512,18 +509,18 @@ class LoRANetwork(nn.Module):
     def save_weights(self, file: str, dtype: torch.dtype | None, metadata: dict[str, str] | None,
                      overwrite: bool = False) -> None:
         """Atomic save; .safetensors gets `metadata` plus sshs_model_hash / sshs_legacy_hash."""
-        from library import train_util
+        from library import files, metadata as metadata_util
 
         sd = self.lora_state_dict(dtype)
         if os.path.splitext(file)[1] == ".safetensors":
             metadata = dict(metadata or {})
             if metadata:
-                model_hash, legacy_hash = train_util.model_hashes(sd, metadata)
+                model_hash, legacy_hash = metadata_util.model_hashes(sd, metadata)
                 metadata["sshs_model_hash"] = model_hash
                 metadata["sshs_legacy_hash"] = legacy_hash
-            train_util.save_safetensors_atomic(sd, file, metadata or None, overwrite=overwrite)
+            files.save_safetensors(sd, file, metadata or None, overwrite=overwrite)
         else:
-            train_util.save_torch_atomic(sd, file, overwrite=overwrite)
+            files.save_torch(sd, file, overwrite=overwrite)
 
 
 def load_lora_state_dict(file: str) -> dict[str, torch.Tensor]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+from library.errors import BlockArgsError  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -25,10 +26,6 @@ SDXL_BLOCKS_PER_SIDE, SDXL_MID_BLOCKS = 9, 3
 LR_WEIGHT_CURVES = ("cosine", "sine", "linear", "reverse_linear", "zeros")
 
 _SD_UPDOWN = re.compile(r"(up|down)_blocks_(\d+)_(resnets|upsamplers|downsamplers|attentions)_(\d+)_")
-
-
-class BlockArgsError(ValueError):
-    """A bad block value in --network_args (networks.lora turns it into NetworkArgsError)."""
 
 
 def sizes(is_sdxl: bool) -> tuple[int, int]:

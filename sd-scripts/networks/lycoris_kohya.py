@@ -60,7 +60,7 @@ def import_lycoris():
     try:
         return importlib.import_module(MODULE_NAME)
     except ImportError as e:
-        from library.train_util import OptionalPackageError
+        from library.errors import OptionalPackageError
 
         raise OptionalPackageError(
             f"--network_module {MODULE_NAME} needs the Python package 'lycoris-lora', which is not installed "

@@ -12,6 +12,7 @@ import torch
 
 from library.compile.checkpoint import CHECKPOINT_KEEP_CHOICES
 from library.compile.graphs import cuda_graph_flag, cuda_graphs
+from library.errors import CompileConfigError  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -21,9 +22,6 @@ DYNAMIC_CHOICES = ("auto", "true", "false")
 CUDNN_SDP_CHOICES = ("auto", "on", "off")  # --cudnn_sdp
 
 MIN_TORCH = (2, 2)  # nn.Module.compile() (in-place compilation) appeared in torch 2.2
-
-class CompileConfigError(ValueError):
-    """An impossible or unsupported combination of compile settings."""
 
 
 def add_compile_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -1,0 +1,406 @@
+"""The LoRA tool scripts (sd-scripts/networks/*.py, issue 27) on tiny models built here, run in-process through
+their main(argv) (one subprocess checks the real exit status):
+
+- resize_lora.py: on an SDXL LoRA with 3x3-conv modules, each of the four methods gives the ranks upstream's
+  rules give and the same per-module effective weights (up x down x alpha / rank) within 1e-3 relative of a
+  float64 full-matrix SVD computed here with upstream's rules written out again;
+- sdxl_merge_lora.py into a tiny SDXL model: the model loads in our loader and in diffusers' single-file loader,
+  each layer moved by exactly the LoRA's effective weight; extract_lora_from_models.py --sdxl gives the LoRA back;
+- LoRA-to-LoRA merges (sum, --concat), svd_merge_lora.py, extract_lora_from_dylora.py, check_lora_weights.py;
+- FLUX.1: flux_merge_lora.py into the transformer and CLIP-L, flux_extract_lora.py back, convert_flux_lora.py to
+  diffusers' layout, which diffusers' FluxPipeline loads and fuses into the same weights as our merge;
+- bad input: one `error:` line, exit 2 (another family's LoRA, ranks that do not add, a folder that is no model).
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from kohya_gui import REPO
+from library import lora_tools
+from networks import (check_lora_weights, convert_flux_lora, extract_lora_from_dylora, extract_lora_from_models,
+                      flux_extract_lora, flux_merge_lora, merge_lora, resize_lora, sdxl_merge_lora, svd_merge_lora)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOOLS = (resize_lora, merge_lora, sdxl_merge_lora, flux_merge_lora, svd_merge_lora, extract_lora_from_models,
+         flux_extract_lora, extract_lora_from_dylora, check_lora_weights, convert_flux_lora)
+
+
+def _metadata(path) -> dict:
+    with safe_open(str(path), framework="pt") as f:
+        return dict(f.metadata() or {})
+
+
+def _effective(sd: dict) -> dict[str, torch.Tensor]:
+    return {n: lora_tools.effective_weight(m).double() for n, m in lora_tools.lora_modules(sd).items()}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def _spectrum_lora(network, seed: int) -> dict[str, torch.Tensor]:
+    """Each module's up x down given a decaying spectrum of its own (so the dynamic methods pick various ranks)."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for lora in network.text_encoder_loras + network.unet_loras:
+        down, up = lora.lora_down.weight, lora.lora_up.weight
+        r, m, n = down.shape[0], up.shape[0], down[0].numel()
+        q_up, _ = torch.linalg.qr(torch.randn(m, r, generator=g))
+        q_down, _ = torch.linalg.qr(torch.randn(n, r, generator=g))
+        decay = 0.2 + 1.5 * torch.rand((), generator=g)
+        s = 0.5 * torch.exp(-decay * torch.arange(r, dtype=torch.float32))
+        sd[lora.lora_name + ".lora_up.weight"] = (q_up * s).reshape(up.shape).contiguous()
+        sd[lora.lora_name + ".lora_down.weight"] = q_down.T.reshape(down.shape).contiguous()
+        sd[lora.lora_name + ".alpha"] = torch.tensor(float(lora.alpha))
+    return sd
+
+
+@pytest.fixture(scope="module")
+def sdxl_lora(tiny_sdxl_single_file, tmp_path_factory):
+    """A rank-8 SDXL LoRA with rank-6 3x3-conv modules (alpha 4 / 3) on the tiny SDXL model."""
+    from library.model_util import load_sd_components
+    from networks import lora
+
+    comps = load_sd_components(str(tiny_sdxl_single_file), "sdxl", tokenizers=False)
+    network = lora.create_network(1.0, 8, 4, None, comps.text_encoders, comps.unet, conv_dim=6, conv_alpha=3)
+    sd = _spectrum_lora(network, seed=1)
+    path = tmp_path_factory.mktemp("lora_tools") / "sdxl_lora.safetensors"
+    lora_tools.save_lora(str(path), sd, {"ss_network_dim": "8", "ss_network_alpha": "4", "ss_v2": "False",
+                                         "ss_base_model_version": "sdxl_base_v1-0",
+                                         "ss_training_comment": "made in the test"}, overwrite=False)
+    assert any(v.dim() == 4 and v.shape[-1] == 3 for v in sd.values())  # 3x3 convs are in it
+    return path
+
+
+# -- resize ------------------------------------------------------------------------------------------------------
+
+def _upstream_rank(S: torch.Tensor, rank: int, method: str | None, param: float | None) -> int:
+    """upstream resize_lora.rank_resize, written out again (index + 1, capped, zero matrix -> 1)."""
+    n = len(S)
+    if method == "sv_ratio":
+        new = max(1, min(int(torch.sum(S > S[0] / param)), n - 1)) + 1
+    elif method == "sv_cumulative":
+        cum = torch.cumsum(S, 0) / torch.sum(S)
+        new = max(1, min(int(torch.searchsorted(cum, param)) + 1, n - 1)) + 1
+    elif method == "sv_fro":
+        cum = torch.cumsum(S ** 2, 0) / torch.sum(S ** 2)
+        new = max(1, min(int(torch.searchsorted(cum, param ** 2)) + 1, n - 1)) + 1
+    else:
+        new = rank
+    return 1 if S[0] <= 1e-6 else min(new, rank)
+
+
+METHODS = [(None, None), ("sv_ratio", 3.0), ("sv_fro", 0.9), ("sv_cumulative", 0.7)]
+
+
+@pytest.mark.parametrize("method,param", METHODS, ids=[m or "fixed" for m, _ in METHODS])
+def test_resize_gives_upstreams_ranks_and_effective_weights(sdxl_lora, tmp_path, capsys, method, param):
+    out = tmp_path / "resized.safetensors"
+    argv = ["--model", str(sdxl_lora), "--save_to", str(out), "--new_rank", "5", "--new_conv_rank", "4",
+            "--device", "cpu", "--verbose"]
+    if method:
+        argv += ["--dynamic_method", method, "--dynamic_param", str(param)]
+    assert resize_lora.main(argv) == 0
+    report = capsys.readouterr().out
+
+    original, resized = load_file(str(sdxl_lora)), load_file(str(out))
+    mods_in, mods_out = lora_tools.lora_modules(original), lora_tools.lora_modules(resized)
+    assert set(mods_in) == set(mods_out)
+    ranks = set()
+    for name, m in mods_in.items():
+        full = lora_tools.delta_weight(m.down.double(), m.up.double()).reshape(m.up.shape[0], -1)
+        U, S, Vh = torch.linalg.svd(full)  # float64, full matrices, as upstream decomposes up x down
+        rank = _upstream_rank(S, 4 if m.is_conv else 5, method, param)
+        got = mods_out[name]
+        assert got.rank == rank, name
+        assert got.alpha == pytest.approx(m.scale * rank)
+        expected = ((U[:, :rank] * S[:rank]) @ Vh[:rank]) * m.scale
+        assert _rel(lora_tools.effective_weight(got).double().reshape(expected.shape), expected) < 1e-3, name
+        assert got.down.shape[1:] == m.down.shape[1:] and got.up.shape[2:] == m.up.shape[2:]
+        ranks.add(rank)
+        assert f"{name:75} | sum(S) retained:" in report
+    if method:
+        assert len(ranks) > 1, "the spectra should make the dynamic method pick several ranks"
+        assert f", dynamic | dim: " in report
+    assert "Average Frobenius norm retention:" in report
+
+    md = _metadata(out)
+    if method:
+        assert md["ss_network_dim"] == md["ss_network_alpha"] == "Dynamic"
+        assert md["ss_training_comment"] == f"Dynamic resize with {method}: {param} from 8; made in the test"
+    else:
+        assert md["ss_network_dim"] == "5"
+        assert md["ss_training_comment"] == "dimension is resized from 8 to 5 (conv: 4); made in the test"
+    from library import train_util
+
+    assert (md["sshs_model_hash"], md["sshs_legacy_hash"]) == train_util.model_hashes(resized, md)
+
+
+# -- merge into SDXL, extract back ------------------------------------------------------------------------------
+
+def test_merge_into_sdxl_loads_everywhere_and_extracts_back(sdxl_lora, tiny_sdxl_single_file, tiny_sdxl_diffusers,
+                                                            tmp_path):
+    from diffusers import StableDiffusionXLPipeline
+
+    merged = tmp_path / "merged.safetensors"
+    assert sdxl_merge_lora.main(["--sd_model", str(tiny_sdxl_single_file), "--models", str(sdxl_lora),
+                                 "--ratios", "1.0", "--save_to", str(merged)]) == 0
+    md = _metadata(merged)
+    assert md["modelspec.merged_from"] == "tiny random sdxl, sdxl_lora"  # titles, else file names
+    assert md["modelspec.architecture"] == "stable-diffusion-xl-v1-base" and md["modelspec.title"] == "merged"
+
+    base = lora_tools.load_sd_model(str(tiny_sdxl_single_file), "sdxl", torch.float32)
+    ours = lora_tools.load_sd_model(str(merged), "sdxl", torch.float32)
+    layers_b = lora_tools.sd_layer_map(base.text_encoders, base.unet)
+    layers_m = lora_tools.sd_layer_map(ours.text_encoders, ours.unet)
+    effective = _effective(load_file(str(sdxl_lora)))
+    for name, w in effective.items():
+        moved = (layers_m[name].weight - layers_b[name].weight).detach().double()
+        assert _rel(moved, w.reshape(moved.shape)) < 1e-4, name
+    pipe = StableDiffusionXLPipeline.from_single_file(str(merged), config=str(tiny_sdxl_diffusers),
+                                                      local_files_only=True)
+    name = next(n for n in effective if n.startswith("lora_unet_") and effective[n].dim() == 4)
+    assert torch.allclose(dict(pipe.unet.named_modules())[next(
+        p for p, mod in ours.unet.named_modules() if mod is layers_m[name])].weight, layers_m[name].weight)
+
+    extracted = tmp_path / "extracted.safetensors"
+    assert extract_lora_from_models.main(["--sdxl", "--model_org", str(tiny_sdxl_single_file), "--model_tuned",
+                                          str(merged), "--save_to", str(extracted), "--dim", "8", "--conv_dim", "6",
+                                          "--clamp_quantile", "1", "--device", "cpu"]) == 0
+    back = _effective(load_file(str(extracted)))
+    assert set(back) == set(effective)
+    errors = {n: _rel(back[n].reshape(w.shape), w) for n, w in effective.items()}
+    total = math.sqrt(sum(float((back[n].reshape(w.shape) - w).norm() ** 2) for n, w in effective.items())
+                      / sum(float(w.norm() ** 2) for w in effective.values()))
+    assert total < 0.05, total
+    assert sorted(errors.values())[int(0.9 * len(errors))] < 0.05  # upstream's clamp (-q..q) cuts a few tails
+    md = _metadata(extracted)
+    assert md["ss_network_dim"] == "8" and json.loads(md["ss_network_args"]) == {"conv_dim": "6", "conv_alpha": "6.0"}
+    assert md["ss_base_model_version"] == "sdxl_base_v1-0" and md["modelspec.architecture"].endswith("/lora")
+
+
+# -- LoRA to LoRA -----------------------------------------------------------------------------------------------
+
+def test_merge_loras_sum_and_concat(sdxl_lora, tmp_path):
+    summed, concat = tmp_path / "sum.safetensors", tmp_path / "concat.safetensors"
+    assert sdxl_merge_lora.main(["--models", str(sdxl_lora), str(sdxl_lora), "--ratios", "0.5", "0.25",
+                                 "--save_to", str(summed)]) == 0
+    assert sdxl_merge_lora.main(["--models", str(sdxl_lora), str(sdxl_lora), "--ratios", "1", "1", "--concat",
+                                 "--save_to", str(concat)]) == 0
+    original = load_file(str(sdxl_lora))
+    s = load_file(str(summed))
+    for key, v in original.items():  # upstream: each matrix times ratio (|ratio| on up), alpha of the first
+        expected = v if key.endswith(".alpha") else v * 0.75
+        assert torch.allclose(s[key], expected, atol=1e-6), key
+    eff_in, eff_concat = _effective(original), _effective(load_file(str(concat)))
+    for name, w in eff_in.items():  # rank doubled with the same alpha: the same effective weight
+        assert _rel(eff_concat[name], w) < 1e-6
+    md = _metadata(concat)
+    assert md["ss_network_dim"] == "Dynamic" or md["ss_network_dim"] == "8"
+    assert md["modelspec.merged_from"] == "sdxl_lora, sdxl_lora"
+
+
+def test_svd_merge_adds_the_effective_weights(sdxl_lora, tmp_path, monkeypatch):
+    resized = tmp_path / "r.safetensors"
+    assert resize_lora.main(["--model", str(sdxl_lora), "--save_to", str(resized), "--new_rank", "3",
+                             "--device", "cpu"]) == 0
+    out = tmp_path / "svd.safetensors"
+    monkeypatch.setattr(lora_tools, "clamp_quantile", lambda up, down, q: (up, down))  # upstream's fixed 0.99 clamp
+    assert svd_merge_lora.main(["--models", str(sdxl_lora), str(resized), "--ratios", "0.7", "-0.4",
+                                "--new_rank", "11", "--new_conv_rank", "9", "--save_to", str(out),
+                                "--device", "cpu"]) == 0
+    a, b, merged = (_effective(load_file(str(p))) for p in (sdxl_lora, resized, out))
+    mods = lora_tools.lora_modules(load_file(str(out)))
+    for name in a:
+        assert _rel(merged[name], 0.7 * a[name] - 0.4 * b[name]) < 1e-3, name
+        is3 = mods[name].is_conv and mods[name].kernel != (1, 1)
+        layer_out, layer_in = mods[name].up.shape[0], mods[name].down.shape[1]
+        assert mods[name].rank == min(9 if is3 else 11, layer_out, layer_in)
+        assert mods[name].alpha == mods[name].rank
+    monkeypatch.undo()
+    clamped = tmp_path / "clamped.safetensors"
+    assert svd_merge_lora.main(["--models", str(sdxl_lora), "--ratios", "1", "--new_rank", "8", "--save_to",
+                                str(clamped), "--device", "cpu"]) == 0
+    for name, m in lora_tools.lora_modules(load_file(str(clamped))).items():
+        values = torch.cat([m.up.flatten(), m.down.flatten()])
+        assert int((values.abs() == values.abs().max()).sum()) >= 2, name  # the clamped values sit at -q or q
+    md = _metadata(out)
+    assert json.loads(md["ss_network_args"]) == {"conv_dim": 9, "conv_alpha": 9}
+    assert md["ss_network_dim"] == "11" and md["modelspec.architecture"] == "stable-diffusion-xl-v1-base/lora"
+
+
+def test_dylora_split_and_check_weights(sdxl_lora, tmp_path, capsys):
+    assert extract_lora_from_dylora.main(["--model", str(sdxl_lora), "--save_to", str(tmp_path / "dy.safetensors"),
+                                          "--unit", "3"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dy-0003.safetensors", "dy-0006.safetensors"]
+    original, part = load_file(str(sdxl_lora)), load_file(str(tmp_path / "dy-0003.safetensors"))
+    for key, v in original.items():
+        expected = v[:3] if "lora_down" in key else v[:, :3] if "lora_up" in key else v
+        assert torch.equal(part[key], expected)
+    md = _metadata(tmp_path / "dy-0006.safetensors")
+    assert md["ss_network_dim"] == "6" and md["ss_training_comment"].startswith("split from DyLoRA, rank 8 to 6;")
+
+    capsys.readouterr()
+    assert check_lora_weights.main([str(sdxl_lora)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    n = sum(1 for k in original if "lora_up" in k or "lora_down" in k)
+    assert lines[0] == f"number of LoRA modules: {n}" and len(lines) == n + 1
+    key, shape, mean, minimum = lines[1].split(",")
+    assert shape == str(tuple(original[key].shape)).replace(", ", "-")
+    assert float(mean) == pytest.approx(float(original[key].abs().mean()))
+
+
+# -- FLUX.1 -----------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def flux_setup(tmp_path_factory):
+    from library import flux_models, flux_tiny
+    from networks import lora_flux
+
+    root = tmp_path_factory.mktemp("flux_tools")
+    paths = flux_tiny.make_tiny_flux(root / "model", diffusers_folder=True)
+    transformer = flux_models.load_flux_transformer(paths["transformer"], dtype=torch.float32)
+    clip = flux_models.load_clip_l(paths["clip_l"], torch.float32)
+    network = lora_flux.create_network(1.0, 4, 2, None, [clip], transformer)
+    network.apply_to([clip], transformer)
+    g = torch.Generator().manual_seed(3)
+    for p in network.parameters():
+        p.data = torch.randn(p.shape, generator=g) * 0.1
+    paths["lora"] = str(root / "flux_lora.safetensors")
+    network.save_weights(paths["lora"], torch.float32, {"ss_base_model_version": "flux1"})
+    return paths
+
+
+def test_flux_merge_extract_convert_and_load_in_diffusers(flux_setup, tmp_path):
+    from diffusers import FluxPipeline
+
+    from library import flux_models
+
+    p = flux_setup
+    merged, clip_out = tmp_path / "merged.safetensors", tmp_path / "clip.safetensors"
+    assert flux_merge_lora.main(["--flux_model", p["transformer"], "--clip_l", p["clip_l"], "--clip_l_save_to",
+                                 str(clip_out), "--models", p["lora"], "--ratios", "1", "--save_to", str(merged)]) == 0
+    assert _metadata(merged)["modelspec.merged_from"] == "flux, flux_lora"
+    assert set(load_file(str(merged))) == set(load_file(p["transformer"]))
+
+    diffusers_lora = tmp_path / "diffusers_lora.safetensors"
+    assert convert_flux_lora.main(["--src", "sd-scripts", "--dst", "ai-toolkit", "--src_path", p["lora"],
+                                   "--dst_path", str(diffusers_lora)]) == 0
+    pipe = FluxPipeline.from_pretrained(p["diffusers"], torch_dtype=torch.float32)
+    pipe.load_lora_weights(str(diffusers_lora))
+    pipe.fuse_lora(components=["transformer", "text_encoder"], lora_scale=1.0)
+    pipe.unload_lora_weights()  # fused weights stay, the LoRA layers go
+    ours = flux_models.load_flux_transformer(str(merged), dtype=torch.float32).state_dict()
+    theirs = pipe.transformer.state_dict()
+    for key, value in ours.items():
+        assert torch.allclose(theirs[key], value, atol=1e-5), key
+    clip_merged = load_file(str(clip_out))
+    te = {("text_model." + k if not k.startswith("text_model.") else k): v
+          for k, v in pipe.text_encoder.state_dict().items()}
+    assert torch.allclose(te["text_model.encoder.layers.0.self_attn.q_proj.weight"],
+                          clip_merged["text_model.encoder.layers.0.self_attn.q_proj.weight"], atol=1e-5)
+    assert not torch.allclose(clip_merged["text_model.encoder.layers.0.self_attn.q_proj.weight"],
+                              load_file(p["clip_l"])["text_model.encoder.layers.0.self_attn.q_proj.weight"])
+
+    back = tmp_path / "back.safetensors"
+    assert convert_flux_lora.main(["--src", "ai-toolkit", "--dst", "sd-scripts", "--src_path", str(diffusers_lora),
+                                   "--dst_path", str(back)]) == 0
+    original = _effective(load_file(p["lora"]))
+    for name, w in _effective(load_file(str(back))).items():
+        assert _rel(w, original[name]) < 1e-5, name
+
+    extracted = tmp_path / "extracted.safetensors"
+    assert flux_extract_lora.main(["--model_org", p["diffusers"], "--model_tuned", str(merged), "--save_to",
+                                   str(extracted), "--dim", "4", "--clamp_quantile", "1", "--device", "cpu"]) == 0
+    got = _effective(load_file(str(extracted)))
+    unet = {n: w for n, w in original.items() if n.startswith("lora_unet_") and "_blocks_" in n}
+    assert set(got) == set(unet)
+    total = math.sqrt(sum(float((got[n] - w).norm() ** 2) for n, w in unet.items())
+                      / sum(float(w.norm() ** 2) for w in unet.values()))
+    assert total < 0.05
+    md = _metadata(extracted)
+    assert md["ss_network_module"] == "networks.lora_flux" and md["modelspec.architecture"] == "flux-1-dev/lora"
+
+
+def test_flux_lora_to_lora_merge_takes_diffusers_layout(flux_setup, tmp_path):
+    diffusers_lora = tmp_path / "d.safetensors"
+    assert convert_flux_lora.main(["--src", "sd-scripts", "--dst", "ai-toolkit", "--src_path", flux_setup["lora"],
+                                   "--dst_path", str(diffusers_lora)]) == 0
+    out = tmp_path / "merged.safetensors"
+    assert flux_merge_lora.main(["--models", flux_setup["lora"], "--ratios", "1", "--save_to", str(out)]) == 0
+    assert _metadata(out)["ss_network_module"] == "networks.lora_flux"
+    both = tmp_path / "both.safetensors"
+    assert flux_merge_lora.main(["--models", str(diffusers_lora), str(diffusers_lora), "--ratios", "1", "1",
+                                 "--concat", "--diffusers", "--save_to", str(both)]) == 0
+    original = _effective(load_file(flux_setup["lora"]))
+    for name, w in _effective(load_file(str(both))).items():  # twice the rank, same alpha / rank: 1 x effective
+        assert _rel(w, original[name]) < 1e-5, name
+
+
+# -- bad input ----------------------------------------------------------------------------------------------------
+
+def _one_error(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_bad_input_is_one_line_exit_2(sdxl_lora, tiny_sd1_single_file, tmp_path, capsys, flux_setup):
+    out = str(tmp_path / "out.safetensors")
+    assert merge_lora.main(["--sd_model", str(tiny_sd1_single_file), "--models", str(sdxl_lora), "--ratios", "1",
+                            "--save_to", out]) == 2
+    assert "an SDXL LoRA, but the model is SD1.x; use sdxl_merge_lora.py" in _one_error(capsys)
+    assert flux_merge_lora.main(["--flux_model", flux_setup["transformer"], "--models", str(sdxl_lora),
+                                 "--ratios", "1", "--save_to", out]) == 2
+    assert "an SDXL LoRA, but the model is FLUX.1" in _one_error(capsys)
+    resized = tmp_path / "r4.safetensors"
+    assert resize_lora.main(["--model", str(sdxl_lora), "--save_to", str(resized), "--new_rank", "4",
+                             "--device", "cpu"]) == 0
+    capsys.readouterr()
+    assert sdxl_merge_lora.main(["--models", str(sdxl_lora), str(resized), "--ratios", "1", "1",
+                                 "--save_to", out]) == 2
+    assert "different ranks (dims) cannot be added" in _one_error(capsys)
+    not_a_model = tmp_path / "folder"
+    not_a_model.mkdir()
+    assert extract_lora_from_models.main(["--model_org", str(not_a_model), "--model_tuned", str(not_a_model),
+                                          "--save_to", out]) == 2
+    assert "not a diffusers model" in _one_error(capsys)
+    assert flux_merge_lora.main(["--flux_model", str(not_a_model), "--models", flux_setup["lora"], "--ratios", "1",
+                                 "--save_to", out]) == 2
+    assert "not a FLUX.1 diffusers model" in _one_error(capsys)
+    assert resize_lora.main(["--model", str(sdxl_lora), "--save_to", str(resized)]) == 2
+    assert "already exists" in _one_error(capsys)
+    assert resize_lora.main(["--model", str(sdxl_lora), "--save_to", out, "--dynamic_method", "sv_fro"]) == 2
+    assert "needs --dynamic_param" in _one_error(capsys)
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_exit_status_in_a_real_process(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "sd-scripts" / "networks" / "svd_merge_lora.py"),
+                           "--models", str(tmp_path / "a.safetensors"), "--ratios", "1", "0.5",
+                           "--save_to", str(tmp_path / "o.safetensors")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == ("error: --models and --ratios: 1 models but 2 ratios; give one "
+                                                    "ratio per model")
+
+
+@pytest.mark.parametrize("tool", TOOLS, ids=[t.__name__.split(".")[-1] for t in TOOLS])
+def test_dump_options(tool, capsys):
+    with pytest.raises(SystemExit) as e:
+        tool.main(["--dump_options"])
+    assert e.value.code == 0
+    entries = json.loads(capsys.readouterr().out)
+    names = {x["name"] for x in entries}
+    assert {"dump_options", "help"}.isdisjoint(names) and entries
+    parser = tool.setup_parser()
+    assert names == {a.dest for a in parser._actions if a.dest not in ("help", "dump_options")}
