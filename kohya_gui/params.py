@@ -467,7 +467,8 @@ OVERLAY: tuple[Param, ...] = (  # what the GUI adds to the trainers' options: la
        "Capture forward, backward and optimizer step as one CUDA graph after the first steps of each batch shape: "
        "no per-step Python overhead at batch 1-4 (SDXL 1024 bs1 on an H100: 191 -> 95 ms; FLUX.1 was slower). One "
        "GPU; needs cached latents and text-encoder outputs and no gradient accumulation. auto: on where it can "
-       "follow (one bucket shape, not FLUX.1; the log says what it chose and why), on: always, off: never.",
+       "follow and was measured faster (SDXL with torch.compile, one bucket shape; the log says what it chose and "
+       "why), on: always, off: never.",
        "compile", tabs=LORA, families=COMPILE_FAMILIES, choices=("auto", "on", "off")),
     _p("cuda_allow_tf32", "bool", False, "Allow TF32", "Faster matmuls on Ampere or newer GPUs.", "compile",
        families=COMPILE_FAMILIES),

@@ -243,7 +243,9 @@ def _resolve(args, shapes=((1024, 1024),), processes=1, family="sdxl"):
 @pytest.mark.parametrize("change, family, why", [
     (dict(), "sdxl", None),
     (dict(optimizer_type="AdamW8bit"), "sdxl", None),
-    (dict(optimizer_type="Prodigy"), "sd1", None),
+    (dict(optimizer_type="Prodigy"), "sdxl", None),
+    (dict(), "sd1", "is left off for SD1.x: not measured with it yet"),
+    (dict(compile=False), "sdxl", "is left off without --compile"),
     (dict(optimizer_type="AdaFactor"), "sdxl", None),
     (dict(optimizer_args=["foreach=True"]), "sdxl", None),
     (dict(), "flux", "is left off for FLUX.1"),
@@ -264,9 +266,10 @@ def test_auto_turns_it_on_where_it_can_follow_and_says_why_not(change, family, w
         in_graph = change.get("optimizer_type", "AdamW") == "AdamW" and not change.get("optimizer_args")
         assert ("optimizer step inside the graph" in lines[0]) == in_graph
     else:
-        assert used == "blocks"  # the blocks record their own CUDA graphs instead, as before
+        assert used == ("blocks" if args.compile else None)  # the blocks record their own CUDA graphs, as before
         assert lines[0].startswith("--cuda_graph_step auto: off; the step graph ") and why in lines[0], lines[0]
-    assert compile_graphs.block_compile_mode(args) == ("default" if why is None else "reduce-overhead")
+    if args.compile:
+        assert compile_graphs.block_compile_mode(args) == ("default" if why is None else "reduce-overhead")
 
 
 def test_auto_is_off_for_several_bucket_shapes_without_a_gpu_or_with_several_processes(monkeypatch, caplog):
