@@ -23,7 +23,7 @@ def test_resume_with_dropout_is_bit_exact(tmp_path, tiny_sdxl_single_file, tiny_
     from library import network_trainer
 
     def run(name, extra):
-        return network_trainer.run(sdxl_train_network.SDXLNetworkTrainer(), sdxl_train_network.setup_parser(),
+        return network_trainer.run(sdxl_train_network.trainer(), sdxl_train_network.setup_parser(),
                                    base_argv(tiny_sdxl_single_file, tmp_path, tiny_dataset_dir, name, steps=steps,
                                              extra=["--network_train_unet_only", *dropout, *extra]))
 
