@@ -419,3 +419,15 @@ def test_an_optimizer_that_gives_parameters_new_storage_ends_the_step_graphs(cap
     assert t.log.count("replay") == 1 and graphs.off and not graphs.graphs
     assert "gave a parameter new storage in its step" in caplog.text
     assert t.optimizer.step is new_storage  # put back after the capture
+
+
+def test_the_gui_reads_older_files_that_say_true_or_false():
+    from kohya_gui import params as P
+
+    p = P.BY_NAME["cuda_graph_step"]
+    assert p.kind == "choice" and p.default == "auto" and set(p.choices) == {"auto", "on", "off"}
+    assert p.check(True) == "on" and p.check(False) == "off" and p.check("auto") == "auto"
+    with pytest.raises(ValueError):
+        p.check("sometimes")
+    with pytest.raises(ValueError):
+        P.BY_NAME["compile_dynamic"].check(True)  # only a switch that became on / off reads true / false
