@@ -75,7 +75,8 @@ AFTER_GRAPH_OPTIMIZERS = ("AdamW8bit", "Lion8bit", "SGDNesterov8bit", "Lion", "P
                           "SGDNesterov")
 # families where auto leaves it off, and why
 AUTO_OFF_FAMILIES = {"flux": "FLUX.1: GPU-bound at its sizes, its step was slower with the step graph "
-                             "(docs/BENCHMARKS.md, run46/run47)"}
+                             "(docs/BENCHMARKS.md, run46/run47)",
+                     "sd1": "SD1.x: not measured with it yet", "sd2": "SD2.x: not measured with it yet"}
 
 
 def _setting_type(value: str) -> str:
@@ -89,9 +90,9 @@ def add_arguments(parser) -> None:
         help="capture the whole training step (forward, backward, optimizer step) as one CUDA graph after its first "
              f"{WARMUP} steps per batch shape and replay it: no per-step Python overhead at small batch sizes. Needs "
              "one CUDA GPU, cached latents and text-encoder outputs and no gradient accumulation; optimizers other "
-             "than AdamW/Adam step after the graph. auto (default): on where it can follow and is known to be faster "
-             "(one bucket shape, not FLUX.1), else off with a log line saying why; on (also the bare flag): always, "
-             "refused where it cannot follow; off: never")
+             "than AdamW/Adam step after the graph. auto (default): on where it can follow and was measured faster "
+             "(SDXL with --compile, one bucket shape), else off with a log line saying why; on (also the bare flag): "
+             "always, refused where it cannot follow; off: never")
 
 
 def optimizer_in_graph(args) -> bool:
@@ -165,6 +166,8 @@ def resolve(args, groups, num_processes: int, family: str, error: type[Exception
         name = optimizers.optimizer_type(args)
         if why is None and family in AUTO_OFF_FAMILIES:
             why = f"is left off for {AUTO_OFF_FAMILIES[family]}"
+        if why is None and not getattr(compiled, "compile", False):
+            why = "is left off without --compile: measured only with the compiled blocks (docs/BENCHMARKS.md)"
         if why is None and shapes > 1:
             why = (f"is left off for {shapes} bucket shapes: each would keep a graph's memory "
                    "(--cuda_graph_step on captures them)")
