@@ -17,6 +17,7 @@ import torch
 from library import (config_util, data_parallel, huggingface_util, optimizers, run_requests, saving, schedulers,
                      state_folders, train_util, validation)
 from library import metadata as metadata_util
+from library.errors import ConfigError
 from library.run.state import RunState
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ def start_accelerator(trainer, args):
     from library.compile import graphs as compile_graphs
 
     if compile_graphs.cuda_graphs(args) == "step" and accelerator.num_processes > 1:
-        raise train_util.ConfigError(f"--cuda_graph_step runs on one GPU; this run has {accelerator.num_processes} "
+        raise ConfigError(f"--cuda_graph_step runs on one GPU; this run has {accelerator.num_processes} "
                                      "processes: drop --cuda_graph_step or train on one GPU")
     if accelerator.is_main_process and not args.no_metadata:  # the one that saves (save_lora) needs the hashes
         metadata_util.start_file_hashes(args.pretrained_model_name_or_path, getattr(args, "vae", None))
