@@ -143,8 +143,12 @@ def test_sdxl_compile_aot_eager(tmp_path, tiny_sdxl_single_file, tiny_dataset_di
     path = network_trainer.run(trainer, sdxl_train_network.setup_parser(), argv)
     # CUDA graphs: the step is marked once per optimizer step, before its first micro-step (2 steps x 2 micro-steps)
     assert len(trainer.losses) == 4 and marks == [0, 2]
-    assert "Compiling SDXL UNet with torch.compile: backend=aot_eager, mode=default, dynamic=None, fullgraph=False" \
+    # --compile_dynamic auto with one bucket shape: static graphs
+    assert "Compiling SDXL UNet with torch.compile: backend=aot_eager, mode=default, dynamic=False, fullgraph=False" \
         in caplog.text
+    assert "static shapes (--compile_dynamic auto: the dataset has one bucket shape)" in caplog.text
+    assert "--cuda_graph_step auto: off; the step graph cannot accumulate gradients" not in caplog.text
+    assert "--cuda_graph_step auto: off; the step graph replays one whole optimizer step" in caplog.text
     assert "gradient checkpointing inside the compiled region (--compile_checkpoint_keep attention)" in caplog.text  # default
     n_blocks = count_transformer_blocks(tiny_sdxl_single_file)
     assert n_blocks > 0 and trainer.family.compiled_blocks == n_blocks
@@ -200,6 +204,7 @@ def test_sdxl_compile_two_buckets_dynamic_auto(tmp_path, tiny_sdxl_diffusers, ca
     # one line per bucket shape (latents 8x8 and 16x4 here), no torch recompile lines
     shapes = [r.getMessage() for r in caplog.records if "torch.compile: new input shape" in r.getMessage()]
     assert len(shapes) == 2 and len(set(shapes)) == 2, shapes
+    assert "image-size dimensions of their inputs dynamic" in caplog.text  # several bucket shapes: shape-generic
     assert "__recompiles" not in caplog.text and "Recompiling function" not in caplog.text
     assert trainer.family.compiled_blocks == count_transformer_blocks(tiny_sdxl_diffusers)
     check_loads_in_diffusers(path, load_components(tiny_sdxl_diffusers))

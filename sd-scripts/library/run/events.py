@@ -169,6 +169,18 @@ class Stop:
         state.stop.flag = state.stopping = True
 
 
+class StopAfterPause:
+    """A stop signal that came while this step's save, samples or validation paused the loop (seconds): the ranks
+    agree on it now, so the run stops after this step, not one step later."""
+
+    def due(self, state) -> bool:
+        return not state.at_epoch_end and state.paused
+
+    def run(self, state) -> None:
+        if state.requests.stop_agreed(state.accelerator, state.stop.flag):
+            state.asked.add("stop")
+
+
 class EpochLoss:
     """The tracker's loss/epoch: the mean loss of the epoch's batches."""
 
@@ -192,7 +204,7 @@ def step_events(progress_bar, line, late) -> list:
     """The events of a run, in the order they run: timing and progress first (the step's record), then the work
     that pauses training, then Stop (it ends the loop after the step, once the rest has run)."""
     return [StepTiming(), Progress(progress_bar, line, late), Validate(), EpochLoss(), TakeRequests(), Save(),
-            Sample(), Stop()]
+            Sample(), StopAfterPause(), Stop()]
 
 
 def stopped(state) -> None:

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from library import data_parallel, huggingface_util, saving, stop_signal, train_util
+from library import data_parallel, huggingface_util, saving, state_folders, stop_signal, train_util
 from library.late_loss import LateLosses
 from library.run import events, setup
 from library.run.step import MicroStep
@@ -64,6 +64,7 @@ def run_epochs(state, started) -> None:
         state.epoch = epoch
         start_epoch(state)
         for batch in epoch_batches(state):
+            state_folders.restore_resumed_rng()  # --resume: dropout's RNG as saved at a mid-epoch state
             if not micro_step(state, batch):
                 continue
             state.global_step += 1
@@ -105,7 +106,7 @@ def run_due(after: list, state, *, at_epoch_end: bool) -> None:
     for event in after:
         if event.due(state):
             event.run(state)
-    state.asked = set()
+    state.asked, state.paused = set(), False
 
 
 def finish(state) -> str:

@@ -61,6 +61,10 @@ def prepare(trainer, args, startup: Startup) -> RunState | Done:
     if isinstance(data, Done):
         return data
     group, val_group, groups = data
+    from library.compile import graphs as compile_graphs
+
+    # --cuda_graph_step auto and --compile_dynamic auto follow the dataset's bucket shapes
+    compile_graphs.resolve(args, groups, accelerator.num_processes, trainer.family_for(args), ConfigError)
     os.makedirs(args.output_dir, exist_ok=True)
     requests = run_requests.RunRequests(args.output_dir, accelerator.is_main_process)
     requests.clear_stale()  # before models load: a request sent while they load is this run's
@@ -94,11 +98,6 @@ def prepare(trainer, args, startup: Startup) -> RunState | Done:
 def start_accelerator(trainer, args):
     """The accelerator (library.data_parallel), the base-model hashes started on a thread, the seed."""
     accelerator = trainer.make_accelerator(args)
-    from library.compile import graphs as compile_graphs
-
-    if compile_graphs.cuda_graphs(args) == "step" and accelerator.num_processes > 1:
-        raise ConfigError(f"--cuda_graph_step runs on one GPU; this run has {accelerator.num_processes} "
-                                     "processes: drop --cuda_graph_step or train on one GPU")
     if accelerator.is_main_process and not args.no_metadata:  # the one that saves (save_lora) needs the hashes
         metadata_util.start_file_hashes(args.pretrained_model_name_or_path, getattr(args, "vae", None))
     # before the dataset: its batch order and augmentations follow the seed (a random one without --seed)
@@ -205,7 +204,7 @@ def resume(trainer, args, state: RunState) -> None:
     accelerator.register_for_checkpointing(state.checkpoint)  # last: state_folders.resumed_position reads it so
     if args.resume:
         logger.info("resuming from %s", args.resume)
-        state_folders.load_state(accelerator, huggingface_util.resume_state_dir(args))  # one line on a mismatch
+        state_folders.load_state(accelerator, huggingface_util.resume_state_dir(args), state.steps_per_epoch)
         optimizer_train()  # a schedule-free optimizer's state was saved in eval mode
         logger.info("resumed at step %d (epoch %d)", state.checkpoint.global_step, state.checkpoint.epoch)
     start = saving.start_position(args, state.steps_per_epoch, state.checkpoint.global_step, state.max_train_steps)

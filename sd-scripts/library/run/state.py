@@ -79,6 +79,7 @@ class RunState:
     avr_loss: float = float("nan")
     asked: set = field(default_factory=set)  # this step's Save now / Sample now / Stop requests
     stopping: bool = False  # the ranks' agreed answer to a stop request or signal
+    paused: bool = False  # this step's events paused the loop (validation, a save, samples)
     norm_postfix: dict = field(default_factory=dict)  # --scale_weight_norms: progress bar postfix, tracker logs
     norm_logs: dict = field(default_factory=dict)
     step_shapes: list = field(default_factory=list)  # input shapes of the step in progress (compile shape log)
@@ -104,6 +105,7 @@ class RunState:
 
     def pause(self) -> None:
         """Before work that is not step time (validation, saving, sampling): every pending loss read."""
+        self.paused = True
         self.reporter.flush(self)
 
     def resume(self) -> None:
