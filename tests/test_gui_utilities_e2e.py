@@ -124,7 +124,7 @@ def test_a_tool_runs_through_the_runner_with_its_log_and_result(page, workdir): 
     assert "--caption_extension .txt" in field(page, "util-dataset-command").input_value()
     page.locator("#util-dataset-run").click()
     wait_text(page, "util-dataset-status", "started")
-    page.wait_for_function("() => document.querySelector('#kg-log textarea').value.includes('merged 2 captions')",
+    page.wait_for_function("() => document.querySelector('#kg-log textarea').value.includes('merged 2 .txt files')",
                            timeout=120000)
     wait_text(page, "run-result", "Run finished", timeout=60000)
     assert json.loads(out.read_text()) == {"a": {"caption": "a cat"}, "b": {"caption": "a dog"}}

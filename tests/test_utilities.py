@@ -160,7 +160,7 @@ def test_a_tool_runs_through_the_runner_and_the_queue(tmp_path, monkeypatch):
     assert state.returncode == 0, runner.log_tail()
     assert json.loads((tmp_path / "out/meta.json").read_text()) == {"a": {"caption": "a cat"},
                                                                     "b": {"caption": "a dog"}}
-    assert "merged 2 captions" in runner.log_tail() and Path(state.log_path) == tools.log_path(t)
+    assert "merged 2 .txt files" in runner.log_tail() and Path(state.log_path) == tools.log_path(t)
     with pytest.raises(tools.ToolError, match="already exists"):  # never overwrites without the tick
         tools.start(runner, t, values)
     queue = RunQueue(tmp_path / "queue")
@@ -237,3 +237,33 @@ def test_a_tools_progress_bar_is_the_run_panels_progress():
     assert (p["step"], p["total"], p["eta_s"]) == (40, 100, 15)
     assert parse_progress("steps: 3/10 loss=0.5")["step"] == 3  # the trainers' line as before
     assert parse_progress("merged 2 captions into out.json") is None
+
+
+def test_a_lora_tool_runs_from_its_form_values_and_its_result_shows_its_metadata(tmp_path, monkeypatch):
+    """Resize LoRA, with the values its form sends (text fields, a number box), through the runner; the result's
+    metadata (Show a LoRA's metadata) has the new rank."""
+    import torch
+    from safetensors.torch import save_file
+
+    from kohya_gui.ui import utilities as U
+
+    monkeypatch.chdir(tmp_path)
+    lora = {}
+    for i in range(2):
+        name = f"lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q{i}"
+        lora |= {f"{name}.lora_down.weight": torch.randn(8, 32), f"{name}.lora_up.weight": torch.randn(32, 8),
+                 f"{name}.alpha": torch.tensor(8.0)}
+    save_file(lora, "tiny.safetensors", metadata={"ss_network_dim": "8", "ss_network_alpha": "8.0"})
+    ui = [{"model": "tiny.safetensors", "save_to": "out/tiny-r2.safetensors", "new_rank": 2,
+           "device": "cpu"}.get(o.name, U.to_ui(o)) for t, o in U.group_params("lora")]
+    command, message = U.print_tool("lora", "resize_lora", False, *ui)
+    assert "--new_rank 2" in command and "--device cpu" in command and "Run runs this command" in message
+    runner = Runner()
+    monkeypatch.setattr(U.A, "RUNNER", runner)
+    command, message = U.run_tool("lora", "resize_lora", False, *ui)
+    assert "started" in message
+    state = runner.wait(180)
+    assert state.returncode == 0 and state.outputs == ["out/tiny-r2.safetensors"], runner.log_tail()
+    assert "| `ss_network_dim` | 2 |" in U.show_metadata("out/tiny-r2.safetensors")
+    _, message = U.run_tool("lora", "resize_lora", False, *ui)  # the result exists: refused before any run
+    assert "already exists" in message and runner.snapshot().started == state.started
