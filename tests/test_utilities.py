@@ -6,6 +6,7 @@ through the training runner and the queue)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -267,3 +268,25 @@ def test_a_lora_tool_runs_from_its_form_values_and_its_result_shows_its_metadata
     assert "| `ss_network_dim` | 2 |" in U.show_metadata("out/tiny-r2.safetensors")
     _, message = U.run_tool("lora", "resize_lora", False, *ui)  # the result exists: refused before any run
     assert "already exists" in message and runner.snapshot().started == state.started
+
+
+def test_the_utilities_stop_ends_a_tool_but_never_a_training_run(tmp_path, monkeypatch):
+    import sys
+
+    from kohya_gui.ui import utilities as U
+
+    runner = Runner()
+    monkeypatch.setattr(U.A, "RUNNER", runner)
+    assert "No tool is running" in U.stop_tool()
+    runner.start([[sys.executable, "-c", "import time; time.sleep(60)"]], tmp_path / "train.log")  # not a tool
+    assert "training run" in U.stop_tool() and runner.running
+    runner.stop(now=True, grace=2)
+    runner.start([["python", "-c", "import time; time.sleep(60)"]], tmp_path / "python.log")
+    assert not tools.is_tool_run(runner.snapshot().commands)
+    runner.stop(now=True, grace=2)
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("needs os.mkfifo")
+    os.mkfifo(tmp_path / "waits.safetensors")  # the tool blocks reading it: a tool run that lasts
+    tools.start(runner, tools.tool("check_lora_weights"), {"file": str(tmp_path / "waits.safetensors")})
+    assert "Stopped the tool" in U.stop_tool()
+    assert not runner.running and runner.snapshot().stopped
