@@ -104,22 +104,13 @@ def merge(args: argparse.Namespace) -> None:
 
 def setup_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Merge LoRAs into one LoRA of a chosen rank (SVD)")
-    parser.add_argument("--save_precision", type=str, default=None, choices=[None, "float", "fp16", "bf16"],
-                        help="precision in saving (default: the merging precision)")
-    parser.add_argument("--precision", type=str, default="float", choices=["float", "fp16", "bf16"],
-                        help="precision in merging (float is recommended)")
+    lora_tools.add_precision_arguments(parser)
     parser.add_argument("--save_to", type=str, default=None, help="output file: .safetensors, .ckpt or .pt")
-    parser.add_argument("--models", type=str, nargs="*", help="LoRA files to merge")
-    parser.add_argument("--ratios", type=float, nargs="*", help="ratio of each LoRA (one per --models)")
-    parser.add_argument("--lbws", type=str, nargs="*",
-                        help="layer-block weights of each LoRA, a JSON list of 12, 17, 20 or 26 numbers each")
+    lora_tools.add_models_arguments(parser, lbws=True)
     parser.add_argument("--new_rank", type=int, default=4, help="rank of the output LoRA")
     parser.add_argument("--new_conv_rank", type=int, default=None,
                         help="rank of the output LoRA for 3x3 convs (default: --new_rank)")
-    parser.add_argument("--device", type=str, default=None,
-                        help="device for the SVDs, e.g. cuda or cpu (default: the GPU when there is one)")
-    parser.add_argument("--no_metadata", action="store_true",
-                        help="do not save modelspec metadata (the minimum ss_* metadata is kept)")
+    lora_tools.add_device_argument(parser)
     lora_tools.add_common_arguments(parser)
     return parser
 
