@@ -195,6 +195,7 @@ def test_the_run_panels_lora_shortcuts_fill_resize_and_merge(tmp_path, monkeypat
     import sys
 
     from kohya_gui import config_file
+    from kohya_gui import params as P
     from kohya_gui.ui import actions as A
     from kohya_gui.ui import utilities as U
 
@@ -202,8 +203,8 @@ def test_the_run_panels_lora_shortcuts_fill_resize_and_merge(tmp_path, monkeypat
         pytest.skip("the LoRA tool scripts are not here")
     out = tmp_path / "out"
     run_toml = out / "mylora.toml"
-    config_file.save(run_toml, "lora", "SDXL", {"pretrained_model_name_or_path": "models/base.safetensors",
-                                                "output_dir": str(out), "output_name": "mylora"})
+    config_file.save(run_toml, "lora", "SDXL", {**P.defaults("lora"), "output_dir": str(out), "output_name": "mylora",
+                                                "pretrained_model_name_or_path": "models/base.safetensors"})
     (out / "mylora-resized.safetensors").write_bytes(b"x")  # taken: the shortcut picks a free name
     runner = Runner()
     runner.start([[sys.executable, "-c", f"open({str(out / 'mylora.safetensors')!r}, 'wb').write(b'x')"]],
