@@ -73,12 +73,7 @@ def test_build_the_folder_layout_and_check_its_dataset_toml(page, workdir):  # n
     page.locator("#dstoml-from-folders").click()
     wait_text(page, "dstoml-status", "Added a subset per N_name folder")
     assert "5_sks dog" in page.locator("#dstoml-summary").inner_text()
-    field(page, "dstoml-path").fill(str(workdir / "prep-ds/dataset.toml"))
-    page.locator("#dstoml-save").click()
-    wait_text(page, "dstoml-status", "Saved")
-    saved = (workdir / "prep-ds/dataset.toml").read_text()
-    assert "num_repeats = 5" in saved and 'class_tokens = "sks dog"' in saved
-    page.locator("#dstoml-check").click()
+    page.locator("#dstoml-check").click()  # the text on screen, as it is (Save: tests/test_utilities.py)
     out = wait_text(page, "dstoml-status", "accepts this dataset", timeout=240000)
     assert "10 train images with repeats" in out
 
@@ -99,9 +94,6 @@ def test_edit_a_caption_and_replace_a_tag_in_the_folder(page, workdir):  # noqa:
     page.wait_for_function("() => document.querySelector('#cap-text textarea').value === 'dog, red hair'")
     field(page, "cap-find").fill("red hair")
     field(page, "cap-replace").fill("blue hair")
-    page.locator("#cap-count").click()
-    wait_text(page, "cap-replace-status", "2 of 3 caption files would change")
-    assert (folder / "b.txt").read_text() == "dog, red hair"
     page.locator("#cap-replace-all").click()
     wait_text(page, "cap-replace-status", "changed 2 of 3 caption files")
     assert (folder / "a.txt").read_text() == "cat, blue hair, smile" and (folder / "b.txt").read_text() == \
