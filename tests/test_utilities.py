@@ -74,6 +74,12 @@ def test_editor_keeps_unsaved_edits_until_saved_or_discarded(tmp_path):
     assert moved[0] == "" and moved[-1] == str(folder / "b.png") and moved[-2] == "dog"
     assert U.discard_changes(".txt", str(folder / "b.png")) == ("", "dog")
     assert C.tag_counts(str(folder))[:1] == [("cat", 1)]
+    message, backup = U.replace_tags(str(folder), ".txt", "cat", "", True, apply=False)
+    assert "removing `cat`: 1 of 2 caption files would change" in message and (folder / "a.txt").read_text() == \
+        "cat, edited"
+    message, backup = U.replace_tags(str(folder), ".txt", "cat", "", True, apply=True)
+    assert "changed 1 of 2 caption files" in message and (folder / "a.txt").read_text() == "edited"
+    assert "Put back 1 caption files" in U.undo_replace(backup)[0] and (folder / "a.txt").read_text() == "cat, edited"
 
 
 # ---- folder builder and balancing ----------------------------------------------------------------------------------
