@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION",
                                 help="print-command, train, prepare-demo, import, signal (each has --help)")
     config_help = ("a configuration TOML saved by the GUI, a preset name (demo-sdxl-tiny, "
-                   "dreambooth/sdxl-dreambooth-24gb), a kohya_ss GUI JSON or a run TOML of kohya_ss / sd-scripts")
+                   "dreambooth/sdxl-dreambooth-24gb), a kohya_ss GUI JSON (imported on the fly) or an sd-scripts "
+                   "TOML (for a kohya_ss run TOML use import)")
     family_help = f"the model family, where the file does not say it ({', '.join(params.FAMILIES)})"
     printing = sub.add_parser("print-command", help="print the command Start training would run, and what the "
                                                     "GUI's Print warns about (on stderr)")

@@ -37,16 +37,12 @@ class Imported:
     side_files: dict[str, tuple[str, str]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # what the file does not say (a guessed model family)
 
-    @property
-    def sample_prompts_text(self) -> str:
-        return self.side_files.get("sample_prompts", ("", ""))[1]
-
     def report_lines(self) -> list[str]:
         return [f"{key}: {what}" + (f" ({why})" if why else "") for key, what, why in self.report]
 
     def write_side_files(self, base: Path, force: bool = False, free_names: bool = False) -> list[Path]:
-        """Writes the side files as <base stem><suffix> and sets their options. Never overwrites: without `force`
-        an existing one stops it (nothing written); with `free_names` an existing different file makes it take
+        """Writes the side files as <base stem><suffix> and sets their options. An existing file is replaced only
+        with `force`: otherwise it stops the import (nothing written), or with `free_names` the side file takes
         the next free name (<stem>-2<suffix> ...)."""
         paths = {}
         for name, (suffix, text) in self.side_files.items():

@@ -6,6 +6,8 @@ parse with accelerate's own `launch` parser. Skips only where the target script 
 
 from __future__ import annotations
 
+import argparse
+
 import importlib.util
 import math
 import sys
@@ -73,9 +75,12 @@ def test_config_file_values_reach_the_trainer(tmp_path, tab, family):
     path = tmp_path / "run.toml"
     config_file.save(path, tab, family, values)
     args = train_util.parse_args(parser, ["--config_file", str(path)])
+    # what the trainer reads after its normalisation (a deprecated spelling becomes its option)
+    written = train_util.normalise_args(argparse.Namespace(
+        **{p.name: expected_value(p, tab, family, values) for p in trainer_params(tab, family)}))
     wrong = []
     for p in trainer_params(tab, family):
-        expected = expected_value(p, tab, family, values)
+        expected = getattr(written, p.name)
         if not hasattr(args, p.name):
             wrong.append(f"--{p.name}: the trainer has no such option")
         elif not same(expected, getattr(args, p.name)):
@@ -189,14 +194,30 @@ def test_the_option_files_are_the_trainers_current_options():
 
 
 def test_every_trainer_option_has_a_kohya_ss_like_group_and_label():
-    """option_places.py places each option the trainers describe in one of the groups kohya_ss users know (nothing
-    is left in "Other options"), and names only options that exist (a renamed trainer option fails here)."""
+    """The presentation table (option_places.PLACES) covers every option the trainers describe with a group kohya_ss
+    users know (nothing is left in "Other options"), names only options that exist (a renamed trainer option
+    fails here) and states no option facts: kinds and defaults only for the options that are not the trainers'
+    (accelerate launch, the GUI's own), and its widget hints fit the trainer's option."""
     from kohya_gui import option_places
 
     described = {name for options in P.TRAINER_OPTIONS.values() for name in options}
-    declared = {p.name for p in P.OVERLAY}
     assert sorted(p.name for p in P.PARAMS if p.accordion == "other") == []
-    assert sorted(set(option_places.PLACES) - described) == []
-    assert sorted(set(option_places.PLACES) & declared) == [], "declared in the overlay and placed twice"
-    assert {P.top_group(g) for g, _ in option_places.PLACES.values()} <= set(P.ACCORDIONS)
+    own = {n for n, look in option_places.PLACES.items() if look.own}
+    assert sorted(set(option_places.PLACES) - described - own) == []
+    assert sorted(own & described) == [], "the trainers describe it: its kind and default come from there"
+    assert all(P.BY_NAME[n].target in ("launch", "gui") for n in own)
+    assert {P.top_group(look.group) for look in option_places.PLACES.values()} <= set(P.ACCORDIONS)
+    for name, look in option_places.PLACES.items():
+        per_script = {s: o[name] for s, o in P.TRAINER_OPTIONS.items() if name in o}
+        if look.widget == "names":
+            assert any(o.get("suggested") for o in per_script.values()), name
+        if look.widget == "one_number":
+            assert all("nargs" in o for o in per_script.values()), name
+        if look.widget in ("file", "folder"):
+            assert all(o["kind"] == "str" for o in per_script.values()), name
+        for tab, shown in look.tab_choices.items():  # which of the tab's trainer choices are offered
+            allowed = {c or "" for (t, _), script in P.SCRIPTS.items() if t == tab and script in per_script
+                       for c in per_script[script].get("choices") or []}
+            assert set(shown) <= allowed, (name, tab, set(shown) - allowed)
+        assert not look.choices or look.own, f"{name}: choices of a trainer option come from the trainer"
     assert all(parent in P.ACCORDIONS for _, parent in P.SUBGROUPS.values())

@@ -424,3 +424,27 @@ def test_the_option_filter_knows_each_options_families():
     row = next(r for r in index if r[0] == "blocks_to_swap")
     assert row[3] == ["FLUX.1"] and all(w in row[1] for w in ("block", "swap"))
     assert "No option matches" in js and "only)" in js
+
+
+@pytest.mark.slow
+def test_an_imported_diag_oft_bypass_bf16_config_trains_on_the_cpu(tmp_path, tiny_sd1_single_file, tiny_dataset_dir):
+    """Issue 31: a kohya_ss LyCORIS/Diag-OFT config with bypass mode in bf16, imported and run as the GUI runs it
+    (the trainer's command line with the config TOML), trains its steps on the CPU and saves."""
+    import subprocess
+    import sys
+
+    from kohya_gui import command
+
+    pytest.importorskip("lycoris")
+    imp = importer.from_kohya_ss(kohya(LoRA_type="LyCORIS/Diag-OFT", sdxl=False, bypass_mode=True, constrain=0.0,
+                                       optimizer="AdamW", mixed_precision="bf16", save_precision="bf16",
+                                       max_resolution="64,64", max_train_steps=2, network_dim=4))
+    values = with_tiny_paths(imp, tmp_path, tiny_dataset_dir)
+    values.update(pretrained_model_name_or_path=str(tiny_sd1_single_file), max_data_loader_n_workers=0,
+                  tokenizer_cache_dir=str(tiny_sd1_single_file.parent / "tokenizers"))
+    argv = command.trainer_args(imp.tab, imp.family, values)
+    assert "bypass_mode=True" in argv and "algo=diag-oft" in argv
+    proc = subprocess.run([sys.executable, str(REPO / "sd-scripts" / "train_network.py"), *argv], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "out" / "imported.safetensors").is_file()

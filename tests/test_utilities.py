@@ -223,6 +223,9 @@ def test_the_run_panels_lora_shortcuts_fill_resize_and_merge(tmp_path, monkeypat
         "--models", str(out / "mylora.safetensors"), "--ratios", "1.0"]
     updates = U.lora_shortcut("merge")
     assert updates[2]["value"] == "sdxl_merge_lora" and "Merge `mylora.safetensors`" in updates[-1]
+    filled = {target: u["value"] for target, u in zip(U.shortcut_targets("merge"), updates[-1 - len(
+        U.shortcut_targets("merge")):-1]) if isinstance(u, dict) and "value" in u}
+    assert filled == {("sdxl_merge_lora", k): v for k, v in fills.items()}
 
 
 def test_a_tools_progress_bar_is_the_run_panels_progress():

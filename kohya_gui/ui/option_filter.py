@@ -1,7 +1,7 @@
 """The filter box at the top of each tab: typing part of a label, an option name or a --flag shows only the
 matching options (every word typed is in the label or flag), across all groups, and opens the groups they are in;
-the line under the box says when nothing matches, or when a match is only for another model family. It runs in the browser (no server round
-trip per keystroke for ~300 controls). A closed group's controls are not in the page yet, so the tab's index of
+the line under the box says when nothing matches, or when a match is only for another model family. It runs in
+the browser (no server round trip per keystroke for ~300 controls). A closed group's controls are not in the page yet, so the tab's index of
 (option, label, the group and sub-group it is in) is embedded in the script: it opens the groups first (a
 sub-group once its group is drawn), then hides what does not match once their controls exist. Controls carry
 elem_id "<tab>-<option>" (actions.elem_id), groups "<tab>-acc-<group>"."""
@@ -29,7 +29,9 @@ FILTER_JS = """(query) => {
   if (hint) {
     let text = '';
     if (q && !hits.size && !elsewhere.length) text = `No option matches "${query.trim()}".`;
-    else if (q && !hits.size) text = `No option of ${family} matches; of other model families: ${elsewhere.join('; ')}.`;
+    else if (q && !hits.size) {
+      text = `No option of ${family} matches; of other model families: ${elsewhere.join('; ')}.`;
+    }
     else if (q && elsewhere.length) text = `Also for other model families: ${elsewhere.join('; ')}.`;
     hint.textContent = text;
     hint.style.display = text ? '' : 'none';

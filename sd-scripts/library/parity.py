@@ -189,6 +189,7 @@ KOHYA_SS_GUI_KEYS: dict[str, str] = {
 # (argparse checks no choices of config-file values): key -> {value as written: value here}
 CONFIG_VALUE_ALIASES: dict[str, dict] = {
     "max_token_length": {75: None},  # the default, 75 tokens, written out; upstream reads it as 75 tokens
+    "cuda_graph_step": {True: "on", False: "off"},  # a switch before it had auto: files that say true / false
 }
 
 

@@ -89,12 +89,20 @@ class LoRABase(nn.Module):
         self.rank_dropout = rank_dropout
         self.module_dropout = module_dropout
 
-    def add_lora(self, org: torch.Tensor, x: torch.Tensor, up_weight: torch.Tensor | None = None,
-                 down: nn.Module | None = None, up: nn.Module | None = None) -> torch.Tensor:
-        """org (the wrapped layer's output for x) plus the LoRA of x; `up_weight` replaces lora_up by these rows
-        of its weight (a split up-projection); `down`/`up` replace lora_down/lora_up (one part of a split LoRA)."""
-        if self.module_dropout and self.training and torch.rand(()) < self.module_dropout:
+    def add_lora(self, org: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """org (the wrapped layer's output for x) plus the LoRA of x."""
+        if self.module_dropped():
             return org
+        lx, scale = self.down_with_dropout(x)
+        return org + (self.lora_up(lx) * (self.multiplier * scale)).to(org.dtype)
+
+    def module_dropped(self) -> bool:
+        """module_dropout: this forward leaves the LoRA out (one draw)."""
+        return bool(self.module_dropout and self.training and torch.rand(()) < self.module_dropout)
+
+    def down_with_dropout(self, x: torch.Tensor, down: nn.Module | None = None) -> tuple[torch.Tensor, float]:
+        """(down(x) with --network_dropout and rank_dropout applied, the scale that goes with it); `down`
+        replaces lora_down (one part of a split LoRA)."""
         down = self.lora_down if down is None else down
         lx = down(x.to(down.weight.dtype) if not torch.is_autocast_enabled(x.device.type) else x)
         if self.dropout and self.training:
@@ -108,11 +116,7 @@ class LoRABase(nn.Module):
             mask = (torch.rand(shape, device=lx.device) > self.rank_dropout).to(lx.dtype)
             lx = lx * mask
             scale = scale / (1.0 - self.rank_dropout)
-        if up_weight is not None:
-            lx = F.linear(lx, up_weight)
-        else:
-            lx = (self.lora_up if up is None else up)(lx)
-        return org + (lx * (self.multiplier * scale)).to(org.dtype)
+        return lx, scale
 
     def delta_weight(self) -> torch.Tensor:
         """up @ down * alpha / dim in float32, shaped like the wrapped layer's weight (all parts stacked)."""

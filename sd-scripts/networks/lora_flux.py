@@ -140,6 +140,7 @@ class FluxLoRAModule(lora_sd.LoRABase):
         self.split_dims = split_dims
         self._orgs = list(org_modules)  # plain list: not submodules, the network holds only LoRA weights
         self._org_forwards: list | None = None
+        self._pending: tuple | None = None  # (x, {part: its LoRA output}) until the other parts take theirs
         self._offsets = [sum(split_dims[:i]) for i in range(len(split_dims))]
         self.ggpo_sigma, self.ggpo_beta = ggpo_sigma, ggpo_beta
         self.grad_norms = self.weight_norms = self.combined_weight_norms = None
@@ -166,6 +167,7 @@ class FluxLoRAModule(lora_sd.LoRABase):
             for m, f in zip(self._orgs, self._org_forwards):
                 m.forward = f
             self._org_forwards = None
+        self._pending = None
 
     def _part_forward(self, i: int):
         def forward(x, *args, **kwargs):
@@ -176,15 +178,43 @@ class FluxLoRAModule(lora_sd.LoRABase):
     def forward_part(self, i: int, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         org = self._org_forwards[i](x, *args, **kwargs)
         rows = slice(self._offsets[i], self._offsets[i] + self.split_dims[i])
-        if self.split:
-            out = self.add_lora(org, x, down=self.lora_down[i], up=self.lora_up[i])
-        else:
-            up = self.lora_up.weight[rows] if len(self.split_dims) > 1 else None
-            out = self.add_lora(org, x, up)
+        delta = self._part_delta(i, x)
+        out = org if delta is None else org + delta.to(org.dtype)
         if self.training and self.uses_ggpo and self.combined_weight_norms is not None \
                 and self.grad_norms is not None:
             out = out + self._perturbation(x, rows).to(out.dtype)
         return out
+
+    def _part_delta(self, i: int, x: torch.Tensor) -> torch.Tensor | None:
+        """Part i's share of the fused layer's LoRA output for x (None: module dropout left it out). The parts
+        of a fused layer are called one after another with the same x: the first call computes every part's
+        share with one set of dropout draws (as sd-scripts' one BFL Linear does), the others take theirs."""
+        if len(self.split_dims) == 1:
+            return self._fused_deltas(x)[0]
+        pending = self._pending
+        if pending is not None and pending[0] is x and i in pending[1]:
+            delta = pending[1].pop(i)
+            if not pending[1]:
+                self._pending = None
+            return delta
+        deltas = self._fused_deltas(x)
+        self._pending = (x, {j: d for j, d in enumerate(deltas) if j != i})
+        return deltas[i]
+
+    def _fused_deltas(self, x: torch.Tensor) -> list[torch.Tensor | None]:
+        """Each part's LoRA output for x: module dropout drawn once, the down projection computed once (each
+        part's own down with split_qkv), dropout and rank dropout drawn once per down output."""
+        if self.module_dropped():
+            return [None] * len(self.split_dims)
+        if self.split:
+            deltas = []
+            for down, up in zip(self.lora_down, self.lora_up):
+                lx, scale = self.down_with_dropout(x, down)
+                deltas.append(up(lx) * (self.multiplier * scale))
+            return deltas
+        lx, scale = self.down_with_dropout(x)
+        out = self.lora_up(lx) * (self.multiplier * scale)
+        return list(out.split(self.split_dims, dim=-1)) if len(self.split_dims) > 1 else [out]
 
     # -- LoRA-GGPO ---------------------------------------------------------------------------------------
     @property
