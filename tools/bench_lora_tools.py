@@ -120,7 +120,10 @@ def full_sdxl_components():
     for name in ("text_encoder", "text_encoder_2"):
         cfg = model_util.load_arch_config("sdxl", name)
         tes.append(rand(model_util._clip_class(cfg)(model_util._clip_config(cfg)).to(torch.float16)))
-    return model_util.SDComponents(family="sdxl", unet=unet, vae=vae, text_encoders=tes, tokenizers=[])
+    # logit_scale: in every SDXL base file, and upstream's loader reads it
+    extra = {model_util.SDXL_TE2_PREFIX + "logit_scale": torch.tensor(4.6052, dtype=torch.float16)}
+    return model_util.SDComponents(family="sdxl", unet=unet, vae=vae, text_encoders=tes, tokenizers=[],
+                                   extra_state=extra)
 
 
 def commands(root: str, python: str, paths: dict, out: Path, device: str, cfg: dict, ours: bool) -> dict[str, list]:
