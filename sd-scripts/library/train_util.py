@@ -305,24 +305,28 @@ def write_output_config(args: argparse.Namespace) -> str:
 # checks done before any model loads
 
 
-
 def check_output_dir(output_dir: str) -> None:
-    """The results can be written there: a folder (or a path that can become one) we may write to. Nothing
-    is created here."""
+    """The results can be written there: a folder (or a path that can become one) we may write to, tried with a
+    temporary file (permissions alone miss /proc, a read-only disk, root on a read-only mount). Nothing is created."""
+    import tempfile
+
     path = os.path.abspath(output_dir)
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"--output_dir {output_dir} is a file, not a folder")
     existing = path
-    while not os.path.exists(existing):
-        parent = os.path.dirname(existing)
-        if parent == existing:
-            break
-        existing = parent
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise ConfigError(f"--output_dir {output_dir} cannot be created: {existing} is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         what = "is not writable" if existing == path else f"cannot be created: {existing} is not writable"
         raise ConfigError(f"--output_dir {output_dir} {what}")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--output_dir {output_dir}: cannot write files in {existing} ({e.strerror or e})") \
+            from None
 
 
 def verify_training_args(args: argparse.Namespace) -> None:
@@ -392,24 +396,6 @@ def state_dir_name(output_name: str, epoch: int | None = None, step: int | None 
     if epoch is not None:
         return f"{output_name}-{epoch:06d}-state"
     return f"{output_name}-state"
-
-
-def check_output_dir(output_dir: str) -> None:
-    """Before any model loads: files can be written in the output folder, or in its nearest existing parent when it
-    does not exist yet (/proc/..., a read-only disk, a file in the way): one line instead of a traceback later."""
-    import tempfile
-
-    existing = os.path.abspath(output_dir)
-    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise ConfigError(f"--output_dir {output_dir}: {existing} is a file, not a folder")
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as e:
-        raise ConfigError(f"--output_dir {output_dir}: cannot write files in {existing} ({e.strerror or e})") \
-            from None
 
 
 def check_outputs_free(output_dir: str, output_name: str, ext: str, overwrite: bool, resuming: bool) -> None:
