@@ -155,3 +155,17 @@ def test_flux_file_is_not_a_chroma_checkpoint(tmp_path, chroma_data, capsys):
         flux_train_network.main([*single_file_argv(paths), *LORA, *train_argv(chroma_data, tmp_path / "out", "x")])
     assert e.value.code == 2
     assert "is not a Chroma checkpoint" in capsys.readouterr().err
+
+
+def test_gui_flux_family_runs_chroma_as_a_model_type():
+    """The GUI offers Chroma as FLUX.1's model type (choices from the option dump) and runs the FLUX.1 scripts."""
+    from kohya_gui import command, params as P
+
+    for tab, script in (("lora", "flux_train_network.py"), ("finetune", "flux_train.py")):
+        model_type = next(p for p in P.params_for(tab, "FLUX.1") if p.name == "model_type")
+        assert "chroma" in model_type.choices
+        values = {**P.defaults(tab), "output_dir": "/tmp/out", "output_name": "c", "model_type": "chroma",
+                  "apply_t5_attn_mask": True}
+        argv = command.standalone_argv(tab, "FLUX.1", values)
+        assert argv[argv.index("--model_type") + 1] == "chroma" and "--apply_t5_attn_mask" in argv
+        assert any(a.endswith(script) for a in argv)
