@@ -169,3 +169,24 @@ def test_gui_flux_family_runs_chroma_as_a_model_type():
         argv = command.standalone_argv(tab, "FLUX.1", values)
         assert argv[argv.index("--model_type") + 1] == "chroma" and "--apply_t5_attn_mask" in argv
         assert any(a.endswith(script) for a in argv)
+
+
+@pytest.mark.slow
+def test_lora_cached_outputs_block_swap_fp8_and_compile(chroma_set, chroma_data, tmp_path, caplog):
+    """What FLUX.1 has carries over: cached latents and T5 outputs on disk (upstream's _flux_te.npz), fp8 base,
+    block swap, gradient checkpointing and the regional compile of Chroma's blocks; --clip_l is ignored."""
+    import logging
+    import shutil
+
+    caplog.set_level(logging.INFO)
+    data = tmp_path / "data"
+    shutil.copytree(chroma_data, data)
+    path = flux_train_network.main([*single_file_argv(chroma_set), *LORA, *train_argv(data, tmp_path / "out", "c", [
+        "--clip_l", chroma_set["t5xxl"], "--cache_text_encoder_outputs_to_disk", "--cache_latents_to_disk",
+        "--network_train_unet_only", "--blocks_to_swap", "1", "--gradient_checkpointing", "--fp8_base",
+        "--compile", "--compile_backend", "aot_eager"])])
+    sd, md = read(path)
+    assert md["ss_fp8_base"] == "True" and md["ss_blocks_to_swap"] == "1" and md["ss_compile_blocks"] == "2"
+    assert any(v.abs().sum() > 0 for k, v in sd.items() if k.endswith("lora_up.weight"))
+    assert len(list(data.rglob("*_flux_te.npz"))) == 2 and len(list(data.rglob("*_flux.npz"))) == 2
+    assert "--clip_l is ignored: Chroma does not use CLIP-L" in caplog.text
