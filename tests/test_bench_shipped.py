@@ -139,6 +139,6 @@ def test_report_puts_default_and_best_side_by_side(tmp_path):
                  trainer_summary=None)]
     (tmp_path / "r.json").write_text(json.dumps(runs))
     rows = bench_shipped.report([str(tmp_path / "r.json")]).splitlines()
-    assert rows[2] == "| SDXL bs1 + GC | before | default |  | 154.7 ms | 7.05 GiB | 160.0 ms |"
-    assert rows[3] == "| SDXL bs1 + GC | after | default | step graph on, static | **119.4 ms** | 7.1 GiB |  |"
-    assert rows[4] == "| SDXL bs1 + GC | after | --optimizer_type Prodigy |  | failed (rc 1) |  |  |"
+    assert rows[2] == "| SDXL bs1 + GC | --optimizer_type Prodigy | after |  | failed (rc 1) |  |  |"
+    assert rows[3] == "| SDXL bs1 + GC | default | after | step graph on, static | **119.4 ms** | 7.1 GiB |  |"
+    assert rows[4] == "| SDXL bs1 + GC | default | before |  | 154.7 ms | 7.05 GiB | 160.0 ms |"

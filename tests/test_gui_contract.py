@@ -7,7 +7,6 @@ parse with accelerate's own `launch` parser. Skips only where the target script 
 from __future__ import annotations
 
 import argparse
-
 import importlib.util
 import math
 import sys

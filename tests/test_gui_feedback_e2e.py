@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from test_gui_e2e import ARTIFACTS, browser, field, gui_url, page, wait_for, workdir  # noqa: F401  (fixtures)
+from test_gui_e2e import (ARTIFACTS, BROWSER_TIMEOUT_MS, browser, field, gui_url, page, wait_for,  # noqa: F401
+                          workdir)
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +55,7 @@ def test_refresh_keeps_the_form(page, workdir):
     page.locator("#lora-save").click()
     page.locator("#lora-status").get_by_text("Saved").wait_for()
     typed(page, "lora-output_dir", "outputs/edited")  # an edit without any click is kept too
-    assert wait_for(lambda: kept(workdir, 'output_dir = "outputs/edited"'), 30)
+    assert wait_for(lambda: kept(workdir, 'output_dir = "outputs/edited"'), BROWSER_TIMEOUT_MS / 1000)
     page.reload()
     value_is(page, "lora-output_dir", "outputs/edited")
     assert field(page, "lora-output_name").input_value() == "saved-name"
@@ -70,7 +71,7 @@ def test_refresh_during_a_run_shows_the_runs_settings(page, workdir):
     page.locator("#lora-run-status").get_by_text("Training started").wait_for()
     try:
         typed(page, "lora-output_name", "edited-after-start")
-        assert wait_for(lambda: kept(workdir, "edited-after-start"), 30)
+        assert wait_for(lambda: kept(workdir, "edited-after-start"), BROWSER_TIMEOUT_MS / 1000)
         page.reload()
         value_is(page, "lora-output_name", "during-run")
         page.locator("#lora-status").get_by_text("Showing the settings of the running training").wait_for()

@@ -321,24 +321,28 @@ def auto_choices(lines: list[str]) -> str:
 
 
 def report(paths: list[str]) -> str:
-    """One markdown row per run of the --json_out files: the workload, the scripts (their tag), the trainer flags
-    beyond the defaults, what auto chose, the median step and peak memory; per workload the fastest run is bold."""
+    """One markdown row per run of the --json_out files: the workload, the trainer flags beyond the defaults, the
+    scripts (their tag), what auto chose, the median step and peak memory; rows of one workload and flags side by
+    side, the fastest in bold."""
     runs = [r for path in paths for r in json.loads(Path(path).read_text())]
-    rows = ["| workload | scripts | flags | auto chose | median step | peak | outside |", "|---|---|---|---|---|---|---|"]
-    best: dict[str, float] = {}
+
+    def key(r) -> tuple[str, str]:
+        return r["workload"], " ".join(r.get("extra") or []) or "default"
+
+    best: dict[tuple, float] = {}
     for r in runs:
         ms = (r.get("trainer_summary") or {}).get("median_ms")
-        key = r["workload"]
         if ms is not None:
-            best[key] = min(best.get(key, ms), ms)
-    for r in runs:
+            best[key(r)] = min(best.get(key(r), ms), ms)
+    rows = ["| workload | flags | scripts | auto chose | median step | peak | outside |", "|---|---|---|---|---|---|---|"]
+    for r in sorted(runs, key=lambda r: (*key(r), r["tag"])):
         summary = r.get("trainer_summary") or {}
         ms = summary.get("median_ms")
-        shown = "failed (rc %s)" % r["rc"] if ms is None else (f"**{ms} ms**" if ms == best[r["workload"]] else f"{ms} ms")
+        shown = "failed (rc %s)" % r["rc"] if ms is None else (f"**{ms} ms**" if ms == best[key(r)] else f"{ms} ms")
         peak = f"{summary['peak_gib']} GiB" if "peak_gib" in summary else ""
         outside = f"{r['outside_ms_per_step']} ms" if "outside_ms_per_step" in r else ""
-        rows.append(f"| {r['workload']} | {r['tag']} | {' '.join(r.get('extra') or []) or 'default'} | "
-                    f"{r.get('auto_chose') or ''} | {shown} | {peak} | {outside} |")
+        rows.append(f"| {key(r)[0]} | {key(r)[1]} | {r['tag']} | {r.get('auto_chose') or ''} | {shown} | {peak} | "
+                    f"{outside} |")
     return "\n".join(rows)
 
 

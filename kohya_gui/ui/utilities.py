@@ -140,6 +140,18 @@ def queue_tool(group: str, key: str, overwrite: bool, *ui_values) -> str:
                    "the run panel.")
 
 
+def stop_tool() -> str:
+    """Stops the running tool (a tool has nothing to save: SIGTERM, then SIGKILL after the grace time). A training
+    run is left alone: its tab's Stop saves it."""
+    s = A.RUNNER.snapshot()
+    if not s.running:
+        return A.error_md("No tool is running.")
+    if not tools.is_tool_run(s.commands):
+        return A.error_md("The active run is a training run: stop it with its tab's Stop buttons (Stop saves it).")
+    A.RUNNER.stop(now=True)
+    return A.ok_md("Stopped the tool.")
+
+
 def choose_tool(group: str, key: str) -> list:
     """Shows the chosen tool's form, hides the others."""
     return [gr.update(visible=t.key == key) for t in tools.in_group(group)]
@@ -180,7 +192,7 @@ def build_tool_group(group: str) -> dict:
                         (print_btn.click(functools.partial(print_tool, group), inputs=args,
                                          outputs=[command, status]), status),
                         (queue_btn.click(functools.partial(queue_tool, group), inputs=args, outputs=status), status),
-                        (stop_btn.click(A.stop_training, outputs=status), status)):
+                        (stop_btn.click(stop_tool, outputs=status), status)):
         feedback.follow(event, area.elem_id)
     return {"picker": picker, "columns": columns, "controls": controls, "status": status, "command": command}
 

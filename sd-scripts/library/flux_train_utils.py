@@ -268,7 +268,7 @@ TRAIN_BLOCKS = ("all", "single", "double")
 def check_full_args(args, target) -> None:
     """flux_train.py's own options, before the family's checks."""
     from library import optimizers
-    from library.train_util import ConfigError
+    from library.errors import ConfigError
 
     map_deprecated_swap_args(args)
     if args.cpu_offload_checkpointing and not args.gradient_checkpointing:
@@ -332,7 +332,7 @@ def place_for_full_training(args, accelerator, family, components, train_dtype):
     the device (the family's swapper then also syncs the blocks before a save)."""
     from library.block_swap import BlockSwapError, place_with_block_swap
     from library.network_trainer import Trainable
-    from library.train_util import ConfigError
+    from library.errors import ConfigError
 
     device = accelerator.device
     model = components.transformer

@@ -860,8 +860,8 @@ def check_extract_arguments(args: argparse.Namespace) -> None:
 
 
 def extract_from_diffs(diffs: dict[str, torch.Tensor], ranks: dict[str, int], device: torch.device,
-                       clamp: float, save_dtype: torch.dtype | None, desc: str | None = "extracting"
-                       ) -> dict[str, torch.Tensor]:
+                       clamp: float, save_dtype: torch.dtype | None, desc: str | None = "extracting",
+                       alpha_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """A LoRA (up, down, alpha = rank) of each weight difference: the SVD cut to the module's rank (at most the
     layer's in/out size), both matrices clamped at the `clamp` quantile (upstream's rule). 3x3 convs are
     decomposed flattened to (out, in * 3 * 3)."""
@@ -876,7 +876,7 @@ def extract_from_diffs(diffs: dict[str, torch.Tensor], ranks: dict[str, int], de
             up, down = to_lora_shapes(up, down, shape)
             out[name + ".lora_up.weight"] = up.to("cpu", save_dtype or torch.float32).contiguous()
             out[name + ".lora_down.weight"] = down.to("cpu", save_dtype or torch.float32).contiguous()
-            out[name + ".alpha"] = torch.tensor(float(rank), dtype=save_dtype or torch.float32)
+            out[name + ".alpha"] = torch.tensor(rank, dtype=save_dtype or alpha_dtype)
     return out
 
 

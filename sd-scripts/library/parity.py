@@ -315,9 +315,10 @@ _LORA_TOOL_DIFFERENT: dict[str, dict[str, Different]] = {
     },
     "networks__convert_flux_lora": {
         "dst_path": Different(_NO_OVERWRITE),
-        "dst": Different("every FLUX.1 Linear module and CLIP-L's are converted, block counts from the file "
-                         "(upstream: the 19 + 38 blocks' modules only); alpha / rank is folded into both matrices "
-                         "as its square root (upstream: into lora_A mostly)"),
+        "dst": Different("every FLUX.1 Linear module and CLIP-L's are converted, block counts and widths from "
+                         "the file (upstream: the 19 + 38 blocks' modules only, FLUX.1's width 3072 assumed); "
+                         "alpha / rank is folded into both matrices as its square root (upstream: into lora_A "
+                         "mostly): the same product"),
     },
 }
 

@@ -86,7 +86,8 @@ def svd(args: argparse.Namespace) -> None:
         nonlocal chunk, size
         if chunk:
             lora_sd.update(lora_tools.extract_from_diffs(chunk, dict.fromkeys(chunk, args.dim), device,
-                                                         args.clamp_quantile, save_dtype, desc=None))
+                                                         args.clamp_quantile, save_dtype, desc=None,
+                                                         alpha_dtype=torch.int64))  # as upstream writes it
         chunk, size = {}, 0
 
     for name in lora_tools.progress(names, "extracting"):

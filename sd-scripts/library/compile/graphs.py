@@ -36,10 +36,18 @@ def step_graph_on(args) -> bool:
     return setting == "on" or (setting == "auto" and bool(getattr(args, "_step_graph_auto", False)))
 
 
+def compile_args(args):
+    """The namespace with the compile settings of a run: args itself when the script has the compile flags, the
+    one --torch_compile made for a script without them, else None."""
+    if hasattr(args, "compile"):
+        return args
+    return getattr(args, "_torch_compile", None)
+
+
 def cuda_graphs(args) -> str | None:
     """The one answer to "are CUDA graphs in use?": "step" (--cuda_graph_step: one graph of the whole training
     step), "blocks" (the compiled blocks record graphs of their own) or None. args: the run's settings or its
-    compile settings (options.compile_args); None = no compile."""
+    compile settings (compile_args); None = no compile."""
     if args is None:
         return None
     if step_graph_on(args):
@@ -67,7 +75,8 @@ AFTER_GRAPH_OPTIMIZERS = ("AdamW8bit", "Lion8bit", "SGDNesterov8bit", "Lion", "P
                           "SGDNesterov")
 # families where auto leaves it off, and why
 AUTO_OFF_FAMILIES = {"flux": "FLUX.1: GPU-bound at its sizes, its step was slower with the step graph "
-                             "(docs/BENCHMARKS.md, run46/run47)"}
+                             "(docs/BENCHMARKS.md, run46/run47)",
+                     "sd1": "SD1.x: not measured with it yet", "sd2": "SD2.x: not measured with it yet"}
 
 
 def _setting_type(value: str) -> str:
@@ -81,9 +90,9 @@ def add_arguments(parser) -> None:
         help="capture the whole training step (forward, backward, optimizer step) as one CUDA graph after its first "
              f"{WARMUP} steps per batch shape and replay it: no per-step Python overhead at small batch sizes. Needs "
              "one CUDA GPU, cached latents and text-encoder outputs and no gradient accumulation; optimizers other "
-             "than AdamW/Adam step after the graph. auto (default): on where it can follow and is known to be faster "
-             "(one bucket shape, not FLUX.1), else off with a log line saying why; on (also the bare flag): always, "
-             "refused where it cannot follow; off: never")
+             "than AdamW/Adam step after the graph. auto (default): on where it can follow and was measured faster "
+             "(SDXL with --compile, one bucket shape), else off with a log line saying why; on (also the bare flag): "
+             "always, refused where it cannot follow; off: never")
 
 
 def optimizer_in_graph(args) -> bool:
@@ -143,11 +152,9 @@ def bucket_shapes(groups) -> int:
 def resolve(args, groups, num_processes: int, family: str, error: type[Exception]) -> None:
     """Once the dataset's buckets are known, before the model is compiled: decides --cuda_graph_step auto and
     notes the number of input shapes for --compile_dynamic auto (options.dynamic_value: static for one shape), on
-    args and on the compile settings (options.compile_args). One log line says what auto chose and why."""
-    from library.compile import options
-
+    args and on the compile settings (compile_args). One log line says what auto chose and why."""
     shapes = bucket_shapes(groups)
-    compiled = options.compile_args(args)
+    compiled = compile_args(args)
     setting = step_graph_setting(args)
     why = blocker(args, num_processes) if setting != "off" else None
     if setting == "on" and why:
@@ -159,6 +166,8 @@ def resolve(args, groups, num_processes: int, family: str, error: type[Exception
         name = optimizers.optimizer_type(args)
         if why is None and family in AUTO_OFF_FAMILIES:
             why = f"is left off for {AUTO_OFF_FAMILIES[family]}"
+        if why is None and not getattr(compiled, "compile", False):
+            why = "is left off without --compile: measured only with the compiled blocks (docs/BENCHMARKS.md)"
         if why is None and shapes > 1:
             why = (f"is left off for {shapes} bucket shapes: each would keep a graph's memory "
                    "(--cuda_graph_step on captures them)")

@@ -11,7 +11,7 @@ import sys
 import torch
 
 from library.compile.checkpoint import CHECKPOINT_KEEP_CHOICES
-from library.compile.graphs import cuda_graph_flag, cuda_graphs
+from library.compile.graphs import compile_args, cuda_graph_flag, cuda_graphs  # noqa: F401  (compile_args re-exported)
 from library.errors import CompileConfigError  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
@@ -148,14 +148,6 @@ def apply_torch_compile_alias(args) -> None:
         args._torch_compile = target
     logger.info(f"--torch_compile/--dynamo_backend {backend}: using regional compilation "
                 f"(--compile --compile_backend {backend})")
-
-
-def compile_args(args):
-    """The namespace with the compile settings of a run: args itself when the script has the compile flags, the
-    one --torch_compile made for a script without them, else None."""
-    if hasattr(args, "compile"):
-        return args
-    return getattr(args, "_torch_compile", None)
 
 
 def dynamic_value(args) -> bool | None:

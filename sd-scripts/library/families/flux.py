@@ -29,7 +29,7 @@ class Flux:
 
     def check_args(self, args) -> None:
         from library.compile import options as compile_options
-        from library.train_util import ConfigError
+        from library.errors import ConfigError
 
         if args.v2 or args.v_parameterization:
             raise ConfigError("--v2 / --v_parameterization are for SD2.x; flux_train_network.py trains FLUX.1")
@@ -52,7 +52,7 @@ class Flux:
         compile_options.validate_compile_args(args)
 
     def load(self, args, weight_dtype, fp8_denoiser: bool):
-        from library.train_util import ConfigError
+        from library.errors import ConfigError
 
         try:
             c = flux_models.load_flux_components(
@@ -96,7 +96,7 @@ class Flux:
     def place_denoiser(self, args, components, device, weight_dtype, fp8: bool) -> None:
         """Keeps fp8 weights; places only the blocks that --blocks_to_swap leaves on the GPU."""
         from library.block_swap import BlockSwapError
-        from library.train_util import ConfigError
+        from library.errors import ConfigError
 
         try:
             self.swapper = flux_train_utils.place_transformer(components.transformer, device, weight_dtype, fp8,
@@ -176,7 +176,7 @@ class Flux:
 
 
 def _network_arg_true(args, key: str) -> bool:
-    from library.network_trainer import parse_network_args
+    from library.network_options import parse_network_args
 
     value = parse_network_args(getattr(args, "network_args", None)).get(key, "")
     return value.strip().lower() in ("true", "1", "yes")

@@ -34,7 +34,7 @@ class SD:
         comps = load_components(args, self.name(args))
         layers = min(te.config.num_hidden_layers for te in comps.text_encoders)
         if args.clip_skip is not None and args.clip_skip > layers:
-            from library.train_util import ConfigError
+            from library.errors import ConfigError
 
             raise ConfigError(f"--clip_skip {args.clip_skip}: the text encoder has only {layers} layers "
                               "(1 = the last layer, 2 = the one before, ...)")

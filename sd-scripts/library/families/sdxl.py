@@ -8,7 +8,7 @@ import torch
 
 from library import latent_cache, precision, te_cache
 from library.captions import weighted_for
-from library.train_util import ConfigError
+from library.errors import ConfigError
 from library.families import sd
 from library.objectives.ddpm import DDPM
 

@@ -17,6 +17,7 @@ import torch
 from library import (config_util, data_parallel, huggingface_util, optimizers, run_requests, saving, schedulers,
                      state_folders, train_util, validation)
 from library import metadata as metadata_util
+from library.errors import ConfigError
 from library.run.state import RunState
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ def prepare(trainer, args, startup: Startup) -> RunState | Done:
     from library.compile import graphs as compile_graphs
 
     # --cuda_graph_step auto and --compile_dynamic auto follow the dataset's bucket shapes
-    compile_graphs.resolve(args, groups, accelerator.num_processes, trainer.family_for(args), train_util.ConfigError)
+    compile_graphs.resolve(args, groups, accelerator.num_processes, trainer.family_for(args), ConfigError)
     os.makedirs(args.output_dir, exist_ok=True)
     requests = run_requests.RunRequests(args.output_dir, accelerator.is_main_process)
     requests.clear_stale()  # before models load: a request sent while they load is this run's

@@ -16,8 +16,8 @@ import torch
 from library import (huggingface_util, losses, masks, noise, optimizers, saving, state_folders, train_util,
                      validation)
 from library import metadata as metadata_util
-from library.network_trainer import (ConfigError, TrainingError, base_model_prediction,
-                                     diff_output_preservation_indices, text_encoder_lr)
+from library.errors import ConfigError, TrainingError
+from library.network_trainer import base_model_prediction, diff_output_preservation_indices, text_encoder_lr
 
 logger = logging.getLogger(__name__)
 

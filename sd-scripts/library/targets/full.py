@@ -16,7 +16,7 @@ import torch
 from library import config_util, full_trainer, train_util
 from library import metadata as metadata_util
 from library.network_trainer import Trainable
-from library.train_util import ConfigError
+from library.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

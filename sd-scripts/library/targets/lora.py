@@ -11,9 +11,9 @@ from typing import Any
 from library import config_util, network_options, precision, train_util
 from library.compile import graphs as compile_graphs
 from library import metadata as metadata_util
-from library.network_trainer import (Trainable, import_network_module, parse_network_args, save_network_state_dict,
-                                     text_encoder_lr)
-from library.train_util import ConfigError
+from library.network_options import parse_network_args
+from library.network_trainer import Trainable, import_network_module, save_network_state_dict, text_encoder_lr
+from library.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
