@@ -190,3 +190,22 @@ def test_lora_cached_outputs_block_swap_fp8_and_compile(chroma_set, chroma_data,
     assert any(v.abs().sum() > 0 for k, v in sd.items() if k.endswith("lora_up.weight"))
     assert len(list(data.rglob("*_flux_te.npz"))) == 2 and len(list(data.rglob("*_flux.npz"))) == 2
     assert "--clip_l is ignored: Chroma does not use CLIP-L" in caplog.text
+
+
+@pytest.mark.slow
+def test_gui_demo_preset_makes_a_tiny_chroma_and_trains(tmp_path, monkeypatch):
+    """The Chroma demo preset: the demo helper makes its tiny Chroma and images in cache/demo/, and the flags the
+    GUI builds from the preset train a Chroma LoRA."""
+    from kohya_gui import command, config_file, demo, presets
+
+    monkeypatch.chdir(tmp_path)
+    cfg = config_file.load(presets.preset_path("lora", "demo-chroma-tiny"))
+    assert (cfg.tab, cfg.family, cfg.values["model_type"]) == ("lora", "FLUX.1", "chroma")
+    values = {**cfg.values, "max_train_steps": 2, "sample_every_n_steps": 2}
+    made = demo.make_assets(cfg.family, values, log=lambda *_: None)
+    assert str(tmp_path / "cache/demo/chroma/chroma.safetensors") in {str(tmp_path / p) for p in made}
+    assert not demo.missing_demo_paths(cfg.family, values)
+    path = flux_train_network.main(command.trainer_args(cfg.tab, cfg.family, values))
+    sd, md = read(path)
+    assert md["ss_model_type"] == "chroma" and "lora_unet_single_blocks_0_linear1.lora_up.weight" in sd
+    assert list((tmp_path / "outputs/demo-chroma-tiny/sample").glob("demo-chroma-lora_000002_00_*.png"))
