@@ -209,3 +209,13 @@ def test_gui_demo_preset_makes_a_tiny_chroma_and_trains(tmp_path, monkeypatch):
     sd, md = read(path)
     assert md["ss_model_type"] == "chroma" and "lora_unet_single_blocks_0_linear1.lora_up.weight" in sd
     assert list((tmp_path / "outputs/demo-chroma-tiny/sample").glob("demo-chroma-lora_000002_00_*.png"))
+
+
+@pytest.mark.slow
+def test_oft_on_chroma_targets_the_blocks_it_has(chroma_set, chroma_data, tmp_path):
+    path = flux_train_network.main([*single_file_argv(chroma_set), "--network_module", "networks.oft_flux",
+                                    "--network_dim", "4", "--network_args", "enable_all_linear=True",
+                                    *train_argv(chroma_data, tmp_path / "out", "oft")])
+    names = {k.split(".")[0] for k in read(path)[0]}
+    assert "oft_unet_double_blocks_0_img_attn_qkv" in names and "oft_unet_single_blocks_0_linear1" in names
+    assert len(names) == 10 and not any("mod" in n for n in names)
