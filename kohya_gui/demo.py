@@ -1,4 +1,4 @@
-"""The embedded demo: a tiny random SDXL- (or FLUX.1-) shaped model and a few captioned images, made locally on
+"""The embedded demo: a tiny random SDXL- (or FLUX.1- / Chroma-) shaped model and a few captioned images, made locally on
 first use, so a new user (and the tests) can train on the CPU with no download.
 
 A demo preset simply points its paths into ``cache/demo/``. Before a run, any of those paths that is missing is
@@ -36,7 +36,7 @@ def missing_demo_paths(family: str, values: dict[str, Any]) -> dict[str, str]:
     """option name -> path, for the demo-cache paths of these settings that do not exist yet."""
     names = ["pretrained_model_name_or_path", "train_data_dir", "sample_prompts"]
     if family == "FLUX.1":
-        names += ["clip_l", "t5xxl", "ae", "tokenizer_cache_dir"]
+        names += ["clip_l", "t5xxl", "ae", "tokenizer_cache_dir"]  # Chroma's preset has no clip_l
     elif values.get("tokenizer_cache_dir"):
         names.append("tokenizer_cache_dir")
     out = {}
@@ -67,7 +67,12 @@ def make_assets(family: str, values: dict[str, Any], log=print) -> list[str]:
     model_keys = {"pretrained_model_name_or_path", "clip_l", "t5xxl", "ae", "tokenizer_cache_dir"}
     if model_keys & missing.keys():
         model = Path(values["pretrained_model_name_or_path"])
-        if family == "FLUX.1":
+        if family == "FLUX.1" and values.get("model_type") == "chroma":
+            from library import chroma_models
+
+            log(f"demo: making a tiny Chroma model in {model.parent} (CPU, random weights)")
+            made += list(chroma_models.make_tiny_chroma(model.parent).values())
+        elif family == "FLUX.1":
             from library import flux_tiny
 
             log(f"demo: making a tiny FLUX.1 model in {model.parent} (CPU, random weights)")

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from library import (flux_train_utils, full_trainer, masks, network_trainer,  # noqa: E402
                      offload_checkpointing, safetensors_io, saving)
-from library.families.flux import Flux  # noqa: E402
+from library.families.chroma import family_for  # noqa: E402
 from library.compile import options as compile_options  # noqa: E402
 from library.run.trainer import Trainer  # noqa: E402
 from library.targets.full import Full  # noqa: E402
@@ -46,8 +46,9 @@ def setup_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def trainer() -> Trainer:
-    return Trainer(Flux(bucket_reso_steps_multiple=16), Full(
+def trainer(args=None) -> Trainer:
+    """FLUX.1, or Chroma with --model_type chroma."""
+    return Trainer(family_for(args, bucket_reso_steps_multiple=16), Full(
         check=flux_train_utils.check_full_args, fused_groups=flux_train_utils.blockwise_fused,
         optimizer_groups=flux_train_utils.blockwise_optimizer_groups, place=flux_train_utils.place_for_full_training,
         extra_metadata=lambda args: {"ss_train_blocks": args.train_blocks}))
@@ -55,7 +56,7 @@ def trainer() -> Trainer:
 
 def main(argv: list[str] | None = None) -> str | None:
     """Train from command-line arguments; a bad option or input exits with status 2 and a clear message."""
-    return network_trainer.run(trainer(), setup_parser(), argv)
+    return network_trainer.run(trainer, setup_parser(), argv)
 
 
 if __name__ == "__main__":

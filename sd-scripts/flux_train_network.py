@@ -6,7 +6,8 @@
         --mixed_precision bf16 --gradient_checkpointing --fp8_base --blocks_to_swap 8 --compile
 
 or `--config_file cfg.toml` (flags on the command line win). A diffusers FluxPipeline folder works as
---pretrained_model_name_or_path without --clip_l/--t5xxl/--ae.
+--pretrained_model_name_or_path without --clip_l/--t5xxl/--ae. Chroma: `--model_type chroma --apply_t5_attn_mask`
+with the Chroma single file (or a ChromaPipeline folder), --t5xxl and --ae, no --clip_l.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from library import flux_train_utils, network_trainer, safetensors_io  # noqa: E402
-from library.families.flux import Flux  # noqa: E402
+from library.families.chroma import family_for  # noqa: E402
 from library.compile import options as compile_options  # noqa: E402
 from library.run.trainer import Trainer  # noqa: E402
 from library.targets.lora import LoRA  # noqa: E402
@@ -33,13 +34,14 @@ def setup_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def trainer() -> Trainer:
-    return Trainer(Flux(), LoRA())
+def trainer(args=None) -> Trainer:
+    """FLUX.1, or Chroma with --model_type chroma."""
+    return Trainer(family_for(args), LoRA())
 
 
 def main(argv: list[str] | None = None) -> str | None:
     """Train from command-line arguments; a bad option or input exits with status 2 and a clear message."""
-    return network_trainer.run(trainer(), setup_parser(), argv)
+    return network_trainer.run(trainer, setup_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from library import flux_models
 logger = logging.getLogger(__name__)
 
 TIMESTEP_SAMPLING = ("sigma", "uniform", "sigmoid", "shift", "flux_shift")
-MODEL_TYPES = ("flux", "chroma")  # upstream's --model_type choices; chroma is refused (check_flux_args)
+MODEL_TYPES = ("flux", "chroma")  # upstream's --model_type choices (chroma: library.families.chroma)
 MODEL_PREDICTION_TYPES = ("raw", "additive", "sigma_scaled")
 # SD3-paper weighting schemes (upstream's choices): logit_normal / mode change which sigmas --timestep_sampling
 # sigma draws; sigma_sqrt / cosmap weight the loss (with --model_prediction_type sigma_scaled); none / uniform: neither
@@ -52,15 +52,12 @@ def add_flux_arguments(parser) -> None:
     g.add_argument("--text_encoder_batch_size", type=int, default=None,
                    help="batch size for caching text encoder outputs (default: the training batch size)")
     g.add_argument("--model_type", type=str, default="flux", choices=MODEL_TYPES,
-                   help="flux (FLUX.1 dev/schnell); chroma is not supported here")
+                   help="flux (FLUX.1 dev/schnell) or chroma (Chroma: T5-XXL only, needs --apply_t5_attn_mask)")
     g.add_argument("--controlnet_model_name_or_path", type=str, default=None,
                    help="ignored, as in upstream's LoRA and fine-tune scripts (only its ControlNet trainer reads it)")
 
 
 def check_flux_args(args, error_cls) -> None:
-    if args.model_type == "chroma":
-        raise error_cls("--model_type chroma: Chroma (FLUX.1-schnell derivative without CLIP-L, with its own "
-                        "modulation network) is not supported by these trainers; allowed here: flux")
     if args.controlnet_model_name_or_path:
         logger.warning("--controlnet_model_name_or_path is ignored: upstream reads it only in its FLUX ControlNet "
                        "trainer (flux_train_control_net.py), which this project does not have")

@@ -55,6 +55,7 @@ MODELSPEC_VERSION = "1.0.1"
 IMPL_STABILITY_AI = "https://github.com/Stability-AI/generative-models"
 IMPL_DIFFUSERS = "diffusers"
 IMPL_FLUX = "https://github.com/black-forest-labs/flux"
+IMPL_CHROMA = "https://huggingface.co/lodestones/Chroma"
 
 # the keys of a network (a full checkpoint has none of them)
 NETWORK_KEYS = ("ss_text_encoder_lr", "ss_unet_lr", "ss_network_module", "ss_network_dim", "ss_network_alpha",
@@ -79,7 +80,7 @@ def architecture(family: str, *, v_prediction: bool, lora: bool, flux_variant: s
     if family == "sdxl":
         arch = "stable-diffusion-xl-v1-base"
     elif family == "flux":
-        arch = {"dev": "flux-1-dev", "schnell": "flux-1-schnell"}.get(flux_variant or "", "flux-1")
+        arch = {"dev": "flux-1-dev", "schnell": "flux-1-schnell", "chroma": "chroma"}.get(flux_variant or "", "flux-1")
     elif family == "sd2":
         arch = "stable-diffusion-v2-768-v" if v_prediction else "stable-diffusion-v2-512"
     else:
@@ -87,11 +88,11 @@ def architecture(family: str, *, v_prediction: bool, lora: bool, flux_variant: s
     return arch + "/lora" if lora else arch
 
 
-def implementation(family: str, *, lora: bool) -> str:
-    """Upstream: FLUX -> BFL's repo; SDXL LoRAs and every full checkpoint (SGM/LDM keys) -> Stability AI's
+def implementation(family: str, *, lora: bool, flux_variant: str | None = None) -> str:
+    """Upstream: FLUX -> BFL's repo (Chroma -> lodestones/Chroma); SDXL LoRAs and every full checkpoint (SGM/LDM keys) -> Stability AI's
     generative-models; SD1/SD2 LoRAs -> "diffusers"."""
     if family == "flux":
-        return IMPL_FLUX
+        return IMPL_CHROMA if flux_variant == "chroma" else IMPL_FLUX
     if not lora or family == "sdxl":
         return IMPL_STABILITY_AI
     return IMPL_DIFFUSERS
@@ -141,7 +142,7 @@ def modelspec_metadata(args, *, family: str, lora: bool, v_prediction: bool, flu
     md = {
         "modelspec.sai_model_spec": MODELSPEC_VERSION,
         "modelspec.architecture": architecture(family, v_prediction=v_prediction, lora=lora, flux_variant=flux_variant),
-        "modelspec.implementation": implementation(family, lora=lora),
+        "modelspec.implementation": implementation(family, lora=lora, flux_variant=flux_variant),
         "modelspec.title": title,
         "modelspec.resolution": _resolution(args, family, v_prediction),
         "modelspec.date": datetime.datetime.fromtimestamp(int(timestamp)).isoformat(),

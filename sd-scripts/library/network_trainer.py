@@ -176,10 +176,14 @@ def base_model_prediction(networks: list, forward, generator, device) -> torch.T
 
 
 def run(trainer, parser: argparse.ArgumentParser, argv: list[str] | None = None) -> str | None:
-    """Parse (with --config_file) and train; clear errors exit with status 2 instead of a traceback."""
+    """Parse (with --config_file) and train; clear errors exit with status 2 instead of a traceback. `trainer` is
+    a Trainer or a function of the parsed args that returns one (a script whose family follows an option:
+    --model_type on the FLUX.1 scripts)."""
     train_util.setup_logging()
     try:
         args = train_util.parse_args(parser, argv)
+        if not hasattr(trainer, "train"):
+            trainer = trainer(args)
         return trainer.train(args)
     except UserError as e:
         _close_progress_bars()  # so the message starts its own line

@@ -159,8 +159,10 @@ DIFFERENT: dict[str, Different] = {
         "simple = the message alone, as upstream"),
     "console_log_file": Different("the file gets the default line format (upstream's: the message alone) unless "
                                   "--console_log_simple"),
-    "model_type": Different("chroma is refused with the reason (not supported here); flux_train.py refuses it "
-                            "too (upstream's ignores --model_type)"),
+    "model_type": Different("chroma as upstream's flux_train_network.py (T5-XXL only, --apply_t5_attn_mask "
+                            "required, --clip_l ignored, LoRA keys and modelspec as upstream); it also reads "
+                            "diffusers ChromaPipeline folders, and flux_train.py fine-tunes Chroma with it (upstream's "
+                            "flux_train.py ignores --model_type and loads FLUX.1)"),
     "diffusers_xformers": Different("sdxl_train.py: the UNet too (a diffusers UNet here), not only the VAE"),
 }
 

@@ -321,12 +321,11 @@ class LoRANetworkFlux(lora_sd.LoRANetwork):
 
         # text encoders: CLIP-L (lora_te1, canonical "text_model..." paths) and, with train_t5xxl, T5-XXL (lora_te3)
         self.text_encoder_loras: list[FluxLoRAModule] = []
-        encoders = [(LORA_PREFIX_CLIP_L, lora_sd.TEXT_ENCODER_TARGET_MODULES)]
-        if train_t5xxl:
-            encoders.append((LORA_PREFIX_T5XXL, T5_TARGET_MODULES))
-        for te, (prefix, targets) in zip(text_encoders, encoders):
-            if te is None:
+        for te in text_encoders:  # told apart by type: Chroma has T5-XXL only
+            if te is None or (_is_t5(te) and not train_t5xxl):
                 continue
+            prefix, targets = ((LORA_PREFIX_T5XXL, T5_TARGET_MODULES) if _is_t5(te)
+                               else (LORA_PREFIX_CLIP_L, lora_sd.TEXT_ENCODER_TARGET_MODULES))
             names = text_encoder_hf_module_names(te) if prefix == LORA_PREFIX_CLIP_L else {}
             for path, child in lora_sd.target_layers(te, targets):
                 if isinstance(child, nn.Linear):
@@ -336,8 +335,10 @@ class LoRANetworkFlux(lora_sd.LoRANetwork):
 
         # the transformer, named after the BFL modules
         cfg = flux.config
-        mapping = flux_models.bfl_linear_map(cfg.num_layers, cfg.num_single_layers, cfg.guidance_embeds)
         modules = dict(flux.named_modules())
+        mapping = {bfl: parts for bfl, parts in flux_models.bfl_linear_map(
+            cfg.num_layers, cfg.num_single_layers, cfg.get("guidance_embeds", False)).items()
+            if all(p in modules for p in parts)}  # Chroma: no modulation, time/vector/guidance layers
         self.unet_loras: list[FluxLoRAModule] = []
         for bfl, parts in mapping.items():
             is_double, is_single = bfl.startswith("double_blocks."), bfl.startswith("single_blocks.")
@@ -483,6 +484,10 @@ def parse_network_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
         if key in out:
             parse_block_selection(key, out[key], 10 ** 6)
     return out
+
+
+def _is_t5(module) -> bool:
+    return type(module).__name__.startswith("T5")
 
 
 def _text_encoders(text_encoder) -> list:

@@ -97,10 +97,10 @@ class OFTNetworkFlux(oft.OFTNetwork):
         modules = dict(flux.named_modules())
         self.unet_ofts: list[FluxOFTModule] = []
         for bfl, parts in flux_models.bfl_linear_map(cfg.num_layers, cfg.num_single_layers,
-                                                     cfg.guidance_embeds).items():
+                                                     cfg.get("guidance_embeds", False)).items():
             name = f"{oft.OFT_PREFIX_UNET}_{bfl}".replace(".", "_")
-            if not bfl.startswith(("double_blocks.", "single_blocks.")):
-                continue
+            if not bfl.startswith(("double_blocks.", "single_blocks.")) or any(p not in modules for p in parts):
+                continue  # Chroma's blocks have no modulation layers
             if names is not None:
                 if name not in names:
                     continue
