@@ -7,6 +7,7 @@ The GUI never imports the scripts; a tool whose script or option file is missing
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
@@ -114,7 +115,7 @@ class Tool:
         return OPTIONS_DIR / f"{self.script.replace('/', '__')}.json"
 
     @property
-    def options(self) -> list[Option]:
+    def options(self) -> tuple[Option, ...]:
         return _options(self.option_file)
 
     def option(self, name: str) -> Option:
@@ -131,10 +132,11 @@ class Tool:
         return first, [o for o in opts if o not in first]
 
 
-def _options(path: Path) -> list[Option]:
-    return [Option(o["name"], o["flag"], o["kind"], o["default"], o.get("help", ""), tuple(o.get("choices") or ()),
-                   o.get("nargs"), bool(o.get("required") or o.get("positional")))
-            for o in json.loads(path.read_text(encoding="utf-8"))]
+@functools.cache
+def _options(path: Path) -> tuple[Option, ...]:
+    return tuple(Option(o["name"], o["flag"], o["kind"], o["default"], o.get("help", ""),
+                        tuple(o.get("choices") or ()), o.get("nargs"), bool(o.get("required") or o.get("positional")))
+                 for o in json.loads(path.read_text(encoding="utf-8")))
 
 
 COMMON_LABELS = {"sd_model": "Model to merge into", "models": "LoRA files", "ratios": "Ratios (one per LoRA)",
@@ -225,7 +227,8 @@ _TABLE = (
          labels={"src_path": "LoRA to convert", "dst_path": "Save to", "src": "From format", "dst": "To format"}),
 )
 
-TOOLS: tuple[Tool, ...] = tuple(t for t in _TABLE if (REPO / "sd-scripts" / t.script).is_file() and t.option_file.is_file())
+TOOLS: tuple[Tool, ...] = tuple(t for t in _TABLE
+                                if (REPO / "sd-scripts" / t.script).is_file() and t.option_file.is_file())
 
 
 def tool(key: str) -> Tool:
@@ -337,7 +340,8 @@ QUEUE_TAB = "tool"  # a queue entry's "tab" for a tool run; its settings file is
 
 
 def save_queued(path: Path, t: Tool, values: dict[str, Any], overwrite: bool) -> None:
-    config_file.write_text_atomic(path, json.dumps({"tool": t.key, "values": values, "overwrite": overwrite}, indent=1) + "\n")
+    data = {"tool": t.key, "values": values, "overwrite": overwrite}
+    config_file.write_text_atomic(path, json.dumps(data, indent=1) + "\n")
 
 
 def start_queued(runner, path: str | os.PathLike) -> list[str]:

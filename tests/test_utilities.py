@@ -136,7 +136,7 @@ def test_dataset_toml_round_trip_is_accepted_by_the_trainer(tmp_path, monkeypatc
         dataset_toml.add_subset("[general", "x")
 
 
-# ---- the tool table ---------------------------------------------------------------------------------------------------
+# ---- the tool table -----------------------------------------------------------------------------------------------
 
 def test_every_tool_names_only_options_its_script_describes():
     assert tools.TOOLS, "no tool script is wired"
