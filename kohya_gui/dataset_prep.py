@@ -38,7 +38,8 @@ def _check_name(name: str, field: str) -> str:
     return name
 
 
-def _check_repeats(repeats, field: str) -> int:
+def whole_number(repeats, field: str) -> int:
+    """A whole number of at least 1 (repeats, batch size), else PrepError naming the field."""
     try:
         number = float(repeats)
     except (TypeError, ValueError):
@@ -53,7 +54,7 @@ def copy_concept(source: str, root: str, kind: str, name: str, repeats: int) -> 
     a target folder that exists and is not empty, and a source without images."""
     field = "Regularisation" if kind == "reg" else "Images"
     name = _check_name(name, f"{field} name")
-    repeats = _check_repeats(repeats, f"{field} repeats")
+    repeats = whole_number(repeats, f"{field} repeats")
     try:
         images = list_images(source)
     except CaptionError as e:
@@ -85,10 +86,10 @@ def build(root: str, source: str, name: str, repeats, reg_source: str = "", reg_
     if not (root or "").strip():
         raise PrepError("Destination folder: enter the folder to build the dataset in")
     _check_name(name, "Images name")
-    _check_repeats(repeats, "Images repeats")
+    whole_number(repeats, "Images repeats")
     if (reg_source or "").strip():
         _check_name(reg_name, "Regularisation name")
-        _check_repeats(reg_repeats, "Regularisation repeats")
+        whole_number(reg_repeats, "Regularisation repeats")
         for target in (Path(root) / "img" / f"{int(repeats)}_{name.strip()}",
                        Path(root) / "reg" / f"{int(reg_repeats)}_{reg_name.strip()}"):
             if target.exists() and any(target.iterdir()):
@@ -115,7 +116,7 @@ class Rename:
 def balance_plan(train_dir: str, images_per_epoch) -> list[Rename]:
     """For each `N_name` subfolder: repeats = round(images_per_epoch / its image count), at least 1 (kohya_ss'
     dataset balancing). Refuses folders without images and names that would collide."""
-    target = _check_repeats(images_per_epoch, "Images per concept per epoch")
+    target = whole_number(images_per_epoch, "Images per concept per epoch")
     root = Path(train_dir or "").expanduser()
     if not str(train_dir or "").strip() or not root.is_dir():
         raise PrepError(f"Training image folder: {train_dir!r} is not a folder")

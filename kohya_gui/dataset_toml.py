@@ -19,7 +19,7 @@ from tomlkit.exceptions import TOMLKitError
 from . import REPO, config_file
 from .runner import run_env
 from .captions_edit import CaptionError, list_images
-from .dataset_prep import REPEATS_FOLDER
+from .dataset_prep import REPEATS_FOLDER, PrepError, whole_number
 
 # which trainer checks the file (its family's LoRA script: the dataset rules are the same for every script)
 CHECK_SCRIPTS = {"SD1.x": ("train_network.py", "networks.lora"), "SD2.x": ("train_network.py", "networks.lora"),
@@ -58,12 +58,9 @@ def _resolution(value) -> int | list[int]:
 
 def _positive(value, field: str) -> int:
     try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = 0.5
-    if number != int(number) or number < 1:
-        raise DatasetTomlError(f"{field}: expected a whole number of at least 1, got {value!r}")
-    return int(number)
+        return whole_number(value, field)
+    except PrepError as e:
+        raise DatasetTomlError(str(e)) from None
 
 
 def add_subset(text: str, image_dir: str, num_repeats=1, resolution=1024, batch_size=1, class_tokens: str = "",

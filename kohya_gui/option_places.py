@@ -260,8 +260,9 @@ PLACES: dict[str, Look] = {
          help="reduce-overhead uses CUDA graphs: the big win at batch 1-4. max-autotune: longest compile.",
          families=COMPILE_FAMILIES),
     "compile_dynamic": Look("compile", "Dynamic shapes",
-         help=("auto: the image size is dynamic from the first step, so bucket sizes share graphs (the rest as torch"
-               " decides). true: every dimension dynamic. false: static, each new shape recompiles."),
+         help=("auto: static when the dataset has one bucket size (faster); with several the image size is dynamic "
+               "from the first step, so bucket sizes share graphs (the rest as torch decides). true: every dimension "
+               "dynamic. false: static, each new shape recompiles."),
          families=COMPILE_FAMILIES),
     "compile_cache_size_limit": Look("compile", "Cache size limit",
          help=("How many recompiles per block before falling back to eager. 0 = torch default; 64 for many bucket "
@@ -276,8 +277,9 @@ PLACES: dict[str, Look] = {
     "cuda_graph_step": Look("compile", "CUDA graph of the whole step",
          help=("Capture forward, backward and optimizer step as one CUDA graph after the first steps of each batch "
                "shape: no per-step Python overhead at batch 1-4 (SDXL 1024 bs1 on an H100: 191 -> 95 ms; FLUX.1 was "
-               "slower). One GPU; needs cached latents and text-encoder outputs, AdamW and no gradient accumulation."
-               " The blocks then compile without CUDA graphs of their own."),
+               "slower). One GPU; needs cached latents and text-encoder outputs and no gradient accumulation. auto: on "
+               "where it can follow and was measured faster (SDXL with torch.compile, one bucket shape; the log says "
+               "what it chose and why), on: always, off: never."),
          tabs=LORA, families=COMPILE_FAMILIES),
     "cuda_allow_tf32": Look("compile", "Allow TF32",
          help="Faster matmuls on Ampere or newer GPUs.",
@@ -360,6 +362,11 @@ PLACES: dict[str, Look] = {
     "use_8bit_adam": Look("advanced_compat", "Use 8-bit AdamW (old flag)"),
     "use_lion_optimizer": Look("advanced_compat", "Use Lion (old flag)"),
     "max_grad_norm": Look("optimizer", "Max grad norm"),
+    "ema_decay": Look("optimizer", "EMA decay (optional)", minimum=0),
+    "ema_update_every": Look("optimizer", "EMA update every N steps", minimum=1),
+    "ema_device": Look("optimizer", "EMA device"),
+    "ema_save_raw": Look("optimizer", "EMA: also save the raw weights"),
+    "ema_sample_raw": Look("optimizer", "EMA: also sample with the raw weights"),
     "lr_scheduler_type": Look("optimizer_scheduler", "LR Scheduler type"),
     "lr_scheduler_args": Look("optimizer_scheduler", "LR Scheduler extra arguments"),
     "lr_decay_steps": Look("optimizer_scheduler", "LR decay steps"),

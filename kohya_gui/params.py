@@ -189,9 +189,11 @@ class Param:
         elif k in ("str", "path", "dir", "choice"):
             if k == "str" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 value = str(value)  # e.g. resolution = 1024 in a kohya TOML; the trainers read it the same way
+            allowed = self.choices_for(tab)
+            if k == "choice" and isinstance(value, bool) and {"on", "off"} <= set(allowed):
+                value = "on" if value else "off"  # a switch that became auto / on / off: older files say true / false
             if not isinstance(value, str):
                 raise ValueError(f"expected text, got {value!r}")
-            allowed = self.choices_for(tab)
             if k == "choice" and value not in allowed and not self.open_choices:
                 raise ValueError(f"{value!r} is not one of the allowed values: {', '.join(map(repr, allowed))}")
             return value
@@ -291,7 +293,7 @@ def _kind_default_choices(o: dict) -> tuple[str, Any, tuple]:
     default = o["default"]
     if o["kind"] == "bool":
         return "bool", bool(default), ()
-    if "nargs" in o:
+    if o.get("nargs", "?") != "?":  # nargs "?" is one optional value (a bare flag means its const)
         return "list", [str(v) for v in default or []], ()  # item kind: see _from_trainers
     choices = [c for c in o.get("choices") or [] if c is not None]
     if choices and o["kind"] == "str":

@@ -130,13 +130,18 @@ class RunQueue:
             entry.state, entry.message = state, message
             self._write()
 
-    def recover(self) -> None:
-        """At GUI start: a run the previous GUI was running ended with it."""
+    def recover(self, still_running: bool = False) -> Entry | None:
+        """At GUI start: a run the previous GUI was running ended with it, unless it is `still_running` (the
+        runner took it over): then that entry stays running and is returned."""
         with self._lock:
+            kept = None
             for e in self.entries:
-                if e.state == "running":
+                if e.state == "running" and still_running and kept is None:
+                    kept = e
+                elif e.state == "running":
                     e.state, e.message = "interrupted", "the GUI ended during this run"
             self._write()
+            return kept
 
     # -- reading --------------------------------------------------------------------------------------------
     def next_queued(self) -> Entry | None:
@@ -163,7 +168,10 @@ class QueueWorker:
         self._thread: threading.Thread | None = None
 
     def start(self) -> "QueueWorker":
-        self.queue.recover()
+        s = self.runner.snapshot()
+        kept = self.queue.recover(still_running=s.running)  # a run an earlier GUI started, taken over
+        if kept is not None:
+            self._current = (kept.id, s.started)  # noted as finished / stopped / failed when it ends
         self._thread = threading.Thread(target=self._loop, name="run-queue", daemon=True)
         self._thread.start()
         return self

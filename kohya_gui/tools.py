@@ -307,6 +307,13 @@ def with_overwrite(t: Tool, values: dict[str, Any], overwrite: bool) -> dict[str
     return {**values, OVERWRITE: bool(overwrite)} if any(o.name == OVERWRITE for o in t.options) else values
 
 
+def is_tool_run(commands: list[list[str]]) -> bool:
+    """Whether a run's commands are a tool's (`python sd-scripts/<tool script> ...`)."""
+    scripts = {str((REPO / "sd-scripts" / t.script).resolve()) for t in TOOLS}
+    return bool(commands) and all(len(c) > 1 and c[0] == "python" and str(Path(c[1]).resolve()) in scripts
+                                  for c in commands)
+
+
 def check(t: Tool, values: dict[str, Any], overwrite: bool = False) -> None:
     """Raises ToolError listing what must be fixed before the tool can run."""
     errors = validation_errors(t, values, overwrite)

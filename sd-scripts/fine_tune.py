@@ -8,7 +8,7 @@ text encoder, kohya-ss/sd-scripts CLI.
         --mixed_precision fp16 --gradient_checkpointing --cache_latents --save_model_as safetensors
 
 Captions can also sit next to the images (`--train_data_dir` with `N_name` folders, `--caption_extension`),
-or come from a `--dataset_config`. The training core is library.full_trainer, shared with train_db.py.
+or come from a `--dataset_config`. The training core is library.run (family: library.families.sd, target: library.targets.full).
 """
 from __future__ import annotations
 
@@ -18,16 +18,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from library import config_util, full_trainer  # noqa: E402
-from library.full_trainer import FullTrainer  # noqa: E402
-from library.network_trainer import NetworkTrainer  # noqa: E402
-
-
-class FineTuneTrainer(FullTrainer, NetworkTrainer):
-    """SD1.x / SD2.x family hooks with the full-model training of library.full_trainer."""
-
-    tracker_name = "finetuning"
-    dataset_kinds = (config_util.FINETUNING,)  # upstream: --dataset_config subsets need metadata_file here
+from library import config_util, full_trainer, network_trainer  # noqa: E402
+from library.families.sd import SD  # noqa: E402
+from library.run.trainer import Trainer  # noqa: E402
+from library.targets.full import Full  # noqa: E402
 
 
 def setup_parser() -> argparse.ArgumentParser:
@@ -36,9 +30,14 @@ def setup_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def trainer() -> Trainer:
+    # upstream: --dataset_config subsets need metadata_file here
+    return Trainer(SD(), Full(tracker_name="finetuning", dataset_kinds=(config_util.FINETUNING,)))
+
+
 def main(argv: list[str] | None = None) -> str | None:
     """Train from command-line arguments; a bad option or input exits with status 2 and a clear message."""
-    return full_trainer.run(FineTuneTrainer(), setup_parser(), argv)
+    return network_trainer.run(trainer(), setup_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -15,44 +15,15 @@ is accepted and changes nothing.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from library import captions, config_util, full_trainer, masks  # noqa: E402
-from library.full_trainer import FullTrainer  # noqa: E402
-from library.network_trainer import NetworkTrainer  # noqa: E402
-from library.train_util import ConfigError  # noqa: E402
-
-logger = logging.getLogger(__name__)
-
-
-class DreamBoothTrainer(FullTrainer, NetworkTrainer):
-    """SD1.x / SD2.x family hooks with the full-model training of library.full_trainer."""
-
-    tracker_name = "dreambooth"
-    dataset_kinds = (config_util.DREAMBOOTH,)  # upstream: no fine-tuning (metadata_file) subsets here
-
-    def trains_text_encoder(self, args) -> bool:
-        stop = args.stop_text_encoder_training
-        return (stop is None or stop >= 0) and any(self.text_encoder_lrs(args))
-
-    def check_args(self, args) -> None:
-        if (args.cache_text_encoder_outputs or args.cache_text_encoder_outputs_to_disk) \
-                and self.trains_text_encoder(args):
-            raise ConfigError("--cache_text_encoder_outputs needs a frozen text encoder, and train_db.py trains it "
-                              "by default: add --stop_text_encoder_training -1 or drop the caching")
-        super().check_args(args)
-
-    def keep_training_text_encoder(self, args, global_step: int) -> bool:
-        stop = args.stop_text_encoder_training
-        if stop is None or global_step < stop:
-            return True
-        logger.info("stop text encoder training at step %d", global_step)
-        self.components.text_encoders[0].requires_grad_(False).eval()
-        return False
+from library import captions, full_trainer, masks, network_trainer  # noqa: E402
+from library.families.sd import SD  # noqa: E402
+from library.run.trainer import Trainer  # noqa: E402
+from library.targets import full  # noqa: E402
 
 
 def setup_parser() -> argparse.ArgumentParser:
@@ -65,9 +36,13 @@ def setup_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def trainer() -> Trainer:
+    return Trainer(SD(), full.dreambooth())
+
+
 def main(argv: list[str] | None = None) -> str | None:
     """Train from command-line arguments; a bad option or input exits with status 2 and a clear message."""
-    return full_trainer.run(DreamBoothTrainer(), setup_parser(), argv)
+    return network_trainer.run(trainer(), setup_parser(), argv)
 
 
 if __name__ == "__main__":

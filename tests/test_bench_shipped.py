@@ -118,3 +118,27 @@ def test_bucket_images_and_trainer_flags(tmp_path):
     assert argv[argv.index("--train_data_dir") + 1] == str(tmp_path / "data_buckets")
     assert argv[argv.index("--min_bucket_reso") + 1] == "832" and argv[argv.index("--max_bucket_reso") + 1] == "1216"
     assert "--enable_bucket" in argv and argv[argv.index("--compile_cache_dir") + 1].endswith("compile_cache_before")
+
+
+def test_report_puts_default_and_best_side_by_side(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import bench_shipped
+
+    log = ["INFO --cuda_graph_step auto: on (forward, backward and clipping as one CUDA graph, the optimizer step "
+           "inside the graph)",
+           "INFO Compiled 70 blocks of SDXL UNet (BasicTransformerBlock), static shapes (--compile_dynamic auto: the "
+           "dataset has one bucket shape)"]
+    assert bench_shipped.auto_choices(log) == "step graph on, static"
+    assert bench_shipped.auto_choices(["x, image-size dimensions of their inputs dynamic (bucket shapes ...)"]) == \
+        "inputs dynamic"
+    runs = [dict(workload="SDXL bs1 + GC", tag="before", extra=[], auto_chose="", rc=0,
+                 trainer_summary={"median_ms": 154.7, "peak_gib": 7.05}, outside_ms_per_step=160.0),
+            dict(workload="SDXL bs1 + GC", tag="after", extra=[], auto_chose="step graph on, static", rc=0,
+                 trainer_summary={"median_ms": 119.4, "peak_gib": 7.1}),
+            dict(workload="SDXL bs1 + GC", tag="after", extra=["--optimizer_type", "Prodigy"], auto_chose="", rc=1,
+                 trainer_summary=None)]
+    (tmp_path / "r.json").write_text(json.dumps(runs))
+    rows = bench_shipped.report([str(tmp_path / "r.json")]).splitlines()
+    assert rows[2] == "| SDXL bs1 + GC | --optimizer_type Prodigy | after |  | failed (rc 1) |  |  |"
+    assert rows[3] == "| SDXL bs1 + GC | default | after | step graph on, static | **119.4 ms** | 7.1 GiB |  |"
+    assert rows[4] == "| SDXL bs1 + GC | default | before |  | 154.7 ms | 7.05 GiB | 160.0 ms |"

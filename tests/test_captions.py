@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import train_network
 
 from library import captions, config_util
 from library.captions import parse_prompt_attention, process_caption
@@ -150,7 +151,7 @@ def tiny_clip(tiny_sd1_single_file):
 
 @pytest.mark.parametrize("max_token_length", [None, 150])
 def test_weighted_captions_scale_the_text_encoder_outputs(tiny_clip, max_token_length):
-    from library.network_trainer import encode_clip
+    from library.families.sd import encode_clip
 
     tok, te = tiny_clip
     plain_ids = tok("a red cat").input_ids[1:-1]
@@ -183,7 +184,7 @@ def test_weighted_token_ids_layout(tiny_clip):
 
 
 def test_no_token_padding_pads_to_the_longest_caption(tiny_clip):
-    from library.network_trainer import encode_clip
+    from library.families.sd import encode_clip
 
     tok, te = tiny_clip
     caps = ["a dog", "a red cat on a chair"]
@@ -397,7 +398,7 @@ network_multiplier = -1.0
         {"diff_output_preservation": True}]
     assert b2["network_multipliers"].tolist() == [-1.0] and b2["custom_attributes"] == [{}]
 
-    from library.network_trainer import set_network_multiplier
+    from library.run.step import set_network_multiplier
     from networks.lora import LoRANetwork
 
     net = LoRANetwork([], torch.nn.Sequential(torch.nn.Linear(4, 4)), lora_dim=2)
@@ -417,7 +418,7 @@ def test_sd1_lora_run_with_caption_options(tmp_path, tiny_sd1_single_file):
     """train_network.py with an upstream-style dataset config: the loop feeds the step to token warm-up,
     the dataset's network_multiplier to the LoRA, and --weighted_captions to the text encoding."""
     import train_network
-    from library.network_trainer import NetworkTrainer, run
+    from library.network_trainer import run
 
     make_image(str(tmp_path / "imgs" / "a.png"), (64, 64))
     write(str(tmp_path / "imgs" / "a.txt"), "sks (toy:1.2) ||| red;;;blue, circle, square ||| best")
@@ -437,23 +438,27 @@ network_multiplier = 0.5
   custom_attributes = {{diff_output_preservation = true}}
 """)
 
-    class Recording(NetworkTrainer):
-        seen: list = []
-        multipliers: list = []
+    trainer = train_network.trainer()
+    trainer.seen, trainer.multipliers, models = [], [], []
+    setup_trainable, encode_prompts = trainer.target.setup_trainable, trainer.family.encode_prompts
+    noisy_input_pred_target = trainer.noisy_input_pred_target
 
-        def get_noise_pred_and_target(self, *a, **kw):
-            self.multipliers.append(self.trainable.models[0].multiplier)
-            return super().get_noise_pred_and_target(*a, **kw)
+    def recording_setup_trainable(*a, **kw):
+        trainable = setup_trainable(*a, **kw)
+        models.extend(trainable.models)
+        return trainable
 
-        def setup_trainable(self, *a, **kw):
-            self.trainable = super().setup_trainable(*a, **kw)
-            return self.trainable
+    def recording_encode_prompts(args, components, caps, with_grad=False, **kw):
+        trainer.seen.append((list(caps), models[0].multiplier, args.weighted_captions))
+        return encode_prompts(args, components, caps, with_grad, **kw)
 
-        def encode_prompts(self, args, components, caps, with_grad=False, **kw):
-            self.seen.append((list(caps), self.trainable.models[0].multiplier, args.weighted_captions))
-            return super().encode_prompts(args, components, caps, with_grad, **kw)
+    def recording_noisy_input_pred_target(*a, **kw):
+        trainer.multipliers.append(models[0].multiplier)
+        return noisy_input_pred_target(*a, **kw)
 
-    trainer = Recording()
+    trainer.target.setup_trainable = recording_setup_trainable
+    trainer.family.encode_prompts = recording_encode_prompts
+    trainer.noisy_input_pred_target = recording_noisy_input_pred_target
     run(trainer, train_network.setup_parser(), [
         "--pretrained_model_name_or_path", str(tiny_sd1_single_file),
         "--tokenizer_cache_dir", str(tiny_sd1_single_file.parent / "tokenizers"), "--dataset_config", cfg,
@@ -498,12 +503,12 @@ def test_base_model_prediction_draws_the_same_noise_with_multiplier_zero():
 
 def test_debug_dataset_logs_batches_and_trains_nothing(tmp_path, caplog):
     import train_network
-    from library.network_trainer import NetworkTrainer, run
+    from library.network_trainer import run
 
     make_image(str(tmp_path / "train" / "2_cls" / "a.png"), (64, 64))
     write(str(tmp_path / "train" / "2_cls" / "a.caption"), "x, {y|z}")
     with caplog.at_level("INFO"):
-        result = run(NetworkTrainer(), train_network.setup_parser(), [
+        result = run(train_network.trainer(), train_network.setup_parser(), [
             "--pretrained_model_name_or_path", str(tmp_path / "no_model.safetensors"), "--train_data_dir",
             str(tmp_path / "train"), "--resolution", "64", "--output_dir", str(tmp_path / "out"), "--network_module",
             "networks.lora", "--enable_wildcard", "--debug_dataset"])
@@ -521,7 +526,7 @@ def test_sdxl_weighted_captions_scale_both_encoders_not_the_pooled_output(tiny_c
     torch.manual_seed(1)
     te2 = CLIPTextModelWithProjection(te1.config).eval()
     comps = SimpleNamespace(text_encoders=[te1, te2], tokenizers=[tok, tok])
-    trainer = sdxl_train_network.SDXLNetworkTrainer()
+    trainer = sdxl_train_network.trainer().family
     args = SimpleNamespace(max_token_length=None, weighted_captions=True)
     with torch.no_grad():
         w = trainer.encode_prompts(args, comps, ["a (red:2.0) cat"])

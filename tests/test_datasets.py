@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+from library import train_util
 from library.config_util import add_dataset_arguments, build_dataset_group, load_dataset_config
 from library.datasets import DatasetError, make_bucket_resolutions, make_dataloader
 from library.sample_prompts import PromptFileError, parse_prompt_file
@@ -43,7 +44,7 @@ def parse(*argv):
     parser = argparse.ArgumentParser()
     add_dataset_arguments(parser)
     parser.add_argument("--seed", type=int, default=1)
-    return parser.parse_args([str(a) for a in argv])
+    return train_util.normalise_args(parser.parse_args([str(a) for a in argv]))
 
 
 def all_batches(group):

@@ -46,7 +46,7 @@ def test_errors_imports_nothing_from_the_library():
 
 @pytest.mark.parametrize("cls", [errors.BlockSwapError, errors.FluxModelError, errors.SaveError])
 def test_run_turns_any_kind_into_one_line_and_exit_2(cls, capsys, monkeypatch):
-    class Failing(network_trainer.NetworkTrainer):
+    class Failing:
         def train(self, args):
             raise cls("the message naming --the_flag")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -63,7 +64,7 @@ def test_a_replaced_folder_is_swapped_only_when_complete_and_restored_after_a_ki
     work = Path(files.work_folder(target))
     (work / "m").mkdir(parents=True)
     os.replace(target, work / "previous")
-    assert files.remove_stale(tmp_path, "m") == [str(work)]
+    assert files.remove_stale(tmp_path, re.compile("m")) == [str(work)]
     assert _everything(tmp_path) == ["m", "m/a"] and (target / "a").read_text() == "new"
 
 

@@ -17,6 +17,7 @@ import torch
 
 from library import block_swap, flux_models, flux_tiny, flux_train_utils
 from library.compile import options as compile_options, regional
+from library.objectives import flow_matching
 from networks import lora_flux
 
 
@@ -343,7 +344,7 @@ def test_packing_and_ids_match_diffusers():
 def test_sigma_sampling(mode):
     args = argparse.Namespace(timestep_sampling=mode, sigmoid_scale=1.0, discrete_flow_shift=3.0)
     torch.manual_seed(0)
-    s = flux_train_utils.sample_sigmas(args, 4096, 64, 64, "cpu")
+    s = flow_matching.sample_sigmas(args, 4096, 64, 64, "cpu")
     assert s.shape == (4096,) and s.min() > 0 and s.max() <= 1
     mean = {"uniform": 0.5, "sigmoid": 0.5}
     if mode in mean:
@@ -355,11 +356,11 @@ def test_sigma_sampling(mode):
 def test_model_prediction_types():
     pred, noisy, sigmas = torch.randn(2, 16, 4, 4), torch.randn(2, 16, 4, 4), torch.tensor([0.25, 0.75])
     ns = argparse.Namespace
-    assert torch.equal(flux_train_utils.apply_model_prediction_type(ns(model_prediction_type="raw"), pred, noisy,
+    assert torch.equal(flow_matching.apply_model_prediction_type(ns(model_prediction_type="raw"), pred, noisy,
                                                                     sigmas), pred)
-    assert torch.equal(flux_train_utils.apply_model_prediction_type(ns(model_prediction_type="additive"), pred,
+    assert torch.equal(flow_matching.apply_model_prediction_type(ns(model_prediction_type="additive"), pred,
                                                                     noisy, sigmas), pred + noisy)
-    out = flux_train_utils.apply_model_prediction_type(ns(model_prediction_type="sigma_scaled"), pred, noisy, sigmas)
+    out = flow_matching.apply_model_prediction_type(ns(model_prediction_type="sigma_scaled"), pred, noisy, sigmas)
     assert torch.allclose(out[1], noisy[1] - 0.75 * pred[1])
 
 

@@ -96,7 +96,7 @@ def test_lora_validation_weighting_huber_and_input_perturbation(flux_set, flux_d
     """FLUX's loss options end to end: validation loss at fixed sigmas, logit_normal sigma sampling, an exponential
     Huber loss and input perturbation; the DDPM-only options are accepted and ignored with a warning (as upstream)."""
     caplog.set_level(logging.INFO)
-    trainer = flux_train_network.FluxNetworkTrainer()
+    trainer = flux_train_network.trainer()
     path = network_run(trainer, flux_train_network.setup_parser(), lora_argv(
         flux_set, flux_data, tmp_path, "val",
         ["--validation_split", "0.5", "--validate_every_n_steps", "1", "--weighting_scheme", "logit_normal",

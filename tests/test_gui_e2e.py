@@ -48,7 +48,8 @@ def test_real_training_stops_mid_run_and_leaves_no_process(workdir, monkeypatch)
     values = {**cfg.values, "max_train_steps": 500, "sample_every_n_steps": None, "output_name": "stopped"}
     runner = Runner()
     training.start(runner, cfg.tab, cfg.family, values)  # makes the demo files first, then trains
-    assert wait_for(lambda: (runner.snapshot().progress or {}).get("step", 0) >= 1 or not runner.running, 400), \
+    # the trainer's step line (a tqdm bar of the demo's preparation or of caching is progress too)
+    assert wait_for(lambda: (runner.snapshot().progress or {}).get("total") == 500 or not runner.running, 400), \
         runner.log_tail()
     assert runner.running, "the run ended before it could be stopped:\n" + runner.log_tail()
     leader = psutil.Process(runner.pid)

@@ -30,10 +30,10 @@ def browser(gui_url):  # noqa: F811
 @pytest.fixture
 def page(browser, gui_url):  # noqa: F811
     pg = browser.new_page(viewport={"width": 1400, "height": 1000})
-    pg.set_default_timeout(60000)  # two shared cores: a page of ~1700 components takes a while to draw
+    pg.set_default_timeout(120000)  # two shared cores: a page of ~2100 components takes a while to draw
     pg.goto(gui_url)
     pg.wait_for_selector("#lora-family")
-    pg.get_by_role("tab", name="Utilities").click(timeout=120000)
+    pg.get_by_role("tab", name="Utilities").click(timeout=180000)
     pg.locator("#util-tabs").wait_for()
     yield pg
     pg.close()
@@ -51,7 +51,7 @@ def images(folder: Path, captions: dict[str, str]) -> Path:
     return folder
 
 
-def wait_text(page, elem_id: str, text: str, timeout: float = 30000) -> str:
+def wait_text(page, elem_id: str, text: str, timeout: float = 120000) -> str:
     page.locator(f"#{elem_id}").get_by_text(text).first.wait_for(timeout=timeout)
     return page.locator(f"#{elem_id}").inner_text()
 
@@ -73,13 +73,8 @@ def test_build_the_folder_layout_and_check_its_dataset_toml(page, workdir):  # n
     page.locator("#dstoml-from-folders").click()
     wait_text(page, "dstoml-status", "Added a subset per N_name folder")
     assert "5_sks dog" in page.locator("#dstoml-summary").inner_text()
-    field(page, "dstoml-path").fill(str(workdir / "prep-ds/dataset.toml"))
-    page.locator("#dstoml-save").click()
-    wait_text(page, "dstoml-status", "Saved")
-    saved = (workdir / "prep-ds/dataset.toml").read_text()
-    assert "num_repeats = 5" in saved and 'class_tokens = "sks dog"' in saved
-    page.locator("#dstoml-check").click()
-    out = wait_text(page, "dstoml-status", "accepts this dataset", timeout=120000)
+    page.locator("#dstoml-check").click()  # the text on screen, as it is (Save: tests/test_utilities.py)
+    out = wait_text(page, "dstoml-status", "accepts this dataset", timeout=240000)
     assert "10 train images with repeats" in out
 
 
@@ -99,9 +94,6 @@ def test_edit_a_caption_and_replace_a_tag_in_the_folder(page, workdir):  # noqa:
     page.wait_for_function("() => document.querySelector('#cap-text textarea').value === 'dog, red hair'")
     field(page, "cap-find").fill("red hair")
     field(page, "cap-replace").fill("blue hair")
-    page.locator("#cap-count").click()
-    wait_text(page, "cap-replace-status", "2 of 3 caption files would change")
-    assert (folder / "b.txt").read_text() == "dog, red hair"
     page.locator("#cap-replace-all").click()
     wait_text(page, "cap-replace-status", "changed 2 of 3 caption files")
     assert (folder / "a.txt").read_text() == "cat, blue hair, smile" and (folder / "b.txt").read_text() == \
@@ -124,9 +116,9 @@ def test_a_tool_runs_through_the_runner_with_its_log_and_result(page, workdir): 
     assert "--caption_extension .txt" in field(page, "util-dataset-command").input_value()
     page.locator("#util-dataset-run").click()
     wait_text(page, "util-dataset-status", "started")
-    page.wait_for_function("() => document.querySelector('#kg-log textarea').value.includes('merged 2 captions')",
-                           timeout=120000)
-    wait_text(page, "run-result", "Run finished", timeout=60000)
+    page.wait_for_function("() => document.querySelector('#kg-log textarea').value.includes('merged 2 .txt files')",
+                           timeout=240000)
+    wait_text(page, "run-result", "Run finished")
     assert json.loads(out.read_text()) == {"a": {"caption": "a cat"}, "b": {"caption": "a dog"}}
     page.locator("#util-dataset-run").click()  # the result exists now: refused, nothing overwritten
     wait_text(page, "util-dataset-status", "already exists")

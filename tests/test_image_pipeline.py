@@ -169,12 +169,12 @@ def test_sdxl_size_embeddings_are_float32_integers():
             seen.update(added_cond_kwargs)
             return type("Out", (), {"sample": x})()
 
-    comps = type("C", (), {"unet": FakeUNet()})()
+    comps = type("C", (), {"denoiser": FakeUNet()})()
     batch = {"original_sizes_hw": torch.tensor([[1023, 1001]]), "crop_top_lefts": torch.tensor([[3, 257]]),
              "target_sizes_hw": torch.tensor([[1024, 1024]])}
     te = {"pooled": torch.zeros(1, 8), "encoder_hidden_states": torch.zeros(1, 4, 8)}
-    trainer = sdxl_train_network.SDXLNetworkTrainer()
-    trainer.call_unet(None, comps, torch.zeros(1, 4, 8, 8, dtype=torch.bfloat16), torch.tensor([1]), te, batch,
+    trainer = sdxl_train_network.trainer()
+    trainer.family.predict(None, comps, torch.zeros(1, 4, 8, 8, dtype=torch.bfloat16), torch.tensor([1]), te, batch,
                       torch.bfloat16)
     time_ids = seen["time_ids"]
     assert time_ids.dtype == torch.float32  # in bf16, 1023 -> 1024 and 1001 -> 1000
@@ -329,12 +329,12 @@ def test_bucket_reso_steps_multiple_per_script(tmp_path):
     import flux_train
     import flux_train_network
     import sdxl_train_network
-    from library.network_trainer import NetworkTrainer
 
     # upstream's verify_bucket_reso_steps: 64 SD1.x/2.x, 32 SDXL and the FLUX LoRA, 16 the FLUX fine-tune
-    assert [t.bucket_reso_steps_multiple for t in (NetworkTrainer, sdxl_train_network.SDXLNetworkTrainer,
-                                                   flux_train_network.FluxNetworkTrainer, flux_train.FluxTrainer)] == [
-        64, 32, 32, 16]
+    import train_network
+
+    assert [m.trainer().bucket_reso_steps_multiple for m in (train_network, sdxl_train_network, flux_train_network,
+                                                              flux_train)] == [64, 32, 32, 16]
     gradient_image(tmp_path / "t" / "1_x" / "a.png", (100, 60))
     group = build_dataset_group(parse("--train_data_dir", tmp_path / "t", "--resolution", "128", "--enable_bucket",
                                       "--min_bucket_reso", "64", "--max_bucket_reso", "256", "--bucket_reso_steps",

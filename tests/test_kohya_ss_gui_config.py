@@ -113,7 +113,7 @@ def test_kohya_ss_gui_sdxl_lora_toml_trains_two_steps(tmp_path, tiny_sdxl_single
     argv = ["--config_file", str(cfg), "--tokenizer_cache_dir", str(tiny_sdxl_single_file.parent / "tokenizers")]
     args = train_util.parse_args(sdxl_train_network.setup_parser(), argv)
     assert args.text_encoder_lr == [1e-4, 1e-4] and args.max_token_length is None and args.optimizer_type == "AdamW8bit"
-    trainer = sdxl_train_network.SDXLNetworkTrainer()
+    trainer = sdxl_train_network.trainer()
     with caplog.at_level(logging.INFO):
         path = network_trainer.run(trainer, sdxl_train_network.setup_parser(),
                                    argv + ["--optimizer_type", "AdamW"])

@@ -63,7 +63,7 @@ def test_every_step_reaches_the_trackers_under_its_own_step(tmp_path, tiny_sdxl_
             "--gradient_accumulation_steps", "2", "--network_train_unet_only", "--cache_latents",
             "--cache_text_encoder_outputs", "--max_data_loader_n_workers", "0", "--seed", "1",
             "--logging_dir", str(tmp_path / "logs")]
-    trainer = sdxl_train_network.SDXLNetworkTrainer()
+    trainer = sdxl_train_network.trainer()
     network_trainer.run(trainer, sdxl_train_network.setup_parser(), argv)
     steps = [(step, v) for step, v in logged if "loss/current" in v]
     assert [s for s, _ in steps] == [1, 2, 3]
@@ -84,8 +84,7 @@ def test_nan_in_freshly_encoded_latents_becomes_zeros_with_upstreams_warning(tmp
 
     from library import network_trainer
 
-    trainer = sdxl_train_network.SDXLNetworkTrainer()
-    encode = trainer.encode_images
+    trainer = sdxl_train_network.trainer()
     seen = []
 
     def nan_latents(*a, **k):
@@ -93,13 +92,14 @@ def test_nan_in_freshly_encoded_latents_becomes_zeros_with_upstreams_warning(tmp
         latents[0, 0, 0, 0] = float("nan")
         return latents
 
-    def training_step(args, accelerator, noise_scheduler, batch, *rest, **kw):
-        loss = step(args, accelerator, noise_scheduler, batch, *rest, **kw)
+    def training_step(state, batch, **kw):
+        loss = step(state, batch, **kw)
         seen.append(bool(torch.isfinite(loss)))
         return loss
 
     step = trainer.training_step
-    monkeypatch.setattr(trainer, "encode_images", nan_latents)
+    encode = trainer.family.encode_images
+    monkeypatch.setattr(trainer.family, "encode_images", nan_latents)
     monkeypatch.setattr(trainer, "training_step", training_step)
     argv = ["--pretrained_model_name_or_path", str(tiny_sdxl_single_file), "--train_data_dir", str(tiny_dataset_dir),
             "--tokenizer_cache_dir", str(Path(tiny_sdxl_single_file).parent / "tokenizers"),

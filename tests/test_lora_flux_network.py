@@ -319,3 +319,57 @@ def test_flux_network_args_train(flux_set, flux_data, tmp_path, caplog):
     assert set(sd2) == set(sd)
     for k in sd:
         assert torch.allclose(sd2[k].float(), sd[k].float(), atol=1e-5), k
+
+
+# -- one fused BFL layer = one LoRA: dropout drawn once, down computed once (issue 24 bug 4) -------------------
+
+def _fused_qkv(dim=4, **dropouts):
+    """A LoRA over three diffusers parts (to_q/to_k/to_v) of one BFL qkv, each part's up rows = the identity,
+    so each part's LoRA output is exactly the (dropped-out) down output: equal parts = shared draws."""
+    torch.manual_seed(0)
+    parts = [torch.nn.Linear(8, dim) for _ in range(3)]
+    m = lora_flux.FluxLoRAModule("lora_unet_double_blocks_0_img_attn_qkv", parts, lora_dim=dim, alpha=dim,
+                                 **dropouts)
+    with torch.no_grad():
+        m.lora_up.weight.copy_(torch.eye(dim).repeat(3, 1))
+    m.apply_to()
+    m.train()
+    return m, parts
+
+
+def test_fused_layer_draws_module_dropout_once_for_all_its_parts():
+    m, parts = _fused_qkv(module_dropout=0.5)
+    dropped = []
+    for _ in range(60):
+        x = torch.randn(2, 8)
+        dropped.append(tuple(torch.equal(p(x), torch.nn.Linear.forward(p, x)) for p in parts))
+    assert set(dropped) == {(True, True, True), (False, False, False)}  # the whole qkv LoRA, or none of it
+
+
+def test_fused_layer_shares_down_dropout_and_rank_dropout_and_computes_down_once():
+    m, parts = _fused_qkv(dropout=0.5, rank_dropout=0.5)
+    calls = []
+    m.lora_down.register_forward_hook(lambda *a: calls.append(1))
+    x = torch.randn(2, 5, 8)
+    deltas = [p(x) - torch.nn.Linear.forward(p, x) for p in parts]
+    assert len(calls) == 1
+    kept = [d != 0 for d in deltas]
+    assert torch.equal(kept[0], kept[1]) and torch.equal(kept[1], kept[2])  # one dropout mask, one rank mask
+    assert torch.allclose(deltas[0], deltas[1], atol=1e-6) and torch.allclose(deltas[1], deltas[2], atol=1e-6)
+    assert kept[0].any() and not kept[0].all()  # something was dropped, something kept
+    # a new input is a new draw; the parts of the earlier one are not reused for it
+    y = torch.randn(2, 5, 8)
+    first = parts[0](y) - torch.nn.Linear.forward(parts[0], y)
+    z = torch.randn(2, 5, 8)
+    assert not any(torch.allclose(p(z) - torch.nn.Linear.forward(p, z), first) for p in parts)
+    assert len(calls) == 3
+
+
+def test_fused_layer_output_is_the_fused_lora_split_over_the_parts():
+    m, parts = _fused_qkv()
+    with torch.no_grad():
+        m.lora_up.weight.normal_()
+    x = torch.randn(3, 8)
+    fused = m.lora_up(m.lora_down(x)) * m.multiplier * m.scale
+    got = torch.cat([p(x) - torch.nn.Linear.forward(p, x) for p in parts], dim=-1)
+    assert torch.allclose(got, fused, atol=1e-6)

@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+import train_network
 from conftest import load_tiny_components
 
 from networks import lora, lora_blocks
@@ -163,7 +164,7 @@ def test_trainer_options(tmp_path, tiny_sd1_single_file, caplog):
     import logging
 
     import train_network
-    from library.network_trainer import NetworkTrainer, run
+    from library.network_trainer import run
     from library.tiny_models import make_captioned_images
     from lora_checks import read_lora
 
@@ -185,7 +186,7 @@ def test_trainer_options(tmp_path, tiny_sd1_single_file, caplog):
             "--scale_weight_norms", "0.01", "--base_weights", str(tmp_path / "base.safetensors"),
             "--base_weights_multiplier", "0.5"]
     with caplog.at_level(logging.INFO):
-        path = run(NetworkTrainer(), train_network.setup_parser(), argv)
+        path = run(train_network.trainer(), train_network.setup_parser(), argv)
     assert "all base weights merged" in caplog.text and "with multiplier 0.5" in caplog.text
     sd, md = read_lora(path)
     names = {k.split(".")[0] for k in sd}

@@ -404,3 +404,97 @@ def test_dump_options(tool, capsys):
     assert {"dump_options", "help"}.isdisjoint(names) and entries
     parser = tool.setup_parser()
     assert names == {a.dest for a in parser._actions if a.dest not in ("help", "dump_options")}
+
+
+def test_benchmark_commands_are_valid_tool_command_lines(tmp_path, capsys):
+    """tools/bench_lora_tools.py --dry_run: the command lines it would time (ours and upstream's) parse with the
+    tools' own parsers (the same options upstream's take, plus --overwrite for ours)."""
+    import importlib.util
+    import shlex
+
+    spec = importlib.util.spec_from_file_location("bench_lora_tools", REPO / "tools" / "bench_lora_tools.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--work_dir", str(tmp_path), "--dry_run", "--upstream", "/opt/sd-scripts"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert len(lines) == 10
+    by_name = {t.__name__.split(".")[-1]: t for t in TOOLS}
+    for line in lines:
+        who, rest = line.split("] ", 1)
+        argv = shlex.split(rest.split(": ", 1)[1])
+        script = argv[1].rsplit("/", 1)[1][:-3]
+        assert argv[1].startswith("/opt/sd-scripts/networks/" if who == "[upstream" else str(REPO))
+        by_name[script].setup_parser().parse_args(argv[2:])
+
+
+def test_sd1_merge_from_a_diffusers_folder_and_extract(tiny_sd1_single_file, tiny_sd1_diffusers, tmp_path):
+    """SD1.x: the model read from its diffusers folder, the LoRA (1x1-conv proj_in/out, 3x3 convs) merged and
+    written as an LDM single file, then extracted back from the two single files."""
+    from library.model_util import load_sd_components
+    from networks import lora
+
+    comps = load_sd_components(str(tiny_sd1_single_file), "sd1", tokenizers=False)
+    network = lora.create_network(1.0, 4, 2, None, comps.text_encoders[0], comps.unet, conv_dim=4, conv_alpha=4)
+    lora_path = tmp_path / "sd1_lora.safetensors"
+    lora_tools.save_lora(str(lora_path), _spectrum_lora(network, seed=5), {"ss_v2": "False"}, overwrite=False)
+    merged = tmp_path / "merged.safetensors"
+    assert merge_lora.main(["--sd_model", str(tiny_sd1_diffusers), "--models", str(lora_path), "--ratios", "0.5",
+                            "--save_to", str(merged), "--save_precision", "float"]) == 0
+    assert _metadata(merged)["modelspec.architecture"] == "stable-diffusion-v1"
+    extracted = tmp_path / "extracted.safetensors"
+    assert extract_lora_from_models.main(["--model_org", str(tiny_sd1_single_file), "--model_tuned", str(merged),
+                                          "--save_to", str(extracted), "--dim", "4", "--conv_dim", "4",
+                                          "--clamp_quantile", "1", "--device", "cpu"]) == 0
+    original, back = _effective(load_file(str(lora_path))), _effective(load_file(str(extracted)))
+    assert set(back) == set(original)
+    assert any(w.dim() == 4 and w.shape[-1] == 1 for w in original.values())  # SD1's 1x1-conv proj_in/out
+    total = math.sqrt(sum(float((back[n].reshape(w.shape) - 0.5 * w).norm() ** 2) for n, w in original.items())
+                      / sum(float((0.5 * w).norm() ** 2) for w in original.values()))
+    assert total < 0.05, total
+    md = _metadata(extracted)
+    assert md["ss_base_model_version"] == "sd_v1" and md["ss_v2"] == "False"
+
+
+def test_sdxl_merge_with_layer_block_weights_and_oft(sdxl_lora, tiny_sdxl_single_file, tmp_path):
+    from library.model_util import load_sd_components
+    from networks import oft
+
+    # --lbws: 12 values (SDXL's preset: BASE, IN04, IN05, IN07, IN08, MID, OUT00-OUT05); BASE (text encoders)
+    # and IN04 at 0, the rest at 1; layers outside the preset keep weight 1
+    lbw = "[0,0,1,1,1,1,1,1,1,1,1,1]"
+    merged = tmp_path / "lbw.safetensors"
+    assert sdxl_merge_lora.main(["--sd_model", str(tiny_sdxl_single_file), "--models", str(sdxl_lora),
+                                 "--ratios", "1", "--lbws", lbw, "--save_to", str(merged)]) == 0
+    base = lora_tools.load_sd_model(str(tiny_sdxl_single_file), "sdxl", torch.float32)
+    ours = lora_tools.load_sd_model(str(merged), "sdxl", torch.float32)
+    layers_b = lora_tools.sd_layer_map(base.text_encoders, base.unet)
+    layers_m = lora_tools.sd_layer_map(ours.text_encoders, ours.unet)
+    effective = _effective(load_file(str(sdxl_lora)))
+    kinds = set()
+    for name, w in effective.items():
+        moved = (layers_m[name].weight - layers_b[name].weight).detach().double()
+        off = name.startswith("lora_te") or name.startswith("lora_unet_input_blocks_4_")
+        kinds.add(off)
+        assert (float(moved.abs().max()) < 1e-6) if off else _rel(moved, w.reshape(moved.shape)) < 1e-4, name
+    assert kinds == {True, False}
+
+    comps = load_sd_components(str(tiny_sdxl_single_file), "sdxl", tokenizers=False)
+    network = oft.create_network(1.0, 4, 1e-3, None, comps.text_encoders, comps.unet)
+    g = torch.Generator().manual_seed(7)
+    sd = {}
+    for module in network.unet_ofts:
+        for k, v in module.state_dict().items():
+            sd[f"{module.oft_name}.{k}"] = torch.randn(v.shape, generator=g) * 0.01 if k == "oft_blocks" else v
+    oft_path = tmp_path / "oft.safetensors"
+    lora_tools.save_lora(str(oft_path), sd, {"ss_network_module": "networks.oft"}, overwrite=False)
+    oft_merged = tmp_path / "oft_merged.safetensors"
+    assert sdxl_merge_lora.main(["--sd_model", str(tiny_sdxl_single_file), "--models", str(oft_path),
+                                 "--ratios", "1", "--save_to", str(oft_merged)]) == 0
+    ours = lora_tools.load_sd_model(str(oft_merged), "sdxl", torch.float32)
+    merged_weights = dict(ours.unet.named_parameters())
+    paths = {id(m): p for p, m in comps.unet.named_modules()}
+    for module in network.unet_ofts[:5]:
+        module.load_state_dict({k.split(".", 1)[1]: v for k, v in sd.items() if k.startswith(module.oft_name + ".")})
+        expected = module.rotated_weight(module.org_module.weight.detach())
+        got = merged_weights[paths[id(module.org_module)] + ".weight"]
+        assert torch.allclose(got, expected, atol=1e-5) and not torch.allclose(got, module.org_module.weight)

@@ -1,5 +1,5 @@
 """library.losses / library.noise / FLUX weighting against kohya-ss/sd-scripts' formulas (written out here
-element by element), on tiny tensors, plus their wiring into NetworkTrainer.training_step."""
+element by element), on tiny tensors, plus their wiring into the training step's loss (library.run.trainer.Trainer.loss)."""
 from __future__ import annotations
 
 import argparse
@@ -8,9 +8,12 @@ import random
 
 import pytest
 import torch
+import train_network
 
 from library import flux_train_utils, losses, noise, train_util
-from library.network_trainer import NetworkTrainer, setup_parser
+from library.objectives import flow_matching
+from library.network_trainer import setup_parser
+from library.objectives.ddpm import DDPM
 from library.train_util import ConfigError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -175,29 +178,17 @@ def test_sample_timesteps():
     assert (noise.sample_timesteps(ns(), 3, 1000, "cpu", g, fixed=400) == 400).all()
 
 
-class _EchoTrainer(NetworkTrainer):
-    """The UNet returns its noisy input: what get_noise_pred_and_target fed the model can be checked."""
-
-    def call_unet(self, args, components, noisy_latents, timesteps, te_outputs, batch, weight_dtype):
-        return noisy_latents
-
-
-class _Acc:
-    @staticmethod
-    def autocast():
-        import contextlib
-
-        return contextlib.nullcontext()
+def _echo(noisy, timesteps):
+    """The model returns its noisy input: what the objective fed the model can be checked."""
+    return noisy
 
 
 @pytest.mark.parametrize("random_strength", [False, True])
 def test_ip_noise_gamma_perturbs_the_input_not_the_target(random_strength):
-    trainer = _EchoTrainer()
     sched = ddpm()
     latents = torch.randn(2, 4, 4, 4)
     args = ns(ip_noise_gamma=0.3, ip_noise_gamma_random_strength=random_strength)
-    trainer.noise_generator = torch.Generator().manual_seed(7)
-    pred, target, t, _ = trainer.get_noise_pred_and_target(args, _Acc, sched, latents, {}, {}, None, torch.float32)
+    pred, target, t, _ = DDPM().noisy_input_pred_target(args, sched, latents, _echo, torch.Generator().manual_seed(7))
     g = torch.Generator().manual_seed(7)  # the same draws, in upstream's order
     eps = torch.randn(latents.shape, generator=g)
     t_want = torch.randint(0, 1000, (2,), generator=g)
@@ -209,12 +200,10 @@ def test_ip_noise_gamma_perturbs_the_input_not_the_target(random_strength):
 
 def test_default_noise_draws_are_unchanged():
     """With the new options off, the draws are randn then randint (what the loop computed before them)."""
-    trainer = _EchoTrainer()
     sched = ddpm()
     latents = torch.randn(2, 4, 4, 4)
-    trainer.noise_generator = torch.Generator().manual_seed(11)
-    pred, target, t, _ = trainer.get_noise_pred_and_target(ns(noise_offset=0.05), _Acc, sched, latents, {}, {}, None,
-                                                           torch.float32)
+    pred, target, t, _ = DDPM().noisy_input_pred_target(ns(noise_offset=0.05), sched, latents, _echo,
+                                                        torch.Generator().manual_seed(11))
     g = torch.Generator().manual_seed(11)
     eps = torch.randn(latents.shape, generator=g)
     eps = eps + 0.05 * torch.randn((2, 4, 1, 1), generator=g)
@@ -224,29 +213,17 @@ def test_default_noise_draws_are_unchanged():
 
 
 # ------------------------------------------------------------------------------------------------------------
-# the training step uses them
-
-
-class _FixedTrainer(NetworkTrainer):
-    def __init__(self, pred, target, t):
-        self.fixed = (pred, target, t)
-
-    def get_noise_pred_and_target(self, *a, **kw):
-        return (*self.fixed, None)
-
-    def encode_prompts(self, *a, **kw):
-        return {}
+# the training step's loss uses them
 
 
 @pytest.mark.parametrize("loss_type", ["l2", "l1", "huber", "smooth_l1"])
-def test_training_step_uses_the_loss_type(loss_type):
+def test_training_loss_uses_the_loss_type(loss_type):
     torch.manual_seed(0)
     pred, target, t = torch.randn(2, 4, 4, 4), torch.randn(2, 4, 4, 4), torch.tensor([100, 900])
     sched = ddpm()
     args = ns(loss_type=loss_type, huber_schedule="exponential", min_snr_gamma=5.0)
     batch = {"latents": torch.zeros(2, 4, 4, 4), "te_outputs": {}, "loss_weights": torch.ones(2)}
-    loss = _FixedTrainer(pred, target, t).training_step(args, _Acc, sched, batch, None, torch.float32, False, True,
-                                                        "cpu")
+    loss = train_network.trainer().loss(args, batch, sched, pred, target, t, None)
     c = losses.huber_threshold(args, t, 1000, sched.alphas_cumprod)
     per_sample = losses.conditional_loss(pred, target, loss_type, c).mean(dim=(1, 2, 3))
     snr = sched.all_snr[t]
@@ -270,35 +247,35 @@ def flux_args(**kw):
 
 def test_flux_loss_weighting():
     s = torch.tensor([0.1, 0.5, 0.9])
-    w = flux_train_utils.loss_weighting(flux_args(weighting_scheme="sigma_sqrt"), s)
+    w = flow_matching.loss_weighting(flux_args(weighting_scheme="sigma_sqrt"), s)
     assert w.shape == (3, 1, 1, 1) and torch.allclose(w.flatten(), 1 / s ** 2)
-    w = flux_train_utils.loss_weighting(flux_args(weighting_scheme="cosmap"), s).flatten()
+    w = flow_matching.loss_weighting(flux_args(weighting_scheme="cosmap"), s).flatten()
     assert torch.allclose(w, torch.tensor([2 / (math.pi * (1 - 2 * x + 2 * x * x)) for x in s.tolist()]))
     for scheme in ("none", "uniform", "logit_normal", "mode"):
-        assert flux_train_utils.loss_weighting(flux_args(weighting_scheme=scheme), s) is None
+        assert flow_matching.loss_weighting(flux_args(weighting_scheme=scheme), s) is None
     # upstream weights only the sigma_scaled prediction
-    assert flux_train_utils.loss_weighting(flux_args(weighting_scheme="sigma_sqrt", model_prediction_type="raw"),
+    assert flow_matching.loss_weighting(flux_args(weighting_scheme="sigma_sqrt", model_prediction_type="raw"),
                                            s) is None
 
 
 def test_flux_timestep_density():
     torch.manual_seed(0)
-    u = flux_train_utils.timestep_density(flux_args(weighting_scheme="logit_normal", logit_mean=0.5,
+    u = flow_matching.timestep_density(flux_args(weighting_scheme="logit_normal", logit_mean=0.5,
                                                     logit_std=0.7), 20000, "cpu")
     logit = torch.log(u / (1 - u))
     assert logit.mean().item() == pytest.approx(0.5, abs=0.03) and logit.std().item() == pytest.approx(0.7,
                                                                                                        abs=0.03)
     torch.manual_seed(1)
-    u = flux_train_utils.timestep_density(flux_args(weighting_scheme="mode", mode_scale=1.29), 5, "cpu")
+    u = flow_matching.timestep_density(flux_args(weighting_scheme="mode", mode_scale=1.29), 5, "cpu")
     torch.manual_seed(1)
     r = torch.rand(5)
     assert torch.allclose(u, 1 - r - 1.29 * (torch.cos(math.pi * r / 2) ** 2 - 1 + r))
     # sigma sampling with logit_normal: index = u * 1000 into the descending shifted schedule
     args = flux_args(weighting_scheme="logit_normal")
     torch.manual_seed(2)
-    s = flux_train_utils.sample_sigmas(args, 6, 8, 8, "cpu")
+    s = flow_matching.sample_sigmas(args, 6, 8, 8, "cpu")
     torch.manual_seed(2)
-    u = flux_train_utils.timestep_density(args, 6, "cpu")
+    u = flow_matching.timestep_density(args, 6, "cpu")
     t = (1000 - (u * 1000).long()).float() / 1000
     assert torch.allclose(s, 3 * t / (1 + 2 * t))
 
@@ -312,15 +289,17 @@ def test_flux_ip_noise_and_fixed_timestep():
     import contextlib
 
     args = flux_args(guidance_scale=3.5, apply_t5_attn_mask=False, model_prediction_type="raw")
+    def predict(noisy, sigmas):
+        return flux_train_utils.flux_forward(tr, noisy, sigmas, te, 3.5, torch.float32)
+
+    objective = flow_matching.FlowMatching()
     with torch.no_grad():
-        torch.manual_seed(0)
-        pred, target, sigmas, w = flux_train_utils.noisy_input_pred_target(
-            args, tr, latents, te, torch.float32, contextlib.nullcontext, fixed_timestep=600)
+        pred, target, sigmas, w = objective.noisy_input_pred_target(args, None, latents, predict,
+                                                                    torch.Generator().manual_seed(0), 600)
         assert torch.equal(sigmas, torch.tensor([0.6])) and w is None
-        torch.manual_seed(0)
         args.ip_noise_gamma = 0.5
-        pred2, target2, _, _ = flux_train_utils.noisy_input_pred_target(
-            args, tr, latents, te, torch.float32, contextlib.nullcontext, fixed_timestep=600)
+        pred2, target2, _, _ = objective.noisy_input_pred_target(args, None, latents, predict,
+                                                                 torch.Generator().manual_seed(0), 600)
     assert torch.equal(target, target2)  # the target keeps the unperturbed noise
     assert not torch.allclose(pred, pred2)  # the input was perturbed
 
@@ -339,44 +318,39 @@ def test_flux_ip_noise_and_fixed_timestep():
 ])
 def test_bad_combinations_named(kw, flow, match):
     with pytest.raises(ConfigError, match=match):
-        trainer = NetworkTrainer()
-        trainer.flow_matching = flow
+        trainer = train_network.trainer()
+        trainer.objective = flow_matching.FlowMatching() if flow else trainer.objective
         trainer.check_objective_args(ns(**kw))
 
 
 def test_flux_ignores_ddpm_only_options_with_a_warning(caplog):
-    trainer = NetworkTrainer()
-    trainer.flow_matching = True
+    trainer = train_network.trainer()
+    trainer.objective = flow_matching.FlowMatching()
     trainer.check_objective_args(ns(min_snr_gamma=5.0, noise_offset=0.1, multires_noise_iterations=6))
     assert "--min_snr_gamma" in caplog.text and "--noise_offset" in caplog.text and "no effect on FLUX" in caplog.text
 
 
 def test_v_prediction_model_trains_and_reports_v():
     """A model whose scheduler config says v_prediction trains v and every metadata reader sees it."""
-    from library.full_trainer import FullTrainer
-
-    class SD2(FullTrainer, NetworkTrainer):
-        pass
+    import fine_tune
 
     args = ns(v2=True, resolution="64", output_name="m")
     args.training_comment = None
     comps = type("C", (), {"prediction_type": "v_prediction"})()
-    trainer = SD2()
-    pt = trainer.prediction_type(args, comps)
+    trainer = fine_tune.trainer()  # SD1.x/2.x family, full target
+    pt = trainer.family.prediction_type(args, comps)
     trainer.use_prediction_type(args, pt)
-    assert trainer.get_noise_scheduler(args, comps).config.prediction_type == "v_prediction"
-    assert trainer.base_model_version(args) == "sd_v2_v"
-    assert trainer.modelspec(args, lora=False)["modelspec.prediction_type"] == "v"
-    assert trainer.modelspec(args, lora=False)["modelspec.architecture"] == "stable-diffusion-v2-768-v"
+    assert trainer.objective.noise_scheduler(args, pt).config.prediction_type == "v_prediction"
+    assert trainer.family.base_model_version(args) == "sd_v2_v"
+    assert trainer.modelspec(args, pt)["modelspec.prediction_type"] == "v"
+    assert trainer.modelspec(args, pt)["modelspec.architecture"] == "stable-diffusion-v2-768-v"
 
 
 def test_flux_huber_threshold_uses_sigma_times_1000():
     """Upstream's FLUX timesteps are sigma * 1000: the exponential threshold is c^sigma * scale."""
-    import flux_train_network
-
     sigmas = torch.tensor([0.1, 0.5, 1.0])
     args = ns(loss_type="huber", huber_schedule="exponential", huber_c=0.2, huber_scale=2.0)
-    got = flux_train_network.FluxNetworkTrainer().huber_threshold(args, sigmas, None)
+    got = flow_matching.FlowMatching().huber_threshold(args, sigmas, None)
     assert torch.allclose(got, 0.2 ** sigmas * 2.0, rtol=1e-5)
 
 
@@ -397,9 +371,9 @@ def test_diffusers_folder_with_v_prediction_scheduler_trains_v_and_parity_says_s
     tokenizers = Path(tiny_sd1_diffusers).parent / "tokenizers"
     comps = load_sd_components(str(folder), "sd1", tokenizer_cache_dir=str(tokenizers))
     assert comps.prediction_type == "v_prediction"
-    trainer = NetworkTrainer()
+    trainer = train_network.trainer()
     args = ns(v_parameterization=False, v_pred_like_loss=None)
-    trainer.use_prediction_type(args, trainer.prediction_type(args, comps))
+    trainer.use_prediction_type(args, trainer.family.prediction_type(args, comps))
     assert args.v_parameterization is True
     reason = parity.DIFFERENT["v_parameterization"].reason
     assert "v_prediction" in reason and "upstream trains it as epsilon" in reason

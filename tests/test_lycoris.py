@@ -171,16 +171,6 @@ def test_missing_package_is_a_clear_error(tmp_path, capsys, monkeypatch):
     assert e.value.code == 2 and "lycoris-lora" in err and "'lycoris' extra" in err
 
 
-def test_flux_refuses_lycoris(tmp_path, capsys):
-    import flux_train_network
-
-    with pytest.raises(SystemExit) as e:
-        flux_train_network.main(["--pretrained_model_name_or_path", str(tmp_path / "m.safetensors"),
-                                 "--train_data_dir", str(tmp_path), "--output_dir", str(tmp_path / "o"),
-                                 "--network_module", "lycoris.kohya"])
-    assert e.value.code == 2 and "lycoris.kohya is not supported for FLUX.1" in capsys.readouterr().err
-
-
 def test_compile_log_counts_adapters(tiny_sdxl, caplog):
     """compile_model_blocks says how many adapter layers run inside the compiled blocks."""
     import copy

@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 import torch
+import train_network
 from PIL import Image
 
 from library import buckets, masks
@@ -119,7 +120,7 @@ def test_masked_run_trains_nothing_on_fully_masked_images(tmp_path, tiny_sd1_sin
     """End to end (2 steps): every pixel transparent -> every loss is exactly 0 and the LoRA stays at its zero
     up-projection; the same images without --alpha_mask train."""
     import train_network
-    from library.network_trainer import NetworkTrainer, run
+    from library.network_trainer import run
     from safetensors.torch import load_file
 
     d = tmp_path / "data" / "1_x"
@@ -129,7 +130,7 @@ def test_masked_run_trains_nothing_on_fully_masked_images(tmp_path, tiny_sd1_sin
         Image.fromarray(arr, "RGBA").save(d / f"{k}.png")
 
     def train(name, *extra):
-        trainer = NetworkTrainer()
+        trainer = train_network.trainer()
         path = run(trainer, train_network.setup_parser(), [
             "--pretrained_model_name_or_path", str(tiny_sd1_single_file),
             "--tokenizer_cache_dir", str(tiny_sd1_single_file.parent / "tokenizers"),
@@ -330,7 +331,7 @@ def test_sdxl_run_writes_upstream_cache_files_and_reuses_them(tmp_path, tiny_sdx
     img = next((data / "1_x").glob("*.png"))
 
     def train(name):
-        trainer = sdxl_train_network.SDXLNetworkTrainer()
+        trainer = sdxl_train_network.trainer()
         network_trainer.run(trainer, sdxl_train_network.setup_parser(), [
             "--pretrained_model_name_or_path", str(tiny_sdxl_single_file),
             "--tokenizer_cache_dir", str(tiny_sdxl_single_file.parent / "tokenizers"),

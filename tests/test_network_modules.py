@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+import train_network
 from torch import nn
 
 from networks import dylora, lora, lora_fa, oft
@@ -181,7 +182,7 @@ def test_module_trains_saves_and_continues(module, args, prefix, alpha, tiny_sd1
     import importlib
 
     import train_network
-    from library.network_trainer import NetworkTrainer, run
+    from library.network_trainer import run
     from lora_checks import read_lora
 
     def argv(out, name, extra):
@@ -191,7 +192,7 @@ def test_module_trains_saves_and_continues(module, args, prefix, alpha, tiny_sd1
                 "--network_alpha", str(alpha), "--resolution", "64", "--max_data_loader_n_workers", "0",
                 "--seed", "5", "--network_train_unet_only", "--cache_latents", *extra]
 
-    path = run(NetworkTrainer(), train_network.setup_parser(),
+    path = run(train_network.trainer(), train_network.setup_parser(),
                argv(tmp_path / "a", "m", ["--max_train_steps", "2", "--learning_rate", "1e-2",
                                           *(["--network_args", *args] if args else [])]))
     sd, md = read_lora(path)
@@ -203,7 +204,7 @@ def test_module_trains_saves_and_continues(module, args, prefix, alpha, tiny_sd1
     assert suffixes == ({"oft_blocks", "alpha"} if prefix == "oft_unet_" else
                         {"lora_down.weight", "lora_up.weight", "alpha"})
 
-    path2 = run(NetworkTrainer(), train_network.setup_parser(),
+    path2 = run(train_network.trainer(), train_network.setup_parser(),
                 argv(tmp_path / "b", "m2", ["--max_train_steps", "1", "--learning_rate", "1e-12", "--optimizer_type",
                                             "SGDNesterov", "--network_weights", path, "--seed", "6",
                                             *(["--network_args", *args] if args else [])]))

@@ -102,7 +102,7 @@ def test_model_families_refused_before_loading(tmp_path, module, family, match):
     from library.train_util import ConfigError
 
     script = flux_train_network if family == "flux" else sdxl_train_network
-    trainer = script.FluxNetworkTrainer() if family == "flux" else script.SDXLNetworkTrainer()
+    trainer = script.trainer() if family == "flux" else script.trainer()
     args = train_util.parse_args(script.setup_parser(), [
         "--pretrained_model_name_or_path", str(tmp_path / "none.safetensors"), "--network_module", module,
         "--output_dir", str(tmp_path), "--train_data_dir", str(tmp_path)])
@@ -137,7 +137,7 @@ def test_trains_continues_and_stays_constrained(tmp_path, tmp_path_factory):
             "--network_args", "enable_all_linear=True", "--network_weights", str(tmp_path / "start.safetensors"),
             "--network_train_unet_only", "--resolution", "32", "--max_train_steps", "2", "--learning_rate", str(lr),
             "--t5xxl_max_token_length", "16", "--max_data_loader_n_workers", "0", "--seed", "1"]
-    path = run(flux_train_network.FluxNetworkTrainer(), flux_train_network.setup_parser(), argv)
+    path = run(flux_train_network.trainer(), flux_train_network.setup_parser(), argv)
     sd, md = read_lora(path)
     assert set(sd) == set(start) and md["ss_network_module"] == "networks.oft_flux"
     # continued from the file: AdamW moved each value by at most ~lr per step

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from library import full_trainer
+from library.families import sdxl
 from library.train_util import ConfigError
 
 
@@ -65,14 +66,14 @@ def test_grouped_fused_backward_equals_a_step_with_per_tensor_clipping(max_grad_
 def test_block_index_and_parse():
     import sdxl_train
 
-    assert [sdxl_train.block_index(n) for n in (
+    assert [sdxl.block_index(n) for n in (
         "time_embed.0.weight", "label_emb.0.2.bias", "input_blocks.0.0.weight", "input_blocks.8.0.conv.weight",
         "middle_block.2.out_layers.3.weight", "output_blocks.0.0.in_layers.0.weight",
         "output_blocks.8.1.proj_out.weight", "out.0.weight", "out.2.bias")] == [0, 0, 1, 9, 12, 13, 21, 22, 22]
-    assert sdxl_train.parse_block_lr(",".join(["1e-5"] * 23)) == [1e-5] * 23
+    assert sdxl.parse_block_lr(",".join(["1e-5"] * 23)) == [1e-5] * 23
     for bad in (",".join(["1e-5"] * 22), "a," * 22 + "b", ",".join(["-1"] * 23)):
         with pytest.raises(ConfigError, match="--block_lr needs 23 comma-separated"):
-            sdxl_train.parse_block_lr(bad)
+            sdxl.parse_block_lr(bad)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +90,7 @@ def test_block_lr_groups_on_the_sdxl_unet(sdxl_unet):
     lrs = [float(i + 1) for i in range(23)]
     lrs[5] = lrs[22] = 0.0
     sdxl_unet.requires_grad_(True)
-    groups, names = sdxl_train.block_lr_param_groups(sdxl_unet, lrs)
+    groups, names = sdxl.block_lr_param_groups(sdxl_unet, lrs)
     assert names == [f"block{int(g['lr']) - 1}" for g in groups]
     by_id = {id(p): g["lr"] for g in groups for p in g["params"]}
     named = dict(sdxl_unet.named_parameters())
@@ -111,17 +112,19 @@ def test_block_lr_log_names(sdxl_unet, monkeypatch):
     import sdxl_train
     from library.network_trainer import Trainable
 
-    trainer = sdxl_train.SDXLTrainer()
+    trainer = sdxl_train.trainer()
     lrs = ["1e-4"] * 23
     lrs[3] = "0"
     te1, te2 = torch.nn.Linear(2, 2).requires_grad_(False), torch.nn.Linear(2, 2)
-    comps = types.SimpleNamespace(unet=sdxl_unet, text_encoders=[te1, te2])
-    args = types.SimpleNamespace(block_lr=",".join(lrs), fused_optimizer_groups=None, fused_backward_pass=False)
+    comps = types.SimpleNamespace(unet=sdxl_unet, denoiser=sdxl_unet, text_encoders=[te1, te2])
+    args = types.SimpleNamespace(block_lr=",".join(lrs), fused_optimizer_groups=None, fused_backward_pass=False,
+                                 full_bf16=False, full_fp16=False)
     sdxl_unet.requires_grad_(True)
-    monkeypatch.setattr(full_trainer.FullTrainer, "setup_trainable", lambda self, *a: Trainable(
+    monkeypatch.setattr(trainer.target, "_denoiser_and_text_encoders", lambda *a: Trainable(
         models=[sdxl_unet], param_groups=[{"params": list(sdxl_unet.parameters()), "lr": 1.0},
                                           {"params": list(te2.parameters()), "lr": 1.0}], train_text_encoder=True))
-    trainable = trainer.setup_trainable(args, None, comps, torch.float32, False)
+    accelerator = types.SimpleNamespace(device=torch.device("cpu"))
+    trainable = trainer.target.setup_trainable(args, accelerator, trainer.family, comps, torch.float32, True)
     names = trainable.lr_descriptions
     assert names[:2] == ["block0", "block1"] and "block3" not in names and names[-1] == "text_encoder2"
     assert len(names) == len(trainable.param_groups)
@@ -129,24 +132,25 @@ def test_block_lr_log_names(sdxl_unet, monkeypatch):
 
 
 def test_blockwise_groups_for_flux():
-    from flux_train import FluxTrainer
+    import flux_train
     from library.flux_tiny import tiny_transformer
     from library.network_trainer import Trainable
 
-    trainer = FluxTrainer()
+    trainer = flux_train.trainer()
     model = tiny_transformer(width=64, num_double=2, num_single=3, t5_dim=32, clip_dim=32, guidance=True, seed=0,
                              dtype=torch.float32)
-    trainer.components = types.SimpleNamespace(transformer=model)
+    comps = types.SimpleNamespace(transformer=model)
     args = types.SimpleNamespace(blockwise_fused_optimizers=True, fused_backward_pass=False, learning_rate=0.5)
     params = list(model.parameters())
-    groups = trainer.optimizer_param_groups(args, Trainable(models=[model], param_groups=[{"params": params}],
-                                                            train_text_encoder=False))
+    groups = trainer.target.optimizer_param_groups(args, trainer.family, comps, Trainable(
+        models=[model], param_groups=[{"params": params}], train_text_encoder=False))
     assert len(groups) == 1 + 2 + 3  # the rest, each double block, each single block
     assert sum(len(g[0]["params"]) for g in groups) == len(params) and all(g[0]["lr"] == 0.5 for g in groups)
     first_double = set(map(id, model.transformer_blocks[0].parameters()))
     assert any(set(map(id, g[0]["params"])) == first_double for g in groups)
     args.blockwise_fused_optimizers = False
-    assert len(trainer.optimizer_param_groups(args, Trainable([model], [{"params": params}], False))) == 1
+    assert len(trainer.target.optimizer_param_groups(args, trainer.family, comps,
+                                                     Trainable([model], [{"params": params}], False))) == 1
 
 
 @pytest.mark.slow

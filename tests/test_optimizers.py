@@ -9,6 +9,7 @@ import types
 
 import pytest
 import torch
+import train_network
 
 from library import optimizers, schedulers
 from library.train_util import ConfigError, OptionalPackageError
@@ -283,7 +284,6 @@ def test_fused_backward_pass_rules_in_every_script(parser):
 
 def test_schedulefree_eval_mode_around_a_save(parser, tmp_path):
     """Upstream saves (and samples) a schedule-free optimizer's averaged weights: eval() before, train() after."""
-    from library.network_trainer import NetworkTrainer
 
     args = _args(parser, "--optimizer_type", "AdamWScheduleFree", "--optimizer_args", "warmup_steps=0",
                  "--output_dir", str(tmp_path))
@@ -297,8 +297,8 @@ def test_schedulefree_eval_mode_around_a_save(parser, tmp_path):
     opt.train()
     assert not torch.allclose(train_weights, eval_weights)
 
-    trainer = NetworkTrainer()
-    trainer.optimizers = [opt]
+    trainer = train_network.trainer()
+    state = types.SimpleNamespace(args=args, optimizers=[opt])
     seen = {}
 
     def fake_save(*a, **k):
@@ -306,7 +306,7 @@ def test_schedulefree_eval_mode_around_a_save(parser, tmp_path):
         seen["train_mode"] = opt.param_groups[0]["train_mode"]
 
     trainer._save_checkpoint = fake_save
-    trainer.save_checkpoint(args, None, None, {}, 1, 2, ".safetensors", by_step=True)
+    trainer.save_checkpoint(state, 1, 2, by_step=True)
     assert seen["train_mode"] is False and torch.allclose(seen["weights"], eval_weights)
     assert opt.param_groups[0]["train_mode"] is True and torch.allclose(params[0], train_weights, atol=1e-6)
     # a schedule-free optimizer has no LR schedule (upstream's dummy scheduler)
@@ -330,9 +330,9 @@ def test_lora_trains_with_schedulefree_and_saves_its_eval_weights(tmp_path, tiny
     from lora_checks import read_lora
 
     import train_network
-    from library.network_trainer import NetworkTrainer, run
+    from library.network_trainer import run
 
-    trainer = NetworkTrainer()
+    trainer = train_network.trainer()
     path = run(trainer, train_network.setup_parser(), [
         "--pretrained_model_name_or_path", str(tiny_sd1_single_file),
         "--tokenizer_cache_dir", str(tiny_sd1_single_file.parent / "tokenizers"),
@@ -343,7 +343,7 @@ def test_lora_trains_with_schedulefree_and_saves_its_eval_weights(tmp_path, tiny
     sd, md = read_lora(path)
     assert md["ss_optimizer"].startswith("schedulefree.") and \
         md["ss_optimizer"].endswith(".AdamWScheduleFree(warmup_steps=0,weight_decay=0.01)")
-    opt = trainer.optimizers[0].optimizer
+    opt = trainer.state.optimizers[0].optimizer
     params = [p for g in opt.param_groups for p in g["params"]]
     ups = [t for k, t in sd.items() if k.endswith("lora_up.weight")]
     assert any(t.abs().sum() > 0 for t in ups)  # trained (lora_up starts at zero)

@@ -20,7 +20,7 @@ import flux_train_network
 import sdxl_train
 import sdxl_train_network
 import train_network
-from library import offload_checkpointing, precision, safetensors_io, train_util
+from library import flux_train_utils, offload_checkpointing, precision, safetensors_io, train_util
 from library.compile import options as compile_options, regional
 from library.compile.options import CompileConfigError
 from library.train_util import ConfigError
@@ -52,7 +52,8 @@ def test_fp8_base_stores_sdxl_linear_weights_in_float8(tiny_sdxl_single_file):
     tok = str(tiny_sdxl_single_file.parent / "tokenizers")
     comps = load_sd_components(str(tiny_sdxl_single_file), "sdxl", tokenizer_cache_dir=tok)
     args = parse(sdxl_train_network, ["--fp8_base"])
-    sdxl_train_network.SDXLNetworkTrainer().apply_fp8(args, comps)
+    t = sdxl_train_network.trainer()
+    t.family.apply_fp8(args, comps, t.target.fp8_targets(args))
     for model in (comps.unet, *comps.text_encoders):
         assert _linears(model) and all(m.weight.dtype == torch.float8_e4m3fn for m in _linears(model))
     # convolutions, norms and embeddings keep the training dtype
@@ -71,7 +72,8 @@ def test_fp8_base_unet_leaves_the_text_encoders(tiny_sd1_single_file):
     comps = load_sd_components(str(tiny_sd1_single_file), "sd1",
                                tokenizer_cache_dir=str(tiny_sd1_single_file.parent / "tokenizers"))
     args = parse(train_network, ["--fp8_base_unet"])
-    train_network.NetworkTrainer().apply_fp8(args, comps)
+    t = train_network.trainer()
+    t.family.apply_fp8(args, comps, t.target.fp8_targets(args))
     assert all(m.weight.dtype == torch.float8_e4m3fn for m in _linears(comps.unet))
     assert all(m.weight.dtype == torch.float32 for m in _linears(comps.text_encoders[0]))
     assert precision.fp8_targets(args) == (True, False)
@@ -98,8 +100,8 @@ def test_fp8_t5_keeps_wo_and_stays_accurate():
 def test_full_trainers_ignore_fp8_base_with_a_warning(caplog, tmp_path):
     args = parse(fine_tune, ["--fp8_base", "--pretrained_model_name_or_path", "x.safetensors", "--output_dir",
                              str(tmp_path)])
-    trainer = fine_tune.FineTuneTrainer()
-    assert trainer.fp8_targets(args) == (False, False)
+    trainer = fine_tune.trainer()
+    assert trainer.target.fp8_targets(args) == (False, False)
     with caplog.at_level(logging.WARNING):
         trainer.check_args(args)
     assert "--fp8_base is for LoRA training" in caplog.text
@@ -196,11 +198,11 @@ def test_torch_compile_gives_sd1_scripts_regional_compile(tiny_sd1_single_file, 
     assert cargs.compile and cargs.compile_backend == "eager" and cargs.compile_mode == "default"
     comps = load_sd_components(str(tiny_sd1_single_file), "sd1",
                                tokenizer_cache_dir=str(tiny_sd1_single_file.parent / "tokenizers"))
-    trainer = train_network.NetworkTrainer()
+    trainer = train_network.trainer()
     with caplog.at_level(logging.INFO):
-        trainer.prepare_unet_with_accelerator(args, None, comps)
+        trainer.family.compile(args, comps)
     n = sum(1 for m in comps.unet.modules() if type(m).__name__ == "BasicTransformerBlock")
-    assert trainer.compiled_blocks == n > 0
+    assert trainer.family.compiled_blocks == n > 0
     assert f"Compiled {n} blocks of UNet (BasicTransformerBlock)" in caplog.text
     plain = parse(train_network, [])
     assert compile_options.compile_args(plain) is None
@@ -271,7 +273,7 @@ def test_cpu_offload_checkpointing_refusals():
     compile_options.validate_compile_args(args)  # fine without CUDA graphs
     args = parse(flux_train_network, ["--cpu_offload_checkpointing", "--blocks_to_swap", "2"])
     with pytest.raises(ConfigError, match="--cpu_offload_checkpointing cannot be used with --blocks_to_swap 2"):
-        flux_train_network.FluxNetworkTrainer().assert_extra_args(args)
+        flux_train_network.trainer().family.check_args(args)
     # only with --gradient_checkpointing, as upstream's train_network
     assert not offload_checkpointing.enabled(parse(train_network, ["--cpu_offload_checkpointing"]))
     # the scripts that have it upstream
@@ -282,7 +284,7 @@ def test_cpu_offload_checkpointing_refusals():
 def test_flux_train_turns_on_gradient_checkpointing_for_cpu_offload(caplog):
     args = parse(flux_train, ["--cpu_offload_checkpointing", "--optimizer_type", "Adafactor"])
     with caplog.at_level(logging.WARNING):
-        flux_train.FluxTrainer().assert_extra_args(args)
+        flux_train_utils.check_full_args(args, None)
     assert args.gradient_checkpointing
     assert "cpu_offload_checkpointing is enabled, so gradient_checkpointing is also enabled" in caplog.text
 
@@ -351,14 +353,15 @@ def test_diffusers_xformers_asks_diffusers_for_the_unet_and_the_vae(caplog):
     class VAE(Model):
         pass
 
-    comps = argparse.Namespace(unet=UNet(), vae=VAE())
+    unet, vae = UNet(), VAE()
+    comps = argparse.Namespace(unet=unet, vae=vae, denoiser=unet, autoencoder=vae)
     for script in (fine_tune, sdxl_train):
         calls.clear()
         args = parse(script, ["--diffusers_xformers"])
-        sdxl_train.SDXLTrainer().set_attention_backend(args, comps)
+        sdxl_train.trainer().family.set_attention_backend(args, comps)
         assert calls == ["UNet", "VAE"]
     calls.clear()
-    sdxl_train.SDXLTrainer().set_attention_backend(parse(sdxl_train, []), comps)
+    sdxl_train.trainer().family.set_attention_backend(parse(sdxl_train, []), comps)
     assert calls == []
     assert not hasattr(parse(sdxl_train_network, []), "diffusers_xformers")
 
@@ -369,17 +372,17 @@ def test_diffusers_xformers_asks_diffusers_for_the_unet_and_the_vae(caplog):
 def test_flux_model_type_chroma_is_refused_with_a_reason():
     args = parse(flux_train_network, ["--model_type", "chroma"])
     with pytest.raises(ConfigError, match="--model_type chroma: .*not supported.*allowed here: flux"):
-        flux_train_network.FluxNetworkTrainer().assert_extra_args(args)
-    flux_train_network.FluxNetworkTrainer().assert_extra_args(parse(flux_train_network, ["--model_type", "flux"]))
+        flux_train_network.trainer().family.check_args(args)
+    flux_train_network.trainer().family.check_args(parse(flux_train_network, ["--model_type", "flux"]))
 
 
 def test_flux_split_mode_maps_to_blocks_to_swap_18(caplog):
     args = parse(flux_train_network, ["--split_mode"])
     with caplog.at_level(logging.WARNING):
-        flux_train_network.FluxNetworkTrainer().assert_extra_args(args)
+        flux_train_network.trainer().family.check_args(args)
     assert args.blocks_to_swap == 18 and "`--blocks_to_swap 18` is automatically set" in caplog.text
     args = parse(flux_train_network, ["--split_mode", "--blocks_to_swap", "3"])
-    flux_train_network.FluxNetworkTrainer().assert_extra_args(args)
+    flux_train_network.trainer().family.check_args(args)
     assert args.blocks_to_swap == 3 and "`--split_mode` is ignored" in caplog.text
 
 
@@ -392,7 +395,7 @@ def test_flux_split_mode_maps_to_blocks_to_swap_18(caplog):
 def test_flux_train_deprecated_block_swap_counts(argv, expected, caplog):
     args = parse(flux_train, argv)
     with caplog.at_level(logging.WARNING):
-        flux_train.map_deprecated_swap_args(args)
+        flux_train_utils.map_deprecated_swap_args(args)
     assert args.blocks_to_swap == expected
     assert ("double_blocks_to_swap and single_blocks_to_swap are deprecated" in caplog.text) == (
         "--blocks_to_swap" not in argv and expected is not None)
@@ -401,7 +404,7 @@ def test_flux_train_deprecated_block_swap_counts(argv, expected, caplog):
 def test_flux_controlnet_path_is_ignored_with_a_warning(caplog):
     args = parse(flux_train_network, ["--controlnet_model_name_or_path", "cn.safetensors"])
     with caplog.at_level(logging.WARNING):
-        flux_train_network.FluxNetworkTrainer().assert_extra_args(args)
+        flux_train_network.trainer().family.check_args(args)
     assert "--controlnet_model_name_or_path is ignored" in caplog.text
 
 
@@ -416,10 +419,14 @@ def test_sdxl_lora_with_fp8_offload_torch_compile_and_logging(tmp_path, tiny_sdx
 
     seen = {}
 
-    class Trainer(sdxl_train_network.SDXLNetworkTrainer):
-        def setup_trainable(self, args, accelerator, components, weight_dtype, caching_te):
-            seen["components"] = components
-            return super().setup_trainable(args, accelerator, components, weight_dtype, caching_te)
+    trainer = sdxl_train_network.trainer()
+    setup_trainable = trainer.target.setup_trainable
+
+    def recording_setup_trainable(args, accelerator, family, components, *rest):
+        seen["components"] = components
+        return setup_trainable(args, accelerator, family, components, *rest)
+
+    trainer.target.setup_trainable = recording_setup_trainable
 
     log = tmp_path / "console.log"
     tracker_toml = tmp_path / "trackers.toml"
@@ -431,7 +438,6 @@ def test_sdxl_lora_with_fp8_offload_torch_compile_and_logging(tmp_path, tiny_sdx
         "--log_tracker_config", str(tracker_toml), "--wandb_api_key", "SECRET"])
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
-    trainer = Trainer()
     try:
         path = trainer.train(train_util.parse_args(sdxl_train_network.setup_parser(), argv))
     finally:
@@ -449,7 +455,7 @@ def test_sdxl_lora_with_fp8_offload_torch_compile_and_logging(tmp_path, tiny_sdx
     comps = seen["components"]
     for model in (comps.unet, *comps.text_encoders):
         assert all(m.weight.dtype == torch.float8_e4m3fn for m in _linears(model))
-    assert trainer.compiled_blocks > 0
+    assert trainer.family.compiled_blocks > 0
     text = log.read_text()
     assert "using regional compilation (--compile --compile_backend aot_eager)" in text
     assert "activations kept in CPU memory" in text and "read into memory without mmap" in text

@@ -141,9 +141,8 @@ def test_a_note_of_an_ended_run_or_a_reused_pid_is_dropped(tmp_path, monkeypatch
     assert not runner.running and not note.exists()
 
 
-def test_stop_ends_with_the_trainers_exit_status(tmp_path):
-    """`accelerate launch` is not signalled: it waits for the trainer's save and exits 0 with it (a SIGTERM to
-    the launcher gave -15, which `python -m kohya_gui train` turned into exit status 241)."""
+def _training(tmp_path):
+    """A runner with the LAUNCHER over the TRAINER, once its first step line has come."""
     (tmp_path / "trainer.py").write_text(TRAINER)
     out = tmp_path / "out"
     out.mkdir()
@@ -151,6 +150,13 @@ def test_stop_ends_with_the_trainers_exit_status(tmp_path):
     runner.start([[sys.executable, "-c", LAUNCHER, str(tmp_path / "trainer.py"), str(out)]], out / "x.log",
                  output_dir=out)
     assert wait_for(lambda: runner.snapshot().progress)
+    return runner, out
+
+
+def test_stop_ends_with_the_trainers_exit_status(tmp_path):
+    """`accelerate launch` is not signalled: it waits for the trainer's save and exits 0 with it (a SIGTERM to
+    the launcher gave -15, which `python -m kohya_gui train` turned into exit status 241)."""
+    runner, out = _training(tmp_path)
     assert runner.stop(grace=1.0, save_timeout=30) is True
     s = runner.snapshot()
     assert s.returncode == 0 and s.message.startswith("stopped at step ")
@@ -158,13 +164,7 @@ def test_stop_ends_with_the_trainers_exit_status(tmp_path):
 
 
 def test_stop_now_says_it_saves_nothing(tmp_path):
-    (tmp_path / "trainer.py").write_text(TRAINER)
-    out = tmp_path / "out"
-    out.mkdir()
-    runner = Runner()
-    runner.start([[sys.executable, "-c", LAUNCHER, str(tmp_path / "trainer.py"), str(out)]], out / "x.log",
-                 output_dir=out)
-    assert wait_for(lambda: runner.snapshot().progress)
+    runner, out = _training(tmp_path)
     pids = _tree(runner.pid)
     started = time.time()
     assert runner.stop(grace=5.0, now=True) is True
@@ -172,3 +172,32 @@ def test_stop_now_says_it_saves_nothing(tmp_path):
     text = (out / "x.log").read_text()
     assert "Stop now: ending the run's processes at once; nothing is saved" in text
     assert "stopped at step" not in text and not (out / "x.safetensors").exists()
+
+
+def test_the_queue_entry_of_a_run_taken_over_stays_running_and_is_noted_when_it_ends(tmp_path):
+    from kohya_gui import config_file, presets
+    from kohya_gui.run_queue import QueueWorker, RunQueue
+    from kohya_gui.runner import RunState
+
+    cfg = config_file.load(presets.resolve("demo-sdxl-tiny"))
+    q = RunQueue(tmp_path)
+    entry = q.add(cfg.tab, cfg.family, dict(cfg.values, output_name="taken"))
+    q.mark(entry.id, "running")
+
+    class TakenOver:  # the runner after gui.follow_runs took the earlier GUI's run over
+        state = RunState(running=True, started=5.0)
+
+        def snapshot(self):
+            return self.state
+
+    runner = TakenOver()
+    worker = QueueWorker(RunQueue(tmp_path), runner, poll_s=60)
+    worker.queue.set_options(run=False, stop_on_failure=False)  # nothing new starts here
+    worker.start()
+    try:
+        assert worker.queue.snapshot()[1][0].state == "running"
+        runner.state = RunState(running=False, started=5.0, stopped=True, message="stopped at step 3, saved x")
+        worker.step()
+        assert worker.queue.snapshot()[1][0].state == "stopped"
+    finally:
+        worker.stop()

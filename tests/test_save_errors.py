@@ -42,7 +42,7 @@ def test_disk_full_at_the_final_save(tmp_path, tiny_sdxl_single_file, tiny_datas
     argv = base_argv(tiny_sdxl_single_file, out, tiny_dataset_dir, "full", steps=2,
                      extra=["--network_train_unet_only", "--save_every_n_steps", "1"])
     with pytest.raises(SystemExit) as e:
-        network_trainer.run(sdxl_train_network.SDXLNetworkTrainer(), sdxl_train_network.setup_parser(), argv)
+        network_trainer.run(sdxl_train_network.trainer(), sdxl_train_network.setup_parser(), argv)
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (f"error: cannot save {out / 'full-step00000002.safetensors'}: No space left on device "

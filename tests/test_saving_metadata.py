@@ -16,11 +16,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import train_network
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from library import huggingface_util, metadata, saving, train_util
-from library.network_trainer import NetworkTrainer
 
 # ---- upstream's ss_* keys, written down from kohya-ss/sd-scripts train_network.py (NetworkTrainer.train) --------
 
@@ -75,7 +75,7 @@ def _network_md(args, family="sd1"):
     from library.config_util import build_dataset_group
 
     group = build_dataset_group(args, family)
-    md = NetworkTrainer().build_metadata(args, group, 1, 2.0, "torch.optim.AdamW", "AdamW", len(group), 3, 6, 2)
+    md = train_network.trainer().build_metadata(args, group, 1, 2.0, "torch.optim.AdamW", "AdamW", len(group), 3, 6, 2)
     md.update({k: train_util.metadata_value(v) for k, v in validation.metadata(args, None).items()})
     return md
 
@@ -88,7 +88,7 @@ def test_network_metadata_has_every_upstream_key(tmp_path, tiny_dataset_dir, has
     args = _lora_args(tiny_dataset_dir, tmp_path, ["--network_args", "conv_dim=4", "--vae", str(vae),
                                                    "--optimizer_args", "weight_decay=0.01", "betas=0.9,0.99"])
     args.pretrained_model_name_or_path = str(model)
-    if hashed_on_a_thread:  # as the trainers start it (network_trainer._train): the same values come out
+    if hashed_on_a_thread:  # as the trainers start it (library.run.setup): the same values come out
         metadata.start_file_hashes(str(model), str(vae), None)
         assert {k[0] for k in metadata._HASHES} >= {str(model), str(vae)}
     md = _network_md(args)
@@ -163,9 +163,7 @@ def test_flux_network_metadata_keys():
     # upstream writes these common keys for FLUX too
     common = {"ss_v2": "False", "ss_clip_skip": "None", "ss_max_token_length": "None"}
     md = dict(common)
-    trainer = flux_train_network.FluxNetworkTrainer()
-    trainer._t5_len = 512
-    trainer.update_metadata(md, args)
+    md.update(flux_train_network.trainer().family.metadata(args, (False, False)))
     assert not [k for k in UPSTREAM_FLUX if k not in md]
     assert common.items() <= md.items()
 
@@ -230,7 +228,8 @@ def test_save_n_epoch_ratio():
 
 def _saves(tmp_path, args, ext, by_step, points):
     """Make the files of each save as the trainer does, then prune; -> the names left."""
-    trainer = NetworkTrainer()
+    from library.run.trainer import prune_checkpoints
+
     for n in points:
         if by_step:
             (tmp_path / train_util.step_file_name("x", n, ext)).write_bytes(b"m")
@@ -238,7 +237,7 @@ def _saves(tmp_path, args, ext, by_step, points):
         else:
             (tmp_path / train_util.epoch_file_name("x", n, ext)).write_bytes(b"m")
             (tmp_path / train_util.state_dir_name("x", epoch=n)).mkdir()
-        trainer.prune_checkpoints(args, n if not by_step else 1, n, ext, by_step)
+        prune_checkpoints(args, n if not by_step else 1, n, ext, by_step)
     return sorted(p.name for p in tmp_path.iterdir())
 
 
@@ -305,10 +304,10 @@ def test_full_model_save_format_defaults(tmp_path):
     import sdxl_train
 
     args = train_util.parse_args(sdxl_train.setup_parser(), ["--pretrained_model_name_or_path", str(st)])
-    assert args.save_model_as is None and sdxl_train.SDXLTrainer().output_ext(args) == ".safetensors"
+    assert args.save_model_as is None and sdxl_train.trainer().output_ext(args) == ".safetensors"
     args = train_util.parse_args(sdxl_train.setup_parser(), ["--pretrained_model_name_or_path", str(folder),
                                                              "--save_model_as", "diffusers_safetensors"])
-    assert sdxl_train.SDXLTrainer().output_ext(args) == ""
+    assert sdxl_train.trainer().output_ext(args) == ""
 
 
 # ---- writing files -------------------------------------------------------------------------------------------
@@ -343,12 +342,12 @@ def test_flux_mem_eff_save_writes_the_same_file(tmp_path):
     transformer = flux_tiny.tiny_transformer(width=64, num_double=1, num_single=1, t5_dim=32, clip_dim=32,
                                              guidance=True, seed=0, dtype=torch.float32)
     comps = SimpleNamespace(transformer=transformer, is_schnell=False)
-    trainer = flux_train.FluxTrainer()
+    trainer = flux_train.trainer()
     outs = {}
     for eff in (False, True):
         args = SimpleNamespace(mem_eff_save=eff, overwrite_output=False)
         outs[eff] = tmp_path / f"{eff}.safetensors"
-        trainer.save_full_model(args, comps, str(outs[eff]), {"modelspec.title": "t"}, torch.bfloat16)
+        trainer.family.save_full_model(args, comps, str(outs[eff]), {"modelspec.title": "t"}, torch.bfloat16)
     a, b = load_file(str(outs[False])), load_file(str(outs[True]))
     assert a.keys() == b.keys() and any(k.endswith("qkv.weight") for k in a)
     assert all(torch.equal(a[k], b[k]) and b[k].dtype == torch.bfloat16 for k in a)
@@ -461,7 +460,9 @@ def test_hf_async_upload_finishes_before_keep_last_n_removes_the_file(tmp_path, 
     f = tmp_path / "x-step00000001.safetensors"
     f.write_bytes(b"step1")
     assert huggingface_util.upload(_hf_args(async_upload=True), f, f.name) is not None
-    network_trainer._remove(str(f))
+    from library.run.trainer import remove
+
+    remove(str(f))
     assert read == [b"step1"] and not f.exists()
 
 
@@ -517,7 +518,7 @@ def test_lora_run_saves_uploads_prunes_and_skips(tmp_path, monkeypatch, tiny_sd1
 
     calls = []
     monkeypatch.setattr(huggingface_util, "make_api", lambda token: FakeApi(calls))
-    trainer = NetworkTrainer()
+    trainer = train_network.trainer()
     out = tmp_path / "out"
     final = run(trainer, train_network.setup_parser(), [
         "--pretrained_model_name_or_path", str(tiny_sd1_single_file), "--train_data_dir", str(tiny_dataset_dir),

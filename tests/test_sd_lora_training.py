@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import train_network
 
 from lora_checks import check_loads_in_diffusers, read_lora
 
@@ -33,11 +34,11 @@ def argv_for(model, tokenizers, out, data, name, extra=()):
 def test_sd1_diffusers_folder_te_and_unet_epochs_samples(tmp_path, tiny_sd1_diffusers, one_image):
     import train_network
     from library.model_util import load_sd_components
-    from library.network_trainer import NetworkTrainer, run
+    from library.network_trainer import run
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red circle --w 64 --h 64 --s 2 --l 4 --d 5\n")
-    trainer = NetworkTrainer()
+    trainer = train_network.trainer()
     path = run(trainer, train_network.setup_parser(), argv_for(
         tiny_sd1_diffusers, None, tmp_path, one_image, "sd1lora",
         ["--max_train_epochs", "3", "--save_every_n_epochs", "1", "--save_last_n_epochs", "1",
@@ -76,11 +77,11 @@ def test_sd1_diffusers_folder_te_and_unet_epochs_samples(tmp_path, tiny_sd1_diff
 
 def test_sd2_v_parameterization(tmp_path_factory, tmp_path, one_image):
     import train_network
-    from library.network_trainer import NetworkTrainer, run
+    from library.network_trainer import run
     from library.tiny_models import make_tiny_sd
 
     model = make_tiny_sd(tmp_path_factory.mktemp("tiny_sd2"), "sd2", "single_file")
-    trainer = NetworkTrainer()
+    trainer = train_network.trainer()
     path = run(trainer, train_network.setup_parser(), argv_for(
         model, model.parent / "tokenizers", tmp_path, one_image, "sd2v",
         ["--v2", "--v_parameterization", "--max_train_steps", "2", "--network_train_unet_only"]))
@@ -89,15 +90,15 @@ def test_sd2_v_parameterization(tmp_path_factory, tmp_path, one_image):
     assert all(k.startswith("lora_unet_") for k in sd)
     # SD2 uses linear proj_in/proj_out
     assert sd["lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight"].dim() == 2
-    assert trainer.get_noise_scheduler(type("A", (), {"v_parameterization": True})(), None).config.prediction_type \
+    assert trainer.objective.noise_scheduler(None, "v_prediction").config.prediction_type \
         == "v_prediction"
 
 
 def test_loss_falls_when_overfitting_one_image(tmp_path, tiny_sd1_single_file, one_image):
     import train_network
-    from library.network_trainer import NetworkTrainer, run
+    from library.network_trainer import run
 
-    trainer = NetworkTrainer()
+    trainer = train_network.trainer()
     run(trainer, train_network.setup_parser(), argv_for(
         tiny_sd1_single_file, tiny_sd1_single_file.parent / "tokenizers", tmp_path, one_image, "overfit",
         ["--max_train_steps", "30", "--network_dim", "16", "--network_alpha", "16", "--learning_rate", "3e-3",
@@ -111,7 +112,7 @@ def test_loss_falls_when_overfitting_one_image(tmp_path, tiny_sd1_single_file, o
 
 def test_encode_clip_long_prompts(tiny_sd1_single_file):
     from library.model_util import load_sd_components
-    from library.network_trainer import encode_clip
+    from library.families.sd import encode_clip
 
     comps = load_sd_components(str(tiny_sd1_single_file), "sd1",
                                tokenizer_cache_dir=str(tiny_sd1_single_file.parent / "tokenizers"))
@@ -131,7 +132,7 @@ def test_network_weights_continue(tmp_path, tiny_sd1_single_file, one_image):
     """--network_weights starts from a LoRA file: with a vanishing learning rate the result is that file."""
     import train_network
     from library.model_util import load_sd_components
-    from library.network_trainer import NetworkTrainer, run
+    from library.network_trainer import run
     from networks import lora
 
     comps = load_sd_components(str(tiny_sd1_single_file), "sd1",
@@ -143,7 +144,7 @@ def test_network_weights_continue(tmp_path, tiny_sd1_single_file, one_image):
             p.normal_(0, 0.05)
     start = tmp_path / "start.safetensors"
     net.save_weights(str(start), None, {})
-    out = run(NetworkTrainer(), train_network.setup_parser(), argv_for(
+    out = run(train_network.trainer(), train_network.setup_parser(), argv_for(
         tiny_sd1_single_file, tiny_sd1_single_file.parent / "tokenizers", tmp_path, one_image, "continued",
         ["--max_train_steps", "1", "--network_weights", str(start), "--learning_rate", "1e-12",
          "--optimizer_type", "SGDNesterov"]))

@@ -133,7 +133,7 @@ def test_sdxl_compile_aot_eager(tmp_path, tiny_sdxl_single_file, tiny_dataset_di
                      extra=["--compile", "--compile_backend", "aot_eager", "--gradient_checkpointing",
                             "--network_train_unet_only", "--cache_latents", "--cache_text_encoder_outputs",
                             "--gradient_accumulation_steps", "2"])
-    trainer = sdxl_train_network.SDXLNetworkTrainer()
+    trainer = sdxl_train_network.trainer()
     from library import network_trainer
 
     marks, micro_steps = [], []
@@ -143,11 +143,15 @@ def test_sdxl_compile_aot_eager(tmp_path, tiny_sdxl_single_file, tiny_dataset_di
     path = network_trainer.run(trainer, sdxl_train_network.setup_parser(), argv)
     # CUDA graphs: the step is marked once per optimizer step, before its first micro-step (2 steps x 2 micro-steps)
     assert len(trainer.losses) == 4 and marks == [0, 2]
-    assert "Compiling SDXL UNet with torch.compile: backend=aot_eager, mode=default, dynamic=None, fullgraph=False" \
+    # --compile_dynamic auto with one bucket shape: static graphs
+    assert "Compiling SDXL UNet with torch.compile: backend=aot_eager, mode=default, dynamic=False, fullgraph=False" \
         in caplog.text
+    assert "static shapes (--compile_dynamic auto: the dataset has one bucket shape)" in caplog.text
+    assert "--cuda_graph_step auto: off; the step graph cannot accumulate gradients" not in caplog.text
+    assert "--cuda_graph_step auto: off; the step graph replays one whole optimizer step" in caplog.text
     assert "gradient checkpointing inside the compiled region (--compile_checkpoint_keep attention)" in caplog.text  # default
     n_blocks = count_transformer_blocks(tiny_sdxl_single_file)
-    assert n_blocks > 0 and trainer.compiled_blocks == n_blocks
+    assert n_blocks > 0 and trainer.family.compiled_blocks == n_blocks
     sd, md = read_lora(path)
     names = {k.split(".")[0] for k in sd}
     assert names and all(n.startswith("lora_unet_") for n in names)  # --network_train_unet_only
@@ -168,10 +172,10 @@ def test_sdxl_compile_inductor(tmp_path, tiny_sdxl_single_file, tiny_dataset_dir
     argv = base_argv(tiny_sdxl_single_file, tmp_path, tiny_dataset_dir, "inductor",
                      extra=["--compile", "--network_train_unet_only", "--cache_latents",
                             "--cache_text_encoder_outputs"])
-    trainer = sdxl_train_network.SDXLNetworkTrainer()
+    trainer = sdxl_train_network.trainer()
     path = network_trainer.run(trainer, sdxl_train_network.setup_parser(), argv)
     assert "Compiling SDXL UNet with torch.compile: backend=inductor, mode=default" in caplog.text
-    assert trainer.compiled_blocks == count_transformer_blocks(tiny_sdxl_single_file)
+    assert trainer.family.compiled_blocks == count_transformer_blocks(tiny_sdxl_single_file)
     sd, md = read_lora(path)
     assert md["ss_compile_backend"] == "inductor" and not any("_orig_mod" in k for k in sd)
     check_loads_in_diffusers(path, load_components(tiny_sdxl_single_file))
@@ -191,7 +195,7 @@ def test_sdxl_compile_two_buckets_dynamic_auto(tmp_path, tiny_sdxl_diffusers, ca
                      extra=["--enable_bucket", "--bucket_reso_steps", "32", "--min_bucket_reso", "32",
                             "--max_bucket_reso", "128", "--compile", "--compile_backend", "aot_eager",
                             "--compile_dynamic", "auto", "--network_train_unet_only"])
-    trainer = sdxl_train_network.SDXLNetworkTrainer()
+    trainer = sdxl_train_network.trainer()
     path = network_trainer.run(trainer, sdxl_train_network.setup_parser(), argv)
     sd, md = read_lora(path)
     buckets = json.loads(md["ss_bucket_info"])["buckets"]
@@ -200,8 +204,9 @@ def test_sdxl_compile_two_buckets_dynamic_auto(tmp_path, tiny_sdxl_diffusers, ca
     # one line per bucket shape (latents 8x8 and 16x4 here), no torch recompile lines
     shapes = [r.getMessage() for r in caplog.records if "torch.compile: new input shape" in r.getMessage()]
     assert len(shapes) == 2 and len(set(shapes)) == 2, shapes
+    assert "image-size dimensions of their inputs dynamic" in caplog.text  # several bucket shapes: shape-generic
     assert "__recompiles" not in caplog.text and "Recompiling function" not in caplog.text
-    assert trainer.compiled_blocks == count_transformer_blocks(tiny_sdxl_diffusers)
+    assert trainer.family.compiled_blocks == count_transformer_blocks(tiny_sdxl_diffusers)
     check_loads_in_diffusers(path, load_components(tiny_sdxl_diffusers))
 
 
@@ -211,12 +216,12 @@ def test_sdxl_resume_from_saved_state(tmp_path, tiny_sdxl_single_file, tiny_data
     from library import network_trainer
 
     extra = ["--network_train_unet_only", "--save_every_n_steps", "1", "--save_state"]
-    full = network_trainer.run(sdxl_train_network.SDXLNetworkTrainer(), sdxl_train_network.setup_parser(),
+    full = network_trainer.run(sdxl_train_network.trainer(), sdxl_train_network.setup_parser(),
                                base_argv(tiny_sdxl_single_file, tmp_path, tiny_dataset_dir, "full", extra=extra))
     state = tmp_path / "full-step00000001-state"
     assert (tmp_path / "full-step00000001.safetensors").is_file() and state.is_dir()
     assert (tmp_path / "full-state").is_dir()  # the last state, at the end of training
-    resumed_trainer = sdxl_train_network.SDXLNetworkTrainer()
+    resumed_trainer = sdxl_train_network.trainer()
     resumed = network_trainer.run(resumed_trainer, sdxl_train_network.setup_parser(),
                                   base_argv(tiny_sdxl_single_file, tmp_path, tiny_dataset_dir, "resumed",
                                             extra=["--network_train_unet_only", "--resume", str(state)]))
@@ -239,7 +244,7 @@ def _train(argv):
     from library import train_util
 
     args = train_util.parse_args(sdxl_train_network.setup_parser(), argv)
-    return sdxl_train_network.SDXLNetworkTrainer().train(args)
+    return sdxl_train_network.trainer().train(args)
 
 
 def test_empty_dataset_stops_before_model_loads(tmp_path):
@@ -348,7 +353,7 @@ def test_min_timestep_equal_to_max_timestep_trains_at_that_timestep(tmp_path, ti
         return t
 
     monkeypatch.setattr(noise, "sample_timesteps", recording)
-    out = network_trainer.run(sdxl_train_network.SDXLNetworkTrainer(), sdxl_train_network.setup_parser(),
+    out = network_trainer.run(sdxl_train_network.trainer(), sdxl_train_network.setup_parser(),
                               base_argv(tiny_sdxl_single_file, tmp_path, tiny_dataset_dir, "t300", steps=2,
                                         extra=["--network_train_unet_only", "--min_timestep", "300",
                                                "--max_timestep", "300"]))

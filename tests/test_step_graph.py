@@ -15,11 +15,11 @@ from library.train_util import ConfigError
 
 
 def _args(**kw):
-    base = dict(cuda_graph_step=True, gradient_accumulation_steps=1, cache_latents=True, cache_latents_to_disk=False,
+    base = dict(cuda_graph_step="on", gradient_accumulation_steps=1, cache_latents=True, cache_latents_to_disk=False,
                 cache_text_encoder_outputs=True, cache_text_encoder_outputs_to_disk=False, mixed_precision="bf16",
                 fused_backward_pass=False, cpu_offload_checkpointing=False, blocks_to_swap=0, compile=True,
                 compile_backend="inductor", compile_mode="reduce-overhead", optimizer_type="AdamW",
-                optimizer_args=[], use_8bit_adam=False, use_lion_optimizer=False)
+                optimizer_args=[], use_8bit_adam=False, use_lion_optimizer=False, multires_noise_iterations=None)
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -32,8 +32,7 @@ def _args(**kw):
     (dict(blocks_to_swap=4), "(--blocks_to_swap 4)"),
     (dict(cpu_offload_checkpointing=True), "cannot capture --cpu_offload_checkpointing"),
     (dict(compile_backend="cudagraphs"), "use --compile_backend inductor, not cudagraphs"),
-    (dict(optimizer_type="Lion"), "got --optimizer_type Lion"),
-    (dict(optimizer_args=["foreach=True"]), "with ['foreach']"),
+    (dict(multires_noise_iterations=6), "cannot replay --multires_noise_iterations"),
 ])
 def test_settings_it_cannot_follow_are_refused_by_name(change, expected, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -42,7 +41,8 @@ def test_settings_it_cannot_follow_are_refused_by_name(change, expected, monkeyp
     assert str(e.value).startswith("--cuda_graph_step ") and expected in str(e.value)
     assert "drop --cuda_graph_step" in str(e.value)
     compile_graphs.check_args(_args(), ConfigError)  # the same run without that setting passes
-    compile_graphs.check_args(_args(cuda_graph_step=False, **change), ConfigError)  # and without the flag
+    compile_graphs.check_args(_args(cuda_graph_step="off", **change), ConfigError)  # and without the flag
+    compile_graphs.check_args(_args(cuda_graph_step="auto", **change), ConfigError)  # auto decides later
 
 
 def test_the_trainer_refuses_it_with_exit_2_before_loading_a_model(tmp_path, capsys, monkeypatch,
@@ -69,10 +69,10 @@ def test_the_trainer_refuses_it_with_exit_2_before_loading_a_model(tmp_path, cap
 def test_blocks_compile_without_their_own_cuda_graphs_under_it():
     assert compile_graphs.block_compile_mode(_args()) == "default"
     assert compile_graphs.block_compile_mode(_args(compile_mode="max-autotune")) == "max-autotune-no-cudagraphs"
-    assert compile_graphs.block_compile_mode(_args(cuda_graph_step=False)) == "reduce-overhead"
+    assert compile_graphs.block_compile_mode(_args(cuda_graph_step="off")) == "reduce-overhead"
     assert compile_graphs.cuda_graphs(_args()) == "step"
-    assert compile_graphs.cuda_graphs(_args(cuda_graph_step=False)) == "blocks"
-    assert compile_graphs.cuda_graphs(_args(cuda_graph_step=False, compile_mode="default")) is None
+    assert compile_graphs.cuda_graphs(_args(cuda_graph_step="off")) == "blocks"
+    assert compile_graphs.cuda_graphs(_args(cuda_graph_step="off", compile_mode="default")) is None
     assert compile_graphs.cuda_graphs(_args(compile=False)) == "step"  # the step graph needs no compile
     assert compile_graphs.cuda_graphs(None) is None
 
@@ -110,7 +110,8 @@ class _Trainer:
     def __init__(self, fail_capture: bool = False):
         torch.manual_seed(0)
         self.model = torch.nn.Linear(4, 1)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.1)
+        # fused, as library.optimizers makes it: the graph holds its step
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.1, fused=True)
         self.log: list = []
         self.seen_batches: list[torch.Tensor] = []
         self.during_capture: list = []
@@ -220,3 +221,213 @@ def test_random_draws_work_after_a_failed_capture_once_the_generators_are_reset(
     step_graph._reset_generators([gen], device)
     drawn = torch.randn(4, device=device, generator=gen) + torch.rand(4, device=device)
     assert torch.isfinite(drawn).all()
+
+
+# ---- --cuda_graph_step auto: what it decides, from the settings and the dataset's bucket shapes
+
+class _Dataset:
+    def __init__(self, *resolutions):
+        self.buckets = {r: [0] for r in resolutions}
+
+
+class _Group:
+    def __init__(self, *datasets):
+        self.datasets = list(datasets)
+
+
+def _resolve(args, shapes=((1024, 1024),), processes=1, family="sdxl"):
+    compile_graphs.resolve(args, [_Group(_Dataset(*shapes))], processes, family, ConfigError)
+    return compile_graphs.cuda_graphs(args)
+
+
+@pytest.mark.parametrize("change, family, why", [
+    (dict(), "sdxl", None),
+    (dict(optimizer_type="AdamW8bit"), "sdxl", None),
+    (dict(optimizer_type="Prodigy"), "sdxl", None),
+    (dict(), "sd1", "is left off for SD1.x: not measured with it yet"),
+    (dict(compile=False), "sdxl", "is left off without --compile"),
+    (dict(optimizer_type="AdaFactor"), "sdxl", None),
+    (dict(optimizer_args=["foreach=True"]), "sdxl", None),
+    (dict(), "flux", "is left off for FLUX.1"),
+    (dict(optimizer_type="DAdaptAdan"), "sdxl", "is left off for --optimizer_type DAdaptAdan: not shown"),
+    (dict(gradient_accumulation_steps=4), "sdxl", "cannot accumulate gradients (--gradient_accumulation_steps 4)"),
+    (dict(cache_text_encoder_outputs=False), "sdxl", "needs cached text-encoder outputs"),
+    (dict(blocks_to_swap=2), "sdxl", "(--blocks_to_swap 2)"),
+])
+def test_auto_turns_it_on_where_it_can_follow_and_says_why_not(change, family, why, monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = _args(cuda_graph_step="auto", **change)
+    with caplog.at_level(logging.INFO, logger="library.compile.graphs"):
+        used = _resolve(args, family=family)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("--cuda_graph_step auto")]
+    assert len(lines) == 1, lines
+    if why is None:
+        assert used == "step" and lines[0].startswith("--cuda_graph_step auto: on")
+        in_graph = change.get("optimizer_type", "AdamW") == "AdamW" and not change.get("optimizer_args")
+        assert ("optimizer step inside the graph" in lines[0]) == in_graph
+    else:
+        assert used == ("blocks" if args.compile else None)  # the blocks record their own CUDA graphs, as before
+        assert lines[0].startswith("--cuda_graph_step auto: off; the step graph ") and why in lines[0], lines[0]
+    if args.compile:
+        assert compile_graphs.block_compile_mode(args) == ("default" if why is None else "reduce-overhead")
+
+
+def test_auto_is_off_for_several_bucket_shapes_without_a_gpu_or_with_several_processes(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    caplog.set_level(logging.INFO, logger="library.compile.graphs")
+    assert _resolve(_args(cuda_graph_step="auto"), shapes=((1024, 1024), (896, 1152))) == "blocks"
+    assert "is left off for 2 bucket shapes" in caplog.text
+    assert _resolve(_args(cuda_graph_step="auto"), processes=2) == "blocks"
+    assert "runs on one GPU; this run has 2 processes" in caplog.text
+    with pytest.raises(ConfigError, match="--cuda_graph_step runs on one GPU; this run has 2 processes"):
+        _resolve(_args(cuda_graph_step="on"), processes=2)  # asked for: refused by name
+    assert _resolve(_args(cuda_graph_step="on"), shapes=((64, 64), (32, 128))) == "step"  # on: several shapes too
+    assert _resolve(_args(cuda_graph_step="off")) == "blocks"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _resolve(_args(cuda_graph_step="auto")) == "blocks"
+    assert "needs a CUDA GPU" in caplog.text
+
+
+def test_unresolved_auto_counts_as_off_and_the_compile_settings_get_the_decision(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = _args(cuda_graph_step="auto")
+    assert compile_graphs.cuda_graphs(args) == "blocks"  # before resolve (checks before any model loads)
+    compiled = argparse.Namespace(**vars(args))  # what --torch_compile makes for the SD1.x/SD2.x scripts
+    args._torch_compile = compiled
+    del args.compile, args.compile_backend, args.compile_mode  # the SD1.x/SD2.x scripts have no compile flags
+    _resolve(args)
+    assert compiled._step_graph_auto is True and compiled._input_shapes == 1
+    assert compile_graphs.cuda_graphs(compiled) == "step"
+
+
+@pytest.mark.parametrize("argv, expected", [
+    ([], "auto"), (["--cuda_graph_step"], "on"), (["--cuda_graph_step", "off"], "off"),
+    (["--cuda_graph_step", "true"], "on"), (["--cuda_graph_step", "False"], "off"),
+])
+def test_the_flag_keeps_its_old_forms(argv, expected):
+    parser = argparse.ArgumentParser()
+    compile_graphs.add_arguments(parser)
+    assert parser.parse_args(argv).cuda_graph_step == expected
+
+
+def test_config_files_that_say_true_or_false_keep_working(tmp_path):
+    import sdxl_train_network
+    from library import train_util
+
+    parser = sdxl_train_network.setup_parser()
+    for value, expected in (("true", "on"), ("false", "off"), ('"auto"', "auto")):
+        path = tmp_path / "run.toml"
+        path.write_text(f"cuda_graph_step = {value}\n")
+        assert train_util.load_config_file(path, parser)["cuda_graph_step"] == expected
+    path.write_text('cuda_graph_step = "sometimes"\n')
+    with pytest.raises(ConfigError, match="cuda_graph_step = 'sometimes' is not allowed; allowed values: auto, on, off"):
+        train_util.load_config_file(path, parser)
+
+
+def test_compile_dynamic_auto_is_static_for_one_bucket_shape():
+    from library.compile import options
+
+    args = _args(cuda_graph_step="off", compile_dynamic="auto")
+    assert options.dynamic_value(args) is None  # not known yet: as before
+    _resolve(args, shapes=((1024, 1024),))
+    assert options.dynamic_value(args) is False
+    _resolve(args, shapes=((1024, 1024), (896, 1152)))
+    assert options.dynamic_value(args) is None  # several shapes: the image-size dims marked dynamic
+    args.compile_dynamic = "true"
+    assert options.dynamic_value(args) is True
+
+
+# ---- optimizers that step after the graph
+
+class _StepAfter:
+    """Stands in for a graph captured without the optimizer step: its backward writes the gradients into tensors of
+    its own (made at capture, as a capture allocates them), whatever the parameters' .grad are now; replay() runs
+    forward and backward again with the optimizer's step a no-op, as it was during the capture."""
+
+    def __init__(self, run, optimizer, log):
+        self.run, self.optimizer, self.log = run, optimizer, log
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.loss = torch.zeros(())
+        _, self.grads = self._run()
+        for p, g in zip(self.params, self.grads):
+            p.grad = g  # as after a capture: the parameters hold the graph's gradient tensors
+
+    def _run(self):
+        before = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        own = self.optimizer.__dict__.get("step")
+        self.optimizer.step = step_graph._skip_step
+        try:
+            loss = self.run()
+        finally:
+            del self.optimizer.step
+            if own is not None:
+                self.optimizer.step = own
+        new = [p.grad for p in self.params]
+        for p, g in zip(self.params, before):
+            p.grad = g
+        return loss, new
+
+    def replay(self):
+        self.log.append("replay")
+        loss, new = self._run()
+        self.loss.copy_(loss)
+        for static, g in zip(self.grads, new):
+            static.copy_(g)
+
+
+def _sgd_trainer():
+    t = _Trainer()
+    t.optimizer = torch.optim.SGD(t.model.parameters(), lr=0.1, momentum=0.9)  # not fusable: steps after
+    t.capture = lambda run, generators: (lambda g: (g, g.loss))(_StepAfter(run, t.optimizer, t.log))
+    return t
+
+
+def test_an_optimizer_outside_the_graph_steps_after_each_replay_and_trains_as_without_it(caplog):
+    t, plain = _sgd_trainer(), _sgd_trainer()
+    graphs = step_graph.StepGraphs([t.optimizer], "cpu", capture=t.capture)
+    assert not graphs.optimizer_in_graph
+    with caplog.at_level(logging.INFO, logger="library.compile.step_graph"):
+        for i in range(step_graph.WARMUP + 4):
+            graphs.step(_batch(float(i)), t.run_step)
+            plain.run_step(_batch(float(i)))
+            plain.optimizer.zero_grad(set_to_none=True)
+            if i == step_graph.WARMUP + 1:
+                t.optimizer.zero_grad(set_to_none=True)  # e.g. after validation: the graph's gradients come back
+    assert t.log.count("replay") == 4 and graphs.off is None
+    assert "the SGD step runs after each replay" in caplog.text
+    for a, b in zip(t.model.parameters(), plain.model.parameters()):
+        assert torch.equal(a, b)
+    assert t.optimizer.state[next(t.model.parameters())]["momentum_buffer"] is not None
+
+
+def test_an_optimizer_that_gives_parameters_new_storage_ends_the_step_graphs(caplog):
+    t = _sgd_trainer()
+    step = t.optimizer.step
+
+    def new_storage():
+        step()
+        for p in t.model.parameters():
+            p.data = p.data.clone()
+
+    t.optimizer.step = new_storage  # an instance's own step, as a scheduler's wrapper is
+    graphs = step_graph.StepGraphs([t.optimizer], "cpu", capture=t.capture)
+    with caplog.at_level(logging.WARNING, logger="library.compile.step_graph"):
+        for i in range(step_graph.WARMUP + 3):
+            graphs.step(_batch(float(i)), t.run_step)
+    assert t.log.count("replay") == 1 and graphs.off and not graphs.graphs
+    assert "gave a parameter new storage in its step" in caplog.text
+    assert t.optimizer.step is new_storage  # put back after the capture
+
+
+def test_the_gui_reads_older_files_that_say_true_or_false():
+    from kohya_gui import params as P
+
+    p = P.BY_NAME["cuda_graph_step"]
+    assert p.kind == "choice" and p.default == "auto" and set(p.choices) == {"auto", "on", "off"}
+    assert p.check(True) == "on" and p.check(False) == "off" and p.check("auto") == "auto"
+    with pytest.raises(ValueError):
+        p.check("sometimes")
+    with pytest.raises(ValueError):
+        P.BY_NAME["compile_dynamic"].check(True)  # only a switch that became on / off reads true / false

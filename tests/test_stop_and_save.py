@@ -58,7 +58,7 @@ def test_sigterm_saves_and_exits_zero(tmp_path, tiny_sdxl_single_file, tiny_data
     import sdxl_train_network
     from library import network_trainer
 
-    trainer = sdxl_train_network.SDXLNetworkTrainer()
+    trainer = sdxl_train_network.trainer()
     resumed = network_trainer.run(trainer, sdxl_train_network.setup_parser(),
                                   base_argv(tiny_sdxl_single_file, out, tiny_dataset_dir, "resumed", steps=step + 1,
                                             extra=["--network_train_unet_only", "--resume", str(state)]))
@@ -147,7 +147,8 @@ def test_stale_state_folders_of_killed_runs_removed(tmp_path):
     # replacement (the complete old folder moved aside as "previous"), another name's, a finished replacement's
     for name, inside in ((".x-state.tmp-0", "x-state"), (".x-step00000005-state.tmp-0", "x-step00000005-state"),
                          (".x-000002-state.tmp-0", "previous"), (".xy-state.tmp-0", "xy-state"),
-                         (".x-state.tmp-1a2b", "previous")):
+                         (".x-state.tmp-1a2b", "previous"), (".x_v2-state.tmp-0", "x_v2-state"),
+                         (".x_config.toml.tmp-3c", "x_config.toml"), (".x.safetensors.tmp-4d", ".tmpAb12Cd")):
         (tmp_path / name / inside).mkdir(parents=True)
         (tmp_path / name / inside / "optimizer.bin").write_text(name)
     (tmp_path / "x-state").mkdir()
@@ -155,7 +156,8 @@ def test_stale_state_folders_of_killed_runs_removed(tmp_path):
     (tmp_path / "sample" / ".x_000001_00_20261124_1.png.tmp-1f").mkdir()
     state_folders.remove_stale(str(tmp_path), "x")
     # killed between the two renames: the complete old folder is put back; other names are not touched
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".xy-state.tmp-0", "sample", "x-000002-state", "x-state"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".x_v2-state.tmp-0", ".xy-state.tmp-0", "sample",
+                                                            "x-000002-state", "x-state"]
     assert (tmp_path / "x-000002-state" / "optimizer.bin").read_text() == ".x-000002-state.tmp-0"
     assert list((tmp_path / "x-state").iterdir()) == []
     assert list((tmp_path / "sample").iterdir()) == []
@@ -217,4 +219,4 @@ def _train(argv):
     from library import train_util
 
     args = train_util.parse_args(sdxl_train_network.setup_parser(), argv)
-    return sdxl_train_network.SDXLNetworkTrainer().train(args)
+    return sdxl_train_network.trainer().train(args)

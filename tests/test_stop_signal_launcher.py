@@ -137,3 +137,33 @@ def test_a_real_trainer_stopped_as_it_starts_keeps_its_settings_file_only_if_it_
     trained = (out / "early.safetensors").exists()
     assert (out / "early_config.toml").exists() == trained
     assert ("stopped before training started (SIGTERM): nothing saved" in text) != trained
+
+
+@pytest.mark.slow
+def test_a_stop_during_the_samples_trains_no_step_more(tmp_path, tiny_sdxl_single_file, tiny_dataset_dir):
+    """SIGTERM while step 1's sample images are drawn: the run stops after step 1 (it used to train step 2)."""
+    from test_sdxl_lora_training import base_argv
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"a red square {i} --w 64 --h 64 --s 40 --d {i}\n" for i in range(4)))
+    out = tmp_path / "out"
+    argv = base_argv(tiny_sdxl_single_file, out, tiny_dataset_dir, "sampled", steps=50,
+                     extra=["--network_train_unet_only", "--sample_prompts", str(prompts),
+                            "--sample_every_n_steps", "1"])
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "sd-scripts/sdxl_train_network.py", *argv], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "sample image: " in line:  # the first of step 1's four images: three are still to be drawn
+                proc.send_signal(signal.SIGTERM)
+                break
+        text = "".join(lines) + proc.communicate(timeout=300)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, text[-3000:]
+    stopped = [ln for ln in text.splitlines() if ln.startswith("stopped at step ")]
+    assert stopped and stopped[0].startswith("stopped at step 1,"), text[-3000:]

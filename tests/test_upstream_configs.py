@@ -69,7 +69,7 @@ def test_upstream_output_config_with_the_new_options_trains(tmp_path, tiny_sdxl_
         pytest.skip(f"not accepted yet: {', '.join(waiting)}")
     cfg = tmp_path / "upstream.toml"
     cfg.write_text(tomlkit.dumps(values))
-    trainer = sdxl_train_network.SDXLNetworkTrainer()
+    trainer = sdxl_train_network.trainer()
     path = network_trainer.run(trainer, sdxl_train_network.setup_parser(), ["--config_file", str(cfg)])
     _, md = read_lora(path)
     assert md["ss_steps"] == "2" and md["ss_seed"] == "42"

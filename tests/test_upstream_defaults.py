@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import train_network
 
 from library import network_trainer, train_util
 
@@ -89,7 +90,7 @@ def test_unseeded_run_writes_its_seed(tmp_path, tiny_sd1_single_file, tiny_datas
             "--output_dir", str(tmp_path), "--network_module", "networks.lora", "--resolution", "64",
             "--max_train_steps", "1", "--max_data_loader_n_workers", "0"]
     with caplog.at_level(logging.INFO):
-        path = network_trainer.run(network_trainer.NetworkTrainer(), train_network.setup_parser(), argv)
+        path = network_trainer.run(train_network.trainer(), train_network.setup_parser(), argv)
     seed = int(re.search(r"seed: (\d+) \(random", caplog.text).group(1))
     _, md = read_lora(path)
     assert md["ss_seed"] == str(seed)
@@ -106,6 +107,6 @@ def test_ddp_timeout_reaches_the_process_group(tmp_path):
     (handler,) = data_parallel.accelerator_kwargs_handlers(args)
     # only the timeout is passed on (accelerate keeps choosing the backend: gloo on CPU, nccl on GPUs)
     assert handler.to_kwargs() == {"timeout": timedelta(minutes=30)}
-    accelerator = network_trainer.NetworkTrainer().make_accelerator(args)
+    accelerator = train_network.trainer().make_accelerator(args)
     assert accelerator.init_handler.timeout == timedelta(minutes=30)
     assert data_parallel.accelerator_kwargs_handlers(parser.parse_args(["--ddp_static_graph"])) == []

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 import pytest
 import torch
+import train_network
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -129,7 +130,7 @@ def test_network_weights_with_keys_the_network_lacks_warn_and_train_on(tmp_path,
                                                                        one_image_dir):
     import train_network
     from library.model_util import load_sd_components
-    from library.network_trainer import NetworkTrainer, run
+    from library.network_trainer import run
     from safetensors.torch import load_file, save_file
 
     from networks import lora
@@ -145,7 +146,7 @@ def test_network_weights_with_keys_the_network_lacks_warn_and_train_on(tmp_path,
     sd["lora_unet_not_a_module.lora_up.weight"] = torch.zeros(8, 4)
     save_file(sd, str(start))
     with caplog.at_level(logging.WARNING):
-        out = run(NetworkTrainer(), train_network.setup_parser(),
+        out = run(train_network.trainer(), train_network.setup_parser(),
                   _argv(tiny_sd1_single_file, one_image_dir, tmp_path / "out", "--network_dim", "4",
                         "--network_alpha", "4", "--network_weights", str(start)))
     assert os.path.isfile(out)

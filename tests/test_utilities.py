@@ -6,6 +6,7 @@ through the training runner and the queue)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,12 @@ def test_editor_keeps_unsaved_edits_until_saved_or_discarded(tmp_path):
     assert moved[0] == "" and moved[-1] == str(folder / "b.png") and moved[-2] == "dog"
     assert U.discard_changes(".txt", str(folder / "b.png")) == ("", "dog")
     assert C.tag_counts(str(folder))[:1] == [("cat", 1)]
+    message, backup = U.replace_tags(str(folder), ".txt", "cat", "", True, apply=False)
+    assert "removing `cat`: 1 of 2 caption files would change" in message and (folder / "a.txt").read_text() == \
+        "cat, edited"
+    message, backup = U.replace_tags(str(folder), ".txt", "cat", "", True, apply=True)
+    assert "changed 1 of 2 caption files" in message and (folder / "a.txt").read_text() == "edited"
+    assert "Put back 1 caption files" in U.undo_replace(backup)[0] and (folder / "a.txt").read_text() == "cat, edited"
 
 
 # ---- folder builder and balancing ----------------------------------------------------------------------------------
@@ -160,7 +167,7 @@ def test_a_tool_runs_through_the_runner_and_the_queue(tmp_path, monkeypatch):
     assert state.returncode == 0, runner.log_tail()
     assert json.loads((tmp_path / "out/meta.json").read_text()) == {"a": {"caption": "a cat"},
                                                                     "b": {"caption": "a dog"}}
-    assert "merged 2 captions" in runner.log_tail() and Path(state.log_path) == tools.log_path(t)
+    assert "merged 2 .txt files" in runner.log_tail() and Path(state.log_path) == tools.log_path(t)
     with pytest.raises(tools.ToolError, match="already exists"):  # never overwrites without the tick
         tools.start(runner, t, values)
     queue = RunQueue(tmp_path / "queue")
@@ -194,6 +201,7 @@ def test_the_run_panels_lora_shortcuts_fill_resize_and_merge(tmp_path, monkeypat
     import sys
 
     from kohya_gui import config_file
+    from kohya_gui import params as P
     from kohya_gui.ui import actions as A
     from kohya_gui.ui import utilities as U
 
@@ -201,8 +209,8 @@ def test_the_run_panels_lora_shortcuts_fill_resize_and_merge(tmp_path, monkeypat
         pytest.skip("the LoRA tool scripts are not here")
     out = tmp_path / "out"
     run_toml = out / "mylora.toml"
-    config_file.save(run_toml, "lora", "SDXL", {"pretrained_model_name_or_path": "models/base.safetensors",
-                                                "output_dir": str(out), "output_name": "mylora"})
+    config_file.save(run_toml, "lora", "SDXL", {**P.defaults("lora"), "output_dir": str(out), "output_name": "mylora",
+                                                "pretrained_model_name_or_path": "models/base.safetensors"})
     (out / "mylora-resized.safetensors").write_bytes(b"x")  # taken: the shortcut picks a free name
     runner = Runner()
     runner.start([[sys.executable, "-c", f"open({str(out / 'mylora.safetensors')!r}, 'wb').write(b'x')"]],
@@ -223,6 +231,9 @@ def test_the_run_panels_lora_shortcuts_fill_resize_and_merge(tmp_path, monkeypat
         "--models", str(out / "mylora.safetensors"), "--ratios", "1.0"]
     updates = U.lora_shortcut("merge")
     assert updates[2]["value"] == "sdxl_merge_lora" and "Merge `mylora.safetensors`" in updates[-1]
+    filled = {target: u["value"] for target, u in zip(U.shortcut_targets("merge"), updates[-1 - len(
+        U.shortcut_targets("merge")):-1]) if isinstance(u, dict) and "value" in u}
+    assert filled == {("sdxl_merge_lora", k): v for k, v in fills.items()}
 
 
 def test_a_tools_progress_bar_is_the_run_panels_progress():
@@ -234,3 +245,55 @@ def test_a_tools_progress_bar_is_the_run_panels_progress():
     assert (p["step"], p["total"], p["eta_s"]) == (40, 100, 15)
     assert parse_progress("steps: 3/10 loss=0.5")["step"] == 3  # the trainers' line as before
     assert parse_progress("merged 2 captions into out.json") is None
+
+
+def test_a_lora_tool_runs_from_its_form_values_and_its_result_shows_its_metadata(tmp_path, monkeypatch):
+    """Resize LoRA, with the values its form sends (text fields, a number box), through the runner; the result's
+    metadata (Show a LoRA's metadata) has the new rank."""
+    import torch
+    from safetensors.torch import save_file
+
+    from kohya_gui.ui import utilities as U
+
+    monkeypatch.chdir(tmp_path)
+    lora = {}
+    for i in range(2):
+        name = f"lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q{i}"
+        lora |= {f"{name}.lora_down.weight": torch.randn(8, 32), f"{name}.lora_up.weight": torch.randn(32, 8),
+                 f"{name}.alpha": torch.tensor(8.0)}
+    save_file(lora, "tiny.safetensors", metadata={"ss_network_dim": "8", "ss_network_alpha": "8.0"})
+    ui = [{"model": "tiny.safetensors", "save_to": "out/tiny-r2.safetensors", "new_rank": 2,
+           "device": "cpu"}.get(o.name, U.to_ui(o)) for t, o in U.group_params("lora")]
+    command, message = U.print_tool("lora", "resize_lora", False, *ui)
+    assert "--new_rank 2" in command and "--device cpu" in command and "Run runs this command" in message
+    runner = Runner()
+    monkeypatch.setattr(U.A, "RUNNER", runner)
+    command, message = U.run_tool("lora", "resize_lora", False, *ui)
+    assert "started" in message
+    state = runner.wait(180)
+    assert state.returncode == 0 and state.outputs == ["out/tiny-r2.safetensors"], runner.log_tail()
+    assert "| `ss_network_dim` | 2 |" in U.show_metadata("out/tiny-r2.safetensors")
+    _, message = U.run_tool("lora", "resize_lora", False, *ui)  # the result exists: refused before any run
+    assert "already exists" in message and runner.snapshot().started == state.started
+
+
+def test_the_utilities_stop_ends_a_tool_but_never_a_training_run(tmp_path, monkeypatch):
+    import sys
+
+    from kohya_gui.ui import utilities as U
+
+    runner = Runner()
+    monkeypatch.setattr(U.A, "RUNNER", runner)
+    assert "No tool is running" in U.stop_tool()
+    runner.start([[sys.executable, "-c", "import time; time.sleep(60)"]], tmp_path / "train.log")  # not a tool
+    assert "training run" in U.stop_tool() and runner.running
+    runner.stop(now=True, grace=2)
+    runner.start([["python", "-c", "import time; time.sleep(60)"]], tmp_path / "python.log")
+    assert not tools.is_tool_run(runner.snapshot().commands)
+    runner.stop(now=True, grace=2)
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("needs os.mkfifo")
+    os.mkfifo(tmp_path / "waits.safetensors")  # the tool blocks reading it: a tool run that lasts
+    tools.start(runner, tools.tool("check_lora_weights"), {"file": str(tmp_path / "waits.safetensors")})
+    assert "Stopped the tool" in U.stop_tool()
+    assert not runner.running and runner.snapshot().stopped

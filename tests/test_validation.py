@@ -8,6 +8,7 @@ import logging
 import re
 
 import pytest
+import train_network
 
 from library import config_util, train_util, validation
 from library.datasets import DatasetError
@@ -90,10 +91,10 @@ def test_fixed_timesteps_and_cadence():
                                          ("--max_validation_steps", "-1")])
 def test_bad_validation_options_named(tiny_dataset_dir, tmp_path, capsys, flag, value):
     import train_network
-    from library.network_trainer import NetworkTrainer, run
+    from library.network_trainer import run
 
     with pytest.raises(SystemExit) as e:
-        run(NetworkTrainer(), train_network.setup_parser(),
+        run(train_network.trainer(), train_network.setup_parser(),
             ["--pretrained_model_name_or_path", "none.safetensors", "--train_data_dir", str(tiny_dataset_dir),
              "--output_dir", str(tmp_path), "--network_module", "networks.lora", flag, value])
     assert e.value.code == 2 and flag in capsys.readouterr().err
@@ -112,12 +113,12 @@ def test_validation_loss_logged_end_to_end(tmp_path_factory, tmp_path, tiny_data
     from safetensors import safe_open
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from library.network_trainer import NetworkTrainer, run
+    from library.network_trainer import run
     from library.tiny_models import make_tiny_sd
 
     model = make_tiny_sd(tmp_path_factory.mktemp("tiny_sd2_diffusers"), "sd2", "diffusers")
     caplog.set_level(logging.INFO)
-    trainer = NetworkTrainer()
+    trainer = train_network.trainer()
     path = run(trainer, train_network.setup_parser(), [
         "--pretrained_model_name_or_path", str(model), "--train_data_dir", str(tiny_dataset_dir),
         "--output_dir", str(tmp_path), "--output_name", "val", "--network_module", "networks.lora",

@@ -4,6 +4,8 @@
     python tools/bench_shipped.py run --workdir W --steps 60 [--family flux] [--gradient_checkpointing]
            [--batch_size 4] [--phases eager,compiled] [--compile_mode reduce-overhead] [--scripts_dir OTHER/sd-scripts]
            [--buckets] [--recompiles] [--time_graphs] [--cache_tag T] [--timeout S] [--log_out FILE]
+           [--json_out FILE] [-- more trainer flags]
+    python tools/bench_shipped.py report FILE.json ...  # the runs' --json_out files -> default-vs-best table
 
 `prepare` writes random weights in users' file layouts (nothing is downloaded): SDXL `W/sdxl.safetensors` (SGM
 keys, bf16); FLUX.1 `W/flux/` with the BFL dev transformer, CLIP-L, T5-XXL (bf16) and the AE, all full size. Plus
@@ -294,12 +296,61 @@ def run_phase(args, phase: str, workdir: Path) -> dict:
     if timed_out:
         result["timed_out_after_s"] = args.timeout
     result.update(read_log(lines, args.warmup))
+    result["auto_chose"] = auto_choices([line for _, line in lines])
     if rc != 0:
         result["log_tail"] = [line for _, line in lines[-40:]]
     return result
 
 
+# what the trainer's log says auto chose (library.compile.graphs.resolve, library.compile.regional)
+AUTO_CHOICE = re.compile(r"--cuda_graph_step auto: (on|off)")
+STATIC = "static shapes (--compile_dynamic auto"
+
+
+def auto_choices(lines: list[str]) -> str:
+    """A few words on what the trainer's auto settings chose, from its log lines."""
+    words = []
+    for line in lines:
+        if m := AUTO_CHOICE.search(line):
+            words.append(f"step graph {m.group(1)}")
+        if STATIC in line:
+            words.append("static")
+        if "image-size dimensions of their inputs dynamic" in line:
+            words.append("inputs dynamic")
+    return ", ".join(dict.fromkeys(words))
+
+
+def report(paths: list[str]) -> str:
+    """One markdown row per run of the --json_out files: the workload, the trainer flags beyond the defaults, the
+    scripts (their tag), what auto chose, the median step and peak memory; rows of one workload and flags side by
+    side, the fastest in bold."""
+    runs = [r for path in paths for r in json.loads(Path(path).read_text())]
+
+    def key(r) -> tuple[str, str]:
+        return r["workload"], " ".join(r.get("extra") or []) or "default"
+
+    best: dict[tuple, float] = {}
+    for r in runs:
+        ms = (r.get("trainer_summary") or {}).get("median_ms")
+        if ms is not None:
+            best[key(r)] = min(best.get(key(r), ms), ms)
+    rows = ["| workload | flags | scripts | auto chose | median step | peak | outside |", "|---|---|---|---|---|---|---|"]
+    for r in sorted(runs, key=lambda r: (*key(r), r["tag"])):
+        summary = r.get("trainer_summary") or {}
+        ms = summary.get("median_ms")
+        shown = "failed (rc %s)" % r["rc"] if ms is None else (f"**{ms} ms**" if ms == best[key(r)] else f"{ms} ms")
+        peak = f"{summary['peak_gib']} GiB" if "peak_gib" in summary else ""
+        outside = f"{r['outside_ms_per_step']} ms" if "outside_ms_per_step" in r else ""
+        rows.append(f"| {key(r)[0]} | {key(r)[1]} | {r['tag']} | {r.get('auto_chose') or ''} | {shown} | {peak} | "
+                    f"{outside} |")
+    return "\n".join(rows)
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["report"]:
+        print(report(argv[1:]))
+        return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("action", choices=("prepare", "run"))
     p.add_argument("--workdir", default="bench_work")
@@ -328,7 +379,6 @@ def main(argv=None) -> int:
     p.add_argument("--cache_tag", default=None, help="use the compile cache of this tag (default: --tag)")
     p.add_argument("--timeout", type=float, default=0, help="stop a phase after this many seconds (0: never)")
     p.add_argument("--log_out", default=None, help="append the trainer's output, each line timestamped, here")
-    argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []  # more trainer flags, after --
     args = p.parse_args(argv[:len(argv) - len(extra) - (1 if extra else 0)])
     args.extra = extra
@@ -340,7 +390,9 @@ def main(argv=None) -> int:
     results = []
     for phase in args.phases.split(","):
         r = run_phase(args, phase, workdir)
-        r.update(tag=args.tag, family=args.family, batch_size=args.batch_size,
+        r.update(workload=f"{args.family.upper()} bs{args.batch_size}" + (" + GC" if args.gradient_checkpointing else "")
+                 + (" buckets" if args.buckets else "") + ("" if phase == "compiled" else f" {phase}"),
+                 extra=args.extra, tag=args.tag, family=args.family, batch_size=args.batch_size,
                  gradient_checkpointing=args.gradient_checkpointing, buckets=args.buckets,
                  cache_tag=args.cache_tag or args.tag, scripts_dir=args.scripts_dir)
         print(json.dumps(r), flush=True)

@@ -14,8 +14,8 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 before_tree() {  # a copy of sd-scripts in $1 with the image-size dynamic marks of --compile_dynamic auto off
   rm -rf "$1" && mkdir -p "$1" && cp -r sd-scripts "$1/"
   sed -i 's/^    if dynamic is None:  # auto: the image-size dims/    if False:  # before: no image-size marks/' \
-    "$1/sd-scripts/library/compile_utils.py"
-  grep -q "if False:  # before: no image-size marks" "$1/sd-scripts/library/compile_utils.py" || { echo "before tree not made"; exit 1; }
+    "$1/sd-scripts/library/compile/regional.py"
+  grep -q "if False:  # before: no image-size marks" "$1/sd-scripts/library/compile/regional.py" || { echo "before tree not made"; exit 1; }
 }
 WORK=${WORKDIR:-/tmp/bench_shipped}  # the shipped_* cases: tools/bench_shipped.py's work folder
 B="$PY tools/bench_shipped.py"

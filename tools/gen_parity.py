@@ -290,7 +290,9 @@ def render(upstream_all: dict, parsers: dict, tools: dict | None = None) -> str:
     out += [f"| `{k}` | {v} |" for k, v in parity.KOHYA_SS_GUI_KEYS.items()]
     out += ["", "Values the kohya_ss GUI writes that upstream's parser would refuse on the command line (argparse "
             "checks", "no choices of config-file values), read as upstream reads them:", ""]
-    out += [f"- `{k} = {v!r}` means `{k}` unset ({'the default' if m is None else m})"
+    out += [f"- `{k} = {v!r}` means `{k}` unset (the default)" if m is None else
+            f"- `{k} = {str(v).lower() if isinstance(v, bool) else repr(v)}` means `{k} = {m!r}` (a file from before "
+            f"it had more values)"
             for k, aliases in parity.CONFIG_VALUE_ALIASES.items() for v, m in aliases.items()]
     out += ["- `0` / `1` for an on/off option (e.g. `persistent_data_loader_workers = 1`) mean false / true."]
     out += render_tools(tools)

@@ -140,6 +140,18 @@ def queue_tool(group: str, key: str, overwrite: bool, *ui_values) -> str:
                    "the run panel.")
 
 
+def stop_tool() -> str:
+    """Stops the running tool (a tool has nothing to save: SIGTERM, then SIGKILL after the grace time). A training
+    run is left alone: its tab's Stop saves it."""
+    s = A.RUNNER.snapshot()
+    if not s.running:
+        return A.error_md("No tool is running.")
+    if not tools.is_tool_run(s.commands):
+        return A.error_md("The active run is a training run: stop it with its tab's Stop buttons (Stop saves it).")
+    A.RUNNER.stop(now=True)
+    return A.ok_md("Stopped the tool.")
+
+
 def choose_tool(group: str, key: str) -> list:
     """Shows the chosen tool's form, hides the others."""
     return [gr.update(visible=t.key == key) for t in tools.in_group(group)]
@@ -180,7 +192,7 @@ def build_tool_group(group: str) -> dict:
                         (print_btn.click(functools.partial(print_tool, group), inputs=args,
                                          outputs=[command, status]), status),
                         (queue_btn.click(functools.partial(queue_tool, group), inputs=args, outputs=status), status),
-                        (stop_btn.click(A.stop_training, outputs=status), status)):
+                        (stop_btn.click(stop_tool, outputs=status), status)):
         feedback.follow(event, area.elem_id)
     return {"picker": picker, "columns": columns, "controls": controls, "status": status, "command": command}
 
@@ -580,16 +592,28 @@ def lora_fills(action: str) -> tuple[str, dict[str, Any], str]:
     return key, fills, f"Merge `{lora.name}` into its {settings.family} model: check the paths, then Run."
 
 
+SHORTCUT_FIELDS = {"resize": {"resize_lora": ("model", "save_to")},
+                   "merge": {key: (model, "models", "ratios", "save_to", *(("v2",) if key == "merge_lora" else ()))
+                             for key, model in MERGE_TOOLS.values()}}
+
+
+def shortcut_targets(action: str) -> list[tuple[str, str]]:
+    """(tool, option) of the controls a shortcut fills, for the tools that exist."""
+    present = {t.key for t in tools.in_group("lora")}
+    return [(key, name) for key, names in SHORTCUT_FIELDS[action].items() if key in present for name in names]
+
+
 def lora_shortcut(action: str) -> list:
-    """[outer tabs, sub-tabs, LoRA tool picker, *tool forms' visibility, *LoRA tool controls, message]."""
-    params = group_params("lora")
+    """[outer tabs, sub-tabs, LoRA tool picker, *tool forms' visibility, *the filled controls (shortcut_targets),
+    message]."""
+    targets = shortcut_targets(action)
     try:
         key, fills, note = lora_fills(action)
         tools.tool(key)
     except (ValueError, tools.ToolError) as e:
         return [gr.skip(), gr.skip(), gr.skip(), *[gr.skip() for _ in tools.in_group("lora")],
-                *[gr.skip() for _ in params], A.error_md(str(e))]
-    controls = [gr.update(value=fills[o.name]) if t.key == key and o.name in fills else gr.skip() for t, o in params]
+                *[gr.skip() for _ in targets], A.error_md(str(e))]
+    controls = [gr.update(value=fills[name]) if k == key and name in fills else gr.skip() for k, name in targets]
     return [gr.Tabs(selected="utilities"), gr.Tabs(selected=SUBTABS["lora"]), gr.update(value=key),
             *choose_tool("lora", key), *controls, A.ok_md(note)]
 
@@ -597,15 +621,13 @@ def lora_shortcut(action: str) -> list:
 def build_lora_shortcuts(outer_tabs, handles: dict) -> None:
     """Under the run panel's output files: "Resize this LoRA" / "Merge it into its model", when those tools exist."""
     lora = handles.get("lora")
-    wanted = [("resize", "Resize this LoRA", {"resize_lora"}),
-              ("merge", "Merge it into its model", {k for k, _ in MERGE_TOOLS.values()})]
-    buttons = [(action, label) for action, label, keys in wanted
-               if lora and keys & {t.key for t in tools.in_group("lora")}]
-    if not buttons:
+    labels = {"resize": "Resize this LoRA", "merge": "Merge it into its model"}
+    actions = [a for a in labels if lora and shortcut_targets(a)]
+    if not actions:
         return
     with gr.Row():
-        for action, label in buttons:
-            btn = gr.Button(f"{label} (the last run's result)", size="sm", elem_id=f"run-lora-{action}")
+        for action in actions:
+            btn = gr.Button(f"{labels[action]} (the last run's result)", size="sm", elem_id=f"run-lora-{action}")
             outputs = [outer_tabs, handles["subtabs"], lora["picker"], *lora["columns"],
-                       *[lora["controls"][(t.key, o.name)] for t, o in group_params("lora")], lora["status"]]
-            btn.click(functools.partial(lora_shortcut, action), outputs=outputs)
+                       *[lora["controls"][target] for target in shortcut_targets(action)], lora["status"]]
+            btn.click(functools.partial(lora_shortcut, action), outputs=outputs, show_progress="hidden")

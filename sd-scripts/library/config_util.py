@@ -555,7 +555,6 @@ def build_dataset_groups(args, family: str, kinds=(DREAMBOOTH, FINETUNING)) -> t
     from library.validation import split_images
 
     family = _normalize_family(family)
-    captions.resolve_caption_extension_alias(args)
     captions.check_caption_args(args, family)
     cli = _cli_layer(args, family)
     config_path = getattr(args, "dataset_config", None)

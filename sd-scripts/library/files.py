@@ -5,7 +5,7 @@
     write_bytes / write_text(path, ...)     small files (run TOML, JSON)
     save_safetensors(tensors, path, metadata, overwrite) / save_torch(obj, path, overwrite)
     ensure_can_write(path, overwrite)       OutputExistsError for an existing result without --overwrite_output
-    remove_stale(folder, name)              what killed writers of results named `name*` left there
+    remove_stale(folder, ours)              what killed writers of results named like `ours` left there
     explained_write_errors(path)            a write the disk refused -> SaveError naming the file, one line
 
 One temporary-name scheme: the hidden folder `.<name>.tmp-<hex>` beside the result. Writers that make their own
@@ -123,24 +123,23 @@ def save_torch(obj, path: str | os.PathLike, *, overwrite: bool = False) -> None
 # what killed writers left
 
 
-def stale_pattern(name: str) -> re.Pattern:
-    """The hidden work folders of results named `name`, `name-...`, `name_...` or `name.ext`."""
-    return re.compile(r"\." + re.escape(name) + r"([-_.].*)?" + re.escape(_TMP) + r"[0-9a-f]+")
+_WORK = re.compile(r"\.(.+)" + re.escape(_TMP) + r"[0-9a-f]+")
 
 
-def remove_stale(folder: str | os.PathLike, name: str) -> list[str]:
-    """Removes the work folders a killed writer of `name*` results left in `folder` (call it before the run
-    writes anything); a folder that was being replaced when the kill came is put back. Returns what was removed."""
+def remove_stale(folder: str | os.PathLike, ours: re.Pattern) -> list[str]:
+    """Removes the work folders that killed writers of results named like `ours` (a pattern of the final names)
+    left in `folder` (call it before the run writes anything); a folder that was being replaced when the kill
+    came is put back. Returns what was removed."""
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
         return []
-    pattern = stale_pattern(name)
     removed = []
     for entry in sorted(os.listdir(folder)):
-        if not pattern.fullmatch(entry):
+        found = _WORK.fullmatch(entry)
+        if not found or not ours.fullmatch(found.group(1)):
             continue
         work = os.path.join(folder, entry)
-        final = os.path.join(folder, entry[1:entry.rindex(_TMP)])
+        final = os.path.join(folder, found.group(1))
         previous = os.path.join(work, _PREVIOUS)
         if os.path.isdir(previous) and not os.path.exists(final):
             os.replace(previous, final)  # killed between the two renames of commit: the complete old folder

@@ -7,27 +7,20 @@ NaN ones. The earlier saves stay as they are; the line names the newest one.
                                                     # GPU sync, a few float checks
 
 The loss is what reveals it: NaN / inf weights give a NaN loss at the next forward, and the loss of a step is read
-(library.late_loss) before the step's saves. `NonFiniteLoss` is a SystemExit with status 2: it passes every
-handler, skips the final save, and ends the process with its message already printed.
+(library.late_loss) before the step's saves. `NonFiniteLoss` is a TrainingError: the script's run() prints its
+one line and exits 2; the final save is skipped.
 """
 from __future__ import annotations
 
 import glob
-import logging
 import math
 import os
-import sys
 
-logger = logging.getLogger(__name__)
+from library.errors import TrainingError
 
 
-class NonFiniteLoss(SystemExit):
-    def __init__(self, message: str):
-        super().__init__(2)
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
+class NonFiniteLoss(TrainingError):
+    """The loss became NaN or infinite; the message names the step and the last save."""
 
 
 def check_losses(args, step: int, values) -> None:
@@ -39,8 +32,6 @@ def check_losses(args, step: int, values) -> None:
     message = (f"the loss became {bad} at step {step}: the weights are no longer finite, so the run stops "
                "without saving (try a lower --learning_rate, --max_grad_norm, or bf16 instead of fp16); "
                + (f"the last save is {last}" if last else "nothing was saved before it"))
-    logger.error("%s", message)
-    print(f"error: {message}", file=sys.stderr, flush=True)
     raise NonFiniteLoss(message)
 
 

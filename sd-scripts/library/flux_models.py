@@ -554,13 +554,13 @@ class FluxComponents:
     def is_schnell(self) -> bool:
         return not self.transformer.config.guidance_embeds
 
-    # the names the shared LoRA trainer (library.network_trainer) uses
+    # the neutral names the training core (library.run, library.targets) uses
     @property
-    def unet(self):
+    def denoiser(self):
         return self.transformer
 
     @property
-    def vae(self):
+    def autoencoder(self):
         return self.ae
 
     @property

@@ -8,7 +8,6 @@ plus CLIP-L's pooled output; dev models also get the guidance scale.
 from __future__ import annotations
 
 import logging
-import math
 import os
 
 import torch
@@ -108,9 +107,10 @@ def encode_prompts(clip, t5, clip_tok, t5_tok, captions: list[str], t5_len: int,
     return {"t5_out": out, "pooled": pooled, "t5_attn_mask": mask}
 
 
-def encode_latents(ae, images: torch.Tensor) -> torch.Tensor:
+def encode_latents(ae, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The AE's latents, sampled with `generator` (the run's), shifted and scaled."""
     with torch.no_grad():
-        lat = ae.encode(images.to(ae.device, ae.dtype)).latent_dist.sample()
+        lat = ae.encode(images.to(ae.device, ae.dtype)).latent_dist.sample(generator=generator)
     return (lat - flux_models.AE_SHIFT_FACTOR) * flux_models.AE_SCALING_FACTOR
 
 
@@ -134,78 +134,6 @@ def image_ids(h: int, w: int, device, dtype) -> torch.Tensor:
     ids[..., 1] = torch.arange(h // 2)[:, None]
     ids[..., 2] = torch.arange(w // 2)[None, :]
     return ids.reshape(-1, 3).to(device, dtype)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# noise
-
-
-def _time_shift(mu: float, sigma: float, t: torch.Tensor) -> torch.Tensor:
-    return math.exp(mu) / (math.exp(mu) + (1 / t - 1) ** sigma)
-
-
-def _flux_mu(image_seq_len: int, x1=256, y1=0.5, x2=4096, y2=1.15) -> float:
-    m = (y2 - y1) / (x2 - x1)
-    return m * image_seq_len + (y1 - m * x1)
-
-
-def timestep_density(args, batch_size: int, device) -> torch.Tensor:
-    """u in [0, 1) per sample by --weighting_scheme (SD3 paper, sec. 3.1): logit_normal = sigmoid(N(logit_mean,
-    logit_std)); mode = 1 - u - mode_scale * (cos^2(pi u / 2) - 1 + u) of a uniform u; else uniform."""
-    scheme = getattr(args, "weighting_scheme", "uniform")
-    if scheme == "logit_normal":
-        return torch.sigmoid(torch.randn(batch_size, device=device) * args.logit_std + args.logit_mean)
-    u = torch.rand(batch_size, device=device)
-    if scheme == "mode":
-        u = 1 - u - args.mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
-    return u
-
-
-def loss_weighting(args, sigmas: torch.Tensor) -> torch.Tensor | None:
-    """The loss weight per sample ([B, 1, 1, 1]) of --weighting_scheme sigma_sqrt (sigma^-2) or cosmap
-    (2 / (pi (1 - 2 sigma + 2 sigma^2))), used with --model_prediction_type sigma_scaled (as upstream);
-    None = weight 1 (no multiply)."""
-    scheme = getattr(args, "weighting_scheme", "uniform")
-    if args.model_prediction_type != "sigma_scaled" or scheme not in ("sigma_sqrt", "cosmap"):
-        return None
-    s = sigmas.view(-1, 1, 1, 1).float()
-    if scheme == "sigma_sqrt":
-        return s ** -2.0
-    return 2 / (math.pi * (1 - 2 * s + 2 * s ** 2))
-
-
-def sample_sigmas(args, batch_size: int, h: int, w: int, device) -> torch.Tensor:
-    """sigma in (0, 1] per sample, by --timestep_sampling (h, w: latent size)."""
-    mode = args.timestep_sampling
-    if mode == "uniform":
-        s = torch.rand(batch_size, device=device)
-    elif mode == "sigmoid":
-        s = torch.sigmoid(args.sigmoid_scale * torch.randn(batch_size, device=device))
-    elif mode == "shift":
-        s = torch.sigmoid(args.sigmoid_scale * torch.randn(batch_size, device=device))
-        shift = args.discrete_flow_shift
-        s = (s * shift) / (1 + (shift - 1) * s)
-    elif mode == "flux_shift":
-        s = torch.sigmoid(args.sigmoid_scale * torch.randn(batch_size, device=device))
-        s = _time_shift(_flux_mu((h // 2) * (w // 2)), 1.0, s)
-    else:  # "sigma": one of the 1000 training timesteps of the shifted flow schedule
-        shift = args.discrete_flow_shift
-        if getattr(args, "weighting_scheme", "uniform") in ("logit_normal", "mode"):
-            # upstream indexes the schedule's descending timesteps with u * 1000 (u -> 1 is the least noise)
-            index = (timestep_density(args, batch_size, device) * 1000).long().clamp(0, 999)
-            t = (1000 - index).float() / 1000.0
-        else:  # uniform u: the same distribution, drawn as before these schemes existed
-            t = torch.randint(1, 1001, (batch_size,), device=device).float() / 1000.0
-        s = shift * t / (1 + (shift - 1) * t)
-    return s.clamp(1e-5, 1.0)
-
-
-def apply_model_prediction_type(args, pred, noisy, sigmas):
-    if args.model_prediction_type == "additive":
-        return pred + noisy
-    if args.model_prediction_type == "sigma_scaled":
-        return pred * (-sigmas.view(-1, 1, 1, 1)) + noisy
-    return pred
 
 
 def flux_forward(transformer, noisy: torch.Tensor, sigmas: torch.Tensor, te: dict, guidance: float | None,
@@ -236,25 +164,6 @@ def flux_forward(transformer, noisy: torch.Tensor, sigmas: torch.Tensor, te: dic
     return unpack_latents(out, h, w)
 
 
-def noisy_input_pred_target(args, transformer, latents, te, dtype, autocast, fixed_timestep: int | None = None):
-    """One flow-matching training forward: returns (prediction, target, sigmas, loss weighting or None).
-    --ip_noise_gamma perturbs the noise of the input only; fixed_timestep t: every sigma is t / 1000 (validation)."""
-    from library.noise import input_perturbation
-
-    noise = torch.randn_like(latents)
-    b, _, h, w = latents.shape
-    if fixed_timestep is None:
-        sigmas = sample_sigmas(args, b, h, w, latents.device)
-    else:
-        sigmas = torch.full((b,), fixed_timestep / 1000.0, device=latents.device)
-    s = sigmas.view(-1, 1, 1, 1)
-    noisy = (1.0 - s) * latents + s * input_perturbation(args, noise)
-    with autocast():
-        pred = flux_forward(transformer, noisy, sigmas, te, args.guidance_scale, dtype, args.apply_t5_attn_mask)
-    pred = apply_model_prediction_type(args, pred.float(), noisy, sigmas)
-    return pred, noise - latents, sigmas, loss_weighting(args, sigmas)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # sample images
 
@@ -264,7 +173,7 @@ def build_pipeline(components):
 
     from library.flux_tiny import flow_match_scheduler
 
-    return FluxPipeline(scheduler=flow_match_scheduler(), vae=components.vae, text_encoder=components.clip_l,
+    return FluxPipeline(scheduler=flow_match_scheduler(), vae=components.ae, text_encoder=components.clip_l,
                         tokenizer=components.clip_tokenizer, text_encoder_2=components.t5xxl,
                         tokenizer_2=components.t5_tokenizer, transformer=components.transformer)
 
@@ -283,7 +192,7 @@ def sample_images(args, components, *, device, epoch, steps, autocast=None, netw
     paths = []
     with sampling_state(networks):
         moved = []
-        for m in (components.vae, components.clip_l, components.t5xxl):
+        for m in (components.ae, components.clip_l, components.t5xxl):
             if m.device != torch.device(device):
                 moved.append((m, m.device))
                 m.to(device)
@@ -331,3 +240,121 @@ def cache_signature(args, what: str) -> str:
     return (f"flux:{os.path.basename(str(args.pretrained_model_name_or_path))}:{os.path.basename(str(args.ae or ''))}:"
             f"{what}:{args.t5xxl_max_token_length}:{args.apply_t5_attn_mask}")
 
+
+
+def save_transformer(args, components, path: str, metadata, save_dtype, swapper=None) -> None:
+    """The transformer as a BFL-layout .safetensors (flux_train.py); --mem_eff_save streams one tensor at a time
+    from the live weights (no second copy of the model in memory)."""
+    from library import saving, train_util
+    from library.compile.regional import strip_orig_mod
+
+    if swapper is not None:
+        swapper.synchronize()  # block copies still in flight must land before the weights are read
+    if getattr(args, "mem_eff_save", False):
+        sd = strip_orig_mod(components.transformer.state_dict())
+        saving.save_safetensors_streaming(path, flux_models.diffusers_to_bfl_entries(sd, save_dtype), metadata,
+                                          overwrite=args.overwrite_output)
+        return
+    sd = {k: v.detach().to("cpu") for k, v in components.transformer.state_dict().items()}
+    bfl = flux_models.diffusers_to_bfl(strip_orig_mod(sd))
+    if save_dtype is not None:
+        bfl = {k: v.to(save_dtype) for k, v in bfl.items()}
+    train_util.save_safetensors_atomic(bfl, path, metadata, overwrite=args.overwrite_output)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# flux_train.py: the full fine-tune of the transformer
+
+TRAIN_BLOCKS = ("all", "single", "double")
+
+
+def check_full_args(args, target) -> None:
+    """flux_train.py's own options, before the family's checks."""
+    from library import optimizers
+    from library.errors import ConfigError
+
+    map_deprecated_swap_args(args)
+    if args.cpu_offload_checkpointing and not args.gradient_checkpointing:
+        logger.warning("cpu_offload_checkpointing is enabled, so gradient_checkpointing is also enabled")
+        args.gradient_checkpointing = True
+    if args.train_text_encoder:
+        raise ConfigError("--train_text_encoder: flux_train.py trains the FLUX transformer only (CLIP-L and "
+                          "T5-XXL stay frozen); train a CLIP-L LoRA with flux_train_network.py instead")
+    if args.save_model_as not in (None, "safetensors"):
+        # upstream's flux_train.py ignores --save_model_as the same way
+        logger.warning("--save_model_as %s: flux_train.py writes a BFL .safetensors single file", args.save_model_as)
+    if args.blocks_to_swap and not args.fused_backward_pass:
+        raise ConfigError("--blocks_to_swap in a full fine-tune needs --fused_backward_pass (with --optimizer_type "
+                          "Adafactor): each weight must be updated while its block is on the GPU")
+    if blockwise_fused(args) and optimizers.is_schedulefree(args):
+        raise ConfigError("--blockwise_fused_optimizers cannot be used with a schedule-free optimizer "
+                          f"({optimizers.optimizer_type(args)}), as upstream")
+    if args.fused_optimizer_groups:
+        logger.warning("--fused_optimizer_groups has no effect in flux_train.py (upstream: \"this option is not "
+                       "working\"); use --blockwise_fused_optimizers")
+    if args.train_blocks not in TRAIN_BLOCKS:
+        raise ConfigError(f"--train_blocks {args.train_blocks}: allowed: {', '.join(TRAIN_BLOCKS)}")
+    if args.skip_latents_validity_check:
+        logger.warning("--skip_latents_validity_check is deprecated: use --skip_cache_check")
+        args.skip_cache_check = True
+
+
+def map_deprecated_swap_args(args) -> None:
+    """Upstream's deprecated --double_blocks_to_swap / --single_blocks_to_swap, converted as upstream converts
+    them (double + single // 2) when --blocks_to_swap is not given."""
+    if args.blocks_to_swap is not None:
+        return
+    blocks = (args.double_blocks_to_swap or 0) + (args.single_blocks_to_swap or 0) // 2
+    if blocks > 0:
+        logger.warning("double_blocks_to_swap and single_blocks_to_swap are deprecated. Use blocks_to_swap instead.")
+        logger.info(f"double_blocks_to_swap={args.double_blocks_to_swap} and single_blocks_to_swap="
+                    f"{args.single_blocks_to_swap} are converted to blocks_to_swap={blocks}.")
+        args.blocks_to_swap = blocks
+
+
+def blockwise_fused(args) -> bool:
+    """--blockwise_fused_optimizers (unless --fused_backward_pass wins, as upstream)."""
+    return bool(args.blockwise_fused_optimizers) and not args.fused_backward_pass
+
+
+def blockwise_optimizer_groups(args, components) -> list[list[dict]]:
+    """--blockwise_fused_optimizers: one optimizer per double block, per single block, and one for the rest
+    (upstream's grouping; one learning rate for all, as upstream)."""
+    by_block: dict[tuple[str, int], list] = {}
+    for name, param in components.transformer.named_parameters():
+        if not param.requires_grad:
+            continue
+        head, _, rest = name.partition(".")
+        key = {"transformer_blocks": "double", "single_transformer_blocks": "single"}.get(head, "other")
+        by_block.setdefault((key, int(rest.split(".")[0]) if key != "other" else -1), []).append(param)
+    return [[{"params": params, "lr": args.learning_rate}] for params in by_block.values()]
+
+
+def place_for_full_training(args, accelerator, family, components, train_dtype):
+    """The transformer (or its --train_blocks) is trained; with --blocks_to_swap only the resident blocks go to
+    the device (the family's swapper then also syncs the blocks before a save)."""
+    from library.block_swap import BlockSwapError, place_with_block_swap
+    from library.network_trainer import Trainable
+    from library.errors import ConfigError
+
+    device = accelerator.device
+    model = components.transformer
+    model.to(dtype=train_dtype)
+    keep = {"all": "", "single": "single_transformer_blocks.", "double": "transformer_blocks."}[args.train_blocks]
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith(keep))
+    if args.gradient_checkpointing:
+        family.enable_gradient_checkpointing(args, components, [])
+    model.train()
+    if args.blocks_to_swap:
+        try:
+            family.swapper = place_with_block_swap(model, args.blocks_to_swap, device, trainable=True)
+        except BlockSwapError as e:
+            raise ConfigError(str(e)) from e
+    else:
+        model.to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    logger.info("training the FLUX transformer (--train_blocks %s): %.2fM parameters in %s", args.train_blocks,
+                sum(p.numel() for p in params) / 1e6, str(train_dtype).removeprefix("torch."))
+    return Trainable(models=[model], param_groups=[{"params": params, "lr": args.learning_rate}],
+                     train_text_encoder=False)

@@ -1,38 +1,20 @@
-"""Full-model training (DreamBooth and fine-tune): the model's own weights are trained, not a LoRA.
-
-`FullTrainer` is a mixin put in front of a family's `NetworkTrainer` subclass, so the full trainers share the
-LoRA loop (network_trainer.NetworkTrainer.train: data, caching, optimizer, data-parallel gradients, saving
-cadence, --save_state/--resume, sampling, progress) and the family hooks (text encoding, UNet call, noise,
-compile), and change only what is trained and how it is saved:
-
-    class SDXLTrainer(FullTrainer, SDXLNetworkTrainer): ...        # sdxl_train.py
-    class SDTrainer(FullTrainer, NetworkTrainer): ...               # train_db.py, fine_tune.py
-
-A family adapts it with these hooks (defaults fit SD1.x / SD2.x / SDXL):
-
-    trains_text_encoder(args) -> bool                 text encoder(s) trained from the start (--train_text_encoder)
-    text_encoder_lrs(args) -> list[float | None]     per text encoder, None = frozen (SDXL: te1, te2)
-    trained_model(components) -> the denoiser        (components.unet; FLUX: its transformer)
-    save_full_model(args, components, path, metadata, save_dtype)   single file / diffusers folder
-    modelspec_variant() -> str | None                 FLUX: "dev" / "schnell" (modelspec architecture)
+"""Full-model training (DreamBooth and fine-tune): the options the full trainers share and the fused backward
+pass. What is trained and how it is saved is library.targets.full; the loop is library.run.
 
 `--fused_backward_pass` (Adafactor): each parameter is stepped by the optimizer as soon as its gradient is
 complete (a post-accumulate-grad hook), then the gradient is freed, so the full set of gradients never exists.
+`--fused_optimizer_groups` / `--blockwise_fused_optimizers`: several optimizers, each stepped inside backward once
+all its tensors have gradients.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import math
-import time
-from typing import Any
 
 import torch
 
-from library import data_parallel, network_trainer, saving, train_util
-from library import metadata as metadata_util
-from library.network_trainer import Trainable
-from library.train_util import ConfigError
+from library import data_parallel, network_trainer, saving
 
 logger = logging.getLogger(__name__)
 
@@ -184,184 +166,6 @@ def split_param_groups(param_groups: list[dict], n: int) -> list[dict]:
     if current:
         out.append({"params": current, "lr": current_lr})
     return out
-
-
-# ----------------------------------------------------------------------------------------------------------
-
-
-class FullTrainer:
-    """Mixin: trains the denoiser (and optionally the text encoders) of the family trainer it precedes."""
-
-    default_output_name = "last"
-    tracker_name = "finetuning"
-    fuses_backward = True  # --fused_backward_pass steps each parameter inside backward (register_fused_backward)
-
-    # -- family hooks ------------------------------------------------------------------------------------
-    def fp8_targets(self, args) -> tuple[bool, bool]:
-        return False, False  # the weights are trained (check_args warns about --fp8_base)
-
-    def trains_text_encoder(self, args) -> bool:
-        """Whether the text encoder(s) are trained from the first step: --train_text_encoder (train_db.py:
-        unless --stop_text_encoder_training is negative)."""
-        return bool(args.train_text_encoder)
-
-    def text_encoder_lrs(self, args) -> list[float | None]:
-        """Learning rate per text encoder when --train_text_encoder (None or 0 = frozen)."""
-        lr = args.learning_rate_te if args.learning_rate_te is not None else args.learning_rate
-        return [lr]
-
-    def trained_model(self, components):
-        return components.unet
-
-    def save_full_model(self, args, components, path: str, metadata: dict[str, str] | None, save_dtype) -> None:
-        from library import model_util
-
-        if self.output_format(args)[0] == "diffusers":
-            model_util.save_sd_diffusers(path, components, save_dtype=save_dtype, overwrite=args.overwrite_output)
-        else:
-            model_util.save_sd_checkpoint(path, components, save_dtype=save_dtype, metadata=metadata,
-                                          overwrite=args.overwrite_output)
-
-    # -- checks ------------------------------------------------------------------------------------------
-    def check_args(self, args) -> None:
-        train_util.verify_training_args(args)
-        self.check_objective_args(args)
-        if getattr(args, "fp8_base", False):
-            logger.warning("--fp8_base is for LoRA training (a frozen base); a full fine-tune trains the weights, "
-                           "so it is ignored, as upstream does")
-        if not args.pretrained_model_name_or_path:
-            raise ConfigError("--pretrained_model_name_or_path is required")
-        caching_te = args.cache_text_encoder_outputs or args.cache_text_encoder_outputs_to_disk
-        train_te = self.trains_text_encoder(args)
-        if caching_te and train_te:
-            raise ConfigError("--cache_text_encoder_outputs cannot be used with --train_text_encoder (a trained "
-                              "text encoder changes its outputs); drop one of them")
-        lrs = self.text_encoder_lrs(args)
-        for name in ("learning_rate_te", "learning_rate_te1", "learning_rate_te2"):
-            value = getattr(args, name, None)
-            if value is not None and value < 0:
-                raise ConfigError(f"--{name} must be 0 or more, got {value}")
-        given = [n for n in ("learning_rate_te", "learning_rate_te1", "learning_rate_te2") if getattr(args, n, None)]
-        if given and not train_te:
-            logger.warning("%s given without --train_text_encoder: the text encoders stay frozen",
-                           ", ".join("--" + n for n in given))
-        if train_te and not any(lrs):
-            raise ConfigError("--train_text_encoder with every text-encoder learning rate 0: nothing of the text "
-                              "encoders would be trained; drop --train_text_encoder or give a rate above 0")
-        # (optimizers.check_optimizer_args, run by verify_training_args, has upstream's Adafactor-only and
-        # no-accumulation rules)
-        fused_flag = "--fused_backward_pass" if args.fused_backward_pass else \
-            "--fused_optimizer_groups" if getattr(args, "fused_optimizer_groups", None) else \
-            "--blockwise_fused_optimizers" if getattr(args, "blockwise_fused_optimizers", False) else None
-        if fused_flag and args.mixed_precision == "fp16":
-            # (upstream lets it run; its GradScaler would unscale and update once per group, not once per step)
-            raise ConfigError(f"{fused_flag} cannot be used with --mixed_precision fp16 (the loss scaler needs "
-                              "all gradients before a step); use --mixed_precision bf16")
-        if getattr(args, "fused_optimizer_groups", None) is not None and args.fused_optimizer_groups < 0:
-            raise ConfigError(f"--fused_optimizer_groups must be 1 or more (0 = off), got {args.fused_optimizer_groups}")
-        if args.fused_backward_pass and fused_flag and (getattr(args, "fused_optimizer_groups", None) or
-                                                       getattr(args, "blockwise_fused_optimizers", False)):
-            logger.warning("--fused_backward_pass is used; the fused optimizer groups are not (as upstream)")
-        self.assert_extra_args(args)
-
-    def output_format(self, args) -> tuple[str, str]:
-        """("single", ".safetensors" | ".ckpt") or ("diffusers", ""): --save_model_as, unset = as the input
-        model (library.saving.full_model_format)."""
-        return saving.full_model_format(args.save_model_as, getattr(args, "use_safetensors", False),
-                                        args.pretrained_model_name_or_path)
-
-    def output_ext(self, args) -> str:
-        return self.output_format(args)[1]
-
-    # -- what is trained ---------------------------------------------------------------------------------
-    def setup_trainable(self, args, accelerator, components, weight_dtype, caching_te: bool) -> Trainable:
-        device = accelerator.device
-        # master weights in float32 under mixed precision; --full_bf16/--full_fp16 train in that dtype
-        train_dtype = weight_dtype if (args.full_bf16 or args.full_fp16) else torch.float32
-        self.components = components
-        model = self.trained_model(components)
-        model.requires_grad_(True)
-        model.to(device, dtype=train_dtype)
-        groups = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": args.learning_rate}]
-        models = [model]
-        trained_tes = []
-        if self.trains_text_encoder(args):
-            for i, (te, lr) in enumerate(zip(components.text_encoders, self.text_encoder_lrs(args))):
-                if not lr:
-                    logger.info("text encoder %d: learning rate 0, kept frozen", i + 1)
-                    continue
-                te.requires_grad_(True)
-                te.to(device, dtype=train_dtype)
-                te.train()
-                groups.append({"params": [p for p in te.parameters() if p.requires_grad], "lr": lr})
-                models.append(te)
-                trained_tes.append(i + 1)
-        train_text_encoder = bool(trained_tes)
-        if args.gradient_checkpointing:
-            self.enable_gradient_checkpointing(args, components, train_text_encoder)
-        model.train()
-        if not caching_te:
-            for te in components.text_encoders:
-                te.to(device)
-        n_params = sum(p.numel() for g in groups for p in g["params"])
-        logger.info("training the %s%s: %.1fM parameters in %s", self.model_label,
-                    f" and text encoder(s) {trained_tes}" if trained_tes else "", n_params / 1e6,
-                    str(train_dtype).removeprefix("torch."))
-        return Trainable(models=models, param_groups=groups, train_text_encoder=train_text_encoder)
-
-    def fused_optimizer_groups(self, args) -> bool:
-        """Several optimizers stepped inside backward (--fused_optimizer_groups N; FLUX: blockwise)."""
-        return bool(getattr(args, "fused_optimizer_groups", None)) and not args.fused_backward_pass
-
-    def steps_in_backward(self, args) -> bool:
-        return bool(args.fused_backward_pass) or self.fused_optimizer_groups(args)
-
-    def optimizer_param_groups(self, args, trainable: Trainable) -> list[list[dict]]:
-        if self.fused_optimizer_groups(args):
-            return [[g] for g in split_param_groups(trainable.param_groups, args.fused_optimizer_groups)]
-        return [trainable.param_groups]
-
-    def after_prepare(self, args, accelerator, trainable: Trainable, optimizer) -> None:
-        if args.fused_backward_pass:  # upstream: it wins over the optimizer groups
-            register_fused_backward(args, accelerator, optimizer)
-        elif self.fused_optimizer_groups(args):
-            self.fused_counts = register_grouped_fused_backward(args, accelerator, self.optimizers)
-
-    def on_step_start(self, args) -> None:
-        for i in range(len(getattr(self, "fused_counts", []))):
-            self.fused_counts[i] = 0
-        super().on_step_start(args)
-
-    def on_epoch_start(self, args, trainable: Trainable, components) -> None:
-        pass
-
-    # -- outputs -----------------------------------------------------------------------------------------
-    def build_metadata(self, *a, **kw) -> dict[str, str]:
-        md = super().build_metadata(*a, **kw)
-        return {k: v for k, v in md.items() if k not in metadata_util.NETWORK_KEYS}
-
-    def method_metadata(self, args) -> dict[str, Any]:
-        md: dict[str, Any] = {
-            "ss_train_text_encoder": self.trains_text_encoder(args),
-            "ss_fused_backward_pass": bool(args.fused_backward_pass),
-        }
-        for name in ("learning_rate_te", "learning_rate_te1", "learning_rate_te2"):
-            if getattr(args, name, None) is not None:
-                md["ss_" + name] = getattr(args, name)
-        return md
-
-    def save_model(self, args, accelerator, trainable: Trainable, metadata, path, epoch, step) -> None:
-        """The whole model (main process only), written to a temporary name and renamed when complete."""
-        train_util.ensure_can_write(path, args.overwrite_output)
-        md = None
-        if not args.no_metadata and self.output_format(args)[0] != "diffusers":
-            md = dict(metadata)
-            md["ss_training_finished_at"] = str(time.time())
-            md["ss_steps"] = str(step)
-            md["ss_epoch"] = str(epoch)
-            md.update(self.modelspec(args, lora=False))
-        self.save_full_model(args, self.components, path, md, train_util.save_dtype_for(args))
-        logger.info("saved %s", path)
 
 
 def run(trainer, parser: argparse.ArgumentParser, argv: list[str] | None = None) -> str | None:

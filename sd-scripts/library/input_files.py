@@ -88,38 +88,25 @@ def _escaped(text: str, pos: int) -> bool:
     return backslashes % 2 == 1
 
 
-def _check_depth(path: str, text: str) -> None:
-    if nesting_depth(text) > MAX_DEPTH:
-        raise InputFileError(f"{path}: arrays or tables nested more than {MAX_DEPTH} levels deep; "
-                             "a settings file needs a few")
-
-
 def load_toml(path: str | os.PathLike) -> dict[str, Any]:
-    path = os.fspath(path)
-    text = read_text(path)
-    _check_depth(path, text)
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise InputFileError(f"{path}: not valid TOML: {e}") from None
-    except (ValueError, RecursionError) as e:  # e.g. an integer longer than Python's 4300-digit limit
-        raise InputFileError(f"{path}: not valid TOML: {_first_clause(e)}") from None
+    return _load(path, "TOML", tomllib.loads)
 
 
 def load_json(path: str | os.PathLike) -> Any:
+    return _load(path, "JSON", json.loads)
+
+
+def _load(path: str | os.PathLike, kind: str, parse) -> Any:
     path = os.fspath(path)
     text = read_text(path)
-    _check_depth(path, text)
+    if nesting_depth(text) > MAX_DEPTH:
+        raise InputFileError(f"{path}: arrays or tables nested more than {MAX_DEPTH} levels deep; "
+                             "a settings file needs a few")
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InputFileError(f"{path}: not valid JSON: {e}") from None
-    except (ValueError, RecursionError) as e:
-        raise InputFileError(f"{path}: not valid JSON: {_first_clause(e)}") from None
-
-
-def _first_clause(e: Exception) -> str:
-    return (str(e).splitlines() or [type(e).__name__])[0].split(";")[0]
+        return parse(text)
+    except (ValueError, RecursionError) as e:  # the parser's error; an integer over Python's 4300-digit limit
+        first = (str(e).splitlines() or [type(e).__name__])[0].split(";")[0]
+        raise InputFileError(f"{path}: not valid {kind}: {first}") from None
 
 
 def capped(problems: list[str]) -> list[str]:

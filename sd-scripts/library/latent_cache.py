@@ -128,7 +128,7 @@ def _unscaled(t: torch.Tensor, scale: float) -> np.ndarray:
 
 
 # Per model family, as upstream names and scales them (SD/SDXL scale = the VAE's scaling factor; trainers pass
-# the loaded VAE's own factor, see NetworkTrainer.latent_cache_format).
+# the loaded VAE's own factor, see library.families.sd.sd_latent_cache_format).
 FAMILY_FORMATS = {
     "sd1": LatentCacheFormat("_sd.npz", 0.18215),
     "sd2": LatentCacheFormat("_sd.npz", 0.18215),

@@ -16,12 +16,13 @@ import math
 import os
 import re
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
+
+from library.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ BASE_MODEL_VERSIONS = {"sd1": "sd_v1", "sd2": "sd_v2", "sdxl": "sdxl_base_v1-0",
 SVD_BATCH_ELEMENTS = 1 << 27  # matrices stacked per batched SVD call (elements, fp32: 512 MiB)
 
 
-class ToolError(ValueError):
+class ToolError(UserError, ValueError):
     """Bad input to a tool: printed as one `error: ...` line, exit status 2."""
 
 
@@ -58,19 +59,16 @@ def run_tool(parser: argparse.ArgumentParser, main: Callable[[argparse.Namespace
     """--dump_options, then parse and run `main`; the errors a user can cause become one line on stderr and
     exit status 2 (no traceback)."""
     from library import option_dump
-    from library.flux_models import FluxModelError
-    from library.model_util import ModelLoadError
-    from library.train_util import OutputExistsError, setup_logging
+    from library.train_util import setup_logging
 
     option_dump.dump_if_asked(parser, argv)
     args = parser.parse_args(argv)
     setup_logging()
     try:
         main(args)
-    except (ToolError, ModelLoadError, FluxModelError, OutputExistsError, FileExistsError,
-            FileNotFoundError) as e:
+    except (UserError, FileExistsError, FileNotFoundError) as e:  # UserError: ours, the loaders', the savers'
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", 2)
     return 0
 
 
@@ -117,10 +115,12 @@ def pick_device(name: str | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def progress(items, desc: str, total: int | None = None):
+def progress(items, desc: str | None, total: int | None = None):
+    """A progress bar on stderr (none when desc is None: a caller with its own bar)."""
     from tqdm import tqdm
 
-    return tqdm(items, desc=desc, total=total, file=sys.stderr, mininterval=1.0, dynamic_ncols=True)
+    return tqdm(items, desc=desc, total=total, file=sys.stderr, mininterval=1.0, dynamic_ncols=True,
+                disable=desc is None)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -308,7 +308,7 @@ def _batches(items: list, numel: Callable) -> Iterable[list]:
         yield batch
 
 
-def svd_many(mats: dict[str, torch.Tensor], device: torch.device, desc: str = "svd"
+def svd_many(mats: dict[str, torch.Tensor], device: torch.device, desc: str | None = "svd"
              ) -> Iterable[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(name, U, S, Vh) of every 2-D matrix, reduced SVD in float32 on `device`, matrices of one shape stacked
     into batched torch.linalg.svd calls; results on `device`."""
@@ -484,6 +484,19 @@ def sd_layer_map(text_encoders: list, unet, conv: bool = True) -> dict[str, torc
     for path, layer in lora.target_layers(unet, targets):
         out[f"{lora.LORA_PREFIX_UNET}_{lora._kohya_unet_path(path, name_map)}".replace(".", "_")] = layer
     return out
+
+
+def stored_dtype(path: str) -> torch.dtype:
+    """The dtype of a .safetensors single file's UNet weights (float32 for anything else): upstream loads the
+    models of extract_lora_from_models.py in the dtype they are stored in."""
+    if Path(path).suffix.lower() != ".safetensors" or not os.path.isfile(path):
+        return torch.float32
+    from safetensors import safe_open
+
+    names = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+    with safe_open(path, framework="pt") as f:
+        key = next((k for k in f.keys() if k.startswith("model.diffusion_model.") and k.endswith(".weight")), None)
+        return torch.float32 if key is None else names.get(f.get_slice(key).get_dtype(), torch.float32)
 
 
 def load_sd_model(path: str, family: str, dtype: torch.dtype, device: torch.device | str = "cpu"):
@@ -782,16 +795,16 @@ def run_sd_merge(args: argparse.Namespace, family: str) -> None:
     save_lora(args.save_to, state_dict, md, overwrite=args.overwrite)
 
 
-def add_sd_merge_arguments(parser: argparse.ArgumentParser, lbws: bool) -> None:
+def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
+    """--save_precision / --precision of merge_lora.py, sdxl_merge_lora.py and svd_merge_lora.py."""
     parser.add_argument("--save_precision", type=str, default=None, choices=[None, "float", "fp16", "bf16"],
                         help="precision in saving (default: the merging precision)")
     parser.add_argument("--precision", type=str, default="float", choices=["float", "fp16", "bf16"],
                         help="precision in merging (float is recommended)")
-    parser.add_argument("--sd_model", type=str, default=None,
-                        help="model to merge the LoRAs into (single file or diffusers folder); omitted: the LoRAs "
-                             "are merged into one LoRA")
-    parser.add_argument("--save_to", type=str, default=None,
-                        help="output file: .safetensors or .ckpt (a model), .safetensors/.ckpt/.pt (a LoRA)")
+
+
+def add_models_arguments(parser: argparse.ArgumentParser, lbws: bool) -> None:
+    """--models / --ratios (/ --lbws) / --no_metadata of the merging tools."""
     parser.add_argument("--models", type=str, nargs="*", help="LoRA files to merge")
     parser.add_argument("--ratios", type=float, nargs="*", help="ratio of each LoRA (one per --models)")
     if lbws:
@@ -799,24 +812,63 @@ def add_sd_merge_arguments(parser: argparse.ArgumentParser, lbws: bool) -> None:
                             help="layer-block weights of each LoRA, a JSON list of 12, 17, 20 or 26 numbers each")
     parser.add_argument("--no_metadata", action="store_true",
                         help="do not save modelspec metadata (a LoRA keeps the minimum ss_* metadata)")
+
+
+def add_concat_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concat", action="store_true",
                         help="concatenate the LoRAs instead of adding them (the output rank is the sum of ranks)")
     parser.add_argument("--shuffle", action="store_true", help="shuffle each module's rank components")
+
+
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", type=str, default=None,
+                        help="device for the SVDs, e.g. cuda or cpu (default: the GPU when there is one)")
+
+
+def add_sd_merge_arguments(parser: argparse.ArgumentParser, lbws: bool) -> None:
+    add_precision_arguments(parser)
+    parser.add_argument("--sd_model", type=str, default=None,
+                        help="model to merge the LoRAs into (single file or diffusers folder); omitted: the LoRAs "
+                             "are merged into one LoRA")
+    parser.add_argument("--save_to", type=str, default=None,
+                        help="output file: .safetensors or .ckpt (a model), .safetensors/.ckpt/.pt (a LoRA)")
+    add_models_arguments(parser, lbws)
+    add_concat_arguments(parser)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # extracting a LoRA from the difference of two models (extract_lora_from_models.py, flux_extract_lora.py)
 
 
+def add_extract_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options both extract tools have (upstream's names and defaults)."""
+    parser.add_argument("--save_precision", type=str, default=None, choices=[None, "float", "fp16", "bf16"],
+                        help="precision in saving (default: float)")
+    parser.add_argument("--dim", type=int, default=4, help="rank of the LoRA (default 4)")
+    add_device_argument(parser)
+    parser.add_argument("--clamp_quantile", type=float, default=0.99,
+                        help="values are clamped at this quantile, (0-1]; default 0.99")
+    parser.add_argument("--no_metadata", action="store_true",
+                        help="do not save modelspec metadata (the minimum ss_* metadata is kept)")
+
+
+def check_extract_arguments(args: argparse.Namespace) -> None:
+    if args.dim < 1 or (getattr(args, "conv_dim", None) is not None and args.conv_dim < 1):
+        raise ToolError("--dim / --conv_dim must be at least 1")
+    if not 0 < args.clamp_quantile <= 1:
+        raise ToolError(f"--clamp_quantile {args.clamp_quantile}: must be in (0, 1]")
+
+
 def extract_from_diffs(diffs: dict[str, torch.Tensor], ranks: dict[str, int], device: torch.device,
-                       clamp: float, save_dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+                       clamp: float, save_dtype: torch.dtype | None, desc: str | None = "extracting",
+                       alpha_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """A LoRA (up, down, alpha = rank) of each weight difference: the SVD cut to the module's rank (at most the
     layer's in/out size), both matrices clamped at the `clamp` quantile (upstream's rule). 3x3 convs are
     decomposed flattened to (out, in * 3 * 3)."""
     mats = {n: d.reshape(d.shape[0], -1) for n, d in diffs.items()}
     out = {}
     with torch.no_grad():
-        for name, U, S, Vh in svd_many(mats, device, desc="extracting"):
+        for name, U, S, Vh in svd_many(mats, device, desc=desc):
             shape = tuple(diffs[name].shape)
             rank = min(ranks[name], shape[0], shape[1])
             up, down = truncate(U, S, Vh, rank)
@@ -824,7 +876,7 @@ def extract_from_diffs(diffs: dict[str, torch.Tensor], ranks: dict[str, int], de
             up, down = to_lora_shapes(up, down, shape)
             out[name + ".lora_up.weight"] = up.to("cpu", save_dtype or torch.float32).contiguous()
             out[name + ".lora_down.weight"] = down.to("cpu", save_dtype or torch.float32).contiguous()
-            out[name + ".alpha"] = torch.tensor(float(rank), dtype=save_dtype or torch.float32)
+            out[name + ".alpha"] = torch.tensor(rank, dtype=save_dtype or alpha_dtype)
     return out
 
 

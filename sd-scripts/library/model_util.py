@@ -51,6 +51,17 @@ TOKENIZER_SOURCES = {
 TOKENIZER_MAX_LENGTH = 77
 
 
+def add_sd_model_arguments(parser) -> None:
+    """The SD1.x/2.x/SDXL model flags (train_util.add_sd_models_arguments adds them)."""
+    parser.add_argument("--v2", action="store_true", help="the model is Stable Diffusion 2.x")
+    parser.add_argument("--v_parameterization", action="store_true", help="v-prediction model (SD2.x 768-v)")
+    parser.add_argument("--pretrained_model_name_or_path", type=str, default=None,
+                        help="single-file checkpoint (.safetensors/.ckpt) or diffusers folder (or a hub id)")
+    parser.add_argument("--tokenizer_cache_dir", type=str, default=None,
+                        help="folder with (or to keep) the tokenizers, for offline use")
+    parser.add_argument("--vae", type=str, default=None, help="VAE to use instead of the checkpoint's")
+
+
 @dataclass
 class SDComponents:
     family: str
@@ -63,6 +74,15 @@ class SDComponents:
     # Single-file weights that have no place in the diffusers modules (SD2's last open_clip layer and
     # text_projection, logit_scale). Kept so that saving a single file writes them back unchanged.
     extra_state: dict = field(default_factory=dict)
+
+    # the neutral names the training core (library.run, library.targets) uses
+    @property
+    def denoiser(self):
+        return self.unet
+
+    @property
+    def autoencoder(self):
+        return self.vae
 
 
 # --------------------------------------------------------------------------------------------------------------

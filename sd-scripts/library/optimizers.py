@@ -21,6 +21,7 @@ import ast
 import contextlib
 import importlib
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -202,9 +203,22 @@ def optimizer_class(name: str):
     return cls
 
 
+# every learning-rate option of the seven scripts (each may be absent from a given parser)
+LEARNING_RATE_OPTIONS = ("learning_rate", "unet_lr", "text_encoder_lr", "learning_rate_te", "learning_rate_te1",
+                         "learning_rate_te2")
+
+
 def check_optimizer_args(args: argparse.Namespace) -> None:
-    """Before any model loads: the name resolves to an importable class, --optimizer_args parse,
-    --fused_backward_pass is used as upstream allows."""
+    """Before any model loads: learning rates and --max_grad_norm not negative, the name resolves to an
+    importable class, --optimizer_args parse, --fused_backward_pass is used as upstream allows."""
+    if getattr(args, "max_grad_norm", None) is not None and args.max_grad_norm < 0:
+        # a negative norm would flip the gradients' sign in clip_grad_norm_
+        raise ConfigError(f"--max_grad_norm must be 0 (no clipping) or more, got {args.max_grad_norm}")
+    for lr_name in LEARNING_RATE_OPTIONS:
+        value = getattr(args, lr_name, None)
+        values = value if isinstance(value, list) else [value]
+        if any(v is not None and (v < 0 or not math.isfinite(v)) for v in values):
+            raise ConfigError(f"--{lr_name} must be 0 or more, got {value}")
     name = optimizer_type(args)
     optimizer_class(name)
     parse_optimizer_args(args.optimizer_args)

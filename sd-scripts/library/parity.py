@@ -189,6 +189,7 @@ KOHYA_SS_GUI_KEYS: dict[str, str] = {
 # (argparse checks no choices of config-file values): key -> {value as written: value here}
 CONFIG_VALUE_ALIASES: dict[str, dict] = {
     "max_token_length": {75: None},  # the default, 75 tokens, written out; upstream reads it as 75 tokens
+    "cuda_graph_step": {True: "on", False: "off"},  # a switch before it had auto: files that say true / false
 }
 
 
@@ -265,12 +266,14 @@ _LORA_TOOL_DIFFERENT: dict[str, dict[str, Different]] = {
     "networks__merge_lora": {
         "save_to": Different(_NO_OVERWRITE),
         "sd_model": Different("a diffusers folder is read too (the trainers' loader); a LoRA of another family "
-                              "stops the tool before the model loads (upstream skips its modules one by one)"),
+                              "stops the tool before the model loads (upstream skips its modules one by one); the "
+                              "merge runs on the GPU when there is one (upstream: the CPU)"),
     },
     "networks__sdxl_merge_lora": {
         "save_to": Different(_NO_OVERWRITE),
         "sd_model": Different("a diffusers folder is read too (the trainers' loader); a LoRA of another family "
-                              "stops the tool before the model loads"),
+                              "stops the tool before the model loads; the merge runs on the GPU when there is one "
+                              "(upstream: the CPU)"),
         "ratios": Different("OFT files are merged at their ratio (upstream merges OFT at 1 whatever the ratio)"),
     },
     "networks__flux_merge_lora": {
@@ -286,7 +289,8 @@ _LORA_TOOL_DIFFERENT: dict[str, dict[str, Different]] = {
     "networks__svd_merge_lora": {"save_to": Different(_NO_OVERWRITE), "device": Different(_GPU_DEFAULT)},
     "networks__extract_lora_from_models": {
         "save_to": Different(_NO_OVERWRITE), "device": Different(_GPU_DEFAULT),
-        "load_precision": Different("unset = float32 (upstream: the dtype stored in the file)"),
+        "load_precision": Different("unset = the dtype a single file stores, as upstream; a diffusers folder "
+                                    "(which upstream does not read) loads in float32"),
         "v_parameterization": Different("default None = the same as --v2, as upstream's code and help say (the "
                                         "shared table records False)", ("default",)),
         "load_original_model_to": Different("every family (upstream: SDXL only); unset = --device's choice "
@@ -309,9 +313,10 @@ _LORA_TOOL_DIFFERENT: dict[str, dict[str, Different]] = {
     },
     "networks__convert_flux_lora": {
         "dst_path": Different(_NO_OVERWRITE),
-        "dst": Different("every FLUX.1 Linear module and CLIP-L's are converted, block counts from the file "
-                         "(upstream: the 19 + 38 blocks' modules only); alpha / rank is folded into both matrices "
-                         "as its square root (upstream: into lora_A mostly)"),
+        "dst": Different("every FLUX.1 Linear module and CLIP-L's are converted, block counts and widths from "
+                         "the file (upstream: the 19 + 38 blocks' modules only, FLUX.1's width 3072 assumed); "
+                         "alpha / rank is folded into both matrices as its square root (upstream: into lora_A "
+                         "mostly): the same product"),
     },
 }
 

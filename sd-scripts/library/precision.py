@@ -23,6 +23,19 @@ logger = logging.getLogger(__name__)
 FP8_DTYPE = torch.float8_e4m3fn
 
 
+def add_mixed_precision_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mixed_precision", type=str, default="no", choices=["no", "fp16", "bf16"],
+                        help="mixed precision")
+    parser.add_argument("--full_fp16", action="store_true", help="fp16 training including the gradients")
+    parser.add_argument("--full_bf16", action="store_true", help="bf16 training including the gradients")
+
+
+def add_vae_and_memory_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no_half_vae", action="store_true", help="keep the VAE in float32 under mixed precision")
+    parser.add_argument("--lowram", action="store_true", help="accepted for compatibility")
+    parser.add_argument("--highvram", action="store_true", help="accepted for compatibility")
+
+
 def add_fp8_base_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fp8_base", action="store_true",
                         help="keep the frozen base model's Linear weights in float8_e4m3fn (UNet/DiT and text "
@@ -41,7 +54,16 @@ def add_fp16_master_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def check_precision_args(args) -> None:
-    """Before models load: warnings for options that change nothing here (as upstream, no error)."""
+    """Before models load: --full_fp16 / --full_bf16 with their --mixed_precision; warnings for options that
+    change nothing here (as upstream, no error)."""
+    from library.errors import ConfigError
+
+    if getattr(args, "full_fp16", False) and getattr(args, "full_bf16", False):
+        raise ConfigError("--full_fp16 and --full_bf16 exclude each other")
+    if getattr(args, "full_fp16", False) and args.mixed_precision != "fp16":
+        raise ConfigError("--full_fp16 needs --mixed_precision fp16")
+    if getattr(args, "full_bf16", False) and args.mixed_precision != "bf16":
+        raise ConfigError("--full_bf16 needs --mixed_precision bf16")
     if getattr(args, "fp16_master_weights_and_gradients", False):
         # upstream reads it only in its DeepSpeed plugin (ZeRO-2 + CPU optimizer offload)
         logger.warning("--fp16_master_weights_and_gradients applies only to DeepSpeed ZeRO-2 with the optimizer "

@@ -68,3 +68,21 @@ class RunRequests:
         t = torch.tensor([1.0 if r in found else 0.0 for r in REQUESTS], device=accelerator.device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return {r for r, v in zip(REQUESTS, t.tolist()) if v}
+
+    def stop_agreed(self, accelerator=None, stop_flag: bool = False) -> bool:
+        """After a pause of the loop (a save, the sample images): whether a stop signal came meanwhile, the same
+        answer on every rank (one all-reduce with several processes), without taking the request file (its save /
+        sample requests wait for the next step's `take`). The loop then stops after this step, not the next."""
+        if accelerator is None or not _distributed(accelerator):
+            return stop_flag
+        import torch
+
+        t = torch.tensor([1.0 if stop_flag else 0.0], device=accelerator.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return bool(t.item())
+
+
+def _distributed(accelerator) -> bool:
+    from library import data_parallel
+
+    return data_parallel.is_distributed(accelerator)

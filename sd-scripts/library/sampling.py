@@ -19,6 +19,31 @@ from library import files
 
 logger = logging.getLogger(__name__)
 
+# kohya's sampler names -> diffusers scheduler class names (library.sampling builds them)
+SAMPLER_CHOICES = ["ddim", "pndm", "lms", "euler", "euler_a", "heun", "dpm_2", "dpm_2_a", "dpmsolver",
+                   "dpmsolver++", "dpmsingle", "k_lms", "k_euler", "k_euler_a", "k_dpm_2", "k_dpm_2_a"]
+
+
+def add_sample_arguments(parser) -> None:
+    parser.add_argument("--sample_every_n_steps", type=int, default=None, help="sample images every N steps")
+    parser.add_argument("--sample_every_n_epochs", type=int, default=None, help="sample images every N epochs")
+    parser.add_argument("--sample_prompts", type=str, default=None, help="prompt file (.txt/.toml/.json)")
+    parser.add_argument("--sample_sampler", type=str, default="ddim", choices=SAMPLER_CHOICES,
+                        help="sampler of the sample images")
+    parser.add_argument("--sample_at_first", action="store_true", help="sample images before training")
+
+
+def check_sample_args(args) -> None:
+    """Before anything loads: positive intervals, an existing prompt file."""
+    from library.errors import ConfigError
+
+    for name in ("sample_every_n_steps", "sample_every_n_epochs"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name} must be 1 or more, got {value}")
+    if args.sample_prompts and not os.path.isfile(args.sample_prompts):
+        raise ConfigError(f"--sample_prompts: file not found: {args.sample_prompts}")
+
 # kohya's --sample_sampler names -> (diffusers scheduler class, extra kwargs)
 _SAMPLERS = {
     "ddim": ("DDIMScheduler", {"clip_sample": False, "set_alpha_to_one": False, "steps_offset": 1}),

@@ -1,5 +1,8 @@
 """When and how results are saved, kept and resumed, with kohya-ss/sd-scripts' options and rules.
 
+    add_save_arguments(parser)           --save_precision --save_every_n_* --save_last_n_* --save_state
+                                         --save_state_on_train_end --resume (every script)
+    save_dtype_for(args)                 --save_precision as a dtype
     add_saving_arguments(parser)         --save_n_epoch_ratio --save_last_n_epochs_state --save_last_n_steps_state
     add_initial_step_arguments(parser)   --initial_epoch --initial_step --skip_until_initial_step (LoRA trainers)
     add_sd_saving_arguments(parser)      --save_model_as (None = the input model's format) --use_safetensors
@@ -38,6 +41,26 @@ logger = logging.getLogger(__name__)
 
 # --save_model_as of the full trainers (None = as the input model)
 SD_SAVE_FORMATS = (None, "ckpt", "safetensors", "diffusers", "diffusers_safetensors")
+
+
+def add_save_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every script's save flags (train_util.add_training_arguments adds them in upstream's place)."""
+    parser.add_argument("--save_precision", type=str, default=None, choices=[None, "float", "fp16", "bf16"],
+                        help="dtype of the saved weights (default: as trained)")
+    parser.add_argument("--save_every_n_epochs", type=int, default=None, help="save every N epochs")
+    parser.add_argument("--save_every_n_steps", type=int, default=None, help="save every N steps")
+    parser.add_argument("--save_last_n_epochs", type=int, default=None, help="keep only the last N epoch saves")
+    parser.add_argument("--save_last_n_steps", type=int, default=None,
+                        help="keep only the step saves of the last N steps")
+    parser.add_argument("--save_state", action="store_true",
+                        help="also save the training state (optimizer, scheduler, RNG, step) at every save")
+    parser.add_argument("--save_state_on_train_end", action="store_true", help="save the state at the end only")
+    parser.add_argument("--resume", type=str, default=None, help="state folder to resume from")
+
+
+def save_dtype_for(args) -> torch.dtype | None:
+    """--save_precision as a dtype (None: as trained)."""
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "float": torch.float32}.get(args.save_precision)
 
 
 def add_saving_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,16 +102,20 @@ def add_mem_eff_save_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def validate_saving_args(args) -> None:
-    """Before anything loads: counts must be positive, the start step not negative."""
+    """Before anything loads: counts must be positive, the start step not negative, a local --resume folder
+    must exist."""
     from library.errors import ConfigError
 
-    for name in ("save_last_n_epochs_state", "save_last_n_steps_state", "initial_epoch"):
+    for name in ("save_every_n_epochs", "save_every_n_steps", "save_last_n_epochs", "save_last_n_steps",
+                 "save_last_n_epochs_state", "save_last_n_steps_state", "initial_epoch"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise ConfigError(f"--{name} must be 1 or more, got {value}")
     if getattr(args, "initial_step", None) is not None and args.initial_step < 0:
         raise ConfigError(f"--initial_step must be 0 or more, got {args.initial_step}")
-
+    resume = getattr(args, "resume", None)
+    if resume and not getattr(args, "resume_from_huggingface", False) and not os.path.isdir(resume):
+        raise ConfigError(f"--resume: state folder not found: {resume}")
 
 
 def apply_save_n_epoch_ratio(args, num_epochs: int) -> None:

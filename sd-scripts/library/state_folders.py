@@ -45,14 +45,19 @@ def write_state(accelerator, path: str, overwrite: bool) -> None:
 
 def remove_stale(output_dir: str, output_name: str) -> None:
     """What a killed run of `output_name` left in `output_dir` and its sample folder: library.files' work folders
-    (results, state folders, samples); a state folder that was being replaced when the kill came is put back."""
-    for folder in (output_dir, os.path.join(output_dir, "sample")):
-        for path in files.remove_stale(folder, output_name):
+    of its results (model files or folders, step / epoch saves, state folders, run TOMLs, samples; not those of
+    another run such as `<output_name>_v2`); a state folder that was being replaced when the kill came is put
+    back."""
+    name = re.escape(output_name)
+    results = re.compile(name + r"(-(step)?\d+)?(-state|_config\.toml|\.\w+)?")
+    samples = re.compile(name + r"_e?\d+_\d+_\d+(_\d+)?\.png")
+    for folder, ours in ((output_dir, results), (os.path.join(output_dir, "sample"), samples)):
+        for path in files.remove_stale(folder, ours):
             logger.info("removed %s (left by a killed run)", path)
 
 
 def resumed_position(folder: str) -> tuple[int, int] | None:
-    """The step counter (network_trainer.TrainState) is the last checkpoint object registered, so accelerate
+    """The step counter (library.run.state.TrainState) is the last checkpoint object registered, so accelerate
     writes it as the custom_checkpoint_<highest>.pkl; None when that is not it."""
     import torch
 
@@ -103,13 +108,52 @@ def check_resume(args, ext: str) -> None:
             "already exist; choose another --output_name / --output_dir, or pass --overwrite_output to replace them")
 
 
-def load_state(accelerator, folder: str) -> None:
-    """--resume: accelerate's load_state. A state saved by a run with another network (its --network_dim,
+# the global RNG states as --resume restored them, until the first resumed step (restore_resumed_rng)
+_resumed_rng: list = []
+
+
+def _rng_states() -> tuple:
+    import random
+
+    import numpy as np
+    import torch
+
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda, random.getstate(), np.random.get_state()
+
+
+def restore_resumed_rng() -> None:
+    """At the start of each step (a no-op but the first after --resume): the global RNG states (what dropout,
+    rank / module dropout draw from) as the state folder holds them. accelerate restores them in load_state, but
+    the resumed run then draws from them before its first step (the resumed epoch's data loader takes a seed)
+    where the saved run did not, so the dropout masks would differ from the uninterrupted run's."""
+    if not _resumed_rng:
+        return
+    import random
+
+    import numpy as np
+    import torch
+
+    cpu, cuda, py, np_state = _resumed_rng.pop()
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+    random.setstate(py)
+    np.random.set_state(np_state)
+
+
+def load_state(accelerator, folder: str, steps_per_epoch: int | None = None) -> None:
+    """--resume: accelerate's load_state; a state saved in the middle of an epoch has its RNG states set again at
+    the first resumed step (restore_resumed_rng; at an epoch's end the saved run drew the next epoch's data loader
+    seed after the save, as the resumed run does). A state saved by a run with another network (its --network_dim,
     --conv_dim, --network_module or --network_args) is one line naming the first difference, not a traceback."""
-    from library.network_trainer import TrainingError
+    from library.errors import TrainingError
 
     try:
         accelerator.load_state(folder)
+        position = resumed_position(folder)
+        mid_epoch = bool(steps_per_epoch) and position is not None and position[0] % steps_per_epoch != 0
+        _resumed_rng[:] = [_rng_states()] if mid_epoch else []
     except RuntimeError as e:
         lines = [ln.strip() for ln in str(e).splitlines()]
         first = next((ln for ln in lines if ln.startswith(("size mismatch", "Missing key", "Unexpected key"))), None)

@@ -24,6 +24,16 @@ SENSITIVE_PATH_ARGS = ("pretrained_model_name_or_path", "vae", "tokenizer_cache_
                        "conditioning_data_dir", "reg_data_dir", "output_dir", "logging_dir")
 
 
+def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every script's log folder and tracker choice (train_util.add_training_arguments adds them in upstream's
+    place)."""
+    parser.add_argument("--logging_dir", type=str, default=None, help="TensorBoard log folder")
+    parser.add_argument("--log_with", type=str, default=None, choices=["tensorboard", "wandb", "all"],
+                        help="tracker (default tensorboard when --logging_dir is set)")
+    parser.add_argument("--log_prefix", type=str, default=None, help="prefix of the log folder's run name")
+    parser.add_argument("--log_tracker_name", type=str, default=None, help="tracker project name")
+
+
 def add_tracker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wandb_run_name", type=str, default=None, help="name of the wandb run")
     parser.add_argument("--log_tracker_config", type=str, default=None,

@@ -47,14 +47,13 @@ def setup_logging(level: int = logging.INFO) -> None:
 # argparse groups (kohya-ss/sd-scripts flag names and defaults)
 
 
+
+
 def add_sd_models_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--v2", action="store_true", help="the model is Stable Diffusion 2.x")
-    parser.add_argument("--v_parameterization", action="store_true", help="v-prediction model (SD2.x 768-v)")
-    parser.add_argument("--pretrained_model_name_or_path", type=str, default=None,
-                        help="single-file checkpoint (.safetensors/.ckpt) or diffusers folder (or a hub id)")
-    parser.add_argument("--tokenizer_cache_dir", type=str, default=None,
-                        help="folder with (or to keep) the tokenizers, for offline use")
-    parser.add_argument("--vae", type=str, default=None, help="VAE to use instead of the checkpoint's")
+    """The SD1.x/2.x/SDXL model flags (library.model_util)."""
+    from library import model_util
+
+    model_util.add_sd_model_arguments(parser)
 
 
 def add_optimizer_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,8 +64,9 @@ def add_optimizer_arguments(parser: argparse.ArgumentParser) -> None:
     schedulers.add_scheduler_arguments(parser)
 
 
-# moved to library.optimizers / library.schedulers; these names still work from here
-_MOVED = {"get_optimizer": "optimizers", "parse_optimizer_args": "optimizers", "optimizer_name": "optimizers",
+# moved to their concern modules; these names still work from here
+_MOVED = {"LEARNING_RATE_OPTIONS": "optimizers", "SAMPLER_CHOICES": "sampling", "save_dtype_for": "saving",
+          "get_optimizer": "optimizers", "parse_optimizer_args": "optimizers", "optimizer_name": "optimizers",
           "OPTIMIZER_NAMES": "optimizers", "_can_fuse": "optimizers", "get_scheduler": "schedulers",
           "SCHEDULER_NAMES": "schedulers", "int_or_float": "schedulers"}
 
@@ -78,24 +78,17 @@ def __getattr__(name: str):
 
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
-    """Output, saving, steps, precision, logging and sampling flags (the dataset flags, including
-    --train_batch_size and the data loader workers, come from config_util.add_dataset_arguments; noise and
-    timesteps from library.noise, the loss from library.losses)."""
+    """Output, steps and text-encoder flags, then each concern's own group from the module that owns it (saving,
+    precision, trackers, sampling), in upstream's order (the dataset flags, including --train_batch_size and the
+    data loader workers, come from config_util.add_dataset_arguments; noise and timesteps from library.noise,
+    the loss from library.losses)."""
+    from library import precision, sampling, saving, trackers
+
     parser.add_argument("--output_dir", type=str, default=None, help="folder for the results")
     parser.add_argument("--output_name", type=str, default=None, help="base name of the result files")
     parser.add_argument("--overwrite_output", action="store_true",
                         help="allow replacing existing result files of the same name (off: such a run stops)")
-    parser.add_argument("--save_precision", type=str, default=None, choices=[None, "float", "fp16", "bf16"],
-                        help="dtype of the saved weights (default: as trained)")
-    parser.add_argument("--save_every_n_epochs", type=int, default=None, help="save every N epochs")
-    parser.add_argument("--save_every_n_steps", type=int, default=None, help="save every N steps")
-    parser.add_argument("--save_last_n_epochs", type=int, default=None, help="keep only the last N epoch saves")
-    parser.add_argument("--save_last_n_steps", type=int, default=None,
-                        help="keep only the step saves of the last N steps")
-    parser.add_argument("--save_state", action="store_true",
-                        help="also save the training state (optimizer, scheduler, RNG, step) at every save")
-    parser.add_argument("--save_state_on_train_end", action="store_true", help="save the state at the end only")
-    parser.add_argument("--resume", type=str, default=None, help="state folder to resume from")
+    saving.add_save_arguments(parser)  # --save_precision ... --resume
     parser.add_argument("--max_token_length", type=int, default=None, choices=[None, 150, 225],
                         help="max token length of the text encoder (default 75)")
     parser.add_argument("--mem_eff_attn", action="store_true", help="accepted for compatibility (SDPA is used)")
@@ -106,25 +99,11 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="random seed")
     parser.add_argument("--gradient_checkpointing", action="store_true", help="trade compute for memory")
     parser.add_argument("--gradient_accumulation_steps", type=int, default=1, help="steps to accumulate")
-    parser.add_argument("--mixed_precision", type=str, default="no", choices=["no", "fp16", "bf16"],
-                        help="mixed precision")
-    parser.add_argument("--full_fp16", action="store_true", help="fp16 training including the gradients")
-    parser.add_argument("--full_bf16", action="store_true", help="bf16 training including the gradients")
+    precision.add_mixed_precision_arguments(parser)  # --mixed_precision --full_fp16 --full_bf16
     parser.add_argument("--clip_skip", type=int, default=None, help="use the output of the N-th last CLIP layer")
-    parser.add_argument("--logging_dir", type=str, default=None, help="TensorBoard log folder")
-    parser.add_argument("--log_with", type=str, default=None, choices=["tensorboard", "wandb", "all"],
-                        help="tracker (default tensorboard when --logging_dir is set)")
-    parser.add_argument("--log_prefix", type=str, default=None, help="prefix of the log folder's run name")
-    parser.add_argument("--log_tracker_name", type=str, default=None, help="tracker project name")
-    parser.add_argument("--no_half_vae", action="store_true", help="keep the VAE in float32 under mixed precision")
-    parser.add_argument("--lowram", action="store_true", help="accepted for compatibility")
-    parser.add_argument("--highvram", action="store_true", help="accepted for compatibility")
-    parser.add_argument("--sample_every_n_steps", type=int, default=None, help="sample images every N steps")
-    parser.add_argument("--sample_every_n_epochs", type=int, default=None, help="sample images every N epochs")
-    parser.add_argument("--sample_prompts", type=str, default=None, help="prompt file (.txt/.toml/.json)")
-    parser.add_argument("--sample_sampler", type=str, default="ddim", choices=SAMPLER_CHOICES,
-                        help="sampler of the sample images")
-    parser.add_argument("--sample_at_first", action="store_true", help="sample images before training")
+    trackers.add_logging_arguments(parser)  # --logging_dir --log_with --log_prefix --log_tracker_name
+    precision.add_vae_and_memory_arguments(parser)  # --no_half_vae --lowram --highvram
+    sampling.add_sample_arguments(parser)  # --sample_every_n_steps ... --sample_at_first
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -134,9 +113,6 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write the options to --config_file and exit")
 
 
-# kohya's sampler names -> diffusers scheduler class names (library.sampling builds them)
-SAMPLER_CHOICES = ["ddim", "pndm", "lms", "euler", "euler_a", "heun", "dpm_2", "dpm_2_a", "dpmsolver",
-                   "dpmsolver++", "dpmsingle", "k_lms", "k_euler", "k_euler_a", "k_dpm_2", "k_dpm_2_a"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -237,8 +213,8 @@ def load_config_file(path: str | os.PathLike, parser: argparse.ArgumentParser) -
             skipped.append(key)
             continue
         aliases = parity.CONFIG_VALUE_ALIASES.get(key, {})
-        if action is not None and isinstance(value, (int, float, str)) and not isinstance(value, bool) \
-                and value in aliases:
+        if action is not None and isinstance(value, (int, float, str)) and value in aliases \
+                and isinstance(value, bool) == any(isinstance(k, bool) for k in aliases):
             values[key] = aliases[value]
             continue
         if action is None:
@@ -276,6 +252,15 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
 
     if bad := non_finite_options(args):  # one line per option
         raise ConfigError("; ".join(bad))
+    return normalise_args(args)
+
+
+def normalise_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The one step that changes options after parsing, before anything checks or reads them (the checks never
+    change args): deprecated spellings become the options they stand for."""
+    from library import captions
+
+    captions.resolve_caption_extension_alias(args)
     return args
 
 
@@ -319,9 +304,6 @@ def write_output_config(args: argparse.Namespace) -> str:
 # ----------------------------------------------------------------------------------------------------------
 # checks done before any model loads
 
-# every learning-rate option of the seven scripts (each may be absent from a given parser)
-LEARNING_RATE_OPTIONS = ("learning_rate", "unet_lr", "text_encoder_lr", "learning_rate_te", "learning_rate_te1",
-                         "learning_rate_te2")
 
 
 def check_output_dir(output_dir: str) -> None:
@@ -352,38 +334,14 @@ def verify_training_args(args: argparse.Namespace) -> None:
     if name and (os.sep in name or "/" in name or (os.altsep and os.altsep in name) or name in (".", "..")):
         raise ConfigError(f"--output_name {name!r} must be a file name without a folder; put the folder in "
                           "--output_dir")
-    if getattr(args, "max_grad_norm", None) is not None and args.max_grad_norm < 0:
-        # a negative norm would flip the gradients' sign in clip_grad_norm_
-        raise ConfigError(f"--max_grad_norm must be 0 (no clipping) or more, got {args.max_grad_norm}")
-    for lr_name in LEARNING_RATE_OPTIONS:
-        value = getattr(args, lr_name, None)
-        values = value if isinstance(value, list) else [value]
-        if any(v is not None and (v < 0 or not math.isfinite(v)) for v in values):
-            raise ConfigError(f"--{lr_name} must be 0 or more, got {value}")
-    if args.full_fp16 and args.full_bf16:
-        raise ConfigError("--full_fp16 and --full_bf16 exclude each other")
-    if args.full_fp16 and args.mixed_precision != "fp16":
-        raise ConfigError("--full_fp16 needs --mixed_precision fp16")
-    if args.full_bf16 and args.mixed_precision != "bf16":
-        raise ConfigError("--full_bf16 needs --mixed_precision bf16")
-    for name in ("gradient_accumulation_steps", "max_train_steps"):
+    for name in ("gradient_accumulation_steps", "max_train_steps", "max_train_epochs"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ConfigError(f"--{name} must be 1 or more, got {getattr(args, name)}")
-    for name in ("max_train_epochs", "save_every_n_epochs", "save_every_n_steps", "save_last_n_epochs",
-                 "save_last_n_steps", "sample_every_n_steps", "sample_every_n_epochs"):
-        value = getattr(args, name, None)
-        if value is not None and value < 1:
-            raise ConfigError(f"--{name} must be 1 or more, got {value}")
-    if args.resume and not getattr(args, "resume_from_huggingface", False) and not os.path.isdir(args.resume):
-        raise ConfigError(f"--resume: state folder not found: {args.resume}")
-    from library import huggingface_util, saving
+    from library import huggingface_util, optimizers, sampling, saving, schedulers
 
     saving.validate_saving_args(args)
     huggingface_util.validate_huggingface_args(args)
-    if args.sample_prompts and not os.path.isfile(args.sample_prompts):
-        raise ConfigError(f"--sample_prompts: file not found: {args.sample_prompts}")
-    from library import optimizers, schedulers
-
+    sampling.check_sample_args(args)
     optimizers.check_optimizer_args(args)  # a missing optimizer package is reported now, not after models load
     schedulers.check_scheduler_args(args)
 
@@ -406,8 +364,6 @@ def weight_dtype_for(args: argparse.Namespace) -> torch.dtype:
     return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.mixed_precision, torch.float32)
 
 
-def save_dtype_for(args: argparse.Namespace) -> torch.dtype | None:
-    return {"fp16": torch.float16, "bf16": torch.bfloat16, "float": torch.float32}.get(args.save_precision)
 
 
 # ----------------------------------------------------------------------------------------------------------

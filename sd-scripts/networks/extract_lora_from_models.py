@@ -34,22 +34,21 @@ def svd(args: argparse.Namespace) -> None:
     lora_tools.check_inputs([args.model_org], "--model_org")
     lora_tools.check_inputs([args.model_tuned], "--model_tuned")
     lora_tools.output_path(args.save_to, "--save_to", args.overwrite)
-    if args.dim < 1 or (args.conv_dim is not None and args.conv_dim < 1):
-        raise lora_tools.ToolError("--dim / --conv_dim must be at least 1")
-    if not 0 < args.clamp_quantile <= 1:
-        raise lora_tools.ToolError(f"--clamp_quantile {args.clamp_quantile}: must be in (0, 1]")
+    lora_tools.check_extract_arguments(args)
     family = "sdxl" if args.sdxl else "sd2" if args.v2 else "sd1"
     v_parameterization = args.v2 if args.v_parameterization is None else args.v_parameterization
-    load_dtype = lora_tools.str_to_dtype(args.load_precision, "--load_precision") or torch.float32
+    load_dtype = lora_tools.str_to_dtype(args.load_precision, "--load_precision")
     save_dtype = lora_tools.str_to_dtype(args.save_precision)
     device = lora_tools.pick_device(args.device)
     org_device = torch.device(args.load_original_model_to) if args.load_original_model_to else device
     tuned_device = torch.device(args.load_tuned_model_to) if args.load_tuned_model_to else device
 
     logger.info("loading original %s model: %s", lora_tools.FAMILY_NAMES[family], args.model_org)
-    org = lora_tools.load_sd_model(args.model_org, family, load_dtype, org_device)
+    org = lora_tools.load_sd_model(args.model_org, family, load_dtype or lora_tools.stored_dtype(args.model_org),
+                                   org_device)
     logger.info("loading tuned %s model: %s", lora_tools.FAMILY_NAMES[family], args.model_tuned)
-    tuned = lora_tools.load_sd_model(args.model_tuned, family, load_dtype, tuned_device)
+    tuned = lora_tools.load_sd_model(args.model_tuned, family,
+                                     load_dtype or lora_tools.stored_dtype(args.model_tuned), tuned_device)
     conv = args.conv_dim is not None
     layers_o = lora_tools.sd_layer_map(org.text_encoders, org.unet, conv=conv)
     layers_t = lora_tools.sd_layer_map(tuned.text_encoders, tuned.unet, conv=conv)
@@ -97,26 +96,18 @@ def setup_parser() -> argparse.ArgumentParser:
                         help="write the LoRA's metadata for v-parameterization (default: same as --v2)")
     parser.add_argument("--sdxl", action="store_true", help="the models are SDXL")
     parser.add_argument("--load_precision", type=str, default=None, choices=[None, "float", "fp16", "bf16"],
-                        help="precision the models are loaded in (default: float)")
-    parser.add_argument("--save_precision", type=str, default=None, choices=[None, "float", "fp16", "bf16"],
-                        help="precision in saving (default: float)")
+                        help="precision the models are loaded in (default: as stored; a diffusers folder: float)")
     parser.add_argument("--model_org", type=str, default=None, required=True,
                         help="original model: single file (.safetensors/.ckpt) or diffusers folder")
     parser.add_argument("--model_tuned", type=str, default=None, required=True,
                         help="tuned model (the LoRA is the difference original -> tuned): single file or folder")
     parser.add_argument("--save_to", type=str, default=None, required=True,
                         help="output file: .safetensors, .ckpt or .pt")
-    parser.add_argument("--dim", type=int, default=4, help="rank of the LoRA (default 4)")
+    lora_tools.add_extract_arguments(parser)
     parser.add_argument("--conv_dim", type=int, default=None,
                         help="rank of the LoRA for 3x3 convs (convs are extracted only when given)")
-    parser.add_argument("--device", type=str, default=None,
-                        help="device for the SVDs, e.g. cuda or cpu (default: the GPU when there is one)")
-    parser.add_argument("--clamp_quantile", type=float, default=0.99,
-                        help="values are clamped at this quantile, (0-1]; default 0.99")
     parser.add_argument("--min_diff", type=float, default=0.01,
                         help="text encoders that differ by at most this much are left out of the LoRA")
-    parser.add_argument("--no_metadata", action="store_true",
-                        help="do not save modelspec metadata (the minimum ss_* metadata is kept)")
     parser.add_argument("--load_original_model_to", type=str, default=None,
                         help="device the original model is loaded to (default: --device)")
     parser.add_argument("--load_tuned_model_to", type=str, default=None,

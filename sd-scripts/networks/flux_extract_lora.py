@@ -66,10 +66,7 @@ def _target(key: str) -> bool:
 
 def svd(args: argparse.Namespace) -> None:
     lora_tools.output_path(args.save_to, "--save_to", args.overwrite, suffixes=(".safetensors",))
-    if args.dim < 1:
-        raise lora_tools.ToolError("--dim must be at least 1")
-    if not 0 < args.clamp_quantile <= 1:
-        raise lora_tools.ToolError(f"--clamp_quantile {args.clamp_quantile}: must be in (0, 1]")
+    lora_tools.check_extract_arguments(args)
     save_dtype = lora_tools.str_to_dtype(args.save_precision)
     device = lora_tools.pick_device(args.device)
     org = _Weights(args.model_org, "--model_org", device)
@@ -89,10 +86,11 @@ def svd(args: argparse.Namespace) -> None:
         nonlocal chunk, size
         if chunk:
             lora_sd.update(lora_tools.extract_from_diffs(chunk, dict.fromkeys(chunk, args.dim), device,
-                                                         args.clamp_quantile, save_dtype))
+                                                         args.clamp_quantile, save_dtype, desc=None,
+                                                         alpha_dtype=torch.int64))  # as upstream writes it
         chunk, size = {}, 0
 
-    for name in lora_tools.progress(names, "reading"):
+    for name in lora_tools.progress(names, "extracting"):
         o, t = org.get(org_names[name]), tuned.get(tuned_names[name])
         if o.shape != t.shape:
             raise lora_tools.ToolError(f"{org_names[name]}: shape {tuple(o.shape)} in --model_org, "
@@ -113,8 +111,6 @@ def svd(args: argparse.Namespace) -> None:
 
 def setup_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Extract a LoRA from the difference of two FLUX.1 models")
-    parser.add_argument("--save_precision", type=str, default=None, choices=[None, "float", "fp16", "bf16"],
-                        help="precision in saving (default: float)")
     parser.add_argument("--model_org", type=str, default=None, required=True,
                         help="original model: BFL .safetensors file or diffusers folder")
     parser.add_argument("--model_tuned", type=str, default=None, required=True,
@@ -122,13 +118,7 @@ def setup_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mem_eff_safe_open", action="store_true",
                         help="accepted for compatibility: the files are always read one tensor at a time")
     parser.add_argument("--save_to", type=str, default=None, required=True, help="output file: .safetensors")
-    parser.add_argument("--dim", type=int, default=4, help="rank of the LoRA (default 4)")
-    parser.add_argument("--device", type=str, default=None,
-                        help="device for reading and the SVDs, e.g. cuda or cpu (default: the GPU when there is one)")
-    parser.add_argument("--clamp_quantile", type=float, default=0.99,
-                        help="values are clamped at this quantile, (0-1]; default 0.99")
-    parser.add_argument("--no_metadata", action="store_true",
-                        help="do not save modelspec metadata (the minimum ss_* metadata is kept)")
+    lora_tools.add_extract_arguments(parser)
     lora_tools.add_common_arguments(parser)
     return parser
 

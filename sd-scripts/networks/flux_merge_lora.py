@@ -21,7 +21,6 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
 
 from library import lora_tools  # noqa: E402
 
@@ -153,13 +152,8 @@ def setup_parser() -> argparse.ArgumentParser:
     parser.add_argument("--save_to", type=str, default=None, help="output file: .safetensors")
     parser.add_argument("--clip_l_save_to", type=str, default=None, help="output file of the merged CLIP-L")
     parser.add_argument("--t5xxl_save_to", type=str, default=None, help="output file of the merged T5-XXL")
-    parser.add_argument("--models", type=str, nargs="*", help="LoRA files to merge (kohya or diffusers layout)")
-    parser.add_argument("--ratios", type=float, nargs="*", help="ratio of each LoRA (one per --models)")
-    parser.add_argument("--no_metadata", action="store_true",
-                        help="do not save modelspec metadata (a LoRA keeps the minimum ss_* metadata)")
-    parser.add_argument("--concat", action="store_true",
-                        help="concatenate the LoRAs instead of adding them (the output rank is the sum of ranks)")
-    parser.add_argument("--shuffle", action="store_true", help="shuffle each module's rank components")
+    lora_tools.add_models_arguments(parser, lbws=False)
+    lora_tools.add_concat_arguments(parser)
     parser.add_argument("--diffusers", action="store_true",
                         help="the LoRAs are in diffusers / ai-toolkit layout (also found by their keys without it)")
     lora_tools.add_common_arguments(parser)

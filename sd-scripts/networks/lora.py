@@ -8,6 +8,10 @@ Keys: `<lora_name>.lora_down.weight`, `<lora_name>.lora_up.weight`, `<lora_name>
 `lora_unet_<module path with _>` (SGM module names for SDXL, e.g. `lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q`,
 diffusers names for SD1.x/SD2.x), `lora_te1_*` / `lora_te2_*` for SDXL's two text encoders, `lora_te_*` for SD1.x/SD2.x.
 
+`--network_args dora_wd=True` (not in sd-scripts; LyCORIS' name, as kohya_ss writes it) makes it a DoRA: a trained
+magnitude per output feature (`wd_on_output=False`: per input feature), saved as `<lora_name>.dora_scale` the way
+LyCORIS saves it and ComfyUI reads it (see LoRABase's DoRA section).
+
 The LoRA is applied by replacing the wrapped layer's `forward` (the layer stays where it is, so state_dict
 keys of the model do not change and a compiled block traces the LoRA inside its graph).
 """
@@ -55,6 +59,11 @@ def arg_bool(value) -> bool:
 
 arg_bool.__name__ = "bool (True/False)"
 
+# DoRA (weight-decomposed LoRA), with LyCORIS' names as kohya_ss writes them: dora_wd=True turns it on,
+# wd_on_output=False puts the magnitude on the input features instead of the output features
+DORA_ARGS = {"dora_wd": arg_bool, "wd_on_output": arg_bool}
+NETWORK_ARGS.update(DORA_ARGS)
+
 
 def _layers(module: nn.Module) -> list[nn.Module]:
     """The layer itself, or the layers of a ModuleList (a LoRA split into parts)."""
@@ -88,13 +97,22 @@ class LoRABase(nn.Module):
         self.dropout = dropout
         self.rank_dropout = rank_dropout
         self.module_dropout = module_dropout
+        self.register_parameter("dora_scale", None)  # DoRA's magnitude once enable_dora made it
 
-    def add_lora(self, org: torch.Tensor, x: torch.Tensor, up_weight: torch.Tensor | None = None,
-                 down: nn.Module | None = None, up: nn.Module | None = None) -> torch.Tensor:
-        """org (the wrapped layer's output for x) plus the LoRA of x; `up_weight` replaces lora_up by these rows
-        of its weight (a split up-projection); `down`/`up` replace lora_down/lora_up (one part of a split LoRA)."""
-        if self.module_dropout and self.training and torch.rand(()) < self.module_dropout:
+    def add_lora(self, org: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """org (the wrapped layer's output for x) plus the LoRA of x."""
+        if self.module_dropped():
             return org
+        lx, scale = self.down_with_dropout(x)
+        return org + (self.lora_up(lx) * (self.multiplier * scale)).to(org.dtype)
+
+    def module_dropped(self) -> bool:
+        """module_dropout: this forward leaves the LoRA out (one draw)."""
+        return bool(self.module_dropout and self.training and torch.rand(()) < self.module_dropout)
+
+    def down_with_dropout(self, x: torch.Tensor, down: nn.Module | None = None) -> tuple[torch.Tensor, float]:
+        """(down(x) with --network_dropout and rank_dropout applied, the scale that goes with it); `down`
+        replaces lora_down (one part of a split LoRA)."""
         down = self.lora_down if down is None else down
         lx = down(x.to(down.weight.dtype) if not torch.is_autocast_enabled(x.device.type) else x)
         if self.dropout and self.training:
@@ -108,11 +126,7 @@ class LoRABase(nn.Module):
             mask = (torch.rand(shape, device=lx.device) > self.rank_dropout).to(lx.dtype)
             lx = lx * mask
             scale = scale / (1.0 - self.rank_dropout)
-        if up_weight is not None:
-            lx = F.linear(lx, up_weight)
-        else:
-            lx = (self.lora_up if up is None else up)(lx)
-        return org + (lx * (self.multiplier * scale)).to(org.dtype)
+        return lx, scale
 
     def delta_weight(self) -> torch.Tensor:
         """up @ down * alpha / dim in float32, shaped like the wrapped layer's weight (all parts stacked)."""
@@ -129,6 +143,69 @@ class LoRABase(nn.Module):
         """(wrapped layer, rows of delta_weight() that belong to it)."""
         raise NotImplementedError
 
+    # -- DoRA ----------------------------------------------------------------------------------------------
+    # W' = W + multiplier * (m * V / |V| - W), V = W + scale * up @ down: m (`dora_scale`, trained) is one
+    # magnitude per output feature (|V| the norm of each output row, as the DoRA paper's code and peft) or, with
+    # wd_on_output=False, per input feature (the norm of each input column over all output rows). Files hold
+    # m as `<name>.dora_scale`, shaped (out, 1[, 1, 1]) or (1, in[, 1, 1]) as LyCORIS writes it and ComfyUI reads
+    # it (its axis from the shape). |V| is detached as in peft (DoRA paper, section 4.3). ComfyUI applies the
+    # input-axis form exactly; its output-axis branch divides by |W| instead of |V| (Comfy-Org/ComfyUI#15458 open),
+    # as it does for LyCORIS' wd_on_output files: close to |V| while the LoRA is small, not equal.
+    dora_on_output = True
+
+    @torch.no_grad()
+    def enable_dora(self, on_output: bool = True) -> None:
+        """Adds the magnitude, initialised to the norms of the wrapped weight (so W' = W before training)."""
+        weight = torch.cat([m.weight.float() for m, _ in self.weight_parts()])
+        self.dora_on_output = on_output
+        self.dora_scale = nn.Parameter(_dora_norm(weight, on_output))
+
+    def _dora_weights(self, part: nn.Module, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the part's base weight, the part's rows of V) in float32; the input axis needs every row: V whole."""
+        delta = self.delta_weight()
+        if self.dora_on_output:
+            return part.weight.float(), part.weight.float() + delta[rows]
+        base = torch.cat([m.weight.float() for m, _ in self.weight_parts()])
+        return part.weight.float(), base + delta
+
+    def dora_output(self, org: torch.Tensor, out: torch.Tensor, x: torch.Tensor, part: nn.Module,
+                    rows: slice) -> torch.Tensor:
+        """The layer's DoRA output from org = W x + b and out = org + the LoRA term (multiplier * scale *
+        up(down(x)), with its dropouts); out is org when module dropout left the LoRA out."""
+        if out is org or self.dora_scale is None:
+            return out
+        base, v = self._dora_weights(part, rows)
+        norm = _dora_norm(v, self.dora_on_output).detach()
+        if self.dora_on_output:
+            gain = (self.dora_scale[rows] / norm).flatten()
+            if org.dim() == 4:  # conv: channels on dim 1
+                gain = gain.view(1, -1, 1, 1)
+            gain = gain.to(org.dtype)
+            bias = part.bias
+            wx = org if bias is None else org - (bias.view(1, -1, 1, 1) if org.dim() == 4 else bias).to(org.dtype)
+            return org + self.multiplier * (gain - 1) * wx + gain * (out - org)
+        # input axis: W' = V * m / |V| (columns), its rows of this part; the LoRA's dropouts are left out here
+        # (as LyCORIS' DoRA does), module dropout is not
+        weight = v * (self.dora_scale / norm)
+        delta = (weight[rows] if weight.shape[0] != base.shape[0] else weight) - base
+        if isinstance(part, nn.Conv2d):
+            extra = F.conv2d(x, (self.multiplier * delta).to(x.dtype), None, part.stride, part.padding,
+                             part.dilation, part.groups)
+        else:
+            extra = F.linear(x, (self.multiplier * delta).to(x.dtype))
+        return org + extra.to(org.dtype)
+
+    @torch.no_grad()
+    def merged_weight(self, part: nn.Module, rows: slice) -> torch.Tensor:
+        """The part's weight with this LoRA (and DoRA) merged in, float32."""
+        if self.dora_scale is None:
+            return part.weight.float() + self.delta_weight()[rows].to(part.weight.device) * self.multiplier
+        base, v = self._dora_weights(part, rows)
+        weight = v * (self.dora_scale.to(v.device) / _dora_norm(v, self.dora_on_output))
+        if weight.shape[0] != base.shape[0]:
+            weight = weight[rows]
+        return base + self.multiplier * (weight - base)
+
     @torch.no_grad()
     def apply_max_norm(self, max_norm: float, device) -> tuple[bool, float]:
         """--scale_weight_norms: scales up and down by sqrt(max_norm / |delta|) when the norm of the delta weight
@@ -143,10 +220,9 @@ class LoRABase(nn.Module):
     @torch.no_grad()
     def merge_to_org(self) -> None:
         """Adds multiplier * delta weight to the wrapped layer(s) (--base_weights)."""
-        delta = self.delta_weight() * self.multiplier
-        for module, rows in self.weight_parts():
-            w = module.weight
-            w.data = (w.data.float() + delta[rows].to(w.device)).to(w.dtype)
+        merged = [(module.weight, self.merged_weight(module, rows)) for module, rows in self.weight_parts()]
+        for w, new in merged:
+            w.data = new.to(w.device, w.dtype)
 
 
 class WrapsLayer:
@@ -194,7 +270,33 @@ class LoRAModule(WrapsLayer, LoRABase):
         return [(self.org_module, slice(None))]
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        return self.add_lora(self.org_forward(x, *args, **kwargs), x)
+        org = self.org_forward(x, *args, **kwargs)
+        out = self.add_lora(org, x)
+        return out if self.dora_scale is None else self.dora_output(org, out, x, self.org_module, slice(None))
+
+
+def _dora_norm(weight: torch.Tensor, on_output: bool) -> torch.Tensor:
+    """Norm of each output row (shape (out, 1, ...)) or of each input column (shape (1, in, ...))."""
+    ones = [1] * (weight.dim() - 1)
+    if on_output:
+        return weight.flatten(1).norm(dim=1).reshape(weight.shape[0], *ones)
+    return weight.transpose(0, 1).flatten(1).norm(dim=1).reshape(1, weight.shape[1], *ones[1:]) \
+        if weight.dim() > 2 else weight.norm(dim=0, keepdim=True)
+
+
+def enable_dora(network, opts: dict[str, Any], weights_sd: dict | None = None) -> None:
+    """`dora_wd=True` (wd_on_output as given, default True), or a file with `dora_scale` keys (its axis from
+    their shape): a magnitude on every module of the network."""
+    on_output = opts.get("wd_on_output", True)
+    scales = [v for k, v in (weights_sd or {}).items() if k.endswith(".dora_scale")]
+    if scales:
+        on_output = all(v.shape[0] != 1 or v.shape[1] == 1 for v in scales)
+    elif not opts.get("dora_wd"):
+        return
+    for lora in network.text_encoder_loras + network.unet_loras:
+        lora.enable_dora(on_output)
+    logger.info("DoRA: a trained magnitude per %s feature on %d modules", "output" if on_output else "input",
+                len(network.text_encoder_loras + network.unet_loras))
 
 
 def _kohya_unet_path(module_path: str, name_map: dict[str, str] | None) -> str:
@@ -634,6 +736,7 @@ def build_network(multiplier: float, network_dim: int | None, network_alpha: flo
                             conv_alpha=conv_alpha, unet_name_map=_unet_name_map(unet, text_encoder), is_sdxl=is_sdxl,
                             module_class=module_class, **blocks)
     _training_options(network, opts, block_lr)
+    enable_dora(network, opts)
     return network
 
 
@@ -662,4 +765,5 @@ def build_network_from_weights(multiplier: float, file: str | None, text_encoder
                             unet_name_map=_unet_name_map(unet, text_encoder), is_sdxl=is_sdxl,
                             module_class=module_class)
     _training_options(network, opts, lora_blocks.block_lr_weights(is_sdxl, opts))
+    enable_dora(network, opts, weights_sd)
     return network, weights_sd

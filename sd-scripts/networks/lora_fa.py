@@ -3,7 +3,8 @@ projection (A) is drawn from N(0, 2 / (in + dim)) and frozen; only the up projec
 
 Targets, names, keys (`lora_down.weight`, `lora_up.weight`, `alpha`: a LoRA-FA file is a LoRA file) and
 --network_args are networks.lora's without the LoRA+ ratios (sd-scripts' lora_fa is a copy of an older lora.py
-with these two changes, from before LoRA+: it ignores loraplus_*, here they are refused as unknown).
+with these two changes, from before LoRA+: it ignores loraplus_*, here they are refused as unknown; so is
+networks.lora's dora_wd).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch import nn
 from networks import lora
 from networks.lora import NetworkArgsError  # noqa: F401  (the trainer's error type)
 
-NETWORK_ARGS = {k: v for k, v in lora.NETWORK_ARGS.items() if k not in lora.LORAPLUS_ARGS}
+NETWORK_ARGS = {k: v for k, v in lora.NETWORK_ARGS.items() if k not in lora.LORAPLUS_ARGS and k not in lora.DORA_ARGS}
 
 FAMILIES = ("sd1", "sd2", "sdxl")  # flux_train_network.py refuses it before anything loads
 FOR_FLUX = "networks.lora_flux (upstream has no FLUX.1 LoRA-FA)"

@@ -17,7 +17,8 @@ input layers), ``network_reg_dims`` / ``network_reg_lrs`` (``regex=value,...`` o
 ``split_qkv`` (one LoRA per q/k/v(/mlp) part; saved in the fused layout), ``train_t5xxl`` (``lora_te3_*`` on
 T5-XXL), ``ggpo_sigma`` / ``ggpo_beta`` (LoRA-GGPO weight perturbation), ``verbose``, ``rank_dropout``,
 ``module_dropout``, ``loraplus_lr_ratio``, ``loraplus_unet_lr_ratio``, ``loraplus_text_encoder_lr_ratio``,
-``conv_dim`` / ``conv_alpha`` (accepted as sd-scripts does; FLUX has no convolutions).
+``conv_dim`` / ``conv_alpha`` (accepted as sd-scripts does; FLUX has no convolutions); ``dora_wd`` /
+``wd_on_output`` (DoRA, networks.lora's: the magnitude covers the whole fused BFL layer, ``dora_scale`` in the file).
 
 Block counts come from the model (19/38 on the real FLUX.1), so the same rules work on any depth.
 """
@@ -58,6 +59,7 @@ NETWORK_ARGS: dict[str, Any] = {
     "network_reg_lrs": str, "ggpo_sigma": float, "ggpo_beta": float,
     **{name: int for name, _ in TYPE_DIM_ARGS},
     **{name: float for name in lora_sd.LORAPLUS_ARGS},
+    **lora_sd.DORA_ARGS,
 }
 NETWORK_ARG_CHOICES = {"train_blocks": TRAIN_BLOCKS}
 
@@ -140,6 +142,7 @@ class FluxLoRAModule(lora_sd.LoRABase):
         self.split_dims = split_dims
         self._orgs = list(org_modules)  # plain list: not submodules, the network holds only LoRA weights
         self._org_forwards: list | None = None
+        self._pending: tuple | None = None  # (x, {part: its LoRA output}) until the other parts take theirs
         self._offsets = [sum(split_dims[:i]) for i in range(len(split_dims))]
         self.ggpo_sigma, self.ggpo_beta = ggpo_sigma, ggpo_beta
         self.grad_norms = self.weight_norms = self.combined_weight_norms = None
@@ -166,6 +169,7 @@ class FluxLoRAModule(lora_sd.LoRABase):
             for m, f in zip(self._orgs, self._org_forwards):
                 m.forward = f
             self._org_forwards = None
+        self._pending = None
 
     def _part_forward(self, i: int):
         def forward(x, *args, **kwargs):
@@ -176,15 +180,44 @@ class FluxLoRAModule(lora_sd.LoRABase):
     def forward_part(self, i: int, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         org = self._org_forwards[i](x, *args, **kwargs)
         rows = slice(self._offsets[i], self._offsets[i] + self.split_dims[i])
-        if self.split:
-            out = self.add_lora(org, x, down=self.lora_down[i], up=self.lora_up[i])
-        else:
-            up = self.lora_up.weight[rows] if len(self.split_dims) > 1 else None
-            out = self.add_lora(org, x, up)
+        delta = self._part_delta(i, x)
+        out = org if delta is None else org + delta.to(org.dtype)
+        out = self.dora_output(org, out, x, self._orgs[i], rows)  # DoRA (networks.lora), when enabled
         if self.training and self.uses_ggpo and self.combined_weight_norms is not None \
                 and self.grad_norms is not None:
             out = out + self._perturbation(x, rows).to(out.dtype)
         return out
+
+    def _part_delta(self, i: int, x: torch.Tensor) -> torch.Tensor | None:
+        """Part i's share of the fused layer's LoRA output for x (None: module dropout left it out). The parts
+        of a fused layer are called one after another with the same x: the first call computes every part's
+        share with one set of dropout draws (as sd-scripts' one BFL Linear does), the others take theirs."""
+        if len(self.split_dims) == 1:
+            return self._fused_deltas(x)[0]
+        pending = self._pending
+        if pending is not None and pending[0] is x and i in pending[1]:
+            delta = pending[1].pop(i)
+            if not pending[1]:
+                self._pending = None
+            return delta
+        deltas = self._fused_deltas(x)
+        self._pending = (x, {j: d for j, d in enumerate(deltas) if j != i})
+        return deltas[i]
+
+    def _fused_deltas(self, x: torch.Tensor) -> list[torch.Tensor | None]:
+        """Each part's LoRA output for x: module dropout drawn once, the down projection computed once (each
+        part's own down with split_qkv), dropout and rank dropout drawn once per down output."""
+        if self.module_dropped():
+            return [None] * len(self.split_dims)
+        if self.split:
+            deltas = []
+            for down, up in zip(self.lora_down, self.lora_up):
+                lx, scale = self.down_with_dropout(x, down)
+                deltas.append(up(lx) * (self.multiplier * scale))
+            return deltas
+        lx, scale = self.down_with_dropout(x)
+        out = self.lora_up(lx) * (self.multiplier * scale)
+        return list(out.split(self.split_dims, dim=-1)) if len(self.split_dims) > 1 else [out]
 
     # -- LoRA-GGPO ---------------------------------------------------------------------------------------
     @property
@@ -351,6 +384,8 @@ class LoRANetworkFlux(lora_sd.LoRANetwork):
             out[f"{name}.lora_down.weight"] = torch.cat(downs)
             out[f"{name}.lora_up.weight"] = up
             out[f"{name}.alpha"] = sd[f"{name}.alpha"] * n  # alpha / (n * r) == part alpha / r
+            if f"{name}.dora_scale" in sd:
+                out[f"{name}.dora_scale"] = sd[f"{name}.dora_scale"]
         return out
 
     def _file_to_own(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -369,6 +404,8 @@ class LoRANetworkFlux(lora_sd.LoRANetwork):
                 out[f"{name}.lora_up.{i}.weight"] = up[o:o + d, i * r:(i + 1) * r]
             if f"{name}.alpha" in sd:
                 out[f"{name}.alpha"] = sd[f"{name}.alpha"] / n
+            if f"{name}.dora_scale" in sd:
+                out[f"{name}.dora_scale"] = sd[f"{name}.dora_scale"]
         return out
 
     # -- training ----------------------------------------------------------------------------------------
@@ -481,6 +518,7 @@ def create_network(multiplier: float, network_dim: int | None, network_alpha: fl
         **selections)
     if any(opts.get(k) is not None for k in lora_sd.LORAPLUS_ARGS):
         network.set_loraplus_lr_ratio(*(opts.get(k) for k in lora_sd.LORAPLUS_ARGS))
+    lora_sd.enable_dora(network, opts)
     return network
 
 
@@ -501,4 +539,5 @@ def create_network_from_weights(multiplier: float, file: str | None, ae, text_en
                               if "network_reg_lrs" in opts else None)
     if any(opts.get(k) is not None for k in lora_sd.LORAPLUS_ARGS):
         network.set_loraplus_lr_ratio(*(opts.get(k) for k in lora_sd.LORAPLUS_ARGS))
+    lora_sd.enable_dora(network, opts, weights_sd)
     return network, weights_sd

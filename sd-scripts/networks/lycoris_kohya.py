@@ -18,9 +18,16 @@ and CLIP paths start with `text_model.`. So here, around LyCORIS' own create_net
   files load back (LyCORIS 4.1 saves lora_down/lora_up but loads only its per-block lists); `load_weights` warns about keys that
   do not fit instead of dropping them silently.
 
+FLUX.1: LyCORIS on sd-scripts walks the BFL model (its presets target `DoubleStreamBlock` / `SingleStreamBlock`)
+and names modules after BFL paths (`lora_unet_double_blocks_0_img_attn_qkv`, `lora_te1_...` for CLIP-L): the
+names ComfyUI maps onto its own (BFL) FLUX weights. Our transformer is diffusers', where one BFL Linear can be
+several Linears fed the same input (qkv -> to_q/to_k/to_v; linear1 -> to_q/to_k/to_v/proj_mlp). So LyCORIS
+walks a stand-in tree with the BFL paths and classes (`flux_standin`), whose Linears read their weight from the
+diffusers parts, and each diffusers part adds its rows of the LyCORIS weight difference (`FluxPart`): inside the
+compiled blocks, as for SD/SDXL. Files load back here and in ComfyUI.
+
 Everything else (algos, presets, dora_wd, factor, conv_dim, dropouts, LoRA+, max norm, saving of the tensors) is
-LyCORIS' own. FLUX.1 is not supported with LyCORIS here (diffusers' FLUX blocks are not the BFL classes LyCORIS
-targets): flux_train_network.py refuses it.
+LyCORIS' own.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ import logging
 import types
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -189,6 +197,10 @@ def _load_weights(self, file):
 
 def create_network(multiplier, network_dim, network_alpha, vae, text_encoder, unet, neuron_dropout=None, **kwargs):
     lk = import_lycoris()
+    if is_flux(unet):
+        network = create_flux_network(lk, multiplier, network_dim, network_alpha, vae, text_encoder, unet, **kwargs)
+        _log_modules(network)
+        return network
     is_sdxl = _is_sdxl(text_encoder, unet)
     with _targets_as_sd_scripts(lk, unet, is_sdxl):
         network = lk.create_network(multiplier, network_dim, network_alpha, vae,
@@ -196,9 +208,13 @@ def create_network(multiplier, network_dim, network_alpha, vae, text_encoder, un
     _rename_modules(network, kohya_names(text_encoder, unet))
     _compile_friendly(network)
     network.load_weights = types.MethodType(_load_weights, network)
+    _log_modules(network)
+    return network
+
+
+def _log_modules(network) -> None:
     logger.info("LyCORIS: %d text-encoder and %d UNet modules (%s)", len(network.text_encoder_loras),
                 len(network.unet_loras), ", ".join(sorted({type(m).__name__ for m in network.unet_loras})))
-    return network
 
 
 def create_network_from_weights(multiplier, file, vae, text_encoder, unet, weights_sd=None, for_inference=False,
@@ -209,6 +225,9 @@ def create_network_from_weights(multiplier, file, vae, text_encoder, unet, weigh
 
     if weights_sd is None:
         weights_sd = load_lora_state_dict(file)
+    if is_flux(unet):
+        return create_flux_network_from_weights(lk, multiplier, weights_sd, vae, text_encoder, unet, for_inference,
+                                                **kwargs), weights_sd
     names = kohya_names(text_encoder, unet)
     to_lycoris = {v: k for k, v in names.items()}
 
@@ -223,3 +242,248 @@ def create_network_from_weights(multiplier, file, vae, text_encoder, unet, weigh
     _compile_friendly(network)
     network.load_weights = types.MethodType(_load_weights, network)
     return network, weights_sd
+
+
+# -- FLUX.1 (see the module docstring) ---------------------------------------------------------------------------
+# classes of the BFL modules LyCORIS' presets select by name (DoubleStreamBlock, SingleStreamBlock, SelfAttention)
+_BFL_BLOCK_CLASSES = {"double_blocks": "DoubleStreamBlock", "single_blocks": "SingleStreamBlock"}
+_BFL_CLASSES = {"img_attn": "SelfAttention", "txt_attn": "SelfAttention", "img_mod": "Modulation",
+                "txt_mod": "Modulation", "modulation": "Modulation", "img_mlp": "Sequential", "txt_mlp": "Sequential",
+                "time_in": "MLPEmbedder", "vector_in": "MLPEmbedder", "guidance_in": "MLPEmbedder",
+                "final_layer": "LastLayer", "double_blocks": "ModuleList", "single_blocks": "ModuleList"}
+_standin_classes: dict[str, type] = {}
+
+
+def _standin_class(name: str) -> type:
+    if name not in _standin_classes:
+        _standin_classes[name] = type(name, (nn.Module,), {"__module__": __name__})
+    return _standin_classes[name]
+
+
+class Linear(nn.Linear):
+    """A BFL Linear that diffusers holds as parts fed the same input: its weight and bias are the parts' rows,
+    joined when read. (Named Linear: LyCORIS treats other Linear classes as quantized layers.)"""
+
+    def __init__(self, parts: list[nn.Linear]):
+        nn.Module.__init__(self)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.__dict__["parts"] = list(parts)  # not submodules: the network holds only LyCORIS weights
+        self.__dict__["offsets"] = [sum(p.out_features for p in parts[:i]) for i in range(len(parts))]
+
+    @property
+    def weight(self):
+        return torch.cat([p.weight for p in self.parts]) if len(self.parts) > 1 else self.parts[0].weight
+
+    @property
+    def bias(self):
+        if any(p.bias is None for p in self.parts):
+            return None
+        return torch.cat([p.bias for p in self.parts]) if len(self.parts) > 1 else self.parts[0].bias
+
+    def forward(self, x):  # never called: the parts run in the model
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def is_flux(unet) -> bool:
+    return hasattr(getattr(unet, "config", None), "num_single_layers")
+
+
+def flux_standin(transformer: nn.Module) -> nn.Module:
+    """The BFL module tree of a diffusers FLUX transformer, for LyCORIS to walk: BFL paths and classes, Linears
+    over the diffusers parts (flux_models.bfl_linear_map)."""
+    from library import flux_models
+
+    cfg = transformer.config
+    layers = dict(transformer.named_modules())
+    root = _standin_class("Flux")()
+    for bfl, parts in flux_models.bfl_linear_map(cfg.num_layers, cfg.num_single_layers, cfg.guidance_embeds).items():
+        node, path = root, bfl.split(".")
+        for i, name in enumerate(path[:-1]):
+            if name not in node._modules:
+                cls = _BFL_BLOCK_CLASSES.get(path[i - 1]) if i else None
+                node.add_module(name, _standin_class(cls or _BFL_CLASSES.get(name, "Module"))())
+            node = node._modules[name]
+        node.add_module(path[-1], Linear([layers[p] for p in parts]))
+    return root
+
+
+def _forward_diff(m) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight (and bias) difference of the whole layer at multiplier 1, as the module's own training forward
+    computes it (LyCORIS 4.1's get_diff_weight scales LoKr/LoHa by alpha/rank twice; its forward and ComfyUI once)."""
+    kind = type(m).__name__
+    if kind == "FullModule":  # the difference itself is the trained tensor here (see _flux_full_module)
+        return m.weight, m.bias
+    if kind == "LoConModule":
+        return m.make_weight(m.lora_down.weight.device) * m.scale, None
+    return m.get_weight(m.shape) * m.scalar, None
+
+
+def _part_delta_weight(m, whole: Linear, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Part i's rows of (LyCORIS' merged weight - the base weight) and of its bias difference (algo full)."""
+    from lycoris.functional.general import weight_decompose
+
+    part = whole.parts[i]
+    rows = slice(whole.offsets[i], whole.offsets[i] + part.out_features)
+    diff, diff_b = _forward_diff(m)
+    diff = diff.reshape(whole.out_features, whole.in_features)
+    if getattr(m, "wd", False):  # DoRA: the norm per output row (wd_on_output, the default) or per input column
+        if m.wd_on_out:
+            base = part.weight.detach().to(diff.dtype)
+            merged = weight_decompose(base + diff[rows], m.dora_scale[rows], m.multiplier, True)
+        else:
+            full = whole.weight.detach().to(diff.dtype)
+            base = full[rows]
+            merged = weight_decompose(full + diff, m.dora_scale, m.multiplier, False)[rows]
+        delta = merged - base
+    else:
+        delta = diff[rows] * m.multiplier
+    return delta, None if diff_b is None else diff_b[rows] * m.multiplier
+
+
+def _locon_rows(m, x: torch.Tensor, rows: slice) -> torch.Tensor:
+    """LoRA/LoCon without DoRA: up[rows](down(x)), as LyCORIS' bypass path (rank dropout on the rank axis)."""
+    mid = F.linear(x, m.lora_down.weight.to(x))
+    if m.rank_dropout and m.training:
+        drop = (torch.rand(m.lora_dim, device=mid.device) > m.rank_dropout).to(mid.dtype)
+        if m.rank_dropout_scale:
+            drop = drop / drop.mean()
+        mid = mid * drop
+    out = F.linear(mid, m.lora_up.weight[rows].to(x))
+    return m.dropout(out * (m.scale * m.multiplier) * m.scalar.to(out))
+
+
+def _install_parts(m) -> None:
+    """Each diffusers part of the LyCORIS module's BFL Linear adds its rows of the module's difference."""
+    whole: Linear = m.org_module[0]
+    plain_lora = type(m).__name__ == "LoConModule" and not m.wd and not m.tucker and m.module_type == "linear"
+    m.__dict__["_flux_parts"] = []
+    for i, part in enumerate(whole.parts):
+        org = part.forward
+        rows = slice(whole.offsets[i], whole.offsets[i] + part.out_features)
+
+        def forward(x, *args, _org=org, _i=i, _rows=rows, **kwargs):
+            base = _org(x, *args, **kwargs)
+            if m.module_dropout and m.training and torch.rand(1) < m.module_dropout:
+                return base
+            if plain_lora:
+                return base + _locon_rows(m, x, _rows)
+            delta, bias = _part_delta_weight(m, whole, _i)
+            return base + F.linear(x, delta.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+        forward.__qualname__ = f"{type(m).__name__}.forward"  # the compile log names the adapter by it
+        part.forward = forward
+        m._flux_parts.append((part, org))
+
+
+def _flux_full_module(m) -> None:
+    """LyCORIS' full algo keeps the difference as its weight here (it is never folded into the parts); its file
+    holds `diff` / `diff_b` as LyCORIS writes them."""
+    m._org_weight = [None]  # LyCORIS' CPU copy of the base weight is not needed here
+    m.org_bias = None
+
+    def custom_state_dict():
+        sd = {"diff": m.weight.data.cpu()}
+        if m.bias is not None:
+            sd["diff_b"] = m.bias.data.cpu()
+        return sd
+
+    m.custom_state_dict = custom_state_dict
+
+
+def _flux_apply_to(self, text_encoder, unet, apply_text_encoder=None, apply_unet=None):
+    if not apply_text_encoder:
+        self.text_encoder_loras = []
+    if not apply_unet:
+        self.unet_loras = []
+    self.loras = self.text_encoder_loras + self.unet_loras
+    for lora in self.text_encoder_loras:
+        lora.apply_to()
+    for lora in self.unet_loras:
+        _install_parts(lora)
+    for lora in self.loras:
+        self.add_module(lora.lora_name, lora)
+    if self.weights_sd:
+        self.load_state_dict(self.weights_sd, False)
+
+
+@torch.no_grad()
+def _flux_merge_to(self, text_encoder, unet, weights_sd, dtype, device):
+    """--base_weights: the differences added to the model's weights (the diffusers parts row by row)."""
+    for lora in self.text_encoder_loras:
+        lora.merge_to(1)
+    for m in self.unet_loras:
+        m.to(device)
+        whole = m.org_module[0]
+        for i, part in enumerate(whole.parts):
+            delta, bias = _part_delta_weight(m, whole, i)
+            part.weight.add_(delta.to(part.weight))
+            if bias is not None and part.bias is not None:
+                part.bias.add_(bias.to(part.bias))
+
+
+def _flux_te_names(text_encoders: list) -> dict[str, str]:
+    """LyCORIS' names of CLIP-L's modules (walking transformers' model) -> canonical `lora_te1_text_model_...`."""
+    from library.model_util import text_encoder_hf_module_names
+
+    out = {}
+    for i, te in enumerate(text_encoders):
+        if te is not None and i == 0:
+            for path, canonical in text_encoder_hf_module_names(te).items():
+                out[f"lora_te{i + 1}_{path}".replace(".", "_")] = f"lora_te{i + 1}_{canonical}".replace(".", "_")
+    return out
+
+
+FLUX_ALGOS = ("lora", "locon", "loha", "lokr", "full")
+
+
+def _flux_network_methods(network, standin) -> None:
+    network.__dict__["flux_standin"] = standin  # not a submodule: it holds no weights
+    network.apply_to = types.MethodType(_flux_apply_to, network)
+    network.merge_to = types.MethodType(_flux_merge_to, network)
+    network.load_weights = types.MethodType(_load_weights, network)
+    for m in network.unet_loras:
+        if type(m).__name__ == "FullModule":
+            _flux_full_module(m)
+
+
+def _flux_text_encoders(text_encoder) -> list:
+    return [t for t in (text_encoder if isinstance(text_encoder, (list, tuple)) else [text_encoder])] \
+        if text_encoder is not None else []
+
+
+def check_flux_algo(network_args: dict, error=None) -> None:
+    """The algos whose modules run on FLUX.1's diffusers parts here; others are one line naming the allowed ones."""
+    from networks.lora import NetworkArgsError
+
+    algo = str(network_args.get("algo", "lora") or "lora").lower()
+    if algo not in FLUX_ALGOS:
+        raise (error or NetworkArgsError)(f"--network_args algo={algo}: on FLUX.1 allowed: {', '.join(FLUX_ALGOS)}")
+
+
+def create_flux_network(lk, multiplier, network_dim, network_alpha, vae, text_encoder, flux, **kwargs):
+    check_flux_algo(kwargs)
+    tes = _flux_text_encoders(text_encoder)
+    standin = flux_standin(flux)
+    network = lk.create_network(multiplier, network_dim, network_alpha, vae, tes or None, standin, **kwargs)
+    _rename_modules(network, _flux_te_names(tes))
+    _flux_network_methods(network, standin)
+    return network
+
+
+def create_flux_network_from_weights(lk, multiplier, weights_sd, vae, text_encoder, flux, for_inference, **kwargs):
+    tes = _flux_text_encoders(text_encoder)
+    names = _flux_te_names(tes)
+    to_lycoris = {v: k for k, v in names.items()}
+
+    def lyco_key(key):
+        module, _, rest = key.partition(".")
+        return f"{to_lycoris.get(module, module)}.{rest}" if rest else key
+
+    standin = flux_standin(flux)
+    network, _ = lk.create_network_from_weights(multiplier, None, vae, tes or None, standin,
+                                                weights_sd={lyco_key(k): v for k, v in weights_sd.items()},
+                                                for_inference=for_inference, **kwargs)
+    _rename_modules(network, names)
+    _flux_network_methods(network, standin)
+    return network

@@ -128,8 +128,7 @@ def setup_parser() -> argparse.ArgumentParser:
                         help="rank of the output LoRA for Conv2d layers (default: --new_rank)")
     parser.add_argument("--save_to", type=str, default=None, help="output file: .safetensors, .ckpt, .pt or .pth")
     parser.add_argument("--model", type=str, default=None, help="LoRA to resize: .safetensors or .ckpt/.pt")
-    parser.add_argument("--device", type=str, default=None,
-                        help="device for the SVDs, e.g. cuda or cpu (default: the GPU when there is one)")
+    lora_tools.add_device_argument(parser)
     parser.add_argument("--verbose", action="store_true",
                         help="print each module's retained sum(S), Frobenius norm and max(S) ratio")
     parser.add_argument("--dynamic_method", type=str, default=None, choices=[None, *lora_tools.DYNAMIC_METHODS],

@@ -7,7 +7,7 @@ options and file):
 Each module's sum of ratio * up x down * alpha / rank over the LoRAs is decomposed and cut to --new_rank
 (--new_conv_rank for 3x3 convs; at most the layer's size), alpha = rank, the values clamped at their 0.99
 quantile (upstream's rule). The LoRAs may have different ranks. The SVDs run batched in float32 on the GPU when
-there is one, on the stacked factors (no full-size matrix is formed).
+there is one.
 """
 from __future__ import annotations
 
@@ -54,23 +54,25 @@ def merge_lora_models(models, ratios, lbws, new_rank: int, new_conv_rank: int, d
             factor = ratio * m.scale * lora_tools.lbw_factor(name, layer_w, targets, is_sdxl)
             ups.setdefault(name, []).append(m.up.reshape(m.up.shape[0], -1).float() * factor)
             downs.setdefault(name, []).append(m.down.reshape(m.rank, -1).float())
-    factors = {n: (torch.cat(ups[n], dim=1), torch.cat(downs[n], dim=0)) for n in ups}
+    # the summed weights as full matrices and upstream's full SVD of them: the 0.99 clamp below depends on the
+    # signs the SVD gives its vectors, and the same decomposition gives upstream's signs
+    mats = {n: torch.cat(ups[n], dim=1).to(device) @ torch.cat(downs[n], dim=0).to(device) for n in ups}
     out = {}
     logger.info("extract new lora...")
     with torch.no_grad():
         results = {}
-        for name, U, S, Vh in lora_tools.svd_of_products(factors, device, desc="svd merge"):
+        for name, U, S, Vh in lora_tools.svd_many(mats, device, desc="svd merge"):
             shape = shapes[name]
             conv3 = len(shape) == 4 and tuple(shape[2:]) != (1, 1)
             rank = min(new_conv_rank if conv3 else new_rank, shape[0], shape[1])
             up, down = lora_tools.truncate(U, S, Vh, rank)
             up, down = lora_tools.clamp_quantile(up, down, CLAMP_QUANTILE)
             results[name] = lora_tools.to_lora_shapes(up.cpu(), down.cpu(), shape) + (rank,)
-        for name in factors:
+        for name in mats:
             up, down, rank = results[name]
             out[name + ".lora_up.weight"] = up.contiguous()
             out[name + ".lora_down.weight"] = down.contiguous()
-            out[name + ".alpha"] = torch.tensor(float(rank))
+            out[name + ".alpha"] = torch.tensor(rank)  # an integer tensor, as upstream writes it
     md = lora_tools.minimum_metadata(v2, base_model, "networks.lora", str(new_rank), str(new_rank),
                                      {"conv_dim": new_conv_rank, "conv_alpha": new_conv_rank})
     return out, md, v2 == "True", base_model
@@ -104,22 +106,13 @@ def merge(args: argparse.Namespace) -> None:
 
 def setup_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Merge LoRAs into one LoRA of a chosen rank (SVD)")
-    parser.add_argument("--save_precision", type=str, default=None, choices=[None, "float", "fp16", "bf16"],
-                        help="precision in saving (default: the merging precision)")
-    parser.add_argument("--precision", type=str, default="float", choices=["float", "fp16", "bf16"],
-                        help="precision in merging (float is recommended)")
+    lora_tools.add_precision_arguments(parser)
     parser.add_argument("--save_to", type=str, default=None, help="output file: .safetensors, .ckpt or .pt")
-    parser.add_argument("--models", type=str, nargs="*", help="LoRA files to merge")
-    parser.add_argument("--ratios", type=float, nargs="*", help="ratio of each LoRA (one per --models)")
-    parser.add_argument("--lbws", type=str, nargs="*",
-                        help="layer-block weights of each LoRA, a JSON list of 12, 17, 20 or 26 numbers each")
+    lora_tools.add_models_arguments(parser, lbws=True)
     parser.add_argument("--new_rank", type=int, default=4, help="rank of the output LoRA")
     parser.add_argument("--new_conv_rank", type=int, default=None,
                         help="rank of the output LoRA for 3x3 convs (default: --new_rank)")
-    parser.add_argument("--device", type=str, default=None,
-                        help="device for the SVDs, e.g. cuda or cpu (default: the GPU when there is one)")
-    parser.add_argument("--no_metadata", action="store_true",
-                        help="do not save modelspec metadata (the minimum ss_* metadata is kept)")
+    lora_tools.add_device_argument(parser)
     lora_tools.add_common_arguments(parser)
     return parser
 

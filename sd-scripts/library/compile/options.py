@@ -11,7 +11,7 @@ import sys
 import torch
 
 from library.compile.checkpoint import CHECKPOINT_KEEP_CHOICES
-from library.compile.graphs import cuda_graph_flag, cuda_graphs
+from library.compile.graphs import compile_args, cuda_graph_flag, cuda_graphs  # noqa: F401  (compile_args re-exported)
 from library.errors import CompileConfigError  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
@@ -42,8 +42,9 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         type=str,
         default="auto",
         choices=DYNAMIC_CHOICES,
-        help="dynamic shapes: auto (the image-size dimensions of the blocks' inputs dynamic from the start, so "
-        "bucket shapes share graphs; the rest as torch decides), true (all), false (static: each shape recompiles)",
+        help="dynamic shapes: auto (static when the dataset has one bucket shape; with several the image-size "
+        "dimensions of the blocks' inputs dynamic from the start, so bucket shapes share graphs, the rest as torch "
+        "decides), true (all), false (static: each shape recompiles)",
     )
     group.add_argument("--compile_fullgraph", action="store_true", help="require each compiled block to be one graph")
     group.add_argument(
@@ -149,17 +150,14 @@ def apply_torch_compile_alias(args) -> None:
                 f"(--compile --compile_backend {backend})")
 
 
-def compile_args(args):
-    """The namespace with the compile settings of a run: args itself when the script has the compile flags, the
-    one --torch_compile made for a script without them, else None."""
-    if hasattr(args, "compile"):
-        return args
-    return getattr(args, "_torch_compile", None)
-
-
 def dynamic_value(args) -> bool | None:
-    """--compile_dynamic auto/true/false -> None/True/False for torch.compile."""
-    return {"auto": None, "true": True, "false": False}[getattr(args, "compile_dynamic", "auto") or "auto"]
+    """--compile_dynamic auto/true/false -> None/True/False for torch.compile. auto is False (static graphs, which
+    run faster) when the dataset has one bucket shape (graphs.resolve notes it before the model is compiled), else
+    None (the image-size dims marked dynamic: regional.compile_model_blocks)."""
+    setting = getattr(args, "compile_dynamic", "auto") or "auto"
+    if setting == "auto" and getattr(args, "_input_shapes", None) == 1:
+        return False
+    return {"auto": None, "true": True, "false": False}[setting]
 
 
 def _torch_version() -> tuple[int, int]:

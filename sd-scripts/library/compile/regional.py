@@ -197,6 +197,8 @@ def compile_model_blocks(
            if gradient_checkpointing else "")
         + (", inside checkpoints that keep their inputs in CPU memory" if offload_checkpointing else "")
         + (", image-size dimensions of their inputs dynamic (bucket shapes share the graphs)" if marked else "")
+        + (", static shapes (--compile_dynamic auto: the dataset has one bucket shape)"
+           if dynamic is False and getattr(args, "compile_dynamic", "auto") == "auto" else "")
     )
     adapters: dict[str, int] = {}
     for block in blocks:

@@ -12,6 +12,11 @@ What a captured graph cannot see is kept equal or out of it:
   shapes, dtypes or network multiplier differ gets a graph of its own (up to LIMIT, later ones run uncaptured);
 - the learning rates: the optimizer reads them from tensors that are filled from its param groups before each
   replay, so schedulers work as they do without the graph;
+- optimizers other than torch's fused AdamW/Adam read host values each step (bitsandbytes' step counter,
+  Prodigy's and D-Adaptation's adaptive rates, Adafactor's relative step): the graph then holds forward, backward
+  and clipping, and their step runs the ordinary way after each replay, on the gradients the graph wrote (the
+  parameters' .grad are pointed at them again if something cleared them; an optimizer that gives a parameter new
+  storage ends the step graphs, since the graph would go on reading the old one);
 - the random numbers: the noise generator is registered with each graph, so each replay draws new ones;
 - a step that cannot be captured (an operation that waits for the host) is run the ordinary way, and the run
   goes on without step graphs after a warning that says why.
@@ -74,8 +79,19 @@ def _load(static, batch) -> None:
 
 
 class _Captured:
-    def __init__(self, graph, batch: dict, loss: torch.Tensor):
+    def __init__(self, graph, batch: dict, loss: torch.Tensor, grads: list):
         self.graph, self.batch, self.loss = graph, batch, loss
+        self.grads = grads  # (parameter, its storage's address, the gradient the graph writes) with the step after it
+
+
+def _skip_step(*args, **kwargs):
+    return None
+
+
+def fuses_into_graph(optimizer) -> bool:
+    """torch's fused AdamW/Adam: capturable, with the learning rate read from a tensor (library.optimizers fuses
+    them where it can); other optimizers step after the graph."""
+    return type(optimizer) in (torch.optim.AdamW, torch.optim.Adam) and bool(optimizer.defaults.get("fused"))
 
 
 def _cuda_capture(run: Callable[[], torch.Tensor], generators: list) -> tuple:
@@ -109,6 +125,7 @@ class StepGraphs:
         self.device = torch.device(device)
         self.generators = [g for g in generators if g is not None and g.device.type == "cuda"]
         self.capture = capture
+        self.optimizer_in_graph = all(fuses_into_graph(o) for o in self.optimizers)
         self.seen: Counter = Counter()
         self.graphs: dict[tuple, _Captured] = {}
         self.lrs: list[torch.Tensor] | None = None
@@ -138,9 +155,27 @@ class StepGraphs:
             # AccumulateGrad nodes of an ordinary step would sync with their stream, which capture does not allow
             return loss.detach()
         _load(captured.batch, batch)
-        self._load_lrs()
+        if self.optimizer_in_graph:
+            self._load_lrs()
         captured.graph.replay()
+        if not self.optimizer_in_graph:
+            self._step_after(captured)
         return captured.loss
+
+    def _step_after(self, captured: _Captured) -> None:
+        for p, _, grad in captured.grads:
+            if p.grad is not grad:
+                p.grad = grad
+        for o in self.optimizers:
+            o.step()
+        moved = next((p for p, ptr, _ in captured.grads if p.data_ptr() != ptr), None)
+        if moved is not None:
+            self.off = f"{type(self.optimizers[0]).__name__} gave a parameter new storage in its step"
+            self.graphs.clear()
+            logger.warning("step graph: %s, which a replayed graph cannot follow; training goes on without "
+                           "--cuda_graph_step", self.off)
+            for o in self.optimizers:
+                o.zero_grad(set_to_none=True)
 
     def _load_lrs(self) -> None:
         for t, g in zip(self.lrs, self.groups):
@@ -149,15 +184,22 @@ class StepGraphs:
     def _capture(self, key: tuple, batch: dict, run_step) -> _Captured | None:
         static = _static_copy(batch, self.device)
         groups = self.groups
-        if self.lrs is None:
+        in_graph = self.optimizer_in_graph
+        if in_graph and self.lrs is None:
             self.lrs = [torch.tensor(float(g["lr"]), dtype=torch.float32, device=self.device) for g in groups]
-        self._load_lrs()
+        if in_graph:
+            self._load_lrs()
         saved = [(g["lr"], g.get("capturable", False)) for g in groups]
+        steps = [o.__dict__.get("step") for o in self.optimizers]  # an instance's own step (a scheduler's wrapper)
         for o in self.optimizers:
             o.zero_grad(set_to_none=True)  # the graph's backward makes the gradients, in its own memory
         try:
-            for g, lr in zip(groups, self.lrs):
-                g["lr"], g["capturable"] = lr, True  # the optimizer reads the rate from the tensor on replay
+            if in_graph:
+                for g, lr in zip(groups, self.lrs):
+                    g["lr"], g["capturable"] = lr, True  # the optimizer reads the rate from the tensor on replay
+            else:
+                for o in self.optimizers:
+                    o.step = _skip_step  # run_step's optimizer step is left out of the graph: it runs after replay
             graph, loss = self.capture(lambda: run_step(static), self.generators)
         except Exception as e:  # an operation capture does not allow: the step runs the ordinary way instead
             self.off = f"{type(e).__name__}: {e}".splitlines()[0][:300]
@@ -170,10 +212,18 @@ class StepGraphs:
         finally:
             for g, (lr, capturable) in zip(groups, saved):
                 g["lr"], g["capturable"] = lr, capturable
-        captured = _Captured(graph, static, loss)
+            for o, step in zip(self.optimizers, steps):
+                if step is None:
+                    o.__dict__.pop("step", None)
+                else:
+                    o.step = step
+        grads = [] if in_graph else [(p, p.data_ptr(), p.grad) for g in groups for p in g["params"]
+                                     if p.grad is not None]
+        captured = _Captured(graph, static, loss, grads)
         self.graphs[key] = captured
         shapes = ", ".join(f"{k} {'x'.join(map(str, s))}" for k, s, *_ in key if isinstance(s, tuple) and
                            k in ("latents", "images"))
-        logger.info("step graph: captured the training step for batch %s (%d of at most %d graphs)",
-                    shapes or "shape", len(self.graphs), LIMIT)
+        logger.info("step graph: captured the training step for batch %s (%d of at most %d graphs)%s",
+                    shapes or "shape", len(self.graphs), LIMIT,
+                    "" if in_graph else f"; the {type(self.optimizers[0]).__name__} step runs after each replay")
         return captured

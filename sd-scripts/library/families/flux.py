@@ -1,0 +1,184 @@
+"""FLUX.1 (dev and schnell): flow matching on packed latents, T5-XXL + CLIP-L pooled conditioning, embedded
+guidance (dev), fp8 base, block swap, regional compile of the double/single blocks, BFL-layout saves."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from library import flux_models, flux_train_utils, latent_cache, offload_checkpointing, te_cache
+from library.objectives.flow_matching import FlowMatching
+
+logger = logging.getLogger(__name__)
+
+
+class Flux:
+    label = "FLUX"
+
+    def __init__(self, bucket_reso_steps_multiple: int = 32):
+        self.objective = FlowMatching()
+        self.bucket_reso_steps_multiple = bucket_reso_steps_multiple  # upstream: 32 for LoRA, 16 for flux_train
+        self.compiled_blocks = 0
+        self.swapper = None  # library.block_swap.BlockSwapper with --blocks_to_swap
+        self.t5_len = 512
+        self.train_t5xxl = False
+        self.is_schnell = None
+
+    def name(self, args) -> str:
+        return "flux"
+
+    def check_args(self, args) -> None:
+        from library.compile import options as compile_options
+        from library.errors import ConfigError
+
+        if args.v2 or args.v_parameterization:
+            raise ConfigError("--v2 / --v_parameterization are for SD2.x; flux_train_network.py trains FLUX.1")
+        if getattr(args, "network_module", None) == "lycoris.kohya":  # the LyCORIS algos that run on FLUX.1 here
+            from library.network_options import parse_network_args
+            from networks import lycoris_kohya
+
+            lycoris_kohya.check_flux_algo(parse_network_args(args.network_args), ConfigError)
+        elif getattr(args, "network_module", None) not in (None, "networks.lora_flux", "networks.oft_flux"):
+            logger.warning("--network_module %s: FLUX LoRA files in kohya's format come from networks.lora_flux",
+                           args.network_module)
+        self.train_t5xxl = _network_arg_true(args, "train_t5xxl")
+        if getattr(args, "split_mode", False):  # upstream's deprecated form, mapped as upstream maps it
+            if args.blocks_to_swap is not None:
+                logger.warning("split_mode is deprecated. Because `--blocks_to_swap` is set, `--split_mode` is ignored.")
+            else:
+                logger.warning("split_mode is deprecated. Please use `--blocks_to_swap` instead. "
+                               "`--blocks_to_swap 18` is automatically set.")
+                args.blocks_to_swap = 18
+        offload_checkpointing.check_args(args, ConfigError)
+        flux_train_utils.check_flux_args(args, ConfigError)
+        compile_options.validate_compile_args(args)
+
+    def load(self, args, weight_dtype, fp8_denoiser: bool):
+        from library.errors import ConfigError
+
+        try:
+            c = flux_models.load_flux_components(
+                args.pretrained_model_name_or_path, args.clip_l, args.t5xxl, args.ae, dtype=weight_dtype,
+                te_dtype=weight_dtype, ae_dtype=torch.float32 if args.no_half_vae else weight_dtype,
+                fp8_base=fp8_denoiser, tokenizer_cache_dir=args.tokenizer_cache_dir)
+        except flux_models.FluxModelError as e:
+            raise ConfigError(str(e)) from e
+        self.t5_len = flux_train_utils.t5_max_length(args, c)
+        self.is_schnell = c.is_schnell
+        logger.info("FLUX.1 %s: %d double + %d single blocks, width %d", "schnell" if c.is_schnell else "dev",
+                    c.transformer.config.num_layers, c.transformer.config.num_single_layers,
+                    c.transformer.inner_dim)
+        return c
+
+    def lora_text_encoders(self, components) -> list:
+        # T5-XXL only with --network_args train_t5xxl=True (in train mode its dropout would change the outputs)
+        return [components.clip_l, components.t5xxl] if self.train_t5xxl else [components.clip_l]
+
+    def encode_images(self, args, components, images, generator):
+        return flux_train_utils.encode_latents(components.ae, images, generator)
+
+    def encode_prompts(self, args, components, captions, with_grad=False, **_) -> dict:
+        with torch.set_grad_enabled(with_grad):
+            return flux_train_utils.encode_prompts(components.clip_l, components.t5xxl, components.clip_tokenizer,
+                                                   components.t5_tokenizer, captions, self.t5_len,
+                                                   args.apply_t5_attn_mask)
+
+    def prediction_type(self, args, components) -> str:
+        return "epsilon"  # not a DDPM prediction: flow matching (the modelspec keys say so from the family)
+
+    def predict(self, args, components, noisy_latents, timesteps, te_outputs, batch, weight_dtype):
+        return flux_train_utils.flux_forward(components.transformer, noisy_latents, timesteps, te_outputs,
+                                             args.guidance_scale, weight_dtype, args.apply_t5_attn_mask)
+
+    def enable_gradient_checkpointing(self, args, components, text_encoders: list) -> None:
+        from library.families import sd
+
+        sd.enable_gradient_checkpointing(args, components.denoiser, text_encoders)
+
+    def place_denoiser(self, args, components, device, weight_dtype, fp8: bool) -> None:
+        """Keeps fp8 weights; places only the blocks that --blocks_to_swap leaves on the GPU."""
+        from library.block_swap import BlockSwapError
+        from library.errors import ConfigError
+
+        try:
+            self.swapper = flux_train_utils.place_transformer(components.transformer, device, weight_dtype, fp8,
+                                                              args.blocks_to_swap or 0)
+        except BlockSwapError as e:
+            raise ConfigError(str(e)) from e
+
+    def apply_fp8(self, args, components, fp8_targets) -> None:
+        from library import precision
+
+        # the loader made the transformer fp8; --fp8_base also CLIP-L and T5-XXL
+        precision.apply_fp8_to_components(fp8_targets, None, components.text_encoders)
+
+    def set_attention_backend(self, args, components) -> None:
+        from library.families import sd
+
+        sd.set_attention_backend(args, components)
+
+    def compile(self, args, components) -> None:
+        from library.compile import environment as compile_environment, regional
+
+        compile_environment.setup_compile_environment(args)
+        if args.compile:
+            self.compiled_blocks = regional.compile_model_blocks(
+                components.transformer, args, model_name=self.label,
+                gradient_checkpointing=args.gradient_checkpointing, disable_linear=(args.blocks_to_swap or 0) > 0,
+                offload_checkpointing=offload_checkpointing.enabled(args))
+
+    def sample(self, args, components, accelerator, *, epoch, steps, networks, prediction_type) -> None:
+        flux_train_utils.sample_images(args, components, device=accelerator.device, epoch=epoch, steps=steps,
+                                       autocast=accelerator.autocast, networks=networks)
+
+    def base_model_version(self, args) -> str:
+        return "flux1"
+
+    def metadata(self, args, fp8_targets) -> dict[str, str]:
+        from library.compile import options as compile_options
+
+        md = dict(compile_options.compile_settings_metadata(args))
+        md.update({
+            "ss_model_type": str(getattr(args, "model_type", "flux")),  # upstream's --model_type (flux/chroma)
+            "ss_guidance_scale": str(args.guidance_scale),
+            "ss_timestep_sampling": args.timestep_sampling,
+            "ss_sigmoid_scale": str(args.sigmoid_scale),
+            "ss_discrete_flow_shift": str(args.discrete_flow_shift),
+            "ss_model_prediction_type": args.model_prediction_type,
+            "ss_weighting_scheme": args.weighting_scheme,
+            "ss_logit_mean": str(args.logit_mean),
+            "ss_logit_std": str(args.logit_std),
+            "ss_mode_scale": str(args.mode_scale),
+            "ss_apply_t5_attn_mask": str(bool(args.apply_t5_attn_mask)),
+            "ss_t5xxl_max_token_length": str(self.t5_len),
+            "ss_fp8_base": str(fp8_targets[0]),  # upstream: --fp8_base_unet sets fp8_base for FLUX
+            "ss_blocks_to_swap": str(args.blocks_to_swap or 0),
+        })
+        if self.compiled_blocks:
+            md["ss_compile_blocks"] = str(self.compiled_blocks)
+        return md
+
+    def modelspec_variant(self) -> str | None:
+        return None if self.is_schnell is None else "schnell" if self.is_schnell else "dev"
+
+    def latent_cache_format(self, args, components) -> latent_cache.LatentCacheFormat:
+        return latent_cache.FAMILY_FORMATS["flux"]  # the AE output, already shifted and scaled, as upstream
+
+    def te_cache_format(self, args, components) -> te_cache.TeCacheFormat:
+        return te_cache.flux_format(args.apply_t5_attn_mask)  # upstream's <stem>_flux_te.npz
+
+    def cache_signature(self, args, what: str) -> str:
+        return flux_train_utils.cache_signature(args, what)
+
+    def full_output_format(self, args) -> tuple[str, str]:
+        return "single", ".safetensors"  # a BFL single file, whatever --save_model_as says (as upstream)
+
+    def save_full_model(self, args, components, path: str, metadata, save_dtype) -> None:
+        flux_train_utils.save_transformer(args, components, path, metadata, save_dtype, self.swapper)
+
+
+def _network_arg_true(args, key: str) -> bool:
+    from library.network_options import parse_network_args
+
+    value = parse_network_args(getattr(args, "network_args", None)).get(key, "")
+    return value.strip().lower() in ("true", "1", "yes")

@@ -1,0 +1,116 @@
+"""Rectified flow matching (FLUX.1): noisy = (1 - sigma) * latents + sigma * noise, the target is the velocity
+noise - latents (for every --model_prediction_type, as upstream). Sigmas by --timestep_sampling and the SD3
+--weighting_scheme; every draw comes from the run's generator (saved with --save_state, so a resumed run continues
+the same random stream)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from library import losses, noise
+
+
+class FlowMatching:
+    flow_matching = True  # no DDPM schedule: noise.DDPM_ONLY_OPTIONS and the SNR weights do nothing
+
+    def noise_scheduler(self, args, prediction_type: str):
+        return None  # sigmas are drawn by sample_sigmas
+
+    def num_train_timesteps(self, noise_scheduler) -> int:
+        return 1000  # validation's fixed timesteps t are sigma = t / 1000
+
+    def noisy_input_pred_target(self, args, noise_scheduler, latents: torch.Tensor, predict, generator,
+                                fixed_timestep: int | None = None):
+        """One flow-matching forward: (prediction, target, sigmas, loss weighting or None). --ip_noise_gamma
+        perturbs the noise of the input only; fixed_timestep t: every sigma is t / 1000 (validation)."""
+        eps = torch.randn(latents.shape, generator=generator, device=latents.device, dtype=latents.dtype)
+        b, _, h, w = latents.shape
+        if fixed_timestep is None:
+            sigmas = sample_sigmas(args, b, h, w, latents.device, generator)
+        else:
+            sigmas = torch.full((b,), fixed_timestep / 1000.0, device=latents.device)
+        s = sigmas.view(-1, 1, 1, 1)
+        noisy = (1.0 - s) * latents + s * noise.input_perturbation(args, eps, generator)
+        pred = apply_model_prediction_type(args, predict(noisy, sigmas).float(), noisy, sigmas)
+        return pred, eps - latents, sigmas, loss_weighting(args, sigmas)
+
+    def huber_threshold(self, args, timesteps, noise_scheduler):
+        return losses.huber_threshold(args, timesteps * 1000, 1000)  # upstream's FLUX timesteps are sigma * 1000
+
+    def weight_loss(self, loss, args, timesteps, noise_scheduler):
+        return loss  # the weighting scheme's weights come with the prediction (loss_weighting)
+
+
+def _time_shift(mu: float, sigma: float, t: torch.Tensor) -> torch.Tensor:
+    return math.exp(mu) / (math.exp(mu) + (1 / t - 1) ** sigma)
+
+
+def _flux_mu(image_seq_len: int, x1=256, y1=0.5, x2=4096, y2=1.15) -> float:
+    m = (y2 - y1) / (x2 - x1)
+    return m * image_seq_len + (y1 - m * x1)
+
+
+def timestep_density(args, batch_size: int, device, generator=None) -> torch.Tensor:
+    """u in [0, 1) per sample by --weighting_scheme (SD3 paper, sec. 3.1): logit_normal = sigmoid(N(logit_mean,
+    logit_std)); mode = 1 - u - mode_scale * (cos^2(pi u / 2) - 1 + u) of a uniform u; else uniform."""
+    scheme = getattr(args, "weighting_scheme", "uniform")
+    if scheme == "logit_normal":
+        return torch.sigmoid(torch.randn(batch_size, device=device, generator=generator) * args.logit_std
+                             + args.logit_mean)
+    u = torch.rand(batch_size, device=device, generator=generator)
+    if scheme == "mode":
+        u = 1 - u - args.mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
+    return u
+
+
+def loss_weighting(args, sigmas: torch.Tensor) -> torch.Tensor | None:
+    """The loss weight per sample ([B, 1, 1, 1]) of --weighting_scheme sigma_sqrt (sigma^-2) or cosmap
+    (2 / (pi (1 - 2 sigma + 2 sigma^2))), used with --model_prediction_type sigma_scaled (as upstream);
+    None = weight 1 (no multiply)."""
+    scheme = getattr(args, "weighting_scheme", "uniform")
+    if args.model_prediction_type != "sigma_scaled" or scheme not in ("sigma_sqrt", "cosmap"):
+        return None
+    s = sigmas.view(-1, 1, 1, 1).float()
+    if scheme == "sigma_sqrt":
+        return s ** -2.0
+    return 2 / (math.pi * (1 - 2 * s + 2 * s ** 2))
+
+
+def sample_sigmas(args, batch_size: int, h: int, w: int, device, generator=None) -> torch.Tensor:
+    """sigma in (0, 1] per sample, by --timestep_sampling (h, w: latent size)."""
+    mode = args.timestep_sampling
+
+    def normal():
+        return torch.randn(batch_size, device=device, generator=generator)
+
+    if mode == "uniform":
+        s = torch.rand(batch_size, device=device, generator=generator)
+    elif mode == "sigmoid":
+        s = torch.sigmoid(args.sigmoid_scale * normal())
+    elif mode == "shift":
+        s = torch.sigmoid(args.sigmoid_scale * normal())
+        shift = args.discrete_flow_shift
+        s = (s * shift) / (1 + (shift - 1) * s)
+    elif mode == "flux_shift":
+        s = torch.sigmoid(args.sigmoid_scale * normal())
+        s = _time_shift(_flux_mu((h // 2) * (w // 2)), 1.0, s)
+    else:  # "sigma": one of the 1000 training timesteps of the shifted flow schedule
+        shift = args.discrete_flow_shift
+        if getattr(args, "weighting_scheme", "uniform") in ("logit_normal", "mode"):
+            # upstream indexes the schedule's descending timesteps with u * 1000 (u -> 1 is the least noise)
+            index = (timestep_density(args, batch_size, device, generator) * 1000).long().clamp(0, 999)
+            t = (1000 - index).float() / 1000.0
+        else:  # uniform u: the same distribution, drawn as before these schemes existed
+            t = torch.randint(1, 1001, (batch_size,), device=device, generator=generator).float() / 1000.0
+        s = shift * t / (1 + (shift - 1) * t)
+    return s.clamp(1e-5, 1.0)
+
+
+def apply_model_prediction_type(args, pred, noisy, sigmas):
+    """raw: the output as it is; additive: output + noisy input; sigma_scaled: -sigma * output + noisy input."""
+    if args.model_prediction_type == "additive":
+        return pred + noisy
+    if args.model_prediction_type == "sigma_scaled":
+        return pred * (-sigmas.view(-1, 1, 1, 1)) + noisy
+    return pred

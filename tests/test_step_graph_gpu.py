@@ -1,0 +1,93 @@
+"""--cuda_graph_step on a CUDA GPU: for torch's fused AdamW (stepped inside the graph) and each optimizer that
+`--cuda_graph_step auto` lets step after the graph (library.compile.graphs.AFTER_GRAPH_OPTIMIZERS), a few steps
+through library.compile.step_graph give the same weights as the same steps without it. The model is LoRA-like
+(a frozen bf16 base, fp32 down/up matrices, bf16 autocast), with clipping, a schedule that changes the rate every
+step and noise drawn from a generator registered with the graph. Skipped without CUDA; an optimizer whose package
+is not installed is skipped."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from library import optimizers
+from library.compile import graphs as compile_graphs
+from library.compile import step_graph
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+
+CASES = [("AdamW", ()), ("AdamW", ("foreach=True",))] + [(n, ()) for n in compile_graphs.AFTER_GRAPH_OPTIMIZERS]
+STEPS = step_graph.WARMUP + 5  # two ordinary steps, the capture's step, four replays
+
+
+class _Lora(torch.nn.Module):
+    def __init__(self, width: int = 64, rank: int = 8):
+        super().__init__()
+        self.base = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                                        torch.nn.Linear(4 * width, width)).to(torch.bfloat16).requires_grad_(False)
+        self.down = torch.nn.Parameter(torch.randn(rank, width) * 0.1)
+        self.up = torch.nn.Parameter(torch.randn(width, rank) * 0.1)
+
+    def forward(self, x):
+        return self.base(x) + x @ self.down.t().to(x.dtype) @ self.up.t().to(x.dtype)
+
+
+def _train(name: str, optimizer_args: tuple, with_graph: bool, device: str = "cuda"):
+    """-> (the trained weights, the StepGraphs that ran the steps or None)"""
+    device = torch.device(device)
+    torch.manual_seed(0)
+    model = _Lora().to(device)
+    known = optimizers.canonical_name(name) or ""
+    args = argparse.Namespace(optimizer_type=name, optimizer_args=list(optimizer_args), use_8bit_adam=False,
+                              use_lion_optimizer=False, max_grad_norm=1.0,
+                              learning_rate=1.0 if known.startswith("DAdapt") or known == "Prodigy" else 1e-3)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = optimizers.get_optimizer(args, [{"params": params}])[2]
+    # a rate that changes every step (Adafactor with relative_step computes its own)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step)) \
+        if optimizer.param_groups[0].get("lr") is not None else None
+    generator = torch.Generator(device=device).manual_seed(1)
+    target = torch.randn(4, 64, device=device, generator=torch.Generator(device=device).manual_seed(2))
+
+    def run_step(batch):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            x = batch["latents"] + torch.randn(batch["latents"].shape, device=device, generator=generator)
+            loss = torch.nn.functional.mse_loss(model(x).float(), target)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        return loss
+
+    graphs = step_graph.StepGraphs([optimizer], device, [generator]) if with_graph else None
+    batches = torch.randn(STEPS, 4, 64, device=device, generator=torch.Generator(device=device).manual_seed(3))
+    for i in range(STEPS):
+        batch = {"latents": batches[i].clone(), "network_multipliers": [1.0]}
+        if graphs is not None:
+            graphs.step(batch, run_step)
+        else:
+            run_step(batch)
+            optimizer.zero_grad(set_to_none=True)
+        if schedule is not None:
+            schedule.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return [p.detach().clone() for p in params], graphs
+
+
+@pytest.mark.parametrize("name, optimizer_args", CASES, ids=[f"{n}{'-' + '-'.join(a) if a else ''}" for n, a in CASES])
+def test_the_step_graph_trains_to_the_same_weights_as_the_ordinary_step(name, optimizer_args):
+    try:
+        optimizers.optimizer_class(name)
+    except Exception as e:  # noqa: BLE001 - an optional package that is not installed here
+        pytest.skip(f"{name}: {e}")
+    plain, _ = _train(name, optimizer_args, with_graph=False)
+    graphed, graphs = _train(name, optimizer_args, with_graph=True)
+    assert graphs.off is None and len(graphs.graphs) == 1  # captured, and replayed from then on
+    assert graphs.optimizer_in_graph == (name == "AdamW" and not optimizer_args)
+    for a, b in zip(graphed, plain):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.manual_seed(0)
+    start = [p.detach().cuda() for p in _Lora().parameters() if p.requires_grad]
+    assert all(not torch.equal(a, s) for a, s in zip(graphed, start))  # the steps moved the weights
