@@ -103,3 +103,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "page" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.browser)
+            # a test of several waits on a loaded 2-core machine: each wait ends on the page's state (180 s at
+            # most); the whole test may take longer than the suite's 600 s
+            item.add_marker(pytest.mark.timeout(1800))
