@@ -137,6 +137,9 @@ def page(browser, gui_url):
     pg.set_default_timeout(BROWSER_TIMEOUT_MS)
     pg.goto(gui_url)
     pg.wait_for_selector("#lora-family")
+    # the page load event puts the remembered settings into the form: a test that typed before it ended would
+    # see its values replaced
+    pg.wait_for_load_state("networkidle")
     yield pg
     context.close()
 
