@@ -128,8 +128,19 @@ def browser(gui_url):
         b.close()
 
 
+def remembered_output_name(workdir) -> str | None:
+    """The LoRA tab's output name in the server's last used settings (its XDG_CONFIG_HOME, see gui_url)."""
+    import tomllib
+
+    path = workdir / "user-config" / "kohya_gui" / "last_lora.toml"
+    if not path.is_file():
+        return None
+    tables = tomllib.loads(path.read_text()).values()
+    return next((t["output_name"] for t in tables if isinstance(t, dict) and "output_name" in t), None)
+
+
 @pytest.fixture
-def page(browser, gui_url):
+def page(browser, gui_url, workdir):
     """A fresh page per test, so a test that times out leaves nothing half-done for the next one. The server keeps
     each tab's last used settings, so a test starts from the form the previous one left."""
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
@@ -137,9 +148,12 @@ def page(browser, gui_url):
     pg.set_default_timeout(BROWSER_TIMEOUT_MS)
     pg.goto(gui_url)
     pg.wait_for_selector("#lora-family")
-    # the page load event puts the remembered settings into the form: a test that typed before it ended would
-    # see its values replaced
-    pg.wait_for_load_state("networkidle")
+    # the page's load event puts the remembered settings into the form: a test that typed before it was done
+    # would see its values replaced, so wait until the form shows them
+    name = remembered_output_name(workdir)
+    if name is not None:
+        pg.wait_for_function("(v) => { const e = document.querySelector('#lora-output_name input, "
+                             "#lora-output_name textarea'); return e && e.value === v; }", arg=name)
     yield pg
     context.close()
 
