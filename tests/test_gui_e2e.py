@@ -128,15 +128,18 @@ def browser(gui_url):
         b.close()
 
 
-def remembered_output_name(workdir) -> str | None:
-    """The LoRA tab's output name in the server's last used settings (its XDG_CONFIG_HOME, see gui_url)."""
+FOLDER_FIELDS = ("train_data_dir", "output_dir", "output_name")  # text boxes of the open Folders group
+
+
+def remembered_folders(workdir) -> dict | None:
+    """The LoRA tab's folder fields in the server's last used settings (its XDG_CONFIG_HOME, see gui_url)."""
     import tomllib
 
     path = workdir / "user-config" / "kohya_gui" / "last_lora.toml"
     if not path.is_file():
         return None
-    tables = tomllib.loads(path.read_text()).values()
-    return next((t["output_name"] for t in tables if isinstance(t, dict) and "output_name" in t), None)
+    flat = {k: v for t in tomllib.loads(path.read_text()).values() if isinstance(t, dict) for k, v in t.items()}
+    return {name: str(flat.get(name, "")) for name in FOLDER_FIELDS}
 
 
 @pytest.fixture
@@ -150,10 +153,10 @@ def page(browser, gui_url, workdir):
     pg.wait_for_selector("#lora-family")
     # the page's load event puts the remembered settings into the form: a test that typed before it was done
     # would see its values replaced, so wait until the form shows them
-    name = remembered_output_name(workdir)
-    if name is not None:
-        pg.wait_for_function("(v) => { const e = document.querySelector('#lora-output_name input, "
-                             "#lora-output_name textarea'); return e && e.value === v; }", arg=name)
+    folders = remembered_folders(workdir)
+    if folders is not None:
+        pg.wait_for_function("(want) => Object.entries(want).every(([id, v]) => { const e = document.querySelector("
+                             "`#lora-${id} input, #lora-${id} textarea`); return e && e.value === v; })", arg=folders)
     yield pg
     context.close()
 
