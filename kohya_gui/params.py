@@ -453,10 +453,22 @@ def network_module(value: str | None, family: str) -> str:
     return BY_NAME["network_module"].effective(value or "", family)
 
 
+def _module_keys(module: str) -> list[str]:
+    """The --network_args keys a network module reads, in its own order (algo first for LyCORIS)."""
+    for options in TRAINER_OPTIONS.values():
+        keys = options.get("network_args", {}).get("keys", {}).get(module)
+        if keys:
+            return list(keys)
+    return []
+
+
 def network_arg_fields(tab: str, family: str, values: dict[str, Any]) -> list[Param]:
-    """The fields of the chosen network type (none outside the LoRA tab)."""
+    """The fields of the chosen network type (none outside the LoRA tab), in the module's own key order (the
+    order they are written into network_args)."""
     module = network_module(values.get("network_module"), family)
-    return [p for p in PARAMS if p.network_arg and p.applies(tab, family) and p.shown_for(module)]
+    order = {key: i for i, key in enumerate(_module_keys(module))}
+    fields = [p for p in PARAMS if p.network_arg and p.applies(tab, family) and p.shown_for(module)]
+    return sorted(fields, key=lambda p: order.get(p.network_arg, len(order)))
 
 
 def _arg_text(p: Param, value: Any) -> str:

@@ -128,8 +128,22 @@ def browser(gui_url):
         b.close()
 
 
+FOLDER_FIELDS = ("train_data_dir", "output_dir", "output_name")  # text boxes of the open Folders group
+
+
+def remembered_folders(workdir) -> dict | None:
+    """The LoRA tab's folder fields in the server's last used settings (its XDG_CONFIG_HOME, see gui_url)."""
+    import tomllib
+
+    path = workdir / "user-config" / "kohya_gui" / "last_lora.toml"
+    if not path.is_file():
+        return None
+    flat = {k: v for t in tomllib.loads(path.read_text()).values() if isinstance(t, dict) for k, v in t.items()}
+    return {name: str(flat.get(name, "")) for name in FOLDER_FIELDS}
+
+
 @pytest.fixture
-def page(browser, gui_url):
+def page(browser, gui_url, workdir):
     """A fresh page per test, so a test that times out leaves nothing half-done for the next one. The server keeps
     each tab's last used settings, so a test starts from the form the previous one left."""
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
@@ -137,6 +151,12 @@ def page(browser, gui_url):
     pg.set_default_timeout(BROWSER_TIMEOUT_MS)
     pg.goto(gui_url)
     pg.wait_for_selector("#lora-family")
+    # the page's load event puts the remembered settings into the form: a test that typed before it was done
+    # would see its values replaced, so wait until the form shows them
+    folders = remembered_folders(workdir)
+    if folders is not None:
+        pg.wait_for_function("(want) => Object.entries(want).every(([id, v]) => { const e = document.querySelector("
+                             "`#lora-${id} input, #lora-${id} textarea`); return e && e.value === v; })", arg=folders)
     yield pg
     context.close()
 

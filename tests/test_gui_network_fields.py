@@ -88,5 +88,7 @@ def test_a_key_in_a_field_and_in_network_arguments_is_refused():
 
 def test_only_the_chosen_modules_fields_are_written():
     values = lokr_values(network_module="networks.lora", **{"network_args.conv_dim": 8})
-    assert P.fold_network_args("lora", "SDXL", values)["network_args"] == ["conv_dim=8", "rank_dropout_scale=True"]
+    # LoKr's algo, preset and factor are not written; dora_wd is, as networks.lora reads it too (DoRA)
+    assert P.fold_network_args("lora", "SDXL", values)["network_args"] == \
+        ["conv_dim=8", "dora_wd=True", "rank_dropout_scale=True"]
     assert config_file.parse(config_file.to_toml("lora", "SDXL", values), "x").values["network_args.conv_dim"] == 8
