@@ -99,3 +99,28 @@ def test_checks_do_not_change_the_options(tmp_path, tiny_sdxl_single_file, tiny_
     offload_checkpointing.check_args(args, ConfigError)
     config_util.build_dataset_groups(args, "sdxl")
     assert vars(args) == before
+
+
+@pytest.mark.parametrize("script, argv, normalised", [
+    ("flux_train", ["--double_blocks_to_swap", "2", "--single_blocks_to_swap", "4", "--fused_backward_pass",
+                    "--optimizer_type", "Adafactor", "--skip_latents_validity_check", "--torch_compile"],
+     {"blocks_to_swap": 4, "skip_cache_check": True, "compile": True}),
+    ("flux_train", ["--cpu_offload_checkpointing"], {"gradient_checkpointing": True}),
+    ("flux_train_network", ["--split_mode", "--torch_compile", "--dynamo_backend", "aot_eager", "--network_module",
+                            "networks.lora_flux"],
+     {"blocks_to_swap": 18, "compile": True, "compile_backend": "aot_eager"}),
+])
+def test_trainer_checks_do_not_change_the_options(tmp_path, script, argv, normalised):
+    """The deprecated FLUX.1 forms, flux_train.py's implied settings and the --torch_compile alias are set by
+    parsing (train_util.normalise_args); the trainer's checks (common options, FLUX.1 full / family checks) then
+    leave args as they found them."""
+    module = importlib.import_module(script)
+    args = train_util.parse_args(module.setup_parser(), [
+        "--pretrained_model_name_or_path", str(tmp_path / "flux.safetensors"), "--output_dir", str(tmp_path / "out"),
+        *argv])
+    assert {key: getattr(args, key) for key in normalised} == normalised
+    before = copy.deepcopy(vars(args))
+    trainer = module.trainer(args)
+    trainer.check_common_options(args)
+    trainer.check_args(args)
+    assert vars(args) == before

@@ -270,10 +270,6 @@ def check_full_args(args, target) -> None:
     from library import optimizers
     from library.errors import ConfigError
 
-    map_deprecated_swap_args(args)
-    if args.cpu_offload_checkpointing and not args.gradient_checkpointing:
-        logger.warning("cpu_offload_checkpointing is enabled, so gradient_checkpointing is also enabled")
-        args.gradient_checkpointing = True
     if args.train_text_encoder:
         raise ConfigError("--train_text_encoder: flux_train.py trains the FLUX transformer only (CLIP-L and "
                           "T5-XXL stay frozen); train a CLIP-L LoRA with flux_train_network.py instead")
@@ -291,9 +287,30 @@ def check_full_args(args, target) -> None:
                        "working\"); use --blockwise_fused_optimizers")
     if args.train_blocks not in TRAIN_BLOCKS:
         raise ConfigError(f"--train_blocks {args.train_blocks}: allowed: {', '.join(TRAIN_BLOCKS)}")
+
+
+def normalise_full_args(args) -> None:
+    """flux_train.py's deprecated forms and implied settings (train_util.normalise_args runs it, as upstream's
+    flux_train.py does before training)."""
+    map_deprecated_swap_args(args)
+    if args.cpu_offload_checkpointing and not args.gradient_checkpointing:
+        logger.warning("cpu_offload_checkpointing is enabled, so gradient_checkpointing is also enabled")
+        args.gradient_checkpointing = True
     if args.skip_latents_validity_check:
         logger.warning("--skip_latents_validity_check is deprecated: use --skip_cache_check")
         args.skip_cache_check = True
+
+
+def map_split_mode(args) -> None:
+    """flux_train_network.py's deprecated --split_mode, mapped as upstream maps it."""
+    if not args.split_mode:
+        return
+    if args.blocks_to_swap is not None:
+        logger.warning("split_mode is deprecated. Because `--blocks_to_swap` is set, `--split_mode` is ignored.")
+    else:
+        logger.warning("split_mode is deprecated. Please use `--blocks_to_swap` instead. "
+                       "`--blocks_to_swap 18` is automatically set.")
+        args.blocks_to_swap = 18
 
 
 def map_deprecated_swap_args(args) -> None:

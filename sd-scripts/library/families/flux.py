@@ -42,13 +42,6 @@ class Flux:
             logger.warning("--network_module %s: FLUX LoRA files in kohya's format come from networks.lora_flux",
                            args.network_module)
         self.train_t5xxl = _network_arg_true(args, "train_t5xxl")
-        if getattr(args, "split_mode", False):  # upstream's deprecated form, mapped as upstream maps it
-            if args.blocks_to_swap is not None:
-                logger.warning("split_mode is deprecated. Because `--blocks_to_swap` is set, `--split_mode` is ignored.")
-            else:
-                logger.warning("split_mode is deprecated. Please use `--blocks_to_swap` instead. "
-                               "`--blocks_to_swap 18` is automatically set.")
-                args.blocks_to_swap = 18
         offload_checkpointing.check_args(args, ConfigError)
         flux_train_utils.check_flux_args(args, ConfigError)
         compile_options.validate_compile_args(args)

@@ -60,13 +60,11 @@ class Trainer:
 
     # -- checks ---------------------------------------------------------------------------------------------
     def check_common_options(self, args) -> None:
-        """Logging, tracker, precision, memory and compile-switch options of every trainer, before the
-        script's own checks (which validate the compile settings --torch_compile sets)."""
+        """Logging, tracker, precision and memory options of every trainer, before the script's own checks
+        (--torch_compile was mapped to the compile settings by train_util.normalise_args)."""
         from library import console_log, precision, trackers
-        from library.compile import options as compile_options
 
-        console_log.apply_console_log_args(args)
-        compile_options.apply_torch_compile_alias(args)
+        console_log.apply_console_log_args(args)  # a side effect (the log handler), not a setting
         trackers.check_tracker_args(args)
         precision.check_precision_args(args)
         ema.check_ema_args(args, ConfigError)
