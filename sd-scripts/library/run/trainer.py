@@ -63,8 +63,10 @@ class Trainer:
         """Logging, tracker, precision and memory options of every trainer, before the script's own checks
         (--torch_compile was mapped to the compile settings by train_util.normalise_args)."""
         from library import console_log, precision, trackers
+        from library.compile import options as compile_options
 
         console_log.apply_console_log_args(args)  # a side effect (the log handler), not a setting
+        compile_options.check_torch_compile_alias(args)
         trackers.check_tracker_args(args)
         precision.check_precision_args(args)
         ema.check_ema_args(args, ConfigError)
