@@ -363,11 +363,13 @@ def test_diffusers_xformers_asks_diffusers_for_the_unet_and_the_vae(caplog):
 # ---------------------------------------------------------------------------------------------- FLUX options
 
 
-def test_flux_model_type_chroma_is_refused_with_a_reason():
-    args = parse(flux_train_network, ["--model_type", "chroma"])
-    with pytest.raises(ConfigError, match="--model_type chroma: .*not supported.*allowed here: flux"):
-        flux_train_network.trainer().family.check_args(args)
-    flux_train_network.trainer().family.check_args(parse(flux_train_network, ["--model_type", "flux"]))
+def test_flux_model_type_picks_the_family():
+    """--model_type chroma trains Chroma (library.families.chroma; its own checks: tests/test_chroma.py)."""
+    args = parse(flux_train_network, ["--model_type", "chroma", "--apply_t5_attn_mask"])
+    family = flux_train_network.trainer(args).family
+    assert family.label == "Chroma"
+    family.check_args(args)
+    assert flux_train_network.trainer(parse(flux_train_network, ["--model_type", "flux"])).family.label == "FLUX"
 
 
 def test_flux_split_mode_maps_to_blocks_to_swap_18(caplog):
