@@ -144,9 +144,10 @@ def test_disable_mmap_reads_the_whole_file(tmp_path, monkeypatch):
 
 
 def test_torch_compile_maps_to_regional_compile(caplog):
-    with caplog.at_level(logging.INFO):  # parsing normalises (train_util.normalise_args)
-        args = parse(sdxl_train_network, ["--torch_compile", "--dynamo_backend", "aot_eager"])
+    args = parse(sdxl_train_network, ["--torch_compile", "--dynamo_backend", "aot_eager"])  # normalised
     assert args.compile and args.compile_backend == "aot_eager"
+    with caplog.at_level(logging.INFO):  # the check (after the console log is set up) says so
+        compile_options.check_torch_compile_alias(args)
     assert ("--torch_compile/--dynamo_backend aot_eager: using regional compilation "
             "(--compile --compile_backend aot_eager)") in caplog.messages
     args = parse(flux_train, ["--torch_compile"])  # upstream's default backend

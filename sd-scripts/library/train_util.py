@@ -252,9 +252,6 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
 
     if bad := non_finite_options(args):  # one line per option
         raise ConfigError("; ".join(bad))
-    from library import console_log
-
-    console_log.apply_console_log_args(args)  # first, so the normalisation's log lines reach --console_log_file
     return normalise_args(args, getattr(parser, "normalisers", ()))
 
 

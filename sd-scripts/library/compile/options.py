@@ -121,8 +121,9 @@ def _compile_defaults() -> argparse.Namespace:
 
 
 def apply_torch_compile_alias(args) -> None:
-    """--torch_compile [--dynamo_backend B] -> regional compilation (--compile --compile_backend B), logged; run by
-    train_util.normalise_args. A backend torch.compile lacks here is left for check_torch_compile_alias to refuse.
+    """--torch_compile [--dynamo_backend B] -> regional compilation (--compile --compile_backend B); run by
+    train_util.normalise_args. check_torch_compile_alias logs the outcome (once the console log is set up) and
+    refuses a backend torch.compile lacks here, which this leaves as it is.
 
     Scripts with the compile flags (SDXL, FLUX.1) get them set; the SD1.x/SD2.x scripts, which have none, get
     the settings in args._torch_compile (compile_args reads them; the run TOML keeps only the upstream switches)."""
@@ -133,30 +134,36 @@ def apply_torch_compile_alias(args) -> None:
         return  # "no", as upstream: compile switched on with no backend compiles nothing
     target = args if hasattr(args, "compile") else argparse.Namespace(**{**vars(_compile_defaults()), **vars(args)})
     if target.compile and target.compile_backend != backend:
-        logger.info(f"--torch_compile --dynamo_backend {backend} ignored: --compile --compile_backend "
-                    f"{target.compile_backend} is set")
-        return
+        return  # --compile --compile_backend wins
     target.compile = True
     target.compile_backend = backend
     if target is not args:
         args._torch_compile = target
-    logger.info(f"--torch_compile/--dynamo_backend {backend}: using regional compilation "
-                f"(--compile --compile_backend {backend})")
 
 
 def check_torch_compile_alias(args) -> None:
-    """Raises CompileConfigError for a --dynamo_backend that torch.compile does not have here, and for the
-    SD1.x/SD2.x scripts' --torch_compile settings (the other scripts check their --compile flags themselves)."""
+    """Logs what apply_torch_compile_alias made of --torch_compile; raises CompileConfigError for a
+    --dynamo_backend that torch.compile does not have here, and for the SD1.x/SD2.x scripts' --torch_compile
+    settings (the other scripts check their --compile flags themselves)."""
     if not getattr(args, "torch_compile", False):
         return
     backend = str(args.dynamo_backend)
-    if backend.lower() != "no" and backend not in BACKENDS:
+    if backend.lower() == "no":
+        return
+    if backend not in BACKENDS:
         raise CompileConfigError(
             f"--dynamo_backend {backend}: not available with torch {torch.__version__} here; "
             f"use one of {', '.join(BACKENDS)} (or no)"
         )
-    if getattr(args, "_torch_compile", None) is not None:
-        validate_compile_args(args._torch_compile)
+    settings = compile_args(args)
+    if settings.compile_backend != backend:
+        logger.info(f"--torch_compile --dynamo_backend {backend} ignored: --compile --compile_backend "
+                    f"{settings.compile_backend} is set")
+        return
+    if settings is not args:
+        validate_compile_args(settings)
+    logger.info(f"--torch_compile/--dynamo_backend {backend}: using regional compilation "
+                f"(--compile --compile_backend {backend})")
 
 
 def dynamic_value(args) -> bool | None:

@@ -60,11 +60,12 @@ class Trainer:
 
     # -- checks ---------------------------------------------------------------------------------------------
     def check_common_options(self, args) -> None:
-        """Tracker, precision, memory and compile-switch options of every trainer, before the script's own checks
-        (train_util.parse_args set up the console log and mapped --torch_compile to the compile settings)."""
-        from library import precision, trackers
+        """Logging, tracker, precision, memory and compile-switch options of every trainer, before the script's own
+        checks (train_util.normalise_args mapped --torch_compile to the compile settings)."""
+        from library import console_log, precision, trackers
         from library.compile import options as compile_options
 
+        console_log.apply_console_log_args(args)  # a side effect (the log handler), not a setting
         compile_options.check_torch_compile_alias(args)
         trackers.check_tracker_args(args)
         precision.check_precision_args(args)
