@@ -18,7 +18,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from library import (flux_train_utils, full_trainer, masks, network_trainer,  # noqa: E402
-                     offload_checkpointing, safetensors_io, saving)
+                     offload_checkpointing, safetensors_io, saving, train_util)
 from library.families.chroma import family_for  # noqa: E402
 from library.compile import options as compile_options  # noqa: E402
 from library.run.trainer import Trainer  # noqa: E402
@@ -43,6 +43,7 @@ def setup_parser() -> argparse.ArgumentParser:
     offload_checkpointing.add_cpu_offload_checkpointing_argument(parser)
     for name in ("double_blocks_to_swap", "single_blocks_to_swap"):
         parser.add_argument(f"--{name}", type=int, default=None, help="deprecated upstream: use --blocks_to_swap")
+    train_util.add_normaliser(parser, flux_train_utils.normalise_full_args)
     return parser
 
 

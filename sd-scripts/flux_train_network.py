@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from library import flux_train_utils, network_trainer, safetensors_io  # noqa: E402
+from library import flux_train_utils, network_trainer, safetensors_io, train_util  # noqa: E402
 from library.families.chroma import family_for  # noqa: E402
 from library.compile import options as compile_options  # noqa: E402
 from library.run.trainer import Trainer  # noqa: E402
@@ -31,6 +31,7 @@ def setup_parser() -> argparse.ArgumentParser:
     safetensors_io.add_mmap_argument(parser)
     parser.add_argument("--split_mode", action="store_true",
                         help="deprecated upstream: same as --blocks_to_swap 18 (ignored when --blocks_to_swap is set)")
+    train_util.add_normaliser(parser, flux_train_utils.map_split_mode)
     return parser
 
 

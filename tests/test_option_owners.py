@@ -16,10 +16,6 @@ from library import train_util
 SCRIPTS = ("sdxl_train_network", "train_network", "flux_train_network", "sdxl_train", "train_db", "fine_tune",
            "flux_train")
 
-# declared by both network_trainer (LoRA scripts) and full_trainer / saving (full scripts) with different
-# choices or help; both declaring modules belong to the training-core rewrite (issue 24 items 2-3), which gives
-# each one owner. The test fails when an entry here has become single-owned, so the list cannot go stale.
-TWO_FORMS_LEFT = {"no_metadata", "training_comment", "save_model_as"}
 
 # options that train_util declared while their code lives in these modules
 MOVED = {
@@ -32,6 +28,9 @@ MOVED = {
     "library.model_util": ("v2", "v_parameterization", "pretrained_model_name_or_path", "tokenizer_cache_dir",
                            "vae"),
 }
+# options whose LoRA and full forms differ (choices, default or help): one function of the concern module each
+TWO_FORMS = {"no_metadata": "library.metadata", "training_comment": "library.metadata",
+             "save_model_as": "library.saving"}
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +55,15 @@ def owners():
 
 def test_every_option_is_declared_by_one_module(owners):
     several = {dest: sorted(mods) for dest, mods in owners.items() if len(mods) > 1}
-    assert set(several) == TWO_FORMS_LEFT, several
+    assert not several, several
 
 
 def test_moved_options_are_declared_by_their_concern_module(owners):
     for module, dests in MOVED.items():
         for dest in dests:
             assert owners[dest] == {module}, (dest, owners[dest])
+    for dest, module in TWO_FORMS.items():
+        assert owners[dest] == {module}, (dest, owners[dest])
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -98,4 +99,29 @@ def test_checks_do_not_change_the_options(tmp_path, tiny_sdxl_single_file, tiny_
     validation.check_validation_args(args, ConfigError)
     offload_checkpointing.check_args(args, ConfigError)
     config_util.build_dataset_groups(args, "sdxl")
+    assert vars(args) == before
+
+
+@pytest.mark.parametrize("script, argv, normalised", [
+    ("flux_train", ["--double_blocks_to_swap", "2", "--single_blocks_to_swap", "4", "--fused_backward_pass",
+                    "--optimizer_type", "Adafactor", "--skip_latents_validity_check", "--torch_compile"],
+     {"blocks_to_swap": 4, "skip_cache_check": True, "compile": True}),
+    ("flux_train", ["--cpu_offload_checkpointing"], {"gradient_checkpointing": True}),
+    ("flux_train_network", ["--split_mode", "--torch_compile", "--dynamo_backend", "aot_eager", "--network_module",
+                            "networks.lora_flux"],
+     {"blocks_to_swap": 18, "compile": True, "compile_backend": "aot_eager"}),
+])
+def test_trainer_checks_do_not_change_the_options(tmp_path, script, argv, normalised):
+    """The deprecated FLUX.1 forms, flux_train.py's implied settings and the --torch_compile alias are set by
+    parsing (train_util.normalise_args); the trainer's checks (common options, FLUX.1 full / family checks) then
+    leave args as they found them."""
+    module = importlib.import_module(script)
+    args = train_util.parse_args(module.setup_parser(), [
+        "--pretrained_model_name_or_path", str(tmp_path / "flux.safetensors"), "--output_dir", str(tmp_path / "out"),
+        *argv])
+    assert {key: getattr(args, key) for key in normalised} == normalised
+    before = copy.deepcopy(vars(args))
+    trainer = module.trainer(args)
+    trainer.check_common_options(args)
+    trainer.check_args(args)
     assert vars(args) == before

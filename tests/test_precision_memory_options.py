@@ -144,15 +144,13 @@ def test_disable_mmap_reads_the_whole_file(tmp_path, monkeypatch):
 
 
 def test_torch_compile_maps_to_regional_compile(caplog):
-    args = parse(sdxl_train_network, ["--torch_compile", "--dynamo_backend", "aot_eager"])
-    assert not args.compile
-    with caplog.at_level(logging.INFO):
-        compile_options.apply_torch_compile_alias(args)
+    args = parse(sdxl_train_network, ["--torch_compile", "--dynamo_backend", "aot_eager"])  # normalised
     assert args.compile and args.compile_backend == "aot_eager"
+    with caplog.at_level(logging.INFO):  # the check (after the console log is set up) says so
+        compile_options.check_torch_compile_alias(args)
     assert ("--torch_compile/--dynamo_backend aot_eager: using regional compilation "
             "(--compile --compile_backend aot_eager)") in caplog.messages
     args = parse(flux_train, ["--torch_compile"])  # upstream's default backend
-    compile_options.apply_torch_compile_alias(args)
     assert args.compile and args.compile_backend == "inductor"
 
 
@@ -160,9 +158,8 @@ def test_dynamo_backend_no_from_the_kohya_gui_is_a_quiet_no_op(tmp_path, caplog)
     cfg = tmp_path / "run.toml"
     cfg.write_text('dynamo_backend = "no"\ntorch_compile = true\n')  # what the kohya_ss GUI can write
     for script in (sdxl_train_network, train_network, flux_train):
-        args = parse(script, ["--config_file", str(cfg)])
         with caplog.at_level(logging.INFO):
-            compile_options.apply_torch_compile_alias(args)
+            args = parse(script, ["--config_file", str(cfg)])
         assert compile_options.compile_args(args) is None or not args.compile
     assert "regional" not in caplog.text
     args = parse(sdxl_train_network, ["--dynamo_backend", "NO"])
@@ -176,21 +173,20 @@ def test_dynamo_backend_no_from_the_kohya_gui_is_a_quiet_no_op(tmp_path, caplog)
 
 def test_dynamo_backend_without_torch_compile_changes_nothing():
     args = parse(sdxl_train_network, ["--dynamo_backend", "aot_eager"])
-    compile_options.apply_torch_compile_alias(args)
     assert not args.compile and args.compile_backend == "inductor"
 
 
 def test_unavailable_dynamo_backend_is_a_clear_error():
     args = parse(sdxl_train_network, ["--torch_compile", "--dynamo_backend", "tvm"])
+    assert not args.compile  # parsing maps only a backend torch has here; the check refuses the rest
     with pytest.raises(CompileConfigError, match="--dynamo_backend tvm: not available .* use one of inductor"):
-        compile_options.apply_torch_compile_alias(args)
+        compile_options.check_torch_compile_alias(args)
 
 
 def test_torch_compile_gives_sd1_scripts_regional_compile(tiny_sd1_single_file, caplog):
     from library.model_util import load_sd_components
 
     args = parse(train_network, ["--torch_compile", "--dynamo_backend", "eager"])
-    compile_options.apply_torch_compile_alias(args)
     assert not hasattr(args, "compile")  # the SD1.x scripts have no --compile flags ...
     keys = {line.split("=")[0].strip() for line in train_util.dumps_config(args).splitlines() if "=" in line}
     assert "torch_compile" in keys and not keys & {"compile", "compile_backend"}  # ... nor does their run TOML
@@ -282,9 +278,8 @@ def test_cpu_offload_checkpointing_refusals():
 
 
 def test_flux_train_turns_on_gradient_checkpointing_for_cpu_offload(caplog):
-    args = parse(flux_train, ["--cpu_offload_checkpointing", "--optimizer_type", "Adafactor"])
-    with caplog.at_level(logging.WARNING):
-        flux_train_utils.check_full_args(args, None)
+    with caplog.at_level(logging.WARNING):  # parsing normalises (flux_train_utils.normalise_full_args)
+        args = parse(flux_train, ["--cpu_offload_checkpointing", "--optimizer_type", "Adafactor"])
     assert args.gradient_checkpointing
     assert "cpu_offload_checkpointing is enabled, so gradient_checkpointing is also enabled" in caplog.text
 
@@ -369,20 +364,21 @@ def test_diffusers_xformers_asks_diffusers_for_the_unet_and_the_vae(caplog):
 # ---------------------------------------------------------------------------------------------- FLUX options
 
 
-def test_flux_model_type_chroma_is_refused_with_a_reason():
-    args = parse(flux_train_network, ["--model_type", "chroma"])
-    with pytest.raises(ConfigError, match="--model_type chroma: .*not supported.*allowed here: flux"):
-        flux_train_network.trainer().family.check_args(args)
-    flux_train_network.trainer().family.check_args(parse(flux_train_network, ["--model_type", "flux"]))
+def test_flux_model_type_picks_the_family():
+    """--model_type chroma trains Chroma (library.families.chroma; its own checks: tests/test_chroma.py)."""
+    args = parse(flux_train_network, ["--model_type", "chroma", "--apply_t5_attn_mask"])
+    family = flux_train_network.trainer(args).family
+    assert family.label == "Chroma"
+    family.check_args(args)
+    assert flux_train_network.trainer(parse(flux_train_network, ["--model_type", "flux"])).family.label == "FLUX"
 
 
 def test_flux_split_mode_maps_to_blocks_to_swap_18(caplog):
-    args = parse(flux_train_network, ["--split_mode"])
-    with caplog.at_level(logging.WARNING):
-        flux_train_network.trainer().family.check_args(args)
+    with caplog.at_level(logging.WARNING):  # parsing normalises (flux_train_utils.map_split_mode)
+        args = parse(flux_train_network, ["--split_mode"])
     assert args.blocks_to_swap == 18 and "`--blocks_to_swap 18` is automatically set" in caplog.text
-    args = parse(flux_train_network, ["--split_mode", "--blocks_to_swap", "3"])
-    flux_train_network.trainer().family.check_args(args)
+    with caplog.at_level(logging.WARNING):
+        args = parse(flux_train_network, ["--split_mode", "--blocks_to_swap", "3"])
     assert args.blocks_to_swap == 3 and "`--split_mode` is ignored" in caplog.text
 
 
@@ -393,9 +389,8 @@ def test_flux_split_mode_maps_to_blocks_to_swap_18(caplog):
     ([], None),
 ])
 def test_flux_train_deprecated_block_swap_counts(argv, expected, caplog):
-    args = parse(flux_train, argv)
-    with caplog.at_level(logging.WARNING):
-        flux_train_utils.map_deprecated_swap_args(args)
+    with caplog.at_level(logging.WARNING):  # parsing normalises (flux_train_utils.normalise_full_args)
+        args = parse(flux_train, argv)
     assert args.blocks_to_swap == expected
     assert ("double_blocks_to_swap and single_blocks_to_swap are deprecated" in caplog.text) == (
         "--blocks_to_swap" not in argv and expected is not None)

@@ -175,10 +175,31 @@ def build_pipeline(components):
                         tokenizer_2=components.t5_tokenizer, transformer=components.transformer)
 
 
-@torch.no_grad()
 def sample_images(args, components, *, device, epoch, steps, autocast=None, networks=()) -> list[str]:
     """FLUX samples (flow-matching Euler, FluxPipeline over the live models): kohya prompt lines with --g for the
     embedded guidance and --l with --n for true CFG. Saved under <output_dir>/sample/; RNG states restored."""
+    max_length = t5_max_length(args, components)
+
+    def draw(pipe, p, generator):
+        kwargs = dict(prompt=p["prompt"], width=p.get("width", 512), height=p.get("height", 512),
+                      num_inference_steps=p.get("sample_steps", 20), guidance_scale=p.get("guidance_scale", 3.5),
+                      generator=generator, max_sequence_length=max_length)
+        if p.get("negative_prompt"):
+            kwargs.update(negative_prompt=p["negative_prompt"], true_cfg_scale=p.get("scale", 1.0))
+        return pipe(**kwargs).images[0]
+
+    return sample_with_pipeline(args, lambda: build_pipeline(components),
+                                (components.ae, components.clip_l, components.t5xxl), draw, device=device,
+                                epoch=epoch, steps=steps, autocast=autocast, networks=networks)
+
+
+@torch.no_grad()
+def sample_with_pipeline(args, make_pipeline, models, draw, *, device, epoch, steps, autocast=None,
+                         networks=()) -> list[str]:
+    """The sample loop of the flow-matching families (FLUX.1, library.families.chroma): the --sample_prompts
+    lines, `models` on `device` while sampling (moved back after), `make_pipeline()` over the live models,
+    `draw(pipe, prompt, generator)` -> one image per line, saved under <output_dir>/sample/; RNG states and the
+    networks' modes restored."""
     from library.sample_prompts import parse_prompt_file
     from library.sampling import sampling_state, save_sample_image
 
@@ -188,28 +209,19 @@ def sample_images(args, components, *, device, epoch, steps, autocast=None, netw
     os.makedirs(os.path.join(args.output_dir, "sample"), exist_ok=True)
     paths = []
     with sampling_state(networks):
-        moved = []
-        for m in (components.ae, components.clip_l, components.t5xxl):
-            if m.device != torch.device(device):
-                moved.append((m, m.device))
-                m.to(device)
+        moved = [(m, m.device) for m in models if m.device != torch.device(device)]
+        for m, _ in moved:
+            m.to(device)
         try:
-            pipe = build_pipeline(components)
+            pipe = make_pipeline()
             pipe.set_progress_bar_config(disable=True)
             for i, p in enumerate(prompts):
                 seed = p.get("seed")
                 gen = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
-                neg = p.get("negative_prompt") or None
-                kwargs = dict(prompt=p["prompt"], width=p.get("width", 512), height=p.get("height", 512),
-                              num_inference_steps=p.get("sample_steps", 20),
-                              guidance_scale=p.get("guidance_scale", 3.5), generator=gen,
-                              max_sequence_length=t5_max_length(args, components))
-                if neg:
-                    kwargs.update(negative_prompt=neg, true_cfg_scale=p.get("scale", 1.0))
                 ctx = autocast() if autocast is not None else torch.autocast(torch.device(device).type,
                                                                              enabled=False)
                 with ctx:
-                    image = pipe(**kwargs).images[0]
+                    image = draw(pipe, p, gen)
                 paths.append(save_sample_image(image, args, epoch=epoch, steps=steps, index=i, seed=seed,
                                                prompt=p["prompt"]))
         finally:
@@ -270,10 +282,6 @@ def check_full_args(args, target) -> None:
     from library import optimizers
     from library.errors import ConfigError
 
-    map_deprecated_swap_args(args)
-    if args.cpu_offload_checkpointing and not args.gradient_checkpointing:
-        logger.warning("cpu_offload_checkpointing is enabled, so gradient_checkpointing is also enabled")
-        args.gradient_checkpointing = True
     if args.train_text_encoder:
         raise ConfigError("--train_text_encoder: flux_train.py trains the FLUX transformer only (CLIP-L and "
                           "T5-XXL stay frozen); train a CLIP-L LoRA with flux_train_network.py instead")
@@ -291,9 +299,30 @@ def check_full_args(args, target) -> None:
                        "working\"); use --blockwise_fused_optimizers")
     if args.train_blocks not in TRAIN_BLOCKS:
         raise ConfigError(f"--train_blocks {args.train_blocks}: allowed: {', '.join(TRAIN_BLOCKS)}")
+
+
+def normalise_full_args(args) -> None:
+    """flux_train.py's deprecated forms and implied settings (train_util.normalise_args runs it, as upstream's
+    flux_train.py does before training)."""
+    map_deprecated_swap_args(args)
+    if args.cpu_offload_checkpointing and not args.gradient_checkpointing:
+        logger.warning("cpu_offload_checkpointing is enabled, so gradient_checkpointing is also enabled")
+        args.gradient_checkpointing = True
     if args.skip_latents_validity_check:
         logger.warning("--skip_latents_validity_check is deprecated: use --skip_cache_check")
         args.skip_cache_check = True
+
+
+def map_split_mode(args) -> None:
+    """flux_train_network.py's deprecated --split_mode, mapped as upstream maps it."""
+    if not args.split_mode:
+        return
+    if args.blocks_to_swap is not None:
+        logger.warning("split_mode is deprecated. Because `--blocks_to_swap` is set, `--split_mode` is ignored.")
+    else:
+        logger.warning("split_mode is deprecated. Please use `--blocks_to_swap` instead. "
+                       "`--blocks_to_swap 18` is automatically set.")
+        args.blocks_to_swap = 18
 
 
 def map_deprecated_swap_args(args) -> None:

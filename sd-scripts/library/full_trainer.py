@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from library import data_parallel, network_trainer, saving
+from library import data_parallel, metadata, network_trainer, saving
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +36,7 @@ def add_full_training_arguments(parser: argparse.ArgumentParser, *, text_encoder
         parser.add_argument("--learning_rate_te", type=float, default=None,
                             help="learning rate of the text encoder; default --learning_rate, 0 = frozen")
     saving.add_sd_saving_arguments(parser)  # --save_model_as (default: as the input model), --use_safetensors
-    parser.add_argument("--no_metadata", action="store_true", help="write no ss_*/modelspec metadata")
-    parser.add_argument("--training_comment", type=str, default=None, help="ss_training_comment metadata")
+    metadata.add_comment_arguments(parser, lora=False)  # --no_metadata --training_comment
 
 
 def add_diffusers_xformers_argument(parser: argparse.ArgumentParser) -> None:

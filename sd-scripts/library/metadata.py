@@ -65,6 +65,14 @@ MINIMUM_KEYS = ("ss_v2", "ss_base_model_version", "ss_network_module", "ss_netwo
                 "ss_network_args")
 
 
+def add_comment_arguments(parser: argparse.ArgumentParser, *, lora: bool) -> None:
+    """--no_metadata (a LoRA keeps upstream's minimum keys) and --training_comment."""
+    parser.add_argument("--no_metadata", action="store_true",
+                        help="write only the minimum ss_* keys (base model, network) and the modelspec keys" if lora
+                        else "write no ss_*/modelspec metadata")
+    parser.add_argument("--training_comment", type=str, default=None, help="ss_training_comment metadata")
+
+
 def add_metadata_arguments(parser: argparse.ArgumentParser) -> None:
     for name in METADATA_FIELDS:
         parser.add_argument(f"--metadata_{name}", type=str, default=None, help=_METADATA_HELP[name])

@@ -44,11 +44,8 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
                         help="text encoder LoRA learning rate: one value for all text encoders, or one per text "
                              "encoder where the network module supports it (upstream: networks with "
                              "prepare_optimizer_params_with_multiple_te_lrs); default --learning_rate")
-    parser.add_argument("--save_model_as", type=str, default="safetensors", choices=[None, "ckpt", "pt", "safetensors"],
-                        help="file format of the LoRA")
-    parser.add_argument("--no_metadata", action="store_true",
-                        help="write only the minimum ss_* keys (base model, network) and the modelspec keys")
-    parser.add_argument("--training_comment", type=str, default=None, help="ss_training_comment metadata")
+    saving.add_save_model_as_argument(parser, lora=True)
+    metadata_util.add_comment_arguments(parser, lora=True)  # --no_metadata --training_comment
     from library.network_options import add_network_option_arguments
 
     add_network_option_arguments(parser)  # --scale_weight_norms --base_weights --base_weights_multiplier

@@ -84,10 +84,19 @@ def add_initial_step_arguments(parser: argparse.ArgumentParser) -> None:
                              "(otherwise the start epoch is trained from its first batch)")
 
 
+def add_save_model_as_argument(parser: argparse.ArgumentParser, *, lora: bool) -> None:
+    """--save_model_as: a LoRA file's format (LoRA scripts), or the full model's format (full scripts)."""
+    if lora:
+        parser.add_argument("--save_model_as", type=str, default="safetensors",
+                            choices=[None, "ckpt", "pt", "safetensors"], help="file format of the LoRA")
+    else:
+        parser.add_argument("--save_model_as", type=str, default=None, choices=list(SD_SAVE_FORMATS),
+                            help="ckpt / safetensors (single file), diffusers / diffusers_safetensors (folder); "
+                                 "default: as the input model")
+
+
 def add_sd_saving_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--save_model_as", type=str, default=None, choices=list(SD_SAVE_FORMATS),
-                        help="ckpt / safetensors (single file), diffusers / diffusers_safetensors (folder); "
-                             "default: as the input model")
+    add_save_model_as_argument(parser, lora=False)
     parser.add_argument("--use_safetensors", action="store_true",
                         help="without --save_model_as: save a single file as .safetensors")
 

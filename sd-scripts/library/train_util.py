@@ -252,15 +252,25 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
 
     if bad := non_finite_options(args):  # one line per option
         raise ConfigError("; ".join(bad))
-    return normalise_args(args)
+    return normalise_args(args, getattr(parser, "normalisers", ()))
 
 
-def normalise_args(args: argparse.Namespace) -> argparse.Namespace:
+def add_normaliser(parser: argparse.ArgumentParser, normalise) -> None:
+    """A script's own normalisation (deprecated spellings of its own options), run by normalise_args after the
+    shared ones: the script registers it on its parser, so this module imports no script or family module."""
+    parser.normalisers = [*getattr(parser, "normalisers", ()), normalise]
+
+
+def normalise_args(args: argparse.Namespace, normalisers=()) -> argparse.Namespace:
     """The one step that changes options after parsing, before anything checks or reads them (the checks never
-    change args): deprecated spellings become the options they stand for."""
+    change args): deprecated spellings and aliases become the options they stand for."""
     from library import captions
+    from library.compile import options as compile_options
 
     captions.resolve_caption_extension_alias(args)
+    compile_options.apply_torch_compile_alias(args)
+    for normalise in normalisers:
+        normalise(args)
     return args
 
 

@@ -121,31 +121,47 @@ def _compile_defaults() -> argparse.Namespace:
 
 
 def apply_torch_compile_alias(args) -> None:
-    """--torch_compile [--dynamo_backend B] -> regional compilation (--compile --compile_backend B), logged.
+    """--torch_compile [--dynamo_backend B] -> regional compilation (--compile --compile_backend B); run by
+    train_util.normalise_args. check_torch_compile_alias logs the outcome (once the console log is set up) and
+    refuses a backend torch.compile lacks here, which this leaves as it is.
 
     Scripts with the compile flags (SDXL, FLUX.1) get them set; the SD1.x/SD2.x scripts, which have none, get
-    the settings in args._torch_compile (compile_args reads them; the run TOML keeps only the upstream switches).
-    Raises CompileConfigError for a backend that torch.compile does not have here."""
+    the settings in args._torch_compile (compile_args reads them; the run TOML keeps only the upstream switches)."""
+    if not getattr(args, "torch_compile", False):
+        return
+    backend = str(args.dynamo_backend)
+    if backend.lower() == "no" or backend not in BACKENDS:
+        return  # "no", as upstream: compile switched on with no backend compiles nothing
+    target = args if hasattr(args, "compile") else argparse.Namespace(**{**vars(_compile_defaults()), **vars(args)})
+    if target.compile and target.compile_backend != backend:
+        return  # --compile --compile_backend wins
+    target.compile = True
+    target.compile_backend = backend
+    if target is not args:
+        args._torch_compile = target
+
+
+def check_torch_compile_alias(args) -> None:
+    """Logs what apply_torch_compile_alias made of --torch_compile; raises CompileConfigError for a
+    --dynamo_backend that torch.compile does not have here, and for the SD1.x/SD2.x scripts' --torch_compile
+    settings (the other scripts check their --compile flags themselves)."""
     if not getattr(args, "torch_compile", False):
         return
     backend = str(args.dynamo_backend)
     if backend.lower() == "no":
-        return  # as upstream: compile switched on with no backend compiles nothing
+        return
     if backend not in BACKENDS:
         raise CompileConfigError(
             f"--dynamo_backend {backend}: not available with torch {torch.__version__} here; "
             f"use one of {', '.join(BACKENDS)} (or no)"
         )
-    target = args if hasattr(args, "compile") else argparse.Namespace(**{**vars(_compile_defaults()), **vars(args)})
-    if target.compile and target.compile_backend != backend:
+    settings = compile_args(args)
+    if settings.compile_backend != backend:
         logger.info(f"--torch_compile --dynamo_backend {backend} ignored: --compile --compile_backend "
-                    f"{target.compile_backend} is set")
+                    f"{settings.compile_backend} is set")
         return
-    target.compile = True
-    target.compile_backend = backend
-    if target is not args:
-        validate_compile_args(target)
-        args._torch_compile = target
+    if settings is not args:
+        validate_compile_args(settings)
     logger.info(f"--torch_compile/--dynamo_backend {backend}: using regional compilation "
                 f"(--compile --compile_backend {backend})")
 

@@ -39,7 +39,8 @@ class Chroma:
                               "attention mask)")
         if args.clip_l:
             logger.warning("--clip_l is ignored: Chroma does not use CLIP-L")
-        flux.Flux.check_args(self, args)
+        flux.check_args(args)
+        self.train_t5xxl = flux.network_arg_true(args, "train_t5xxl")
 
     def load(self, args, weight_dtype, fp8_denoiser: bool):
         from library.flux_models import FluxModelError
@@ -82,19 +83,19 @@ class Chroma:
                               weight_dtype)
 
     def enable_gradient_checkpointing(self, args, components, text_encoders: list) -> None:
-        flux.Flux.enable_gradient_checkpointing(self, args, components, text_encoders)
+        flux.enable_gradient_checkpointing(args, components, text_encoders)
 
     def place_denoiser(self, args, components, device, weight_dtype, fp8: bool) -> None:
-        flux.Flux.place_denoiser(self, args, components, device, weight_dtype, fp8)
+        self.swapper = flux.place_denoiser(args, components, device, weight_dtype, fp8)
 
     def apply_fp8(self, args, components, fp8_targets) -> None:
-        flux.Flux.apply_fp8(self, args, components, fp8_targets)
+        flux.apply_fp8(components, fp8_targets)
 
     def set_attention_backend(self, args, components) -> None:
-        flux.Flux.set_attention_backend(self, args, components)
+        flux.set_attention_backend(args, components)
 
     def compile(self, args, components) -> None:
-        flux.Flux.compile(self, args, components)
+        self.compiled_blocks = flux.compile_denoiser(args, components, self.label)
 
     def sample(self, args, components, accelerator, *, epoch, steps, networks, prediction_type) -> None:
         sample_images(args, components, self.t5_len, device=accelerator.device, epoch=epoch, steps=steps,
@@ -104,7 +105,7 @@ class Chroma:
         return "chroma"  # upstream's MODEL_VERSION_CHROMA
 
     def metadata(self, args, fp8_targets) -> dict[str, str]:
-        return flux.Flux.metadata(self, args, fp8_targets)  # ss_model_type = chroma from --model_type
+        return flux.metadata(args, fp8_targets, self.t5_len, self.compiled_blocks)  # ss_model_type = chroma from --model_type
 
     def modelspec_variant(self) -> str | None:
         return "chroma"  # modelspec.architecture "chroma", implementation lodestones/Chroma (as upstream)
@@ -180,46 +181,27 @@ def chroma_forward(transformer, noisy: torch.Tensor, sigmas: torch.Tensor, te: d
     return flux_train_utils.unpack_latents(out, h, w)
 
 
-@torch.no_grad()
 def sample_images(args, components, t5_len: int, *, device, epoch, steps, autocast=None, networks=()) -> list[str]:
     """Chroma samples with diffusers' ChromaPipeline over the live models: kohya prompt lines; --l is the CFG scale
     with --n (upstream's Chroma samples need a negative prompt), --g the embedded guidance (upstream: 0)."""
-    import os
-
     from diffusers import ChromaPipeline
 
     from library.flux_tiny import flow_match_scheduler
-    from library.sample_prompts import parse_prompt_file
-    from library.sampling import sampling_state, save_sample_image
 
-    prompts = parse_prompt_file(args.sample_prompts)
-    if not prompts:
-        return []
-    os.makedirs(os.path.join(args.output_dir, "sample"), exist_ok=True)
-    paths = []
-    with sampling_state(networks):
-        moved = [(m, m.device) for m in (components.ae, components.t5xxl) if m.device != torch.device(device)]
-        for m, _ in moved:
-            m.to(device)
-        try:
-            pipe = ChromaPipeline(scheduler=flow_match_scheduler(), vae=components.ae, text_encoder=components.t5xxl,
-                                  tokenizer=components.t5_tokenizer, transformer=components.transformer)
-            pipe.set_progress_bar_config(disable=True)
-            for i, p in enumerate(prompts):
-                seed = p.get("seed")
-                gen = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
-                ctx = autocast() if autocast is not None else contextlib.nullcontext()
-                with ctx, embedded_guidance(components.transformer, p.get("guidance_scale", 3.5)):
-                    image = pipe(prompt=p["prompt"], negative_prompt=p.get("negative_prompt") or None,
-                                 guidance_scale=p.get("scale", 1.0), width=p.get("width", 512),
-                                 height=p.get("height", 512), num_inference_steps=p.get("sample_steps", 20),
-                                 generator=gen, max_sequence_length=t5_len).images[0]
-                paths.append(save_sample_image(image, args, epoch=epoch, steps=steps, index=i, seed=seed,
-                                               prompt=p["prompt"]))
-        finally:
-            for m, d in moved:
-                m.to(d)
-    return paths
+    def make_pipeline():
+        return ChromaPipeline(scheduler=flow_match_scheduler(), vae=components.ae, text_encoder=components.t5xxl,
+                              tokenizer=components.t5_tokenizer, transformer=components.transformer)
+
+    def draw(pipe, p, generator):
+        with embedded_guidance(components.transformer, p.get("guidance_scale", 3.5)):
+            return pipe(prompt=p["prompt"], negative_prompt=p.get("negative_prompt") or None,
+                        guidance_scale=p.get("scale", 1.0), width=p.get("width", 512), height=p.get("height", 512),
+                        num_inference_steps=p.get("sample_steps", 20), generator=generator,
+                        max_sequence_length=t5_len).images[0]
+
+    return flux_train_utils.sample_with_pipeline(args, make_pipeline, (components.ae, components.t5xxl), draw,
+                                                 device=device, epoch=epoch, steps=steps, autocast=autocast,
+                                                 networks=networks)
 
 
 def family_for(args, bucket_reso_steps_multiple: int = 32):

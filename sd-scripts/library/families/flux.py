@@ -28,30 +28,8 @@ class Flux:
         return "flux"
 
     def check_args(self, args) -> None:
-        from library.compile import options as compile_options
-        from library.errors import ConfigError
-
-        if args.v2 or args.v_parameterization:
-            raise ConfigError("--v2 / --v_parameterization are for SD2.x; flux_train_network.py trains FLUX.1")
-        if getattr(args, "network_module", None) == "lycoris.kohya":  # the LyCORIS algos that run on FLUX.1 here
-            from library.network_options import parse_network_args
-            from networks import lycoris_kohya
-
-            lycoris_kohya.check_flux_algo(parse_network_args(args.network_args), ConfigError)
-        elif getattr(args, "network_module", None) not in (None, "networks.lora_flux", "networks.oft_flux"):
-            logger.warning("--network_module %s: FLUX LoRA files in kohya's format come from networks.lora_flux",
-                           args.network_module)
-        self.train_t5xxl = _network_arg_true(args, "train_t5xxl")
-        if getattr(args, "split_mode", False):  # upstream's deprecated form, mapped as upstream maps it
-            if args.blocks_to_swap is not None:
-                logger.warning("split_mode is deprecated. Because `--blocks_to_swap` is set, `--split_mode` is ignored.")
-            else:
-                logger.warning("split_mode is deprecated. Please use `--blocks_to_swap` instead. "
-                               "`--blocks_to_swap 18` is automatically set.")
-                args.blocks_to_swap = 18
-        offload_checkpointing.check_args(args, ConfigError)
-        flux_train_utils.check_flux_args(args, ConfigError)
-        compile_options.validate_compile_args(args)
+        check_args(args)
+        self.train_t5xxl = network_arg_true(args, "train_t5xxl")
 
     def load(self, args, weight_dtype, fp8_denoiser: bool):
         from library.errors import ConfigError
@@ -91,41 +69,19 @@ class Flux:
                                              args.guidance_scale, weight_dtype, args.apply_t5_attn_mask)
 
     def enable_gradient_checkpointing(self, args, components, text_encoders: list) -> None:
-        from library.families import sd
-
-        sd.enable_gradient_checkpointing(args, components.denoiser, text_encoders)
+        enable_gradient_checkpointing(args, components, text_encoders)
 
     def place_denoiser(self, args, components, device, weight_dtype, fp8: bool) -> None:
-        """Keeps fp8 weights; places only the blocks that --blocks_to_swap leaves on the GPU."""
-        from library.block_swap import BlockSwapError
-        from library.errors import ConfigError
-
-        try:
-            self.swapper = flux_train_utils.place_transformer(components.transformer, device, weight_dtype, fp8,
-                                                              args.blocks_to_swap or 0)
-        except BlockSwapError as e:
-            raise ConfigError(str(e)) from e
+        self.swapper = place_denoiser(args, components, device, weight_dtype, fp8)
 
     def apply_fp8(self, args, components, fp8_targets) -> None:
-        from library import precision
-
-        # the loader made the transformer fp8; --fp8_base also CLIP-L and T5-XXL
-        precision.apply_fp8_to_components(fp8_targets, None, components.text_encoders)
+        apply_fp8(components, fp8_targets)
 
     def set_attention_backend(self, args, components) -> None:
-        from library.families import sd
-
-        sd.set_attention_backend(args, components)
+        set_attention_backend(args, components)
 
     def compile(self, args, components) -> None:
-        from library.compile import environment as compile_environment, regional
-
-        compile_environment.setup_compile_environment(args)
-        if args.compile:
-            self.compiled_blocks = regional.compile_model_blocks(
-                components.transformer, args, model_name=self.label,
-                gradient_checkpointing=args.gradient_checkpointing, disable_linear=(args.blocks_to_swap or 0) > 0,
-                offload_checkpointing=offload_checkpointing.enabled(args))
+        self.compiled_blocks = compile_denoiser(args, components, self.label)
 
     def sample(self, args, components, accelerator, *, epoch, steps, networks, prediction_type) -> None:
         flux_train_utils.sample_images(args, components, device=accelerator.device, epoch=epoch, steps=steps,
@@ -135,28 +91,8 @@ class Flux:
         return "flux1"
 
     def metadata(self, args, fp8_targets) -> dict[str, str]:
-        from library.compile import options as compile_options
+        return metadata(args, fp8_targets, self.t5_len, self.compiled_blocks)
 
-        md = dict(compile_options.compile_settings_metadata(args))
-        md.update({
-            "ss_model_type": str(getattr(args, "model_type", "flux")),  # upstream's --model_type (flux/chroma)
-            "ss_guidance_scale": str(args.guidance_scale),
-            "ss_timestep_sampling": args.timestep_sampling,
-            "ss_sigmoid_scale": str(args.sigmoid_scale),
-            "ss_discrete_flow_shift": str(args.discrete_flow_shift),
-            "ss_model_prediction_type": args.model_prediction_type,
-            "ss_weighting_scheme": args.weighting_scheme,
-            "ss_logit_mean": str(args.logit_mean),
-            "ss_logit_std": str(args.logit_std),
-            "ss_mode_scale": str(args.mode_scale),
-            "ss_apply_t5_attn_mask": str(bool(args.apply_t5_attn_mask)),
-            "ss_t5xxl_max_token_length": str(self.t5_len),
-            "ss_fp8_base": str(fp8_targets[0]),  # upstream: --fp8_base_unet sets fp8_base for FLUX
-            "ss_blocks_to_swap": str(args.blocks_to_swap or 0),
-        })
-        if self.compiled_blocks:
-            md["ss_compile_blocks"] = str(self.compiled_blocks)
-        return md
 
     def modelspec_variant(self) -> str | None:
         return None if self.is_schnell is None else "schnell" if self.is_schnell else "dev"
@@ -177,7 +113,98 @@ class Flux:
         flux_train_utils.save_transformer(args, components, path, metadata, save_dtype, self.swapper)
 
 
-def _network_arg_true(args, key: str) -> bool:
+# FLUX.1's pieces as functions: Flux calls them, and so does Chroma (library.families.chroma), which shares them
+
+
+def check_args(args) -> None:
+    from library.compile import options as compile_options
+    from library.errors import ConfigError
+
+    if args.v2 or args.v_parameterization:
+        raise ConfigError("--v2 / --v_parameterization are for SD2.x; flux_train_network.py trains FLUX.1")
+    if getattr(args, "network_module", None) == "lycoris.kohya":  # the LyCORIS algos that run on FLUX.1 here
+        from library.network_options import parse_network_args
+        from networks import lycoris_kohya
+
+        lycoris_kohya.check_flux_algo(parse_network_args(args.network_args), ConfigError)
+    elif getattr(args, "network_module", None) not in (None, "networks.lora_flux", "networks.oft_flux"):
+        logger.warning("--network_module %s: FLUX LoRA files in kohya's format come from networks.lora_flux",
+                       args.network_module)
+    offload_checkpointing.check_args(args, ConfigError)
+    flux_train_utils.check_flux_args(args, ConfigError)
+    compile_options.validate_compile_args(args)
+
+
+def enable_gradient_checkpointing(args, components, text_encoders: list) -> None:
+    from library.families import sd
+
+    sd.enable_gradient_checkpointing(args, components.denoiser, text_encoders)
+
+
+def place_denoiser(args, components, device, weight_dtype, fp8: bool):
+    """Keeps fp8 weights; places only the blocks that --blocks_to_swap leaves on the GPU. Returns the block
+    swapper (None without --blocks_to_swap)."""
+    from library.block_swap import BlockSwapError
+    from library.errors import ConfigError
+
+    try:
+        return flux_train_utils.place_transformer(components.transformer, device, weight_dtype, fp8,
+                                                  args.blocks_to_swap or 0)
+    except BlockSwapError as e:
+        raise ConfigError(str(e)) from e
+
+
+def apply_fp8(components, fp8_targets) -> None:
+    from library import precision
+
+    # the loader made the transformer fp8; --fp8_base also the text encoders
+    precision.apply_fp8_to_components(fp8_targets, None, components.text_encoders)
+
+
+def set_attention_backend(args, components) -> None:
+    from library.families import sd
+
+    sd.set_attention_backend(args, components)
+
+
+def compile_denoiser(args, components, label: str) -> int:
+    """Regional compile of the transformer's blocks with --compile; returns how many were compiled."""
+    from library.compile import environment as compile_environment, regional
+
+    compile_environment.setup_compile_environment(args)
+    if not args.compile:
+        return 0
+    return regional.compile_model_blocks(
+        components.transformer, args, model_name=label, gradient_checkpointing=args.gradient_checkpointing,
+        disable_linear=(args.blocks_to_swap or 0) > 0, offload_checkpointing=offload_checkpointing.enabled(args))
+
+
+def metadata(args, fp8_targets, t5_len: int, compiled_blocks: int) -> dict[str, str]:
+    from library.compile import options as compile_options
+
+    md = dict(compile_options.compile_settings_metadata(args))
+    md.update({
+        "ss_model_type": str(getattr(args, "model_type", "flux")),  # upstream's --model_type (flux/chroma)
+        "ss_guidance_scale": str(args.guidance_scale),
+        "ss_timestep_sampling": args.timestep_sampling,
+        "ss_sigmoid_scale": str(args.sigmoid_scale),
+        "ss_discrete_flow_shift": str(args.discrete_flow_shift),
+        "ss_model_prediction_type": args.model_prediction_type,
+        "ss_weighting_scheme": args.weighting_scheme,
+        "ss_logit_mean": str(args.logit_mean),
+        "ss_logit_std": str(args.logit_std),
+        "ss_mode_scale": str(args.mode_scale),
+        "ss_apply_t5_attn_mask": str(bool(args.apply_t5_attn_mask)),
+        "ss_t5xxl_max_token_length": str(t5_len),
+        "ss_fp8_base": str(fp8_targets[0]),  # upstream: --fp8_base_unet sets fp8_base for FLUX
+        "ss_blocks_to_swap": str(args.blocks_to_swap or 0),
+    })
+    if compiled_blocks:
+        md["ss_compile_blocks"] = str(compiled_blocks)
+    return md
+
+
+def network_arg_true(args, key: str) -> bool:
     from library.network_options import parse_network_args
 
     value = parse_network_args(getattr(args, "network_args", None)).get(key, "")

@@ -60,13 +60,13 @@ class Trainer:
 
     # -- checks ---------------------------------------------------------------------------------------------
     def check_common_options(self, args) -> None:
-        """Logging, tracker, precision, memory and compile-switch options of every trainer, before the
-        script's own checks (which validate the compile settings --torch_compile sets)."""
+        """Logging, tracker, precision, memory and compile-switch options of every trainer, before the script's own
+        checks (train_util.normalise_args mapped --torch_compile to the compile settings)."""
         from library import console_log, precision, trackers
         from library.compile import options as compile_options
 
-        console_log.apply_console_log_args(args)
-        compile_options.apply_torch_compile_alias(args)
+        console_log.apply_console_log_args(args)  # a side effect (the log handler), not a setting
+        compile_options.check_torch_compile_alias(args)
         trackers.check_tracker_args(args)
         precision.check_precision_args(args)
         ema.check_ema_args(args, ConfigError)
