@@ -47,8 +47,11 @@ def script_path(tab: str, family: str) -> str:
 
 def launch_args(values: dict[str, Any]) -> list[str]:
     """accelerate launch options. Processes, machines and precision are always given so accelerate does
-    not fall back to a local accelerate config; dynamo is off because the trainer compiles the blocks."""
+    not fall back to a local accelerate config; dynamo is off because the trainer compiles the blocks. --quiet:
+    a trainer that stops with its one-line error (exit 2) is not followed by the launcher's own
+    CalledProcessError traceback (accelerate then exits 1)."""
     out = [
+        "--quiet",
         "--num_processes", str(values.get("num_processes") or 1),
         "--num_machines", str(values.get("num_machines") or 1),
         "--mixed_precision", str(values.get("mixed_precision") or "no"),

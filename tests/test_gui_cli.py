@@ -240,3 +240,18 @@ def test_train_cli_refuses_incomplete_settings(tmp_path):
     assert "pretrained_model_name_or_path" in out.stderr and "is required" in out.stderr
     assert "train_data_dir" in out.stderr
     assert not (REPO / "out").exists()
+
+
+def test_a_failing_trainer_is_one_line_without_the_launchers_traceback(tmp_path):
+    """The launch options carry --quiet: a trainer's one-line error is not followed by accelerate's
+    CalledProcessError traceback (issue 26 item 3)."""
+    values = {**P.defaults("lora"), "pretrained_model_name_or_path": str(tmp_path / "missing.safetensors"),
+              "train_data_dir": str(tmp_path), "output_dir": str(tmp_path / "out"), "output_name": "x"}
+    argv = command.build_argv("lora", "SD1.x", values, tmp_path / "run.toml")
+    assert argv[:3] == ["accelerate", "launch", "--quiet"]
+    config_file.save(tmp_path / "run.toml", "lora", "SD1.x", values)
+    argv[0:2] = [sys.executable, "-m", "accelerate.commands.launch"]
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300, env=training.run_env())
+    assert proc.returncode != 0
+    assert "CalledProcessError" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")], proc.stderr[-2000:]
