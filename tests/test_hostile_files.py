@@ -118,7 +118,7 @@ def test_the_nesting_scan_skips_strings_and_comments():
 @pytest.mark.parametrize("name", ["binary.toml", "arrays.toml", "headers.toml", "many_keys.toml"])
 def test_the_trainer_script_exits_2_with_one_line(hostile, name):
     proc = subprocess.run([sys.executable, "sd-scripts/train_network.py", "--config_file", str(hostile / name)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+                          cwd=REPO, capture_output=True, text=True, timeout=500)  # a busy 2-core CI machine
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
     assert len(errors) == 1 and len(errors[0]) < 2000
