@@ -85,7 +85,7 @@ def test_network_fields_follow_the_network_module_and_reach_the_command(page):
     page.wait_for_function("() => document.querySelector('#lora-standalone textarea').value.includes('lycoris')")
     standalone = page.locator("#lora-standalone textarea").input_value()
     assert "--network_module lycoris.kohya" in standalone and re.search(
-        r"--network_args (\S+=\S+ )*algo=lokr factor=8", standalone), standalone
+        r"--network_args (\S+=\S+ )*algo=lokr( \S+=\S+)* factor=8", standalone), standalone
     pick(page, "lora-network_module", "LoRA (the family's)")
     page.locator("#lora-network_args-block_dims").wait_for(state="visible")
 
