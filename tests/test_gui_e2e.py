@@ -222,6 +222,7 @@ def test_save_then_open_restores_values(page, workdir):
     field(page, "lora-config-path").fill(str(target))
     page.locator("#lora-acc-network").get_by_text("Network").first.click()  # closed accordions render lazily
     field(page, "lora-network_dim").fill("12")
+    page.locator("#lora-acc-compile").get_by_text("Torch Compile Settings").click()  # a fresh page: closed
     pick(page, "lora-compile_mode", "reduce-overhead")
     page.locator("#lora-save").click()
     page.locator("#lora-status").get_by_text("Saved").wait_for()
