@@ -500,19 +500,16 @@ def text_encoder_state_dict(model, dtype: torch.dtype | None = None) -> dict:
 
 def tiny_transformer(*, width=64, num_layers=2, joint_dim=64, pooled_dim=64, qk_norm=False, attn2_layers=(),
                      pos_embed_max_size=16, seed=0):
-    from accelerate import init_empty_weights
     from diffusers import SD3Transformer2DModel
 
     from library.flux_tiny import _randomize
 
-    with init_empty_weights():
-        model = SD3Transformer2DModel(
-            sample_size=pos_embed_max_size, patch_size=2, in_channels=16, num_layers=num_layers,
-            attention_head_dim=HEAD_DIM, num_attention_heads=width // HEAD_DIM, joint_attention_dim=joint_dim,
-            caption_projection_dim=width, pooled_projection_dim=pooled_dim, out_channels=16,
-            pos_embed_max_size=pos_embed_max_size, dual_attention_layers=tuple(attn2_layers),
-            qk_norm="rms_norm" if qk_norm else None)
-    model = model.to_empty(device="cpu")
+    model = SD3Transformer2DModel(  # built for real: the positional-embedding buffer is computed, not left empty
+        sample_size=pos_embed_max_size, patch_size=2, in_channels=16, num_layers=num_layers,
+        attention_head_dim=HEAD_DIM, num_attention_heads=width // HEAD_DIM, joint_attention_dim=joint_dim,
+        caption_projection_dim=width, pooled_projection_dim=pooled_dim, out_channels=16,
+        pos_embed_max_size=pos_embed_max_size, dual_attention_layers=tuple(attn2_layers),
+        qk_norm="rms_norm" if qk_norm else None)
     return _randomize(model, seed, std=0.5 / width ** 0.5)
 
 
