@@ -64,6 +64,9 @@ RENAMED = {"max_resolution": "resolution", "optimizer": "optimizer_type", "lora_
            "sdxl_no_half_vae": "no_half_vae", "sdxl_cache_text_encoder_outputs": "cache_text_encoder_outputs",
            "flux1_cache_text_encoder_outputs": "cache_text_encoder_outputs",
            "flux1_cache_text_encoder_outputs_to_disk": "cache_text_encoder_outputs_to_disk",
+           "sd3_cache_text_encoder_outputs": "cache_text_encoder_outputs",
+           "sd3_cache_text_encoder_outputs_to_disk": "cache_text_encoder_outputs_to_disk",
+           "sd3_text_encoder_batch_size": "text_encoder_batch_size",
            "batch_size": "train_batch_size"}
 LORA_RENAMED = {"learning_rate_te": "text_encoder_lr"}  # the LoRA scripts' name for it; train_db/fine_tune keep it
 ZERO_IS_UNSET = {"vae_batch_size"}  # kohya_ss writes 0 for "not set" where the trainer's default is another number
@@ -186,13 +189,12 @@ def refuse_non_config(data: dict) -> None:
 
 
 def _family(data: dict, run_toml: bool = False) -> str:
-    if data.get("sd3_checkbox"):
-        raise ImportError_("this is a kohya_ss SD3 configuration (sd3_checkbox); SD3 is not a model family here "
-                           "(SD1.x, SD2.x, SDXL, FLUX.1)")
     if run_toml:  # the trainers' own option names: the same rule as opening such a TOML
         return P.guess_family(data)
     if data.get("flux1_checkbox"):
         return "FLUX.1"
+    if data.get("sd3_checkbox"):
+        return "SD3"
     if data.get("sdxl") or data.get("sdxl_checkbox"):
         return "SDXL"
     if data.get("v2"):
@@ -359,6 +361,10 @@ def from_kohya_ss(data: dict, tab: str | None = None, run_toml: bool = False, fa
             continue
         if key in by_rule and by_rule[key][0] != "mapped":
             report.append((key, *by_rule[key]))
+            continue
+        if not run_toml and key in RENAMED and (key.startswith("sd3_") != (family == "SD3")) and \
+                key.startswith(("sd3_", "sdxl_", "flux1_")):
+            report.append((key, "dropped", f"a field of another family's panel in kohya_ss (the family is {family})"))
             continue
         entry = None if run_toml else _form_field(key, value, data, imported)
         if entry:

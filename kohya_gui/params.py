@@ -23,7 +23,7 @@ from . import option_places
 
 TABS = ("lora", "dreambooth", "finetune")
 TAB_LABELS = {"lora": "LoRA", "dreambooth": "DreamBooth", "finetune": "Fine-tune"}
-FAMILIES = ("SD1.x", "SD2.x", "SDXL", "FLUX.1")
+FAMILIES = ("SD1.x", "SD2.x", "SDXL", "FLUX.1", "SD3")
 COMPILE_FAMILIES = option_places.COMPILE_FAMILIES
 
 SCRIPTS = {
@@ -31,14 +31,17 @@ SCRIPTS = {
     ("lora", "SD2.x"): "train_network.py",
     ("lora", "SDXL"): "sdxl_train_network.py",
     ("lora", "FLUX.1"): "flux_train_network.py",
+    ("lora", "SD3"): "sd3_train_network.py",
     ("dreambooth", "SD1.x"): "train_db.py",
     ("dreambooth", "SD2.x"): "train_db.py",
     ("dreambooth", "SDXL"): "sdxl_train.py",
     ("dreambooth", "FLUX.1"): "flux_train.py",
+    ("dreambooth", "SD3"): "sd3_train.py",
     ("finetune", "SD1.x"): "fine_tune.py",
     ("finetune", "SD2.x"): "fine_tune.py",
     ("finetune", "SDXL"): "sdxl_train.py",
     ("finetune", "FLUX.1"): "flux_train.py",
+    ("finetune", "SD3"): "sd3_train.py",
 }
 
 # Accordions in page order: key -> (title, open by default). The key is also the TOML table name. Sub-groups
@@ -51,6 +54,7 @@ ACCORDIONS = {
     "optimizer": ("Optimizer and scheduler", False),
     "network": ("Network", False),
     "flux": ("FLUX.1 options", False),
+    "sd3": ("SD3 options", False),
     "advanced": ("Advanced", False),
     "samples": ("Samples", False),
     "accelerate": ("Accelerate launch", False),
@@ -277,6 +281,13 @@ NOT_SHOWN: dict[tuple[str, str], str] = {
        for f in ("SD1.x", "SD2.x")},
     **{("cuda_graph_step", f): "it sits with the Torch Compile Settings, which are for SDXL and FLUX.1 (train_network.py "
        "takes it on the command line)" for f in ("SD1.x", "SD2.x")},
+    # SD3 (sd3_train_network.py, sd3_train.py)
+    **{(name, "SD3"): "SD2.x is a family of its own; SD3 is a flow-matching model" for name in ("v2", "v_parameterization")},
+    **{(name, "SD3"): "sd-scripts applies it to SD1.x/SD2.x/SDXL noise only (SD3 has weighting schemes)"
+       for name in ("noise_offset", "min_snr_gamma")},
+    **{(name, "SD3"): "the Torch Compile Settings are for SDXL and FLUX.1 (the product's spec); SD3 takes the compile "
+       "flags on the command line and in Additional parameters"
+       for name, look in option_places.PLACES.items() if look.families == option_places.COMPILE_FAMILIES},
 }
 
 
@@ -411,8 +422,10 @@ def _family_options(family: str) -> set[str]:
 
 def guess_family(keys: dict[str, Any], fallback: str = "SDXL") -> str:
     """The model family of a run TOML that does not say (no [gui] table): the one rule of Open, print-command and
-    import. FLUX.1 by its model files or network, SD2.x by v2, else SDXL or SD1.x where a key only that family's
+    import. SD3 by its CLIP-G file, network or --training_shift, FLUX.1 by its model files or network, SD2.x by v2, else SDXL or SD1.x where a key only that family's
     scripts accept says so, else `fallback` (the GUI's default family)."""
+    if keys.get("network_module") == "networks.lora_sd3" or keys.get("clip_g") or "training_shift" in keys:
+        return "SD3"
     if keys.get("network_module") in ("networks.lora_flux", "networks.oft_flux") or \
             any(keys.get(k) for k in ("clip_l", "t5xxl", "ae")):
         return "FLUX.1"

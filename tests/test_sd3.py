@@ -87,15 +87,18 @@ def test_lora_has_upstreams_keys_and_loads_in_diffusers_pipeline(sd3_set, sd3_da
         "--pretrained_model_name_or_path", sd3_set["transformer"], "--tokenizer_cache_dir",
         sd3_set["tokenizer_cache_dir"], *LORA, *train_argv(sd3_data, tmp_path / "out", "lora", [
             "--weighting_scheme", "logit_normal", "--clip_l_dropout_rate", "0.5", "--t5_dropout_rate", "0.5",
-            "--pos_emb_random_crop_rate", "0.5", "--sample_prompts", str(prompts), "--sample_every_n_steps", "2"])])
+            "--pos_emb_random_crop_rate", "0.5", "--network_args", "emb_dims=[2,0,0,2,2,0]", "--sample_prompts", str(prompts), "--sample_every_n_steps", "2"])])
     sd, md = read(path)
     names = {k.split(".")[0] for k in sd}
     assert {"lora_unet_joint_blocks_0_x_block_attn_qkv", "lora_unet_joint_blocks_0_x_block_attn2_qkv",
             "lora_unet_joint_blocks_0_context_block_mlp_fc2", "lora_unet_joint_blocks_1_context_block_attn_qkv",
             "lora_unet_joint_blocks_1_x_block_adaLN_modulation_1",
+            "lora_unet_joint_blocks_1_context_block_adaLN_modulation_1",  # diffusers holds it swapped
             "lora_te1_text_model_encoder_layers_0_self_attn_q_proj",
             "lora_te2_text_model_encoder_layers_1_mlp_fc2"} <= names
     assert not any(n.startswith("lora_te3_") for n in names)  # T5-XXL only with train_t5xxl
+    assert {"lora_unet_context_embedder", "lora_unet_y_embedder_mlp_0", "lora_unet_final_layer_adaLN_modulation_1"} \
+        <= names and sd["lora_unet_context_embedder.lora_down.weight"].shape[0] == 2
     # the last joint block's context block is "pre only": its qkv, not its proj/MLP
     assert "lora_unet_joint_blocks_1_context_block_mlp_fc1" not in names
     assert md["modelspec.architecture"] == "stable-diffusion-3-5-medium/lora"
@@ -213,3 +216,47 @@ def test_checkpoint_without_text_encoders_needs_the_clip_files(sd3_data, tmp_pat
                                 *train_argv(sd3_data, tmp_path / "out", "x")])
     assert e.value.code == 2
     assert "--clip_g required" in capsys.readouterr().err
+
+
+def test_gui_sd3_family_names_the_sd3_scripts_and_imports_kohya_ss_sd3_presets(tmp_path):
+    """`python -m kohya_gui print-command` on a config whose [gui] family is SD3 runs sd3_train_network.py with
+    networks.lora_sd3; the DreamBooth/Fine-tune tabs run sd3_train.py; kohya_ss' SD3 presets import as SD3."""
+    import shlex
+    import subprocess
+    import sys
+
+    from kohya_gui import REPO, config_file, importer
+    from kohya_gui import params as P
+
+    cfg = config_file.save(tmp_path / "sd3.toml", "lora", "SD3", {
+        **P.defaults("lora"), "pretrained_model_name_or_path": "sd3.5_medium.safetensors", "clip_g": "clip_g.sft",
+        "train_data_dir": "data", "output_dir": str(tmp_path / "out"), "output_name": "x"})
+    out = subprocess.run([sys.executable, "-m", "kohya_gui", "print-command", "--standalone", str(cfg)],
+                         capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr
+    argv = shlex.split(out.stdout)
+    assert argv[argv.index("--network_module") + 1] == "networks.lora_sd3"
+    assert any(a.endswith("sd3_train_network.py") for a in argv) and argv[argv.index("--clip_g") + 1] == "clip_g.sft"
+    assert {P.script_for(tab, "SD3") for tab in ("dreambooth", "finetune")} == {"sd3_train.py"}
+    preset = REPO.parent / "shared" / "parity" / "kohya_ss-presets" / "dreambooth" / "sd3_bdsqlsz_v1.json"
+    if preset.is_file():
+        imp = importer.load(preset)
+        assert (imp.tab, imp.family) == ("dreambooth", "SD3")
+        assert imp.values["weighting_scheme"] == "logit_normal" and imp.values["clip_g"].endswith("clip_g.safetensors")
+        assert imp.values["cache_text_encoder_outputs"] is True
+
+
+@pytest.mark.slow
+def test_gui_built_flags_train_an_sd3_lora(sd3_set, sd3_data, tmp_path):
+    from kohya_gui import command
+    from kohya_gui import params as P
+
+    values = {**P.defaults("lora"), "pretrained_model_name_or_path": sd3_set["diffusers"],
+              "train_data_dir": str(sd3_data), "output_dir": str(tmp_path / "out"), "output_name": "gui",
+              "resolution": "32", "max_train_steps": 1, "network_dim": 4, "t5xxl_max_token_length": 16,
+              "max_data_loader_n_workers": 0, "cache_latents_to_disk": True,
+              "cache_text_encoder_outputs_to_disk": True, "network_train_unet_only": True}
+    path = sd3_train_network.main(command.trainer_args("lora", "SD3", values))
+    sd, md = read(path)
+    assert md["ss_network_module"] == "networks.lora_sd3" and "lora_unet_joint_blocks_0_x_block_attn_qkv.lora_up.weight" in sd
+    assert len(list(sd3_data.rglob("*_sd3_te.npz"))) == 2 and len(list(sd3_data.rglob("*_sd3.npz"))) == 2

@@ -72,6 +72,13 @@ def sai_linear_map(num_layers: int, attn2_layers=()) -> dict[str, list[str]]:
     return m
 
 
+def sai_swapped_linears(num_layers: int) -> dict[str, str]:
+    """SAI Linear -> the diffusers Linear holding it with its two output halves swapped (shift/scale)."""
+    return {f"joint_blocks.{num_layers - 1}.context_block.adaLN_modulation.1":
+            f"transformer_blocks.{num_layers - 1}.norm1_context.linear",
+            "final_layer.adaLN_modulation.1": "norm_out.linear"}
+
+
 def _count(keys, prefix: str) -> int:
     idx = {int(m.group(1)) for k in keys if (m := re.match(re.escape(prefix) + r"(\d+)\.", k))}
     return max(idx) + 1 if idx else 0

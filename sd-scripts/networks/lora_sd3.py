@@ -9,7 +9,7 @@ diffusers Linears fed the same input: one down and one up as in the file, the up
 
 ``--network_args`` (upstream's names and meaning): ``context_attn_dim``, ``context_mlp_dim``, ``context_mod_dim``,
 ``x_attn_dim``, ``x_mlp_dim``, ``x_mod_dim`` (0 = no LoRA there), ``emb_dims=[context,t,x,y,final_mod,
-final_linear]`` (LoRA on the embedders; x and final_mod must be 0 here, see docs/PARITY.md),
+final_linear]`` (LoRA on the embedders; x must be 0 here: the patch convolution, see docs/PARITY.md),
 ``train_block_indices`` (``all``, ``none``, ``0,2,5-7``), ``split_qkv``, ``train_t5xxl``, ``verbose``,
 ``rank_dropout``, ``module_dropout``, ``loraplus_lr_ratio`` / ``loraplus_unet_lr_ratio`` /
 ``loraplus_text_encoder_lr_ratio``, ``conv_dim`` / ``conv_alpha`` (accepted; the trained layers are Linear).
@@ -20,6 +20,7 @@ import logging
 import re
 from typing import Any
 
+import torch
 from torch import nn
 
 from library import sd3_models
@@ -58,10 +59,23 @@ def parse_emb_dims(text: str) -> list[int]:
         dims = []
     if len(dims) != 6:
         raise NetworkArgsError(f"--network_args emb_dims={text}: six integers [context,t,x,y,final_mod,final_linear]")
-    if dims[2] or dims[4]:
-        raise NetworkArgsError(f"--network_args emb_dims={text}: x_embedder (a convolution) and final_mod (held with "
-                               "its halves swapped by diffusers) take no LoRA here; set them to 0")
+    if dims[2]:
+        raise NetworkArgsError(f"--network_args emb_dims={text}: x_embedder (the patch convolution) takes no LoRA "
+                               "here; set it to 0")
     return dims
+
+
+class SwappedLoRAModule(FluxLoRAModule):
+    """LoRA over an SAI Linear that diffusers holds with its two output halves swapped (the last joint block's
+    context adaLN, the final adaLN): the file's up rows are in SAI order, the output is swapped to diffusers'."""
+
+    def _fused_deltas(self, x):
+        out = super()._fused_deltas(x)[0]
+        return [None if out is None else torch.cat(out.chunk(2, dim=-1)[::-1], dim=-1)]
+
+    def delta_weight(self) -> torch.Tensor:
+        w = super().delta_weight()
+        return torch.cat(w.chunk(2, dim=0)[::-1], dim=0)
 
 
 class LoRANetworkSD3(LoRANetworkFlux):
@@ -83,6 +97,8 @@ class LoRANetworkSD3(LoRANetworkFlux):
         if modules_dim is not None:
             emb_dims = [0] * 6  # from a file: the embedders the file has
         skipped: list[str] = []
+        swapped = {f"{LORA_PREFIX_SD3}_{sai}".replace(".", "_") for sai in sd3_models.sai_swapped_linears(
+            mmdit.config.num_layers)}
 
         def new(name: str, parts: list[nn.Linear], is_mmdit: bool, default_dim: int | None = None):
             if modules_dim is not None:
@@ -101,8 +117,9 @@ class LoRANetworkSD3(LoRANetworkFlux):
                 if modules_dim is None:
                     skipped.append(name)
                 return None
-            return FluxLoRAModule(name, parts, multiplier, dim, a, dropout, rank_dropout, module_dropout,
-                                  split=split_qkv and is_mmdit)
+            cls = SwappedLoRAModule if name in swapped else FluxLoRAModule
+            return cls(name, parts, multiplier, dim, a, dropout, rank_dropout, module_dropout,
+                       split=split_qkv and is_mmdit)
 
         self.text_encoder_loras: list[FluxLoRAModule] = []
         for index, te in enumerate(text_encoders):
@@ -120,6 +137,7 @@ class LoRANetworkSD3(LoRANetworkFlux):
         cfg = mmdit.config
         modules = dict(mmdit.named_modules())
         mapping = sd3_models.sai_linear_map(cfg.num_layers, tuple(cfg.dual_attention_layers or ()))
+        mapping.update({sai: [d] for sai, d in sd3_models.sai_swapped_linears(cfg.num_layers).items()})
         self.unet_loras: list[FluxLoRAModule] = []
         for sai, parts in mapping.items():
             if sai.startswith("joint_blocks."):
@@ -239,13 +257,14 @@ def to_diffusers(weights_sd: dict) -> dict:
     load_lora_weights reads (diffusers has no converter for kohya's SD3 keys). alpha / rank is folded into lora_B;
     fused qkv ups are split over the diffusers parts; T5-XXL modules (lora_te3_*) are left out (the pipeline's
     loader takes none)."""
-    import torch
-
     modules_dim, modules_alpha = lora_sd.dims_from_weights(weights_sd)
     blocks = {int(m.group(1)) for name in modules_dim if (m := re.match(r"lora_unet_joint_blocks_(\d+)_", name))}
     attn2 = {int(m.group(1)) for name in modules_dim if (m := re.match(r"lora_unet_joint_blocks_(\d+)_x_block_attn2", name))}
+    n = max(blocks) + 1 if blocks else 0
     by_kohya = {f"{LORA_PREFIX_SD3}_{sai}".replace(".", "_"): parts
-                for sai, parts in sd3_models.sai_linear_map(max(blocks) + 1 if blocks else 0, attn2).items()}
+                for sai, parts in sd3_models.sai_linear_map(n, attn2).items()}
+    swapped = {f"{LORA_PREFIX_SD3}_{sai}".replace(".", "_"): [d] for sai, d in sd3_models.sai_swapped_linears(n).items()}
+    by_kohya.update(swapped)
     te_roots = {"lora_te1_": "text_encoder.", "lora_te2_": "text_encoder_2."}
     out = {}
     for name, dim in modules_dim.items():
@@ -261,6 +280,8 @@ def to_diffusers(weights_sd: dict) -> dict:
             parts = [f"{te_roots[name[:9]]}text_model.encoder.layers.{m.group(1)}.{m.group(2)}.{m.group(3)}"]
         else:
             continue
+        if name in swapped:
+            up = torch.cat(up.chunk(2, dim=0)[::-1], dim=0)
         ups = torch.chunk(up, len(parts), dim=0)
         for p, u in zip(parts, ups):
             out[f"{p}.lora_A.weight"] = down.float().contiguous()

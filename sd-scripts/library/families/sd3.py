@@ -9,7 +9,7 @@ import random
 
 import torch
 
-from library import latent_cache, offload_checkpointing, sd3_models, te_cache
+from library import dit_options, latent_cache, offload_checkpointing, sd3_models, te_cache
 from library.families import flux as flux_family, sd as sd_family
 from library.objectives import flow_matching
 from library.objectives.flow_matching import SD3FlowMatching
@@ -17,6 +17,7 @@ from library.objectives.flow_matching import SD3FlowMatching
 logger = logging.getLogger(__name__)
 
 CLIP_LENGTH = 77
+T5_LENGTH = 256  # upstream's default --t5xxl_max_token_length
 DROPOUT_RATES = ("clip_l_dropout_rate", "clip_g_dropout_rate", "t5_dropout_rate")
 IGNORED = ("save_clip", "save_t5xxl", "t5xxl_device", "t5xxl_dtype")  # upstream: "[DOES NOT WORK]"
 
@@ -25,19 +26,15 @@ def add_sd3_arguments(parser) -> None:
     """Upstream's add_sd3_training_arguments (+ --blocks_to_swap and --text_encoder_batch_size of its DiT
     arguments); the flow-matching options are objectives.flow_matching's."""
     g = parser.add_argument_group("SD3")
-    g.add_argument("--clip_l", type=str, default=None, help="CLIP-L (.safetensors); default: the one in the checkpoint")
+    dit_options.add_text_encoder_file_arguments(g)
     g.add_argument("--clip_g", type=str, default=None, help="CLIP-G (.safetensors); default: the one in the checkpoint")
-    g.add_argument("--t5xxl", type=str, default=None,
-                   help="T5-XXL (.safetensors); default: the one in the checkpoint (none: zeros, as upstream)")
     g.add_argument("--save_clip", action="store_true", help="[does nothing, as upstream] unified checkpoints")
     g.add_argument("--save_t5xxl", action="store_true", help="[does nothing, as upstream] unified checkpoints")
     g.add_argument("--t5xxl_device", type=str, default=None, help="[does nothing, as upstream]")
     g.add_argument("--t5xxl_dtype", type=str, default=None, help="[does nothing, as upstream]")
-    g.add_argument("--t5xxl_max_token_length", type=int, default=256, help="T5-XXL tokens (default 256)")
+    dit_options.add_t5_arguments(g)
     g.add_argument("--apply_lg_attn_mask", action="store_true",
                    help="CLIP-L and CLIP-G attend to the caption's tokens only (the attention mask in the encoders)")
-    g.add_argument("--apply_t5_attn_mask", action="store_true",
-                   help="T5-XXL attends to the caption's tokens only (the attention mask in the encoder)")
     for name, what in zip(DROPOUT_RATES, ("CLIP-L", "CLIP-G", "T5-XXL")):
         g.add_argument(f"--{name}", type=float, default=0.0,
                        help=f"probability that a sample's {what} outputs are replaced by zeros (default 0.0)")
@@ -47,10 +44,12 @@ def add_sd3_arguments(parser) -> None:
     g.add_argument("--enable_scaled_pos_embed", action="store_true",
                    help="not supported here (SD3.5 medium's multi-resolution scaled positional embeddings): refused")
     flow_matching.add_sd3_arguments(g)
-    g.add_argument("--blocks_to_swap", type=int, default=None,
-                   help="joint blocks kept off the GPU and swapped in around their forward/backward (default none)")
-    g.add_argument("--text_encoder_batch_size", type=int, default=None,
-                   help="batch size for caching text encoder outputs (default: the training batch size)")
+    dit_options.add_memory_arguments(g)
+
+
+def t5_length(args) -> int:
+    """--t5xxl_max_token_length, empty = 256 (upstream's default)."""
+    return args.t5xxl_max_token_length or T5_LENGTH
 
 
 class SD3:
@@ -86,7 +85,7 @@ class SD3:
             raise ConfigError(f"--blocks_to_swap must be 0 or more, got {args.blocks_to_swap}")
         if args.blocks_to_swap and getattr(args, "cpu_offload_checkpointing", False):
             raise ConfigError("--blocks_to_swap cannot be used with --cpu_offload_checkpointing (as upstream)")
-        if not 1 <= args.t5xxl_max_token_length <= 512:
+        if args.t5xxl_max_token_length is not None and not 1 <= args.t5xxl_max_token_length <= 512:
             raise ConfigError(f"--t5xxl_max_token_length must be between 1 and 512, got {args.t5xxl_max_token_length}")
         if getattr(args, "max_token_length", None) is not None:
             logger.warning("--max_token_length is not used in SD3 training (CLIP: 77 tokens, T5: "
@@ -134,7 +133,7 @@ class SD3:
 
     def encode_prompts(self, args, components, captions, with_grad=False, **_) -> dict:
         with torch.set_grad_enabled(with_grad):
-            return encode_prompts(components, captions, args.t5xxl_max_token_length, args.apply_lg_attn_mask,
+            return encode_prompts(components, captions, t5_length(args), args.apply_lg_attn_mask,
                                   args.apply_t5_attn_mask)
 
     def prediction_type(self, args, components) -> str:
@@ -179,7 +178,7 @@ class SD3:
         md.update({
             "ss_apply_lg_attn_mask": str(bool(args.apply_lg_attn_mask)),
             "ss_apply_t5_attn_mask": str(bool(args.apply_t5_attn_mask)),
-            "ss_t5xxl_max_token_length": str(args.t5xxl_max_token_length),
+            "ss_t5xxl_max_token_length": str(t5_length(args)),
             **{f"ss_{name}": str(getattr(args, name)) for name in DROPOUT_RATES + ("pos_emb_random_crop_rate",)},
             "ss_fp8_base": str(fp8_targets[0]),
             "ss_blocks_to_swap": str(args.blocks_to_swap or 0),
@@ -201,7 +200,7 @@ class SD3:
         import os
 
         return (f"sd3:{os.path.basename(str(args.pretrained_model_name_or_path))}:{what}:"
-                f"{args.t5xxl_max_token_length}:{args.apply_lg_attn_mask}:{args.apply_t5_attn_mask}")
+                f"{t5_length(args)}:{args.apply_lg_attn_mask}:{args.apply_t5_attn_mask}")
 
     def full_output_format(self, args) -> tuple[str, str]:
         return "single", ".safetensors"  # upstream: the SAI single file whatever --save_model_as says
@@ -335,7 +334,7 @@ def sample_images(args, components, *, device, epoch, steps, autocast=None, netw
         return pipe(prompt=p["prompt"], negative_prompt=p.get("negative_prompt") or "",
                     guidance_scale=p.get("scale", 7.5), width=p.get("width", 512), height=p.get("height", 512),
                     num_inference_steps=p.get("sample_steps", 30), generator=generator,
-                    max_sequence_length=args.t5xxl_max_token_length).images[0]
+                    max_sequence_length=t5_length(args)).images[0]
 
     models = tuple(m for m in (components.vae, components.clip_l, components.clip_g, components.t5xxl)
                    if m is not None)
