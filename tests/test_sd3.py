@@ -260,3 +260,30 @@ def test_gui_built_flags_train_an_sd3_lora(sd3_set, sd3_data, tmp_path):
     sd, md = read(path)
     assert md["ss_network_module"] == "networks.lora_sd3" and "lora_unet_joint_blocks_0_x_block_attn_qkv.lora_up.weight" in sd
     assert len(list(sd3_data.rglob("*_sd3_te.npz"))) == 2 and len(list(sd3_data.rglob("*_sd3.npz"))) == 2
+
+
+def test_validate_only_names_a_missing_clip_g_and_passes_a_good_run(sd3_set, sd3_data, tmp_path, capsys):
+    base = ["--pretrained_model_name_or_path", sd3_set["transformer"], "--tokenizer_cache_dir",
+            sd3_set["tokenizer_cache_dir"], *LORA, *train_argv(sd3_data, tmp_path / "out", "v"), "--validate_only"]
+    with pytest.raises(SystemExit) as e:
+        sd3_train_network.main([*base, "--clip_g", str(tmp_path / "missing_clip_g.safetensors")])
+    assert e.value.code == 2 and "--clip_g" in capsys.readouterr().err
+    assert sd3_train_network.main(base) is None
+    assert not (tmp_path / "out" / "v.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_block_swap_fp8_checkpointing_validation_and_resume(sd3_set, sd3_data, tmp_path):
+    """What the other families have carries over: block swap, fp8 base, gradient checkpointing, validation, a saved
+    state, and --resume continuing from it."""
+    common = ["--pretrained_model_name_or_path", sd3_set["diffusers"], *LORA, "--blocks_to_swap", "1", "--fp8_base",
+              "--gradient_checkpointing", "--validation_split", "0.5", "--validate_every_n_steps", "1",
+              "--save_state", "--save_every_n_steps", "1"]
+    sd3_train_network.main([*common, *train_argv(sd3_data, tmp_path / "out", "r", ["--max_train_steps", "1"])])
+    state = tmp_path / "out" / "r-step00000001-state"
+    assert state.is_dir()
+    path = sd3_train_network.main([*common, *train_argv(sd3_data, tmp_path / "out", "r", ["--max_train_steps", "2"]),
+                                   "--resume", str(state), "--overwrite_output"])
+    sd, md = read(path)
+    assert md["ss_blocks_to_swap"] == "1" and md["ss_fp8_base"] == "True" and md["ss_steps"] == "2"
+    assert any(v.abs().sum() > 0 for k, v in sd.items() if k.endswith("lora_up.weight"))
