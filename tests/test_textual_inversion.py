@@ -1,0 +1,163 @@
+"""Textual inversion (train_textual_inversion.py, sdxl_train_textual_inversion.py, library.targets.embedding) on
+tiny models on the CPU: upstream's file keys, read by diffusers' pipelines; only the new rows of the embedding
+tables change; --weights continues from a file; --resume continues the run as if never stopped; the captions
+and sample prompts are rewritten as upstream does."""
+from __future__ import annotations
+
+import importlib
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def train(script: str, argv: list) -> str:
+    return importlib.import_module(script).main([str(a) for a in argv])
+
+
+def base_args(model: Path, data: Path, out: Path, steps: int = 2) -> list:
+    return ["--pretrained_model_name_or_path", model, "--tokenizer_cache_dir", Path(model).parent / "tokenizers",
+            "--train_data_dir", data, "--caption_extension", ".txt", "--resolution", "64", "--output_dir", out,
+            "--max_train_steps", steps, "--max_data_loader_n_workers", 0, "--learning_rate", 1e-2, "--seed", 1,
+            "--token_string", "zxq", "--init_word", "red circle"]
+
+
+def tables(comps) -> list[torch.Tensor]:
+    return [te.get_input_embeddings().weight.detach().clone() for te in comps.text_encoders]
+
+
+def state_tables(state_dir: Path, n: int) -> list[torch.Tensor]:
+    """The token-embedding tables of the text encoders in an accelerate state folder (the trained modules are
+    its first custom checkpoints)."""
+    out = []
+    for i in range(n):
+        sd = torch.load(state_dir / f"custom_checkpoint_{i}.pkl", weights_only=True)
+        out.append(next(v for k, v in sd.items() if k.endswith("token_embedding.weight")))
+    return out
+
+
+@pytest.mark.slow
+def test_sdxl_embedding_has_clip_l_and_clip_g_that_diffusers_loads(tiny_sdxl_single_file, tiny_dataset_dir,
+                                                                   tmp_path):
+    from conftest import load_tiny_components
+    from library.model_util import make_pipeline
+
+    base = load_tiny_components(tiny_sdxl_single_file, "sdxl")
+    before = tables(base)
+    path = train("sdxl_train_textual_inversion", base_args(tiny_sdxl_single_file, tiny_dataset_dir, tmp_path) + [
+        "--num_vectors_per_token", 2, "--use_object_template", "--save_model_as", "safetensors", "--save_state"])
+    assert Path(path) == tmp_path / "zxq.safetensors"  # the output name defaults to the token string
+    with safe_open(path, "pt") as f:
+        assert sorted(f.keys()) == ["clip_g", "clip_l"]
+        assert f.metadata()["modelspec.architecture"] == "stable-diffusion-xl-v1-base/textual-inversion"
+    emb = load_file(path)
+    assert emb["clip_l"].shape == (2, before[0].shape[1]) and emb["clip_g"].shape == (2, before[1].shape[1])
+
+    # only the new rows were trained: the text encoders' tables in the saved state keep every old row
+    n_old = [t.shape[0] for t in before]
+    for old, new, key in zip(before, state_tables(tmp_path / "zxq-state", 2), ("clip_l", "clip_g")):
+        assert new.shape[0] == old.shape[0] + 2
+        assert torch.equal(new[:old.shape[0]], old)
+        assert torch.equal(new[old.shape[0]:], emb[key])
+    init = base.tokenizers[0].encode("red circle", add_special_tokens=False)
+    assert not torch.equal(emb["clip_l"], before[0][init])  # trained away from the init word's rows
+
+    pipe = make_pipeline(base)
+    pipe.load_textual_inversion(emb["clip_l"], token="zxq", text_encoder=pipe.text_encoder,
+                                tokenizer=pipe.tokenizer)
+    pipe.load_textual_inversion(emb["clip_g"], token="zxq", text_encoder=pipe.text_encoder_2,
+                                tokenizer=pipe.tokenizer_2)
+    ids = pipe.tokenizer.convert_tokens_to_ids(["zxq", "zxq_1"])
+    assert ids == [n_old[0], n_old[0] + 1]
+    assert torch.equal(pipe.text_encoder.get_input_embeddings().weight[ids], emb["clip_l"])
+    ids2 = pipe.tokenizer_2.convert_tokens_to_ids(["zxq", "zxq_1"])
+    assert torch.equal(pipe.text_encoder_2.get_input_embeddings().weight[ids2], emb["clip_g"])
+    image = pipe("a photo of zxq", num_inference_steps=1, height=64, width=64, output_type="np").images[0]
+    assert image.shape == (64, 64, 3)
+
+
+@pytest.mark.slow
+def test_sd1_emb_params_load_in_diffusers_and_resume_continues_the_run(tiny_sd1_single_file, tiny_dataset_dir,
+                                                                       tmp_path):
+    from conftest import load_tiny_components
+    from library.model_util import make_pipeline
+
+    base = load_tiny_components(tiny_sd1_single_file, "sd1")
+    before = tables(base)[0]
+    whole = train("train_textual_inversion", base_args(tiny_sd1_single_file, tiny_dataset_dir, tmp_path / "whole", 4)
+                  + ["--num_vectors_per_token", 3])
+    assert whole.endswith("zxq.pt")  # upstream's default format
+    emb = torch.load(whole, weights_only=True)
+    assert list(emb) == ["emb_params"] and emb["emb_params"].shape == (3, before.shape[1])
+
+    pipe = make_pipeline(base)
+    pipe.load_textual_inversion(whole, token="zxq")
+    ids = pipe.tokenizer.convert_tokens_to_ids(["zxq", "zxq_1", "zxq_2"])
+    assert torch.equal(pipe.text_encoder.get_input_embeddings().weight[ids], emb["emb_params"])
+    assert torch.equal(pipe.text_encoder.get_input_embeddings().weight[:before.shape[0]], before)
+
+    # 2 steps saved with their state, then resumed to 4: the same vectors as the uninterrupted run
+    part = tmp_path / "part"
+    common = base_args(tiny_sd1_single_file, tiny_dataset_dir, part, 4) + ["--num_vectors_per_token", 3]
+    train("train_textual_inversion", common + ["--save_every_n_steps", 2, "--save_state"])
+    state = part / "zxq-step00000002-state"
+    assert state.is_dir()
+    stepped = torch.load(part / "zxq-step00000002.pt", weights_only=True)["emb_params"]
+    resumed = train("train_textual_inversion", common + ["--resume", state, "--output_name", "zxq_resumed"])
+    assert torch.equal(torch.load(resumed, weights_only=True)["emb_params"], emb["emb_params"])
+    assert not torch.equal(stepped, emb["emb_params"])
+
+    # --weights: a run that starts from the file starts from its vectors (0 steps of learning rate 0)
+    again = train("train_textual_inversion", base_args(tiny_sd1_single_file, tiny_dataset_dir, tmp_path / "w", 1)
+                  + ["--num_vectors_per_token", 3, "--weights", whole, "--learning_rate", 0])
+    assert torch.equal(torch.load(again, weights_only=True)["emb_params"], emb["emb_params"])
+
+
+def test_templates_and_token_expansion_rewrite_captions(tiny_dataset_dir):
+    import argparse
+
+    from library import captions
+    from library.targets import embedding
+
+    args = argparse.Namespace(token_string="zxq", num_vectors_per_token=3, use_object_template=False,
+                              use_style_template=False)
+
+    class Group:
+        def __init__(self):
+            self.replacements = {}
+
+        def add_replacement(self, text, replacement):
+            self.replacements[text] = replacement
+
+    g = Group()
+    embedding.Embedding(embedding.FILE_KEYS_SD).prepare_dataset(args, [g])
+    rng = random.Random(0)
+    assert captions.apply_replacements("a zxq on grass", g.replacements, rng) == "a zxq zxq1 zxq2 on grass"
+    args.use_style_template = True
+    g = Group()
+    embedding.Embedding(embedding.FILE_KEYS_SD).prepare_dataset(args, [g])
+    caption = captions.apply_replacements("a zxq on grass", g.replacements, rng)
+    assert caption in [t.format("zxq zxq1 zxq2") for t in embedding.STYLE_TEMPLATES]
+    sample = embedding.Embedding(embedding.FILE_KEYS_SD).sample_args(args)
+    assert sample.prompt_replacement == ("zxq", "zxq zxq1 zxq2") and not hasattr(args, "prompt_replacement")
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "--token_string is required"),
+    (["--token_string", "zxq", "--num_vectors_per_token", "0"], "--num_vectors_per_token must be 1 or more"),
+    (["--token_string", "zxq", "--weights", "missing.pt"], "--weights: file not found"),
+    (["--token_string", "zxq", "--cache_text_encoder_outputs"], "--cache_text_encoder_outputs cannot be used"),
+])
+def test_bad_options_are_one_line(argv, message, tiny_sd1_single_file, tiny_dataset_dir, tmp_path, capsys):
+    argv = ["--pretrained_model_name_or_path", tiny_sd1_single_file, "--train_data_dir", tiny_dataset_dir,
+            "--output_dir", tmp_path, "--validate_only"] + argv
+    with pytest.raises(SystemExit) as e:
+        train("train_textual_inversion", argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
