@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from library import config_util, files, train_util
+from library import config_util, files, saving, train_util
 from library.errors import ConfigError
 from library.network_trainer import Trainable
 
@@ -24,7 +24,6 @@ logger = logging.getLogger(__name__)
 
 FILE_KEYS_SD = ("emb_params",)
 FILE_KEYS_SDXL = ("clip_l", "clip_g")
-SAVE_FORMATS = (None, "ckpt", "pt", "safetensors")
 ADAPTER = "textual-inversion"  # modelspec architecture suffix
 
 # upstream's templates (the textual-inversion paper's "imagenet" templates)
@@ -51,9 +50,7 @@ STYLE_TEMPLATES = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Upstream's textual-inversion options (train_textual_inversion.py's own)."""
-    parser.add_argument("--save_model_as", type=str, default="pt", choices=list(SAVE_FORMATS),
-                        help="file format of the embedding: pt (default, also read by the A1111 web UI), ckpt or "
-                             "safetensors")
+    saving.add_embedding_save_model_as_argument(parser)
     parser.add_argument("--weights", type=str, default=None,
                         help="an embedding file to start from (.safetensors or .pt; its vector count must equal "
                              "--num_vectors_per_token)")
