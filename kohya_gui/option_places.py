@@ -30,6 +30,7 @@ SUBGROUPS: dict[str, tuple[str, str]] = {
 # these only hide it where kohya_ss' GUI does not show it)
 LORA = frozenset({"lora"})
 FULL = frozenset({"dreambooth", "finetune"})
+TI = frozenset({"ti"})
 SD = frozenset({"SD1.x", "SD2.x"})
 SD_SDXL = frozenset({"SD1.x", "SD2.x", "SDXL"})
 FLUX = frozenset({"FLUX.1"})
@@ -95,15 +96,31 @@ PLACES: dict[str, Look] = {
              "FLUX.1": "networks.lora_flux",
          },
          choice_labels={"": "LoRA (the family's)"}),
+    "token_string": Look("embedding", "Token string",
+         help="The new word the embedding is trained as (not a word the tokenizer knows, e.g. zxc); write it in "
+              "captions and sample prompts. Also the default output name.",
+         tabs=TI, required=True),
+    "init_word": Look("embedding", "Init word",
+         help="The embedding starts as this word's; e.g. the class of the subject (woman, dog, painting).",
+         tabs=TI),
+    "num_vectors_per_token": Look("embedding", "Vectors per token", minimum=1, tabs=TI),
+    "weights": Look("embedding", "Continue from embedding (optional)",
+         help="An embedding file (.safetensors / .pt) with the same number of vectors to start from.",
+         tabs=TI, widget="file"),
+    "use_object_template": Look("embedding", "Object template",
+         help="Ignore the captions: train on 'a photo of a <token>' and the other object templates.", tabs=TI),
+    "use_style_template": Look("embedding", "Style template",
+         help="Ignore the captions: train on 'a painting in the style of <token>' and the other style templates.",
+         tabs=TI),
     "train_data_dir": Look("folders", "Image folder",
          help="Folder with N_name subfolders (N = repeats) of images and captions.",
          widget="folder"),
     "reg_data_dir": Look("folders", "Regularisation folder (optional)",
          help="Class images for prior preservation, in N_class subfolders.",
-         tabs=frozenset({"dreambooth", "lora"}), widget="folder"),
+         tabs=frozenset({"dreambooth", "lora", "ti"}), widget="folder"),
     "in_json": Look("folders", "Metadata JSON (optional)",
          help="kohya's captions/metadata JSON (made with sd-scripts/finetune/merge_captions_to_metadata.py).",
-         tabs=frozenset({"finetune", "lora"}), widget="file"),
+         tabs=frozenset({"finetune", "lora", "ti"}), widget="file"),
     "dataset_config": Look("folders", "Dataset config TOML (optional)",
          help="A --dataset_config file ([general], [[datasets]], [[datasets.subsets]]); replaces the image folder.",
          widget="file"),
@@ -124,7 +141,7 @@ PLACES: dict[str, Look] = {
          minimum=0),
     "prior_loss_weight": Look("dataset", "Prior loss weight",
          help="Loss weight of regularisation images.",
-         tabs=frozenset({"dreambooth", "lora"}), minimum=0),
+         tabs=frozenset({"dreambooth", "lora", "ti"}), minimum=0),
     "enable_bucket": Look("dataset", "Aspect-ratio buckets", help="Group images of similar aspect ratio."),
     "shuffle_caption": Look("dataset", "Shuffle caption tags", help="Shuffle comma-separated tags."),
     "flip_aug": Look("dataset", "Flip augmentation", help="Random horizontal flips."),
@@ -168,6 +185,7 @@ PLACES: dict[str, Look] = {
              "lora": ("safetensors", "ckpt", "pt"),
              "dreambooth": ("", "safetensors", "ckpt", "diffusers", "diffusers_safetensors"),
              "finetune": ("", "safetensors", "ckpt", "diffusers", "diffusers_safetensors"),
+             "ti": ("pt", "safetensors", "ckpt"),
          }),
     "save_every_n_epochs": Look("parameters", "Save every N epochs (optional)", minimum=1),
     "save_every_n_steps": Look("parameters", "Save every N steps (optional)", minimum=1),
