@@ -161,3 +161,67 @@ def test_bad_options_are_one_line(argv, message, tiny_sd1_single_file, tiny_data
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+# -- the GUI: the Textual Inversion tab and kohya_ss' TI configurations -------------------------------------------
+
+KOHYA_SS_TI = sorted((Path(__file__).parent / "data" / "kohya_ss_ti").glob("*.json"))  # kohya_ss' test/config
+
+
+def test_the_ti_tab_prints_the_textual_inversion_command_from_its_preset():
+    from kohya_gui import params as P
+    from kohya_gui.ui import actions as A
+
+    assert P.TABS.index("ti") == P.TABS.index("finetune") + 1 and P.tab_families("ti") == ["SD1.x", "SD2.x", "SDXL"]
+    out = A.open_preset("ti", "demo-sdxl-tiny", "SD1.x")
+    family = out[2]["value"]
+    values = [u["value"] for u in out[3:3 + len(A.tab_params("ti"))]]
+    cmd, standalone, status, _, _ = A.print_command("ti", family, *values)
+    assert family == "SDXL" and "Error" not in status
+    assert "sd-scripts/sdxl_train_textual_inversion.py --config_file" in cmd
+    for flag in ("--token_string zxc", "--init_word shape", "--num_vectors_per_token 2", "--use_object_template",
+                 "--save_model_as safetensors"):
+        assert flag in standalone
+    # the same settings for SD1.x run upstream's SD script
+    cmd, standalone, _, _, _ = A.print_command("ti", "SD1.x", *values)
+    assert "sd-scripts/train_textual_inversion.py" in cmd and "--token_string zxc" in standalone
+
+
+@pytest.mark.skipif(not KOHYA_SS_TI, reason="kohya_ss TI configs not found")
+@pytest.mark.parametrize("path", KOHYA_SS_TI, ids=lambda p: p.name)
+def test_kohya_ss_ti_configs_import_into_the_ti_tab(path, tmp_path, tiny_dataset_dir, capsys):
+    import json
+
+    from kohya_gui import command, config_file, importer
+
+    data = json.loads(path.read_text())
+    imp = importer.load(path)
+    assert (imp.tab, imp.family) == ("ti", "SDXL" if data["sdxl"] else "SD1.x")
+    assert [k for k, _, _ in imp.report] == list(data)  # every key reported, once
+    v = imp.values
+    assert (v["token_string"], v["init_word"], v["num_vectors_per_token"]) == ("zxc", "*", 8)
+    assert v["use_style_template"] is True and not v.get("use_object_template")  # template "style template"
+    report = {k: (what, why) for k, what, why in imp.report}
+    assert report["stop_text_encoder_training"][0] == "dropped"  # train_db.py's; the TI scripts have none
+    out = importer.write(imp, tmp_path / "ti.toml")
+    assert config_file.load(out).tab == "ti"
+
+    # the trainer's own checks on the command the tab builds (tiny data, an empty model file: no model loads)
+    model = tmp_path / "model.safetensors"
+    model.write_bytes(b"")
+    values = dict(v, pretrained_model_name_or_path=str(model), train_data_dir=str(tiny_dataset_dir),
+                  output_dir=str(tmp_path / "out"), sample_prompts="", dataset_config="", logging_dir="",
+                  optimizer_type="AdamW")  # AdamW8bit needs bitsandbytes, an optional package
+    script = command.P.script_for(imp.tab, imp.family)
+    argv = command.trainer_args(imp.tab, imp.family, values)
+    assert "--use_style_template" in argv and script.endswith("textual_inversion.py")
+    capsys.readouterr()
+    importlib.import_module(script.removesuffix(".py")).main(argv + ["--validate_only"])
+    assert "validate_only: ok" in capsys.readouterr().out
+
+
+def test_a_flux_ti_configuration_is_refused_with_one_line():
+    from kohya_gui import importer
+
+    with pytest.raises(importer.ImportError_, match="Textual Inversion tab trains SD1.x, SD2.x, SDXL"):
+        importer.from_kohya_ss({"token_string": "zxc", "flux1_checkbox": True})
