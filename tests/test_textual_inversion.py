@@ -83,15 +83,23 @@ def test_sdxl_embedding_has_clip_l_and_clip_g_that_diffusers_loads(tiny_sdxl_sin
 
 @pytest.mark.slow
 def test_sd1_emb_params_load_in_diffusers_and_resume_continues_the_run(tiny_sd1_single_file, tiny_dataset_dir,
-                                                                       tmp_path):
+                                                                       tmp_path, caplog):
+    import logging
+
     from conftest import load_tiny_components
     from library.model_util import make_pipeline
 
     base = load_tiny_components(tiny_sd1_single_file, "sd1")
     before = tables(base)[0]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a photo of zxq --n zxq, blurry --w 64 --h 64 --s 1 --d 3\n")
+    caplog.set_level(logging.INFO, logger="library.sampling")
     whole = train("train_textual_inversion", base_args(tiny_sd1_single_file, tiny_dataset_dir, tmp_path / "whole", 4)
-                  + ["--num_vectors_per_token", 3])
+                  + ["--num_vectors_per_token", 3, "--sample_prompts", prompts, "--sample_every_n_steps", 4])
     assert whole.endswith("zxq.pt")  # upstream's default format
+    # the sample prompt's token string stands for the three tokens, as upstream
+    assert "prompt 'a photo of zxq zxq1 zxq2'" in caplog.text
+    assert len(list((tmp_path / "whole" / "sample").glob("zxq_*.png"))) == 1
     emb = torch.load(whole, weights_only=True)
     assert list(emb) == ["emb_params"] and emb["emb_params"].shape == (3, before.shape[1])
 
