@@ -109,14 +109,14 @@ def load_embedding_file(path: str, keys: tuple[str, ...]) -> list[torch.Tensor |
 
 
 class Embedding:
-    """`keys`: the file's tensor names, one per text encoder (FILE_KEYS_SD or FILE_KEYS_SDXL)."""
+    """`keys`: the file's tensor names, one per text encoder (FILE_KEYS_SD, the default, or FILE_KEYS_SDXL)."""
 
     default_output_name = "last"  # (normalise_args makes it the token string, as upstream)
     tracker_name = "textual_inversion"
     dataset_kinds = (config_util.DREAMBOOTH, config_util.FINETUNING)
     lora = False
 
-    def __init__(self, keys: tuple[str, ...]):
+    def __init__(self, keys: tuple[str, ...] = FILE_KEYS_SD):
         self.keys = keys
         self.token_ids: list[list[int]] = []  # per text encoder, the new rows
         self.originals: list[torch.Tensor] = []  # per text encoder, the table as loaded (rows put back)
