@@ -31,6 +31,7 @@ SUBGROUPS: dict[str, tuple[str, str]] = {
 LORA = frozenset({"lora"})
 FULL = frozenset({"dreambooth", "finetune"})
 TI = frozenset({"ti"})
+NOT_TI = frozenset({"lora", "dreambooth", "finetune"})
 SD = frozenset({"SD1.x", "SD2.x"})
 SD_SDXL = frozenset({"SD1.x", "SD2.x", "SDXL"})
 FLUX = frozenset({"FLUX.1"})
@@ -84,7 +85,8 @@ PLACES: dict[str, Look] = {
          help="Tick for v-prediction models (SD2.x 768-v, v-pred SD1.x / SDXL checkpoints).",
          families=SD_SDXL),
     "fp8_base": Look("model", "fp8 base model",
-         help="Keep the frozen base model's weights in fp8 to save memory (FLUX.1 transformer, SD/SDXL UNet)."),
+         help="Keep the frozen base model's weights in fp8 to save memory (FLUX.1 transformer, SD/SDXL UNet).",
+         tabs=NOT_TI),
     "network_module": Look("network", "Network module",
          help=("Empty = the family's LoRA (networks.lora; networks.lora_flux for FLUX.1). lycoris.kohya needs the "
                "lycoris extra and its algo in Network arguments (algo=locon, lokr, loha ...)."),
@@ -149,8 +151,8 @@ PLACES: dict[str, Look] = {
     "cache_latents": Look("dataset", "Cache latents", help="Encode the images once before training."),
     "cache_latents_to_disk": Look("dataset", "Cache latents to disk", help="Keep the cached latents as files."),
     "cache_text_encoder_outputs": Look("dataset", "Cache text-encoder outputs",
-         help="Encode the captions once (the text encoders are then not trained)."),
-    "cache_text_encoder_outputs_to_disk": Look("dataset", "Cache text-encoder outputs to disk"),
+         help="Encode the captions once (the text encoders are then not trained).", tabs=NOT_TI),
+    "cache_text_encoder_outputs_to_disk": Look("dataset", "Cache text-encoder outputs to disk", tabs=NOT_TI),
     "train_batch_size": Look("parameters", "Batch size", minimum=1),
     "max_train_steps": Look("parameters", "Max train steps", minimum=1),
     "max_train_epochs": Look("parameters", "Max train epochs (optional)",

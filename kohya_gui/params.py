@@ -286,6 +286,9 @@ NOT_SHOWN: dict[tuple[str, str], str] = {
     ("fused_backward_pass", "lora"): "upstream's LoRA scripts accept it but never fuse; it is for full training",
     ("fused_backward_pass", "ti"): "upstream's textual-inversion scripts accept it but never fuse; it is for full "
                                    "training",
+    ("fp8_base", "ti"): "textual inversion does not use it (as upstream)",
+    **{(name, "ti"): "textual inversion trains the text encoders' embeddings, so their outputs cannot be cached"
+       for name in ("cache_text_encoder_outputs", "cache_text_encoder_outputs_to_disk")},
     **{("fused_backward_pass", f): "sd-scripts fuses the backward pass for SDXL and FLUX.1 full training"
        for f in ("SD1.x", "SD2.x")},
     **{("cuda_graph_step", f): "it sits with the Torch Compile Settings, which are for SDXL and FLUX.1 (train_network.py "
