@@ -5,7 +5,6 @@ and sample prompts are rewritten as upstream does."""
 from __future__ import annotations
 
 import importlib
-import random
 from pathlib import Path
 
 import pytest
@@ -126,33 +125,35 @@ def test_sd1_emb_params_load_in_diffusers_and_resume_continues_the_run(tiny_sd1_
     assert torch.equal(torch.load(again, weights_only=True)["emb_params"], emb["emb_params"])
 
 
-def test_templates_and_token_expansion_rewrite_captions():
-    import argparse
-
-    from library import captions
+def test_templates_and_token_expansion_rewrite_captions(tiny_dataset_dir, tmp_path):
+    """The captions a real dataset serves: the token string expanded to the tokens, or one of upstream's
+    templates around them; the sample prompts get the same expansion."""
+    import train_textual_inversion
+    from library import config_util
     from library.targets import embedding
 
-    args = argparse.Namespace(token_string="zxq", num_vectors_per_token=3, use_object_template=False,
-                              use_style_template=False)
+    captions = tmp_path / "data" / "1_zxq"
+    captions.mkdir(parents=True)
+    for f in (tiny_dataset_dir / "2_demo").glob("img_0.*"):
+        (captions / f.name).write_bytes(f.read_bytes())
+    (captions / "img_0.txt").write_text("a zxq on grass")
 
-    class Group:
-        def __init__(self):
-            self.replacements = {}
+    def served(*argv):
+        args = train_textual_inversion.setup_parser().parse_args(
+            ["--train_data_dir", str(tmp_path / "data"), "--caption_extension", ".txt", "--resolution", "64",
+             "--token_string", "zxq", "--num_vectors_per_token", "3", *argv])
+        group, _ = config_util.build_dataset_groups(args, "sd1")
+        target = embedding.Embedding()
+        target.prepare_dataset(args, [group])
+        return group[0]["captions"][0], target.sample_args(args)
 
-        def add_replacement(self, text, replacement):
-            self.replacements[text] = replacement
-
-    g = Group()
-    embedding.Embedding(embedding.FILE_KEYS_SD).prepare_dataset(args, [g])
-    rng = random.Random(0)
-    assert captions.apply_replacements("a zxq on grass", g.replacements, rng) == "a zxq zxq1 zxq2 on grass"
-    args.use_style_template = True
-    g = Group()
-    embedding.Embedding(embedding.FILE_KEYS_SD).prepare_dataset(args, [g])
-    caption = captions.apply_replacements("a zxq on grass", g.replacements, rng)
+    caption, sample_args = served()
+    assert caption == "a zxq zxq1 zxq2 on grass"
+    assert sample_args.prompt_replacement == ("zxq", "zxq zxq1 zxq2")
+    caption, _ = served("--use_style_template")
     assert caption in [t.format("zxq zxq1 zxq2") for t in embedding.STYLE_TEMPLATES]
-    sample = embedding.Embedding(embedding.FILE_KEYS_SD).sample_args(args)
-    assert sample.prompt_replacement == ("zxq", "zxq zxq1 zxq2") and not hasattr(args, "prompt_replacement")
+    caption, _ = served("--use_object_template")
+    assert caption in [t.format("zxq zxq1 zxq2") for t in embedding.OBJECT_TEMPLATES]
 
 
 @pytest.mark.parametrize("argv, message", [
