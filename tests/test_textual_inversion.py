@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -160,11 +160,16 @@ def test_templates_and_token_expansion_rewrite_captions(tiny_dataset_dir, tmp_pa
     ([], "--token_string is required"),
     (["--token_string", "zxq", "--num_vectors_per_token", "0"], "--num_vectors_per_token must be 1 or more"),
     (["--token_string", "zxq", "--weights", "missing.pt"], "--weights: file not found"),
+    (["--token_string", "zxq", "--weights", "{emb}"], "emb_params has 2 vectors; --num_vectors_per_token is 1"),
+    (["--token_string", "zxq", "--weights", "{bad}"], "cannot read the embedding file"),
     (["--token_string", "zxq", "--cache_text_encoder_outputs"], "--cache_text_encoder_outputs cannot be used"),
 ])
 def test_bad_options_are_one_line(argv, message, tiny_sd1_single_file, tiny_dataset_dir, tmp_path, capsys):
+    emb, bad = tmp_path / "two.safetensors", tmp_path / "bad.pt"
+    save_file({"emb_params": torch.zeros(2, 8)}, str(emb))
+    bad.write_bytes(b"not a torch file")
     argv = ["--pretrained_model_name_or_path", tiny_sd1_single_file, "--train_data_dir", tiny_dataset_dir,
-            "--output_dir", tmp_path, "--validate_only"] + argv
+            "--output_dir", tmp_path, "--validate_only"] + [a.format(emb=emb, bad=bad) for a in argv]
     with pytest.raises(SystemExit) as e:
         train("train_textual_inversion", argv)
     assert e.value.code == 2

@@ -133,8 +133,8 @@ class Embedding:
             raise ConfigError(f"--token_string {args.token_string!r}: one word without spaces")
         if args.num_vectors_per_token < 1:
             raise ConfigError(f"--num_vectors_per_token must be 1 or more, got {args.num_vectors_per_token}")
-        if args.weights and not os.path.isfile(args.weights):
-            raise ConfigError(f"--weights: file not found: {args.weights}")
+        if args.weights:
+            self._check_weights_file(args)
         if args.cache_text_encoder_outputs or getattr(args, "cache_text_encoder_outputs_to_disk", False):
             raise ConfigError("--cache_text_encoder_outputs cannot be used for textual inversion (the text "
                               "encoders' embeddings are what is trained)")
@@ -145,6 +145,16 @@ class Embedding:
             logger.warning("--fp8_base is not used by textual inversion (as upstream); ignored")
         if args.fused_backward_pass:
             logger.warning("--fused_backward_pass is not used by textual inversion (as upstream); ignored")
+
+    def _check_weights_file(self, args) -> None:
+        """--weights: readable, with this script's keys and --num_vectors_per_token vectors (the vector size is
+        checked once the model is loaded)."""
+        if not os.path.isfile(args.weights):
+            raise ConfigError(f"--weights: file not found: {args.weights}")
+        for key, vectors in zip(self.keys, load_embedding_file(args.weights, self.keys)):
+            if vectors is not None and vectors.shape[0] != args.num_vectors_per_token:
+                raise ConfigError(f"--weights {args.weights}: {key} has {vectors.shape[0]} vectors; "
+                                  f"--num_vectors_per_token is {args.num_vectors_per_token}")
 
     def fp8_targets(self, args) -> tuple[bool, bool]:
         return False, False
