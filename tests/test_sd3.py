@@ -287,3 +287,22 @@ def test_block_swap_fp8_checkpointing_validation_and_resume(sd3_set, sd3_data, t
     sd, md = read(path)
     assert md["ss_blocks_to_swap"] == "1" and md["ss_fp8_base"] == "True" and md["ss_steps"] == "2"
     assert any(v.abs().sum() > 0 for k, v in sd.items() if k.endswith("lora_up.weight"))
+
+
+@pytest.mark.slow
+def test_gui_demo_preset_makes_a_tiny_sd3_and_trains(tmp_path, monkeypatch):
+    """The SD3 demo preset: the demo helper makes its tiny SD3 (text encoders inside the single file) and images in
+    cache/demo/, and the flags the GUI builds from the preset train an SD3 LoRA with a sample."""
+    from kohya_gui import command, config_file, demo, presets
+
+    monkeypatch.chdir(tmp_path)
+    cfg = config_file.load(presets.preset_path("lora", "demo-sd3-tiny"))
+    assert (cfg.tab, cfg.family) == ("lora", "SD3")
+    made = demo.make_assets(cfg.family, cfg.values, log=lambda *_: None)
+    assert str(tmp_path / "cache/demo/sd3/sd3.safetensors") in {str(tmp_path / p) for p in made}
+    assert not demo.missing_demo_paths(cfg.family, cfg.values)
+    path = sd3_train_network.main(command.trainer_args(cfg.tab, cfg.family, cfg.values))
+    sd, md = read(path)
+    assert md["modelspec.architecture"] == "stable-diffusion-3-5-medium/lora"
+    assert "lora_unet_joint_blocks_0_x_block_attn_qkv.lora_up.weight" in sd
+    assert list((tmp_path / "outputs/demo-sd3-tiny/sample").glob("demo-sd3-lora_000004_00_*.png"))
