@@ -87,7 +87,8 @@ def test_lora_has_upstreams_keys_and_loads_in_diffusers_pipeline(sd3_set, sd3_da
         "--pretrained_model_name_or_path", sd3_set["transformer"], "--tokenizer_cache_dir",
         sd3_set["tokenizer_cache_dir"], *LORA, *train_argv(sd3_data, tmp_path / "out", "lora", [
             "--weighting_scheme", "logit_normal", "--clip_l_dropout_rate", "0.5", "--t5_dropout_rate", "0.5",
-            "--pos_emb_random_crop_rate", "0.5", "--network_args", "emb_dims=[2,0,0,2,2,0]", "--sample_prompts", str(prompts), "--sample_every_n_steps", "2"])])
+            "--pos_emb_random_crop_rate", "0.5", "--network_args", "emb_dims=[2,0,0,2,2,0]", "--compile", "--compile_backend", "aot_eager",
+            "--sample_prompts", str(prompts), "--sample_every_n_steps", "2"])])
     sd, md = read(path)
     names = {k.split(".")[0] for k in sd}
     assert {"lora_unet_joint_blocks_0_x_block_attn_qkv", "lora_unet_joint_blocks_0_x_block_attn2_qkv",
@@ -104,6 +105,7 @@ def test_lora_has_upstreams_keys_and_loads_in_diffusers_pipeline(sd3_set, sd3_da
     assert md["modelspec.architecture"] == "stable-diffusion-3-5-medium/lora"
     assert md["ss_base_model_version"] == "5-medium" and md["ss_network_module"] == "networks.lora_sd3"
     assert md["ss_weighting_scheme"] == "logit_normal" and md["ss_clip_l_dropout_rate"] == "0.5"
+    assert md["ss_compile_blocks"] == "2"  # regional compile of the joint blocks
     assert len(list((tmp_path / "out" / "sample").glob("lora_000002_00_*_7.png"))) == 1
 
     # diffusers' pipeline loads it (in its PEFT keys) and its transformer then computes what our network computes
@@ -298,11 +300,12 @@ def test_gui_demo_preset_makes_a_tiny_sd3_and_trains(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = config_file.load(presets.preset_path("lora", "demo-sd3-tiny"))
     assert (cfg.tab, cfg.family) == ("lora", "SD3")
-    made = demo.make_assets(cfg.family, cfg.values, log=lambda *_: None)
+    values = {**cfg.values, "max_train_steps": 2, "sample_every_n_steps": 2}
+    made = demo.make_assets(cfg.family, values, log=lambda *_: None)
     assert str(tmp_path / "cache/demo/sd3/sd3.safetensors") in {str(tmp_path / p) for p in made}
-    assert not demo.missing_demo_paths(cfg.family, cfg.values)
-    path = sd3_train_network.main(command.trainer_args(cfg.tab, cfg.family, cfg.values))
+    assert not demo.missing_demo_paths(cfg.family, values)
+    path = sd3_train_network.main(command.trainer_args(cfg.tab, cfg.family, values))
     sd, md = read(path)
     assert md["modelspec.architecture"] == "stable-diffusion-3-5-medium/lora"
     assert "lora_unet_joint_blocks_0_x_block_attn_qkv.lora_up.weight" in sd
-    assert list((tmp_path / "outputs/demo-sd3-tiny/sample").glob("demo-sd3-lora_000004_00_*.png"))
+    assert list((tmp_path / "outputs/demo-sd3-tiny/sample").glob("demo-sd3-lora_000002_00_*.png"))
