@@ -309,3 +309,17 @@ def test_gui_demo_preset_makes_a_tiny_sd3_and_trains(tmp_path, monkeypatch):
     assert md["modelspec.architecture"] == "stable-diffusion-3-5-medium/lora"
     assert "lora_unet_joint_blocks_0_x_block_attn_qkv.lora_up.weight" in sd
     assert list((tmp_path / "outputs/demo-sd3-tiny/sample").glob("demo-sd3-lora_000002_00_*.png"))
+
+
+def test_lora_optimizer_groups_take_upstreams_three_text_encoder_rates(sd3_set):
+    from networks import lora_sd3
+
+    c = sd3_models.load_sd3_components(sd3_set["diffusers"], dtype=torch.float32)
+    net = lora_sd3.create_network(1.0, 4, 1.0, c.vae, [c.clip_l, c.clip_g, c.t5xxl], c.transformer,
+                                  train_t5xxl="True", loraplus_lr_ratio="4")
+    groups, labels = net.prepare_optimizer_params_with_multiple_te_lrs([1e-5, 2e-5], 3e-4, 1e-3)
+    lrs = {label: g["lr"] for g, label in zip(groups, labels)}
+    assert lrs == {"textencoder 1": 1e-5, "textencoder 1 plus": 4e-5, "textencoder 2": 2e-5,
+                   "textencoder 2 plus": 8e-5, "textencoder 3": 2e-5, "textencoder 3 plus": 8e-5, "unet": 3e-4,
+                   "unet plus": 1.2e-3}
+    assert any(m.lora_name.startswith("lora_te3_encoder_block_0_layer_0_SelfAttention_q") for m in net.text_encoder_loras)

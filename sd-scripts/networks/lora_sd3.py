@@ -79,8 +79,8 @@ class SwappedLoRAModule(FluxLoRAModule):
 
 
 class LoRANetworkSD3(LoRANetworkFlux):
-    """kohya SD3 LoRA network; the fused-layer module, file layout (split_qkv), GGPO and training methods are
-    networks.lora_flux's, the optimizer groups upstream's (three text-encoder learning rates)."""
+    """kohya SD3 LoRA network; the fused-layer module, file layout (split_qkv), optimizer groups and training
+    methods are networks.lora_flux's, with upstream's three text-encoder learning rates."""
 
     def __init__(self, text_encoders: list, mmdit: nn.Module, multiplier: float = 1.0, lora_dim: int = 4,
                  alpha: float = 1.0, dropout: float | None = None, rank_dropout: float | None = None,
@@ -161,38 +161,17 @@ class LoRANetworkSD3(LoRANetworkFlux):
             if skipped:
                 logger.info("%d modules skipped (dim 0): %s", len(skipped), ", ".join(skipped))
 
-    def prepare_optimizer_params(self, text_encoder_lr, unet_lr, default_lr):
-        """Upstream's groups: text encoder lr one value or [CLIP-L, CLIP-G, T5-XXL] (two values: the second for
-        CLIP-G and T5); LoRA+ " plus" groups."""
+    TE_PREFIXES = TE_PREFIXES
+
+    @staticmethod
+    def text_encoder_lrs(text_encoder_lr, default_lr) -> list:
+        """Upstream's [CLIP-L, CLIP-G, T5-XXL]: one value for all, or a list (two values: the second for CLIP-G and
+        T5-XXL)."""
         if text_encoder_lr is None or (isinstance(text_encoder_lr, (list, tuple)) and not text_encoder_lr):
-            te_lrs = [default_lr] * 3
-        elif isinstance(text_encoder_lr, (list, tuple)):
-            te_lrs = (list(text_encoder_lr) + [text_encoder_lr[-1]] * 3)[:3]
-        else:
-            te_lrs = [text_encoder_lr] * 3
-        self.requires_grad_(True)
-        groups, descriptions = [], []
-
-        def add(loras, lr, ratio, label):
-            g, d = lora_sd.assemble_param_groups(loras, lr, ratio, label)
-            groups.extend(g)
-            descriptions.extend(d)
-
-        te_ratio = self.loraplus_text_encoder_lr_ratio or self.loraplus_lr_ratio
-        for i, prefix in enumerate(TE_PREFIXES):
-            loras = [m for m in self.text_encoder_loras if m.lora_name.startswith(prefix + "_")]
-            if loras:
-                add(loras, te_lrs[i], te_ratio, f"textencoder {i + 1}")
-        if self.unet_loras:
-            add(self.unet_loras, default_lr if unet_lr is None else unet_lr,
-                self.loraplus_unet_lr_ratio or self.loraplus_lr_ratio, "unet")
-        in_groups = {id(p) for g in groups for p in g["params"]}
-        for p in self.parameters():
-            if id(p) not in in_groups:
-                p.requires_grad_(False)
-        return groups, descriptions
-
-    prepare_optimizer_params_with_multiple_te_lrs = prepare_optimizer_params
+            return [default_lr] * 3
+        if isinstance(text_encoder_lr, (list, tuple)):
+            return (list(text_encoder_lr) + [text_encoder_lr[-1]] * 3)[:3]
+        return [text_encoder_lr] * 3
 
 
 def parse_network_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
