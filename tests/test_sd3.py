@@ -72,6 +72,11 @@ def test_layouts_load_the_same_weights(sd3_set, tmp_path):
     ours = inside.transformer.state_dict()
     assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in ours)
     assert "text_encoders.clip_g.transformer.text_projection.weight" in written
+    # without T5-XXL (upstream: optional): 77 zero tokens after CLIP's, as upstream and diffusers' pipeline
+    separate.t5xxl = None
+    te = sd3.encode_prompts(separate, ["a cat"], 16, False, False)
+    context, pooled = sd3.conditioning(te, 64)
+    assert context.shape == (1, 77 + 77, 64) and context[:, 77:].abs().sum() == 0 and pooled.shape == (1, 64)
     assert not any(k.startswith("text_encoders.") for k in load_file(bare["transformer"]))
 
 

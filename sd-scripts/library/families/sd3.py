@@ -222,7 +222,8 @@ def _clip(model, tok, captions, mask: bool):
 
 def encode_prompts(components, captions: list[str], t5_len: int, lg_mask: bool, t5_mask: bool) -> dict:
     """Upstream's Sd3TextEncodingStrategy without dropout: {"lg_out": [B, 77, L + G] (penultimate layers),
-    "lg_pooled": [B, L + G], "t5_out": [B, t5_len, D] (zeros without T5-XXL), and the three attention masks}.
+    "lg_pooled": [B, L + G], "t5_out": [B, t5_len, D] (without T5-XXL: 77 zero tokens), and the three attention
+    masks}.
     The masks only mask inside the encoders (--apply_lg_attn_mask / --apply_t5_attn_mask); the outputs are kept."""
     tok_l, tok_g, tok_t5 = components.tokenizers
     l_out, l_pooled, l_mask = _clip(components.clip_l, tok_l, captions, lg_mask)
@@ -232,10 +233,10 @@ def encode_prompts(components, captions: list[str], t5_len: int, lg_mask: bool, 
         t5 = components.t5xxl
         t5_attn = t.attention_mask.to(t5.device)
         t5_out = t5(t.input_ids.to(t5.device), attention_mask=t5_attn if t5_mask else None).last_hidden_state
-    else:
+    else:  # no T5-XXL: 77 zero tokens, as upstream's concat_encodings and diffusers' pipeline
         width = components.transformer.config.joint_attention_dim
-        t5_out = torch.zeros(len(captions), t5_len, width, device=l_out.device, dtype=l_out.dtype)
-        t5_attn = t.attention_mask.to(l_out.device)
+        t5_out = torch.zeros(len(captions), CLIP_LENGTH, width, device=l_out.device, dtype=l_out.dtype)
+        t5_attn = torch.zeros(len(captions), CLIP_LENGTH, dtype=torch.long, device=l_out.device)
     return {"lg_out": torch.cat([l_out, g_out.to(l_out.device)], dim=-1),
             "lg_pooled": torch.cat([l_pooled, g_pooled.to(l_pooled.device)], dim=-1),
             "t5_out": t5_out, "l_attn_mask": l_mask, "g_attn_mask": g_mask.to(l_mask.device), "t5_attn_mask": t5_attn}
