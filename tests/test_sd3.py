@@ -328,3 +328,14 @@ def test_lora_optimizer_groups_take_upstreams_three_text_encoder_rates(sd3_set):
                    "textencoder 2 plus": 8e-5, "textencoder 3": 2e-5, "textencoder 3 plus": 8e-5, "unet": 3e-4,
                    "unet plus": 1.2e-3}
     assert any(m.lora_name.startswith("lora_te3_encoder_block_0_layer_0_SelfAttention_q") for m in net.text_encoder_loras)
+
+
+def test_pos_emb_random_crop_in_training_steps_only():
+    model = sd3_models.tiny_transformer()
+    centred = model.pos_embed.cropped_pos_embed(8, 8)
+    sd3.random_pos_embed_crop(model, 1.0)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        assert torch.equal(model.pos_embed.cropped_pos_embed(8, 8), centred)  # sampling / validation: centred
+    crops = [model.pos_embed.cropped_pos_embed(8, 8) for _ in range(4)]
+    assert crops[0].shape == centred.shape and any(not torch.equal(c, centred) for c in crops)

@@ -178,6 +178,9 @@ DIFFERENT: dict[str, Different] = {
     "use_t5xxl_cache_only": Different(
         "not supported: sd3_train.py stops before anything loads with a clear line (caching T5-XXL's outputs while "
         "CLIP is encoded live); cache all text-encoder outputs, or train the text encoders uncached"),
+    "pos_emb_random_crop_rate": Different(
+        "SD3: the random crop is drawn in training steps only (upstream also crops at random while sampling and "
+        "validating)"),
     "weighting_scheme": Different(
         "SD3: as upstream; timesteps are drawn from the run's generator (saved with --save_state) and --ip_noise_gamma "
         "is ignored as upstream's SD3 script ignores it"),

@@ -299,7 +299,7 @@ def random_pos_embed_crop(transformer, rate: float) -> None:
     centred = patch.cropped_pos_embed
 
     def cropped_pos_embed(height, width):
-        if not (torch.is_grad_enabled() and random.random() < rate):
+        if not (torch.is_grad_enabled() and torch.rand(1).item() < rate):  # upstream's draw
             return centred(height, width)
         size = patch.pos_embed_max_size
         h, w = height // patch.patch_size, width // patch.patch_size
