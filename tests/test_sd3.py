@@ -201,7 +201,6 @@ def test_text_encoder_dropout_zeroes_each_encoders_part_without_touching_the_cac
 @pytest.mark.parametrize("argv, needle", [
     (["--clip_l_dropout_rate", "2"], "--clip_l_dropout_rate must be between 0 and 1"),
     (["--weighting_scheme", "lognormal"], "invalid choice"),
-    (["--enable_scaled_pos_embed"], "--enable_scaled_pos_embed is not supported here"),
     (["--network_args", "emb_dims=[0,0,4,0,0,0]"], "x_embedder"),
 ])
 def test_bad_settings_one_line_exit_2(sd3_set, sd3_data, tmp_path, capsys, argv, needle):
@@ -333,9 +332,84 @@ def test_lora_optimizer_groups_take_upstreams_three_text_encoder_rates(sd3_set):
 def test_pos_emb_random_crop_in_training_steps_only():
     model = sd3_models.tiny_transformer()
     centred = model.pos_embed.cropped_pos_embed(8, 8)
-    sd3.random_pos_embed_crop(model, 1.0)
+    sd3.set_pos_embed(model, 1.0)
     torch.manual_seed(0)
     with torch.no_grad():
         assert torch.equal(model.pos_embed.cropped_pos_embed(8, 8), centred)  # sampling / validation: centred
     crops = [model.pos_embed.cropped_pos_embed(8, 8) for _ in range(4)]
     assert crops[0].shape == centred.shape and any(not torch.equal(c, centred) for c in crops)
+
+
+def upstream_scaled_table(dim, patched_size):
+    """upstream's get_scaled_2d_sincos_pos_embed(dim, int(1.5 * size), sample_size=size, base_size=16), in numpy."""
+    import numpy as np
+
+    n = int(patched_size * 1.5)
+    g = np.arange(n, dtype=np.float32) / n
+    scale = 16 * n / patched_size
+    g = g * scale - scale * (n - patched_size) / (2 * n)
+    grid = np.stack(np.meshgrid(g, g), axis=0).reshape(2, 1, n, n)
+
+    def one_d(d, pos):
+        omega = 1.0 / 10000 ** (np.arange(d // 2, dtype=np.float64) / (d / 2.0))
+        out = np.einsum("m,d->md", pos.reshape(-1), omega)
+        return np.concatenate([np.sin(out), np.cos(out)], axis=1)
+
+    return torch.from_numpy(np.concatenate([one_d(dim // 2, grid[0]), one_d(dim // 2, grid[1])], axis=1)).float()
+
+
+def centre(table, side, h, w):
+    top, left = (side - h) // 2, (side - w) // 2
+    return table.reshape(side, side, -1)[top:top + h, left:left + w].reshape(h * w, -1)
+
+
+def test_scaled_pos_embed_picks_upstreams_table_by_area():
+    """Training sides 4 and 8 patches: tables of 6 and 12; areas up to (16 + 64) // 2 = 40 take side 4's, up to
+    12 * 12 side 8's; a latent wider than its table gets a new table for its longer side."""
+    model = sd3_models.tiny_transformer()
+    scaled = sd3.ScaledPosEmbeds(64, [8, 4, 4])
+    sd3.set_pos_embed(model, 0.0, scaled)
+    assert scaled.bands == [(40, 4), (144, 8)]
+    for (h, w), size in [((4, 4), 4), ((6, 6), 4), ((5, 6), 4), ((7, 6), 8), ((8, 8), 8), ((12, 12), 8)]:
+        side = int(size * 1.5)
+        want = centre(upstream_scaled_table(64, size), side, h, w)
+        got = model.pos_embed.cropped_pos_embed(2 * h, 2 * w)[0]  # latent pixels: patch size 2
+        assert torch.allclose(got, want, atol=1e-5), (h, w)
+    got = model.pos_embed.cropped_pos_embed(2 * 2, 2 * 14)[0]  # 2 x 14 patches: wider than side 4's table
+    assert torch.allclose(got, centre(upstream_scaled_table(64, 14), 21, 2, 14), atol=1e-5)
+    assert (21 * 21, 14) in scaled.bands
+    # and the model's forward adds that table
+    x = torch.randn(1, 16, 8, 8)
+    patch = model.pos_embed
+    with torch.no_grad():
+        want = patch.proj(x).flatten(2).transpose(1, 2) + centre(upstream_scaled_table(64, 4), 6, 4, 4)
+        assert torch.allclose(patch(x), want, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_enable_scaled_pos_embed_trains_with_each_datasets_table(sd3_set, sd3_data, tmp_path, monkeypatch):
+    """Two datasets at 32 and 64 px: latent sides 4 and 8, 2 and 4 patches; each step's latent takes the table
+    upstream's formula gives for its dataset's resolution."""
+    used = []
+    table_for = sd3.ScaledPosEmbeds.table_for
+
+    def spy(self, h, w, device):
+        table, side = table_for(self, h, w, device)
+        used.append((h, w, side, table.clone()))
+        return table, side
+
+    monkeypatch.setattr(sd3.ScaledPosEmbeds, "table_for", spy)
+    image_dir = next(sd3_data.iterdir())
+    config = tmp_path / "data.toml"
+    config.write_text("[general]\ncaption_extension = \".txt\"\n" + "".join(
+        f"[[datasets]]\nresolution = {r}\nbatch_size = 2\n[[datasets.subsets]]\nimage_dir = '{image_dir}'\n"
+        for r in (32, 64)))
+    argv = [a for a in train_argv(sd3_data, tmp_path / "out", "scaled") if a not in ("--train_data_dir", str(sd3_data),
+                                                                                  "--resolution", "32")]
+    sd3_train_network.main(["--pretrained_model_name_or_path", sd3_set["transformer"], "--tokenizer_cache_dir",
+                            sd3_set["tokenizer_cache_dir"], *LORA, *argv, "--dataset_config", str(config),
+                            "--enable_scaled_pos_embed"])
+    assert (tmp_path / "out" / "scaled.safetensors").is_file()
+    assert {(h, w, side) for h, w, side, _ in used} == {(2, 2, 3), (4, 4, 6)}
+    for h, _, side, table in used:
+        assert torch.allclose(table[0], upstream_scaled_table(64, h), atol=1e-5)

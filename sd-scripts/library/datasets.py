@@ -536,6 +536,11 @@ class DatasetGroup(torch.utils.data.Dataset):
                 raise DatasetError(f"resolution {p.resolution[0]}x{p.resolution[1]}: FLUX.1 needs sides that are "
                                    "multiples of 16")
 
+    @property
+    def resolutions(self) -> list[tuple[int, int]]:
+        """Each dataset's (width, height) resolution (upstream's get_resolutions)."""
+        return [tuple(d.params.resolution) for d in self.datasets]
+
     def add_replacement(self, text: str, replacement: str | list[str]) -> None:
         """Every served caption gets `text` replaced (upstream's textual-inversion captions; captions.apply_replacements)."""
         for d in self.datasets:

@@ -172,9 +172,6 @@ DIFFERENT: dict[str, Different] = {
     "t5xxl_max_token_length": Different(
         "SD3 scripts: unset = 256, upstream's default (one declaration, library/dit_options.py, serves FLUX.1, whose "
         "unset means 512 for dev / 256 for schnell, and SD3; the GUI shares the field)", ("default",)),
-    "enable_scaled_pos_embed": Different(
-        "not supported: the SD3 scripts stop before anything loads with a clear line (upstream: SD3.5 medium's "
-        "positional embeddings rescaled per training resolution)"),
     "use_t5xxl_cache_only": Different(
         "not supported: sd3_train.py stops before anything loads with a clear line (caching T5-XXL's outputs while "
         "CLIP is encoded live); cache all text-encoder outputs, or train the text encoders uncached"),

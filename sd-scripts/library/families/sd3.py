@@ -42,7 +42,8 @@ def add_sd3_arguments(parser) -> None:
                    help="probability of a random (not centred) crop of the positional embeddings per step; for "
                         "SD3.5 medium (default 0.0)")
     g.add_argument("--enable_scaled_pos_embed", action="store_true",
-                   help="not supported here (SD3.5 medium's multi-resolution scaled positional embeddings): refused")
+                   help="positional embeddings scaled for each dataset's resolution (multi-resolution training); "
+                        "for SD3.5 medium, as upstream")
     flow_matching.add_sd3_arguments(g)
     dit_options.add_memory_arguments(g)
 
@@ -62,6 +63,11 @@ class SD3:
         self.swapper = None
         self.model_type = None  # "medium" / "5-medium" / "5-large", after load
         self.train_t5xxl = False
+        self.resolutions: list[tuple[int, int]] = []  # the datasets' (w, h), for --enable_scaled_pos_embed
+
+    def prepare_dataset(self, args, groups: list) -> None:
+        """The training (and validation) datasets' resolutions, as upstream's get_resolutions."""
+        self.resolutions = [r for g in groups for r in g.resolutions]
 
     def name(self, args) -> str:
         return "sd3"
@@ -78,9 +84,6 @@ class SD3:
         for name in DROPOUT_RATES + ("pos_emb_random_crop_rate",):
             if not 0.0 <= getattr(args, name) <= 1.0:
                 raise ConfigError(f"--{name} must be between 0 and 1, got {getattr(args, name)}")
-        if args.enable_scaled_pos_embed:
-            raise ConfigError("--enable_scaled_pos_embed is not supported here (SD3.5 medium's scaled positional "
-                              "embeddings per resolution); train without it")
         if args.blocks_to_swap is not None and args.blocks_to_swap < 0:
             raise ConfigError(f"--blocks_to_swap must be 0 or more, got {args.blocks_to_swap}")
         if args.blocks_to_swap and getattr(args, "cpu_offload_checkpointing", False):
@@ -116,8 +119,16 @@ class SD3:
         cfg = c.transformer.config
         logger.info("SD3 (%s): %d joint blocks, width %d%s", self.model_type, cfg.num_layers,
                     cfg.num_attention_heads * cfg.attention_head_dim, "" if c.t5xxl is not None else ", no T5-XXL")
-        if args.pos_emb_random_crop_rate:
-            random_pos_embed_crop(c.transformer, args.pos_emb_random_crop_rate)
+        scaled = None
+        if args.enable_scaled_pos_embed:
+            stride = 2 ** (len(c.vae.config.block_out_channels) - 1)  # 8 for SD3's VAE (upstream: 8)
+            latent_sizes = sorted({round((w * h) ** 0.5) // stride for w, h in self.resolutions})
+            scaled = ScaledPosEmbeds(cfg.num_attention_heads * cfg.attention_head_dim,
+                                     [s // cfg.patch_size for s in latent_sizes])
+            logger.info("scaled positional embeddings for the resolutions %s (latent sizes %s)",
+                        sorted(set(self.resolutions)), latent_sizes)
+        if args.pos_emb_random_crop_rate or scaled is not None:
+            set_pos_embed(c.transformer, args.pos_emb_random_crop_rate, scaled)
         return c
 
     def lora_text_encoders(self, components) -> list:
@@ -292,20 +303,74 @@ def te_cache_format(apply_lg_attn_mask: bool, apply_t5_attn_mask: bool) -> te_ca
                                    "apply_t5_attn_mask": bool(apply_t5_attn_mask)})
 
 
-def random_pos_embed_crop(transformer, rate: float) -> None:
-    """--pos_emb_random_crop_rate (upstream's MMDiT): while gradients are on (training), with this probability a
-    step's positional embeddings are a random crop of the full grid instead of the centred one."""
+POS_EMBED_MAX_RATIO = 1.5  # upstream's MMDiT: a scaled table covers 1.5 times its resolution's side
+POS_EMBED_BASE_SIZE = 16  # upstream's get_scaled_2d_sincos_pos_embed base_size
+
+
+def scaled_pos_embed_table(dim: int, patched_size: int) -> torch.Tensor:
+    """Upstream's scaled sin-cos table for a training side of `patched_size` patches: [1, n * n, dim], n = 1.5x
+    the side; its centred `patched_size` square spans the positions 0..16 (base size) whatever the resolution."""
+    from diffusers.models.embeddings import get_2d_sincos_pos_embed_from_grid
+
+    n = int(patched_size * POS_EMBED_MAX_RATIO)
+    coords = (torch.arange(n, dtype=torch.float64) - (n - patched_size) / 2) * POS_EMBED_BASE_SIZE / patched_size
+    grid = torch.stack(torch.meshgrid(coords, coords, indexing="xy"), dim=0).reshape(2, 1, n, n)
+    return get_2d_sincos_pos_embed_from_grid(dim, grid, output_type="pt").float().unsqueeze(0)
+
+
+class ScaledPosEmbeds:
+    """--enable_scaled_pos_embed (upstream's MMDiT.enable_scaled_pos_embed / cropped_scaled_pos_embed): one table
+    per training side (patches); a latent takes the table whose area band holds its area (bands split halfway
+    between neighbouring sides' areas, the largest up to its table's area), and a latent taller or wider than its
+    table gets a new table for its longer side."""
+
+    def __init__(self, dim: int, patched_sizes):
+        self.dim = dim
+        sizes = sorted(set(patched_sizes))
+        bounds = [(a * a + b * b) // 2 for a, b in zip(sizes, sizes[1:])]
+        bounds.append(int((sizes[-1] * POS_EMBED_MAX_RATIO) ** 2))
+        self.bands = list(zip(bounds, sizes))
+        self.tables = {s: scaled_pos_embed_table(dim, s) for s in sizes}
+
+    def table_for(self, h: int, w: int, device) -> tuple[torch.Tensor, int]:
+        """(table on `device`, its side) for a latent of h x w patches."""
+        size = next((s for bound, s in self.bands if h * w <= bound), self.bands[-1][1])
+        side = int(size * POS_EMBED_MAX_RATIO)
+        if h > side or w > side:
+            size = max(h, w)
+            side = int(size * POS_EMBED_MAX_RATIO)
+            logger.warning("scaled positional embeddings: a new table for %dx%d patches (taller or wider than the "
+                           "training resolutions' tables)", h, w)
+            if size not in self.tables:
+                self.tables[size] = scaled_pos_embed_table(self.dim, size)
+                self.bands = sorted(self.bands + [(side * side, size)])
+        if self.tables[size].device != torch.device(device):
+            self.tables[size] = self.tables[size].to(device)  # moved once, as upstream
+        return self.tables[size], side
+
+
+def set_pos_embed(transformer, crop_rate: float = 0.0, scaled: ScaledPosEmbeds | None = None) -> None:
+    """The MMDiT's positional embeddings as upstream's: --pos_emb_random_crop_rate (while gradients are on, i.e.
+    training steps, with this probability a random crop of the grid instead of the centred one) and
+    --enable_scaled_pos_embed (`scaled`: the table for the latent's size instead of the model's own)."""
     patch = transformer.pos_embed
-    centred = patch.cropped_pos_embed
+    centred = patch.cropped_pos_embed  # diffusers' (checks the size)
 
     def cropped_pos_embed(height, width):
-        if not (torch.is_grad_enabled() and torch.rand(1).item() < rate):  # upstream's draw
+        random_crop = bool(crop_rate) and torch.is_grad_enabled() and torch.rand(1).item() < crop_rate  # upstream's
+        if scaled is None and not random_crop:
             return centred(height, width)
-        size = patch.pos_embed_max_size
         h, w = height // patch.patch_size, width // patch.patch_size
-        top = int(torch.randint(0, size - h + 1, (1,)).item())
-        left = int(torch.randint(0, size - w + 1, (1,)).item())
-        grid = patch.pos_embed.reshape(1, size, size, -1)[:, top:top + h, left:left + w, :]
+        if scaled is not None:
+            table, side = scaled.table_for(h, w, patch.pos_embed.device)
+        else:
+            table, side = patch.pos_embed, patch.pos_embed_max_size
+        if random_crop:
+            top = int(torch.randint(0, side - h + 1, (1,)).item())
+            left = int(torch.randint(0, side - w + 1, (1,)).item())
+        else:
+            top, left = (side - h) // 2, (side - w) // 2
+        grid = table.reshape(1, side, side, -1)[:, top:top + h, left:left + w, :]
         return grid.reshape(1, -1, grid.shape[-1])
 
     patch.cropped_pos_embed = cropped_pos_embed

@@ -118,7 +118,7 @@ def build_data(trainer, args):
     groups = [g for g in (group, val_group) if g is not None]  # what is cached
     for g in groups:
         g.verify_bucket_reso_steps(trainer.bucket_reso_steps_multiple)
-    trainer.target.prepare_dataset(args, groups)  # textual inversion's captions
+    trainer.prepare_dataset(args, groups)  # textual inversion's captions, SD3's training resolutions
     if len(group) == 0:
         raise TrainingError("the dataset has no batches: no training images found")
     if getattr(args, "debug_dataset", False):

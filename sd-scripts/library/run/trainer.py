@@ -130,6 +130,14 @@ class Trainer:
         logger.info("run options written to %s", path)
         return path
 
+    def prepare_dataset(self, args, groups: list) -> None:
+        """What the target (captions) and the family take from the datasets before the models load; a family's
+        `prepare_dataset(args, groups)` is optional (SD3: the training resolutions, --enable_scaled_pos_embed)."""
+        self.target.prepare_dataset(args, groups)
+        family_hook = getattr(self.family, "prepare_dataset", None)
+        if family_hook is not None:
+            family_hook(args, groups)
+
     def load_models(self, args, weight_dtype):
         """The family's models, --base_weights merged (LoRA), fp8 and the attention backend applied."""
         from library import safetensors_io
