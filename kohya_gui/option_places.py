@@ -254,8 +254,9 @@ PLACES: dict[str, Look] = {
          families=SD3),
     "learning_rate_te3": Look("sd3", "T5-XXL learning rate (optional)", families=SD3, tabs=FULL),
     "train_t5xxl": Look("sd3", "Train T5-XXL", help="With Train text encoder.", families=SD3, tabs=FULL),
-    "use_t5xxl_cache_only": Look("sd3", "Cache T5-XXL outputs only (not supported here)", families=SD3,
-                                 tabs=FULL),
+    "use_t5xxl_cache_only": Look("sd3", "T5-XXL outputs from the cache only",
+                                 help="T5-XXL's outputs are cached once and T5-XXL freed; CLIP-L/CLIP-G encode each "
+                                      "step (and may be trained).", families=SD3, tabs=FULL),
     "num_last_block_to_freeze": Look("sd3", "Freeze the last N joint blocks (optional)", families=SD3, tabs=FULL,
                                      minimum=0),
     "save_clip": Look("sd3", "Save CLIP (does nothing, as upstream)", families=SD3),

@@ -32,7 +32,8 @@ def setup_parser() -> argparse.ArgumentParser:
                         help="learning rate of text encoder 3 (T5-XXL); default --learning_rate, 0 = frozen")
     parser.add_argument("--train_t5xxl", action="store_true", help="also train T5-XXL (with --train_text_encoder)")
     parser.add_argument("--use_t5xxl_cache_only", action="store_true",
-                        help="not supported here (upstream: cache T5-XXL's outputs only): refused")
+                        help="T5-XXL's outputs come from the text-encoder cache (made once, T5-XXL then freed); "
+                             "CLIP-L/CLIP-G encode each step and may be trained; turns on --cache_text_encoder_outputs")
     parser.add_argument("--num_last_block_to_freeze", type=int, default=None,
                         help="the last N joint blocks of the MMDiT are not trained")
     full_trainer.add_fused_optimizer_groups_argument(parser)
@@ -48,7 +49,7 @@ def setup_parser() -> argparse.ArgumentParser:
 def trainer(args=None) -> Trainer:
     return Trainer(sd3.SD3(bucket_reso_steps_multiple=16), Full(
         text_encoder_lrs=sd3.full_text_encoder_lrs, check=sd3.check_full_args,
-        fused_groups=flux_train_utils.blockwise_fused, optimizer_groups=flux_train_utils.blockwise_optimizer_groups,
+        te_cache_partial=sd3.t5xxl_cache_only, fused_groups=flux_train_utils.blockwise_fused, optimizer_groups=flux_train_utils.blockwise_optimizer_groups,
         place=sd3.place_for_full_training))
 
 

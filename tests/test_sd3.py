@@ -413,3 +413,56 @@ def test_enable_scaled_pos_embed_trains_with_each_datasets_table(sd3_set, sd3_da
     assert {(h, w, side) for h, w, side, _ in used} == {(2, 2, 3), (4, 4, 6)}
     for h, _, side, table in used:
         assert torch.allclose(table[0], upstream_scaled_table(64, h), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_use_t5xxl_cache_only_reads_t5_once_then_trains_from_its_cache(tmp_path, monkeypatch, capsys):
+    """sd3_train.py --use_t5xxl_cache_only: the first run reads T5-XXL to cache its outputs (then frees it) and trains
+    CLIP-L live; once the cache is on disk T5-XXL is never read (its file may be gone) and each step's T5 part is
+    the cached one; without a cache nor T5-XXL: one line, exit 2."""
+    from library.tiny_models import make_captioned_images
+
+    import numpy as np
+
+    bare = sd3_models.make_tiny_sd3(tmp_path / "models", text_encoders_inside=False)
+    data = make_captioned_images(tmp_path / "data", n=2, size=(32, 32), repeats=1, name="demo")
+    model = ["--pretrained_model_name_or_path", bare["transformer"], "--tokenizer_cache_dir",
+             bare["tokenizer_cache_dir"], "--clip_l", bare["clip_l"], "--clip_g", bare["clip_g"], "--t5xxl",
+             bare["t5xxl"], "--use_t5xxl_cache_only", "--cache_text_encoder_outputs_to_disk"]
+    reads = []
+    load_t5xxl = sd3_models.load_t5xxl
+    monkeypatch.setattr(sd3_models, "load_t5xxl", lambda *a, **k: reads.append(a) or load_t5xxl(*a, **k))
+    sd3_train.main([*model, "--train_text_encoder", "--learning_rate_te2", "0",
+                    *train_argv(data, tmp_path / "out", "first")])
+    assert len(reads) == 1 and (tmp_path / "out" / "first_clip_l.safetensors").is_file()
+    caches = sorted(data.glob("*/*_sd3_te.npz"))
+    assert len(caches) == 2
+
+    import os
+
+    os.remove(bare["t5xxl"])
+    cached_t5 = [torch.from_numpy(np.load(p)["t5_out"]) for p in caches]
+    seen = []
+    conditioning = sd3.conditioning
+    monkeypatch.setattr(sd3, "conditioning", lambda te, dim: seen.append(te["t5_out"].detach().clone())
+                        or conditioning(te, dim))
+    sd3_train.main([*model, *train_argv(data, tmp_path / "out", "second")])
+    assert len(reads) == 1 and (tmp_path / "out" / "second.safetensors").is_file()
+    assert len(seen) == 2 and all(any(torch.allclose(row, c) for c in cached_t5) for t in seen for row in t)
+
+    other = make_captioned_images(tmp_path / "other", n=1, size=(32, 32), repeats=1, name="new")
+    with pytest.raises(SystemExit) as e:
+        sd3_train.main([*model, *train_argv(other, tmp_path / "out", "third")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--use_t5xxl_cache_only" in err and "file not found" in err and "Traceback" not in err
+    assert not (tmp_path / "out" / "third.safetensors").exists()
+
+
+def test_use_t5xxl_cache_only_with_train_t5xxl_is_one_line_exit_2(sd3_set, sd3_data, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        sd3_train.main(["--pretrained_model_name_or_path", sd3_set["transformer"], "--use_t5xxl_cache_only",
+                        "--train_text_encoder", "--train_t5xxl", *train_argv(sd3_data, tmp_path / "out", "bad")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--train_t5xxl cannot be used with --use_t5xxl_cache_only" in err and "Traceback" not in err

@@ -173,8 +173,9 @@ DIFFERENT: dict[str, Different] = {
         "SD3 scripts: unset = 256, upstream's default (one declaration, library/dit_options.py, serves FLUX.1, whose "
         "unset means 512 for dev / 256 for schnell, and SD3; the GUI shares the field)", ("default",)),
     "use_t5xxl_cache_only": Different(
-        "not supported: sd3_train.py stops before anything loads with a clear line (caching T5-XXL's outputs while "
-        "CLIP is encoded live); cache all text-encoder outputs, or train the text encoders uncached"),
+        "T5-XXL is read only to make the cache entries that are missing (upstream loads it every run), so with the "
+        "cache on disk its file may be absent; sample images are drawn without T5-XXL (its part zeros; upstream "
+        "encodes the sample prompts with it before freeing it)"),
     "pos_emb_random_crop_rate": Different(
         "SD3: the random crop is drawn in training steps only (upstream also crops at random while sampling and "
         "validating)"),

@@ -376,7 +376,7 @@ class SD3Components:
 
     @property
     def text_encoders(self) -> list:
-        return [self.clip_l, self.clip_g, self.t5xxl]
+        return [m for m in (self.clip_l, self.clip_g, self.t5xxl) if m is not None]
 
     @property
     def tokenizers(self) -> list:
@@ -387,12 +387,10 @@ def load_sd3_components(pretrained: str, clip_l: str | None = None, clip_g: str 
                         t5xxl: str | None = None, vae: str | None = None, *, dtype: torch.dtype = torch.bfloat16,
                         te_dtype: torch.dtype | None = None, t5_dtype: torch.dtype | None = None,
                         vae_dtype: torch.dtype = torch.float32, fp8_base: bool = False,
-                        tokenizer_cache_dir: str | None = None) -> SD3Components:
+                        tokenizer_cache_dir: str | None = None, with_t5xxl: bool = True) -> SD3Components:
     """The MMDiT, CLIP-L, CLIP-G, T5-XXL, VAE and tokenizers. A file given by --clip_l / --clip_g / --t5xxl / --vae
     wins over what the checkpoint carries; CLIP-L and CLIP-G are required, T5-XXL may be absent (zeros, as
-    upstream)."""
-    from transformers import CLIPTextModelWithProjection, T5EncoderModel
-
+    upstream); with_t5xxl=False leaves it unread (load_t5xxl reads it later)."""
     te_dtype = te_dtype or dtype
     pretrained = str(pretrained)
     folder = pretrained if is_diffusers_folder(pretrained) else None
@@ -405,27 +403,13 @@ def load_sd3_components(pretrained: str, clip_l: str | None = None, clip_g: str 
     def separate(path, what):
         return read_safetensors(path, f"--{what}") if path else None
 
-    def text_encoder(which, path, sub, load):
-        own = separate(path, which)
-        if own is not None:
-            for p in (TE_PREFIXES[which], "transformer."):
-                if any(k.startswith(p) for k in own):
-                    own = _sub(own, p)
-            return load(own, path)
-        if folder:
-            if not (Path(folder) / sub / "config.json").is_file():
-                return None
-            cls = T5EncoderModel if which == "t5xxl" else CLIPTextModelWithProjection
-            return _from_folder(cls, folder, sub, t5_dtype or te_dtype if which == "t5xxl" else te_dtype,
-                                "--pretrained_model_name_or_path")
-        inside = _sub(sd, TE_PREFIXES[which])
-        return load(inside, pretrained) if inside else None
+    def text_encoder(which, path, load):
+        return _text_encoder(which, path, load, pretrained, folder, sd, t5_dtype or te_dtype if which == "t5xxl"
+                             else te_dtype)
 
-    c_l = text_encoder("clip_l", clip_l, "text_encoder",
-                       lambda s, src: load_clip(s, "clip_l", te_dtype, src, toks[0]))
-    c_g = text_encoder("clip_g", clip_g, "text_encoder_2",
-                       lambda s, src: load_clip(s, "clip_g", te_dtype, src, toks[1]))
-    t5 = text_encoder("t5xxl", t5xxl, "text_encoder_3", lambda s, src: load_t5(s, t5_dtype or te_dtype, src))
+    c_l = text_encoder("clip_l", clip_l, lambda s, src: load_clip(s, "clip_l", te_dtype, src, toks[0]))
+    c_g = text_encoder("clip_g", clip_g, lambda s, src: load_clip(s, "clip_g", te_dtype, src, toks[1]))
+    t5 = text_encoder("t5xxl", t5xxl, lambda s, src: load_t5(s, t5_dtype or te_dtype, src)) if with_t5xxl else None
     missing = [flag for flag, m in (("--clip_l", c_l), ("--clip_g", c_g)) if m is None]
     if missing:
         raise SD3ModelError(f"{' and '.join(missing)} required: {pretrained} does not carry "
@@ -454,6 +438,38 @@ def load_sd3_components(pretrained: str, clip_l: str | None = None, clip_g: str 
                                 "(not an SD3 checkpoint)")
         transformer = load_transformer(mmdit, pretrained, dtype, fp8_base)
     return SD3Components(transformer, c_l, c_g, t5, v, toks)
+
+
+FOLDER_TEXT_ENCODERS = {"clip_l": "text_encoder", "clip_g": "text_encoder_2", "t5xxl": "text_encoder_3"}
+
+
+def _text_encoder(which: str, path: str | None, load, pretrained: str, folder: str | None, sd: dict, dtype):
+    """One text encoder: its own file (`path`, --clip_l / --clip_g / --t5xxl), else the diffusers folder's, else
+    the one inside the single file; None where there is none."""
+    from transformers import CLIPTextModelWithProjection, T5EncoderModel
+
+    if path:
+        own = read_safetensors(path, f"--{which}")
+        for p in (TE_PREFIXES[which], "transformer."):
+            if any(k.startswith(p) for k in own):
+                own = _sub(own, p)
+        return load(own, path)
+    if folder:
+        sub = FOLDER_TEXT_ENCODERS[which]
+        if not (Path(folder) / sub / "config.json").is_file():
+            return None
+        cls = T5EncoderModel if which == "t5xxl" else CLIPTextModelWithProjection
+        return _from_folder(cls, folder, sub, dtype, "--pretrained_model_name_or_path")
+    inside = _sub(sd, TE_PREFIXES[which])
+    return load(inside, pretrained) if inside else None
+
+
+def load_t5xxl(pretrained: str, t5xxl: str | None = None, dtype: torch.dtype = torch.bfloat16):
+    """T5-XXL alone, from --t5xxl or the checkpoint (load_sd3_components' rule); None where there is none."""
+    pretrained = str(pretrained)
+    folder = pretrained if is_diffusers_folder(pretrained) else None
+    sd = {} if folder or t5xxl else read_safetensors(pretrained, "--pretrained_model_name_or_path")
+    return _text_encoder("t5xxl", t5xxl, lambda s, src: load_t5(s, dtype, src), pretrained, folder, sd, dtype)
 
 
 def _vae_weights(sd: dict, source: str) -> dict:

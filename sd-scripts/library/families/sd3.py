@@ -48,6 +48,11 @@ def add_sd3_arguments(parser) -> None:
     dit_options.add_memory_arguments(g)
 
 
+def t5xxl_cache_only(args) -> bool:
+    """sd3_train.py --use_t5xxl_cache_only (the LoRA script has no such option, as upstream)."""
+    return bool(getattr(args, "use_t5xxl_cache_only", False))
+
+
 def t5_length(args) -> int:
     """--t5xxl_max_token_length, empty = 256 (upstream's default)."""
     return args.t5xxl_max_token_length or T5_LENGTH
@@ -64,6 +69,7 @@ class SD3:
         self.model_type = None  # "medium" / "5-medium" / "5-large", after load
         self.train_t5xxl = False
         self.resolutions: list[tuple[int, int]] = []  # the datasets' (w, h), for --enable_scaled_pos_embed
+        self.weight_dtype = torch.float32  # load's; T5-XXL read later (--use_t5xxl_cache_only) takes it
 
     def prepare_dataset(self, args, groups: list) -> None:
         """The training (and validation) datasets' resolutions, as upstream's get_resolutions."""
@@ -112,13 +118,16 @@ class SD3:
                 args.pretrained_model_name_or_path, args.clip_l, args.clip_g, args.t5xxl, args.vae,
                 dtype=weight_dtype, te_dtype=weight_dtype,
                 vae_dtype=torch.float32 if args.no_half_vae else weight_dtype, fp8_base=fp8_denoiser,
-                tokenizer_cache_dir=args.tokenizer_cache_dir)
+                tokenizer_cache_dir=args.tokenizer_cache_dir, with_t5xxl=not t5xxl_cache_only(args))
         except sd3_models.SD3ModelError as e:
             raise ConfigError(str(e)) from e
         self.model_type = c.model_type
+        self.weight_dtype = weight_dtype
         cfg = c.transformer.config
         logger.info("SD3 (%s): %d joint blocks, width %d%s", self.model_type, cfg.num_layers,
-                    cfg.num_attention_heads * cfg.attention_head_dim, "" if c.t5xxl is not None else ", no T5-XXL")
+                    cfg.num_attention_heads * cfg.attention_head_dim,
+                    ", T5-XXL from the cache (--use_t5xxl_cache_only)" if t5xxl_cache_only(args)
+                    else "" if c.t5xxl is not None else ", no T5-XXL")
         scaled = None
         if args.enable_scaled_pos_embed:
             stride = 2 ** (len(c.vae.config.block_out_channels) - 1)  # 8 for SD3's VAE (upstream: 8)
@@ -142,10 +151,34 @@ class SD3:
             lat = vae.encode(images.to(vae.device, vae.dtype)).latent_dist.sample(generator=generator)
         return (lat - sd3_models.VAE_SHIFT_FACTOR) * sd3_models.VAE_SCALING_FACTOR
 
-    def encode_prompts(self, args, components, captions, with_grad=False, **_) -> dict:
+    def encode_prompts(self, args, components, captions, with_grad=False, cached=None, **_) -> dict:
+        """With `cached` (--use_t5xxl_cache_only, each step): CLIP-L/CLIP-G live, T5-XXL's outputs from the
+        cache. Without T5-XXL loaded (--use_t5xxl_cache_only, making the cache) it is read for the captions the
+        cache lacks."""
+        if cached is not None:
+            with torch.set_grad_enabled(with_grad):
+                live = encode_clip(components, captions, args.apply_lg_attn_mask)
+            return {**live, "t5_out": cached["t5_out"], "t5_attn_mask": cached["t5_attn_mask"]}
+        if t5xxl_cache_only(args) and components.t5xxl is None:
+            components.t5xxl = self._t5xxl_for_cache(args, components)
         with torch.set_grad_enabled(with_grad):
             return encode_prompts(components, captions, t5_length(args), args.apply_lg_attn_mask,
                                   args.apply_t5_attn_mask)
+
+    def _t5xxl_for_cache(self, args, components):
+        from library.errors import ConfigError
+
+        try:
+            t5 = sd3_models.load_t5xxl(args.pretrained_model_name_or_path, args.t5xxl, self.weight_dtype)
+        except sd3_models.SD3ModelError as e:
+            raise ConfigError(f"--use_t5xxl_cache_only: captions without cached T5-XXL outputs, and T5-XXL cannot be "
+                              f"read to make them ({e})") from e
+        if t5 is None:
+            raise ConfigError("--use_t5xxl_cache_only: captions without cached T5-XXL outputs (no "
+                              "*_sd3_te.npz beside their images) and no T5-XXL to make them: give --t5xxl, or make "
+                              "the cache first with --cache_text_encoder_outputs_to_disk")
+        logger.info("--use_t5xxl_cache_only: T5-XXL loaded to cache its outputs (freed before training)")
+        return t5.to(components.clip_l.device).requires_grad_(False).eval()
 
     def prediction_type(self, args, components) -> str:
         return "epsilon"  # modelspec: upstream writes "epsilon" for SD3 (no v-prediction)
@@ -231,26 +264,33 @@ def _clip(model, tok, captions, mask: bool):
     return out.hidden_states[-2], out.text_embeds, attn
 
 
+def encode_clip(components, captions: list[str], lg_mask: bool) -> dict:
+    """CLIP-L's and CLIP-G's part of encode_prompts: lg_out, lg_pooled, l_attn_mask, g_attn_mask."""
+    tok_l, tok_g = components.tokenizers[:2]
+    l_out, l_pooled, l_mask = _clip(components.clip_l, tok_l, captions, lg_mask)
+    g_out, g_pooled, g_mask = _clip(components.clip_g, tok_g, captions, lg_mask)
+    return {"lg_out": torch.cat([l_out, g_out.to(l_out.device)], dim=-1),
+            "lg_pooled": torch.cat([l_pooled, g_pooled.to(l_pooled.device)], dim=-1),
+            "l_attn_mask": l_mask, "g_attn_mask": g_mask.to(l_mask.device)}
+
+
 def encode_prompts(components, captions: list[str], t5_len: int, lg_mask: bool, t5_mask: bool) -> dict:
     """Upstream's Sd3TextEncodingStrategy without dropout: {"lg_out": [B, 77, L + G] (penultimate layers),
     "lg_pooled": [B, L + G], "t5_out": [B, t5_len, D] (without T5-XXL: 77 zero tokens), and the three attention
     masks}.
     The masks only mask inside the encoders (--apply_lg_attn_mask / --apply_t5_attn_mask); the outputs are kept."""
-    tok_l, tok_g, tok_t5 = components.tokenizers
-    l_out, l_pooled, l_mask = _clip(components.clip_l, tok_l, captions, lg_mask)
-    g_out, g_pooled, g_mask = _clip(components.clip_g, tok_g, captions, lg_mask)
-    t = tok_t5(captions, padding="max_length", max_length=t5_len, truncation=True, return_tensors="pt")
+    lg = encode_clip(components, captions, lg_mask)
+    t = components.tokenizers[2](captions, padding="max_length", max_length=t5_len, truncation=True,
+                                 return_tensors="pt")
     if components.t5xxl is not None:
         t5 = components.t5xxl
         t5_attn = t.attention_mask.to(t5.device)
         t5_out = t5(t.input_ids.to(t5.device), attention_mask=t5_attn if t5_mask else None).last_hidden_state
     else:  # no T5-XXL: 77 zero tokens, as upstream's concat_encodings and diffusers' pipeline
-        width = components.transformer.config.joint_attention_dim
-        t5_out = torch.zeros(len(captions), CLIP_LENGTH, width, device=l_out.device, dtype=l_out.dtype)
-        t5_attn = torch.zeros(len(captions), CLIP_LENGTH, dtype=torch.long, device=l_out.device)
-    return {"lg_out": torch.cat([l_out, g_out.to(l_out.device)], dim=-1),
-            "lg_pooled": torch.cat([l_pooled, g_pooled.to(l_pooled.device)], dim=-1),
-            "t5_out": t5_out, "l_attn_mask": l_mask, "g_attn_mask": g_mask.to(l_mask.device), "t5_attn_mask": t5_attn}
+        width, lg_out = components.transformer.config.joint_attention_dim, lg["lg_out"]
+        t5_out = torch.zeros(len(captions), CLIP_LENGTH, width, device=lg_out.device, dtype=lg_out.dtype)
+        t5_attn = torch.zeros(len(captions), CLIP_LENGTH, dtype=torch.long, device=lg_out.device)
+    return {**lg, "t5_out": t5_out, "t5_attn_mask": t5_attn}
 
 
 def drop_outputs(args, te: dict, l_width: int, l_pooled_width: int) -> dict:
@@ -446,14 +486,19 @@ def check_full_args(args, target) -> None:
     from library.errors import ConfigError
     from library.flux_train_utils import blockwise_fused
 
-    if args.use_t5xxl_cache_only:
-        raise ConfigError("--use_t5xxl_cache_only is not supported here (caching T5-XXL's outputs while CLIP is "
-                          "encoded live); use --cache_text_encoder_outputs without --train_text_encoder, or train "
-                          "the text encoders uncached")
-    if args.train_text_encoder and (args.cache_text_encoder_outputs or args.cache_text_encoder_outputs_to_disk):
-        raise ConfigError("--train_text_encoder cannot be used with --cache_text_encoder_outputs (as upstream)")
+    caching = args.cache_text_encoder_outputs or args.cache_text_encoder_outputs_to_disk
+    if args.train_text_encoder and caching and not args.use_t5xxl_cache_only:
+        raise ConfigError("--train_text_encoder cannot be used with --cache_text_encoder_outputs (as upstream; "
+                          "--use_t5xxl_cache_only caches T5-XXL's outputs only)")
     if args.train_t5xxl and not args.train_text_encoder:
         raise ConfigError("--train_t5xxl needs --train_text_encoder (as upstream)")
+    if args.use_t5xxl_cache_only:
+        if args.train_t5xxl:
+            raise ConfigError("--train_t5xxl cannot be used with --use_t5xxl_cache_only (T5-XXL's outputs are "
+                              "cached), as upstream")
+        if not caching:
+            logger.warning("--use_t5xxl_cache_only: --cache_text_encoder_outputs is turned on (as upstream)")
+            args.cache_text_encoder_outputs = True
     if args.blocks_to_swap and not args.fused_backward_pass:
         raise ConfigError("--blocks_to_swap in a full fine-tune needs --fused_backward_pass (with --optimizer_type "
                           "Adafactor): each weight must be updated while its block is on the GPU")
@@ -485,6 +530,9 @@ def place_for_full_training(args, accelerator, family, components, train_dtype):
     from library.network_trainer import Trainable
 
     device = accelerator.device
+    if args.use_t5xxl_cache_only and components.t5xxl is not None:
+        components.t5xxl = None  # its outputs are cached: freed, as upstream
+        logger.info("--use_t5xxl_cache_only: T5-XXL freed, its outputs come from the cache")
     model = components.transformer
     model.to(dtype=train_dtype).requires_grad_(True)
     frozen = min(args.num_last_block_to_freeze or 0, len(model.transformer_blocks))

@@ -138,6 +138,12 @@ class Trainer:
         if family_hook is not None:
             family_hook(args, groups)
 
+    def te_cache_partial(self, args) -> bool:
+        """Whether the target completes cached text-encoder outputs with live encoders each step (optional target
+        method: Full's te_cache_partial, sd3_train.py --use_t5xxl_cache_only)."""
+        partial = getattr(self.target, "te_cache_partial", None)
+        return bool(partial is not None and partial(args))
+
     def load_models(self, args, weight_dtype):
         """The family's models, --base_weights merged (LoRA), fp8 and the attention backend applied."""
         from library import safetensors_io
@@ -186,6 +192,10 @@ class Trainer:
                 latents = torch.nan_to_num(latents, 0, out=latents)
         if batch.get("te_outputs") is not None:
             te_outputs = {k: v.to(device) for k, v in batch["te_outputs"].items()}
+            if self.te_cache_partial(args):  # the live encoders' outputs join the cached ones
+                with accelerator.autocast():
+                    te_outputs = family.encode_prompts(args, components, batch["captions"],
+                                                       with_grad=train_text_encoder, cached=te_outputs)
         else:
             with accelerator.autocast():
                 te_outputs = family.encode_prompts(args, components, batch["captions"], with_grad=train_text_encoder)

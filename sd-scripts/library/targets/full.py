@@ -36,6 +36,7 @@ class Full:
                  trains_text_encoder: Callable | None = None,
                  keep_training_text_encoder: Callable | None = None,
                  check: Callable | None = None,
+                 te_cache_partial: Callable | None = None,
                  param_groups: Callable | None = None,
                  fused_groups: Callable | None = None,
                  optimizer_groups: Callable | None = None,
@@ -46,6 +47,7 @@ class Full:
         self._trains_text_encoder = trains_text_encoder
         self._keep_training_text_encoder = keep_training_text_encoder
         self._check, self._param_groups, self._place = check, param_groups, place
+        self._te_cache_partial = te_cache_partial
         self._fused_groups, self._optimizer_groups = fused_groups, optimizer_groups
         self._extra_metadata = extra_metadata
         self.fused_counts: list = []
@@ -55,6 +57,11 @@ class Full:
         if self._trains_text_encoder is not None:
             return self._trains_text_encoder(args)
         return bool(args.train_text_encoder)
+
+    def te_cache_partial(self, args) -> bool:
+        """Whether cached text-encoder outputs are completed each step by live (possibly trained) encoders
+        (sd3_train.py --use_t5xxl_cache_only: T5-XXL cached, CLIP live)."""
+        return self._te_cache_partial is not None and self._te_cache_partial(args)
 
     def check_args(self, args, family_name: str) -> None:
         if self._check is not None:
@@ -70,7 +77,7 @@ class Full:
     def _check_text_encoders(self, args) -> None:
         caching_te = args.cache_text_encoder_outputs or args.cache_text_encoder_outputs_to_disk
         train_te = self.trains_text_encoder(args)
-        if caching_te and train_te:
+        if caching_te and train_te and not self.te_cache_partial(args):
             raise ConfigError("--cache_text_encoder_outputs cannot be used with --train_text_encoder (a trained "
                               "text encoder changes its outputs); drop one of them")
         lrs = self.text_encoder_lrs(args)
@@ -128,7 +135,7 @@ class Full:
             trainable = self._place(args, accelerator, family, components, train_dtype)
         else:
             trainable = self._denoiser_and_text_encoders(args, device, family, components, train_dtype)
-        if not caching_te:
+        if not caching_te or self.te_cache_partial(args):
             for te in components.text_encoders:
                 te.to(device)
         if self._param_groups is not None:  # e.g. sdxl_train.py's --block_lr
