@@ -10,6 +10,63 @@ import torch
 
 from library import losses, noise
 
+# the flow-matching options, declared, checked and written to metadata here for every flow-matching family
+# (FLUX.1 / Chroma, SD3, Lumina); each family's parser picks its defaults as upstream's script has them
+TIMESTEP_SAMPLING = ("sigma", "uniform", "sigmoid", "shift", "flux_shift")
+MODEL_PREDICTION_TYPES = ("raw", "additive", "sigma_scaled")
+# SD3-paper weighting schemes (upstream's choices): logit_normal / mode change which timesteps are drawn;
+# sigma_sqrt / cosmap weight the loss (FLUX.1: with --model_prediction_type sigma_scaled); none / uniform: neither
+WEIGHTING_SCHEMES = ("sigma_sqrt", "logit_normal", "mode", "cosmap", "none", "uniform")
+
+
+def add_weighting_arguments(group) -> None:
+    """--weighting_scheme, --logit_mean, --logit_std, --mode_scale (the SD3 paper's; same defaults everywhere)."""
+    group.add_argument("--weighting_scheme", type=str, default="uniform", choices=WEIGHTING_SCHEMES,
+                       help="SD3 weighting: logit_normal / mode shape the timesteps drawn (FLUX.1: with "
+                            "--timestep_sampling sigma); sigma_sqrt / cosmap weight the loss (FLUX.1: with "
+                            "--model_prediction_type sigma_scaled)")
+    group.add_argument("--logit_mean", type=float, default=0.0, help="mean of the logit_normal weighting scheme")
+    group.add_argument("--logit_std", type=float, default=1.0,
+                       help="standard deviation of the logit_normal scheme")
+    group.add_argument("--mode_scale", type=float, default=1.29, help="scale of the mode weighting scheme")
+
+
+def add_timestep_arguments(group, *, sampling_default: str, discrete_flow_shift: float,
+                           model_prediction_type: str, sampling_choices: tuple[str, ...] = TIMESTEP_SAMPLING) -> None:
+    """--timestep_sampling, --sigmoid_scale, --discrete_flow_shift, the weighting options and
+    --model_prediction_type (FLUX.1 / Chroma, Lumina), with the script's upstream defaults."""
+    group.add_argument("--timestep_sampling", type=str, default=sampling_default, choices=sampling_choices,
+                       help="how sigmas are drawn: sigma (uniform over the shifted schedule), uniform, sigmoid "
+                            "(sigmoid of a normal), shift (sigmoid + --discrete_flow_shift), flux_shift "
+                            "(resolution-dependent shift)")
+    group.add_argument("--sigmoid_scale", type=float, default=1.0,
+                       help="scale of the normal in sigmoid/shift/flux_shift sampling")
+    group.add_argument("--discrete_flow_shift", type=float, default=discrete_flow_shift,
+                       help="shift of the flow schedule (sigma, shift)")
+    add_weighting_arguments(group)
+    group.add_argument("--model_prediction_type", type=str, default=model_prediction_type,
+                       choices=MODEL_PREDICTION_TYPES,
+                       help="raw: the output as it is; additive: output + noisy input; sigma_scaled: -sigma * "
+                            "output + noisy input")
+
+
+def check_args(args, error_cls) -> None:
+    """The flow-matching options a script has must be in range."""
+    for name in ("sigmoid_scale", "logit_std", "discrete_flow_shift", "training_shift"):
+        value = getattr(args, name, None)
+        if value is not None and value <= 0:
+            raise error_cls(f"--{name} must be positive, got {value}")
+
+
+def metadata(args) -> dict[str, str]:
+    """ss_* of the flow-matching options the script has (upstream's keys)."""
+    md = {}
+    for name in ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "model_prediction_type",
+                 "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "training_shift"):
+        if hasattr(args, name):
+            md[f"ss_{name}"] = str(getattr(args, name))
+    return md
+
 
 class FlowMatching:
     flow_matching = True  # no DDPM schedule: noise.DDPM_ONLY_OPTIONS and the SNR weights do nothing
