@@ -29,6 +29,8 @@ DEFAULTS: dict[str, Any] = {
     "seed": None,  # None: the trainer picks one
     "guidance_scale": 3.5,  # FLUX.1 distilled guidance
     "sample_sampler": None,  # None: the trainer's --sample_sampler
+    "cfg_trunc_ratio": 0.25,  # Lumina 2: CFG only while the DiT's time is below this (upstream's --ctr)
+    "renorm_cfg": 1.0,  # Lumina 2: the guided prediction's norm limit, times the conditional one's (--rcfg)
 }
 
 # line option -> (key, description)
@@ -41,6 +43,8 @@ OPTIONS = {
     "d": ("seed", "seed"),
     "g": ("guidance_scale", "FLUX guidance"),
     "ss": ("sample_sampler", "sampler name"),
+    "ctr": ("cfg_trunc_ratio", "Lumina 2 CFG truncation ratio"),
+    "rcfg": ("renorm_cfg", "Lumina 2 CFG renormalisation"),
 }
 KEYS = ("prompt",) + tuple(DEFAULTS)
 
@@ -80,7 +84,7 @@ def _convert(key: str, value, where: str):
         if v is None or v < 0:
             fail("a whole number >= 0")
         return v
-    if key in ("scale", "guidance_scale"):
+    if key in ("scale", "guidance_scale", "cfg_trunc_ratio", "renorm_cfg"):
         v = _number(value, float)
         if v is None or v != v or v < 0:
             fail("a number >= 0")

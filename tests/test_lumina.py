@@ -1,0 +1,162 @@
+"""Lumina Image 2.0 (lumina_train_network.py / lumina_train.py) on a tiny random Lumina 2 built here (upstream's
+single-file DiT with the `model.diffusion_model.` prefix, Gemma 2 and FLUX.1's AE as single files, a local
+tokenizer, and a diffusers Lumina2Pipeline folder; CPU, 2 steps):
+- the layouts load the same weights and the single file is written back in upstream's layout;
+- LoRA: upstream's keys (lora_unet_layers_N_attention_qkv ..., lora_te_layers_N_self_attn_q_proj ...), metadata,
+  a sample image with CFG truncation / renormalisation; then from the diffusers folder continuing that LoRA;
+- full fine-tune: the saved upstream-layout single file reads back and differs from the base;
+- upstream's semantics: the loss convention for every --model_prediction_type, the CFG renormalisation;
+- bad settings: one line, exit 2.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import lumina_train
+import lumina_train_network
+from library import lumina_models
+from library.families import lumina
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def lumina_set(tmp_path_factory):
+    return lumina_models.make_tiny_lumina(tmp_path_factory.mktemp("lumina_models"), prefix=True,
+                                          diffusers_folder=True)
+
+
+@pytest.fixture(scope="module")
+def lumina_data(tmp_path_factory):
+    from library.tiny_models import make_captioned_images
+
+    return make_captioned_images(tmp_path_factory.mktemp("lumina_data"), n=2, size=(32, 32), repeats=1, name="demo")
+
+
+def single_file_argv(paths):
+    return ["--pretrained_model_name_or_path", paths["transformer"], "--gemma2", paths["gemma2"], "--ae", paths["ae"],
+            "--tokenizer_cache_dir", paths["tokenizer_cache_dir"]]
+
+
+def train_argv(data, out, name, extra=()):
+    return ["--train_data_dir", str(data), "--output_dir", str(out), "--output_name", name, "--resolution", "32",
+            "--max_train_steps", "2", "--learning_rate", "1e-3", "--gemma2_max_token_length", "16",
+            "--max_data_loader_n_workers", "0", "--seed", "1", *extra]
+
+
+LORA = ["--network_module", "networks.lora_lumina", "--network_dim", "4", "--network_alpha", "2"]
+
+
+def read(path):
+    with safe_open(str(path), "pt") as f:
+        md = f.metadata() or {}
+    return load_file(str(path)), md
+
+
+def test_layouts_load_the_same_weights_and_save_upstreams_layout(lumina_set):
+    single, norm_final = lumina_models.load_transformer(lumina_set["transformer"], torch.float32)
+    folder, _ = lumina_models.load_transformer(lumina_set["diffusers"], torch.float32)
+    a, b = single.state_dict(), folder.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    written = {k.removeprefix("model.diffusion_model."): v for k, v in load_file(lumina_set["transformer"]).items()}
+    again = lumina_models.diffusers_to_single_file(a)
+    assert again.keys() == written.keys()
+    assert all(torch.equal(again[k], written[k]) for k in written)
+    assert {"layers.0.attention.qkv.weight", "final_layer.adaLN_modulation.1.weight", "norm_final.weight",
+            "cap_embedder.1.weight", "context_refiner.0.attention_norm1.weight"} <= written.keys()
+
+
+@pytest.mark.slow
+def test_lora_keys_metadata_sample_then_diffusers_folder(lumina_set, lumina_data, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle --w 64 --h 64 --s 2 --l 4 --n blurry --ctr 1.0 --rcfg 1.0 --d 7\n")
+    path = lumina_train_network.main([*single_file_argv(lumina_set), *LORA, *train_argv(
+        lumina_data, tmp_path / "out", "lora", ["--sample_prompts", str(prompts), "--sample_every_n_steps", "2",
+                                                "--system_prompt", "You are an assistant."])])
+    sd, md = read(path)
+    names = {k.split(".")[0] for k in sd}
+    dit = {n for n in names if n.startswith("lora_unet_")}
+    assert {"lora_unet_layers_0_attention_qkv", "lora_unet_layers_1_attention_out",
+            "lora_unet_layers_0_feed_forward_w2", "lora_unet_layers_0_adaLN_modulation_1",
+            "lora_unet_noise_refiner_0_attention_qkv", "lora_unet_context_refiner_0_feed_forward_w3",
+            "lora_unet_final_layer_linear", "lora_unet_final_layer_adaLN_modulation_1"} <= dit
+    # 2 layers + 1 noise refiner: 6 Linears each; 1 context refiner: 5 (no modulation); final layer: 2
+    assert len(dit) == 3 * 6 + 5 + 2
+    assert {"lora_te_layers_0_self_attn_q_proj", "lora_te_layers_1_mlp_down_proj"} <= names
+    assert sd["lora_unet_layers_0_attention_qkv.lora_up.weight"].shape[0] == 48 + 2 * 24  # q + k + v rows
+    assert any(v.abs().sum() > 0 for k, v in sd.items() if k.endswith("lora_up.weight"))
+    assert md["ss_base_model_version"] == "lumina2" and md["modelspec.architecture"] == "lumina-2/lora"
+    assert md["modelspec.implementation"] == "https://github.com/Alpha-VLLM/Lumina-Image-2.0"
+    assert md["ss_timestep_sampling"] == "shift" and md["ss_discrete_flow_shift"] == "6.0"
+    assert md["ss_model_prediction_type"] == "raw" and md["ss_system_prompt"] == "You are an assistant."
+    assert md["ss_network_module"] == "networks.lora_lumina"
+    assert len(list((tmp_path / "out" / "sample").glob("lora_000002_00_*_7.png"))) == 1
+
+    path2 = lumina_train_network.main([
+        "--pretrained_model_name_or_path", lumina_set["diffusers"], *LORA, "--network_weights", str(path),
+        *train_argv(lumina_data, tmp_path / "out2", "lora2"), "--unet_lr", "0", "--text_encoder_lr", "1e-3",
+        "--timestep_sampling", "nextdit_shift"])
+    sd2, _ = read(path2)
+    for k, v in sd.items():  # --unet_lr 0: the loaded DiT LoRA comes back unchanged, Gemma 2's trains on
+        if k.startswith("lora_unet_"):
+            assert torch.equal(sd2[k], v), k
+    assert any(not torch.equal(sd2[k], v) for k, v in sd.items() if k.startswith("lora_te_"))
+
+
+@pytest.mark.slow
+def test_full_fine_tune_saves_upstreams_single_file_that_reads_back(lumina_set, lumina_data, tmp_path):
+    path = lumina_train.main([*single_file_argv(lumina_set), "--optimizer_type", "AdamW",
+                              *train_argv(lumina_data, tmp_path / "out", "full")])
+    written, md = read(path)
+    base = {k.removeprefix("model.diffusion_model."): v for k, v in load_file(lumina_set["transformer"]).items()}
+    assert written.keys() == base.keys()  # upstream's layout, no prefix, norm_final kept
+    assert not torch.equal(base["layers.0.attention.qkv.weight"], written["layers.0.attention.qkv.weight"])
+    tuned, _ = lumina_models.load_transformer(path, torch.float32)
+    assert torch.equal(lumina_models.diffusers_to_single_file(tuned.state_dict())["layers.0.attention.qkv.weight"],
+                       written["layers.0.attention.qkv.weight"])
+    assert md["modelspec.architecture"] == "lumina-2" and md["ss_base_model_version"] == "lumina2"
+
+
+@pytest.mark.parametrize("kind", ["raw", "additive", "sigma_scaled"])
+def test_loss_equals_upstreams_for_every_prediction_type(kind):
+    """Upstream: loss of m(o) against latents - noise; ours: loss of m(p) against noise - latents."""
+    from argparse import Namespace
+
+    from library.objectives.flow_matching import apply_model_prediction_type
+
+    g = torch.Generator().manual_seed(0)
+    latents, noise, out = (torch.randn(2, 16, 4, 4, generator=g) for _ in range(3))
+    sigmas = torch.tensor([0.3, 0.8])
+    s = sigmas.view(-1, 1, 1, 1)
+    noisy = (1 - s) * latents + s * noise
+    args = Namespace(model_prediction_type=kind)
+    upstream = {"raw": out, "additive": out + noisy, "sigma_scaled": out * -s + noisy}[kind]
+    ours = apply_model_prediction_type(args, lumina.upstream_convention(args, out, noisy, sigmas), noisy, sigmas)
+    assert torch.allclose((ours - (noise - latents)) ** 2, (upstream - (latents - noise)) ** 2, atol=1e-4)
+
+
+def test_cfg_renormalisation_limits_the_guided_norm():
+    cond = torch.ones(2, 4, 2, 2)
+    uncond = torch.zeros(2, 4, 2, 2)
+    limited = lumina.guided(cond, uncond, 4.0, 1.0)
+    assert torch.allclose(limited, cond)  # 4x the conditional norm, scaled back to it
+    assert torch.allclose(lumina.guided(cond, uncond, 4.0, 0.0), 4 * cond)  # renorm 0: no limit
+    assert torch.allclose(lumina.guided(cond, uncond, 4.0, 8.0), 4 * cond)  # under the limit: unchanged
+
+
+@pytest.mark.parametrize("add, needle", [
+    (["--use_flash_attn"], "--use_flash_attn needs the flash-attn package"),
+    (["--timestep_sampling", "nextdit"], "invalid choice"),
+    (["--network_args", "train_blocks=double"], "train_blocks=double: allowed: all, transformer"),
+])
+def test_bad_settings_one_line_exit_2(lumina_set, lumina_data, tmp_path, capsys, add, needle):
+    argv = [*single_file_argv(lumina_set), *LORA, *train_argv(lumina_data, tmp_path / "out", "bad"), *add]
+    with pytest.raises(SystemExit) as e:
+        lumina_train_network.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+    assert not (tmp_path / "out" / "bad.safetensors").exists()
