@@ -29,11 +29,7 @@ def setup_parser() -> argparse.ArgumentParser:
     lumina.add_lumina_arguments(parser)
     saving.add_mem_eff_save_argument(parser)
     full_trainer.add_fused_optimizer_groups_argument(parser)
-    parser.add_argument("--blockwise_fused_optimizers", action="store_true",
-                        help="one optimizer per transformer block, each stepped inside backward as soon as its "
-                             "block's gradients are complete (any optimizer; saves the memory of all gradients)")
-    parser.add_argument("--skip_latents_validity_check", action="store_true",
-                        help="[deprecated] the same as --skip_cache_check")
+    full_trainer.add_dit_full_arguments(parser)
     masks.add_masked_loss_arguments(parser)
     compile_options.add_compile_arguments(parser)
     safetensors_io.add_mmap_argument(parser)
