@@ -160,3 +160,40 @@ def test_bad_settings_one_line_exit_2(lumina_set, lumina_data, tmp_path, capsys,
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
     assert not (tmp_path / "out" / "bad.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_lora_with_disk_caches_in_upstreams_files_and_validation(lumina_set, lumina_data, tmp_path, caplog):
+    import logging
+
+    import numpy as np
+
+    caplog.set_level(logging.INFO)
+    path = lumina_train_network.main([*single_file_argv(lumina_set), *LORA, *train_argv(
+        lumina_data, tmp_path / "out", "cached", ["--cache_latents_to_disk", "--cache_text_encoder_outputs_to_disk",
+                                                  "--network_train_unet_only", "--validation_split", "0.5",
+                                                  "--validate_every_n_steps", "1", "--save_state"])])
+    sd, _ = read(path)
+    assert sd and not any(k.startswith("lora_te_") for k in sd)
+    latents = sorted(lumina_data.rglob("*_lumina.npz"))
+    te = sorted(lumina_data.rglob("*_lumina_te.npz"))
+    assert latents and te
+    with np.load(te[0]) as npz:  # upstream's keys and shapes: [L, D], L a multiple of 8
+        assert npz["hidden_state"].shape == (16, 32) and npz["attention_mask"].shape == (16,)
+        assert "input_ids" in npz
+    with np.load(latents[0]) as npz:
+        assert any(k.startswith("latents_") for k in npz.files)
+    assert "validation" in caplog.text.lower()
+    resumed = lumina_train_network.main([*single_file_argv(lumina_set), *LORA, *train_argv(
+        lumina_data, tmp_path / "out", "cached", ["--network_train_unet_only", "--resume",
+                                                  str(tmp_path / "out" / "cached-state"), "--max_train_steps", "3",
+                                                  "--overwrite_output"])])
+    assert not torch.equal(read(resumed)[0]["lora_unet_layers_0_attention_qkv.lora_up.weight"],
+                           sd["lora_unet_layers_0_attention_qkv.lora_up.weight"])
+
+
+def test_validate_only_loads_no_model(lumina_set, lumina_data, tmp_path, capsys):
+    assert lumina_train_network.main([*single_file_argv(lumina_set), *LORA,
+                                      *train_argv(lumina_data, tmp_path / "out", "v"), "--validate_only"]) is None
+    assert "validate_only: ok (2 training images; no model loaded)" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()

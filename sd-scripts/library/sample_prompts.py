@@ -29,9 +29,10 @@ DEFAULTS: dict[str, Any] = {
     "seed": None,  # None: the trainer picks one
     "guidance_scale": 3.5,  # FLUX.1 distilled guidance
     "sample_sampler": None,  # None: the trainer's --sample_sampler
-    "cfg_trunc_ratio": 0.25,  # Lumina 2: CFG only while the DiT's time is below this (upstream's --ctr)
-    "renorm_cfg": 1.0,  # Lumina 2: the guided prediction's norm limit, times the conditional one's (--rcfg)
 }
+# keys a prompt has only when given (the family that reads them has its own default): Lumina 2's CFG truncation
+# ratio (upstream's --ctr, 0.25) and renormalisation (--rcfg, 1.0)
+OPTIONAL = ("cfg_trunc_ratio", "renorm_cfg")
 
 # line option -> (key, description)
 OPTIONS = {
@@ -46,7 +47,7 @@ OPTIONS = {
     "ctr": ("cfg_trunc_ratio", "Lumina 2 CFG truncation ratio"),
     "rcfg": ("renorm_cfg", "Lumina 2 CFG renormalisation"),
 }
-KEYS = ("prompt",) + tuple(DEFAULTS)
+KEYS = ("prompt",) + tuple(DEFAULTS) + OPTIONAL
 
 
 def _number(value, kind):

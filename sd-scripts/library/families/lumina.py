@@ -171,9 +171,11 @@ class Lumina:
         return TE_FORMAT
 
     def cache_signature(self, args, what: str) -> str:
+        import os
+
         if what == "te":
-            return f"lumina:te:{args.gemma2}:{self.max_length}:{args.system_prompt}"
-        return "lumina:" + flux_train_utils.cache_signature(args, what)
+            return f"lumina:te:{os.path.basename(str(args.gemma2 or ''))}:{self.max_length}:{args.system_prompt}"
+        return f"lumina:{what}:{os.path.basename(str(args.ae or args.pretrained_model_name_or_path))}"
 
     def full_output_format(self, args) -> tuple[str, str]:
         return "single", ".safetensors"  # upstream's layout, whatever --save_model_as says (as upstream)
