@@ -197,3 +197,25 @@ def test_validate_only_loads_no_model(lumina_set, lumina_data, tmp_path, capsys)
                                       *train_argv(lumina_data, tmp_path / "out", "v"), "--validate_only"]) is None
     assert "validate_only: ok (2 training images; no model loaded)" in capsys.readouterr().out
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_gui_demo_preset_makes_a_tiny_lumina_and_trains(tmp_path, monkeypatch):
+    """The Lumina 2 demo preset: the demo helper makes its tiny Lumina 2 and images in cache/demo/, and the flags the
+    GUI builds from the preset run lumina_train_network.py and train a LoRA with upstream's keys."""
+    from kohya_gui import command, config_file, demo, presets
+
+    monkeypatch.chdir(tmp_path)
+    cfg = config_file.load(presets.preset_path("lora", "demo-lumina-tiny"))
+    assert (cfg.tab, cfg.family) == ("lora", "Lumina 2")
+    assert command.script_path(cfg.tab, cfg.family).endswith("lumina_train_network.py")
+    values = {**cfg.values, "max_train_steps": 2, "sample_every_n_steps": 2}
+    made = demo.make_assets(cfg.family, values, log=lambda *_: None)
+    assert str(tmp_path / "cache/demo/lumina/lumina.safetensors") in {str(tmp_path / p) for p in made}
+    assert not demo.missing_demo_paths(cfg.family, values)
+    argv = command.trainer_args(cfg.tab, cfg.family, values)
+    assert argv[argv.index("--timestep_sampling") + 1] == "shift"  # Lumina's own default, written by the GUI
+    path = lumina_train_network.main(argv)
+    sd, md = read(path)
+    assert md["ss_base_model_version"] == "lumina2" and "lora_unet_layers_0_attention_qkv.lora_up.weight" in sd
+    assert list((tmp_path / "outputs/demo-lumina-tiny/sample").glob("demo-lumina-lora_000002_00_*.png"))
