@@ -219,3 +219,15 @@ def test_gui_demo_preset_makes_a_tiny_lumina_and_trains(tmp_path, monkeypatch):
     sd, md = read(path)
     assert md["ss_base_model_version"] == "lumina2" and "lora_unet_layers_0_attention_qkv.lora_up.weight" in sd
     assert list((tmp_path / "outputs/demo-lumina-tiny/sample").glob("demo-lumina-lora_000002_00_*.png"))
+
+
+@pytest.mark.slow
+def test_lora_block_swap_fp8_checkpointing_and_regional_compile(lumina_set, lumina_data, tmp_path):
+    path = lumina_train_network.main([*single_file_argv(lumina_set), *LORA, *train_argv(
+        lumina_data, tmp_path / "out", "c", ["--network_train_unet_only", "--blocks_to_swap", "1",
+                                             "--gradient_checkpointing", "--fp8_base", "--compile",
+                                             "--compile_backend", "aot_eager"])])
+    sd, md = read(path)
+    # 2 layers + 1 noise refiner + 1 context refiner: the Lumina2TransformerBlocks compiled one by one
+    assert md["ss_fp8_base"] == "True" and md["ss_blocks_to_swap"] == "1" and md["ss_compile_blocks"] == "4"
+    assert any(v.abs().sum() > 0 for k, v in sd.items() if k.endswith("lora_up.weight"))
