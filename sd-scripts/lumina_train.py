@@ -16,8 +16,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from library import (full_trainer, masks, network_trainer, offload_checkpointing, safetensors_io,  # noqa: E402
-                     saving, train_util)
+from library import (flux_train_utils, full_trainer, masks, network_trainer,  # noqa: E402
+                     offload_checkpointing, safetensors_io, saving, train_util)
 from library.compile import options as compile_options  # noqa: E402
 from library.families import lumina  # noqa: E402
 from library.run.trainer import Trainer  # noqa: E402
@@ -34,12 +34,12 @@ def setup_parser() -> argparse.ArgumentParser:
     compile_options.add_compile_arguments(parser)
     safetensors_io.add_mmap_argument(parser)
     offload_checkpointing.add_cpu_offload_checkpointing_argument(parser)
-    train_util.add_normaliser(parser, lumina.normalise_full_args)
+    train_util.add_normaliser(parser, flux_train_utils.normalise_dit_full_args)
     return parser
 
 
 def trainer(args=None) -> Trainer:
-    return Trainer(lumina.Lumina(), Full(check=lumina.check_full_args, fused_groups=lumina.blockwise_fused,
+    return Trainer(lumina.Lumina(), Full(check=lumina.check_full_args, fused_groups=flux_train_utils.blockwise_fused,
                                         optimizer_groups=lumina.blockwise_optimizer_groups))
 
 

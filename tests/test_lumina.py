@@ -108,7 +108,7 @@ def test_lora_keys_metadata_sample_then_diffusers_folder(lumina_set, lumina_data
 
 @pytest.mark.slow
 def test_full_fine_tune_saves_upstreams_single_file_that_reads_back(lumina_set, lumina_data, tmp_path):
-    path = lumina_train.main([*single_file_argv(lumina_set), "--optimizer_type", "AdamW",
+    path = lumina_train.main([*single_file_argv(lumina_set), "--optimizer_type", "AdamW", "--blockwise_fused_optimizers",
                               *train_argv(lumina_data, tmp_path / "out", "full")])
     written, md = read(path)
     base = {k.removeprefix("model.diffusion_model."): v for k, v in load_file(lumina_set["transformer"]).items()}

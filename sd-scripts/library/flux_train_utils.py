@@ -296,6 +296,11 @@ def normalise_full_args(args) -> None:
     """flux_train.py's deprecated forms and implied settings (train_util.normalise_args runs it, as upstream's
     flux_train.py does before training)."""
     map_deprecated_swap_args(args)
+    normalise_dit_full_args(args)
+
+
+def normalise_dit_full_args(args) -> None:
+    """What flux_train.py and lumina_train.py imply, as upstream's scripts do before training."""
     if args.cpu_offload_checkpointing and not args.gradient_checkpointing:
         logger.warning("cpu_offload_checkpointing is enabled, so gradient_checkpointing is also enabled")
         args.gradient_checkpointing = True

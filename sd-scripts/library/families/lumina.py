@@ -320,26 +320,12 @@ def check_full_args(args, target) -> None:
     if args.save_model_as not in (None, "safetensors"):
         logger.warning("--save_model_as %s: lumina_train.py writes a .safetensors single file (as upstream)",
                        args.save_model_as)
-    if blockwise_fused(args) and optimizers.is_schedulefree(args):
+    if flux_train_utils.blockwise_fused(args) and optimizers.is_schedulefree(args):
         raise ConfigError("--blockwise_fused_optimizers cannot be used with a schedule-free optimizer "
                           f"({optimizers.optimizer_type(args)}), as upstream")
     if args.fused_optimizer_groups:
         logger.warning("--fused_optimizer_groups has no effect in lumina_train.py (upstream: \"this option is not "
                        "working\"); use --blockwise_fused_optimizers")
-
-
-def normalise_full_args(args) -> None:
-    """lumina_train.py's implied settings, as upstream's script sets them before training."""
-    if args.cpu_offload_checkpointing and not args.gradient_checkpointing:
-        logger.warning("cpu_offload_checkpointing is enabled, so gradient_checkpointing is also enabled")
-        args.gradient_checkpointing = True
-    if args.skip_latents_validity_check:
-        logger.warning("--skip_latents_validity_check is deprecated: use --skip_cache_check")
-        args.skip_cache_check = True
-
-
-def blockwise_fused(args) -> bool:
-    return bool(args.blockwise_fused_optimizers) and not args.fused_backward_pass
 
 
 def blockwise_optimizer_groups(args, components) -> list[list[dict]]:
