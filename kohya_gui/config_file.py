@@ -73,7 +73,7 @@ def to_toml(tab: str, family: str, values: dict[str, Any]) -> str:
         if p.fixed:
             value = p.fixed[family]
         else:
-            value = p.effective(p.check(values.get(p.name, p.default), tab), family)
+            value = p.effective(p.check(values.get(p.name, p.default_for(tab, family)), tab), family)
             if value is None or (p.is_default(value, tab) and not p.must_write(family)):
                 continue
         if p.table == P.GUI_TABLE:

@@ -118,8 +118,10 @@ class Param:
     open_choices: bool = False  # choices are suggestions; any text is accepted (a class path, a module name)
     item_kind: str = "str"  # list options: what each item is ("float": numbers, written as TOML numbers)
     family_default: dict = field(default_factory=dict)  # family -> what an empty value means (always written)
-    # families whose script has another default than the tab's first family's (Lumina 2's flow-matching options
-    # against FLUX.1's): the value shown is always written there, so the run gets what the form shows
+    # (tab, family) -> the default of a family whose script has another than the tab's first family's (Lumina 2's
+    # flow-matching options against FLUX.1's); for those families the value is always written (written_for), so
+    # the run gets what the form shows, and choosing the family in the form sets these defaults
+    family_defaults: dict = field(default_factory=dict)
     written_for: frozenset = frozenset()
     family_choices: dict = field(default_factory=dict)  # (tab, family) -> its script's choices, where they differ
     whole_as_int: bool = False  # a number that is steps when whole and a ratio below 1: written 100, not 100.0
@@ -128,8 +130,8 @@ class Param:
     network_arg: str = ""
     modules: frozenset = frozenset()
 
-    def default_for(self, tab: str | None) -> Any:
-        value = self.tab_defaults.get(tab, self.default)
+    def default_for(self, tab: str | None, family: str | None = None) -> Any:
+        value = self.family_defaults.get((tab, family), self.tab_defaults.get(tab, self.default))
         return list(value) if self.kind == "list" else value
 
     def choices_for(self, tab: str | None, family: str | None = None) -> tuple:
@@ -379,12 +381,17 @@ def _param(name: str, look: option_places.Look, per_script: dict[str, dict]) -> 
         d = _kind_default_choices(per_script[script])[1]
         if d != default and look.widget != "one_number":
             tab_defaults[tab] = d if kind != "choice" or d is not None else ""
-    written_for = frozenset(f for (t, f), sc in SCRIPTS.items() if sc in scripts and t in tab_of
-                            and _kind_default_choices(per_script[sc])[1] != _kind_default_choices(
-                                per_script[tab_of[t]])[1])
+    family_defaults = {}  # (tab, family) -> its script's default, where it differs from the tab's first family's
+    for (t, f), sc in SCRIPTS.items():
+        if sc in scripts and t in tab_of and look.widget != "one_number":
+            d = _kind_default_choices(per_script[sc])[1]
+            if d != _kind_default_choices(per_script[tab_of[t]])[1]:
+                family_defaults[(t, f)] = d if kind != "choice" or d is not None else ""
+    written_for = frozenset(f for _, f in family_defaults)
     shown["tabs"] = shown["tabs"] & frozenset(tab_of)
     return Param(name, kind, default, look.label, look.help or first["help"], look.group, choices=choices,
                  tab_defaults=tab_defaults, scripts=scripts, open_choices=open_choices, written_for=written_for,
+                 family_defaults=family_defaults,
                  family_choices=family_choices,
                  item_kind=first["kind"] if kind == "list" and first["kind"] in ("int", "float") else "str", **shown)
 
@@ -577,5 +584,5 @@ def network_arg_clashes(tab: str, family: str, values: dict[str, Any]) -> list[s
             if key in set_in_fields]
 
 
-def defaults(tab: str | None = None) -> dict[str, Any]:
-    return {p.name: p.default_for(tab) for p in CONTROL_PARAMS if tab is None or tab in p.tabs}
+def defaults(tab: str | None = None, family: str | None = None) -> dict[str, Any]:
+    return {p.name: p.default_for(tab, family) for p in CONTROL_PARAMS if tab is None or tab in p.tabs}

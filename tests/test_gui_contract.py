@@ -94,10 +94,9 @@ def test_cli_flags_reach_the_trainer_and_defaults_agree(tab, family):
     values = all_non_default(tab, family)
     wrong = []
     for p in trainer_params(tab, family):
-        # written_for: the family's script has its own default; the form's value is always written there
-        if (hasattr(defaults, p.name) and not p.fixed and family not in p.written_for
-                and not same(p.default_for(tab), getattr(defaults, p.name))):
-            wrong.append(f"--{p.name}: registry default {p.default_for(tab)!r}, "
+        if hasattr(defaults, p.name) and not p.fixed and not same(p.default_for(tab, family),
+                                                                  getattr(defaults, p.name)):
+            wrong.append(f"--{p.name}: registry default {p.default_for(tab, family)!r}, "
                          f"trainer default {getattr(defaults, p.name)!r}")
     missing = missing_flags(defaults, tab, family)
     sent = {**values, **{n: P.BY_NAME[n].default_for(tab) for n in missing}}

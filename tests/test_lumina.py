@@ -231,3 +231,42 @@ def test_lora_block_swap_fp8_checkpointing_and_regional_compile(lumina_set, lumi
     # 2 layers + 1 noise refiner + 1 context refiner: the Lumina2TransformerBlocks compiled one by one
     assert md["ss_fp8_base"] == "True" and md["ss_blocks_to_swap"] == "1" and md["ss_compile_blocks"] == "4"
     assert any(v.abs().sum() > 0 for k, v in sd.items() if k.endswith("lora_up.weight"))
+
+
+def test_gui_print_command_names_the_lumina_scripts(tmp_path):
+    """`python -m kohya_gui print-command` on a config whose [gui] family is Lumina 2 runs lumina_train_network.py
+    (LoRA) or lumina_train.py (DreamBooth / Fine-tune), with Lumina's fields and its own flow-matching defaults."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kohya_gui import config_file, params as P
+
+    repo = Path(__file__).resolve().parent.parent
+    for tab, script in (("lora", "lumina_train_network.py"), ("dreambooth", "lumina_train.py"),
+                        ("finetune", "lumina_train.py")):
+        values = {**P.defaults(tab, "Lumina 2"), "pretrained_model_name_or_path": "/m/lumina.safetensors", "gemma2": "/m/g.sft",
+                  "ae": "/m/ae.safetensors", "train_data_dir": "/data", "output_dir": str(tmp_path / "out"),
+                  "output_name": "x", "system_prompt": "You are an assistant."}
+        path = tmp_path / f"{tab}.toml"
+        config_file.save(path, tab, "Lumina 2", values)
+        out = subprocess.run([sys.executable, "-m", "kohya_gui", "print-command", "--standalone", str(path)],
+                             cwd=repo, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert f"sd-scripts/{script}" in out.stdout and "--gemma2 /m/g.sft" in out.stdout
+        assert "--timestep_sampling shift" in out.stdout and "--discrete_flow_shift 6.0" in out.stdout
+        assert "--system_prompt 'You are an assistant.'" in out.stdout
+
+
+def test_gui_picking_lumina_sets_its_flow_matching_defaults():
+    """FLUX.1 and Lumina 2 share --timestep_sampling / --discrete_flow_shift / --model_prediction_type with other
+    defaults: the form shows the tab's first family's, and picking Lumina 2 sets upstream's Lumina defaults."""
+    from kohya_gui import params as P
+    from kohya_gui.ui import actions as A
+
+    updates = dict(zip([p.name for p in A.tab_params("lora")], A.family_value_updates("lora", "Lumina 2")))
+    assert updates["timestep_sampling"]["value"] == "shift" and updates["discrete_flow_shift"]["value"] == 6.0
+    assert updates["model_prediction_type"]["value"] == "raw"
+    assert P.defaults("lora", "FLUX.1")["timestep_sampling"] == "sigma"
+    assert "nextdit_shift" in P.BY_NAME["timestep_sampling"].choices_for("lora", "Lumina 2")
+    assert "nextdit_shift" not in P.BY_NAME["timestep_sampling"].choices_for("lora", "FLUX.1")
