@@ -32,7 +32,7 @@ def setup_parser() -> argparse.ArgumentParser:
     parser.add_argument("--train_blocks", type=str, default="all", choices=flux_train_utils.TRAIN_BLOCKS,
                         help="which transformer blocks are trained: all (the whole transformer), single or double")
     full_trainer.add_fused_optimizer_groups_argument(parser)
-    full_trainer.add_dit_full_arguments(parser)
+    full_trainer.add_blockwise_arguments(parser)
     masks.add_masked_loss_arguments(parser)
     compile_options.add_compile_arguments(parser)
     safetensors_io.add_mmap_argument(parser)

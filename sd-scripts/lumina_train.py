@@ -29,7 +29,7 @@ def setup_parser() -> argparse.ArgumentParser:
     lumina.add_lumina_arguments(parser)
     saving.add_mem_eff_save_argument(parser)
     full_trainer.add_fused_optimizer_groups_argument(parser)
-    full_trainer.add_dit_full_arguments(parser)
+    full_trainer.add_blockwise_arguments(parser)
     masks.add_masked_loss_arguments(parser)
     compile_options.add_compile_arguments(parser)
     safetensors_io.add_mmap_argument(parser)

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from library import flux_models
+from library import dit_options, flux_models
 from library.objectives import flow_matching
 
 logger = logging.getLogger(__name__)
@@ -22,34 +22,17 @@ MODEL_TYPES = ("flux", "chroma")  # upstream's --model_type choices (chroma: lib
 
 def add_flux_arguments(parser) -> None:
     g = parser.add_argument_group("FLUX.1")
-    g.add_argument("--clip_l", type=str, default=None, help="CLIP-L text encoder (.safetensors); not needed for a diffusers folder")
-    g.add_argument("--t5xxl", type=str, default=None, help="T5-XXL encoder (.safetensors); not needed for a diffusers folder")
-    add_ae_argument(g)
-    g.add_argument("--t5xxl_max_token_length", type=int, default=None,
-                   help="T5-XXL tokens (default 512 for dev, 256 for schnell)")
-    g.add_argument("--apply_t5_attn_mask", action="store_true", help="mask T5 padding in the encoder and zero its outputs")
+    dit_options.add_text_encoder_file_arguments(g)
+    dit_options.add_ae_argument(g)
+    dit_options.add_t5_arguments(g)
     g.add_argument("--guidance_scale", type=float, default=3.5, help="guidance embedded into FLUX.1-dev while training")
     flow_matching.add_timestep_arguments(g, sampling_default="sigma", discrete_flow_shift=3.0,
                                          model_prediction_type="sigma_scaled")
-    add_swap_and_cache_arguments(g)
+    dit_options.add_memory_arguments(g)
     g.add_argument("--model_type", type=str, default="flux", choices=MODEL_TYPES,
                    help="flux (FLUX.1 dev/schnell) or chroma (Chroma: T5-XXL only, needs --apply_t5_attn_mask)")
     g.add_argument("--controlnet_model_name_or_path", type=str, default=None,
                    help="ignored, as in upstream's LoRA and fine-tune scripts (only its ControlNet trainer reads it)")
-
-
-def add_ae_argument(g) -> None:
-    """--ae: FLUX.1's 16-channel autoencoder, which Lumina 2 uses too (library.families.lumina)."""
-    g.add_argument("--ae", type=str, default=None, help="FLUX autoencoder ae.safetensors; not needed for a diffusers folder")
-
-
-def add_swap_and_cache_arguments(g) -> None:
-    """--blocks_to_swap and --text_encoder_batch_size (upstream's DiT scripts: FLUX.1, Lumina 2)."""
-    g.add_argument("--blocks_to_swap", type=int, default=None,
-                   help="transformer blocks kept off the GPU and swapped in around their forward/backward (saves "
-                        "memory; default none)")
-    g.add_argument("--text_encoder_batch_size", type=int, default=None,
-                   help="batch size for caching text encoder outputs (default: the training batch size)")
 
 
 def check_flux_args(args, error_cls) -> None:

@@ -144,9 +144,9 @@ def add_fused_optimizer_groups_argument(parser: argparse.ArgumentParser) -> None
                              "(saves the memory of all gradients, any optimizer)")
 
 
-def add_dit_full_arguments(parser: argparse.ArgumentParser) -> None:
-    """flux_train.py and lumina_train.py: --blockwise_fused_optimizers and the deprecated
-    --skip_latents_validity_check (the same as --skip_cache_check; the script's normaliser maps it)."""
+def add_blockwise_arguments(parser: argparse.ArgumentParser) -> None:
+    """flux_train.py, sd3_train.py and lumina_train.py: --blockwise_fused_optimizers, and the deprecated
+    --skip_latents_validity_check."""
     parser.add_argument("--blockwise_fused_optimizers", action="store_true",
                         help="one optimizer per transformer block, each stepped inside backward as soon as its "
                              "block's gradients are complete (any optimizer; saves the memory of all gradients)")

@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from library import flux_train_utils, latent_cache, lumina_models, offload_checkpointing, te_cache
+from library import dit_options, flux_train_utils, latent_cache, lumina_models, offload_checkpointing, te_cache
 from library.families import flux
 from library.objectives import flow_matching
 from library.objectives.flow_matching import FlowMatching
@@ -27,7 +27,7 @@ def add_lumina_arguments(parser) -> None:
     g = parser.add_argument_group("Lumina 2")
     g.add_argument("--gemma2", type=str, default=None,
                    help="Gemma 2 2B text encoder (.safetensors, or a folder); not needed for a diffusers folder")
-    flux_train_utils.add_ae_argument(g)
+    dit_options.add_ae_argument(g)
     g.add_argument("--gemma2_max_token_length", type=int, default=None, help="Gemma 2 tokens (default 256)")
     flow_matching.add_timestep_arguments(g, sampling_default="shift", discrete_flow_shift=6.0,
                                          model_prediction_type="raw", sampling_choices=TIMESTEP_SAMPLING)
@@ -39,7 +39,7 @@ def add_lumina_arguments(parser) -> None:
                    help="system prompt put before every caption (and sample prompt) with ' <Prompt Start> '")
     g.add_argument("--sample_batch_size", type=int, default=None,
                    help="accepted as upstream (batch of sample prompts); samples are drawn one prompt at a time")
-    flux_train_utils.add_swap_and_cache_arguments(g)
+    dit_options.add_memory_arguments(g)
 
 
 def check_lumina_args(args, error_cls) -> None:

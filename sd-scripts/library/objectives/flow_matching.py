@@ -99,6 +99,56 @@ class FlowMatching:
         return loss  # the weighting scheme's weights come with the prediction (loss_weighting)
 
 
+class SD3FlowMatching(FlowMatching):
+    """SD3 / SD3.5 as upstream's sd3_train_network.py: t = the --weighting_scheme density shifted by
+    --training_shift, scaled into [--min_timestep, --max_timestep) and floored; sigma = t / 1000; noisy = sigma *
+    noise + (1 - sigma) * latents; the prediction preconditioned to -sigma * output + noisy and compared with the
+    latents, weighted by sigma_sqrt / cosmap."""
+
+    def noisy_input_pred_target(self, args, noise_scheduler, latents: torch.Tensor, predict, generator,
+                                fixed_timestep: int | None = None):
+        eps = torch.randn(latents.shape, generator=generator, device=latents.device, dtype=latents.dtype)
+        b = latents.shape[0]
+        if fixed_timestep is None:
+            timesteps = sd3_timesteps(args, b, latents.device, generator)
+        else:
+            timesteps = torch.full((b,), float(fixed_timestep), device=latents.device)
+        sigmas = (timesteps / 1000.0).view(-1, 1, 1, 1)
+        noisy = sigmas * eps + (1.0 - sigmas) * latents
+        pred = predict(noisy, timesteps).float() * (-sigmas) + noisy
+        return pred, latents, timesteps, sd3_loss_weighting(args, sigmas)
+
+    def huber_threshold(self, args, timesteps, noise_scheduler):
+        return losses.huber_threshold(args, timesteps, 1000)
+
+
+def sd3_timesteps(args, batch_size: int, device, generator=None) -> torch.Tensor:
+    """Upstream's get_noisy_model_input_and_timesteps: integer-valued timesteps in [t_min, t_max)."""
+    u = timestep_density(args, batch_size, device, generator)
+    shift = args.training_shift
+    u = (u * shift) / (1 + (shift - 1) * u)
+    t_min = args.min_timestep if args.min_timestep is not None else 0
+    t_max = args.max_timestep if args.max_timestep is not None else 1000
+    return (u * (t_max - t_min) + t_min).long().float()
+
+
+def sd3_loss_weighting(args, sigmas: torch.Tensor) -> torch.Tensor | None:
+    """sigma_sqrt: sigma^-2; cosmap: 2 / (pi (1 - 2 sigma + 2 sigma^2)); other schemes: None (weight 1)."""
+    if args.weighting_scheme == "sigma_sqrt":
+        return sigmas.float() ** -2.0
+    if args.weighting_scheme == "cosmap":
+        return 2 / (math.pi * (1 - 2 * sigmas.float() + 2 * sigmas.float() ** 2))
+    return None
+
+
+def add_sd3_arguments(group) -> None:
+    """SD3's flow-matching options: the weighting options and --training_shift (upstream's defaults)."""
+    add_weighting_arguments(group)
+    group.add_argument("--training_shift", type=float, default=1.0,
+                       help="shift of the training timestep distribution, applied on top of the weighting scheme "
+                            "(> 1: noisier timesteps, overall structure; < 1: less noisy, details)")
+
+
 def _time_shift(mu: float, sigma: float, t: torch.Tensor) -> torch.Tensor:
     return math.exp(mu) / (math.exp(mu) + (1 / t - 1) ** sigma)
 
