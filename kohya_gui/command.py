@@ -106,8 +106,8 @@ def trainer_args(tab: str, family: str, values: dict[str, Any]) -> list[str]:
         if p.fixed:
             out += p.cli_args(p.fixed[family])
             continue
-        value = p.effective(p.check(values.get(p.name, p.default_for(tab)), tab), family)
-        if not p.is_default(value, tab):
+        value = p.effective(p.check(values.get(p.name, p.default_for(tab, family)), tab), family)
+        if not p.is_default(value, tab) or family in p.written_for:
             out += p.cli_args(value)
     return out + additional_args(values)
 

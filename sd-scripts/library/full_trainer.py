@@ -145,7 +145,7 @@ def add_fused_optimizer_groups_argument(parser: argparse.ArgumentParser) -> None
 
 
 def add_blockwise_arguments(parser: argparse.ArgumentParser) -> None:
-    """flux_train.py and sd3_train.py: --blockwise_fused_optimizers, and the deprecated
+    """flux_train.py, sd3_train.py and lumina_train.py: --blockwise_fused_optimizers, and the deprecated
     --skip_latents_validity_check."""
     parser.add_argument("--blockwise_fused_optimizers", action="store_true",
                         help="one optimizer per transformer block, each stepped inside backward as soon as its "

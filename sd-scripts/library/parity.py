@@ -23,6 +23,7 @@ from dataclasses import dataclass
 SCRIPTS = ("sdxl_train_network", "train_network", "flux_train_network", "sdxl_train", "train_db", "fine_tune",
            "flux_train", "sd3_train_network", "sd3_train")
 SCRIPTS += ("train_textual_inversion", "sdxl_train_textual_inversion")
+SCRIPTS += ("lumina_train_network", "lumina_train")  # Lumina Image 2.0 (library/families/lumina.py)
 
 _DEEPSPEED = ("DeepSpeed/ZeRO is not supported: train on several GPUs through `accelerate launch --multi_gpu` "
               "(data parallel); a later release brings a distributed engine for full fine-tunes")
@@ -92,7 +93,18 @@ DIFFERENT: dict[str, Different] = {
         "model; upstream also shows the images in a window on Windows and loops over the epochs until Escape"),
     "weighted_captions": Different(
         "FLUX.1: a warning and captions encoded as written (upstream's flux_train.py ignores it and "
-        "flux_train_network.py stops with NotImplementedError unless text-encoder outputs are cached)"),
+        "flux_train_network.py stops with NotImplementedError unless text-encoder outputs are cached); Lumina 2: "
+        "the same warning, captions encoded as written as upstream does"),
+    # Lumina 2 (lumina_train_network.py / lumina_train.py; library/families/lumina.py)
+    "use_flash_attn": Different(
+        "Lumina 2: without the flash-attn package the run stops with one line naming it (upstream fails when the "
+        "first attention runs); with it, attention runs through PyTorch's SDPA, which uses FlashAttention kernels"),
+    "use_sage_attn": Different("Lumina 2: accepted, with a warning, and training keeps PyTorch's SDPA (upstream: Sage "
+                               "Attention is inference-only and its backward is unsupported)"),
+    "sample_batch_size": Different("Lumina 2: accepted; sample prompts are drawn one at a time (upstream batches "
+                                   "prompts of the same size, scale and seed)"),
+    "blocks_to_swap": Different("lumina_train.py stops on a value above 0 (no block swap in Lumina 2 full "
+                                "fine-tunes yet); the other scripts swap as upstream"),
     "block_lr": Different("a UNet block at rate 0 is frozen (upstream leaves it trainable outside the optimizer: "
                           "its gradients are computed, never applied nor cleared, and count in the clipping norm)"),
     "fused_backward_pass": Different("the full trainers refuse it with --mixed_precision fp16 before anything loads "
@@ -139,7 +151,7 @@ DIFFERENT: dict[str, Different] = {
         "another model, another bucket size or a newer image (upstream's files are reused as upstream reuses them; "
         "--skip_cache_check reuses any existing file)"),
     "cache_text_encoder_outputs_to_disk": Different(
-        "upstream's SDXL and FLUX file layouts; our files also record the caption and model and are encoded again "
+        "upstream's SDXL, FLUX.1 and Lumina 2 file layouts; our files also record the caption and model and are encoded again "
         "when either changes (upstream reuses a file for a changed caption)"),
     "fp8_base": Different(
         "LoRA scripts: only the Linear weights are stored in float8 (convolutions, norms, embeddings and T5's wo "

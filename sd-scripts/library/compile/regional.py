@@ -21,6 +21,7 @@ _FALLBACK_REPEATED_BLOCKS = {
     "UNet2DConditionModel": ("BasicTransformerBlock",),
     "FluxTransformer2DModel": ("FluxTransformerBlock", "FluxSingleTransformerBlock"),
     "SD3Transformer2DModel": ("JointTransformerBlock",),
+    "Lumina2Transformer2DModel": ("Lumina2TransformerBlock",),  # the layers and both refiners
 }
 
 
@@ -91,6 +92,8 @@ IMAGE_SIZE_DIMS = {
     # FLUX.1: hidden_states (batch, image tokens, width); image_rotary_emb (cos, sin), each (text + image tokens, dim)
     "FluxTransformerBlock": {"hidden_states": (1,), "image_rotary_emb": (0,)},
     "FluxSingleTransformerBlock": {"hidden_states": (1,), "image_rotary_emb": (0,)},
+    # Lumina 2: hidden_states (batch, caption + image tokens, width); rotary (batch, tokens, dim); mask (batch, tokens)
+    "Lumina2TransformerBlock": {"hidden_states": (1,), "attention_mask": (1,), "image_rotary_emb": (1,)},
 }
 
 
