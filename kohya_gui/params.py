@@ -23,8 +23,7 @@ from . import option_places
 
 TABS = ("lora", "dreambooth", "finetune", "ti")
 TAB_LABELS = {"lora": "LoRA", "dreambooth": "DreamBooth", "finetune": "Fine-tune", "ti": "Textual Inversion"}
-FAMILIES = ("SD1.x", "SD2.x", "SDXL", "FLUX.1", "SD3")
-FAMILIES += ("Lumina 2",)  # lumina_train_network.py / lumina_train.py (upstream has both)
+FAMILIES = ("SD1.x", "SD2.x", "SDXL", "FLUX.1", "SD3", "Lumina 2")
 COMPILE_FAMILIES = option_places.COMPILE_FAMILIES
 
 SCRIPTS = {
