@@ -183,9 +183,7 @@ def create_network(multiplier: float, network_dim: int | None, network_alpha: fl
         type_dims={k: opts[k] for k, _ in TYPE_DIM_ARGS if k in opts},
         embedder_dims=parse_embedder_dims(opts["embedder_dims"]) if "embedder_dims" in opts else None,
         verbose=opts.get("verbose", False))
-    if any(opts.get(k) is not None for k in lora_sd.LORAPLUS_ARGS):
-        network.set_loraplus_lr_ratio(*(opts.get(k) for k in lora_sd.LORAPLUS_ARGS))
-    lora_sd.enable_dora(network, opts)
+    lora_sd.apply_loraplus_and_dora(network, opts)
     return network
 
 
@@ -200,7 +198,5 @@ def create_network_from_weights(multiplier: float, file: str | None, ae, text_en
     network = LoRANetworkLumina(_text_encoders(text_encoders), dit, multiplier=multiplier, modules_dim=modules_dim,
                                 modules_alpha=modules_alpha, dropout=neuron_dropout,
                                 rank_dropout=opts.get("rank_dropout"), module_dropout=opts.get("module_dropout"))
-    if any(opts.get(k) is not None for k in lora_sd.LORAPLUS_ARGS):
-        network.set_loraplus_lr_ratio(*(opts.get(k) for k in lora_sd.LORAPLUS_ARGS))
-    lora_sd.enable_dora(network, opts, weights_sd)
+    lora_sd.apply_loraplus_and_dora(network, opts, weights_sd)
     return network, weights_sd
