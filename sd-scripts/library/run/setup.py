@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from library import (config_util, data_parallel, huggingface_util, optimizers, run_requests, saving, schedulers,
-                     state_folders, train_util, validation)
+                     sharding, state_folders, train_util, validation)
 from library import ema, metadata as metadata_util
 from library.errors import ConfigError
 from library.run.state import RunState
@@ -199,15 +199,19 @@ def resume(trainer, args, state: RunState) -> None:
     optimizer_train, _ = optimizers.train_eval_fns(state.optimizers, args)
     state.generator = torch.Generator(device=accelerator.device).manual_seed(args.seed + accelerator.process_index)
     state.checkpoint.generator = state.generator
-    for model in state.trainable.models:
-        accelerator.register_for_checkpointing(model)
+    if sharding.enabled(args):  # --fsdp: the models and optimizers are written sharded, not by accelerate
+        state.sharded = sharding.ShardedState(state.trainable.models, state.optimizers)
+    else:
+        for model in state.trainable.models:
+            accelerator.register_for_checkpointing(model)
     accelerator.register_for_checkpointing(state.lr_scheduler)
     if state.ema is not None:
         accelerator.register_for_checkpointing(state.ema)
     accelerator.register_for_checkpointing(state.checkpoint)  # last: state_folders.resumed_position reads it so
     if args.resume:
         logger.info("resuming from %s", args.resume)
-        state_folders.load_state(accelerator, huggingface_util.resume_state_dir(args), state.steps_per_epoch)
+        state_folders.load_state(accelerator, huggingface_util.resume_state_dir(args), state.steps_per_epoch,
+                                 load=state.sharded.load if state.sharded is not None else None)
         optimizer_train()  # a schedule-free optimizer's state was saved in eval mode
         logger.info("resumed at step %d (epoch %d)", state.checkpoint.global_step, state.checkpoint.epoch)
     start = saving.start_position(args, state.steps_per_epoch, state.checkpoint.global_step, state.max_train_steps)

@@ -233,6 +233,13 @@ class Trainer:
         return state.validator.run(step, state.trainable.models, state, state.accelerator)
 
     # -- outputs ---------------------------------------------------------------------------------------------
+    def full_weights(self, state):
+        """Context entered by every process around a save: with --fsdp the main process's models hold the full
+        weights inside (library.sharding.gathered); otherwise nothing changes."""
+        from library import sharding
+
+        return sharding.gathered(state.components, state.trainable.models, state.accelerator)
+
     def eval_weights(self, state):
         """Context: the model holds a schedule-free optimizer's evaluation weights (sampling, saving), as
         upstream; nothing changes with other optimizers."""
@@ -251,8 +258,10 @@ class Trainer:
         """accelerate's state (models, optimizer, scheduler, step, every process's RNG); all processes call it.
         --save_state_to_huggingface uploads it."""
         path = os.path.join(args.output_dir, name)
+        sharded = getattr(self.state, "sharded", None)  # --fsdp: models and optimizers written by each process
         with saving.explained_save_errors(path):
-            state_folders.write_state(accelerator, path, args.overwrite_output)
+            state_folders.write_state(accelerator, path, args.overwrite_output,
+                                      save=sharded.save if sharded is not None else None)
         logger.info("training state saved: %s", path)
         if accelerator.is_main_process and getattr(args, "save_state_to_huggingface", False):
             huggingface_util.upload(args, path, name)
@@ -273,9 +282,11 @@ class Trainer:
         else:
             name = train_util.epoch_file_name(args.output_name, epoch, ext)
         path = os.path.join(args.output_dir, name)
+        with self.full_weights(state):
+            if accelerator.is_main_process:
+                with saving.explained_save_errors(path):
+                    self.save_model(state, path, epoch, step)
         if accelerator.is_main_process:
-            with saving.explained_save_errors(path):
-                self.save_model(state, path, epoch, step)
             huggingface_util.upload(args, path, name)
         if args.save_state:
             self.save_state(args, accelerator, train_util.state_dir_name(
