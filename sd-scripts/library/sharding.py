@@ -106,8 +106,9 @@ def _fsdp_api():
 
 
 def _class_name(module: torch.nn.Module) -> str:
-    """The model's own class name (fully_shard renames a sharded module's class to FSDP<name>)."""
-    return unsharded_class(module).__name__
+    from library.compile import regional
+
+    return regional.class_name(module)
 
 
 def unsharded_class(module: torch.nn.Module) -> type:
