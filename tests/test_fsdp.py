@@ -169,3 +169,53 @@ def test_fsdp_state_resumes_on_two_and_on_one_process(sharded_run):
     assert "--fsdp full_shard: one process, nothing to shard" in log and "resumed at step 2" in log, log[-3000:]
     saved, resumed = load_file(sharded_run.out / "ft.safetensors"), load_file(one / "ft.safetensors")
     assert all(torch.equal(saved[k], resumed[k]) for k in saved)
+
+
+# ---- --deepspeed (upstream's options, accelerate's DeepSpeed plugin) ---------------------------------------------
+
+
+def test_deepspeed_without_the_package_is_one_line_naming_the_extra(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # not installed (import raises ImportError)
+    argv = ["--pretrained_model_name_or_path", tmp_path / "none.safetensors", "--train_data_dir", tmp_path,
+            "--output_dir", tmp_path / "out", "--deepspeed", "--zero_stage", "2"]
+    with pytest.raises(SystemExit) as e:
+        train("sdxl_train_network", argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert 'pip install -e ".[deepspeed]"' in err and "Traceback" not in err, err
+    assert len([ln for ln in err.splitlines() if ln.strip()]) == 1, err
+
+
+def test_deepspeed_plugin_has_upstreams_values(monkeypatch):
+    """With the package present (a stand-in module here: deepspeed is not installed on the test machine), the
+    options become accelerate's real DeepSpeedPlugin with upstream's settings."""
+    from library import sharding
+    from library.errors import ConfigError
+    import sdxl_train
+
+    import importlib.machinery
+    import types
+
+    stand_in = types.ModuleType("deepspeed")
+    stand_in.__spec__ = importlib.machinery.ModuleSpec("deepspeed", None)
+    monkeypatch.setitem(sys.modules, "deepspeed", stand_in)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    args = sdxl_train.setup_parser().parse_args([
+        "--deepspeed", "--zero_stage", "2", "--offload_optimizer_device", "cpu", "--train_batch_size", "3",
+        "--gradient_accumulation_steps", "2", "--max_grad_norm", "0.5", "--mixed_precision", "fp16", "--full_fp16",
+        "--max_data_loader_n_workers", "4"])
+    sharding.check_deepspeed_args(args, ConfigError)
+    assert args.max_data_loader_n_workers == 1  # as upstream
+    config = sharding.deepspeed_plugin(args).deepspeed_config
+    assert config["zero_optimization"]["stage"] == 2
+    assert config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert config["gradient_clipping"] == 0.5 and config["gradient_accumulation_steps"] == 2
+    assert config["train_micro_batch_size_per_gpu"] == 3 and config["train_batch_size"] == 3 * 2 * 4
+    assert config["fp16"]["enabled"] is True and config["fp16"]["initial_scale_power"] == 0
+    assert config["fp16"]["fp16_master_weights_and_grads"] is True  # --full_fp16 with ZeRO-2 CPU offload
+    args.fsdp, args.mixed_precision, args.full_fp16 = "full_shard", "bf16", False
+    with pytest.raises(ConfigError, match="--fsdp cannot be used with --deepspeed"):
+        sharding.check_fsdp_args(args, ConfigError)
+    args.fsdp, args.zero_stage = None, 3
+    with pytest.raises(ConfigError, match="--zero_stage 3 is not supported yet"):
+        sharding.check_deepspeed_args(args, ConfigError)

@@ -65,8 +65,8 @@ def check_launch(accelerator) -> None:
 def all_reduce_gradients(params, accelerator) -> None:
     """Averages `.grad` of `params` over all processes, in place (nothing to do in a single process).
     A parameter without a gradient counts as a zero gradient, so every process runs the same collectives."""
-    if not is_distributed(accelerator):
-        return
+    if not is_distributed(accelerator) or getattr(accelerator, "distributed_type", None) == "DEEPSPEED":
+        return  # (the DeepSpeed engine reduces them in its backward)
     params = [p for p in params if not _is_sharded(p)]  # --fsdp reduced those in backward (library.sharding)
     world = accelerator.num_processes
     buckets: dict[tuple, list[torch.Tensor]] = {}

@@ -339,3 +339,94 @@ def check_resume(args, folder: str) -> str | None:
     if enabled(args) and not is_sharded_state(folder):
         return f"--resume {folder}: the state was saved without --fsdp; resume it without --fsdp"
     return None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# upstream's DeepSpeed options (library/deepspeed_utils.py there), through accelerate's DeepSpeed plugin
+
+DEEPSPEED_EXTRA = "deepspeed"  # pyproject install extra: pip install -e ".[deepspeed]"
+
+
+def add_deepspeed_arguments(parser) -> None:
+    """Upstream's names, types, defaults and choices (every trainer)."""
+    parser.add_argument("--deepspeed", action="store_true",
+                        help="train through DeepSpeed ZeRO (accelerate's DeepSpeed plugin; install extra "
+                             f"'{DEEPSPEED_EXTRA}')")
+    parser.add_argument("--zero_stage", type=int, default=2, choices=[0, 1, 2, 3],
+                        help="with --deepspeed: the ZeRO stage (1 optimizer state, 2 + gradients, 3 + weights sharded)")
+    parser.add_argument("--offload_optimizer_device", type=str, default=None, choices=[None, "cpu", "nvme"],
+                        help="with --deepspeed: keep the optimizer state on cpu or nvme (ZeRO stages 2 and 3)")
+    parser.add_argument("--offload_optimizer_nvme_path", type=str, default=None,
+                        help="with --deepspeed --offload_optimizer_device nvme: the NVMe folder (ZeRO stage 3)")
+    parser.add_argument("--offload_param_device", type=str, default=None, choices=[None, "cpu", "nvme"],
+                        help="with --deepspeed: keep the weights on cpu or nvme (ZeRO stage 3)")
+    parser.add_argument("--offload_param_nvme_path", type=str, default=None,
+                        help="with --deepspeed --offload_param_device nvme: the NVMe folder (ZeRO stage 3)")
+    parser.add_argument("--zero3_init_flag", action="store_true",
+                        help="with --deepspeed: build the models through deepspeed.zero.Init (ZeRO stage 3)")
+    parser.add_argument("--zero3_save_16bit_model", action="store_true",
+                        help="with --deepspeed: gather 16-bit weights to save the model (ZeRO stage 3)")
+
+
+def deepspeed_enabled(args) -> bool:
+    return bool(getattr(args, "deepspeed", False))
+
+
+def check_deepspeed_args(args, error) -> None:
+    """Before any model loads: the deepspeed package is there (else one line naming the install extra), and
+    what it cannot go with."""
+    if not deepspeed_enabled(args):
+        return
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        raise error(f"--deepspeed needs the deepspeed package: pip install -e \".[{DEEPSPEED_EXTRA}]\" (or "
+                    "DS_BUILD_OPS=0 pip install deepspeed)") from None
+    for flag, given in (("--fused_backward_pass", getattr(args, "fused_backward_pass", False)),
+                        ("--fused_optimizer_groups", getattr(args, "fused_optimizer_groups", None)),
+                        ("--blockwise_fused_optimizers", getattr(args, "blockwise_fused_optimizers", False)),
+                        ("--blocks_to_swap", (getattr(args, "blocks_to_swap", None) or 0) > 0),
+                        ("--cuda_graph_step", getattr(args, "cuda_graph_step", "off") not in ("off", "auto", None))):
+        if given:
+            raise error(f"--deepspeed cannot be used with {flag}: DeepSpeed steps the optimizer itself")
+    if args.zero_stage == 3:
+        raise error("--deepspeed --zero_stage 3 is not supported yet (the model is saved from every process's whole "
+                    "weights); use --zero_stage 0, 1 or 2, or --fsdp full_shard (weights sharded through torch)")
+    args.max_data_loader_n_workers = 1  # upstream: "DataLoader worker exited unexpectedly" with more
+
+
+def deepspeed_plugin(args):
+    """accelerate's DeepSpeedPlugin with upstream's values, or None without --deepspeed."""
+    if not deepspeed_enabled(args):
+        return None
+    from accelerate import DeepSpeedPlugin
+
+    plugin = DeepSpeedPlugin(
+        zero_stage=args.zero_stage, gradient_accumulation_steps=args.gradient_accumulation_steps,
+        gradient_clipping=args.max_grad_norm, offload_optimizer_device=args.offload_optimizer_device,
+        offload_optimizer_nvme_path=args.offload_optimizer_nvme_path, offload_param_device=args.offload_param_device,
+        offload_param_nvme_path=args.offload_param_nvme_path, zero3_init_flag=args.zero3_init_flag,
+        zero3_save_16bit_model=args.zero3_save_16bit_model)
+    config = plugin.deepspeed_config
+    config["train_micro_batch_size_per_gpu"] = args.train_batch_size
+    config["train_batch_size"] = (args.train_batch_size * args.gradient_accumulation_steps
+                                  * int(os.environ.get("WORLD_SIZE", "1") or 1))
+    plugin.set_mixed_precision(args.mixed_precision)
+    if args.mixed_precision == "fp16":
+        config["fp16"]["initial_scale_power"] = 0  # upstream: no overflow in the first steps
+    if (args.full_fp16 or getattr(args, "fp16_master_weights_and_gradients", False)) \
+            and args.offload_optimizer_device == "cpu" and args.zero_stage == 2:
+        config["fp16"]["fp16_master_weights_and_grads"] = True
+    logger.info("--deepspeed: ZeRO stage %d%s%s", args.zero_stage,
+                f", optimizer state on {args.offload_optimizer_device}" if args.offload_optimizer_device else "",
+                f", weights on {args.offload_param_device}" if args.offload_param_device else "")
+    return plugin
+
+
+def prepare_deepspeed(accelerator, models: list, dataloader, optimizers: list):
+    """accelerate prepares the trained models (one module, as DeepSpeed takes one model), the optimizer and the
+    dataloader together; the models keep being called directly (the engine's hooks and its backward/step do the
+    rest). Returns (dataloader, [optimizer])."""
+    wrapper = torch.nn.ModuleList(models)
+    engine, optimizer, dataloader = accelerator.prepare(wrapper, optimizers[0], dataloader)
+    return dataloader, [optimizer]

@@ -173,7 +173,11 @@ def build_optimization(trainer, args, accelerator, components, trainable, group,
     built = [optimizers.get_optimizer(args, g)
              for g in trainer.target.optimizer_param_groups(args, trainer.family, components, trainable)]
     # sharded over the processes: each sees len(group) / num_processes batches per epoch
-    dataloader = accelerator.prepare(make_dataloader(group, args))
+    if sharding.deepspeed_enabled(args):  # accelerate prepares the models, the optimizer and the data together
+        dataloader, prepared = sharding.prepare_deepspeed(accelerator, trainable.models, make_dataloader(group, args),
+                                                          [b[2] for b in built])
+    else:
+        dataloader = accelerator.prepare(make_dataloader(group, args))
     num_batches = len(dataloader)
     steps_per_epoch, max_train_steps, num_epochs = train_util.resolve_train_length(args, num_batches)
     args.max_train_steps = max_train_steps
@@ -183,7 +187,8 @@ def build_optimization(trainer, args, accelerator, components, trainable, group,
     # not prepared by accelerate (our loop steps it: schedulers.step follows accelerate's rule exactly)
     lr_scheduler = schedulers.group([schedulers.get_scheduler(args, b[2], max_train_steps,
                                                               accelerator.num_processes) for b in built])
-    prepared = [accelerator.prepare(b[2]) for b in built]
+    if not sharding.deepspeed_enabled(args):
+        prepared = [accelerator.prepare(b[2]) for b in built]
     if args.full_fp16:
         allow_fp16_grad_unscale(accelerator)
     trainer.family.compile(args, components)  # after prepare: the denoiser is frozen and on its device
@@ -201,7 +206,7 @@ def resume(trainer, args, state: RunState) -> None:
     state.checkpoint.generator = state.generator
     if sharding.enabled(args):  # --fsdp: the models and optimizers are written sharded, not by accelerate
         state.sharded = sharding.ShardedState(state.trainable.models, state.optimizers)
-    else:
+    elif not sharding.deepspeed_enabled(args):  # (accelerate saves the DeepSpeed engine it prepared)
         for model in state.trainable.models:
             accelerator.register_for_checkpointing(model)
     accelerator.register_for_checkpointing(state.lr_scheduler)

@@ -62,7 +62,7 @@ class Trainer:
     def check_common_options(self, args) -> None:
         """Logging, tracker, precision, memory and compile-switch options of every trainer, before the script's own
         checks (train_util.normalise_args mapped --torch_compile to the compile settings)."""
-        from library import console_log, precision, trackers
+        from library import console_log, precision, sharding, trackers
         from library.compile import options as compile_options
 
         console_log.apply_console_log_args(args)  # a side effect (the log handler), not a setting
@@ -70,6 +70,7 @@ class Trainer:
         trackers.check_tracker_args(args)
         precision.check_precision_args(args)
         ema.check_ema_args(args, ConfigError)
+        sharding.check_deepspeed_args(args, ConfigError)  # --deepspeed: the package, what it cannot go with
 
     def check_objective_args(self, args) -> None:
         """Loss, noise and validation options (library.losses / noise / validation), before models load."""
@@ -104,7 +105,7 @@ class Trainer:
         from accelerate import Accelerator
         from accelerate.utils import ProjectConfiguration
 
-        from library import data_parallel, trackers
+        from library import data_parallel, sharding, trackers
 
         logging_dir = None
         if args.logging_dir:
@@ -114,7 +115,8 @@ class Trainer:
                                   mixed_precision=args.mixed_precision, log_with=trackers.log_with(args),
                                   project_config=ProjectConfiguration(project_dir=args.output_dir,
                                                                       logging_dir=logging_dir),
-                                  kwargs_handlers=data_parallel.accelerator_kwargs_handlers(args))
+                                  kwargs_handlers=data_parallel.accelerator_kwargs_handlers(args),
+                                  deepspeed_plugin=sharding.deepspeed_plugin(args))
         try:
             data_parallel.check_launch(accelerator)
         except RuntimeError as e:
