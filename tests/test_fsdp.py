@@ -219,3 +219,56 @@ def test_deepspeed_plugin_has_upstreams_values(monkeypatch):
     args.fsdp, args.zero_stage = None, 3
     with pytest.raises(ConfigError, match="--zero_stage 3 is not supported yet"):
         sharding.check_deepspeed_args(args, ConfigError)
+
+
+# ---- faults: a process that dies -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_process_killed_during_a_save_ends_the_run_and_keeps_the_earlier_save(tmp_path, tiny_sdxl_single_file,
+                                                                                 tiny_dataset_dir):
+    import signal
+    import time
+
+    import psutil
+
+    from kohya_gui.runner import first_failed_process
+
+    out = tmp_path / "out"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", ACCELERATE_USE_CPU="1")
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
+           "--dynamo_backend", "no", "--num_cpu_threads_per_process", "1", str(REPO / "sd-scripts" / "sdxl_train.py")]
+    args = sdxl_args(tiny_sdxl_single_file, tiny_dataset_dir, out, "ft", 40) + [
+        "--fsdp", "full_shard", "--save_state", "--save_every_n_steps", 2]
+    log_path = tmp_path / "log.txt"
+    with open(log_path, "w") as log:
+        launcher = subprocess.Popen(cmd + [str(a) for a in args], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    cwd=REPO)
+    try:
+        deadline = time.time() + 300
+        # the second state save has begun (the first is complete): kill process rank 1 now
+        while "ft-step00000004-state" not in log_path.read_text() and time.time() < deadline:
+            assert launcher.poll() is None, log_path.read_text()[-3000:]
+            time.sleep(0.05)
+        rank1 = next(p for p in psutil.Process(launcher.pid).children(recursive=True)
+                     if p.environ().get("LOCAL_RANK") == "1" and "sdxl_train.py" in " ".join(p.cmdline()))
+        rank1.send_signal(signal.SIGKILL)
+        killed = time.time()
+        rc = launcher.wait(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    log = log_path.read_text()
+    assert rc != 0 and time.time() - killed < 60, log[-3000:]  # every process ended, no wait for a timeout
+    assert first_failed_process(log.splitlines()) == "process rank 1 (host localhost) ended first with exit code " \
+                                                     "-9 (SIGKILL)", log[-3000:]
+    names = sorted(p.name for p in out.iterdir())
+    # a half-written save is only ever a library.files work folder (the next run removes it), never in place
+    work = re.compile(r"\.ft-step\d+(-state|\.safetensors)\.tmp-[0-9a-f]+")
+    assert all(work.fullmatch(n) for n in names if n.startswith(".")), names
+    for name in ("ft-step00000002-state", "ft-step00000004-state"):
+        if name in names:  # complete, or not there at all
+            assert (out / name / "sharded" / ".metadata").is_file()
+            assert (out / name / "custom_checkpoint_1.pkl").is_file()
+    assert "ft-step00000002-state" in names and "ft-step00000002.safetensors" in names, names

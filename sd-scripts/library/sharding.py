@@ -86,7 +86,8 @@ def check_fsdp_args(args, error) -> None:
          "the step's collectives cannot be captured in one CUDA graph"),
         ("--sample_prompts", bool(getattr(args, "sample_prompts", None)),
          "sampling from sharded weights is not supported yet; sample from the saved model"),
-        ("--mixed_precision fp16", getattr(args, "mixed_precision", None) == "fp16" or getattr(args, "full_fp16", False),
+        ("--mixed_precision fp16",
+         getattr(args, "mixed_precision", None) == "fp16" or getattr(args, "full_fp16", False),
          "the loss scaler does not unscale sharded gradients; use --mixed_precision bf16"),
         ("--deepspeed", getattr(args, "deepspeed", False), "choose one sharding engine"),
     ]
