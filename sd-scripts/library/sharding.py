@@ -2,10 +2,14 @@
 `fully_shard`) and its options, from the command line or from accelerate's FSDP config.
 
 The trained denoiser is sharded block by block (the repeated blocks regional compilation uses, plus the UNet's
-ResNet blocks), then as a whole; every process holds 1/N of its weights, their gradients and the optimizer state. The optimizer is built on the sharded parameters. Saving a model gathers the full
-weights on the main process into a plain copy of the model (`gathered`), so the file is the usual one with the usual
-metadata; `--save_state` writes the models and optimizers with torch.distributed.checkpoint (`ShardedState`), which
-`--resume` reads on any number of processes.
+ResNet blocks), then as a whole: every process holds 1/N of its weights, gradients and optimizer state, and the
+optimizer is built on the sharded parameters. Trained text encoders stay whole, their gradients averaged by
+library.data_parallel. Saving a model gathers the full weights on the main process into a plain copy of the model
+(`gathered`), so the file is the usual one with the usual metadata; `--save_state` writes the models and optimizers
+with torch.distributed.checkpoint (`ShardedState`), which `--resume` reads on any number of processes.
+
+Upstream's DeepSpeed options (`--deepspeed`, `--zero_stage`, `--offload_*`, `--zero3_*`) live here too: accelerate's
+DeepSpeed plugin with upstream's values when the `deepspeed` package is installed (install extra `deepspeed`).
 
     add_fsdp_arguments(parser)           --fsdp full_shard|shard_grad_op|hybrid_shard, --fsdp_cpu_offload
     check_fsdp_args(args, error)         before any model loads: what FSDP cannot go with
@@ -14,6 +18,7 @@ metadata; `--save_state` writes the models and optimizers with torch.distributed
     clip_grad_norm_(params, max_norm, accelerator)   --max_grad_norm over sharded and whole gradients
     gathered(components, models, accelerator)   context: full weights in `components` on the main process
     ShardedState(models, optimizers)     save(accelerator, folder) / load(accelerator, folder) for -state folders
+    add_deepspeed_arguments / check_deepspeed_args / deepspeed_plugin / prepare_deepspeed   --deepspeed
 """
 from __future__ import annotations
 
