@@ -185,7 +185,8 @@ def shard(args, accelerator, trainable, denoiser, weight_dtype):
     policy = dict(mesh=_mesh(args, accelerator), reshard_after_forward=args.fsdp != "shard_grad_op",
                   mp_policy=MixedPrecisionPolicy(param_dtype=weight_dtype if mixed else None,
                                                  reduce_dtype=torch.float32 if mixed else None),
-                  offload_policy=CPUOffloadPolicy() if args.fsdp_cpu_offload else OffloadPolicy())
+                  offload_policy=CPUOffloadPolicy(pin_memory=accelerator.device.type == "cuda")
+                  if args.fsdp_cpu_offload else OffloadPolicy())
     blocks = shard_blocks(denoiser)
     for block in blocks:
         fully_shard(block, **policy)
