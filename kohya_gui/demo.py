@@ -1,4 +1,4 @@
-"""The embedded demo: a tiny random SDXL- (or FLUX.1- / Chroma-) shaped model and a few captioned images, made locally on
+"""The embedded demo: a tiny random SDXL- (or FLUX.1- / Chroma- / SD3-) shaped model and a few captioned images, made locally on
 first use, so a new user (and the tests) can train on the CPU with no download.
 
 A demo preset simply points its paths into ``cache/demo/``. Before a run, any of those paths that is missing is
@@ -72,6 +72,11 @@ def make_assets(family: str, values: dict[str, Any], log=print) -> list[str]:
 
             log(f"demo: making a tiny Chroma model in {model.parent} (CPU, random weights)")
             made += list(chroma_models.make_tiny_chroma(model.parent).values())
+        elif family == "SD3":
+            from library import sd3_models
+
+            log(f"demo: making a tiny SD3 model in {model.parent} (CPU, random weights)")
+            made += [p for p in sd3_models.make_tiny_sd3(model.parent).values()]
         elif family == "FLUX.1":
             from library import flux_tiny
 

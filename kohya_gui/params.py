@@ -21,9 +21,9 @@ from . import option_places
 
 # ---- tabs, families, the script each (tab, family) runs -----------------------------------------------------
 
-TABS = ("lora", "dreambooth", "finetune")
-TAB_LABELS = {"lora": "LoRA", "dreambooth": "DreamBooth", "finetune": "Fine-tune"}
-FAMILIES = ("SD1.x", "SD2.x", "SDXL", "FLUX.1")
+TABS = ("lora", "dreambooth", "finetune", "ti")
+TAB_LABELS = {"lora": "LoRA", "dreambooth": "DreamBooth", "finetune": "Fine-tune", "ti": "Textual Inversion"}
+FAMILIES = ("SD1.x", "SD2.x", "SDXL", "FLUX.1", "SD3")
 COMPILE_FAMILIES = option_places.COMPILE_FAMILIES
 
 SCRIPTS = {
@@ -31,26 +31,39 @@ SCRIPTS = {
     ("lora", "SD2.x"): "train_network.py",
     ("lora", "SDXL"): "sdxl_train_network.py",
     ("lora", "FLUX.1"): "flux_train_network.py",
+    ("lora", "SD3"): "sd3_train_network.py",
     ("dreambooth", "SD1.x"): "train_db.py",
     ("dreambooth", "SD2.x"): "train_db.py",
     ("dreambooth", "SDXL"): "sdxl_train.py",
     ("dreambooth", "FLUX.1"): "flux_train.py",
+    ("dreambooth", "SD3"): "sd3_train.py",
     ("finetune", "SD1.x"): "fine_tune.py",
     ("finetune", "SD2.x"): "fine_tune.py",
     ("finetune", "SDXL"): "sdxl_train.py",
     ("finetune", "FLUX.1"): "flux_train.py",
+    ("finetune", "SD3"): "sd3_train.py",
+    ("ti", "SD1.x"): "train_textual_inversion.py",  # textual inversion: no FLUX.1 script (as upstream)
+    ("ti", "SD2.x"): "train_textual_inversion.py",
+    ("ti", "SDXL"): "sdxl_train_textual_inversion.py",
 }
+
+
+def tab_families(tab: str) -> list[str]:
+    """The model families a tab trains (those with a script there), in FAMILIES order."""
+    return [f for f in FAMILIES if (tab, f) in SCRIPTS]
 
 # Accordions in page order: key -> (title, open by default). The key is also the TOML table name. Sub-groups
 # (option_places.SUBGROUPS) are accordions inside one of these; their options go in the parent's table.
 ACCORDIONS = {
     "model": ("Model", True),
+    "embedding": ("Embedding", True),  # textual inversion
     "folders": ("Folders", True),
     "dataset": ("Dataset", False),
     "parameters": ("Parameters", False),
     "optimizer": ("Optimizer and scheduler", False),
     "network": ("Network", False),
     "flux": ("FLUX.1 options", False),
+    "sd3": ("SD3 options", False),
     "advanced": ("Advanced", False),
     "samples": ("Samples", False),
     "accelerate": ("Accelerate launch", False),
@@ -129,6 +142,8 @@ class Param:
 
     # -- where it applies ------------------------------------------------------------------------------------
     def applies(self, tab: str, family: str) -> bool:
+        if (tab, family) not in SCRIPTS:
+            return False  # the tab has no script for the family (textual inversion: no FLUX.1)
         if self.scripts and SCRIPTS[(tab, family)] not in self.scripts:
             return False  # the script that runs there has no such option
         if tab not in self.tabs:
@@ -273,10 +288,22 @@ NOT_SHOWN: dict[tuple[str, str], str] = {
     ("prior_loss_weight", "finetune"): "fine-tuning has no regularisation images (the DreamBooth tab has)",
     ("in_json", "dreambooth"): "the DreamBooth tab trains image folders; a metadata JSON is the Fine-tune tab's",
     ("fused_backward_pass", "lora"): "upstream's LoRA scripts accept it but never fuse; it is for full training",
+    ("fused_backward_pass", "ti"): "upstream's textual-inversion scripts accept it but never fuse; it is for full "
+                                   "training",
+    ("fp8_base", "ti"): "textual inversion does not use it (as upstream)",
+    **{(name, "ti"): "textual inversion trains the text encoders' embeddings, so their outputs cannot be cached"
+       for name in ("cache_text_encoder_outputs", "cache_text_encoder_outputs_to_disk")},
     **{("fused_backward_pass", f): "sd-scripts fuses the backward pass for SDXL and FLUX.1 full training"
        for f in ("SD1.x", "SD2.x")},
     **{("cuda_graph_step", f): "it sits with the Torch Compile Settings, which are for SDXL and FLUX.1 (train_network.py "
        "takes it on the command line)" for f in ("SD1.x", "SD2.x")},
+    # SD3 (sd3_train_network.py, sd3_train.py)
+    **{(name, "SD3"): "SD2.x is a family of its own; SD3 is a flow-matching model" for name in ("v2", "v_parameterization")},
+    **{(name, "SD3"): "sd-scripts applies it to SD1.x/SD2.x/SDXL noise only (SD3 has weighting schemes)"
+       for name in ("noise_offset", "min_snr_gamma")},
+    **{(name, "SD3"): "the Torch Compile Settings are for SDXL and FLUX.1 (the product's spec); SD3 takes the compile "
+       "flags on the command line and in Additional parameters"
+       for name, look in option_places.PLACES.items() if look.families == option_places.COMPILE_FAMILIES},
 }
 
 
@@ -411,8 +438,10 @@ def _family_options(family: str) -> set[str]:
 
 def guess_family(keys: dict[str, Any], fallback: str = "SDXL") -> str:
     """The model family of a run TOML that does not say (no [gui] table): the one rule of Open, print-command and
-    import. FLUX.1 by its model files or network, SD2.x by v2, else SDXL or SD1.x where a key only that family's
+    import. SD3 by its CLIP-G file, network or --training_shift, FLUX.1 by its model files or network, SD2.x by v2, else SDXL or SD1.x where a key only that family's
     scripts accept says so, else `fallback` (the GUI's default family)."""
+    if keys.get("network_module") == "networks.lora_sd3" or keys.get("clip_g") or "training_shift" in keys:
+        return "SD3"
     if keys.get("network_module") in ("networks.lora_flux", "networks.oft_flux") or \
             any(keys.get(k) for k in ("clip_l", "t5xxl", "ae")):
         return "FLUX.1"

@@ -219,8 +219,8 @@ def _set(module: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def flux_blocks(transformer: nn.Module) -> list[nn.Module]:
-    """FLUX's swappable blocks in execution order: the double blocks, then the single blocks."""
-    return list(transformer.transformer_blocks) + list(transformer.single_transformer_blocks)
+    """The swappable blocks in execution order: FLUX's double then single blocks (SD3: its joint blocks)."""
+    return list(transformer.transformer_blocks) + list(getattr(transformer, "single_transformer_blocks", ()))
 
 
 def place_with_block_swap(transformer: nn.Module, blocks_to_swap: int, device, offload_device="cpu",

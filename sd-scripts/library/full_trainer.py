@@ -145,6 +145,16 @@ def add_fused_optimizer_groups_argument(parser: argparse.ArgumentParser) -> None
                              "(saves the memory of all gradients, any optimizer)")
 
 
+def add_blockwise_arguments(parser: argparse.ArgumentParser) -> None:
+    """flux_train.py and sd3_train.py: --blockwise_fused_optimizers, and the deprecated
+    --skip_latents_validity_check."""
+    parser.add_argument("--blockwise_fused_optimizers", action="store_true",
+                        help="one optimizer per transformer block, each stepped inside backward as soon as its "
+                             "block's gradients are complete (any optimizer; saves the memory of all gradients)")
+    parser.add_argument("--skip_latents_validity_check", action="store_true",
+                        help="[deprecated] the same as --skip_cache_check")
+
+
 def split_param_groups(param_groups: list[dict], n: int) -> list[dict]:
     """Upstream's --fused_optimizer_groups split: about len/n tensors per group, in order, and a new group
     wherever the learning rate changes (so there can be more than n)."""

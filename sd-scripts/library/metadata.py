@@ -89,6 +89,8 @@ def architecture(family: str, *, v_prediction: bool, lora: bool, flux_variant: s
         arch = "stable-diffusion-xl-v1-base"
     elif family == "flux":
         arch = {"dev": "flux-1-dev", "schnell": "flux-1-schnell", "chroma": "chroma"}.get(flux_variant or "", "flux-1")
+    elif family == "sd3":  # upstream: "stable-diffusion-3-" + the model type (medium, 5-medium, 5-large)
+        arch = f"stable-diffusion-3-{flux_variant or 'medium'}"
     elif family == "sd2":
         arch = "stable-diffusion-v2-768-v" if v_prediction else "stable-diffusion-v2-512"
     else:
@@ -113,7 +115,7 @@ def _resolution(args, family: str, v_prediction: bool) -> str:
 
         w, h = parse_resolution(value, "--resolution")
     else:  # upstream's defaults (not our training default for SD2 without v-prediction)
-        w = h = 1024 if family in ("sdxl", "flux") else 768 if family == "sd2" and v_prediction else 512
+        w = h = 1024 if family in ("sdxl", "flux", "sd3") else 768 if family == "sd2" and v_prediction else 512
     return f"{w}x{h}"
 
 

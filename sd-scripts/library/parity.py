@@ -1,4 +1,4 @@
-"""Where our seven scripts' options knowingly differ from kohya-ss/sd-scripts (upstream), in one place.
+"""Where our trainer scripts' options knowingly differ from kohya-ss/sd-scripts (upstream), in one place.
 
 Upstream's option tables (`../shared/parity/upstream-flags/<script>.json`) are the specification: every
 upstream option parses here with the same option strings, type, default, choices and nargs, and does what
@@ -19,9 +19,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-# the seven scripts, as upstream names them
+# the trainer scripts, as upstream names them
 SCRIPTS = ("sdxl_train_network", "train_network", "flux_train_network", "sdxl_train", "train_db", "fine_tune",
-           "flux_train")
+           "flux_train", "sd3_train_network", "sd3_train")
+SCRIPTS += ("train_textual_inversion", "sdxl_train_textual_inversion")
 
 # option -> why it is refused and what to use instead
 REFUSED: dict[str, str] = {
@@ -61,6 +62,9 @@ DIFFERENT: dict[str, Different] = {
         "from torch's generator and samples at full rank; networks.oft/oft_flux read enable_all_linear/enable_conv "
         "as true/false (upstream enables on any value) and oft_flux takes the part sizes from the model (upstream "
         "hard-codes FLUX.1's)"),
+    "weights": Different("textual inversion: an SDXL file with only clip_l or only clip_g sets that encoder's vectors "
+                         "and the other's start from --init_word (upstream stops), and a file whose vector count or "
+                         "size does not fit is one line naming both (upstream asserts)"),
     "ddp_gradient_as_bucket_view": Different(_NO_DDP),
     "ddp_static_graph": Different(_NO_DDP),
     "v_parameterization": Different(
@@ -162,6 +166,27 @@ DIFFERENT: dict[str, Different] = {
                             "diffusers ChromaPipeline folders, and flux_train.py fine-tunes Chroma with it (upstream's "
                             "flux_train.py ignores --model_type and loads FLUX.1)"),
     "diffusers_xformers": Different("sdxl_train.py: the UNet too (a diffusers UNet here), not only the VAE"),
+    # SD3 / SD3.5 (sd3_train_network.py, sd3_train.py)
+    "t5xxl_max_token_length": Different(
+        "SD3 scripts: unset = 256, upstream's default (one declaration, library/dit_options.py, serves FLUX.1, whose "
+        "unset means 512 for dev / 256 for schnell, and SD3; the GUI shares the field)", ("default",)),
+    "enable_scaled_pos_embed": Different(
+        "not supported: the SD3 scripts stop before anything loads with a clear line (upstream: SD3.5 medium's "
+        "positional embeddings rescaled per training resolution)"),
+    "use_t5xxl_cache_only": Different(
+        "not supported: sd3_train.py stops before anything loads with a clear line (caching T5-XXL's outputs while "
+        "CLIP is encoded live); cache all text-encoder outputs, or train the text encoders uncached"),
+    "weighting_scheme": Different(
+        "SD3: as upstream; timesteps are drawn from the run's generator (saved with --save_state) and --ip_noise_gamma "
+        "is ignored as upstream's SD3 script ignores it"),
+    "clip_g": Different(
+        "SD3: CLIP-L/CLIP-G/T5-XXL also come from a diffusers StableDiffusion3Pipeline folder given as "
+        "--pretrained_model_name_or_path (upstream reads SAI single files only); the models are diffusers' "
+        "SD3Transformer2DModel and transformers' CLIP/T5 classes, saved in upstream's SAI layout"),
+    "sample_prompts": Different(
+        "SD3 samples come from diffusers' StableDiffusion3Pipeline over the live models: Euler on the discrete flow "
+        "with shift 3.0 and CFG, as upstream's SD3 sampler (defaults --s 30, --l 7.5; no --n = an empty negative "
+        "prompt)"),
 }
 
 

@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 _FALLBACK_REPEATED_BLOCKS = {
     "UNet2DConditionModel": ("BasicTransformerBlock",),
     "FluxTransformer2DModel": ("FluxTransformerBlock", "FluxSingleTransformerBlock"),
+    "SD3Transformer2DModel": ("JointTransformerBlock",),
 }
 
 
