@@ -59,6 +59,9 @@ def test_accelerate_fsdp_config_is_taken_as_fsdp(monkeypatch):
 
     with pytest.raises(ConfigError, match="NO_SHARD is not supported here"):
         sharding.from_accelerate_config(SimpleNamespace(fsdp=None, fsdp_cpu_offload=False))
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # a LoRA trainer (no --fsdp): data parallel, no FSDP wrapper
+    sharding.from_accelerate_config(SimpleNamespace())
+    assert os.environ["ACCELERATE_USE_FSDP"] == "false"
 
 
 def test_unet_blocks_sharded_one_by_one(tiny_sdxl_single_file):

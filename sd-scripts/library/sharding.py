@@ -57,6 +57,10 @@ def from_accelerate_config(args) -> None:
     if os.environ.get("ACCELERATE_USE_FSDP", "").lower() not in ("1", "true", "yes"):
         return
     os.environ["ACCELERATE_USE_FSDP"] = "false"  # read by Accelerator(); our models are not prepared by it
+    if not hasattr(args, "fsdp"):
+        logger.info("accelerate's FSDP config: this trainer has no --fsdp (the base model is frozen); it trains "
+                    "data parallel")
+        return
     if args.fsdp is None:
         strategy = os.environ.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD").upper()
         if strategy not in _ACCELERATE_STRATEGIES:

@@ -70,6 +70,7 @@ class Trainer:
         trackers.check_tracker_args(args)
         precision.check_precision_args(args)
         ema.check_ema_args(args, ConfigError)
+        sharding.from_accelerate_config(args)  # `accelerate launch --use_fsdp`: --fsdp, or data parallel (LoRA)
         sharding.check_deepspeed_args(args, ConfigError)  # --deepspeed: the package, what it cannot go with
 
     def check_objective_args(self, args) -> None:
