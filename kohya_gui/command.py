@@ -122,6 +122,25 @@ def printable(argv: list[str], shell: str | None = None) -> str:
     return quoting.join(argv, shell)
 
 
+def machine_errors(values: dict[str, Any]) -> list[str]:
+    """Several machines (accelerate launch on each, same settings but the machine rank; docs/MULTI_GPU.md)."""
+    machines, rank = values.get("num_machines") or 1, values.get("machine_rank") or 0
+    processes = values.get("num_processes") or 1
+    if not (isinstance(machines, int) and isinstance(rank, int) and isinstance(processes, int)) or machines == 1:
+        return []
+    errors = []
+    if not values.get("main_process_ip"):
+        errors.append(f"Number of machines (num_machines) is {machines}: give the main machine's address in Main "
+                      "process IP (main_process_ip), the same on every machine")
+    if rank >= machines:
+        errors.append(f"Machine rank (machine_rank) {rank} must be below Number of machines (num_machines) "
+                      f"{machines}: 0 on the main machine, 1 ... {machines - 1} on the others")
+    if processes % machines:
+        errors.append(f"Number of processes (num_processes) counts all machines' processes: {processes} does not "
+                      f"divide over {machines} machines")
+    return errors
+
+
 def validation_errors(tab: str, family: str, values: dict[str, Any]) -> list[str]:
     """What must be fixed before a run: empty required fields and values the registry rejects."""
     errors = []
@@ -142,6 +161,7 @@ def validation_errors(tab: str, family: str, values: dict[str, Any]) -> list[str
                       f"and command; use its own field or ${secret_options.SECRET_OPTIONS[flag[2:]]}")
     if not (values.get("train_data_dir") or values.get("dataset_config") or values.get("in_json")):
         errors.append("Give an image folder (train_data_dir) or a dataset config (dataset_config)")
+    errors += machine_errors(values)
     processes = values.get("num_processes") or 1
     if values.get("cpu") and isinstance(processes, int) and processes > 1:
         # accelerate launch --cpu starts a single process whatever --num_processes says

@@ -25,19 +25,8 @@ SCRIPTS = ("sdxl_train_network", "train_network", "flux_train_network", "sdxl_tr
 SCRIPTS += ("train_textual_inversion", "sdxl_train_textual_inversion")
 SCRIPTS += ("lumina_train_network", "lumina_train")  # Lumina Image 2.0 (library/families/lumina.py)
 
-_DEEPSPEED = ("DeepSpeed/ZeRO is not supported: train on several GPUs through `accelerate launch --multi_gpu` "
-              "(data parallel); a later release brings a distributed engine for full fine-tunes")
-
 # option -> why it is refused and what to use instead
 REFUSED: dict[str, str] = {
-    "deepspeed": _DEEPSPEED,
-    "zero_stage": _DEEPSPEED,
-    "offload_optimizer_device": _DEEPSPEED,
-    "offload_optimizer_nvme_path": _DEEPSPEED,
-    "offload_param_device": _DEEPSPEED,
-    "offload_param_nvme_path": _DEEPSPEED,
-    "zero3_init_flag": _DEEPSPEED,
-    "zero3_save_16bit_model": _DEEPSPEED,
     "dataset_class": ("custom dataset classes are written against upstream's internal dataset classes, which "
                       "this project does not have; describe the data with --dataset_config (TOML), "
                       "--train_data_dir or --in_json instead"),
@@ -58,6 +47,15 @@ _NO_DDP = ("accepted and without effect: the trained modules are not wrapped in 
            "averages the gradients instead")
 
 DIFFERENT: dict[str, Different] = {
+    "deepspeed": Different(
+        "needs the deepspeed package (install extra 'deepspeed'); without it one line naming the extra, exit 2 "
+        "(upstream: an error log, exit 1). Not with --fsdp, the fused backward pass / optimizer groups or "
+        "--blocks_to_swap (DeepSpeed steps the optimizer itself)"),
+    "zero_stage": Different(
+        "0, 1 and 2 as upstream; 3 is refused for now (the model is saved from the processes' whole weights): "
+        "--fsdp full_shard shards the weights too (library/sharding.py)"),
+    "zero3_init_flag": Different("accepted; ZeRO stage 3 is refused for now (see --zero_stage)"),
+    "zero3_save_16bit_model": Different("accepted; ZeRO stage 3 is refused for now (see --zero_stage)"),
     "network_module": Different(
         "networks.dylora/lora_fa/oft stop on FLUX.1 and networks.oft_flux on SD/SDXL before anything loads "
         "(upstream's find no target layers of the other architecture); networks.dylora names SDXL's encoders "
@@ -236,18 +234,7 @@ CONFIG_VALUE_ALIASES: dict[str, dict] = {
 
 
 def add_refused_arguments(parser: argparse.ArgumentParser) -> None:
-    """Upstream's DeepSpeed/ZeRO options and --dataset_class, with upstream's types and defaults (refused
-    unless left at their defaults, see REFUSED)."""
-    parser.add_argument("--deepspeed", action="store_true", help="refused: " + REFUSED["deepspeed"])
-    parser.add_argument("--zero_stage", type=int, default=2, choices=[0, 1, 2, 3], help="refused (DeepSpeed)")
-    parser.add_argument("--offload_optimizer_device", type=str, default=None, choices=[None, "cpu", "nvme"],
-                        help="refused (DeepSpeed)")
-    parser.add_argument("--offload_optimizer_nvme_path", type=str, default=None, help="refused (DeepSpeed)")
-    parser.add_argument("--offload_param_device", type=str, default=None, choices=[None, "cpu", "nvme"],
-                        help="refused (DeepSpeed)")
-    parser.add_argument("--offload_param_nvme_path", type=str, default=None, help="refused (DeepSpeed)")
-    parser.add_argument("--zero3_init_flag", action="store_true", help="refused (DeepSpeed)")
-    parser.add_argument("--zero3_save_16bit_model", action="store_true", help="refused (DeepSpeed)")
+    """--dataset_class, with upstream's type and default (refused unless left at it, see REFUSED)."""
     parser.add_argument("--dataset_class", type=str, default=None, help="refused: " + REFUSED["dataset_class"])
 
 

@@ -25,13 +25,20 @@ _FALLBACK_REPEATED_BLOCKS = {
 }
 
 
+def class_name(module: torch.nn.Module) -> str:
+    """The module's own class name: torch's fully_shard (--fsdp) gives a sharded module the class FSDP<name>."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+
 def repeated_block_names(model: torch.nn.Module) -> tuple[str, ...]:
     names = tuple(getattr(model, "_repeated_blocks", None) or ())
     if not names:
-        names = _FALLBACK_REPEATED_BLOCKS.get(type(model).__name__, ())
+        names = _FALLBACK_REPEATED_BLOCKS.get(class_name(model), ())
     if not names:
         raise CompileConfigError(
-            f"{type(model).__name__} declares no repeated blocks (_repeated_blocks); regional compilation "
+            f"{class_name(model)} declares no repeated blocks (_repeated_blocks); regional compilation "
             "does not know what to compile"
         )
     return names
@@ -39,7 +46,7 @@ def repeated_block_names(model: torch.nn.Module) -> tuple[str, ...]:
 
 def find_repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     names = repeated_block_names(model)
-    return [m for m in model.modules() if type(m).__name__ in names]
+    return [m for m in model.modules() if class_name(m) in names]
 
 
 def _eager_linear_forward(self, *args, **kwargs):
@@ -100,7 +107,7 @@ IMAGE_SIZE_DIMS = {
 def image_size_dims(block: torch.nn.Module) -> list[tuple[str, int, tuple[int, ...]]]:
     """(argument name, its position in the block's forward, dims) for each input of `block` that follows the image
     size; empty for a block class IMAGE_SIZE_DIMS does not know."""
-    spec = IMAGE_SIZE_DIMS.get(type(block).__name__)
+    spec = IMAGE_SIZE_DIMS.get(class_name(block))
     if not spec:
         return []
     import inspect
@@ -194,7 +201,7 @@ def compile_model_blocks(
                 block._compiled_call_impl = _MarkImageSizeDims(block._compiled_call_impl, dims)
                 marked += 1
 
-    kinds = sorted({type(b).__name__ for b in blocks})
+    kinds = sorted({class_name(b) for b in blocks})
     logger.info(
         f"Compiled {len(blocks)} blocks of {model_name} ({', '.join(kinds)})"
         + (f", gradient checkpointing inside the compiled region (--compile_checkpoint_keep {keep})"
