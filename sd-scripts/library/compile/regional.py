@@ -9,7 +9,7 @@ import types
 import torch
 import torch._dynamo
 
-from library.compile.checkpoint import (CHECKPOINT_CONTEXTS, _checkpointed_forward, _checkpointing_off,
+from library.compile.checkpoint import (CHECKPOINT_CONTEXTS, class_name, _checkpointed_forward, _checkpointing_off,
                                         _move_checkpointing_inside, _uses_dropout)
 from library.compile.graphs import block_compile_mode, cuda_graphs
 from library.compile.options import CompileConfigError, dynamic_value
@@ -23,13 +23,6 @@ _FALLBACK_REPEATED_BLOCKS = {
     "SD3Transformer2DModel": ("JointTransformerBlock",),
     "Lumina2Transformer2DModel": ("Lumina2TransformerBlock",),  # the layers and both refiners
 }
-
-
-def class_name(module: torch.nn.Module) -> str:
-    """The module's own class name: torch's fully_shard (--fsdp) gives a sharded module the class FSDP<name>."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)).__name__
 
 
 def repeated_block_names(model: torch.nn.Module) -> tuple[str, ...]:
