@@ -73,8 +73,8 @@ def to_toml(tab: str, family: str, values: dict[str, Any]) -> str:
         if p.fixed:
             value = p.fixed[family]
         else:
-            value = p.effective(p.check(values.get(p.name, p.default), tab), family)
-            if value is None or (p.is_default(value, tab) and not p.write_default):
+            value = p.effective(p.check(values.get(p.name, p.default_for(tab, family)), tab), family)
+            if value is None or (p.is_default(value, tab) and not p.must_write(family)):
                 continue
         if p.table == P.GUI_TABLE:
             gui.add(p.name, _toml_value(p, value))

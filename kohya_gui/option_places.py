@@ -37,6 +37,8 @@ SD_SDXL = frozenset({"SD1.x", "SD2.x", "SDXL"})
 FLUX = frozenset({"FLUX.1"})
 SD3 = frozenset({"SD3"})
 FLUX_SD3 = FLUX | SD3
+LUMINA = frozenset({"Lumina 2"})
+FLOW = FLUX | LUMINA  # the flow-matching families' shared options (--ae, timesteps, block swap)
 COMPILE_FAMILIES = frozenset({"SDXL", "FLUX.1"})
 
 
@@ -85,7 +87,10 @@ PLACES: dict[str, Look] = {
     "t5xxl": Look("model", "T5-XXL",
          help="T5-XXL text encoder file (t5xxl_fp16.safetensors); SD3: empty = the one in the checkpoint.",
          families=FLUX_SD3, widget="file"),
-    "ae": Look("model", "AE", help="FLUX.1 autoencoder file (ae.safetensors).", families=FLUX, widget="file"),
+    "ae": Look("model", "AE", help="FLUX.1 autoencoder file (ae.safetensors; Lumina 2 uses it too).", families=FLOW,
+         widget="file"),
+    "gemma2": Look("model", "Gemma 2", help="Gemma 2 2B text encoder file or folder (Lumina 2).", families=LUMINA,
+         widget="file"),
     "v_parameterization": Look("model", "v-parameterization",
          help="Tick for v-prediction models (SD2.x 768-v, v-pred SD1.x / SDXL checkpoints).",
          families=SD_SDXL),
@@ -102,6 +107,7 @@ PLACES: dict[str, Look] = {
              "SDXL": "networks.lora",
              "FLUX.1": "networks.lora_flux",
              "SD3": "networks.lora_sd3",
+             "Lumina 2": "networks.lora_lumina",
          },
          choice_labels={"": "LoRA (the family's)"}),
     "token_string": Look("embedding", "Token string",
@@ -202,7 +208,7 @@ PLACES: dict[str, Look] = {
     "full_bf16": Look("parameters", "Full bf16", help="Keep the trained weights and gradients in bf16."),
     "fused_backward_pass": Look("optimizer_fused", "Fused backward pass",
          help="Adafactor only: apply updates during backward (saves memory for full SDXL training).",
-         tabs=FULL, families=COMPILE_FAMILIES | SD3),
+         tabs=FULL, families=COMPILE_FAMILIES | SD3 | LUMINA),
     "train_text_encoder": Look("parameters", "Train text encoder",
          help="DreamBooth SD1.x/SD2.x trains it anyway (as kohya's train_db.py): see Stop text-encoder training.",
          tabs=FULL, families=SD_SDXL | SD3),
@@ -229,16 +235,16 @@ PLACES: dict[str, Look] = {
     "guidance_scale": Look("flux", "Guidance scale",
          help="Guidance value given to FLUX.1 dev during training.",
          families=FLUX),
-    "timestep_sampling": Look("flux", "Timestep sampling", families=FLUX),
-    "sigmoid_scale": Look("flux", "Sigmoid scale", help="For sigmoid/shift timestep sampling.", families=FLUX),
-    "discrete_flow_shift": Look("flux", "Discrete flow shift", help="For shift timestep sampling.", families=FLUX),
-    "model_prediction_type": Look("flux", "Model prediction type", families=FLUX),
+    "timestep_sampling": Look("flux", "Timestep sampling", families=FLOW),
+    "sigmoid_scale": Look("flux", "Sigmoid scale", help="For sigmoid/shift timestep sampling.", families=FLOW),
+    "discrete_flow_shift": Look("flux", "Discrete flow shift", help="For shift timestep sampling.", families=FLOW),
+    "model_prediction_type": Look("flux", "Model prediction type", families=FLOW),
     "t5xxl_max_token_length": Look("flux", "T5-XXL max tokens (optional)",
          help="FLUX.1: empty = 512 for dev, 256 for schnell. SD3: 256 by default.",
          families=FLUX_SD3, minimum=1),
     "blocks_to_swap": Look("flux", "Blocks to swap (optional)",
          help="Keep this many transformer blocks on the CPU and swap them in; saves memory.",
-         families=FLUX_SD3, minimum=0),
+         families=FLUX_SD3 | LUMINA, minimum=0),
     "apply_t5_attn_mask": Look("flux", "Apply T5 attention mask", families=FLUX_SD3),
     # SD3 / SD3.5 (sd3_train_network.py, sd3_train.py)
     "apply_lg_attn_mask": Look("sd3", "Apply CLIP-L/G attention mask", families=SD3),
@@ -263,6 +269,15 @@ PLACES: dict[str, Look] = {
     "save_t5xxl": Look("sd3", "Save T5-XXL (does nothing, as upstream)", families=SD3),
     "t5xxl_device": Look("sd3", "T5-XXL device (does nothing, as upstream)", families=SD3),
     "t5xxl_dtype": Look("sd3", "T5-XXL dtype (does nothing, as upstream)", families=SD3),
+    # Lumina 2 (lumina_train_network.py / lumina_train.py)
+    "gemma2_max_token_length": Look("lumina", "Gemma 2 max tokens (optional)", help="Empty = 256.",
+         families=LUMINA, minimum=1),
+    "system_prompt": Look("lumina", "System prompt",
+         help="Put before every caption and sample prompt (with ' <Prompt Start> ').", families=LUMINA),
+    "use_flash_attn": Look("lumina", "Use Flash Attention", help="Needs the flash-attn package.", families=LUMINA),
+    "use_sage_attn": Look("lumina", "Use Sage Attention", help="Inference only upstream; training keeps SDPA.",
+         families=LUMINA),
+    "sample_batch_size": Look("lumina", "Sample batch size (optional)", families=LUMINA, minimum=1),
     "noise_offset": Look("advanced_noise", "Noise offset (optional)", families=SD_SDXL, minimum=0),
     "min_snr_gamma": Look("advanced_loss", "Min-SNR gamma (optional)",
          help="5 is a common value.",
@@ -426,6 +441,20 @@ PLACES: dict[str, Look] = {
     "ddp_timeout": Look("accelerate", "DDP timeout (minutes)"),
     "ddp_gradient_as_bucket_view": Look("accelerate", "DDP gradient as bucket view"),
     "ddp_static_graph": Look("accelerate", "DDP static graph"),
+    "fsdp": Look("accelerate", "FSDP (shard the model over the processes)",
+         help=("Full fine-tunes on several GPUs or machines: each process holds 1/N of the model, its gradients and "
+               "optimizer state (torch FSDP2). full_shard saves the most memory; shard_grad_op is faster; "
+               "hybrid_shard shards within each machine. The saved model is one ordinary file.")),
+    "fsdp_cpu_offload": Look("accelerate", "FSDP: keep the shards in CPU memory"),
+    "deepspeed": Look("accelerate", "DeepSpeed",
+         help="Upstream's DeepSpeed ZeRO training; needs the deepspeed package (install extra 'deepspeed')."),
+    "zero_stage": Look("accelerate", "DeepSpeed ZeRO stage"),
+    "offload_optimizer_device": Look("accelerate", "DeepSpeed: optimizer state on"),
+    "offload_optimizer_nvme_path": Look("accelerate", "DeepSpeed: optimizer NVMe folder", widget="folder"),
+    "offload_param_device": Look("accelerate", "DeepSpeed: weights on"),
+    "offload_param_nvme_path": Look("accelerate", "DeepSpeed: weights NVMe folder", widget="folder"),
+    "zero3_init_flag": Look("accelerate", "DeepSpeed: zero.Init (ZeRO-3)"),
+    "zero3_save_16bit_model": Look("accelerate", "DeepSpeed: save 16-bit model (ZeRO-3)"),
     "save_n_epoch_ratio": Look("advanced_saving", "Save N epoch ratio"),
     "save_last_n_epochs_state": Look("advanced_saving", "Save last N epochs state"),
     "save_last_n_steps_state": Look("advanced_saving", "Save last N steps state"),

@@ -23,7 +23,7 @@ from . import option_places
 
 TABS = ("lora", "dreambooth", "finetune", "ti")
 TAB_LABELS = {"lora": "LoRA", "dreambooth": "DreamBooth", "finetune": "Fine-tune", "ti": "Textual Inversion"}
-FAMILIES = ("SD1.x", "SD2.x", "SDXL", "FLUX.1", "SD3")
+FAMILIES = ("SD1.x", "SD2.x", "SDXL", "FLUX.1", "SD3", "Lumina 2")
 COMPILE_FAMILIES = option_places.COMPILE_FAMILIES
 
 SCRIPTS = {
@@ -46,6 +46,8 @@ SCRIPTS = {
     ("ti", "SD2.x"): "train_textual_inversion.py",
     ("ti", "SDXL"): "sdxl_train_textual_inversion.py",
 }
+SCRIPTS.update({("lora", "Lumina 2"): "lumina_train_network.py", ("dreambooth", "Lumina 2"): "lumina_train.py",
+                ("finetune", "Lumina 2"): "lumina_train.py"})
 
 
 def tab_families(tab: str) -> list[str]:
@@ -64,6 +66,7 @@ ACCORDIONS = {
     "network": ("Network", False),
     "flux": ("FLUX.1 options", False),
     "sd3": ("SD3 options", False),
+    "lumina": ("Lumina 2 options", False),
     "advanced": ("Advanced", False),
     "samples": ("Samples", False),
     "accelerate": ("Accelerate launch", False),
@@ -127,17 +130,25 @@ class Param:
     open_choices: bool = False  # choices are suggestions; any text is accepted (a class path, a module name)
     item_kind: str = "str"  # list options: what each item is ("float": numbers, written as TOML numbers)
     family_default: dict = field(default_factory=dict)  # family -> what an empty value means (always written)
+    # (tab, family) -> the default of a family whose script has another than the tab's first family's (Lumina 2's
+    # flow-matching options against FLUX.1's); for those families the value is always written (written_for), so
+    # the run gets what the form shows, and choosing the family in the form sets these defaults
+    family_defaults: dict = field(default_factory=dict)
+    written_for: frozenset = frozenset()
+    family_choices: dict = field(default_factory=dict)  # (tab, family) -> its script's choices, where they differ
     whole_as_int: bool = False  # a number that is steps when whole and a ratio below 1: written 100, not 100.0
     # a field of the chosen network type: this --network_args key, read by these network modules; its value is
     # written into network_args (key=value), never as an option of its own
     network_arg: str = ""
     modules: frozenset = frozenset()
 
-    def default_for(self, tab: str | None) -> Any:
-        value = self.tab_defaults.get(tab, self.default)
+    def default_for(self, tab: str | None, family: str | None = None) -> Any:
+        value = self.family_defaults.get((tab, family), self.tab_defaults.get(tab, self.default))
         return list(value) if self.kind == "list" else value
 
-    def choices_for(self, tab: str | None) -> tuple:
+    def choices_for(self, tab: str | None, family: str | None = None) -> tuple:
+        if (tab, family) in self.family_choices:
+            return tuple(self.family_choices[(tab, family)])
         return tuple(self.tab_choices.get(tab, self.choices))
 
     # -- where it applies ------------------------------------------------------------------------------------
@@ -244,6 +255,9 @@ class Param:
             "list": "a list of texts",
         }[self.kind]
 
+    def must_write(self, family: str) -> bool:
+        return self.write_default or family in self.written_for
+
     def effective(self, value: Any, family: str) -> Any:
         """The value a run gets: an empty value means the family's default where there is one."""
         return self.family_default[family] if self.family_default and not value else value
@@ -305,6 +319,21 @@ NOT_SHOWN: dict[tuple[str, str], str] = {
        "flags on the command line and in Additional parameters"
        for name, look in option_places.PLACES.items() if look.families == option_places.COMPILE_FAMILIES},
 }
+# Lumina 2: a flow-matching DiT (FLUX.1's reasons), and the compile flags only on the command line (the Torch Compile
+# Settings are for SDXL and FLUX.1, as the product's spec says)
+NOT_SHOWN.update({
+    ("v2", "Lumina 2"): "SD2.x is a family of its own: choosing it sets --v2",
+    ("v_parameterization", "Lumina 2"): "Lumina 2 is a flow-matching model",
+    ("vae", "Lumina 2"): "Lumina 2 takes FLUX.1's autoencoder as --ae",
+    ("noise_offset", "Lumina 2"): "sd-scripts applies it to SD1.x/SD2.x/SDXL noise only",
+    ("min_snr_gamma", "Lumina 2"): "SNR weighting is for SD1.x/SD2.x/SDXL (Lumina 2 has weighting schemes)",
+    ("train_text_encoder", "Lumina 2"): "lumina_train.py trains the DiT (as upstream)",
+    **{(name, "Lumina 2"): "the Torch Compile Settings are for SDXL and FLUX.1; Lumina 2 takes the compile flags in "
+       "Additional parameters" for name in ("compile", "compile_backend", "compile_mode", "compile_dynamic",
+                                            "compile_fullgraph", "compile_cache_size_limit", "compile_cache_dir",
+                                            "compile_checkpoint_keep", "cuda_allow_tf32", "cuda_cudnn_benchmark",
+                                            "cudnn_sdp", "cuda_graph_step")},
+})
 
 
 def _load_trainer_options() -> dict[str, dict[str, dict]]:
@@ -356,18 +385,40 @@ def _param(name: str, look: option_places.Look, per_script: dict[str, dict]) -> 
         kind, default = look.own
         return Param(name, kind, default, look.label, look.help, look.group, choices=look.choices, **shown)
     scripts = frozenset(per_script)
-    tab_of = {t: sc for (t, _), sc in SCRIPTS.items() if sc in scripts}
+    tab_of: dict[str, str] = {}
+    for (t, _), sc in SCRIPTS.items():
+        if sc in scripts:
+            tab_of.setdefault(t, sc)  # a tab's first family's script (a later family's may differ: written_for)
     first = next(iter(per_script.values()))
     kind, default, choices = _kind_default_choices(first)
     kind, default, choices, open_choices = _widget(look, name, kind, default, choices, per_script)
+    family_choices = {}  # (tab, family) -> the script's choices, where the families of a tab differ (the union shown)
+    if kind == "choice" and not open_choices:
+        own = {sc: _kind_default_choices(o)[2] for sc, o in per_script.items()}
+        first_of = {}
+        for (t, f), sc in SCRIPTS.items():
+            if sc in own:
+                first_of.setdefault(t, sc)
+        if any(set(own[sc]) != set(own[first_of[t]]) for (t, _), sc in SCRIPTS.items() if sc in own):
+            family_choices = {(t, f): own[sc] for (t, f), sc in SCRIPTS.items() if sc in own}
+            choices = tuple(dict.fromkeys((*choices, *(c for cs in own.values() for c in cs))))
     tab_defaults = {}
     for tab, script in tab_of.items():
         d = _kind_default_choices(per_script[script])[1]
         if d != default and look.widget != "one_number":
             tab_defaults[tab] = d if kind != "choice" or d is not None else ""
+    family_defaults = {}  # (tab, family) -> its script's default, where it differs from the tab's first family's
+    for (t, f), sc in SCRIPTS.items():
+        if sc in scripts and t in tab_of and look.widget != "one_number":
+            d = _kind_default_choices(per_script[sc])[1]
+            if d != _kind_default_choices(per_script[tab_of[t]])[1]:
+                family_defaults[(t, f)] = d if kind != "choice" or d is not None else ""
+    written_for = frozenset(f for _, f in family_defaults)
     shown["tabs"] = shown["tabs"] & frozenset(tab_of)
     return Param(name, kind, default, look.label, look.help or first["help"], look.group, choices=choices,
-                 tab_defaults=tab_defaults, scripts=scripts, open_choices=open_choices,
+                 tab_defaults=tab_defaults, scripts=scripts, open_choices=open_choices, written_for=written_for,
+                 family_defaults=family_defaults,
+                 family_choices=family_choices,
                  item_kind=first["kind"] if kind == "list" and first["kind"] in ("int", "float") else "str", **shown)
 
 
@@ -561,5 +612,5 @@ def network_arg_clashes(tab: str, family: str, values: dict[str, Any]) -> list[s
             if key in set_in_fields]
 
 
-def defaults(tab: str | None = None) -> dict[str, Any]:
-    return {p.name: p.default_for(tab) for p in CONTROL_PARAMS if tab is None or tab in p.tabs}
+def defaults(tab: str | None = None, family: str | None = None) -> dict[str, Any]:
+    return {p.name: p.default_for(tab, family) for p in CONTROL_PARAMS if tab is None or tab in p.tabs}

@@ -19,8 +19,8 @@ NON_DEFAULT_TEXT = {
 }
 
 
-def non_default(p: P.Param, tab: str | None = None):
-    """A valid value different from the parameter's default."""
+def non_default(p: P.Param, tab: str | None = None, family: str | None = None):
+    """A valid value different from the parameter's default (one the family's script accepts)."""
     default = p.default_for(tab)
     if p.kind == "bool":
         return not default
@@ -32,7 +32,7 @@ def non_default(p: P.Param, tab: str | None = None):
     if p.kind == "float":
         return 0.25 if default is None else float(default) * 2 + 0.5
     if p.kind == "choice":
-        return next(c for c in reversed(p.choices_for(tab)) if c != default)
+        return next(c for c in reversed(p.choices_for(tab, family)) if c != default)
     if p.kind == "list":
         return ["0.5", "0.25"] if p.item_kind != "str" else ["alpha=1", "beta=0.9,0.99"]
     if p.kind == "path":
@@ -46,7 +46,7 @@ def all_non_default(tab: str, family: str) -> dict:
     values = P.defaults(tab)
     for p in P.params_for(tab, family):
         if p.has_control:
-            values[p.name] = non_default(p, tab)
+            values[p.name] = non_default(p, tab, family)
     return values
 
 

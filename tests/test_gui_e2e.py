@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from kohya_gui import REPO, config_file, presets, training
+from kohya_gui import params as P
 from kohya_gui.runner import Runner
 from gui_helpers import wait_for
 
@@ -171,6 +172,46 @@ def test_compile_accordion_follows_family_and_print_shows_compile(page):
     command = field(page, "lora-command").input_value()
     assert command.startswith("accelerate launch ") and "--config_file" in command
     page.locator("#lora-compile input[type=checkbox]").uncheck()
+
+
+LORA_SCRIPTS = {"SD1.x": "train_network.py", "SD2.x": "train_network.py", "SDXL": "sdxl_train_network.py",
+                "FLUX.1": "flux_train_network.py", "SD3": "sd3_train_network.py",
+                "Lumina 2": "lumina_train_network.py"}
+
+
+def test_every_family_names_its_script_and_shows_its_own_fields(page):
+    """Each family of the LoRA tab: its script, the compile accordion for SDXL and FLUX.1 only, its own options;
+    Lumina 2 prints its flow-matching defaults (upstream's, not FLUX.1's), FLUX.1's Chroma model type prints
+    --model_type chroma."""
+    assert sorted(LORA_SCRIPTS) == sorted(P.FAMILIES)
+    compile_acc = page.locator("#lora-acc-compile")
+    for family, script in LORA_SCRIPTS.items():
+        pick(page, "lora-family", family)
+        page.wait_for_function("(s) => document.querySelector('#lora-acc-model').innerText.includes(s)",
+                               arg=f"sd-scripts/{script}")
+        compile_acc.wait_for(state="visible" if family in P.COMPILE_FAMILIES else "hidden")
+    pick(page, "lora-family", "Lumina 2")
+    page.locator("#lora-acc-lumina").wait_for(state="visible")
+    assert page.locator("#lora-gemma2").is_visible() and not page.locator("#lora-clip_l").is_visible()
+    page.locator("#lora-print").click()
+    page.wait_for_function(
+        "() => document.querySelector('#lora-standalone textarea').value.includes('lumina_train_network.py')")
+    standalone = field(page, "lora-standalone").input_value()
+    assert "--timestep_sampling shift" in standalone and "--discrete_flow_shift 6.0" in standalone
+    assert "--model_prediction_type raw" in standalone
+    pick(page, "lora-family", "SD3")
+    page.locator("#lora-acc-sd3").wait_for(state="visible")
+    page.locator("#lora-acc-lumina").wait_for(state="hidden")
+    pick(page, "lora-family", "FLUX.1")
+    page.locator("#lora-acc-flux").get_by_text("FLUX.1 options").first.click()  # a fresh page: closed
+    pick(page, "lora-model_type", "chroma")
+    page.locator("#lora-print").click()
+    page.wait_for_function(
+        "() => document.querySelector('#lora-standalone textarea').value.includes('--model_type chroma')")
+    assert "flux_train_network.py" in field(page, "lora-standalone").input_value()
+    pick(page, "lora-model_type", "flux")
+    pick(page, "lora-family", "SDXL")
+    compile_acc.wait_for(state="visible")
 
 
 def test_dreambooth_tab_compile_accordion_and_print(page):

@@ -273,6 +273,8 @@ def render(upstream_all: dict, parsers: dict, tools: dict | None = None) -> str:
         counts = {st: sum(r.status == st for r in rows[s]) for st in _STATUS_WORD}
         out.append(f"| `{s}.py` | {len(rows[s])} | {counts[SAME]} | {counts[DIFFERENT]} | {counts[REFUSED]} | "
                    f"{counts[NOT_YET]} |")
+    out += ["", "Upstream scripts not here yet:", ""]
+    out += [f"- `{s.replace('__', '/')}.py`: {why}" for s, why in parity.SCRIPTS_NOT_YET.items()]
     for s in parity.SCRIPTS:
         out += ["", f"## {s}.py", "", "| option | status | note |", "|---|---|---|"]
         for r in rows[s]:

@@ -1,5 +1,5 @@
 """Options the transformer (DiT) families share, declared once: the CLIP-L / T5-XXL files and T5 settings (FLUX.1,
-Chroma, SD3) and the memory options (--blocks_to_swap, --text_encoder_batch_size; upstream's
+Chroma, SD3), FLUX.1's AE (FLUX.1, Chroma, Lumina 2) and the memory options (--blocks_to_swap, --text_encoder_batch_size; upstream's
 add_dit_training_arguments). Each family's module checks and reads them."""
 from __future__ import annotations
 
@@ -11,6 +11,12 @@ def add_text_encoder_file_arguments(group) -> None:
     group.add_argument("--t5xxl", type=str, default=None,
                        help="T5-XXL encoder (.safetensors); not needed for a diffusers folder (SD3: nor for a "
                             "checkpoint that carries it)")
+
+
+def add_ae_argument(group) -> None:
+    """--ae: FLUX.1's 16-channel autoencoder (FLUX.1, Chroma, Lumina 2)."""
+    group.add_argument("--ae", type=str, default=None,
+                       help="FLUX autoencoder ae.safetensors; not needed for a diffusers folder")
 
 
 def add_t5_arguments(group) -> None:

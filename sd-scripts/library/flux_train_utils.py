@@ -23,7 +23,7 @@ MODEL_TYPES = ("flux", "chroma")  # upstream's --model_type choices (chroma: lib
 def add_flux_arguments(parser) -> None:
     g = parser.add_argument_group("FLUX.1")
     dit_options.add_text_encoder_file_arguments(g)
-    g.add_argument("--ae", type=str, default=None, help="FLUX autoencoder ae.safetensors; not needed for a diffusers folder")
+    dit_options.add_ae_argument(g)
     dit_options.add_t5_arguments(g)
     g.add_argument("--guidance_scale", type=float, default=3.5, help="guidance embedded into FLUX.1-dev while training")
     flow_matching.add_timestep_arguments(g, sampling_default="sigma", discrete_flow_shift=3.0,
@@ -203,16 +203,17 @@ def sample_with_pipeline(args, make_pipeline, models, draw, *, device, epoch, st
     return paths
 
 
-def place_transformer(transformer, device, dtype, fp8_base: bool, blocks_to_swap: int):
+def place_transformer(transformer, device, dtype, fp8_base: bool, blocks_to_swap: int, blocks=None):
     """Cast the frozen transformer to the training dtype (fp8 weights stay fp8) and put it on the device; with
-    block swap only the resident blocks go there. Returns the BlockSwapper or None."""
+    block swap only the resident blocks go there (`blocks`: the swappable ones, FLUX.1's by default). Returns the
+    BlockSwapper or None."""
     for t in list(transformer.parameters()) + list(transformer.buffers()):
         if t.is_floating_point() and t.dtype != flux_models.FP8_DTYPE and t.dtype != dtype:
             t.data = t.data.to(dtype)
     if blocks_to_swap:
         from library.block_swap import place_with_block_swap
 
-        return place_with_block_swap(transformer, blocks_to_swap, device)
+        return place_with_block_swap(transformer, blocks_to_swap, device, blocks=blocks)
     for t in list(transformer.parameters()) + list(transformer.buffers()):
         t.data = t.data.to(device)
     return None
@@ -278,6 +279,11 @@ def normalise_full_args(args) -> None:
     """flux_train.py's deprecated forms and implied settings (train_util.normalise_args runs it, as upstream's
     flux_train.py does before training)."""
     map_deprecated_swap_args(args)
+    normalise_dit_full_args(args)
+
+
+def normalise_dit_full_args(args) -> None:
+    """What flux_train.py and lumina_train.py imply, as upstream's scripts do before training."""
     if args.cpu_offload_checkpointing and not args.gradient_checkpointing:
         logger.warning("cpu_offload_checkpointing is enabled, so gradient_checkpointing is also enabled")
         args.gradient_checkpointing = True

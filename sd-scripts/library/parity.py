@@ -21,22 +21,23 @@ from dataclasses import dataclass
 
 # the trainer scripts, as upstream names them
 SCRIPTS = ("sdxl_train_network", "train_network", "flux_train_network", "sdxl_train", "train_db", "fine_tune",
-           "flux_train", "sd3_train_network", "sd3_train")
-SCRIPTS += ("train_textual_inversion", "sdxl_train_textual_inversion")
+           "flux_train", "sd3_train_network", "sd3_train", "train_textual_inversion", "sdxl_train_textual_inversion",
+           "lumina_train_network", "lumina_train")
 
-_DEEPSPEED = ("DeepSpeed/ZeRO is not supported: train on several GPUs through `accelerate launch --multi_gpu` "
-              "(data parallel); a later release brings a distributed engine for full fine-tunes")
+# upstream scripts (their option tables in ../shared/parity/upstream-flags/) that are not here yet, with their status;
+# every upstream table is one of SCRIPTS, TOOLS or these (tests/test_upstream_parity.py)
+SCRIPTS_NOT_YET: dict[str, str] = {
+    "hunyuan_image_train_network": "not yet (issue 28 item 4): HunyuanImage 2.1 LoRA; after SD3 and Lumina 2 are "
+                                   "measured on a GPU",
+    "anima_train_network": "not yet (issue 28 item 4): Anima LoRA; after HunyuanImage 2.1",
+    "tools__convert_diffusers_to_flux": "not yet: diffusers FLUX.1 folder to a single BFL file; the trainers read "
+                                        "diffusers folders directly",
+    "tools__resize_images_to_resolution": "not yet: the trainers' buckets resize on the fly, and "
+                                          "prepare_buckets_latents.py writes resized latents",
+}
 
 # option -> why it is refused and what to use instead
 REFUSED: dict[str, str] = {
-    "deepspeed": _DEEPSPEED,
-    "zero_stage": _DEEPSPEED,
-    "offload_optimizer_device": _DEEPSPEED,
-    "offload_optimizer_nvme_path": _DEEPSPEED,
-    "offload_param_device": _DEEPSPEED,
-    "offload_param_nvme_path": _DEEPSPEED,
-    "zero3_init_flag": _DEEPSPEED,
-    "zero3_save_16bit_model": _DEEPSPEED,
     "dataset_class": ("custom dataset classes are written against upstream's internal dataset classes, which "
                       "this project does not have; describe the data with --dataset_config (TOML), "
                       "--train_data_dir or --in_json instead"),
@@ -57,6 +58,15 @@ _NO_DDP = ("accepted and without effect: the trained modules are not wrapped in 
            "averages the gradients instead")
 
 DIFFERENT: dict[str, Different] = {
+    "deepspeed": Different(
+        "needs the deepspeed package (install extra 'deepspeed'); without it one line naming the extra, exit 2 "
+        "(upstream: an error log, exit 1). Not with --fsdp, the fused backward pass / optimizer groups or "
+        "--blocks_to_swap (DeepSpeed steps the optimizer itself)"),
+    "zero_stage": Different(
+        "0, 1 and 2 as upstream; 3 is refused for now (the model is saved from the processes' whole weights): "
+        "--fsdp full_shard shards the weights too (library/sharding.py)"),
+    "zero3_init_flag": Different("accepted; ZeRO stage 3 is refused for now (see --zero_stage)"),
+    "zero3_save_16bit_model": Different("accepted; ZeRO stage 3 is refused for now (see --zero_stage)"),
     "network_module": Different(
         "networks.dylora/lora_fa/oft stop on FLUX.1 and networks.oft_flux on SD/SDXL before anything loads "
         "(upstream's find no target layers of the other architecture); networks.dylora names SDXL's encoders "
@@ -92,7 +102,18 @@ DIFFERENT: dict[str, Different] = {
         "model; upstream also shows the images in a window on Windows and loops over the epochs until Escape"),
     "weighted_captions": Different(
         "FLUX.1: a warning and captions encoded as written (upstream's flux_train.py ignores it and "
-        "flux_train_network.py stops with NotImplementedError unless text-encoder outputs are cached)"),
+        "flux_train_network.py stops with NotImplementedError unless text-encoder outputs are cached); Lumina 2: "
+        "the same warning, captions encoded as written as upstream does"),
+    # Lumina 2 (lumina_train_network.py / lumina_train.py; library/families/lumina.py)
+    "use_flash_attn": Different(
+        "Lumina 2: without the flash-attn package the run stops with one line naming it (upstream fails when the "
+        "first attention runs); with it, attention runs through PyTorch's SDPA, which uses FlashAttention kernels"),
+    "use_sage_attn": Different("Lumina 2: accepted, with a warning, and training keeps PyTorch's SDPA (upstream: Sage "
+                               "Attention is inference-only and its backward is unsupported)"),
+    "sample_batch_size": Different("Lumina 2: accepted; sample prompts are drawn one at a time (upstream batches "
+                                   "prompts of the same size, scale and seed)"),
+    "blocks_to_swap": Different("lumina_train.py stops on a value above 0 (no block swap in Lumina 2 full "
+                                "fine-tunes yet); the other scripts swap as upstream"),
     "block_lr": Different("a UNet block at rate 0 is frozen (upstream leaves it trainable outside the optimizer: "
                           "its gradients are computed, never applied nor cleared, and count in the clipping norm)"),
     "fused_backward_pass": Different("the full trainers refuse it with --mixed_precision fp16 before anything loads "
@@ -139,7 +160,7 @@ DIFFERENT: dict[str, Different] = {
         "another model, another bucket size or a newer image (upstream's files are reused as upstream reuses them; "
         "--skip_cache_check reuses any existing file)"),
     "cache_text_encoder_outputs_to_disk": Different(
-        "upstream's SDXL and FLUX file layouts; our files also record the caption and model and are encoded again "
+        "upstream's SDXL, FLUX.1 and Lumina 2 file layouts; our files also record the caption and model and are encoded again "
         "when either changes (upstream reuses a file for a changed caption)"),
     "fp8_base": Different(
         "LoRA scripts: only the Linear weights are stored in float8 (convolutions, norms, embeddings and T5's wo "
@@ -222,18 +243,7 @@ CONFIG_VALUE_ALIASES: dict[str, dict] = {
 
 
 def add_refused_arguments(parser: argparse.ArgumentParser) -> None:
-    """Upstream's DeepSpeed/ZeRO options and --dataset_class, with upstream's types and defaults (refused
-    unless left at their defaults, see REFUSED)."""
-    parser.add_argument("--deepspeed", action="store_true", help="refused: " + REFUSED["deepspeed"])
-    parser.add_argument("--zero_stage", type=int, default=2, choices=[0, 1, 2, 3], help="refused (DeepSpeed)")
-    parser.add_argument("--offload_optimizer_device", type=str, default=None, choices=[None, "cpu", "nvme"],
-                        help="refused (DeepSpeed)")
-    parser.add_argument("--offload_optimizer_nvme_path", type=str, default=None, help="refused (DeepSpeed)")
-    parser.add_argument("--offload_param_device", type=str, default=None, choices=[None, "cpu", "nvme"],
-                        help="refused (DeepSpeed)")
-    parser.add_argument("--offload_param_nvme_path", type=str, default=None, help="refused (DeepSpeed)")
-    parser.add_argument("--zero3_init_flag", action="store_true", help="refused (DeepSpeed)")
-    parser.add_argument("--zero3_save_16bit_model", action="store_true", help="refused (DeepSpeed)")
+    """--dataset_class, with upstream's type and default (refused unless left at it, see REFUSED)."""
     parser.add_argument("--dataset_class", type=str, default=None, help="refused: " + REFUSED["dataset_class"])
 
 

@@ -527,9 +527,7 @@ def create_network(multiplier: float, network_dim: int | None, network_alpha: fl
         if "network_reg_lrs" in opts else None,
         ggpo_sigma=opts.get("ggpo_sigma"), ggpo_beta=opts.get("ggpo_beta"), verbose=opts.get("verbose", False),
         **selections)
-    if any(opts.get(k) is not None for k in lora_sd.LORAPLUS_ARGS):
-        network.set_loraplus_lr_ratio(*(opts.get(k) for k in lora_sd.LORAPLUS_ARGS))
-    lora_sd.enable_dora(network, opts)
+    lora_sd.apply_loraplus_and_dora(network, opts)
     return network
 
 
@@ -548,7 +546,5 @@ def create_network_from_weights(multiplier: float, file: str | None, ae, text_en
                               train_t5xxl=any(k.startswith(LORA_PREFIX_T5XXL + "_") for k in weights_sd),
                               reg_lrs=parse_regex_values("network_reg_lrs", opts["network_reg_lrs"], float)
                               if "network_reg_lrs" in opts else None)
-    if any(opts.get(k) is not None for k in lora_sd.LORAPLUS_ARGS):
-        network.set_loraplus_lr_ratio(*(opts.get(k) for k in lora_sd.LORAPLUS_ARGS))
-    lora_sd.enable_dora(network, opts, weights_sd)
+    lora_sd.apply_loraplus_and_dora(network, opts, weights_sd)
     return network, weights_sd

@@ -204,9 +204,7 @@ def create_network(multiplier: float, network_dim: int | None, network_alpha: fl
         train_block_indices=parse_block_selection("train_block_indices", opts["train_block_indices"],
                                                   mmdit.config.num_layers) if "train_block_indices" in opts else None,
         verbose=opts.get("verbose", False))
-    if any(opts.get(k) is not None for k in lora_sd.LORAPLUS_ARGS):
-        network.set_loraplus_lr_ratio(*(opts.get(k) for k in lora_sd.LORAPLUS_ARGS))
-    lora_sd.enable_dora(network, opts)
+    lora_sd.apply_loraplus_and_dora(network, opts)
     return network
 
 
@@ -224,9 +222,7 @@ def create_network_from_weights(multiplier: float, file: str | None, vae, text_e
                              rank_dropout=opts.get("rank_dropout"), module_dropout=opts.get("module_dropout"),
                              split_qkv=split or opts.get("split_qkv", False),
                              train_t5xxl=any(k.startswith(TE_PREFIXES[2] + "_") for k in weights_sd))
-    if any(opts.get(k) is not None for k in lora_sd.LORAPLUS_ARGS):
-        network.set_loraplus_lr_ratio(*(opts.get(k) for k in lora_sd.LORAPLUS_ARGS))
-    lora_sd.enable_dora(network, opts, weights_sd)
+    lora_sd.apply_loraplus_and_dora(network, opts, weights_sd)
     return network, weights_sd
 
 

@@ -95,6 +95,13 @@ def _uses_dropout(block: torch.nn.Module) -> bool:
     return False
 
 
+def class_name(module: torch.nn.Module) -> str:
+    """The module's own class name: torch's fully_shard (--fsdp) gives a sharded module the class FSDP<name>."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+
 @torch._dynamo.disable
 
 def _move_checkpointing_inside(model: torch.nn.Module, names: tuple[str, ...]) -> int:
@@ -106,7 +113,7 @@ def _move_checkpointing_inside(model: torch.nn.Module, names: tuple[str, ...]) -
         children = []
         for child in module.children():
             children.extend(child if isinstance(child, torch.nn.ModuleList) else [child])
-        if any(type(c).__name__ in names for c in children):
+        if any(class_name(c) in names for c in children):
             module.gradient_checkpointing = False
             switched += 1
     return switched

@@ -202,6 +202,9 @@ def sample_sigmas(args, batch_size: int, h: int, w: int, device, generator=None)
     elif mode == "flux_shift":
         s = torch.sigmoid(args.sigmoid_scale * normal())
         s = _time_shift(_flux_mu((h // 2) * (w // 2)), 1.0, s)
+    elif mode == "nextdit_shift":  # Lumina 2: the resolution-dependent shift of a uniform draw
+        s = torch.rand(batch_size, device=device, generator=generator).clamp(min=1e-7)
+        s = _time_shift(_flux_mu((h // 2) * (w // 2)), 1.0, s)
     else:  # "sigma": one of the 1000 training timesteps of the shifted flow schedule
         shift = args.discrete_flow_shift
         if getattr(args, "weighting_scheme", "uniform") in ("logit_normal", "mode"):

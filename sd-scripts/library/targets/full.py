@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from library import config_util, full_trainer, train_util
+from library import config_util, full_trainer, sharding, train_util
 from library import metadata as metadata_util
 from library.network_trainer import Trainable
 from library.errors import ConfigError
@@ -73,6 +73,7 @@ class Full:
             raise ConfigError("--pretrained_model_name_or_path is required")
         self._check_text_encoders(args)
         self._check_fused(args)
+        sharding.check_fsdp_args(args, ConfigError)
 
     def _check_text_encoders(self, args) -> None:
         caching_te = args.cache_text_encoder_outputs or args.cache_text_encoder_outputs_to_disk
@@ -138,6 +139,7 @@ class Full:
         if not caching_te or self.te_cache_partial(args):
             for te in components.text_encoders:
                 te.to(device)
+        trainable = sharding.shard(args, accelerator, trainable, components.denoiser, weight_dtype)  # --fsdp
         if self._param_groups is not None:  # e.g. sdxl_train.py's --block_lr
             self._param_groups(args, components, trainable, self.fused_optimizer_groups(args))
         return trainable
