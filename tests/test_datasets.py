@@ -616,7 +616,7 @@ def test_bad_values_are_named(tmp_path):
     # an empty --resolution (a GUI text field left blank) means the family's default
     assert build_dataset_group(parse(*base, "--resolution", ""), "sd1").datasets[0].params.resolution == (512, 512)
     with pytest.raises(DatasetError, match="unknown model family"):
-        build_dataset_group(parse(*base), "sd3")
+        build_dataset_group(parse(*base), "sd9")
     (tmp_path / "train" / "0_none").mkdir()  # ignored, as upstream (see test_folders_without_repeat_prefix...)
     assert build_dataset_group(parse(*base, "--resolution", "64"), "sdxl").num_train_images == 1
 

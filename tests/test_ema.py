@@ -100,6 +100,7 @@ def test_samples_are_drawn_with_the_average(sample_raw):
     trainer = Trainer.__new__(Trainer)
     trainer.family = SimpleNamespace(sample=lambda args, *a, **k: seen.append((args.output_name,
                                                                               p.detach().clone())))
+    trainer.target = SimpleNamespace(sample_args=lambda args: args)  # a LoRA target: the prompts as given
     trainer.eval_weights = lambda state: contextlib.nullcontext()
     args = argparse.Namespace(sample_prompts="p.txt", output_name="run", ema_sample_raw=sample_raw)
     state = SimpleNamespace(args=args, ema=avg, components=None,
