@@ -362,6 +362,7 @@ def test_import_and_print_command_guess_the_same_family(tmp_path, capsys):
     assert importer.load(sd, family="SD2.x").family == "SD2.x"
 
 
+@pytest.mark.slow
 def test_print_command_warns_as_the_guis_print(tmp_path, tiny_dataset_dir, capsys):
     """print-command on the command line shows what the GUI's Print shows: the trainer's own problems (missing
     model and data, an unknown optimizer, a resolution it refuses) as warnings, after the command."""
