@@ -106,8 +106,8 @@ def trainer_args(tab: str, family: str, values: dict[str, Any]) -> list[str]:
         if p.fixed:
             out += p.cli_args(p.fixed[family])
             continue
-        value = p.effective(p.check(values.get(p.name, p.default_for(tab)), tab), family)
-        if not p.is_default(value, tab):
+        value = p.effective(p.check(values.get(p.name, p.default_for(tab, family)), tab), family)
+        if not p.is_default(value, tab) or family in p.written_for:
             out += p.cli_args(value)
     return out + additional_args(values)
 
@@ -120,6 +120,25 @@ def standalone_argv(tab: str, family: str, values: dict[str, Any]) -> list[str]:
 def printable(argv: list[str], shell: str | None = None) -> str:
     """`shell`: "posix" or "windows" (None: this machine's)."""
     return quoting.join(argv, shell)
+
+
+def machine_errors(values: dict[str, Any]) -> list[str]:
+    """Several machines (accelerate launch on each, same settings but the machine rank; docs/MULTI_GPU.md)."""
+    machines, rank = values.get("num_machines") or 1, values.get("machine_rank") or 0
+    processes = values.get("num_processes") or 1
+    if not (isinstance(machines, int) and isinstance(rank, int) and isinstance(processes, int)) or machines == 1:
+        return []
+    errors = []
+    if not values.get("main_process_ip"):
+        errors.append(f"Number of machines (num_machines) is {machines}: give the main machine's address in Main "
+                      "process IP (main_process_ip), the same on every machine")
+    if rank >= machines:
+        errors.append(f"Machine rank (machine_rank) {rank} must be below Number of machines (num_machines) "
+                      f"{machines}: 0 on the main machine, 1 ... {machines - 1} on the others")
+    if processes % machines:
+        errors.append(f"Number of processes (num_processes) counts all machines' processes: {processes} does not "
+                      f"divide over {machines} machines")
+    return errors
 
 
 def validation_errors(tab: str, family: str, values: dict[str, Any]) -> list[str]:
@@ -142,6 +161,7 @@ def validation_errors(tab: str, family: str, values: dict[str, Any]) -> list[str
                       f"and command; use its own field or ${secret_options.SECRET_OPTIONS[flag[2:]]}")
     if not (values.get("train_data_dir") or values.get("dataset_config") or values.get("in_json")):
         errors.append("Give an image folder (train_data_dir) or a dataset config (dataset_config)")
+    errors += machine_errors(values)
     processes = values.get("num_processes") or 1
     if values.get("cpu") and isinstance(processes, int) and processes > 1:
         # accelerate launch --cpu starts a single process whatever --num_processes says

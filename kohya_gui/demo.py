@@ -1,4 +1,4 @@
-"""The embedded demo: a tiny random SDXL- (or FLUX.1- / Chroma-) shaped model and a few captioned images, made locally on
+"""The embedded demo: a tiny random SDXL- (or FLUX.1- / Chroma- / SD3- / Lumina 2-) shaped model and a few captioned images, made locally on
 first use, so a new user (and the tests) can train on the CPU with no download.
 
 A demo preset simply points its paths into ``cache/demo/``. Before a run, any of those paths that is missing is
@@ -37,6 +37,8 @@ def missing_demo_paths(family: str, values: dict[str, Any]) -> dict[str, str]:
     names = ["pretrained_model_name_or_path", "train_data_dir", "sample_prompts"]
     if family == "FLUX.1":
         names += ["clip_l", "t5xxl", "ae", "tokenizer_cache_dir"]  # Chroma's preset has no clip_l
+    elif family == "Lumina 2":
+        names += ["gemma2", "ae", "tokenizer_cache_dir"]
     elif values.get("tokenizer_cache_dir"):
         names.append("tokenizer_cache_dir")
     out = {}
@@ -64,14 +66,24 @@ def make_assets(family: str, values: dict[str, Any], log=print) -> list[str]:
     if sd_scripts not in sys.path:
         sys.path.insert(0, sd_scripts)
     made = []
-    model_keys = {"pretrained_model_name_or_path", "clip_l", "t5xxl", "ae", "tokenizer_cache_dir"}
+    model_keys = {"pretrained_model_name_or_path", "clip_l", "t5xxl", "ae", "tokenizer_cache_dir", "gemma2"}
     if model_keys & missing.keys():
         model = Path(values["pretrained_model_name_or_path"])
-        if family == "FLUX.1" and values.get("model_type") == "chroma":
+        if family == "Lumina 2":
+            from library import lumina_models
+
+            log(f"demo: making a tiny Lumina 2 model in {model.parent} (CPU, random weights)")
+            made += list(lumina_models.make_tiny_lumina(model.parent).values())
+        elif family == "FLUX.1" and values.get("model_type") == "chroma":
             from library import chroma_models
 
             log(f"demo: making a tiny Chroma model in {model.parent} (CPU, random weights)")
             made += list(chroma_models.make_tiny_chroma(model.parent).values())
+        elif family == "SD3":
+            from library import sd3_models
+
+            log(f"demo: making a tiny SD3 model in {model.parent} (CPU, random weights)")
+            made += [p for p in sd3_models.make_tiny_sd3(model.parent).values()]
         elif family == "FLUX.1":
             from library import flux_tiny
 

@@ -21,9 +21,9 @@ from . import option_places
 
 # ---- tabs, families, the script each (tab, family) runs -----------------------------------------------------
 
-TABS = ("lora", "dreambooth", "finetune")
-TAB_LABELS = {"lora": "LoRA", "dreambooth": "DreamBooth", "finetune": "Fine-tune"}
-FAMILIES = ("SD1.x", "SD2.x", "SDXL", "FLUX.1")
+TABS = ("lora", "dreambooth", "finetune", "ti")
+TAB_LABELS = {"lora": "LoRA", "dreambooth": "DreamBooth", "finetune": "Fine-tune", "ti": "Textual Inversion"}
+FAMILIES = ("SD1.x", "SD2.x", "SDXL", "FLUX.1", "SD3", "Lumina 2")
 COMPILE_FAMILIES = option_places.COMPILE_FAMILIES
 
 SCRIPTS = {
@@ -31,26 +31,42 @@ SCRIPTS = {
     ("lora", "SD2.x"): "train_network.py",
     ("lora", "SDXL"): "sdxl_train_network.py",
     ("lora", "FLUX.1"): "flux_train_network.py",
+    ("lora", "SD3"): "sd3_train_network.py",
     ("dreambooth", "SD1.x"): "train_db.py",
     ("dreambooth", "SD2.x"): "train_db.py",
     ("dreambooth", "SDXL"): "sdxl_train.py",
     ("dreambooth", "FLUX.1"): "flux_train.py",
+    ("dreambooth", "SD3"): "sd3_train.py",
     ("finetune", "SD1.x"): "fine_tune.py",
     ("finetune", "SD2.x"): "fine_tune.py",
     ("finetune", "SDXL"): "sdxl_train.py",
     ("finetune", "FLUX.1"): "flux_train.py",
+    ("finetune", "SD3"): "sd3_train.py",
+    ("ti", "SD1.x"): "train_textual_inversion.py",  # textual inversion: no FLUX.1 script (as upstream)
+    ("ti", "SD2.x"): "train_textual_inversion.py",
+    ("ti", "SDXL"): "sdxl_train_textual_inversion.py",
 }
+SCRIPTS.update({("lora", "Lumina 2"): "lumina_train_network.py", ("dreambooth", "Lumina 2"): "lumina_train.py",
+                ("finetune", "Lumina 2"): "lumina_train.py"})
+
+
+def tab_families(tab: str) -> list[str]:
+    """The model families a tab trains (those with a script there), in FAMILIES order."""
+    return [f for f in FAMILIES if (tab, f) in SCRIPTS]
 
 # Accordions in page order: key -> (title, open by default). The key is also the TOML table name. Sub-groups
 # (option_places.SUBGROUPS) are accordions inside one of these; their options go in the parent's table.
 ACCORDIONS = {
     "model": ("Model", True),
+    "embedding": ("Embedding", True),  # textual inversion
     "folders": ("Folders", True),
     "dataset": ("Dataset", False),
     "parameters": ("Parameters", False),
     "optimizer": ("Optimizer and scheduler", False),
     "network": ("Network", False),
     "flux": ("FLUX.1 options", False),
+    "sd3": ("SD3 options", False),
+    "lumina": ("Lumina 2 options", False),
     "advanced": ("Advanced", False),
     "samples": ("Samples", False),
     "accelerate": ("Accelerate launch", False),
@@ -114,21 +130,31 @@ class Param:
     open_choices: bool = False  # choices are suggestions; any text is accepted (a class path, a module name)
     item_kind: str = "str"  # list options: what each item is ("float": numbers, written as TOML numbers)
     family_default: dict = field(default_factory=dict)  # family -> what an empty value means (always written)
+    # (tab, family) -> the default of a family whose script has another than the tab's first family's (Lumina 2's
+    # flow-matching options against FLUX.1's); for those families the value is always written (written_for), so
+    # the run gets what the form shows, and choosing the family in the form sets these defaults
+    family_defaults: dict = field(default_factory=dict)
+    written_for: frozenset = frozenset()
+    family_choices: dict = field(default_factory=dict)  # (tab, family) -> its script's choices, where they differ
     whole_as_int: bool = False  # a number that is steps when whole and a ratio below 1: written 100, not 100.0
     # a field of the chosen network type: this --network_args key, read by these network modules; its value is
     # written into network_args (key=value), never as an option of its own
     network_arg: str = ""
     modules: frozenset = frozenset()
 
-    def default_for(self, tab: str | None) -> Any:
-        value = self.tab_defaults.get(tab, self.default)
+    def default_for(self, tab: str | None, family: str | None = None) -> Any:
+        value = self.family_defaults.get((tab, family), self.tab_defaults.get(tab, self.default))
         return list(value) if self.kind == "list" else value
 
-    def choices_for(self, tab: str | None) -> tuple:
+    def choices_for(self, tab: str | None, family: str | None = None) -> tuple:
+        if (tab, family) in self.family_choices:
+            return tuple(self.family_choices[(tab, family)])
         return tuple(self.tab_choices.get(tab, self.choices))
 
     # -- where it applies ------------------------------------------------------------------------------------
     def applies(self, tab: str, family: str) -> bool:
+        if (tab, family) not in SCRIPTS:
+            return False  # the tab has no script for the family (textual inversion: no FLUX.1)
         if self.scripts and SCRIPTS[(tab, family)] not in self.scripts:
             return False  # the script that runs there has no such option
         if tab not in self.tabs:
@@ -229,6 +255,9 @@ class Param:
             "list": "a list of texts",
         }[self.kind]
 
+    def must_write(self, family: str) -> bool:
+        return self.write_default or family in self.written_for
+
     def effective(self, value: Any, family: str) -> Any:
         """The value a run gets: an empty value means the family's default where there is one."""
         return self.family_default[family] if self.family_default and not value else value
@@ -273,11 +302,38 @@ NOT_SHOWN: dict[tuple[str, str], str] = {
     ("prior_loss_weight", "finetune"): "fine-tuning has no regularisation images (the DreamBooth tab has)",
     ("in_json", "dreambooth"): "the DreamBooth tab trains image folders; a metadata JSON is the Fine-tune tab's",
     ("fused_backward_pass", "lora"): "upstream's LoRA scripts accept it but never fuse; it is for full training",
+    ("fused_backward_pass", "ti"): "upstream's textual-inversion scripts accept it but never fuse; it is for full "
+                                   "training",
+    ("fp8_base", "ti"): "textual inversion does not use it (as upstream)",
+    **{(name, "ti"): "textual inversion trains the text encoders' embeddings, so their outputs cannot be cached"
+       for name in ("cache_text_encoder_outputs", "cache_text_encoder_outputs_to_disk")},
     **{("fused_backward_pass", f): "sd-scripts fuses the backward pass for SDXL and FLUX.1 full training"
        for f in ("SD1.x", "SD2.x")},
     **{("cuda_graph_step", f): "it sits with the Torch Compile Settings, which are for SDXL and FLUX.1 (train_network.py "
        "takes it on the command line)" for f in ("SD1.x", "SD2.x")},
+    # SD3 (sd3_train_network.py, sd3_train.py)
+    **{(name, "SD3"): "SD2.x is a family of its own; SD3 is a flow-matching model" for name in ("v2", "v_parameterization")},
+    **{(name, "SD3"): "sd-scripts applies it to SD1.x/SD2.x/SDXL noise only (SD3 has weighting schemes)"
+       for name in ("noise_offset", "min_snr_gamma")},
+    **{(name, "SD3"): "the Torch Compile Settings are for SDXL and FLUX.1 (the product's spec); SD3 takes the compile "
+       "flags on the command line and in Additional parameters"
+       for name, look in option_places.PLACES.items() if look.families == option_places.COMPILE_FAMILIES},
 }
+# Lumina 2: a flow-matching DiT (FLUX.1's reasons), and the compile flags only on the command line (the Torch Compile
+# Settings are for SDXL and FLUX.1, as the product's spec says)
+NOT_SHOWN.update({
+    ("v2", "Lumina 2"): "SD2.x is a family of its own: choosing it sets --v2",
+    ("v_parameterization", "Lumina 2"): "Lumina 2 is a flow-matching model",
+    ("vae", "Lumina 2"): "Lumina 2 takes FLUX.1's autoencoder as --ae",
+    ("noise_offset", "Lumina 2"): "sd-scripts applies it to SD1.x/SD2.x/SDXL noise only",
+    ("min_snr_gamma", "Lumina 2"): "SNR weighting is for SD1.x/SD2.x/SDXL (Lumina 2 has weighting schemes)",
+    ("train_text_encoder", "Lumina 2"): "lumina_train.py trains the DiT (as upstream)",
+    **{(name, "Lumina 2"): "the Torch Compile Settings are for SDXL and FLUX.1; Lumina 2 takes the compile flags in "
+       "Additional parameters" for name in ("compile", "compile_backend", "compile_mode", "compile_dynamic",
+                                            "compile_fullgraph", "compile_cache_size_limit", "compile_cache_dir",
+                                            "compile_checkpoint_keep", "cuda_allow_tf32", "cuda_cudnn_benchmark",
+                                            "cudnn_sdp", "cuda_graph_step")},
+})
 
 
 def _load_trainer_options() -> dict[str, dict[str, dict]]:
@@ -329,18 +385,40 @@ def _param(name: str, look: option_places.Look, per_script: dict[str, dict]) -> 
         kind, default = look.own
         return Param(name, kind, default, look.label, look.help, look.group, choices=look.choices, **shown)
     scripts = frozenset(per_script)
-    tab_of = {t: sc for (t, _), sc in SCRIPTS.items() if sc in scripts}
+    tab_of: dict[str, str] = {}
+    for (t, _), sc in SCRIPTS.items():
+        if sc in scripts:
+            tab_of.setdefault(t, sc)  # a tab's first family's script (a later family's may differ: written_for)
     first = next(iter(per_script.values()))
     kind, default, choices = _kind_default_choices(first)
     kind, default, choices, open_choices = _widget(look, name, kind, default, choices, per_script)
+    family_choices = {}  # (tab, family) -> the script's choices, where the families of a tab differ (the union shown)
+    if kind == "choice" and not open_choices:
+        own = {sc: _kind_default_choices(o)[2] for sc, o in per_script.items()}
+        first_of = {}
+        for (t, f), sc in SCRIPTS.items():
+            if sc in own:
+                first_of.setdefault(t, sc)
+        if any(set(own[sc]) != set(own[first_of[t]]) for (t, _), sc in SCRIPTS.items() if sc in own):
+            family_choices = {(t, f): own[sc] for (t, f), sc in SCRIPTS.items() if sc in own}
+            choices = tuple(dict.fromkeys((*choices, *(c for cs in own.values() for c in cs))))
     tab_defaults = {}
     for tab, script in tab_of.items():
         d = _kind_default_choices(per_script[script])[1]
         if d != default and look.widget != "one_number":
             tab_defaults[tab] = d if kind != "choice" or d is not None else ""
+    family_defaults = {}  # (tab, family) -> its script's default, where it differs from the tab's first family's
+    for (t, f), sc in SCRIPTS.items():
+        if sc in scripts and t in tab_of and look.widget != "one_number":
+            d = _kind_default_choices(per_script[sc])[1]
+            if d != _kind_default_choices(per_script[tab_of[t]])[1]:
+                family_defaults[(t, f)] = d if kind != "choice" or d is not None else ""
+    written_for = frozenset(f for _, f in family_defaults)
     shown["tabs"] = shown["tabs"] & frozenset(tab_of)
     return Param(name, kind, default, look.label, look.help or first["help"], look.group, choices=choices,
-                 tab_defaults=tab_defaults, scripts=scripts, open_choices=open_choices,
+                 tab_defaults=tab_defaults, scripts=scripts, open_choices=open_choices, written_for=written_for,
+                 family_defaults=family_defaults,
+                 family_choices=family_choices,
                  item_kind=first["kind"] if kind == "list" and first["kind"] in ("int", "float") else "str", **shown)
 
 
@@ -411,8 +489,10 @@ def _family_options(family: str) -> set[str]:
 
 def guess_family(keys: dict[str, Any], fallback: str = "SDXL") -> str:
     """The model family of a run TOML that does not say (no [gui] table): the one rule of Open, print-command and
-    import. FLUX.1 by its model files or network, SD2.x by v2, else SDXL or SD1.x where a key only that family's
+    import. SD3 by its CLIP-G file, network or --training_shift, FLUX.1 by its model files or network, SD2.x by v2, else SDXL or SD1.x where a key only that family's
     scripts accept says so, else `fallback` (the GUI's default family)."""
+    if keys.get("network_module") == "networks.lora_sd3" or keys.get("clip_g") or "training_shift" in keys:
+        return "SD3"
     if keys.get("network_module") in ("networks.lora_flux", "networks.oft_flux") or \
             any(keys.get(k) for k in ("clip_l", "t5xxl", "ae")):
         return "FLUX.1"
@@ -532,5 +612,5 @@ def network_arg_clashes(tab: str, family: str, values: dict[str, Any]) -> list[s
             if key in set_in_fields]
 
 
-def defaults(tab: str | None = None) -> dict[str, Any]:
-    return {p.name: p.default_for(tab) for p in CONTROL_PARAMS if tab is None or tab in p.tabs}
+def defaults(tab: str | None = None, family: str | None = None) -> dict[str, Any]:
+    return {p.name: p.default_for(tab, family) for p in CONTROL_PARAMS if tab is None or tab in p.tabs}

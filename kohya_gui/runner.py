@@ -93,6 +93,33 @@ ERROR_WORDS = re.compile(r"error|exception|traceback|failed|killed|refus", re.I)
 OUTPUT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".png", ".jpg", ".webp")
 
 
+
+# torch's launcher (accelerate launch --multi_gpu, torchrun) ends every process when one fails and reports the first
+ROOT_CAUSE = re.compile(r"^\s*rank\s*:\s*(\d+) \(local_rank: (\d+)\)")
+ROOT_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)(?: \(pid: \d+\))?\s*(?:\((\w+)\))?")
+ROOT_HOST = re.compile(r"^\s*host\s*:\s*(\S+)")
+
+
+def first_failed_process(lines: list[str]) -> str | None:
+    """`process rank R (host H) ended first with exit code C (SIGNAL)` from the launcher's "Root Cause" block, or
+    None when the log has none."""
+    try:
+        start = max(i for i, ln in enumerate(lines) if ln.startswith("Root Cause"))
+    except ValueError:
+        return None
+    rank = host = code = None
+    for ln in lines[start + 1:start + 12]:
+        if (m := ROOT_CAUSE.match(ln)) and rank is None:
+            rank = m.group(1)
+        elif (m := ROOT_HOST.match(ln)) and host is None:
+            host = m.group(1)
+        elif (m := ROOT_EXIT.match(ln)) and code is None:
+            code = m.group(1) + (f" ({m.group(2)})" if m.group(2) else "")
+    if rank is None:
+        return None
+    return f"process rank {rank}{f' (host {host})' if host else ''} ended first" + \
+        (f" with exit code {code}" if code else "")
+
 class RunnerBusy(RuntimeError):
     pass
 
@@ -429,6 +456,9 @@ class Runner:
                 st.message = "ended (started before the GUI restarted: its exit status is unknown; see the log)"
             else:
                 st.message = "finished" if rc == 0 else f"failed (exit status {rc})"
+                first = first_failed_process(self._lines) if rc else None
+                if first:  # several processes: the one that ended first, as the launcher reports it
+                    st.message = f"failed: {first}; the launcher stopped every other process (exit status {rc})"
             message = st.message
         self._forget_active()
         fd, self._log_fd = self._log_fd, None

@@ -32,11 +32,7 @@ def setup_parser() -> argparse.ArgumentParser:
     parser.add_argument("--train_blocks", type=str, default="all", choices=flux_train_utils.TRAIN_BLOCKS,
                         help="which transformer blocks are trained: all (the whole transformer), single or double")
     full_trainer.add_fused_optimizer_groups_argument(parser)
-    parser.add_argument("--blockwise_fused_optimizers", action="store_true",
-                        help="one optimizer per transformer block, each stepped inside backward as soon as its "
-                             "block's gradients are complete (any optimizer; saves the memory of all gradients)")
-    parser.add_argument("--skip_latents_validity_check", action="store_true",
-                        help="[deprecated] the same as --skip_cache_check")
+    full_trainer.add_blockwise_arguments(parser)
     masks.add_masked_loss_arguments(parser)
     compile_options.add_compile_arguments(parser)
     safetensors_io.add_mmap_argument(parser)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
+import psutil
+
 from kohya_gui import params as P
 from kohya_gui.ui import actions as A
 
@@ -15,8 +19,8 @@ NON_DEFAULT_TEXT = {
 }
 
 
-def non_default(p: P.Param, tab: str | None = None):
-    """A valid value different from the parameter's default."""
+def non_default(p: P.Param, tab: str | None = None, family: str | None = None):
+    """A valid value different from the parameter's default (one the family's script accepts)."""
     default = p.default_for(tab)
     if p.kind == "bool":
         return not default
@@ -28,7 +32,7 @@ def non_default(p: P.Param, tab: str | None = None):
     if p.kind == "float":
         return 0.25 if default is None else float(default) * 2 + 0.5
     if p.kind == "choice":
-        return next(c for c in reversed(p.choices_for(tab)) if c != default)
+        return next(c for c in reversed(p.choices_for(tab, family)) if c != default)
     if p.kind == "list":
         return ["0.5", "0.25"] if p.item_kind != "str" else ["alpha=1", "beta=0.9,0.99"]
     if p.kind == "path":
@@ -42,7 +46,7 @@ def all_non_default(tab: str, family: str) -> dict:
     values = P.defaults(tab)
     for p in P.params_for(tab, family):
         if p.has_control:
-            values[p.name] = non_default(p, tab)
+            values[p.name] = non_default(p, tab, family)
     return values
 
 
@@ -55,3 +59,20 @@ def ui_values_from_updates(tab: str, updates: list) -> list:
     """Control values out of open_config's updates ([status, family, *controls, ...])."""
     n = len(A.tab_params(tab))
     return [u["value"] for u in updates[2:2 + n]]
+
+
+def wait_for(cond, timeout: float = 60.0) -> bool:
+    """Polls `cond` until it is true (True) or `timeout` seconds pass (False)."""
+    end = time.time() + timeout
+    while time.time() < end:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

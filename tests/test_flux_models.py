@@ -341,7 +341,7 @@ def test_packing_and_ids_match_diffusers():
     assert torch.equal(ids, FluxPipeline._prepare_latent_image_ids(2, 3, 4, "cpu", torch.float32))
 
 
-@pytest.mark.parametrize("mode", flux_train_utils.TIMESTEP_SAMPLING)
+@pytest.mark.parametrize("mode", flow_matching.TIMESTEP_SAMPLING)
 def test_sigma_sampling(mode):
     args = argparse.Namespace(timestep_sampling=mode, sigmoid_scale=1.0, discrete_flow_shift=3.0)
     torch.manual_seed(0)

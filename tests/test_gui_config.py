@@ -131,7 +131,7 @@ def _assert_nothing_changed(out):
     ('[parameters]\nlearning_rate = true\n', ["learning_rate", "expected a number"]),
     ('[compile]\ncompile_mode = "turbo"\n',
      ["compile_mode", "'turbo'", "'default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs'"]),
-    ('[gui]\ntab = "lora"\nfamily = "SD3"\n', ["[gui] family", "'SD1.x', 'SD2.x', 'SDXL', 'FLUX.1'"]),
+    ('[gui]\ntab = "lora"\nfamily = "SD4"\n', ["[gui] family", "'SD1.x', 'SD2.x', 'SDXL', 'FLUX.1', 'SD3'"]),
     ('[gui]\ntab = "lora"\nfamily = "SD1.x"\n[compile]\ncompile = true\n', ["compile", "not used by LoRA SD1.x"]),
     ('[gui]\ntab = "dreambooth"\nfamily = "SDXL"\n', ["DreamBooth tab"]),
     ('[accelerate]\nlearning_rate = 0.1\n', ["learning_rate", "belongs in the [optimizer] table"]),

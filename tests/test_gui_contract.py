@@ -94,8 +94,9 @@ def test_cli_flags_reach_the_trainer_and_defaults_agree(tab, family):
     values = all_non_default(tab, family)
     wrong = []
     for p in trainer_params(tab, family):
-        if hasattr(defaults, p.name) and not p.fixed and not same(p.default_for(tab), getattr(defaults, p.name)):
-            wrong.append(f"--{p.name}: registry default {p.default_for(tab)!r}, "
+        if hasattr(defaults, p.name) and not p.fixed and not same(p.default_for(tab, family),
+                                                                  getattr(defaults, p.name)):
+            wrong.append(f"--{p.name}: registry default {p.default_for(tab, family)!r}, "
                          f"trainer default {getattr(defaults, p.name)!r}")
     missing = missing_flags(defaults, tab, family)
     sent = {**values, **{n: P.BY_NAME[n].default_for(tab) for n in missing}}
@@ -148,7 +149,7 @@ def test_presets_pass_the_trainers_checks(tab, name):
     args = train_util.parse_args(parser, ["--config_file", str(presets.preset_path(tab, name))])
     args.sample_prompts = args.resume = None  # files that are made on first use / exist on the user's machine
     train_util.verify_training_args(args)
-    if cfg.family in P.COMPILE_FAMILIES:
+    if cfg.family in P.COMPILE_FAMILIES or cfg.family in ("SD3", "Lumina 2"):  # the compile flags without the accordion
         compile_options.validate_compile_args(args)
     else:
         assert not hasattr(args, "compile")
@@ -177,7 +178,7 @@ def test_every_trainer_option_is_reachable_with_the_trainers_kind_and_choices(ta
         if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)) != (p.kind == "bool"):
             wrong.append(f"--{action.dest}: registry kind {p.kind}, trainer action {type(action).__name__}")
         if action.choices is not None and p.kind == "choice":
-            allowed = {c for c in p.choices_for(tab) if c != ""}
+            allowed = {c for c in p.choices_for(tab, family) if c != ""}
             if allowed != {str(c) for c in action.choices if c is not None}:
                 wrong.append(f"--{action.dest}: choices {sorted(allowed)} vs the trainer's {list(action.choices)}")
     assert not wrong, f"{P.script_for(tab, family)}:\n" + "\n".join(wrong)

@@ -20,11 +20,9 @@ needs_presets = pytest.mark.skipif(not ALL, reason=f"kohya_ss presets not found 
 @pytest.mark.parametrize("path", ALL, ids=lambda p: p.name)
 def test_every_kohya_ss_preset_imports_with_every_key_reported(path, tmp_path):
     data = json.loads(path.read_text())
-    if data.get("sd3_checkbox"):
-        with pytest.raises(importer.ImportError_, match="SD3 is not a model family here"):
-            importer.load(path)
-        return
     imp = importer.load(path)
+    if data.get("sd3_checkbox"):  # kohya_ss' SD3 presets: the SD3 family (sd3_train.py)
+        assert imp.family == "SD3" and P.script_for(imp.tab, imp.family) == "sd3_train.py"
     assert [k for k, _, _ in imp.report] == list(data)  # every key, in the file's order, once
     out = importer.write(imp, tmp_path / "out.toml")
     cfg = config_file.load(out)  # our TOML, which the GUI opens
@@ -317,8 +315,6 @@ def test_finetune_data_comes_through_as_kohya_ss_runs_it(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("content, why", [
-    ({"LoRA_type": "Standard", "token_string": "sks", "init_word": "*", "num_vectors_per_token": 8},
-     "textual inversion"),
     ({"img1": {"caption": "a dog", "tags": "dog"}, "img2": {"caption": "a cat"}}, "caption metadata"),
     ({}, "holds no settings"),
     ({"foo": 1, "bar": "x"}, "none of its keys is a training setting"),
@@ -416,14 +412,14 @@ def test_gui_import_keeps_the_inline_prompts_through_save_and_clears_the_preset(
 
 
 def test_the_option_filter_knows_each_options_families():
-    """The filter's index says which families an option is for: "block swap" on SDXL hints "FLUX.1 only"."""
+    """The filter's index says which families an option is for: "block swap" on SDXL hints "FLUX.1, SD3 only"."""
     from kohya_gui.ui import actions as A
     from kohya_gui.ui.option_filter import filter_js
 
     js = filter_js("lora", A.tab_params("lora"))
     index = json.loads(js.split("index = ", 1)[1].split(";\n", 1)[0])
     row = next(r for r in index if r[0] == "blocks_to_swap")
-    assert row[3] == ["FLUX.1"] and all(w in row[1] for w in ("block", "swap"))
+    assert row[3] == ["FLUX.1", "SD3"] and all(w in row[1] for w in ("block", "swap"))
     assert "No option matches" in js and "only)" in js
 
 

@@ -14,7 +14,9 @@ import pytest
 from library import train_util
 
 SCRIPTS = ("sdxl_train_network", "train_network", "flux_train_network", "sdxl_train", "train_db", "fine_tune",
-           "flux_train")
+           "flux_train", "sd3_train_network", "sd3_train")
+SCRIPTS += ("train_textual_inversion", "sdxl_train_textual_inversion")
+SCRIPTS += ("lumina_train_network", "lumina_train")
 
 
 # options that train_util declared while their code lives in these modules

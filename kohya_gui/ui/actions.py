@@ -103,10 +103,17 @@ def visibility_updates(tab: str, family: str, module: str = "") -> list:
     return out
 
 
+def family_value_updates(tab: str, family: str) -> list:
+    """When the user picks a family: the fields whose default is that family's own (Lumina 2's flow-matching
+    options, P.Param.family_defaults) take it; every other field is left as it is."""
+    return [gr.update(value=to_ui(p, p.default_for(tab, family))) if p.family_defaults else gr.skip()
+            for p in tab_params(tab)]
+
+
 @functools.cache
 def family_dependent(tab: str) -> frozenset[str]:
     """The controls of a tab that some family shows and another hides."""
-    return frozenset(p.name for p in tab_params(tab) if len({P.visible(p, tab, f) for f in P.FAMILIES}) > 1)
+    return frozenset(p.name for p in tab_params(tab) if len({P.visible(p, tab, f) for f in P.tab_families(tab)}) > 1)
 
 
 def elem_id(tab: str, p: P.Param) -> str:

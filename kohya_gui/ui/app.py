@@ -132,7 +132,7 @@ def build_tab(tab: str) -> dict:
             accordions[key] = acc
             if key == "model":
                 with gr.Row():
-                    family = gr.Dropdown(choices=list(P.FAMILIES), value=family0, label="Model family",
+                    family = gr.Dropdown(choices=P.tab_families(tab), value=family0, label="Model family",
                                          elem_id=f"{tab}-family", scale=1)
                     note = gr.Markdown(A.script_note(tab, family0), elem_classes="kg-note")
             fill(key)
@@ -168,6 +168,8 @@ def build_tab(tab: str) -> dict:
     module = controls.get("network_module")  # the LoRA tab's: its fields follow it
     family.change(functools.partial(A.visibility_updates, tab), inputs=[family] + ([module] if module else []),
                   outputs=layout_outputs, show_progress="hidden")
+    # a family picked by the user (not by an opened file) brings its own defaults where its script has them
+    family.input(functools.partial(A.family_value_updates, tab), inputs=family, outputs=inputs, show_progress="hidden")
     if module:
         module.change(functools.partial(A.network_field_updates, tab), inputs=[family, module],
                       outputs=[controls[p.name] for p in A.network_fields(tab)], show_progress="hidden")

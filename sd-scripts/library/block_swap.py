@@ -219,14 +219,15 @@ def _set(module: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def flux_blocks(transformer: nn.Module) -> list[nn.Module]:
-    """FLUX's swappable blocks in execution order: the double blocks, then the single blocks."""
-    return list(transformer.transformer_blocks) + list(transformer.single_transformer_blocks)
+    """The swappable blocks in execution order: FLUX's double then single blocks (SD3: its joint blocks)."""
+    return list(transformer.transformer_blocks) + list(getattr(transformer, "single_transformer_blocks", ()))
 
 
 def place_with_block_swap(transformer: nn.Module, blocks_to_swap: int, device, offload_device="cpu",
-                          record_events: bool = False, trainable: bool = False) -> BlockSwapper:
-    """Move a FLUX transformer to ``device`` except its swap-region blocks, and attach the swapper."""
-    blocks = flux_blocks(transformer)
+                          record_events: bool = False, trainable: bool = False, blocks=None) -> BlockSwapper:
+    """Move a transformer to ``device`` except its swap-region blocks (``blocks``: FLUX's by default), and attach
+    the swapper."""
+    blocks = flux_blocks(transformer) if blocks is None else blocks
     in_blocks = {id(t) for b in blocks for _, t in _tensors(b)}
     for _, t in list(transformer.named_parameters()) + list(transformer.named_buffers()):
         if id(t) not in in_blocks:

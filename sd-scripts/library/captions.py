@@ -96,9 +96,9 @@ def check_caption_args(args, family: str) -> None:
         raise DatasetError(f"--token_warmup_min must be >= 0, got {args.token_warmup_min}")
     if getattr(args, "token_warmup_step", 0) < 0:
         raise DatasetError(f"--token_warmup_step must be >= 0, got {args.token_warmup_step}")
-    if getattr(args, "weighted_captions", False) and family == "flux":
-        logger.warning("--weighted_captions has no effect for FLUX.1 (upstream does not weight FLUX captions "
-                       "either): captions are encoded as written")
+    if getattr(args, "weighted_captions", False) and family in ("flux", "lumina"):
+        logger.warning("--weighted_captions has no effect for FLUX.1 / Lumina 2 (upstream does not weight their "
+                       "captions either): captions are encoded as written")
     if getattr(args, "no_token_padding", False) and getattr(args, "max_token_length", None):
         logger.warning("--max_token_length is ignored with --no_token_padding (one chunk of at most 77 tokens, "
                        "padded to the longest caption of the batch)")
@@ -264,6 +264,17 @@ def process_caption(caption: str, s, *, epoch: int, step: int = 0, max_train_ste
     secondary = getattr(s, "secondary_separator", None)
     if secondary:
         caption = caption.replace(secondary, s.caption_separator)
+    return caption
+
+
+def apply_replacements(caption: str, replacements: dict, rng: random.Random) -> str:
+    """Upstream's textual-inversion caption rewrite, after everything else: each `text -> replacement` in order;
+    the text "" replaces the whole caption (a list: one entry drawn from `rng`)."""
+    for text, replacement in replacements.items():
+        if text == "":
+            caption = rng.choice(replacement) if isinstance(replacement, list) else replacement
+        else:
+            caption = caption.replace(text, replacement)
     return caption
 
 

@@ -65,8 +65,9 @@ def check_launch(accelerator) -> None:
 def all_reduce_gradients(params, accelerator) -> None:
     """Averages `.grad` of `params` over all processes, in place (nothing to do in a single process).
     A parameter without a gradient counts as a zero gradient, so every process runs the same collectives."""
-    if not is_distributed(accelerator):
-        return
+    if not is_distributed(accelerator) or getattr(accelerator, "distributed_type", None) == "DEEPSPEED":
+        return  # (the DeepSpeed engine reduces them in its backward)
+    params = [p for p in params if not _is_sharded(p)]  # --fsdp reduced those in backward (library.sharding)
     world = accelerator.num_processes
     buckets: dict[tuple, list[torch.Tensor]] = {}
     sizes: dict[tuple, int] = {}
@@ -86,6 +87,12 @@ def all_reduce_gradients(params, accelerator) -> None:
     for p in no_grad:  # unused on every process (e.g. SDXL's last CLIP-L layer): no gradient, as before
         if not p.grad.any():
             p.grad = None
+
+
+def _is_sharded(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 def _reduce_bucket(grads: list[torch.Tensor], world: int) -> None:
@@ -140,8 +147,8 @@ def log_process(accelerator, num_batches: int) -> None:
 
 def weights_checksum(params) -> float:
     """Sum of all trained weights: equal on every process when their gradients were averaged."""
-    with torch.no_grad():
-        return float(sum(p.detach().double().sum().item() for p in params))
+    with torch.no_grad():  # a sharded (--fsdp) weight is gathered first: a collective, every process calls this
+        return float(sum((p.full_tensor() if _is_sharded(p) else p).detach().double().sum().item() for p in params))
 
 
 def log_process_done(accelerator, steps: int, last_loss: float, params) -> None:

@@ -12,45 +12,23 @@ import os
 
 import torch
 
-from library import flux_models
+from library import dit_options, flux_models
+from library.objectives import flow_matching
 
 logger = logging.getLogger(__name__)
 
-TIMESTEP_SAMPLING = ("sigma", "uniform", "sigmoid", "shift", "flux_shift")
 MODEL_TYPES = ("flux", "chroma")  # upstream's --model_type choices (chroma: library.families.chroma)
-MODEL_PREDICTION_TYPES = ("raw", "additive", "sigma_scaled")
-# SD3-paper weighting schemes (upstream's choices): logit_normal / mode change which sigmas --timestep_sampling
-# sigma draws; sigma_sqrt / cosmap weight the loss (with --model_prediction_type sigma_scaled); none / uniform: neither
-WEIGHTING_SCHEMES = ("sigma_sqrt", "logit_normal", "mode", "cosmap", "none", "uniform")
 
 
 def add_flux_arguments(parser) -> None:
     g = parser.add_argument_group("FLUX.1")
-    g.add_argument("--clip_l", type=str, default=None, help="CLIP-L text encoder (.safetensors); not needed for a diffusers folder")
-    g.add_argument("--t5xxl", type=str, default=None, help="T5-XXL encoder (.safetensors); not needed for a diffusers folder")
-    g.add_argument("--ae", type=str, default=None, help="FLUX autoencoder ae.safetensors; not needed for a diffusers folder")
-    g.add_argument("--t5xxl_max_token_length", type=int, default=None,
-                   help="T5-XXL tokens (default 512 for dev, 256 for schnell)")
-    g.add_argument("--apply_t5_attn_mask", action="store_true", help="mask T5 padding in the encoder and zero its outputs")
+    dit_options.add_text_encoder_file_arguments(g)
+    dit_options.add_ae_argument(g)
+    dit_options.add_t5_arguments(g)
     g.add_argument("--guidance_scale", type=float, default=3.5, help="guidance embedded into FLUX.1-dev while training")
-    g.add_argument("--timestep_sampling", type=str, default="sigma", choices=TIMESTEP_SAMPLING,
-                   help="how sigmas are drawn: sigma (uniform over the shifted schedule), uniform, sigmoid "
-                        "(sigmoid of a normal), shift (sigmoid + --discrete_flow_shift), flux_shift (resolution-dependent shift)")
-    g.add_argument("--sigmoid_scale", type=float, default=1.0, help="scale of the normal in sigmoid/shift/flux_shift sampling")
-    g.add_argument("--discrete_flow_shift", type=float, default=3.0, help="shift of the flow schedule (sigma, shift)")
-    g.add_argument("--weighting_scheme", type=str, default="uniform", choices=WEIGHTING_SCHEMES,
-                   help="SD3 weighting: logit_normal / mode shape the sigmas drawn by --timestep_sampling sigma; "
-                        "sigma_sqrt / cosmap weight the loss (with --model_prediction_type sigma_scaled)")
-    g.add_argument("--logit_mean", type=float, default=0.0, help="mean of the logit_normal weighting scheme")
-    g.add_argument("--logit_std", type=float, default=1.0, help="standard deviation of the logit_normal scheme")
-    g.add_argument("--mode_scale", type=float, default=1.29, help="scale of the mode weighting scheme")
-    g.add_argument("--model_prediction_type", type=str, default="sigma_scaled", choices=MODEL_PREDICTION_TYPES,
-                   help="raw: the output as it is; additive: output + noisy input; sigma_scaled: -sigma * output + noisy input")
-    g.add_argument("--blocks_to_swap", type=int, default=None,
-                   help="transformer blocks kept off the GPU and swapped in around their forward/backward (saves "
-                        "memory; default none)")
-    g.add_argument("--text_encoder_batch_size", type=int, default=None,
-                   help="batch size for caching text encoder outputs (default: the training batch size)")
+    flow_matching.add_timestep_arguments(g, sampling_default="sigma", discrete_flow_shift=3.0,
+                                         model_prediction_type="sigma_scaled")
+    dit_options.add_memory_arguments(g)
     g.add_argument("--model_type", type=str, default="flux", choices=MODEL_TYPES,
                    help="flux (FLUX.1 dev/schnell) or chroma (Chroma: T5-XXL only, needs --apply_t5_attn_mask)")
     g.add_argument("--controlnet_model_name_or_path", type=str, default=None,
@@ -65,12 +43,7 @@ def check_flux_args(args, error_cls) -> None:
         raise error_cls(f"--blocks_to_swap must be 0 or more, got {args.blocks_to_swap}")
     if args.t5xxl_max_token_length is not None and not 1 <= args.t5xxl_max_token_length <= 512:
         raise error_cls(f"--t5xxl_max_token_length must be between 1 and 512, got {args.t5xxl_max_token_length}")
-    if args.sigmoid_scale <= 0:
-        raise error_cls(f"--sigmoid_scale must be positive, got {args.sigmoid_scale}")
-    if getattr(args, "logit_std", 1.0) <= 0:
-        raise error_cls(f"--logit_std must be positive, got {args.logit_std}")
-    if args.discrete_flow_shift <= 0:
-        raise error_cls(f"--discrete_flow_shift must be positive, got {args.discrete_flow_shift}")
+    flow_matching.check_args(args, error_cls)
     if args.fp8_base and not hasattr(torch, "float8_e4m3fn"):
         raise error_cls("--fp8_base needs torch >= 2.1 (float8_e4m3fn)")
     res = getattr(args, "resolution", None)
@@ -230,16 +203,17 @@ def sample_with_pipeline(args, make_pipeline, models, draw, *, device, epoch, st
     return paths
 
 
-def place_transformer(transformer, device, dtype, fp8_base: bool, blocks_to_swap: int):
+def place_transformer(transformer, device, dtype, fp8_base: bool, blocks_to_swap: int, blocks=None):
     """Cast the frozen transformer to the training dtype (fp8 weights stay fp8) and put it on the device; with
-    block swap only the resident blocks go there. Returns the BlockSwapper or None."""
+    block swap only the resident blocks go there (`blocks`: the swappable ones, FLUX.1's by default). Returns the
+    BlockSwapper or None."""
     for t in list(transformer.parameters()) + list(transformer.buffers()):
         if t.is_floating_point() and t.dtype != flux_models.FP8_DTYPE and t.dtype != dtype:
             t.data = t.data.to(dtype)
     if blocks_to_swap:
         from library.block_swap import place_with_block_swap
 
-        return place_with_block_swap(transformer, blocks_to_swap, device)
+        return place_with_block_swap(transformer, blocks_to_swap, device, blocks=blocks)
     for t in list(transformer.parameters()) + list(transformer.buffers()):
         t.data = t.data.to(device)
     return None
@@ -305,6 +279,11 @@ def normalise_full_args(args) -> None:
     """flux_train.py's deprecated forms and implied settings (train_util.normalise_args runs it, as upstream's
     flux_train.py does before training)."""
     map_deprecated_swap_args(args)
+    normalise_dit_full_args(args)
+
+
+def normalise_dit_full_args(args) -> None:
+    """What flux_train.py and lumina_train.py imply, as upstream's scripts do before training."""
     if args.cpu_offload_checkpointing and not args.gradient_checkpointing:
         logger.warning("cpu_offload_checkpointing is enabled, so gradient_checkpointing is also enabled")
         args.gradient_checkpointing = True

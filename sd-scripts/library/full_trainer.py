@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from library import data_parallel, metadata, network_trainer, saving
+from library import data_parallel, metadata, network_trainer, saving, sharding
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ def add_full_training_arguments(parser: argparse.ArgumentParser, *, text_encoder
                             help="learning rate of the text encoder; default --learning_rate, 0 = frozen")
     saving.add_sd_saving_arguments(parser)  # --save_model_as (default: as the input model), --use_safetensors
     metadata.add_comment_arguments(parser, lora=False)  # --no_metadata --training_comment
+    sharding.add_fsdp_arguments(parser)  # --fsdp, --fsdp_cpu_offload
 
 
 def add_diffusers_xformers_argument(parser: argparse.ArgumentParser) -> None:
@@ -142,6 +143,16 @@ def add_fused_optimizer_groups_argument(parser: argparse.ArgumentParser) -> None
     parser.add_argument("--fused_optimizer_groups", type=int, default=None,
                         help="number of optimizers that step inside backward, each over a part of the parameters "
                              "(saves the memory of all gradients, any optimizer)")
+
+
+def add_blockwise_arguments(parser: argparse.ArgumentParser) -> None:
+    """flux_train.py, sd3_train.py and lumina_train.py: --blockwise_fused_optimizers, and the deprecated
+    --skip_latents_validity_check."""
+    parser.add_argument("--blockwise_fused_optimizers", action="store_true",
+                        help="one optimizer per transformer block, each stepped inside backward as soon as its "
+                             "block's gradients are complete (any optimizer; saves the memory of all gradients)")
+    parser.add_argument("--skip_latents_validity_check", action="store_true",
+                        help="[deprecated] the same as --skip_cache_check")
 
 
 def split_param_groups(param_groups: list[dict], n: int) -> list[dict]:

@@ -7,6 +7,7 @@ other's files: the same names and npz keys per family (upstream's `LatentsCachin
   `latents_flipped` with flip_aug, `alpha_mask` [H,W] in 0..1 with alpha_mask.
 - FLUX.1 `<stem>_<WWWW>x<HHHH>_flux.npz` holding several resolutions: each key ends in `_<h>x<w>` (the latent size),
   latents already shifted and scaled (the AE output).
+- SD3 `<stem>_<WWWW>x<HHHH>_sd3.npz`, FLUX.1's multi-resolution keys, the raw VAE sample (before shift and scale).
 
 We add `signature` (which model encoded it); upstream ignores extra keys and keeps them when it
 updates a file. A file without a signature (upstream's) is trusted like upstream trusts it.
@@ -33,6 +34,7 @@ class LatentCacheFormat:
     multi_resolution: bool = False  # FLUX: keys carry the latent size
     legacy_name: bool = True  # SD/SDXL: reuse an existing `<stem>.npz`
     stride: int = 8  # pixels per latent
+    shift: float = 0.0  # SD3: our latents are `(file latents - shift) * scale` (upstream caches the raw VAE sample)
 
     def npz_path(self, image_path: str, image_size: tuple[int, int]) -> str:
         stem = os.path.splitext(image_path)[0]
@@ -81,9 +83,10 @@ class LatentCacheFormat:
                 from library.dataset_files import DatasetError
 
                 raise DatasetError(f"latent cache {path} has no {lat_key!r}: delete it to encode the image again")
-            latents = torch.from_numpy(npz[lat_key].astype(np.float32)) * self.scale
+            latents = (torch.from_numpy(npz[lat_key].astype(np.float32)) - self.shift) * self.scale
             flip_key, mask_key = self.key("latents_flipped", bucket), self.key("alpha_mask", bucket)
-            flipped = torch.from_numpy(npz[flip_key].astype(np.float32)) * self.scale if flip_key in npz else None
+            flipped = (torch.from_numpy(npz[flip_key].astype(np.float32)) - self.shift) * self.scale \
+                if flip_key in npz else None
             mask = torch.from_numpy(npz[mask_key].astype(np.float32)) if mask_key in npz else None
             original_size = tuple(npz[self.key("original_size", bucket)].tolist())
             ltrb = tuple(npz[self.key("crop_ltrb", bucket)].tolist())
@@ -101,11 +104,11 @@ class LatentCacheFormat:
                     arrays = {k: npz[k] for k in npz.files}
             except (OSError, ValueError, EOFError):
                 arrays = {}
-        arrays[self.key("latents", bucket)] = _unscaled(latents, self.scale)
+        arrays[self.key("latents", bucket)] = _unscaled(latents, self.scale) + self.shift
         arrays[self.key("original_size", bucket)] = np.array(original_size)
         arrays[self.key("crop_ltrb", bucket)] = np.array(ltrb)
         if flipped is not None:
-            arrays[self.key("latents_flipped", bucket)] = _unscaled(flipped, self.scale)
+            arrays[self.key("latents_flipped", bucket)] = _unscaled(flipped, self.scale) + self.shift
         if alpha_mask is not None:
             arrays[self.key("alpha_mask", bucket)] = alpha_mask.detach().float().cpu().numpy()
         if signature is not None:
@@ -134,4 +137,5 @@ FAMILY_FORMATS = {
     "sd2": LatentCacheFormat("_sd.npz", 0.18215),
     "sdxl": LatentCacheFormat("_sdxl.npz", 0.13025),
     "flux": LatentCacheFormat("_flux.npz", 1.0, multi_resolution=True, legacy_name=False),
+    "sd3": LatentCacheFormat("_sd3.npz", 1.5305, multi_resolution=True, legacy_name=False, shift=0.0609),
 }

@@ -56,6 +56,7 @@ IMPL_STABILITY_AI = "https://github.com/Stability-AI/generative-models"
 IMPL_DIFFUSERS = "diffusers"
 IMPL_FLUX = "https://github.com/black-forest-labs/flux"
 IMPL_CHROMA = "https://huggingface.co/lodestones/Chroma"
+IMPL_LUMINA = "https://github.com/Alpha-VLLM/Lumina-Image-2.0"
 
 # the keys of a network (a full checkpoint has none of them)
 NETWORK_KEYS = ("ss_text_encoder_lr", "ss_unet_lr", "ss_network_module", "ss_network_dim", "ss_network_alpha",
@@ -89,6 +90,10 @@ def architecture(family: str, *, v_prediction: bool, lora: bool, flux_variant: s
         arch = "stable-diffusion-xl-v1-base"
     elif family == "flux":
         arch = {"dev": "flux-1-dev", "schnell": "flux-1-schnell", "chroma": "chroma"}.get(flux_variant or "", "flux-1")
+    elif family == "sd3":  # upstream: "stable-diffusion-3-" + the model type (medium, 5-medium, 5-large)
+        arch = f"stable-diffusion-3-{flux_variant or 'medium'}"
+    elif family == "lumina":
+        arch = "lumina-2"
     elif family == "sd2":
         arch = "stable-diffusion-v2-768-v" if v_prediction else "stable-diffusion-v2-512"
     else:
@@ -101,6 +106,8 @@ def implementation(family: str, *, lora: bool, flux_variant: str | None = None) 
     generative-models; SD1/SD2 LoRAs -> "diffusers"."""
     if family == "flux":
         return IMPL_CHROMA if flux_variant == "chroma" else IMPL_FLUX
+    if family == "lumina":
+        return IMPL_LUMINA
     if not lora or family == "sdxl":
         return IMPL_STABILITY_AI
     return IMPL_DIFFUSERS
@@ -113,7 +120,7 @@ def _resolution(args, family: str, v_prediction: bool) -> str:
 
         w, h = parse_resolution(value, "--resolution")
     else:  # upstream's defaults (not our training default for SD2 without v-prediction)
-        w = h = 1024 if family in ("sdxl", "flux") else 768 if family == "sd2" and v_prediction else 512
+        w = h = 1024 if family in ("sdxl", "flux", "sd3", "lumina") else 768 if family == "sd2" and v_prediction else 512
     return f"{w}x{h}"
 
 

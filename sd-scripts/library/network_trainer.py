@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from library import (config_util, data_parallel, huggingface_util, losses, masks, noise, optimizers, parity,
-                     saving, schedulers, train_util, validation)
+                     saving, schedulers, sharding, train_util, validation)
 from library import ema, metadata as metadata_util
 from library.compile import graphs as compile_graphs
 from library.errors import ConfigError, TrainingError, UserError  # noqa: F401  (re-exported)
@@ -66,6 +66,7 @@ def base_parser() -> argparse.ArgumentParser:
     schedulers.add_scheduler_arguments(parser)
     train_util.add_config_arguments(parser)
     parity.add_refused_arguments(parser)
+    sharding.add_deepspeed_arguments(parser)  # upstream's DeepSpeed options
     data_parallel.add_ddp_arguments(parser)
     saving.add_saving_arguments(parser)
     metadata_util.add_metadata_arguments(parser)

@@ -1,4 +1,4 @@
-"""Where our seven scripts' options knowingly differ from kohya-ss/sd-scripts (upstream), in one place.
+"""Where our trainer scripts' options knowingly differ from kohya-ss/sd-scripts (upstream), in one place.
 
 Upstream's option tables (`../shared/parity/upstream-flags/<script>.json`) are the specification: every
 upstream option parses here with the same option strings, type, default, choices and nargs, and does what
@@ -19,23 +19,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-# the seven scripts, as upstream names them
+# the trainer scripts, as upstream names them
 SCRIPTS = ("sdxl_train_network", "train_network", "flux_train_network", "sdxl_train", "train_db", "fine_tune",
-           "flux_train")
-
-_DEEPSPEED = ("DeepSpeed/ZeRO is not supported: train on several GPUs through `accelerate launch --multi_gpu` "
-              "(data parallel); a later release brings a distributed engine for full fine-tunes")
+           "flux_train", "sd3_train_network", "sd3_train")
+SCRIPTS += ("train_textual_inversion", "sdxl_train_textual_inversion")
+SCRIPTS += ("lumina_train_network", "lumina_train")  # Lumina Image 2.0 (library/families/lumina.py)
 
 # option -> why it is refused and what to use instead
 REFUSED: dict[str, str] = {
-    "deepspeed": _DEEPSPEED,
-    "zero_stage": _DEEPSPEED,
-    "offload_optimizer_device": _DEEPSPEED,
-    "offload_optimizer_nvme_path": _DEEPSPEED,
-    "offload_param_device": _DEEPSPEED,
-    "offload_param_nvme_path": _DEEPSPEED,
-    "zero3_init_flag": _DEEPSPEED,
-    "zero3_save_16bit_model": _DEEPSPEED,
     "dataset_class": ("custom dataset classes are written against upstream's internal dataset classes, which "
                       "this project does not have; describe the data with --dataset_config (TOML), "
                       "--train_data_dir or --in_json instead"),
@@ -56,6 +47,15 @@ _NO_DDP = ("accepted and without effect: the trained modules are not wrapped in 
            "averages the gradients instead")
 
 DIFFERENT: dict[str, Different] = {
+    "deepspeed": Different(
+        "needs the deepspeed package (install extra 'deepspeed'); without it one line naming the extra, exit 2 "
+        "(upstream: an error log, exit 1). Not with --fsdp, the fused backward pass / optimizer groups or "
+        "--blocks_to_swap (DeepSpeed steps the optimizer itself)"),
+    "zero_stage": Different(
+        "0, 1 and 2 as upstream; 3 is refused for now (the model is saved from the processes' whole weights): "
+        "--fsdp full_shard shards the weights too (library/sharding.py)"),
+    "zero3_init_flag": Different("accepted; ZeRO stage 3 is refused for now (see --zero_stage)"),
+    "zero3_save_16bit_model": Different("accepted; ZeRO stage 3 is refused for now (see --zero_stage)"),
     "network_module": Different(
         "networks.dylora/lora_fa/oft stop on FLUX.1 and networks.oft_flux on SD/SDXL before anything loads "
         "(upstream's find no target layers of the other architecture); networks.dylora names SDXL's encoders "
@@ -63,6 +63,9 @@ DIFFERENT: dict[str, Different] = {
         "from torch's generator and samples at full rank; networks.oft/oft_flux read enable_all_linear/enable_conv "
         "as true/false (upstream enables on any value) and oft_flux takes the part sizes from the model (upstream "
         "hard-codes FLUX.1's)"),
+    "weights": Different("textual inversion: an SDXL file with only clip_l or only clip_g sets that encoder's vectors "
+                         "and the other's start from --init_word (upstream stops), and a file whose vector count or "
+                         "size does not fit is one line naming both (upstream asserts)"),
     "ddp_gradient_as_bucket_view": Different(_NO_DDP),
     "ddp_static_graph": Different(_NO_DDP),
     "v_parameterization": Different(
@@ -88,7 +91,18 @@ DIFFERENT: dict[str, Different] = {
         "model; upstream also shows the images in a window on Windows and loops over the epochs until Escape"),
     "weighted_captions": Different(
         "FLUX.1: a warning and captions encoded as written (upstream's flux_train.py ignores it and "
-        "flux_train_network.py stops with NotImplementedError unless text-encoder outputs are cached)"),
+        "flux_train_network.py stops with NotImplementedError unless text-encoder outputs are cached); Lumina 2: "
+        "the same warning, captions encoded as written as upstream does"),
+    # Lumina 2 (lumina_train_network.py / lumina_train.py; library/families/lumina.py)
+    "use_flash_attn": Different(
+        "Lumina 2: without the flash-attn package the run stops with one line naming it (upstream fails when the "
+        "first attention runs); with it, attention runs through PyTorch's SDPA, which uses FlashAttention kernels"),
+    "use_sage_attn": Different("Lumina 2: accepted, with a warning, and training keeps PyTorch's SDPA (upstream: Sage "
+                               "Attention is inference-only and its backward is unsupported)"),
+    "sample_batch_size": Different("Lumina 2: accepted; sample prompts are drawn one at a time (upstream batches "
+                                   "prompts of the same size, scale and seed)"),
+    "blocks_to_swap": Different("lumina_train.py stops on a value above 0 (no block swap in Lumina 2 full "
+                                "fine-tunes yet); the other scripts swap as upstream"),
     "block_lr": Different("a UNet block at rate 0 is frozen (upstream leaves it trainable outside the optimizer: "
                           "its gradients are computed, never applied nor cleared, and count in the clipping norm)"),
     "fused_backward_pass": Different("the full trainers refuse it with --mixed_precision fp16 before anything loads "
@@ -135,7 +149,7 @@ DIFFERENT: dict[str, Different] = {
         "another model, another bucket size or a newer image (upstream's files are reused as upstream reuses them; "
         "--skip_cache_check reuses any existing file)"),
     "cache_text_encoder_outputs_to_disk": Different(
-        "upstream's SDXL and FLUX file layouts; our files also record the caption and model and are encoded again "
+        "upstream's SDXL, FLUX.1 and Lumina 2 file layouts; our files also record the caption and model and are encoded again "
         "when either changes (upstream reuses a file for a changed caption)"),
     "fp8_base": Different(
         "LoRA scripts: only the Linear weights are stored in float8 (convolutions, norms, embeddings and T5's wo "
@@ -164,6 +178,30 @@ DIFFERENT: dict[str, Different] = {
                             "diffusers ChromaPipeline folders, and flux_train.py fine-tunes Chroma with it (upstream's "
                             "flux_train.py ignores --model_type and loads FLUX.1)"),
     "diffusers_xformers": Different("sdxl_train.py: the UNet too (a diffusers UNet here), not only the VAE"),
+    # SD3 / SD3.5 (sd3_train_network.py, sd3_train.py)
+    "t5xxl_max_token_length": Different(
+        "SD3 scripts: unset = 256, upstream's default (one declaration, library/dit_options.py, serves FLUX.1, whose "
+        "unset means 512 for dev / 256 for schnell, and SD3; the GUI shares the field)", ("default",)),
+    "enable_scaled_pos_embed": Different(
+        "not supported: the SD3 scripts stop before anything loads with a clear line (upstream: SD3.5 medium's "
+        "positional embeddings rescaled per training resolution)"),
+    "use_t5xxl_cache_only": Different(
+        "not supported: sd3_train.py stops before anything loads with a clear line (caching T5-XXL's outputs while "
+        "CLIP is encoded live); cache all text-encoder outputs, or train the text encoders uncached"),
+    "pos_emb_random_crop_rate": Different(
+        "SD3: the random crop is drawn in training steps only (upstream also crops at random while sampling and "
+        "validating)"),
+    "weighting_scheme": Different(
+        "SD3: as upstream; timesteps are drawn from the run's generator (saved with --save_state) and --ip_noise_gamma "
+        "is ignored as upstream's SD3 script ignores it"),
+    "clip_g": Different(
+        "SD3: CLIP-L/CLIP-G/T5-XXL also come from a diffusers StableDiffusion3Pipeline folder given as "
+        "--pretrained_model_name_or_path (upstream reads SAI single files only); the models are diffusers' "
+        "SD3Transformer2DModel and transformers' CLIP/T5 classes, saved in upstream's SAI layout"),
+    "sample_prompts": Different(
+        "SD3 samples come from diffusers' StableDiffusion3Pipeline over the live models: Euler on the discrete flow "
+        "with shift 3.0 and CFG, as upstream's SD3 sampler (defaults --s 30, --l 7.5; no --n = an empty negative "
+        "prompt)"),
 }
 
 
@@ -196,18 +234,7 @@ CONFIG_VALUE_ALIASES: dict[str, dict] = {
 
 
 def add_refused_arguments(parser: argparse.ArgumentParser) -> None:
-    """Upstream's DeepSpeed/ZeRO options and --dataset_class, with upstream's types and defaults (refused
-    unless left at their defaults, see REFUSED)."""
-    parser.add_argument("--deepspeed", action="store_true", help="refused: " + REFUSED["deepspeed"])
-    parser.add_argument("--zero_stage", type=int, default=2, choices=[0, 1, 2, 3], help="refused (DeepSpeed)")
-    parser.add_argument("--offload_optimizer_device", type=str, default=None, choices=[None, "cpu", "nvme"],
-                        help="refused (DeepSpeed)")
-    parser.add_argument("--offload_optimizer_nvme_path", type=str, default=None, help="refused (DeepSpeed)")
-    parser.add_argument("--offload_param_device", type=str, default=None, choices=[None, "cpu", "nvme"],
-                        help="refused (DeepSpeed)")
-    parser.add_argument("--offload_param_nvme_path", type=str, default=None, help="refused (DeepSpeed)")
-    parser.add_argument("--zero3_init_flag", action="store_true", help="refused (DeepSpeed)")
-    parser.add_argument("--zero3_save_16bit_model", action="store_true", help="refused (DeepSpeed)")
+    """--dataset_class, with upstream's type and default (refused unless left at it, see REFUSED)."""
     parser.add_argument("--dataset_class", type=str, default=None, help="refused: " + REFUSED["dataset_class"])
 
 

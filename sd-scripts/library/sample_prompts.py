@@ -30,6 +30,9 @@ DEFAULTS: dict[str, Any] = {
     "guidance_scale": 3.5,  # FLUX.1 distilled guidance
     "sample_sampler": None,  # None: the trainer's --sample_sampler
 }
+# keys a prompt has only when given (the family that reads them has its own default): Lumina 2's CFG truncation
+# ratio (upstream's --ctr, 0.25) and renormalisation (--rcfg, 1.0)
+OPTIONAL = ("cfg_trunc_ratio", "renorm_cfg")
 
 # line option -> (key, description)
 OPTIONS = {
@@ -41,8 +44,10 @@ OPTIONS = {
     "d": ("seed", "seed"),
     "g": ("guidance_scale", "FLUX guidance"),
     "ss": ("sample_sampler", "sampler name"),
+    "ctr": ("cfg_trunc_ratio", "Lumina 2 CFG truncation ratio"),
+    "rcfg": ("renorm_cfg", "Lumina 2 CFG renormalisation"),
 }
-KEYS = ("prompt",) + tuple(DEFAULTS)
+KEYS = ("prompt",) + tuple(DEFAULTS) + OPTIONAL
 
 
 def _number(value, kind):
@@ -80,7 +85,7 @@ def _convert(key: str, value, where: str):
         if v is None or v < 0:
             fail("a whole number >= 0")
         return v
-    if key in ("scale", "guidance_scale"):
+    if key in ("scale", "guidance_scale", "cfg_trunc_ratio", "renorm_cfg"):
         v = _number(value, float)
         if v is None or v != v or v < 0:
             fail("a number >= 0")

@@ -22,9 +22,10 @@ from library import files, train_util
 logger = logging.getLogger(__name__)
 
 
-def write_state(accelerator, path: str, overwrite: bool) -> None:
+def write_state(accelerator, path: str, overwrite: bool, save=None) -> None:
     """Every process calls it (each writes its RNG file into the same temporary folder, library.files' work
-    folder with a name every process knows); the main process renames it into place when all are done."""
+    folder with a name every process knows); the main process renames it into place when all are done.
+    `save(accelerator, folder)` writes the state instead of accelerate's save_state (--fsdp: library.sharding)."""
     work = files.work_folder(path, shared=True)
     tmp = os.path.join(work, os.path.basename(os.path.normpath(path)))
     if accelerator.is_main_process:
@@ -33,7 +34,7 @@ def write_state(accelerator, path: str, overwrite: bool) -> None:
     accelerator.wait_for_everyone()
     try:
         with files.explained_write_errors(path):
-            accelerator.save_state(tmp)
+            save(accelerator, tmp) if save is not None else accelerator.save_state(tmp)
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
                 files.commit(tmp, path, work)
@@ -84,6 +85,11 @@ def check_resume(args, ext: str) -> None:
     if position is None:
         raise TrainingError(f"--resume {args.resume}: not a training state folder written with --save_state "
                             "(no step counter in it)")
+    from library import sharding
+
+    kind_problem = sharding.check_resume(args, args.resume)
+    if kind_problem:
+        raise TrainingError(kind_problem)
     if args.overwrite_output or not os.path.isdir(args.output_dir):
         return
     step, epoch = position
@@ -142,15 +148,16 @@ def restore_resumed_rng() -> None:
     np.random.set_state(np_state)
 
 
-def load_state(accelerator, folder: str, steps_per_epoch: int | None = None) -> None:
+def load_state(accelerator, folder: str, steps_per_epoch: int | None = None, load=None) -> None:
     """--resume: accelerate's load_state; a state saved in the middle of an epoch has its RNG states set again at
     the first resumed step (restore_resumed_rng; at an epoch's end the saved run drew the next epoch's data loader
     seed after the save, as the resumed run does). A state saved by a run with another network (its --network_dim,
-    --conv_dim, --network_module or --network_args) is one line naming the first difference, not a traceback."""
+    --conv_dim, --network_module or --network_args) is one line naming the first difference, not a traceback.
+    `load(accelerator, folder)` reads it instead of accelerate's load_state (--fsdp: library.sharding)."""
     from library.errors import TrainingError
 
     try:
-        accelerator.load_state(folder)
+        load(accelerator, folder) if load is not None else accelerator.load_state(folder)
         position = resumed_position(folder)
         mid_epoch = bool(steps_per_epoch) and position is not None and position[0] % steps_per_epoch != 0
         _resumed_rng[:] = [_rng_states()] if mid_epoch else []

@@ -15,7 +15,7 @@ import re
 from library.errors import ConfigError, UserError
 
 # path options that must exist when set (a hub id "owner/name" is allowed where upstream allows one)
-FILES = ("vae", "clip_l", "t5xxl", "ae", "network_weights", "in_json", "dataset_config", "sample_prompts",
+FILES = ("vae", "clip_l", "clip_g", "t5xxl", "ae", "network_weights", "in_json", "dataset_config", "sample_prompts",
          "log_tracker_config")
 FOLDERS = ("train_data_dir", "reg_data_dir", "conditioning_data_dir")
 HUB_OK = ("pretrained_model_name_or_path", "vae")

@@ -284,6 +284,13 @@ def _dora_norm(weight: torch.Tensor, on_output: bool) -> torch.Tensor:
         if weight.dim() > 2 else weight.norm(dim=0, keepdim=True)
 
 
+def apply_loraplus_and_dora(network, opts: dict[str, Any], weights_sd: dict | None = None) -> None:
+    """The --network_args every kohya LoRA network takes on top of its shape: LoRA+ ratios, then DoRA."""
+    if any(opts.get(k) is not None for k in LORAPLUS_ARGS):
+        network.set_loraplus_lr_ratio(*(opts.get(k) for k in LORAPLUS_ARGS))
+    enable_dora(network, opts, weights_sd)
+
+
 def enable_dora(network, opts: dict[str, Any], weights_sd: dict | None = None) -> None:
     """`dora_wd=True` (wd_on_output as given, default True), or a file with `dora_scale` keys (its axis from
     their shape): a magnitude on every module of the network."""

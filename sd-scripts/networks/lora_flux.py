@@ -410,15 +410,21 @@ class LoRANetworkFlux(lora_sd.LoRANetwork):
         return out
 
     # -- training ----------------------------------------------------------------------------------------
-    def prepare_optimizer_params(self, text_encoder_lr, unet_lr, default_lr):
-        """sd-scripts' prepare_optimizer_params_with_multiple_te_lrs: text encoder lr may be one value or
-        [CLIP-L, T5-XXL]; network_reg_lrs groups first; LoRA+ " plus" groups."""
+    TE_PREFIXES = (LORA_PREFIX_CLIP_L, LORA_PREFIX_T5XXL)  # one optimizer group (and lr) per text encoder
+
+    @staticmethod
+    def text_encoder_lrs(text_encoder_lr, default_lr) -> list:
+        """[CLIP-L, T5-XXL]: text encoder lr one value or a list (the last value for T5-XXL)."""
         if text_encoder_lr is None or (isinstance(text_encoder_lr, (list, tuple)) and not text_encoder_lr):
-            te_lrs = [default_lr, default_lr]
-        elif isinstance(text_encoder_lr, (list, tuple)):
-            te_lrs = [text_encoder_lr[0], text_encoder_lr[-1]]
-        else:
-            te_lrs = [text_encoder_lr, text_encoder_lr]
+            return [default_lr, default_lr]
+        if isinstance(text_encoder_lr, (list, tuple)):
+            return [text_encoder_lr[0], text_encoder_lr[-1]]
+        return [text_encoder_lr, text_encoder_lr]
+
+    def prepare_optimizer_params(self, text_encoder_lr, unet_lr, default_lr):
+        """sd-scripts' prepare_optimizer_params_with_multiple_te_lrs: text_encoder_lrs per TE_PREFIXES;
+        network_reg_lrs groups first; LoRA+ " plus" groups."""
+        te_lrs = self.text_encoder_lrs(text_encoder_lr, default_lr)
         self.requires_grad_(True)
         groups, descriptions = [], []
 
@@ -428,7 +434,7 @@ class LoRANetworkFlux(lora_sd.LoRANetwork):
             descriptions.extend(d)
 
         te_ratio = self.loraplus_text_encoder_lr_ratio or self.loraplus_lr_ratio
-        for i, prefix in enumerate((LORA_PREFIX_CLIP_L, LORA_PREFIX_T5XXL)):
+        for i, prefix in enumerate(self.TE_PREFIXES):
             loras = [m for m in self.text_encoder_loras if m.lora_name.startswith(prefix + "_")]
             if loras:
                 add(loras, te_lrs[i], te_ratio, f"textencoder {i + 1}")
@@ -521,9 +527,7 @@ def create_network(multiplier: float, network_dim: int | None, network_alpha: fl
         if "network_reg_lrs" in opts else None,
         ggpo_sigma=opts.get("ggpo_sigma"), ggpo_beta=opts.get("ggpo_beta"), verbose=opts.get("verbose", False),
         **selections)
-    if any(opts.get(k) is not None for k in lora_sd.LORAPLUS_ARGS):
-        network.set_loraplus_lr_ratio(*(opts.get(k) for k in lora_sd.LORAPLUS_ARGS))
-    lora_sd.enable_dora(network, opts)
+    lora_sd.apply_loraplus_and_dora(network, opts)
     return network
 
 
@@ -542,7 +546,5 @@ def create_network_from_weights(multiplier: float, file: str | None, ae, text_en
                               train_t5xxl=any(k.startswith(LORA_PREFIX_T5XXL + "_") for k in weights_sd),
                               reg_lrs=parse_regex_values("network_reg_lrs", opts["network_reg_lrs"], float)
                               if "network_reg_lrs" in opts else None)
-    if any(opts.get(k) is not None for k in lora_sd.LORAPLUS_ARGS):
-        network.set_loraplus_lr_ratio(*(opts.get(k) for k in lora_sd.LORAPLUS_ARGS))
-    lora_sd.enable_dora(network, opts, weights_sd)
+    lora_sd.apply_loraplus_and_dora(network, opts, weights_sd)
     return network, weights_sd

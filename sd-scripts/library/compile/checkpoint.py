@@ -95,6 +95,12 @@ def _uses_dropout(block: torch.nn.Module) -> bool:
     return False
 
 
+def _class_name(module: torch.nn.Module) -> str:
+    from library.compile.regional import class_name  # (regional imports this module)
+
+    return class_name(module)
+
+
 @torch._dynamo.disable
 
 def _move_checkpointing_inside(model: torch.nn.Module, names: tuple[str, ...]) -> int:
@@ -106,7 +112,7 @@ def _move_checkpointing_inside(model: torch.nn.Module, names: tuple[str, ...]) -
         children = []
         for child in module.children():
             children.extend(child if isinstance(child, torch.nn.ModuleList) else [child])
-        if any(type(c).__name__ in names for c in children):
+        if any(_class_name(c) in names for c in children):
             module.gradient_checkpointing = False
             switched += 1
     return switched

@@ -20,16 +20,25 @@ logger = logging.getLogger(__name__)
 _FALLBACK_REPEATED_BLOCKS = {
     "UNet2DConditionModel": ("BasicTransformerBlock",),
     "FluxTransformer2DModel": ("FluxTransformerBlock", "FluxSingleTransformerBlock"),
+    "SD3Transformer2DModel": ("JointTransformerBlock",),
+    "Lumina2Transformer2DModel": ("Lumina2TransformerBlock",),  # the layers and both refiners
 }
+
+
+def class_name(module: torch.nn.Module) -> str:
+    """The module's own class name: torch's fully_shard (--fsdp) gives a sharded module the class FSDP<name>."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)).__name__
 
 
 def repeated_block_names(model: torch.nn.Module) -> tuple[str, ...]:
     names = tuple(getattr(model, "_repeated_blocks", None) or ())
     if not names:
-        names = _FALLBACK_REPEATED_BLOCKS.get(type(model).__name__, ())
+        names = _FALLBACK_REPEATED_BLOCKS.get(class_name(model), ())
     if not names:
         raise CompileConfigError(
-            f"{type(model).__name__} declares no repeated blocks (_repeated_blocks); regional compilation "
+            f"{class_name(model)} declares no repeated blocks (_repeated_blocks); regional compilation "
             "does not know what to compile"
         )
     return names
@@ -37,7 +46,7 @@ def repeated_block_names(model: torch.nn.Module) -> tuple[str, ...]:
 
 def find_repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     names = repeated_block_names(model)
-    return [m for m in model.modules() if type(m).__name__ in names]
+    return [m for m in model.modules() if class_name(m) in names]
 
 
 def _eager_linear_forward(self, *args, **kwargs):
@@ -90,13 +99,15 @@ IMAGE_SIZE_DIMS = {
     # FLUX.1: hidden_states (batch, image tokens, width); image_rotary_emb (cos, sin), each (text + image tokens, dim)
     "FluxTransformerBlock": {"hidden_states": (1,), "image_rotary_emb": (0,)},
     "FluxSingleTransformerBlock": {"hidden_states": (1,), "image_rotary_emb": (0,)},
+    # Lumina 2: hidden_states (batch, caption + image tokens, width); rotary (batch, tokens, dim); mask (batch, tokens)
+    "Lumina2TransformerBlock": {"hidden_states": (1,), "attention_mask": (1,), "image_rotary_emb": (1,)},
 }
 
 
 def image_size_dims(block: torch.nn.Module) -> list[tuple[str, int, tuple[int, ...]]]:
     """(argument name, its position in the block's forward, dims) for each input of `block` that follows the image
     size; empty for a block class IMAGE_SIZE_DIMS does not know."""
-    spec = IMAGE_SIZE_DIMS.get(type(block).__name__)
+    spec = IMAGE_SIZE_DIMS.get(class_name(block))
     if not spec:
         return []
     import inspect
@@ -190,7 +201,7 @@ def compile_model_blocks(
                 block._compiled_call_impl = _MarkImageSizeDims(block._compiled_call_impl, dims)
                 marked += 1
 
-    kinds = sorted({type(b).__name__ for b in blocks})
+    kinds = sorted({class_name(b) for b in blocks})
     logger.info(
         f"Compiled {len(blocks)} blocks of {model_name} ({', '.join(kinds)})"
         + (f", gradient checkpointing inside the compiled region (--compile_checkpoint_keep {keep})"

@@ -7,6 +7,7 @@ import logging
 import torch
 
 from library import flux_models, flux_train_utils, latent_cache, offload_checkpointing, te_cache
+from library.objectives import flow_matching
 from library.objectives.flow_matching import FlowMatching
 
 logger = logging.getLogger(__name__)
@@ -186,14 +187,7 @@ def metadata(args, fp8_targets, t5_len: int, compiled_blocks: int) -> dict[str, 
     md.update({
         "ss_model_type": str(getattr(args, "model_type", "flux")),  # upstream's --model_type (flux/chroma)
         "ss_guidance_scale": str(args.guidance_scale),
-        "ss_timestep_sampling": args.timestep_sampling,
-        "ss_sigmoid_scale": str(args.sigmoid_scale),
-        "ss_discrete_flow_shift": str(args.discrete_flow_shift),
-        "ss_model_prediction_type": args.model_prediction_type,
-        "ss_weighting_scheme": args.weighting_scheme,
-        "ss_logit_mean": str(args.logit_mean),
-        "ss_logit_std": str(args.logit_std),
-        "ss_mode_scale": str(args.mode_scale),
+        **flow_matching.metadata(args),
         "ss_apply_t5_attn_mask": str(bool(args.apply_t5_attn_mask)),
         "ss_t5xxl_max_token_length": str(t5_len),
         "ss_fp8_base": str(fp8_targets[0]),  # upstream: --fp8_base_unet sets fp8_base for FLUX

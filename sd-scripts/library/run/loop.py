@@ -121,9 +121,11 @@ def finish(state) -> str:
     final_path = state.final_path
     accelerator.wait_for_everyone()
     with trainer.eval_weights(state):
+        with trainer.full_weights(state):
+            if accelerator.is_main_process:
+                with saving.explained_save_errors(final_path):
+                    trainer.save_model(state, final_path, final_epoch, state.global_step)
         if accelerator.is_main_process:
-            with saving.explained_save_errors(final_path):
-                trainer.save_model(state, final_path, final_epoch, state.global_step)
             huggingface_util.upload(args, final_path, os.path.basename(final_path), force_sync=True)
         if args.save_state or args.save_state_on_train_end:
             trainer.save_state(args, accelerator, train_util.state_dir_name(args.output_name))

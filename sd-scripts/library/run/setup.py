@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from library import (config_util, data_parallel, huggingface_util, optimizers, run_requests, saving, schedulers,
-                     state_folders, train_util, validation)
+                     sharding, state_folders, train_util, validation)
 from library import ema, metadata as metadata_util
 from library.errors import ConfigError
 from library.run.state import RunState
@@ -99,7 +99,8 @@ def prepare(trainer, args, startup: Startup) -> RunState | Done:
 def start_accelerator(trainer, args):
     """The accelerator (library.data_parallel), the base-model hashes started on a thread, the seed."""
     accelerator = trainer.make_accelerator(args)
-    if accelerator.is_main_process and not args.no_metadata:  # the one that saves (save_lora) needs the hashes
+    # the one that saves (save_lora) needs the hashes; the textual-inversion scripts (no --no_metadata) write none
+    if accelerator.is_main_process and not getattr(args, "no_metadata", True):
         metadata_util.start_file_hashes(args.pretrained_model_name_or_path, getattr(args, "vae", None))
     # before the dataset: its batch order and augmentations follow the seed (a random one without --seed)
     train_util.prepare_seed(args, accelerator)
@@ -117,6 +118,7 @@ def build_data(trainer, args):
     groups = [g for g in (group, val_group) if g is not None]  # what is cached
     for g in groups:
         g.verify_bucket_reso_steps(trainer.bucket_reso_steps_multiple)
+    trainer.target.prepare_dataset(args, groups)  # textual inversion's captions
     if len(group) == 0:
         raise TrainingError("the dataset has no batches: no training images found")
     if getattr(args, "debug_dataset", False):
@@ -173,7 +175,11 @@ def build_optimization(trainer, args, accelerator, components, trainable, group,
     built = [optimizers.get_optimizer(args, g)
              for g in trainer.target.optimizer_param_groups(args, trainer.family, components, trainable)]
     # sharded over the processes: each sees len(group) / num_processes batches per epoch
-    dataloader = accelerator.prepare(make_dataloader(group, args))
+    if sharding.deepspeed_enabled(args):  # accelerate prepares the models, the optimizer and the data together
+        dataloader, prepared = sharding.prepare_deepspeed(accelerator, trainable.models, make_dataloader(group, args),
+                                                          [b[2] for b in built])
+    else:
+        dataloader = accelerator.prepare(make_dataloader(group, args))
     num_batches = len(dataloader)
     steps_per_epoch, max_train_steps, num_epochs = train_util.resolve_train_length(args, num_batches)
     args.max_train_steps = max_train_steps
@@ -183,7 +189,8 @@ def build_optimization(trainer, args, accelerator, components, trainable, group,
     # not prepared by accelerate (our loop steps it: schedulers.step follows accelerate's rule exactly)
     lr_scheduler = schedulers.group([schedulers.get_scheduler(args, b[2], max_train_steps,
                                                               accelerator.num_processes) for b in built])
-    prepared = [accelerator.prepare(b[2]) for b in built]
+    if not sharding.deepspeed_enabled(args):
+        prepared = [accelerator.prepare(b[2]) for b in built]
     if args.full_fp16:
         allow_fp16_grad_unscale(accelerator)
     trainer.family.compile(args, components)  # after prepare: the denoiser is frozen and on its device
@@ -199,15 +206,19 @@ def resume(trainer, args, state: RunState) -> None:
     optimizer_train, _ = optimizers.train_eval_fns(state.optimizers, args)
     state.generator = torch.Generator(device=accelerator.device).manual_seed(args.seed + accelerator.process_index)
     state.checkpoint.generator = state.generator
-    for model in state.trainable.models:
-        accelerator.register_for_checkpointing(model)
+    if sharding.enabled(args):  # --fsdp: the models and optimizers are written sharded, not by accelerate
+        state.sharded = sharding.ShardedState(state.trainable.models, state.optimizers)
+    elif not sharding.deepspeed_enabled(args):  # (accelerate saves the DeepSpeed engine it prepared)
+        for model in state.trainable.models:
+            accelerator.register_for_checkpointing(model)
     accelerator.register_for_checkpointing(state.lr_scheduler)
     if state.ema is not None:
         accelerator.register_for_checkpointing(state.ema)
     accelerator.register_for_checkpointing(state.checkpoint)  # last: state_folders.resumed_position reads it so
     if args.resume:
         logger.info("resuming from %s", args.resume)
-        state_folders.load_state(accelerator, huggingface_util.resume_state_dir(args), state.steps_per_epoch)
+        state_folders.load_state(accelerator, huggingface_util.resume_state_dir(args), state.steps_per_epoch,
+                                 load=state.sharded.load if state.sharded is not None else None)
         optimizer_train()  # a schedule-free optimizer's state was saved in eval mode
         logger.info("resumed at step %d (epoch %d)", state.checkpoint.global_step, state.checkpoint.epoch)
     start = saving.start_position(args, state.steps_per_epoch, state.checkpoint.global_step, state.max_train_steps)

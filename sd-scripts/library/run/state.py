@@ -60,6 +60,7 @@ class RunState:
     requests: Any  # run_requests.RunRequests
     validator: Any = None
     ema: Any = None  # library.ema.EMA with --ema_decay
+    sharded: Any = None  # library.sharding.ShardedState with --fsdp (what --save_state writes of the models)
     noise_scheduler: Any = None
     metadata: dict = field(default_factory=dict)
     log_with: Any = None

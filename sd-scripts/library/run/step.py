@@ -3,7 +3,7 @@ with the CUDA-graph step mark once per window, the compile shape log, the datase
 whole-step CUDA graph of --cuda_graph_step (library.compile.step_graph)."""
 from __future__ import annotations
 
-from library import data_parallel, network_options, schedulers
+from library import data_parallel, network_options, schedulers, sharding
 from library.compile import graphs as compile_graphs, options as compile_options, regional, step_graph
 
 
@@ -29,7 +29,7 @@ class MicroStep:
             if accelerator.sync_gradients:
                 data_parallel.all_reduce_gradients(self.trained_params, accelerator)
                 if args.max_grad_norm:
-                    accelerator.clip_grad_norm_(self.trained_params, args.max_grad_norm)
+                    sharding.clip_grad_norm_(self.trained_params, args.max_grad_norm, accelerator)
                 network_options.after_grad_sync(state.trainable.models)
             state.optimizers[0].step()
         return loss
@@ -48,6 +48,7 @@ class MicroStep:
             state.step_shapes.append(self.shape_log.shape_of(batch))
         set_network_multiplier(state.trainable.models, batch)
         with accelerator.accumulate(*state.trainable.models):
+            sharding.set_gradient_sync(state.trainable.models, accelerator.sync_gradients)
             if self.graphs is not None:  # a replay of the step's graph once captured (library.compile.step_graph)
                 loss = self.graphs.step(batch, lambda b: self.forward_to_optimizer_step(state, b))
             else:

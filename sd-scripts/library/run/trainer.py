@@ -62,7 +62,7 @@ class Trainer:
     def check_common_options(self, args) -> None:
         """Logging, tracker, precision, memory and compile-switch options of every trainer, before the script's own
         checks (train_util.normalise_args mapped --torch_compile to the compile settings)."""
-        from library import console_log, precision, trackers
+        from library import console_log, precision, sharding, trackers
         from library.compile import options as compile_options
 
         console_log.apply_console_log_args(args)  # a side effect (the log handler), not a setting
@@ -70,6 +70,8 @@ class Trainer:
         trackers.check_tracker_args(args)
         precision.check_precision_args(args)
         ema.check_ema_args(args, ConfigError)
+        sharding.from_accelerate_config(args)  # `accelerate launch --use_fsdp`: --fsdp, or data parallel (LoRA)
+        sharding.check_deepspeed_args(args, ConfigError)  # --deepspeed: the package, what it cannot go with
 
     def check_objective_args(self, args) -> None:
         """Loss, noise and validation options (library.losses / noise / validation), before models load."""
@@ -104,7 +106,7 @@ class Trainer:
         from accelerate import Accelerator
         from accelerate.utils import ProjectConfiguration
 
-        from library import data_parallel, trackers
+        from library import data_parallel, sharding, trackers
 
         logging_dir = None
         if args.logging_dir:
@@ -114,7 +116,8 @@ class Trainer:
                                   mixed_precision=args.mixed_precision, log_with=trackers.log_with(args),
                                   project_config=ProjectConfiguration(project_dir=args.output_dir,
                                                                       logging_dir=logging_dir),
-                                  kwargs_handlers=data_parallel.accelerator_kwargs_handlers(args))
+                                  kwargs_handlers=data_parallel.accelerator_kwargs_handlers(args),
+                                  deepspeed_plugin=sharding.deepspeed_plugin(args))
         try:
             data_parallel.check_launch(accelerator)
         except RuntimeError as e:
@@ -233,6 +236,13 @@ class Trainer:
         return state.validator.run(step, state.trainable.models, state, state.accelerator)
 
     # -- outputs ---------------------------------------------------------------------------------------------
+    def full_weights(self, state):
+        """Context entered by every process around a save: with --fsdp the main process's models hold the full
+        weights inside (library.sharding.gathered); otherwise nothing changes."""
+        from library import sharding
+
+        return sharding.gathered(state.components, state.trainable.models, state.accelerator)
+
     def eval_weights(self, state):
         """Context: the model holds a schedule-free optimizer's evaluation weights (sampling, saving), as
         upstream; nothing changes with other optimizers."""
@@ -251,8 +261,10 @@ class Trainer:
         """accelerate's state (models, optimizer, scheduler, step, every process's RNG); all processes call it.
         --save_state_to_huggingface uploads it."""
         path = os.path.join(args.output_dir, name)
+        sharded = getattr(self.state, "sharded", None)  # --fsdp: models and optimizers written by each process
         with saving.explained_save_errors(path):
-            state_folders.write_state(accelerator, path, args.overwrite_output)
+            state_folders.write_state(accelerator, path, args.overwrite_output,
+                                      save=sharded.save if sharded is not None else None)
         logger.info("training state saved: %s", path)
         if accelerator.is_main_process and getattr(args, "save_state_to_huggingface", False):
             huggingface_util.upload(args, path, name)
@@ -273,9 +285,11 @@ class Trainer:
         else:
             name = train_util.epoch_file_name(args.output_name, epoch, ext)
         path = os.path.join(args.output_dir, name)
+        with self.full_weights(state):
+            if accelerator.is_main_process:
+                with saving.explained_save_errors(path):
+                    self.save_model(state, path, epoch, step)
         if accelerator.is_main_process:
-            with saving.explained_save_errors(path):
-                self.save_model(state, path, epoch, step)
             huggingface_util.upload(args, path, name)
         if args.save_state:
             self.save_state(args, accelerator, train_util.state_dir_name(
@@ -292,7 +306,7 @@ class Trainer:
         with self.eval_weights(state):
             for sample_args, weights in ema.sample_passes(state):  # with --ema_decay: the EMA (and raw) weights
                 with weights:
-                    self.family.sample(sample_args, state.components, accelerator, epoch=epoch,
+                    self.family.sample(self.target.sample_args(sample_args), state.components, accelerator, epoch=epoch,
                                        steps=state.global_step,
                                        networks=[accelerator.unwrap_model(m) for m in state.trainable.models],
                                        prediction_type=state.prediction_type)

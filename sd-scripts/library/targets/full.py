@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from library import config_util, full_trainer, train_util
+from library import config_util, full_trainer, sharding, train_util
 from library import metadata as metadata_util
 from library.network_trainer import Trainable
 from library.errors import ConfigError
@@ -66,6 +66,7 @@ class Full:
             raise ConfigError("--pretrained_model_name_or_path is required")
         self._check_text_encoders(args)
         self._check_fused(args)
+        sharding.check_fsdp_args(args, ConfigError)
 
     def _check_text_encoders(self, args) -> None:
         caching_te = args.cache_text_encoder_outputs or args.cache_text_encoder_outputs_to_disk
@@ -131,6 +132,7 @@ class Full:
         if not caching_te:
             for te in components.text_encoders:
                 te.to(device)
+        trainable = sharding.shard(args, accelerator, trainable, components.denoiser, weight_dtype)  # --fsdp
         if self._param_groups is not None:  # e.g. sdxl_train.py's --block_lr
             self._param_groups(args, components, trainable, self.fused_optimizer_groups(args))
         return trainable
@@ -161,6 +163,12 @@ class Full:
                     f" and text encoder(s) {trained_tes}" if trained_tes else "", n_params / 1e6,
                     str(train_dtype).removeprefix("torch."))
         return Trainable(models=models, param_groups=groups, train_text_encoder=bool(trained_tes))
+
+    def prepare_dataset(self, args, groups: list) -> None:
+        pass  # captions as they are (textual inversion rewrites them)
+
+    def sample_args(self, args):
+        return args  # sample prompts as they are
 
     def optimizer_param_groups(self, args, family, components, trainable: Trainable) -> list[list[dict]]:
         if not self.fused_optimizer_groups(args):

@@ -1,0 +1,277 @@
+"""--fsdp (library/sharding.py): FSDP2 sharding of the full trainers over the processes of `accelerate launch`.
+
+The slow tests launch 2 CPU processes (gloo; ACCELERATE_USE_CPU=1 with --multi_gpu, as
+test_multiprocess_training.py): a sharded run saves one ordinary model file equal to the data-parallel run's, and
+its sharded state resumes on 2 processes and on 1."""
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def train(script: str, argv: list) -> str:
+    return importlib.import_module(script).main([str(a) for a in argv])
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--fsdp", "full_shard", "--fused_backward_pass", "--optimizer_type", "Adafactor"],
+     "--fsdp cannot be used with --fused_backward_pass"),
+    (["--fsdp", "full_shard", "--mixed_precision", "fp16"], "use --mixed_precision bf16"),
+    (["--fsdp", "shard_grad_op", "--ema_decay", "0.99"], "--fsdp cannot be used with --ema_decay"),
+    (["--fsdp_cpu_offload"], "--fsdp_cpu_offload needs --fsdp"),
+    (["--fsdp", "zero3"], "argument --fsdp: invalid choice: 'zero3'"),
+])
+def test_fsdp_refuses_what_it_cannot_go_with(tmp_path, capsys, extra, message):
+    argv = ["--pretrained_model_name_or_path", tmp_path / "none.safetensors", "--train_data_dir", tmp_path,
+            "--output_dir", tmp_path / "out"] + extra
+    with pytest.raises(SystemExit) as e:
+        train("sdxl_train", argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_accelerate_fsdp_config_is_taken_as_fsdp(monkeypatch):
+    from library import sharding
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP")
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
+    args = SimpleNamespace(fsdp=None, fsdp_cpu_offload=False)
+    sharding.from_accelerate_config(args)
+    assert (args.fsdp, args.fsdp_cpu_offload) == ("shard_grad_op", True)
+    assert os.environ["ACCELERATE_USE_FSDP"] == "false"  # accelerate's own wrapper stays off
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "1")
+    monkeypatch.setenv("FSDP_SHARDING_STRATEGY", "NO_SHARD")
+    from library.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="NO_SHARD is not supported here"):
+        sharding.from_accelerate_config(SimpleNamespace(fsdp=None, fsdp_cpu_offload=False))
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # a LoRA trainer (no --fsdp): data parallel, no FSDP wrapper
+    sharding.from_accelerate_config(SimpleNamespace())
+    assert os.environ["ACCELERATE_USE_FSDP"] == "false"
+
+
+def test_unet_blocks_sharded_one_by_one(tiny_sdxl_single_file):
+    from conftest import load_tiny_components
+    from library import sharding
+
+    unet = load_tiny_components(tiny_sdxl_single_file, "sdxl").unet
+    blocks = sharding.shard_blocks(unet)
+    kinds = [type(b).__name__ for b in blocks]
+    assert set(kinds) == {"BasicTransformerBlock", "ResnetBlock2D"}
+    assert kinds.count("BasicTransformerBlock") == sum(type(m).__name__ == "BasicTransformerBlock"
+                                                       for m in unet.modules())
+    inner = {id(m) for b in blocks for m in b.modules() if m is not b}
+    assert not any(id(b) in inner for b in blocks)  # none inside another
+
+
+# ---- 2 processes (gloo) ----------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(processes: int, args: list, timeout: int = 400) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", ACCELERATE_USE_CPU="1")
+    several = ["--multi_gpu"] if processes > 1 else []
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", *several, "--num_processes", str(processes),
+           "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
+           "--dynamo_backend", "no", "--num_cpu_threads_per_process", "1", str(REPO / "sd-scripts" / "sdxl_train.py")]
+    proc = subprocess.run(cmd + [str(a) for a in args], env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc
+
+
+def sdxl_args(model: Path, data: Path, out: Path, name: str, steps: int) -> list:
+    # SGD: the weights follow the gradients linearly (Adam's first steps turn a rounding difference of a ~0 gradient
+    # into a whole learning-rate step), so both runs can be compared to 1e-4
+    return ["--pretrained_model_name_or_path", model, "--tokenizer_cache_dir", model.parent / "tokenizers",
+            "--train_data_dir", data, "--caption_extension", ".txt", "--resolution", "64", "--output_dir", out,
+            "--output_name", name, "--max_train_steps", steps, "--max_data_loader_n_workers", 0, "--seed", 3,
+            "--optimizer_type", "torch.optim.SGD", "--learning_rate", 0.05, "--train_text_encoder",
+            "--gradient_checkpointing"]
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    diff = sum(float(((a[k].double() - b[k].double()) ** 2).sum()) for k in a) ** 0.5
+    return diff / sum(float((b[k].double() ** 2).sum()) for k in b) ** 0.5
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory, tiny_sdxl_single_file, tiny_dataset_dir):
+    out = tmp_path_factory.mktemp("fsdp")
+    args = sdxl_args(tiny_sdxl_single_file, tiny_dataset_dir, out / "fsdp", "ft", 2)
+    proc = launch(2, args + ["--fsdp", "full_shard", "--save_state"])
+    return SimpleNamespace(out=out / "fsdp", args=args, log=proc.stdout + proc.stderr, root=out)
+
+
+@pytest.mark.slow
+def test_fsdp_saves_one_file_with_the_data_parallel_weights(sharded_run, tiny_sdxl_single_file, tiny_dataset_dir):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    log = sharded_run.log
+    assert re.search(r"--fsdp full_shard: the parameters of the UNet2DConditionModel \([\d.]+M, \d+ blocks\) are "
+                     r"sharded over 2 processes", log), log[-3000:]
+    done = dict(re.findall(r"process (\d)/2 finished 2 steps, last loss \S+, weights checksum (\S+)", log))
+    assert set(done) == {"0", "1"} and done["0"] == done["1"], log[-3000:]
+    out = sharded_run.out
+    assert sorted(p.name for p in out.iterdir()) == ["ft-state", "ft.safetensors", "ft_config.toml"]
+    assert (out / "ft-state" / "sharded" / ".metadata").is_file()  # torch.distributed.checkpoint, one file a rank
+    assert len(list((out / "ft-state" / "sharded").glob("*.distcp"))) == 2
+
+    plain_out = sharded_run.root / "plain"
+    launch(2, sdxl_args(tiny_sdxl_single_file, tiny_dataset_dir, plain_out, "ft", 2))
+    sharded, plain = load_file(out / "ft.safetensors"), load_file(plain_out / "ft.safetensors")
+    base = load_file(tiny_sdxl_single_file)
+    assert relative_difference(sharded, plain) < 1e-4
+    # and training moved the weights far more than the two runs differ
+    moved = {k: plain[k] - base[k] for k in plain}
+    gap = {k: sharded[k] - plain[k] for k in plain}
+    norm = lambda d: sum(float((v.double() ** 2).sum()) for v in d.values()) ** 0.5  # noqa: E731
+    assert norm(gap) < 1e-4 * norm(moved), (norm(gap), norm(moved))
+    with safe_open(out / "ft.safetensors", "pt") as f, safe_open(plain_out / "ft.safetensors", "pt") as g:
+        assert f.metadata().keys() == g.metadata().keys()
+        assert f.metadata()["ss_steps"] == "2" and f.metadata()["modelspec.architecture"]
+
+
+@pytest.mark.slow
+def test_fsdp_state_resumes_on_two_and_on_one_process(sharded_run):
+    from safetensors.torch import load_file
+
+    state = sharded_run.out / "ft-state"
+    # 2 processes: continues from step 2 to 3
+    two = sharded_run.root / "resumed2"
+    proc = launch(2, sharded_run.args + ["--fsdp", "full_shard", "--resume", state, "--max_train_steps", 3,
+                                         "--output_dir", two])
+    log = proc.stdout + proc.stderr
+    assert log.count("resumed at step 2 (epoch 1)") == 2 and "steps: 3/3 " in log, log[-3000:]
+    assert "process 1/2 finished 3 steps" in log
+    # 1 process reads the 2 processes' shards: with no step left, the saved model is exactly the state's weights
+    one = sharded_run.root / "resumed1"
+    proc = launch(1, sharded_run.args + ["--fsdp", "full_shard", "--resume", state, "--output_dir", one])
+    log = proc.stdout + proc.stderr
+    assert "--fsdp full_shard: one process, nothing to shard" in log and "resumed at step 2" in log, log[-3000:]
+    saved, resumed = load_file(sharded_run.out / "ft.safetensors"), load_file(one / "ft.safetensors")
+    assert all(torch.equal(saved[k], resumed[k]) for k in saved)
+
+
+# ---- --deepspeed (upstream's options, accelerate's DeepSpeed plugin) ---------------------------------------------
+
+
+def test_deepspeed_without_the_package_is_one_line_naming_the_extra(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # not installed (import raises ImportError)
+    argv = ["--pretrained_model_name_or_path", tmp_path / "none.safetensors", "--train_data_dir", tmp_path,
+            "--output_dir", tmp_path / "out", "--deepspeed", "--zero_stage", "2"]
+    with pytest.raises(SystemExit) as e:
+        train("sdxl_train_network", argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert 'pip install -e ".[deepspeed]"' in err and "Traceback" not in err, err
+    assert len([ln for ln in err.splitlines() if ln.strip()]) == 1, err
+
+
+def test_deepspeed_plugin_has_upstreams_values(monkeypatch):
+    """With the package present (a stand-in module here: deepspeed is not installed on the test machine), the
+    options become accelerate's real DeepSpeedPlugin with upstream's settings."""
+    from library import sharding
+    from library.errors import ConfigError
+    import sdxl_train
+
+    import importlib.machinery
+    import types
+
+    stand_in = types.ModuleType("deepspeed")
+    stand_in.__spec__ = importlib.machinery.ModuleSpec("deepspeed", None)
+    monkeypatch.setitem(sys.modules, "deepspeed", stand_in)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    args = sdxl_train.setup_parser().parse_args([
+        "--deepspeed", "--zero_stage", "2", "--offload_optimizer_device", "cpu", "--train_batch_size", "3",
+        "--gradient_accumulation_steps", "2", "--max_grad_norm", "0.5", "--mixed_precision", "fp16", "--full_fp16",
+        "--max_data_loader_n_workers", "4"])
+    sharding.check_deepspeed_args(args, ConfigError)
+    assert args.max_data_loader_n_workers == 1  # as upstream
+    config = sharding.deepspeed_plugin(args).deepspeed_config
+    assert config["zero_optimization"]["stage"] == 2
+    assert config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert config["gradient_clipping"] == 0.5 and config["gradient_accumulation_steps"] == 2
+    assert config["train_micro_batch_size_per_gpu"] == 3 and config["train_batch_size"] == 3 * 2 * 4
+    assert config["fp16"]["enabled"] is True and config["fp16"]["initial_scale_power"] == 0
+    assert config["fp16"]["fp16_master_weights_and_grads"] is True  # --full_fp16 with ZeRO-2 CPU offload
+    args.fsdp, args.mixed_precision, args.full_fp16 = "full_shard", "bf16", False
+    with pytest.raises(ConfigError, match="--fsdp cannot be used with --deepspeed"):
+        sharding.check_fsdp_args(args, ConfigError)
+    args.fsdp, args.zero_stage = None, 3
+    with pytest.raises(ConfigError, match="--zero_stage 3 is not supported yet"):
+        sharding.check_deepspeed_args(args, ConfigError)
+
+
+# ---- faults: a process that dies -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_process_killed_during_a_save_ends_the_run_and_keeps_the_earlier_save(tmp_path, tiny_sdxl_single_file,
+                                                                                 tiny_dataset_dir):
+    import signal
+    import time
+
+    import psutil
+
+    from kohya_gui.runner import first_failed_process
+
+    out = tmp_path / "out"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", ACCELERATE_USE_CPU="1")
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
+           "--dynamo_backend", "no", "--num_cpu_threads_per_process", "1", str(REPO / "sd-scripts" / "sdxl_train.py")]
+    args = sdxl_args(tiny_sdxl_single_file, tiny_dataset_dir, out, "ft", 40) + [
+        "--fsdp", "full_shard", "--save_state", "--save_every_n_steps", 2]
+    log_path = tmp_path / "log.txt"
+    with open(log_path, "w") as log:
+        launcher = subprocess.Popen(cmd + [str(a) for a in args], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    cwd=REPO)
+    try:
+        deadline = time.time() + 300
+        # the second state save has begun (the first is complete): kill process rank 1 now
+        while "ft-step00000004-state" not in log_path.read_text() and time.time() < deadline:
+            assert launcher.poll() is None, log_path.read_text()[-3000:]
+            time.sleep(0.05)
+        rank1 = next(p for p in psutil.Process(launcher.pid).children(recursive=True)
+                     if p.environ().get("LOCAL_RANK") == "1" and "sdxl_train.py" in " ".join(p.cmdline()))
+        rank1.send_signal(signal.SIGKILL)
+        killed = time.time()
+        rc = launcher.wait(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    log = log_path.read_text()
+    assert rc != 0 and time.time() - killed < 60, log[-3000:]  # every process ended, no wait for a timeout
+    assert first_failed_process(log.splitlines()) == "process rank 1 (host localhost) ended first with exit code " \
+                                                     "-9 (SIGKILL)", log[-3000:]
+    names = sorted(p.name for p in out.iterdir())
+    # a half-written save is only ever a library.files work folder (the next run removes it), never in place
+    work = re.compile(r"\.ft-step\d+(-state|\.safetensors)\.tmp-[0-9a-f]+")
+    assert all(work.fullmatch(n) for n in names if n.startswith(".")), names
+    for name in ("ft-step00000002-state", "ft-step00000004-state"):
+        if name in names:  # complete, or not there at all
+            assert (out / name / "sharded" / ".metadata").is_file()
+            assert (out / name / "custom_checkpoint_1.pkl").is_file()
+    assert "ft-step00000002-state" in names and "ft-step00000002.safetensors" in names, names
