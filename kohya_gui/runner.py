@@ -28,7 +28,7 @@ from pathlib import Path
 
 import psutil
 
-from . import proc_tree, quoting, run_requests
+from . import compile_auto, proc_tree, quoting, run_requests
 from .run_history import NUM, RunHistory
 
 # the trainers' last line after a stop-and-save (library.stop_signal.stopped_line)
@@ -139,6 +139,7 @@ class RunState:
     error_lines: list = field(default_factory=list)
     message: str = ""  # "starting", "running", "compiling (...)", "stopping..." while running; the outcome after
     config_path: str | None = None  # the settings file of the run (what Start wrote), if any
+    auto_choices: dict = field(default_factory=dict)  # what the compile settings left at auto chose (compile_auto)
 
 
 class _Adopted:
@@ -298,7 +299,7 @@ class Runner:
         with self._lock:
             s = self.state
             return RunState(**{**s.__dict__, "commands": list(s.commands), "outputs": list(s.outputs),
-                               "error_lines": list(s.error_lines),
+                               "error_lines": list(s.error_lines), "auto_choices": dict(s.auto_choices),
                                "progress": dict(s.progress) if s.progress else None})
 
     def history_snapshot(self) -> tuple[int, RunHistory]:
@@ -349,6 +350,8 @@ class Runner:
                 self._stopped_line = (time.time(), text)
             if not in_place and self.history.feed(text):
                 self.history_version += 1
+            if not in_place:
+                compile_auto.feed(self.state.auto_choices, text)
             if prog:
                 self.state.progress = prog
             self._follow_compile(text, prog, in_place)

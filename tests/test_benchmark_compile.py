@@ -16,6 +16,7 @@ def _run(*argv, cwd):
                           timeout=600)
 
 
+@pytest.mark.slow
 def test_tiny_sdxl_eager_and_compiled_phases_and_their_ratio(tmp_path):
     out = tmp_path / "r.json"
     r = _run("--family", "sdxl", "--tiny", "--device", "cpu", "--resolution", "64", "--steps", "1", "--warmup", "1",

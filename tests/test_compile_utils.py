@@ -405,6 +405,7 @@ def _with_lora(model):
     return net
 
 
+@pytest.mark.slow
 def test_unet_aot_eager_matches_eager_log_line_and_clean_keys(caplog):
     eager = _tiny_unet()
     compiled = copy.deepcopy(eager)
@@ -430,6 +431,7 @@ def test_unet_aot_eager_matches_eager_log_line_and_clean_keys(caplog):
     assert any(msg.startswith("Compiled 7 blocks of SDXL UNet") for msg in caplog.messages)
 
 
+@pytest.mark.slow
 def test_unet_lora_with_checkpointing_inside_compiled_region_same_grads():
     eager, compiled = _tiny_unet(), _tiny_unet()
     net_eager, net_compiled = _with_lora(eager), _with_lora(compiled)
@@ -532,6 +534,7 @@ def test_checkpoint_keep_without_inside_checkpointing_warns(argv, applies, caplo
         compile_options.validate_compile_args(args)
 
 
+@pytest.mark.slow
 def test_flux_double_and_single_blocks_with_checkpointing():
     eager = _tiny_flux()
     compiled = copy.deepcopy(eager)
@@ -542,6 +545,7 @@ def test_flux_double_and_single_blocks_with_checkpointing():
     _assert_same(ref, _flux_step(compiled))
 
 
+@pytest.mark.slow
 def test_disable_linear_keeps_linears_out_of_graph(caplog):
     eager = _tiny_flux()
     compiled = copy.deepcopy(eager)
@@ -562,6 +566,7 @@ def test_unknown_model_is_a_clear_error():
         regional.compile_model_blocks(torch.nn.Linear(2, 2), _parse("--compile"), model_name="X")
 
 
+@pytest.mark.slow
 def test_inductor_tiny_unet_matches_eager():
     """The one inductor case: default mode on the CPU (C++ codegen), shared test cache dir."""
     eager = _tiny_unet()
@@ -655,6 +660,7 @@ def test_image_size_dims_of_the_repeated_blocks():
 
 
 @pytest.mark.parametrize("family", ["sdxl", "flux"])
+@pytest.mark.slow
 def test_auto_dynamic_new_bucket_shapes_do_not_recompile(family, caplog):
     """--compile_dynamic auto: every graph is compiled at the first shape; three more bucket shapes (positional and
     keyword calls of the blocks) add none. --compile_dynamic false compiles again for each."""

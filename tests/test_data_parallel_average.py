@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -64,6 +65,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_all_reduce_gradients_two_processes(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -141,6 +141,7 @@ def _argv(model, data, out, name, extra=()):
             "--network_train_unet_only", "--ema_decay", "0.5", *extra]
 
 
+@pytest.mark.slow
 def test_lora_run_saves_the_average_as_the_decay_says(tiny_sd1_single_file, one_image, tmp_path):
     """Each step's raw weights (--ema_save_raw, saved every step) give the EMA saved at each step: the lora_up
     weights start at 0, so s_k = d_k s_(k-1) + (1 - d_k) w_k is known from the raw files alone."""

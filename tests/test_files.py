@@ -79,6 +79,7 @@ _WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_kill_9_inside_a_safetensors_write_leaves_nothing_the_next_run_keeps(tmp_path):
     """safetensors writes its own `.tmpXXXXXX` and renames it; killed inside that write, the file must sit where
     the next run's remove_stale finds it (issue 26 item 2: 13/13 kills left one in the output folder)."""

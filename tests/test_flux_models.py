@@ -142,6 +142,7 @@ def _inputs(transformer, dtype, h=4, w=4, txt=8, seed=0):
     return latents, te, torch.tensor([0.6])
 
 
+@pytest.mark.slow
 def test_lora_loads_in_diffusers_flux_pipeline(tiny_flux, tmp_path):
     """Width 3072 (diffusers' converter assumes it for single_blocks.linear1), one double + one single block."""
     from diffusers import FluxPipeline

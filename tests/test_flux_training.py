@@ -129,6 +129,7 @@ def test_lora_compile_aot_eager_with_block_swap(flux_set, flux_data, tmp_path, c
     assert not any("_orig_mod" in k for k in sd)
 
 
+@pytest.mark.slow
 def test_lora_compile_inductor(flux_set, flux_data, tmp_path, caplog):
     caplog.set_level(logging.INFO)
     argv = lora_argv(flux_set, flux_data, tmp_path, "ind",

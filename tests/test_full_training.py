@@ -68,6 +68,7 @@ def header(path) -> tuple[list[str], dict]:
 # ---- SDXL ----------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sdxl_dreambooth_with_reg_images(tmp_path, tiny_sdxl_single_file, tiny_sdxl_diffusers, tiny_dataset_dir,
                                          reg_dir, caplog):
     """Prior preservation, text encoder 2 trained (te1 rate 0 = frozen), regional compile after prepare,
@@ -119,6 +120,7 @@ def test_sdxl_dreambooth_with_reg_images(tmp_path, tiny_sdxl_single_file, tiny_s
     assert Path(final).read_bytes() == before
 
 
+@pytest.mark.slow
 def test_sdxl_finetune_in_json_fused_adafactor_diffusers(tmp_path, tiny_sdxl_single_file, tiny_dataset_dir):
     """kohya metadata JSON (made by the merge tool), Adafactor with the fused backward pass, cached latents
     and text-encoder outputs, saved as a diffusers folder."""
@@ -169,6 +171,7 @@ def test_sdxl_train_refuses_impossible_options(tmp_path, capsys, extra, message)
 # ---- SD1.x -----------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sd1_dreambooth_with_reg_images_ckpt(tmp_path, tiny_sd1_single_file, tiny_sd1_diffusers, tiny_dataset_dir,
                                              reg_dir):
     out = tmp_path / "out"
@@ -217,6 +220,7 @@ def test_sd1_dreambooth_stop_text_encoder_training(tmp_path, tiny_sd1_single_fil
     assert changed(step2.unet, step1.unet)
 
 
+@pytest.mark.slow
 def test_sd1_finetune_captions_save_state_and_resume(tmp_path, tiny_sd1_single_file, tiny_sd1_diffusers,
                                                      tiny_dataset_dir, caplog):
     """Captions next to the images; --save_state, then --resume continues at step 2 into a new name."""

@@ -39,6 +39,7 @@ def run_cli(*args):
                           timeout=120)
 
 
+@pytest.mark.slow
 def test_print_command_cli_matches_the_gui(tmp_path):
     preset = presets.preset_path("lora", "sdxl-lora-12gb")
     out = run_cli("print-command", str(preset))
@@ -242,6 +243,7 @@ def test_train_cli_refuses_incomplete_settings(tmp_path):
     assert not (REPO / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_failing_trainer_is_one_line_without_the_launchers_traceback(tmp_path):
     """The launch options carry --quiet: a trainer's one-line error is not followed by accelerate's
     CalledProcessError traceback (issue 26 item 3)."""

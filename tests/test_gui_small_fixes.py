@@ -16,6 +16,7 @@ from kohya_gui.runner import RunState
 from kohya_gui.ui import actions
 
 
+@pytest.mark.slow
 def test_a_preset_name_works_on_the_command_line(capsys):
     assert presets.resolve("demo-sdxl-tiny") == presets.preset_dir("lora") / "demo-sdxl-tiny.toml"
     assert presets.resolve("dreambooth/demo-sdxl-tiny") == presets.preset_dir("dreambooth") / "demo-sdxl-tiny.toml"

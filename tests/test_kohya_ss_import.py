@@ -358,6 +358,7 @@ def test_import_and_print_command_guess_the_same_family(tmp_path, capsys):
     assert importer.load(sd, family="SD2.x").family == "SD2.x"
 
 
+@pytest.mark.slow
 def test_print_command_warns_as_the_guis_print(tmp_path, tiny_dataset_dir, capsys):
     """print-command on the command line shows what the GUI's Print shows: the trainer's own problems (missing
     model and data, an unknown optimizer, a resolution it refuses) as warnings, after the command."""
@@ -425,7 +426,9 @@ def test_the_option_filter_knows_each_options_families():
 @pytest.mark.slow
 def test_an_imported_diag_oft_bypass_bf16_config_trains_on_the_cpu(tmp_path, tiny_sd1_single_file, tiny_dataset_dir):
     """Issue 31: a kohya_ss LyCORIS/Diag-OFT config with bypass mode in bf16, imported and run as the GUI runs it
-    (the trainer's command line with the config TOML), trains its steps on the CPU and saves."""
+    (the trainer's command line with the config TOML), trains its steps on the CPU and saves. kohya_ss' own
+    test/config/Diag-OFT-AdamW8bit-toml.json: dim 32, conv 8/4, clip skip 2 (dim 32 on the tiny model's 32-wide
+    layers gives 1x1 OFT blocks, which crashed with "mixed dtype" before; AdamW: bitsandbytes is optional)."""
     import subprocess
     import sys
 
@@ -434,7 +437,8 @@ def test_an_imported_diag_oft_bypass_bf16_config_trains_on_the_cpu(tmp_path, tin
     pytest.importorskip("lycoris")
     imp = importer.from_kohya_ss(kohya(LoRA_type="LyCORIS/Diag-OFT", sdxl=False, bypass_mode=True, constrain=0.0,
                                        optimizer="AdamW", mixed_precision="bf16", save_precision="bf16",
-                                       max_resolution="64,64", max_train_steps=2, network_dim=4))
+                                       max_resolution="64,64", max_train_steps=2, network_dim=32, network_alpha=16,
+                                       conv_dim=8, conv_alpha=4, clip_skip=2, LyCORIS_preset="full"))
     values = with_tiny_paths(imp, tmp_path, tiny_dataset_dir)
     values.update(pretrained_model_name_or_path=str(tiny_sd1_single_file), max_data_loader_n_workers=0,
                   tokenizer_cache_dir=str(tiny_sd1_single_file.parent / "tokenizers"))

@@ -187,3 +187,28 @@ def test_compile_log_counts_adapters(tiny_sdxl, caplog):
         regional.compile_model_blocks(unet, args, model_name="SDXL UNet")
     n = sum(1 for m in net.unet_loras if "transformer_blocks" in m.lora_name)
     assert f"{n} adapter layers (LokrModule) run inside the compiled blocks" in caplog.text
+
+
+@pytest.mark.parametrize("algo", ["diag-oft", "ia3"])
+def test_bypass_mode_keeps_the_layers_dtype_under_cpu_autocast(algo, tiny_sd1):
+    """Issue 31: kohya_ss' Diag-OFT config (bypass_mode, network_dim 32, bf16) crashed at step 1 on the CPU with
+    "mixed dtype": LyCORIS' bypass sum came back float32 (Diag-OFT with 1x1 blocks, here the tiny CLIP's 32-wide
+    layers at dim 32; IA3 always) and reached a bf16 LayerNorm. Each adapted layer gives what the layer gives."""
+    import copy
+
+    te = copy.deepcopy(tiny_sd1.text_encoders[0]).to(torch.bfloat16)
+    unet = copy.deepcopy(tiny_sd1.unet).to(torch.bfloat16)
+    net = lycoris_kohya.create_network(1.0, 32, 16.0, None, te, unet, algo=algo, conv_dim="8", conv_alpha="4",
+                                       bypass_mode="True")
+    net.apply_to(te, unet, True, True)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.01)  # away from the identity start, so the adapters' difference is not zero
+    ids = torch.randint(0, te.config.vocab_size, (2, 8))
+    layer = net.text_encoder_loras[0].org_module[0]
+    with torch.autocast("cpu", torch.bfloat16):
+        hidden = te(ids).last_hidden_state
+        x = torch.randn(2, layer.in_features)
+        assert layer(x).dtype == torch.bfloat16  # float32 input, bf16 out: as the plain Linear under autocast
+    assert hidden.dtype == torch.bfloat16 and torch.isfinite(hidden.float()).all()
+    assert layer(x.to(torch.bfloat16)).dtype == torch.bfloat16

@@ -57,6 +57,7 @@ def check_both_ranks_trained(proc: subprocess.CompletedProcess, batches_per_rank
     assert log.count("steps: 2/2 ") == 1  # the progress line comes from the main process only
 
 
+@pytest.mark.slow
 def test_two_process_sdxl_lora(tmp_path, tiny_sdxl_single_file, tiny_dataset_dir):
     import shutil
 
@@ -89,6 +90,7 @@ def test_two_process_sdxl_lora(tmp_path, tiny_sdxl_single_file, tiny_dataset_dir
                                                                                    "random_states_1.pkl"}
 
 
+@pytest.mark.slow
 def test_two_process_sdxl_dreambooth(tmp_path, tiny_sdxl_single_file, tiny_dataset_dir):
     from library.tiny_models import make_captioned_images
 

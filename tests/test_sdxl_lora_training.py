@@ -61,6 +61,7 @@ def check_kohya_sdxl_keys(sd: dict):
         assert {f"{n}.lora_down.weight", f"{n}.lora_up.weight", f"{n}.alpha"} <= set(sd)
 
 
+@pytest.mark.slow
 def test_sdxl_eager_subprocess_from_config_file(tmp_path, tiny_sdxl_single_file, tiny_dataset_dir):
     """The script as users run it: a sectioned TOML (with a GUI-only [accelerate] table), a CLI flag that wins."""
     out = tmp_path / "out"

@@ -12,7 +12,8 @@ from typing import Any
 import gradio as gr
 import pandas as pd
 
-from .. import command, config_file, importer, presets, quoting, run_requests, secret_options, trainer_check, training
+from .. import (command, compile_auto, config_file, importer, presets, quoting, run_requests, secret_options,
+               trainer_check, training)
 from .. import params as P
 from ..run_queue import QueueError, QueueWorker, RunQueue
 from ..runner import Runner, RunnerBusy, format_eta, new_outputs
@@ -396,17 +397,41 @@ TICK_RUNNING_S, TICK_IDLE_S = 1.0, 3.0
 
 def run_tick(seen=None) -> tuple:
     """The run panel's one timer event: run_panel's and run_charts' outputs, the queue list and its entry
-    choices, the timer's interval (each event costs the browser time in proportion to the page's ~1000
-    components, so the panel asks every second only during a run), then what was seen of all."""
-    panel_seen, charts_seen, queue_seen, interval = seen or (-1, None, None, None)
+    choices, each tab's line of what the compile settings' auto chose (compile_auto_notes), the timer's interval
+    (each event costs the browser time in proportion to the page's ~1000 components, so the panel asks every
+    second only during a run), then what was seen of all."""
+    panel_seen, charts_seen, queue_seen, auto_seen, interval = seen or (-1, None, None, None, None)
     *panel, panel_seen = run_panel(panel_seen)
     *charts, charts_seen = run_charts(charts_seen)
     version, entries = run_queue().snapshot()
     queue = (gr.skip(), gr.skip()) if version == queue_seen else (
         queue_md(entries), gr.update(choices=queue_choices(entries)))
+    *notes, auto_seen = compile_auto_notes(RUNNER.snapshot(), auto_seen)
     wanted = TICK_RUNNING_S if RUNNER.running else TICK_IDLE_S
     timer = gr.Timer(value=wanted) if wanted != interval else gr.skip()
-    return (*panel, *charts, *queue, timer, [panel_seen, charts_seen, version, wanted])
+    return (*panel, *charts, *queue, *notes, timer, [panel_seen, charts_seen, version, auto_seen, wanted])
+
+
+def run_tab(s) -> str | None:
+    """The tab whose settings the current or last run was started with (its run TOML), or None."""
+    if not s.config_path:
+        return None
+    try:
+        return config_file.load(s.config_path).tab
+    except (config_file.ConfigError, OSError):
+        return None
+
+
+def compile_auto_notes(s, seen=None) -> tuple:
+    """For each tab (P.TABS order), the Torch Compile Settings' line of what `auto` chose in the current or last
+    run, read from its log (kohya_gui.compile_auto), on that run's tab only (the others keep theirs), then what was
+    seen; all skipped while nothing changed."""
+    key = [s.started, sorted(s.auto_choices.items())]
+    if key == seen:
+        return (*(gr.skip() for _ in P.TABS), seen)
+    tab = run_tab(s) if s.started is not None else None
+    return (*(compile_auto.markdown(s.auto_choices, P.TAB_LABELS[t]) if t == tab else gr.skip() for t in P.TABS),
+            key)
 
 
 def progress_html(s) -> str:

@@ -104,7 +104,7 @@ def build_tab(tab: str) -> dict:
     option_filter.change(None, inputs=option_filter, js=filter_js(tab, A.tab_params(tab)))
 
     controls, accordions = {}, {}
-    note = None
+    note = compile_note = None
 
     def fill(key: str) -> None:
         """The group's own controls (registry order; text/number fields in rows of 3, checkboxes in rows of 4),
@@ -136,6 +136,8 @@ def build_tab(tab: str) -> dict:
                                          elem_id=f"{tab}-family", scale=1)
                     note = gr.Markdown(A.script_note(tab, family0), elem_classes="kg-note")
             fill(key)
+            if key == "compile":  # what auto chose in this tab's last run (actions.compile_auto_notes)
+                compile_note = gr.Markdown("", elem_id=f"{tab}-compile-auto", elem_classes="kg-note")
 
     with gr.Row():
         start_btn = gr.Button("Start training", variant="primary", elem_id=f"{tab}-start")
@@ -197,18 +199,20 @@ def build_tab(tab: str) -> dict:
                              layout_outputs=layout_outputs,
                              clicks=[save_btn, save_as_btn, print_btn, start_btn, queue_btn], loads=[opened, picked])
     return {"controls": controls, "accordions": accordions, "family": family, "status": status, "command": cmd,
-            "run_status": run_status, "form": form}
+            "run_status": run_status, "form": form, "compile_note": compile_note}
 
 
 def build_app() -> gr.Blocks:
     with gr.Blocks(title="Kohya compile GUI") as app:
         gr.Markdown("## Kohya training GUI &nbsp;<span class='kg-note'>SD1.x · SD2.x · SDXL · FLUX.1, "
                     "with torch.compile</span>")
-        forms = []
+        forms, compile_notes = [], []
         with gr.Tabs() as tabs:
             for tab in P.TABS:
                 with gr.Tab(P.TAB_LABELS[tab], id=tab, elem_id=f"tab-{tab}"):
-                    forms.append(build_tab(tab)["form"])
+                    built = build_tab(tab)
+                    forms.append(built["form"])
+                    compile_notes.append(built["compile_note"] or gr.Markdown(visible=False))
             with gr.Tab("Utilities", id="utilities", elem_id="tab-utilities"):
                 util = utilities.build_tab()
         feedback.restore_on_load(app, forms, tabs)
@@ -251,7 +255,7 @@ def build_app() -> gr.Blocks:
         timer = gr.Timer(A.TICK_IDLE_S)
         # queue=False: a plain request, lighter for the browser than a queued event
         timer.tick(A.run_tick, inputs=seen, outputs=[progress, log, result, loss_plot, lr_plot, gallery, files,
-                                                     queue_list, queue_pick, timer, seen],
+                                                     queue_list, queue_pick, *compile_notes, timer, seen],
                    queue=False, show_progress="hidden")
     for fn in app.fns.values():
         # gradio puts the API description, with every control's default value, even into the login page of a

@@ -164,6 +164,26 @@ def _compile_friendly(network) -> None:
             m.eager_in_compile = True
 
 
+def _bypass_in_layer_dtype(network) -> None:
+    """In bypass mode LyCORIS adds its difference, computed in the adapter's float32, to the layer's output: for IA3,
+    and for Diag-OFT where a block is 1x1 (the einsum is then a plain product, which autocast does not cast), the
+    sum is float32 where the layer alone gives the autocast dtype. That float32 stream reaches a bf16 LayerNorm,
+    which CPU autocast does not cast ("mixed dtype (CPU)" at step 1; on CUDA a float32 stream). So the module
+    returns what its layer returns: the autocast dtype where autocast is on, else the input's dtype."""
+    for m in network.text_encoder_loras + network.unet_loras:
+        if getattr(m, "bypass_mode", False):
+            m.bypass_forward = _in_layer_dtype(m.bypass_forward)
+
+
+def _in_layer_dtype(bypass_forward):
+    def forward(x, *args, **kwargs):
+        out = bypass_forward(x, *args, **kwargs)
+        device = x.device.type
+        return out.to(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype)
+
+    return forward
+
+
 def _dylora_file_to_lists(network, sd: dict) -> dict:
     """LyCORIS 4.1 saves a DyLoRA module as lora_down/lora_up but loads only its down_list/up_list blocks (its own
     files do not load back): split the file's tensors into the blocks."""
@@ -207,6 +227,7 @@ def create_network(multiplier, network_dim, network_alpha, vae, text_encoder, un
                                     _as_lycoris_text_encoders(text_encoder), unet, **kwargs)
     _rename_modules(network, kohya_names(text_encoder, unet))
     _compile_friendly(network)
+    _bypass_in_layer_dtype(network)
     network.load_weights = types.MethodType(_load_weights, network)
     _log_modules(network)
     return network
@@ -240,6 +261,7 @@ def create_network_from_weights(multiplier, file, vae, text_encoder, unet, weigh
                                                 for_inference=for_inference, **kwargs)
     _rename_modules(network, names)
     _compile_friendly(network)
+    _bypass_in_layer_dtype(network)
     network.load_weights = types.MethodType(_load_weights, network)
     return network, weights_sd
 
@@ -468,6 +490,7 @@ def create_flux_network(lk, multiplier, network_dim, network_alpha, vae, text_en
     network = lk.create_network(multiplier, network_dim, network_alpha, vae, tes or None, standin, **kwargs)
     _rename_modules(network, _flux_te_names(tes))
     _flux_network_methods(network, standin)
+    _bypass_in_layer_dtype(network)
     return network
 
 
@@ -486,4 +509,5 @@ def create_flux_network_from_weights(lk, multiplier, weights_sd, vae, text_encod
                                                 for_inference=for_inference, **kwargs)
     _rename_modules(network, names)
     _flux_network_methods(network, standin)
+    _bypass_in_layer_dtype(network)
     return network
