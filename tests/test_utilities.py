@@ -231,7 +231,7 @@ def test_the_run_panels_lora_shortcuts_fill_resize_and_merge(tmp_path, monkeypat
         "--models", str(out / "mylora.safetensors"), "--ratios", "1.0"]
     updates = U.lora_shortcut("merge")
     assert updates[2]["value"] == "sdxl_merge_lora" and "Merge `mylora.safetensors`" in updates[-1]
-    assert updates[3]["key"] == "sdxl_merge_lora" and updates[3]["fills"] == fills  # the form drawn with them
+    assert updates[3]["key"] == "sdxl_merge_lora" and updates[3]["values"] == fills  # the form drawn with them
 
 
 def test_a_tools_progress_bar_is_the_run_panels_progress():
@@ -295,3 +295,14 @@ def test_the_utilities_stop_ends_a_tool_but_never_a_training_run(tmp_path, monke
     tools.start(runner, tools.tool("check_lora_weights"), {"file": str(tmp_path / "waits.safetensors")})
     assert "Stopped the tool" in U.stop_tool()
     assert not runner.running and runner.snapshot().stopped
+
+
+def test_the_page_holds_no_tool_form_until_one_is_needed():
+    """The tool forms are drawn by the server when their tab is opened or a tool is picked (gr.render), not built
+    into the page: ~18 forms of ~25 controls each would slow every event of the page."""
+    from kohya_gui.ui import app
+
+    page = app.build_app()
+    ids = [b.elem_id for b in page.blocks.values() if getattr(b, "elem_id", None)]
+    assert "util-lora-tool" in ids and "util-lora-print" in ids and "run-lora-resize" in ids
+    assert not [i for i in ids if i.startswith("tool-")]

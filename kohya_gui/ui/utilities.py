@@ -45,10 +45,13 @@ def _number_box(o: tools.Option) -> bool:
     return o.kind in ("int", "float") and not o.is_list and not o.choices and o.default is not None
 
 
-def make_control(t: tools.Tool, o: tools.Option, fills: dict):
+def make_control(t: tools.Tool, o: tools.Option, fills: dict, drawn: int = 0):
+    """A control for option o, holding fills[o.name] if given; `drawn` tells forms with other fills apart (the same
+    key in a later drawing of the form keeps the value the user typed)."""
     value = fills.get(o.name, to_ui(o))
     kw = dict(label=t.label_of(o) + ("" if o.positional else f" ({o.flag})"), info=o.help or None,
-              elem_id=elem(t.key, o.name))
+              elem_id=elem(t.key, o.name), key=f"{elem(t.key, o.name)}-{drawn}",
+              interactive=True)  # drawn later than the page: the page does not know they are inputs
     if o.kind == "bool":
         return gr.Checkbox(value=bool(value), **kw)
     if o.choices and not o.is_list:
@@ -65,7 +68,7 @@ def make_control(t: tools.Tool, o: tools.Option, fills: dict):
     return gr.Textbox(value=value, placeholder=placeholder, max_lines=1, **kw)
 
 
-def _rows(t: tools.Tool, options: list[tools.Option], fills: dict, controls: list) -> None:
+def _rows(t: tools.Tool, options: list[tools.Option], fills: dict, drawn: int, controls: list) -> None:
     """Text and number fields three to a row, checkboxes four to a row, in the given order."""
     runs: list[list[tools.Option]] = []
     for o in options:
@@ -78,7 +81,7 @@ def _rows(t: tools.Tool, options: list[tools.Option], fills: dict, controls: lis
         for i in range(0, len(run), per_row):
             with gr.Row():
                 for o in run[i:i + per_row]:
-                    controls.append(make_control(t, o, fills))
+                    controls.append(make_control(t, o, fills, drawn))
 
 
 def form_options(t: tools.Tool) -> list[tools.Option]:
@@ -87,16 +90,16 @@ def form_options(t: tools.Tool) -> list[tools.Option]:
     return first + more
 
 
-def build_form(t: tools.Tool, fills: dict) -> list:
+def build_form(t: tools.Tool, fills: dict, drawn: int = 0) -> list:
     """The tool's form (main options, the others under "More options"), `fills` ({option: value}) put in;
     returns its controls in form_options order."""
     gr.Markdown(f"{t.about} Runs `sd-scripts/{t.script}`.", elem_classes="kg-note", elem_id=f"tool-{t.key}")
     first, more = t.ordered()
     controls: list = []
-    _rows(t, first, fills, controls)
+    _rows(t, first, fills, drawn, controls)
     if more:
         with gr.Accordion("More options", open=False, elem_id=f"tool-{t.key}-more"):
-            _rows(t, more, fills, controls)
+            _rows(t, more, fills, drawn, controls)
     return controls
 
 
@@ -167,31 +170,29 @@ def stop_tool() -> str:
     return A.ok_md("Stopped the tool.")
 
 
-def shown_form(key: str, fills: dict | None = None) -> dict:
-    """What a group's form shows: the tool and the values put into it (a shortcut's), each time a new dict, so
-    that the form is drawn again even for the same tool."""
-    return {"key": key, "fills": dict(fills or {}), "drawn": time.monotonic_ns()}
+def shortcut_fills(key: str, fills: dict) -> dict:
+    """A shortcut's values for a tool's form; each time a new dict (drawn: when), so the form is drawn with them."""
+    return {"key": key, "values": dict(fills), "drawn": time.monotonic_ns()}
 
 
-def build_tool_group(group: str) -> dict:
-    """A group's tool picker, the chosen tool's form (drawn on demand: one form, not one per tool, keeps the page
-    light) and the shared buttons."""
+def build_tool_group(group: str, shown_on: list) -> dict:
+    """A group's tool picker, the chosen tool's form and the shared buttons. The form is drawn by the server when
+    it is needed (`shown_on`: its tab is opened; a tool is picked; a shortcut fills it), not at page load and not
+    one per tool: every component costs the page time on each event."""
     group_tools = tools.in_group(group)
     picker = gr.Dropdown(choices=[(t.label, t.key) for t in group_tools], value=group_tools[0].key, label="Tool",
                          elem_id=f"util-{group}-tool")
-    shown = gr.State(shown_form(group_tools[0].key))
-    picker.input(shown_form, inputs=picker, outputs=shown, show_progress="hidden")
+    filled = gr.State(None)  # the last shortcut's values (shortcut_fills), for its tool's form
 
-    @gr.render(inputs=shown, show_progress="hidden")
-    def form(what: dict):  # on page load and when `shown` changes; the buttons below exist by then
-        t = tools.tool(what["key"])
-        args = [overwrite, *build_form(t, what["fills"])]
-        for event, area in (
-                (run_btn.click(functools.partial(run_tool, t.key), inputs=args, outputs=[command, status]), status),
-                (print_btn.click(functools.partial(print_tool, t.key), inputs=args, outputs=[command, status]),
-                 status),
-                (queue_btn.click(functools.partial(queue_tool, t.key), inputs=args, outputs=status), status)):
-            feedback.follow(event, area.elem_id)
+    @gr.render(inputs=[picker, filled], triggers=[picker.input, filled.change, *shown_on], show_progress="hidden")
+    def form(key: str, shortcut: dict | None):  # runs after the page is built: the buttons below exist by then
+        t = tools.tool(key or group_tools[0].key)
+        fills, drawn = (shortcut["values"], shortcut["drawn"]) if shortcut and shortcut["key"] == t.key else ({}, 0)
+        args = [overwrite, *build_form(t, fills, drawn)]
+        for event in (run_btn.click(functools.partial(run_tool, t.key), inputs=args, outputs=[command, status]),
+                      print_btn.click(functools.partial(print_tool, t.key), inputs=args, outputs=[command, status]),
+                      queue_btn.click(functools.partial(queue_tool, t.key), inputs=args, outputs=status)):
+            feedback.follow(event, status.elem_id)
 
     with gr.Row():
         run_btn = gr.Button("Run", variant="primary", elem_id=f"util-{group}-run")
@@ -204,7 +205,7 @@ def build_tool_group(group: str) -> dict:
     command = gr.Textbox(label="Command (what Run runs)", lines=2, max_lines=6, interactive=False, buttons=["copy"],
                          elem_id=f"util-{group}-command")
     feedback.follow(stop_btn.click(stop_tool, outputs=status), status.elem_id)
-    return {"picker": picker, "shown": shown, "status": status, "command": command}
+    return {"picker": picker, "filled": filled, "status": status, "command": command}
 
 
 # ---- captioning: preview and caption editor ------------------------------------------------------------------------
@@ -523,23 +524,24 @@ def show_metadata(path: str) -> str:
 
 # ---- the tab ------------------------------------------------------------------------------------------------------
 
-def build_tab() -> dict:
+def build_tab(opened) -> dict:
+    """`opened`: the Utilities tab's select event (the Captioning sub-tab is the one shown then)."""
     handles: dict = {}
     with gr.Tabs(elem_id="util-tabs") as sub:
         handles["subtabs"] = sub
-        with gr.Tab("Captioning", id=SUBTABS["captioning"], elem_id="tab-util-captioning"):
+        with gr.Tab("Captioning", id=SUBTABS["captioning"], elem_id="tab-util-captioning") as tab:
             if tools.in_group("captioning"):
-                handles["captioning"] = build_tool_group("captioning")
+                handles["captioning"] = build_tool_group("captioning", [opened, tab.select])
             gr.Markdown("### Caption editor")
             handles["editor"] = build_caption_editor()
-        with gr.Tab("Dataset preparation", id=SUBTABS["dataset"], elem_id="tab-util-dataset"):
+        with gr.Tab("Dataset preparation", id=SUBTABS["dataset"], elem_id="tab-util-dataset") as tab:
             handles["prep"] = build_dataset_prep()
             if tools.in_group("dataset"):
                 gr.Markdown("### Dataset tools")
-                handles["dataset"] = build_tool_group("dataset")
-        with gr.Tab("LoRA tools", id=SUBTABS["lora"], elem_id="tab-util-lora"):
+                handles["dataset"] = build_tool_group("dataset", [tab.select])
+        with gr.Tab("LoRA tools", id=SUBTABS["lora"], elem_id="tab-util-lora") as tab:
             if tools.in_group("lora"):
-                handles["lora"] = build_tool_group("lora")
+                handles["lora"] = build_tool_group("lora", [tab.select])
             with gr.Accordion("Show a LoRA's metadata", open=not tools.in_group("lora"), elem_id="meta-acc"):
                 with gr.Row():
                     meta_path = gr.Textbox(label="LoRA file", placeholder="path to a .safetensors file", scale=4,
@@ -549,7 +551,6 @@ def build_tab() -> dict:
             meta_btn.click(show_metadata, inputs=meta_path, outputs=meta_out)
             handles["meta_path"] = meta_path
     return handles
-
 
 
 # ---- the run panel's shortcuts: the last run's LoRA into the LoRA tools ---------------------------------------------
@@ -606,14 +607,14 @@ SHORTCUT_TOOLS = {"resize": ("resize_lora",), "merge": tuple(key for key, _ in M
 
 
 def lora_shortcut(action: str) -> list:
-    """[outer tabs, sub-tabs, LoRA tool picker, the LoRA form's shown state (tool and filled values), message]."""
+    """[outer tabs, sub-tabs, LoRA tool picker, the LoRA form's shortcut values (shortcut_fills), message]."""
     try:
         key, fills, note = lora_fills(action)
         tools.tool(key)
     except (ValueError, tools.ToolError) as e:
         return [gr.skip(), gr.skip(), gr.skip(), gr.skip(), A.error_md(str(e))]
     return [gr.Tabs(selected="utilities"), gr.Tabs(selected=SUBTABS["lora"]), gr.update(value=key),
-            shown_form(key, fills), A.ok_md(note)]
+            shortcut_fills(key, fills), A.ok_md(note)]
 
 
 def build_lora_shortcuts(outer_tabs, handles: dict) -> None:
@@ -628,5 +629,5 @@ def build_lora_shortcuts(outer_tabs, handles: dict) -> None:
         for action in actions:
             btn = gr.Button(f"{labels[action]} (the last run's result)", size="sm", elem_id=f"run-lora-{action}")
             btn.click(functools.partial(lora_shortcut, action),
-                      outputs=[outer_tabs, handles["subtabs"], lora["picker"], lora["shown"], lora["status"]],
+                      outputs=[outer_tabs, handles["subtabs"], lora["picker"], lora["filled"], lora["status"]],
                       show_progress="hidden")
