@@ -193,6 +193,10 @@ def parse(text: str, source: str, tab: str | None = None, family: str = "SDXL") 
         errors.append(f"{source}: [gui] family: {file_family!r} is not one of the allowed values: "
                       + ", ".join(map(repr, P.FAMILIES)))
         file_family = family
+    if (file_tab, file_family) not in P.SCRIPTS:
+        errors.append(f"{source}: [gui] family: the {P.TAB_LABELS[file_tab]} tab trains "
+                      f"{', '.join(P.tab_families(file_tab))}, not {file_family}")
+        file_family = P.tab_families(file_tab)[-1]
     what = f"{P.TAB_LABELS[file_tab]} {file_family} ({P.script_for(file_tab, file_family)})"
 
     values = P.defaults(file_tab)

@@ -169,14 +169,11 @@ def refuse_non_config(data: dict) -> None:
     """Files that are no configuration, and configurations of trainers we do not have: one line saying which."""
     if not data:
         raise ImportError_("holds no settings: not a kohya_ss configuration or a run TOML")
-    if any(k in data for k in TEXTUAL_INVERSION_KEYS):
-        raise ImportError_("this is a kohya_ss textual inversion configuration (token_string, init_word); there is "
-                           "no textual inversion trainer here yet (tabs: LoRA, DreamBooth, Fine-tune)")
     if isinstance(data.get("datasets"), list):
         raise ImportError_("this is a dataset config ([[datasets]]), not a run configuration; give it as the "
                            "Dataset config TOML (dataset_config) of a run")
     known = {*P.BY_NAME, *RENAMED, *LORA_RENAMED, *FAMILY_KEYS, *NET_FIELDS, *FINETUNE_DATA_KEYS, "LoRA_type",
-             "epoch", "lr_warmup", "sd3_checkbox"}
+             "epoch", "lr_warmup", "sd3_checkbox", "template"}
     if not known & set(data):
         if all(isinstance(v, dict) for v in data.values()):
             raise ImportError_("this is caption metadata (image -> caption/tags), not a configuration; give it as "
@@ -308,6 +305,11 @@ def _form_field(key: str, value: Any, data: dict, imported: Imported) -> tuple[s
         fixed = ",".join(str(int(v) // 8 * 8) for v in value.split(","))
         values["resolution"] = fixed
         return key, "converted", f"{value} -> resolution {fixed} (sd-scripts needs multiples of 8)"
+    if key == "template":  # kohya_ss' textual-inversion caption choice
+        flag = {"object template": "use_object_template", "style template": "use_style_template"}.get(value)
+        if flag:
+            values[flag] = True
+        return key, "converted", f"{value!r} -> " + (f"--{flag}" if flag else "the captions (no template)")
     if key == "xformers":
         chosen = {"xformers": "xformers", True: "xformers", "sdpa": "sdpa"}.get(value)
         if chosen:
@@ -334,9 +336,13 @@ def from_kohya_ss(data: dict, tab: str | None = None, run_toml: bool = False, fa
     """`run_toml`: the keys are the trainers' options (a kohya_ss or --output_config run TOML), not kohya_ss'
     form fields. `family`: overrides what the file says or what is guessed."""
     refuse_non_config(data)
-    tab = tab or ("lora" if "LoRA_type" in data else "finetune" if "use_latent_files" in data else "dreambooth")
+    tab = tab or ("ti" if any(k in data for k in TEXTUAL_INVERSION_KEYS) else "lora" if "LoRA_type" in data
+                  else "finetune" if "use_latent_files" in data else "dreambooth")
     guessed = _family(data, run_toml)
     family = family or guessed
+    if (tab, family) not in P.SCRIPTS:
+        raise ImportError_(f"a {P.TAB_LABELS[tab]} configuration for {family}: the {P.TAB_LABELS[tab]} tab trains "
+                           f"{', '.join(P.tab_families(tab))}")
     values = P.defaults(tab)
     report: list[tuple[str, str, str]] = []
     module, net_args, by_network = _network(data, report) if tab == "lora" else (None, [], {})
@@ -420,8 +426,8 @@ def load(path: str | Path, tab: str | None = None, family: str | None = None) ->
         raise ImportError_(f"{path}: expected a JSON object of settings")
     if not is_json and tab is None:
         name = path.name.lower()
-        tab = "lora" if "network_module" in data or "lora" in name else "finetune" if "finetune" in name \
-            else "dreambooth"
+        tab = "ti" if "token_string" in data else "lora" if "network_module" in data or "lora" in name \
+            else "finetune" if "finetune" in name else "dreambooth"
     try:
         return from_kohya_ss(data, tab, run_toml=not is_json, family=family)
     except ImportError_ as e:

@@ -30,6 +30,8 @@ SUBGROUPS: dict[str, tuple[str, str]] = {
 # these only hide it where kohya_ss' GUI does not show it)
 LORA = frozenset({"lora"})
 FULL = frozenset({"dreambooth", "finetune"})
+TI = frozenset({"ti"})
+NOT_TI = frozenset({"lora", "dreambooth", "finetune"})
 SD = frozenset({"SD1.x", "SD2.x"})
 SD_SDXL = frozenset({"SD1.x", "SD2.x", "SDXL"})
 FLUX = frozenset({"FLUX.1"})
@@ -83,7 +85,8 @@ PLACES: dict[str, Look] = {
          help="Tick for v-prediction models (SD2.x 768-v, v-pred SD1.x / SDXL checkpoints).",
          families=SD_SDXL),
     "fp8_base": Look("model", "fp8 base model",
-         help="Keep the frozen base model's weights in fp8 to save memory (FLUX.1 transformer, SD/SDXL UNet)."),
+         help="Keep the frozen base model's weights in fp8 to save memory (FLUX.1 transformer, SD/SDXL UNet).",
+         tabs=NOT_TI),
     "network_module": Look("network", "Network module",
          help=("Empty = the family's LoRA (networks.lora; networks.lora_flux for FLUX.1). lycoris.kohya needs the "
                "lycoris extra and its algo in Network arguments (algo=locon, lokr, loha ...)."),
@@ -95,15 +98,31 @@ PLACES: dict[str, Look] = {
              "FLUX.1": "networks.lora_flux",
          },
          choice_labels={"": "LoRA (the family's)"}),
+    "token_string": Look("embedding", "Token string",
+         help="The new word the embedding is trained as (not a word the tokenizer knows, e.g. zxc); write it in "
+              "captions and sample prompts. Also the default output name.",
+         tabs=TI, required=True),
+    "init_word": Look("embedding", "Init word",
+         help="The embedding starts as this word's; e.g. the class of the subject (woman, dog, painting).",
+         tabs=TI),
+    "num_vectors_per_token": Look("embedding", "Vectors per token", minimum=1, tabs=TI),
+    "weights": Look("embedding", "Continue from embedding (optional)",
+         help="An embedding file (.safetensors / .pt) with the same number of vectors to start from.",
+         tabs=TI, widget="file"),
+    "use_object_template": Look("embedding", "Object template",
+         help="Ignore the captions: train on 'a photo of a <token>' and the other object templates.", tabs=TI),
+    "use_style_template": Look("embedding", "Style template",
+         help="Ignore the captions: train on 'a painting in the style of <token>' and the other style templates.",
+         tabs=TI),
     "train_data_dir": Look("folders", "Image folder",
          help="Folder with N_name subfolders (N = repeats) of images and captions.",
          widget="folder"),
     "reg_data_dir": Look("folders", "Regularisation folder (optional)",
          help="Class images for prior preservation, in N_class subfolders.",
-         tabs=frozenset({"dreambooth", "lora"}), widget="folder"),
+         tabs=frozenset({"dreambooth", "lora", "ti"}), widget="folder"),
     "in_json": Look("folders", "Metadata JSON (optional)",
          help="kohya's captions/metadata JSON (made with sd-scripts/finetune/merge_captions_to_metadata.py).",
-         tabs=frozenset({"finetune", "lora"}), widget="file"),
+         tabs=frozenset({"finetune", "lora", "ti"}), widget="file"),
     "dataset_config": Look("folders", "Dataset config TOML (optional)",
          help="A --dataset_config file ([general], [[datasets]], [[datasets.subsets]]); replaces the image folder.",
          widget="file"),
@@ -124,7 +143,7 @@ PLACES: dict[str, Look] = {
          minimum=0),
     "prior_loss_weight": Look("dataset", "Prior loss weight",
          help="Loss weight of regularisation images.",
-         tabs=frozenset({"dreambooth", "lora"}), minimum=0),
+         tabs=frozenset({"dreambooth", "lora", "ti"}), minimum=0),
     "enable_bucket": Look("dataset", "Aspect-ratio buckets", help="Group images of similar aspect ratio."),
     "shuffle_caption": Look("dataset", "Shuffle caption tags", help="Shuffle comma-separated tags."),
     "flip_aug": Look("dataset", "Flip augmentation", help="Random horizontal flips."),
@@ -132,8 +151,8 @@ PLACES: dict[str, Look] = {
     "cache_latents": Look("dataset", "Cache latents", help="Encode the images once before training."),
     "cache_latents_to_disk": Look("dataset", "Cache latents to disk", help="Keep the cached latents as files."),
     "cache_text_encoder_outputs": Look("dataset", "Cache text-encoder outputs",
-         help="Encode the captions once (the text encoders are then not trained)."),
-    "cache_text_encoder_outputs_to_disk": Look("dataset", "Cache text-encoder outputs to disk"),
+         help="Encode the captions once (the text encoders are then not trained).", tabs=NOT_TI),
+    "cache_text_encoder_outputs_to_disk": Look("dataset", "Cache text-encoder outputs to disk", tabs=NOT_TI),
     "train_batch_size": Look("parameters", "Batch size", minimum=1),
     "max_train_steps": Look("parameters", "Max train steps", minimum=1),
     "max_train_epochs": Look("parameters", "Max train epochs (optional)",
@@ -168,6 +187,7 @@ PLACES: dict[str, Look] = {
              "lora": ("safetensors", "ckpt", "pt"),
              "dreambooth": ("", "safetensors", "ckpt", "diffusers", "diffusers_safetensors"),
              "finetune": ("", "safetensors", "ckpt", "diffusers", "diffusers_safetensors"),
+             "ti": ("pt", "safetensors", "ckpt"),
          }),
     "save_every_n_epochs": Look("parameters", "Save every N epochs (optional)", minimum=1),
     "save_every_n_steps": Look("parameters", "Save every N steps (optional)", minimum=1),

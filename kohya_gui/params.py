@@ -21,8 +21,8 @@ from . import option_places
 
 # ---- tabs, families, the script each (tab, family) runs -----------------------------------------------------
 
-TABS = ("lora", "dreambooth", "finetune")
-TAB_LABELS = {"lora": "LoRA", "dreambooth": "DreamBooth", "finetune": "Fine-tune"}
+TABS = ("lora", "dreambooth", "finetune", "ti")
+TAB_LABELS = {"lora": "LoRA", "dreambooth": "DreamBooth", "finetune": "Fine-tune", "ti": "Textual Inversion"}
 FAMILIES = ("SD1.x", "SD2.x", "SDXL", "FLUX.1")
 COMPILE_FAMILIES = option_places.COMPILE_FAMILIES
 
@@ -39,12 +39,21 @@ SCRIPTS = {
     ("finetune", "SD2.x"): "fine_tune.py",
     ("finetune", "SDXL"): "sdxl_train.py",
     ("finetune", "FLUX.1"): "flux_train.py",
+    ("ti", "SD1.x"): "train_textual_inversion.py",  # textual inversion: no FLUX.1 script (as upstream)
+    ("ti", "SD2.x"): "train_textual_inversion.py",
+    ("ti", "SDXL"): "sdxl_train_textual_inversion.py",
 }
+
+
+def tab_families(tab: str) -> list[str]:
+    """The model families a tab trains (those with a script there), in FAMILIES order."""
+    return [f for f in FAMILIES if (tab, f) in SCRIPTS]
 
 # Accordions in page order: key -> (title, open by default). The key is also the TOML table name. Sub-groups
 # (option_places.SUBGROUPS) are accordions inside one of these; their options go in the parent's table.
 ACCORDIONS = {
     "model": ("Model", True),
+    "embedding": ("Embedding", True),  # textual inversion
     "folders": ("Folders", True),
     "dataset": ("Dataset", False),
     "parameters": ("Parameters", False),
@@ -129,6 +138,8 @@ class Param:
 
     # -- where it applies ------------------------------------------------------------------------------------
     def applies(self, tab: str, family: str) -> bool:
+        if (tab, family) not in SCRIPTS:
+            return False  # the tab has no script for the family (textual inversion: no FLUX.1)
         if self.scripts and SCRIPTS[(tab, family)] not in self.scripts:
             return False  # the script that runs there has no such option
         if tab not in self.tabs:
@@ -273,6 +284,11 @@ NOT_SHOWN: dict[tuple[str, str], str] = {
     ("prior_loss_weight", "finetune"): "fine-tuning has no regularisation images (the DreamBooth tab has)",
     ("in_json", "dreambooth"): "the DreamBooth tab trains image folders; a metadata JSON is the Fine-tune tab's",
     ("fused_backward_pass", "lora"): "upstream's LoRA scripts accept it but never fuse; it is for full training",
+    ("fused_backward_pass", "ti"): "upstream's textual-inversion scripts accept it but never fuse; it is for full "
+                                   "training",
+    ("fp8_base", "ti"): "textual inversion does not use it (as upstream)",
+    **{(name, "ti"): "textual inversion trains the text encoders' embeddings, so their outputs cannot be cached"
+       for name in ("cache_text_encoder_outputs", "cache_text_encoder_outputs_to_disk")},
     **{("fused_backward_pass", f): "sd-scripts fuses the backward pass for SDXL and FLUX.1 full training"
        for f in ("SD1.x", "SD2.x")},
     **{("cuda_graph_step", f): "it sits with the Torch Compile Settings, which are for SDXL and FLUX.1 (train_network.py "

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
+import psutil
+
 from kohya_gui import params as P
 from kohya_gui.ui import actions as A
 
@@ -55,3 +59,20 @@ def ui_values_from_updates(tab: str, updates: list) -> list:
     """Control values out of open_config's updates ([status, family, *controls, ...])."""
     n = len(A.tab_params(tab))
     return [u["value"] for u in updates[2:2 + n]]
+
+
+def wait_for(cond, timeout: float = 60.0) -> bool:
+    """Polls `cond` until it is true (True) or `timeout` seconds pass (False)."""
+    end = time.time() + timeout
+    while time.time() < end:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

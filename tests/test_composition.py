@@ -13,6 +13,7 @@ from library.families.sdxl import SDXL
 from library.objectives.ddpm import DDPM
 from library.objectives.flow_matching import FlowMatching
 from library.run.trainer import Trainer
+from library.targets.embedding import Embedding
 from library.targets.full import Full
 from library.targets.lora import LoRA
 
@@ -26,12 +27,12 @@ FAMILY = {"name", "label", "bucket_reso_steps_multiple", "objective", "check_arg
 TARGET = {"default_output_name", "tracker_name", "dataset_kinds", "lora", "check_args", "fp8_targets", "output_ext",
           "steps_in_backward", "merge_base_weights", "setup_trainable", "optimizer_param_groups", "after_prepare",
           "on_step_start", "on_epoch_start", "keep_training_text_encoder", "metadata", "method_metadata",
-          "save_model"}
+          "save_model", "prepare_dataset", "sample_args"}
 OBJECTIVE = {"flow_matching", "noise_scheduler", "num_train_timesteps", "noisy_input_pred_target", "huber_threshold",
              "weight_loss"}
 
 
-@pytest.mark.parametrize("kind, interface", [((SD, SDXL, Flux), FAMILY), ((LoRA, Full), TARGET),
+@pytest.mark.parametrize("kind, interface", [((SD, SDXL, Flux), FAMILY), ((LoRA, Full, Embedding), TARGET),
                                              ((DDPM, FlowMatching), OBJECTIVE)],
                          ids=["families", "targets", "objectives"])
 def test_one_interface_per_axis_and_no_base_classes(kind, interface):
@@ -43,7 +44,8 @@ def test_one_interface_per_axis_and_no_base_classes(kind, interface):
 
 @pytest.mark.parametrize("script, family, target", [
     ("train_network", SD, LoRA), ("sdxl_train_network", SDXL, LoRA), ("flux_train_network", Flux, LoRA),
-    ("train_db", SD, Full), ("fine_tune", SD, Full), ("sdxl_train", SDXL, Full), ("flux_train", Flux, Full)])
+    ("train_db", SD, Full), ("fine_tune", SD, Full), ("sdxl_train", SDXL, Full), ("flux_train", Flux, Full),
+    ("train_textual_inversion", SD, Embedding), ("sdxl_train_textual_inversion", SDXL, Embedding)])
 def test_each_script_names_a_family_and_a_target(script, family, target):
     module = importlib.import_module(script)
     trainer = module.trainer()

@@ -199,6 +199,10 @@ def test_page_load_selects_the_running_jobs_tab(tmp_path, monkeypatch):
     class App:
         def load(self, fn, outputs, show_progress):
             self.fn, self.outputs = fn, outputs
+            return self
+
+        def then(self, fn, js):  # the page marks its form as restored after the load's updates
+            self.then_js = js
 
     forms = [feedback.TabForm(tab, feedback.remembered(tab),
                               outputs=[None] * (3 + len(A.full_updates(tab, "SDXL", {})))) for tab in P.TABS]
@@ -206,6 +210,7 @@ def test_page_load_selects_the_running_jobs_tab(tmp_path, monkeypatch):
     feedback.restore_on_load(app, forms, tabs="tabs")
     assert app.outputs[-1] == "tabs" and len(app.outputs) == sum(len(f.outputs) for f in forms) + 1
     assert app.fn()[-1] == gr.skip()  # no run: the page keeps the tab the user is on
+    assert "formRestored" in app.then_js
     run_toml = tmp_path / "run.toml"
     config_file.save(run_toml, "dreambooth", "SDXL", config_file.load(
         presets.preset_path("dreambooth", presets.DEFAULT_PRESET)).values)

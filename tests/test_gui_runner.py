@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from kohya_gui.runner import Runner, RunnerBusy, format_eta, parse_progress
+from gui_helpers import alive, wait_for
 
 # A parent that starts a child, which starts a grandchild that ignores SIGTERM; all print their pids, then the
 # parent prints progress lines until killed.
@@ -32,22 +33,6 @@ TREE = textwrap.dedent("""
             print(f"steps: {step}/1000 loss=0.{step:04d} it/s=2.00 eta=0:08:{step % 60:02d}", flush=True)
         time.sleep(0.2)
 """)
-
-
-def wait_for(cond, timeout=60.0):
-    end = time.time() + timeout
-    while time.time() < end:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return False
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def test_stop_kills_the_whole_tree_and_runs_one_at_a_time(tmp_path):

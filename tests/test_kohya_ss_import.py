@@ -317,8 +317,6 @@ def test_finetune_data_comes_through_as_kohya_ss_runs_it(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("content, why", [
-    ({"LoRA_type": "Standard", "token_string": "sks", "init_word": "*", "num_vectors_per_token": 8},
-     "textual inversion"),
     ({"img1": {"caption": "a dog", "tags": "dog"}, "img2": {"caption": "a cat"}}, "caption metadata"),
     ({}, "holds no settings"),
     ({"foo": 1, "bar": "x"}, "none of its keys is a training setting"),

@@ -15,6 +15,7 @@ from library import train_util
 
 SCRIPTS = ("sdxl_train_network", "train_network", "flux_train_network", "sdxl_train", "train_db", "fine_tune",
            "flux_train")
+SCRIPTS += ("train_textual_inversion", "sdxl_train_textual_inversion")
 
 
 # options that train_util declared while their code lives in these modules

@@ -17,6 +17,7 @@ import pytest
 import gui
 from kohya_gui import REPO, run_requests
 from kohya_gui.runner import Runner, RunnerBusy
+from gui_helpers import alive, wait_for
 
 # `accelerate launch`: starts the trainer, forwards no signal, ends with the trainer's exit status
 LAUNCHER = "import subprocess, sys; sys.exit(subprocess.Popen([sys.executable, *sys.argv[1:]]).wait())"
@@ -58,22 +59,6 @@ while not runner.snapshot().progress:
 print("RUN", runner.pid, flush=True)
 time.sleep(600)
 """
-
-
-def wait_for(cond, timeout=30.0):
-    end = time.time() + timeout
-    while time.time() < end:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return False
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def _tree(pid):

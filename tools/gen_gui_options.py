@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "kohya_gui" / "options"
 SCRIPTS = ("sdxl_train_network", "train_network", "flux_train_network", "sdxl_train", "train_db", "fine_tune",
            "flux_train")
+SCRIPTS += ("train_textual_inversion", "sdxl_train_textual_inversion")
 # the Utilities tab's tools (kohya_gui/tools.py has their presentation); a script that is not there yet is left out
 TOOL_SCRIPTS = tuple(f"finetune/{n}" for n in (
     "tag_images_by_wd14_tagger", "make_captions", "make_captions_by_git", "make_captions_by_florence2",

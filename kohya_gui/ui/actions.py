@@ -105,7 +105,7 @@ def visibility_updates(tab: str, family: str, module: str = "") -> list:
 @functools.cache
 def family_dependent(tab: str) -> frozenset[str]:
     """The controls of a tab that some family shows and another hides."""
-    return frozenset(p.name for p in tab_params(tab) if len({P.visible(p, tab, f) for f in P.FAMILIES}) > 1)
+    return frozenset(p.name for p in tab_params(tab) if len({P.visible(p, tab, f) for f in P.tab_families(tab)}) > 1)
 
 
 def elem_id(tab: str, p: P.Param) -> str:

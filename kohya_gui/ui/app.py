@@ -132,7 +132,7 @@ def build_tab(tab: str) -> dict:
             accordions[key] = acc
             if key == "model":
                 with gr.Row():
-                    family = gr.Dropdown(choices=list(P.FAMILIES), value=family0, label="Model family",
+                    family = gr.Dropdown(choices=P.tab_families(tab), value=family0, label="Model family",
                                          elem_id=f"{tab}-family", scale=1)
                     note = gr.Markdown(A.script_note(tab, family0), elem_classes="kg-note")
             fill(key)

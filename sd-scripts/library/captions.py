@@ -267,6 +267,17 @@ def process_caption(caption: str, s, *, epoch: int, step: int = 0, max_train_ste
     return caption
 
 
+def apply_replacements(caption: str, replacements: dict, rng: random.Random) -> str:
+    """Upstream's textual-inversion caption rewrite, after everything else: each `text -> replacement` in order;
+    the text "" replaces the whole caption (a list: one entry drawn from `rng`)."""
+    for text, replacement in replacements.items():
+        if text == "":
+            caption = rng.choice(replacement) if isinstance(replacement, list) else replacement
+        else:
+            caption = caption.replace(text, replacement)
+    return caption
+
+
 def caption_varies(s) -> bool:
     """True when process_caption can return different captions for one image (no text-encoder cache then)."""
     return bool(s.shuffle_caption or s.caption_dropout_rate > 0 or s.caption_dropout_every_n_epochs > 0

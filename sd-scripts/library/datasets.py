@@ -248,6 +248,9 @@ class ImageDataset(torch.utils.data.Dataset):
         self.te_format: Optional[TeCacheFormat] = None  # set by DatasetGroup.cache_text_encoder_outputs
         self.buckets: dict[tuple[int, int], list[int]] = {}
         self.mean_ar_error = 0.0
+        # textual inversion: text -> replacement in every served caption; "" -> the whole caption (a list: one
+        # chosen at random), as upstream's add_replacement
+        self.replacements: dict[str, str | list[str]] = {}
         self._assign_buckets()
         _attach_conditioning_images(images)
 
@@ -312,8 +315,9 @@ class ImageDataset(torch.utils.data.Dataset):
         return captions.process_caption(info.caption, info.subset, epoch=0, rng=random.Random(0))
 
     def process_caption(self, info: ImageInfo, epoch: int, rng: random.Random) -> str:
-        return captions.process_caption(info.caption, info.subset, epoch=epoch, step=self._step.value,
-                                        max_train_steps=self._max_steps.value, rng=rng)
+        caption = captions.process_caption(info.caption, info.subset, epoch=epoch, step=self._step.value,
+                                           max_train_steps=self._max_steps.value, rng=rng)
+        return captions.apply_replacements(caption, self.replacements, rng)
 
     # --- pixels
     def plan(self, info: ImageInfo, size: tuple[int, int], rng: Optional[random.Random], for_cache: bool = False):
@@ -531,6 +535,11 @@ class DatasetGroup(torch.utils.data.Dataset):
             if self.family == "flux" and not p.enable_bucket and (p.resolution[0] % 16 or p.resolution[1] % 16):
                 raise DatasetError(f"resolution {p.resolution[0]}x{p.resolution[1]}: FLUX.1 needs sides that are "
                                    "multiples of 16")
+
+    def add_replacement(self, text: str, replacement: str | list[str]) -> None:
+        """Every served caption gets `text` replaced (upstream's textual-inversion captions; captions.apply_replacements)."""
+        for d in self.datasets:
+            d.replacements[text] = replacement
 
     def set_current_epoch(self, epoch: int) -> None:
         """Reshuffles batches for `epoch` (also in persistent DataLoader workers: the value is shared)."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 # the seven scripts, as upstream names them
 SCRIPTS = ("sdxl_train_network", "train_network", "flux_train_network", "sdxl_train", "train_db", "fine_tune",
            "flux_train")
+SCRIPTS += ("train_textual_inversion", "sdxl_train_textual_inversion")
 
 _DEEPSPEED = ("DeepSpeed/ZeRO is not supported: train on several GPUs through `accelerate launch --multi_gpu` "
               "(data parallel); a later release brings a distributed engine for full fine-tunes")
@@ -63,6 +64,9 @@ DIFFERENT: dict[str, Different] = {
         "from torch's generator and samples at full rank; networks.oft/oft_flux read enable_all_linear/enable_conv "
         "as true/false (upstream enables on any value) and oft_flux takes the part sizes from the model (upstream "
         "hard-codes FLUX.1's)"),
+    "weights": Different("textual inversion: an SDXL file with only clip_l or only clip_g sets that encoder's vectors "
+                         "and the other's start from --init_word (upstream stops), and a file whose vector count or "
+                         "size does not fit is one line naming both (upstream asserts)"),
     "ddp_gradient_as_bucket_view": Different(_NO_DDP),
     "ddp_static_graph": Different(_NO_DDP),
     "v_parameterization": Different(

@@ -145,6 +145,12 @@ def sample_images(args, *, build_pipeline: Callable[[object], object], device: t
     from library.sample_prompts import parse_prompt_file
 
     prompts = parse_prompt_file(args.sample_prompts)
+    replacement = getattr(args, "prompt_replacement", None)  # textual inversion (library.targets.embedding)
+    if replacement:
+        for p in prompts:
+            for key in ("prompt", "negative_prompt"):
+                if p.get(key):
+                    p[key] = p[key].replace(*replacement)
     if not prompts:
         logger.warning("--sample_prompts %s has no prompts", args.sample_prompts)
         return []

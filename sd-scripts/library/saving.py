@@ -95,6 +95,13 @@ def add_save_model_as_argument(parser: argparse.ArgumentParser, *, lora: bool) -
                                  "default: as the input model")
 
 
+def add_embedding_save_model_as_argument(parser: argparse.ArgumentParser) -> None:
+    """--save_model_as of the textual-inversion scripts (upstream's default: pt)."""
+    parser.add_argument("--save_model_as", type=str, default="pt", choices=[None, "ckpt", "pt", "safetensors"],
+                        help="file format of the embedding: pt (default, also read by the A1111 web UI), ckpt or "
+                             "safetensors")
+
+
 def add_sd_saving_arguments(parser: argparse.ArgumentParser) -> None:
     add_save_model_as_argument(parser, lora=False)
     parser.add_argument("--use_safetensors", action="store_true",

@@ -99,7 +99,8 @@ def prepare(trainer, args, startup: Startup) -> RunState | Done:
 def start_accelerator(trainer, args):
     """The accelerator (library.data_parallel), the base-model hashes started on a thread, the seed."""
     accelerator = trainer.make_accelerator(args)
-    if accelerator.is_main_process and not args.no_metadata:  # the one that saves (save_lora) needs the hashes
+    # the one that saves (save_lora) needs the hashes; the textual-inversion scripts (no --no_metadata) write none
+    if accelerator.is_main_process and not getattr(args, "no_metadata", True):
         metadata_util.start_file_hashes(args.pretrained_model_name_or_path, getattr(args, "vae", None))
     # before the dataset: its batch order and augmentations follow the seed (a random one without --seed)
     train_util.prepare_seed(args, accelerator)
@@ -117,6 +118,7 @@ def build_data(trainer, args):
     groups = [g for g in (group, val_group) if g is not None]  # what is cached
     for g in groups:
         g.verify_bucket_reso_steps(trainer.bucket_reso_steps_multiple)
+    trainer.target.prepare_dataset(args, groups)  # textual inversion's captions
     if len(group) == 0:
         raise TrainingError("the dataset has no batches: no training images found")
     if getattr(args, "debug_dataset", False):

@@ -292,7 +292,7 @@ class Trainer:
         with self.eval_weights(state):
             for sample_args, weights in ema.sample_passes(state):  # with --ema_decay: the EMA (and raw) weights
                 with weights:
-                    self.family.sample(sample_args, state.components, accelerator, epoch=epoch,
+                    self.family.sample(self.target.sample_args(sample_args), state.components, accelerator, epoch=epoch,
                                        steps=state.global_step,
                                        networks=[accelerator.unwrap_model(m) for m in state.trainable.models],
                                        prediction_type=state.prediction_type)

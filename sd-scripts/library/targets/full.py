@@ -162,6 +162,12 @@ class Full:
                     str(train_dtype).removeprefix("torch."))
         return Trainable(models=models, param_groups=groups, train_text_encoder=bool(trained_tes))
 
+    def prepare_dataset(self, args, groups: list) -> None:
+        pass  # captions as they are (textual inversion rewrites them)
+
+    def sample_args(self, args):
+        return args  # sample prompts as they are
+
     def optimizer_param_groups(self, args, family, components, trainable: Trainable) -> list[list[dict]]:
         if not self.fused_optimizer_groups(args):
             return [trainable.param_groups]

@@ -162,6 +162,12 @@ class LoRA:
             raise ConfigError("nothing to train: both learning rates are 0 or no LoRA modules were created")
         return params, lr_descriptions
 
+    def prepare_dataset(self, args, groups: list) -> None:
+        pass  # captions as they are (textual inversion rewrites them)
+
+    def sample_args(self, args):
+        return args  # sample prompts as they are
+
     def optimizer_param_groups(self, args, family, components, trainable: Trainable) -> list[list[dict]]:
         return [trainable.param_groups]  # one optimizer over all of them
 
