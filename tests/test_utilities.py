@@ -306,3 +306,17 @@ def test_the_page_holds_no_tool_form_until_one_is_needed():
     ids = [b.elem_id for b in page.blocks.values() if getattr(b, "elem_id", None)]
     assert "util-lora-tool" in ids and "util-lora-print" in ids and "run-lora-resize" in ids
     assert not [i for i in ids if i.startswith("tool-")]
+
+
+def test_an_untouched_form_prints_no_flag_and_a_default_with_spaces_is_kept():
+    """Every tool's form as drawn (to_ui of each default) gives the bare command: no option is changed by the
+    round trip through the form (the tagger's ", " separator was stripped to "," and printed as a flag)."""
+    from kohya_gui.ui import utilities as U
+
+    for t in tools.TOOLS:
+        values, errors = tools.values_from_ui(t, {o.name: U.to_ui(o) for o in U.form_options(t)})
+        assert not errors, (t.key, errors)
+        assert [w for w in tools.argv(t, values)[2:] if w.startswith("--")] == [], t.key
+    t = tools.tool("tag_images_by_wd14_tagger")
+    values, _ = tools.values_from_ui(t, {"train_data_dir": "imgs", "caption_separator": ";"})
+    assert tools.argv(t, values)[2:] == ["imgs", "--caption_separator", ";"]
