@@ -54,6 +54,8 @@ class Option:
         """A control's value as the script's type (empty = the default). Raises ValueError with the reason."""
         if self.kind == "bool":
             return bool(value)
+        if value == self.default:  # as shown: a default with spaces (the tagger's ", " separator) stays as it is
+            return self.default
         if isinstance(value, str):
             value = value.strip()
         if value is None or value == "":

@@ -1,7 +1,8 @@
 """In the browser (Playwright + Debian's chromium against `python gui.py --headless`), the Utilities tab: build a
 kohya N_name dataset folder and check its dataset TOML with the trainer, edit a caption and replace a tag across
-the folder, and run a tool through the training runner (the run panel shows its log and result). One GUI for the
-module, a fresh page per test."""
+the folder, and every tool of the tab picked, filled and run through the training runner (the run panel shows its
+log and result) or printed; the run panel's "Resize this LoRA" shortcut. One GUI for the module, a fresh page per
+test."""
 
 from __future__ import annotations
 
@@ -30,10 +31,11 @@ def browser(gui_url):  # noqa: F811
 @pytest.fixture
 def page(browser, gui_url):  # noqa: F811
     pg = browser.new_page(viewport={"width": 1400, "height": 1000})
-    pg.set_default_timeout(120000)  # two shared cores: a page of ~2100 components takes a while to draw
+    pg.set_default_timeout(180000)  # the limit of every wait on two busy cores; each ends on the page's state
     pg.goto(gui_url)
-    pg.wait_for_selector("#lora-family")
-    pg.get_by_role("tab", name="Utilities").click(timeout=180000)
+    # the page load's restore of the training tabs' remembered settings is done (feedback.restore_on_load)
+    pg.wait_for_selector("body[data-form-restored]", state="attached")
+    pg.get_by_role("tab", name="Utilities").click()
     pg.locator("#util-tabs").wait_for()
     yield pg
     pg.close()
@@ -103,22 +105,207 @@ def test_edit_a_caption_and_replace_a_tag_in_the_folder(page, workdir):  # noqa:
     assert (folder / "b.txt").read_text() == "dog, red hair"
 
 
-def test_a_tool_runs_through_the_runner_with_its_log_and_result(page, workdir):  # noqa: F811
+# ---- every tool of the tab, through the page ----------------------------------------------------------------------
+# A tool is picked, its required fields are filled, then either Run (it runs through the training runner and the
+# test waits for the run panel's result and checks the file it wrote) or Print (the command line is checked): the
+# tools that load torch (~10 s each here) or transformers / a diffusion model run only where they show something the
+# others do not; each script's own behaviour is tested in tests/test_lora_tools.py, test_finetune_*.py.
+
+def pick_tool(page, group: str, label: str, key: str) -> None:
+    """Picks a tool (unless its form is the one shown) and waits for its form, which the server draws."""
+    if page.locator(f"#util-{group}-tool input").input_value() != label:
+        page.locator(f"#util-{group}-tool input").click()
+        page.get_by_role("option", name=label, exact=True).click()
+    page.locator(f"#tool-{key}").wait_for()
+
+
+def fill_form(page, key: str, values: dict) -> None:
+    for name, value in values.items():
+        box = page.locator(f"#tool-{key}-{name}")
+        if isinstance(value, bool):
+            box.locator("input[type=checkbox]").set_checked(value)
+        else:
+            box.locator("input, textarea").first.fill(str(value))
+
+
+def printed(page, group: str, key: str) -> str:
+    """Print: the command shown (its script is the tool's)."""
+    page.locator(f"#util-{group}-print").click()
+    page.wait_for_function(f"() => document.querySelector('#util-{group}-command textarea').value"
+                           f".includes('/{key}.py')")
+    wait_text(page, f"util-{group}-status", "Run runs this command")
+    return field(page, f"util-{group}-command").input_value()
+
+
+def ran(page, group: str, key: str) -> str:
+    """Run, then the run panel's result for this tool's run (its log is tool_logs/<tool>.log); the run's log."""
+    page.locator(f"#util-{group}-run").click()
+    wait_text(page, f"util-{group}-status", "started")
+    result = wait_text(page, "run-result", f"{key}.log", timeout=240000)
+    log = field(page, "kg-log").input_value()
+    assert "Run finished" in result and "exit status 0" in result, result + "\n" + log
+    return log
+
+
+def test_every_captioning_tool(page, workdir):  # noqa: F811
+    """WD14 tagger: Run with a tiny ONNX tagger built here (onnx.helper; without the `onnx` package of the test
+    extra: Print), the caption files are written. BLIP, GIT, Florence-2 (transformers models, slow to load on the CI
+    box): Print shows the command with the fields given."""
+    folder = workdir / "to-tag"
+    folder.mkdir()
+    Image.new("RGB", (40, 40), (255, 0, 0)).save(folder / "red.png")
+    Image.new("RGB", (40, 40), (0, 0, 255)).save(folder / "blue.png")
+    pick_tool(page, "captioning", "WD14 tagger (ONNX)", "tag_images_by_wd14_tagger")
+    try:
+        from test_finetune_taggers import make_smilingwolf_tagger
+    except pytest.skip.Exception:  # no onnx
+        make_smilingwolf_tagger = None
+    tagger = make_smilingwolf_tagger(workdir / "wd_tiny") if make_smilingwolf_tagger else workdir / "wd_tiny"
+    fill_form(page, "tag_images_by_wd14_tagger", {"train_data_dir": folder, "repo_id": tagger,
+                                                  "character_threshold": "0.85"})
+    if make_smilingwolf_tagger is None:
+        assert printed(page, "captioning", "tag_images_by_wd14_tagger").endswith(
+            f"tag_images_by_wd14_tagger.py {folder} --repo_id {tagger} --character_threshold 0.85")
+    else:
+        ran(page, "captioning", "tag_images_by_wd14_tagger")
+        assert (folder / "red.txt").read_text() == "red_thing, 1girl, white_background, alice_(wonderland)\n"
+        assert (folder / "blue.txt").read_text() == "1girl, blue_thing\n"
+
+    for label, key, values, expected in (
+            ("BLIP captions", "make_captions", {"caption_weights": workdir / "blip", "beam_search": True},
+             f"{folder} --caption_weights {workdir / 'blip'} --beam_search"),
+            ("GIT captions", "make_captions_by_git", {"model_id": workdir / "git", "max_length": "20"},
+             f"{folder} --model_id {workdir / 'git'} --max_length 20"),
+            ("Florence-2 captions", "make_captions_by_florence2", {"model_id": workdir / "florence",
+                                                                   "caption_extension": ".txt"},
+             f"{folder} --model_id {workdir / 'florence'} --caption_extension .txt")):
+        pick_tool(page, "captioning", label, key)
+        fill_form(page, key, {"train_data_dir": folder, **values})
+        assert printed(page, "captioning", key).endswith(f"finetune/{key}.py {expected}")
+
+
+def test_every_dataset_tool(page, workdir):  # noqa: F811
+    """Merge captions, merge tags, clean captions and tags: Run, each writes its metadata JSON (the next one reads
+    it), and a second Run is refused before it starts (the result exists). Bucket latents (it encodes the images
+    with a model's VAE): Print."""
     folder = images(workdir / "meta-imgs", {"a": "a cat", "b": "a dog"})
-    out = workdir / "meta-out" / "meta.json"
+    (folder / "a.tags").write_text("1girl, red_hair", encoding="utf-8")
+    (folder / "b.tags").write_text("dog", encoding="utf-8")
     page.get_by_role("tab", name="Dataset preparation").click()
-    field(page, "tool-merge_captions_to_metadata-train_data_dir").fill(str(folder))
-    field(page, "tool-merge_captions_to_metadata-out_json").fill(str(out))
-    field(page, "tool-merge_captions_to_metadata-caption_extension").fill(".txt")
-    page.locator("#util-dataset-print").click()
-    page.wait_for_function("() => document.querySelector('#util-dataset-command textarea').value"
-                           ".includes('merge_captions_to_metadata.py')")
-    assert "--caption_extension .txt" in field(page, "util-dataset-command").input_value()
-    page.locator("#util-dataset-run").click()
-    wait_text(page, "util-dataset-status", "started")
-    page.wait_for_function("() => document.querySelector('#kg-log textarea').value.includes('merged 2 .txt files')",
-                           timeout=240000)
-    wait_text(page, "run-result", "Run finished")
-    assert json.loads(out.read_text()) == {"a": {"caption": "a cat"}, "b": {"caption": "a dog"}}
+    captions, tags, clean = (workdir / "meta" / f"{n}.json" for n in ("captions", "tags", "clean"))
+
+    pick_tool(page, "dataset", "Merge captions into metadata JSON", "merge_captions_to_metadata")
+    fill_form(page, "merge_captions_to_metadata", {"train_data_dir": folder, "out_json": captions,
+                                                   "caption_extension": ".txt"})
+    ran(page, "dataset", "merge_captions_to_metadata")
+    assert json.loads(captions.read_text()) == {"a": {"caption": "a cat"}, "b": {"caption": "a dog"}}
     page.locator("#util-dataset-run").click()  # the result exists now: refused, nothing overwritten
     wait_text(page, "util-dataset-status", "already exists")
+
+    pick_tool(page, "dataset", "Merge tags into metadata JSON", "merge_dd_tags_to_metadata")
+    fill_form(page, "merge_dd_tags_to_metadata", {"train_data_dir": folder, "in_json": captions, "out_json": tags,
+                                                  "caption_extension": ".tags"})
+    ran(page, "dataset", "merge_dd_tags_to_metadata")
+    assert json.loads(tags.read_text()) == {"a": {"caption": "a cat", "tags": "1girl, red_hair"},
+                                            "b": {"caption": "a dog", "tags": "dog"}}
+
+    pick_tool(page, "dataset", "Clean captions and tags", "clean_captions_and_tags")
+    fill_form(page, "clean_captions_and_tags", {"in_json": tags, "out_json": clean})
+    ran(page, "dataset", "clean_captions_and_tags")
+    assert json.loads(clean.read_text()) == {"a": {"caption": "a cat", "tags": "1girl, red hair"},
+                                             "b": {"caption": "a dog", "tags": "dog"}}
+
+    pick_tool(page, "dataset", "Bucket latents (fine-tune)", "prepare_buckets_latents")
+    fill_form(page, "prepare_buckets_latents", {"train_data_dir": folder, "in_json": clean,
+                                                "out_json": workdir / "meta" / "latents.json",
+                                                "model_name_or_path": workdir / "model.safetensors",
+                                                "max_resolution": "64,64"})
+    assert printed(page, "dataset", "prepare_buckets_latents").endswith(
+        f"prepare_buckets_latents.py {folder} {clean} {workdir / 'meta' / 'latents.json'} "
+        f"{workdir / 'model.safetensors'} --max_resolution 64,64")
+
+
+def tiny_lora(path: Path, rank: int = 8) -> Path:
+    """A LoRA of two attention modules (kohya keys), rank `rank`."""
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    sd = {}
+    for i in range(2):
+        name = f"lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q{i}"
+        sd |= {f"{name}.lora_down.weight": torch.randn(rank, 32, generator=g),
+               f"{name}.lora_up.weight": torch.randn(32, rank, generator=g), f"{name}.alpha": torch.tensor(4.0)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(path), metadata={"ss_network_dim": str(rank), "ss_network_alpha": "4.0"})
+    return path
+
+
+def metadata(path: Path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        return f.metadata()
+
+
+def test_every_lora_tool_and_the_run_panels_shortcuts(page, workdir):  # noqa: F811
+    """Resize, check weights and split a DyLoRA: Run on a tiny LoRA built here, the files are written (the check:
+    its report in the log). After the resize, the run panel's "Resize this LoRA" opens the resize form with the
+    result filled in, and "Merge it into its model" says why it cannot (a tool's result, not a LoRA training run:
+    tests/test_utilities.py fills a training run's merge). The merges (into a model, LoRAs into one, by SVD), the
+    extractions from two models and the FLUX.1 format conversion (each loads models or runs a torch SVD; ~10 s of
+    imports alone each on the CI box): Print."""
+    lora = tiny_lora(workdir / "loras" / "tiny.safetensors")
+    out = workdir / "lora-out"
+    page.get_by_role("tab", name="LoRA tools").click()
+
+    pick_tool(page, "lora", "Resize LoRA", "resize_lora")  # the first tool: drawn when the tab opens
+    fill_form(page, "resize_lora", {"model": lora, "save_to": out / "r2.safetensors", "new_rank": 2,
+                                    "device": "cpu"})
+    ran(page, "lora", "resize_lora")
+    assert metadata(out / "r2.safetensors")["ss_network_dim"] == "2"
+
+    page.locator("#run-lora-resize").click()
+    page.wait_for_function("([a, b]) => document.querySelector('#tool-resize_lora-model input').value === a && "
+                           "document.querySelector('#tool-resize_lora-save_to input').value === b",
+                           arg=[str(out / "r2.safetensors"), str(out / "r2-resized.safetensors")])
+    assert "r2.safetensors" in wait_text(page, "util-lora-status", "choose the new rank, then Run")
+    page.locator("#run-lora-merge").click()
+    wait_text(page, "util-lora-status", "is not from a LoRA training run")
+
+    pick_tool(page, "lora", "Check LoRA weights", "check_lora_weights")
+    fill_form(page, "check_lora_weights", {"file": lora})
+    assert "number of LoRA modules: 4" in ran(page, "lora", "check_lora_weights")
+
+    pick_tool(page, "lora", "Extract LoRAs from a DyLoRA", "extract_lora_from_dylora")
+    fill_form(page, "extract_lora_from_dylora", {"model": lora, "save_to": out / "dy.safetensors", "unit": 3})
+    ran(page, "lora", "extract_lora_from_dylora")
+    assert sorted(p.name for p in out.glob("dy-*.safetensors")) == ["dy-0003.safetensors", "dy-0006.safetensors"]
+
+    a, b, model, tuned, o = (str(workdir / n) for n in ("a.safetensors", "b.safetensors", "model.safetensors",
+                                                         "tuned.safetensors", "o.safetensors"))
+    for label, key, values, expected in (
+            ("Merge LoRA (SD1.x / SD2.x)", "merge_lora", {"sd_model": model, "models": f"{a} {b}",
+                                                         "ratios": "1 0.5", "save_to": o},
+             f"--sd_model {model} --save_to {o} --models {a} {b} --ratios 1.0 0.5"),
+            ("Merge LoRA (SDXL)", "sdxl_merge_lora", {"sd_model": model, "models": a, "ratios": "0.8",
+                                                      "save_to": o},
+             f"--sd_model {model} --save_to {o} --models {a} --ratios 0.8"),
+            ("Merge LoRA (FLUX.1)", "flux_merge_lora", {"flux_model": model, "models": a, "ratios": "0.8",
+                                                        "save_to": o},
+             f"--flux_model {model} --save_to {o} --models {a} --ratios 0.8"),
+            ("Merge LoRAs by SVD (new rank)", "svd_merge_lora", {"models": f"{a} {b}", "ratios": "1 1",
+                                                                 "save_to": o, "new_rank": 2},
+             f"--save_to {o} --models {a} {b} --ratios 1.0 1.0 --new_rank 2"),
+            ("Extract LoRA (SD1.x / SD2.x / SDXL)", "extract_lora_from_models",
+             {"model_org": model, "model_tuned": tuned, "save_to": o, "dim": 2, "sdxl": True},
+             f"--sdxl --model_org {model} --model_tuned {tuned} --save_to {o} --dim 2"),
+            ("Extract LoRA (FLUX.1)", "flux_extract_lora", {"model_org": model, "model_tuned": tuned, "save_to": o,
+                                                            "dim": 2},
+             f"--model_org {model} --model_tuned {tuned} --save_to {o} --dim 2"),
+            ("Convert FLUX.1 LoRA format", "convert_flux_lora", {"src_path": a, "dst_path": o, "src": "sd-scripts",
+                                                                  "dst": "ai-toolkit"},
+             f"--src sd-scripts --dst ai-toolkit --src_path {a} --dst_path {o}")):
+        pick_tool(page, "lora", label, key)
+        fill_form(page, key, values)
+        assert printed(page, "lora", key).endswith(f"networks/{key}.py {expected}"), key

@@ -231,9 +231,7 @@ def test_the_run_panels_lora_shortcuts_fill_resize_and_merge(tmp_path, monkeypat
         "--models", str(out / "mylora.safetensors"), "--ratios", "1.0"]
     updates = U.lora_shortcut("merge")
     assert updates[2]["value"] == "sdxl_merge_lora" and "Merge `mylora.safetensors`" in updates[-1]
-    filled = {target: u["value"] for target, u in zip(U.shortcut_targets("merge"), updates[-1 - len(
-        U.shortcut_targets("merge")):-1]) if isinstance(u, dict) and "value" in u}
-    assert filled == {("sdxl_merge_lora", k): v for k, v in fills.items()}
+    assert updates[3]["key"] == "sdxl_merge_lora" and updates[3]["values"] == fills  # the form drawn with them
 
 
 def test_a_tools_progress_bar_is_the_run_panels_progress():
@@ -263,17 +261,17 @@ def test_a_lora_tool_runs_from_its_form_values_and_its_result_shows_its_metadata
                  f"{name}.alpha": torch.tensor(8.0)}
     save_file(lora, "tiny.safetensors", metadata={"ss_network_dim": "8", "ss_network_alpha": "8.0"})
     ui = [{"model": "tiny.safetensors", "save_to": "out/tiny-r2.safetensors", "new_rank": 2,
-           "device": "cpu"}.get(o.name, U.to_ui(o)) for t, o in U.group_params("lora")]
-    command, message = U.print_tool("lora", "resize_lora", False, *ui)
+           "device": "cpu"}.get(o.name, U.to_ui(o)) for o in U.form_options(tools.tool("resize_lora"))]
+    command, message = U.print_tool("resize_lora", False, *ui)
     assert "--new_rank 2" in command and "--device cpu" in command and "Run runs this command" in message
     runner = Runner()
     monkeypatch.setattr(U.A, "RUNNER", runner)
-    command, message = U.run_tool("lora", "resize_lora", False, *ui)
+    command, message = U.run_tool("resize_lora", False, *ui)
     assert "started" in message
     state = runner.wait(180)
     assert state.returncode == 0 and state.outputs == ["out/tiny-r2.safetensors"], runner.log_tail()
     assert "| `ss_network_dim` | 2 |" in U.show_metadata("out/tiny-r2.safetensors")
-    _, message = U.run_tool("lora", "resize_lora", False, *ui)  # the result exists: refused before any run
+    _, message = U.run_tool("resize_lora", False, *ui)  # the result exists: refused before any run
     assert "already exists" in message and runner.snapshot().started == state.started
 
 
@@ -297,3 +295,28 @@ def test_the_utilities_stop_ends_a_tool_but_never_a_training_run(tmp_path, monke
     tools.start(runner, tools.tool("check_lora_weights"), {"file": str(tmp_path / "waits.safetensors")})
     assert "Stopped the tool" in U.stop_tool()
     assert not runner.running and runner.snapshot().stopped
+
+
+def test_the_page_holds_no_tool_form_until_one_is_needed():
+    """The tool forms are drawn by the server when their tab is opened or a tool is picked (gr.render), not built
+    into the page: ~18 forms of ~25 controls each would slow every event of the page."""
+    from kohya_gui.ui import app
+
+    page = app.build_app()
+    ids = [b.elem_id for b in page.blocks.values() if getattr(b, "elem_id", None)]
+    assert "util-lora-tool" in ids and "util-lora-print" in ids and "run-lora-resize" in ids
+    assert not [i for i in ids if i.startswith("tool-")]
+
+
+def test_an_untouched_form_prints_no_flag_and_a_default_with_spaces_is_kept():
+    """Every tool's form as drawn (to_ui of each default) gives the bare command: no option is changed by the
+    round trip through the form (the tagger's ", " separator was stripped to "," and printed as a flag)."""
+    from kohya_gui.ui import utilities as U
+
+    for t in tools.TOOLS:
+        values, errors = tools.values_from_ui(t, {o.name: U.to_ui(o) for o in U.form_options(t)})
+        assert not errors, (t.key, errors)
+        assert [w for w in tools.argv(t, values)[2:] if w.startswith("--")] == [], t.key
+    t = tools.tool("tag_images_by_wd14_tagger")
+    values, _ = tools.values_from_ui(t, {"train_data_dir": "imgs", "caption_separator": ";"})
+    assert tools.argv(t, values)[2:] == ["imgs", "--caption_separator", ";"]

@@ -213,8 +213,8 @@ def build_app() -> gr.Blocks:
                     built = build_tab(tab)
                     forms.append(built["form"])
                     compile_notes.append(built["compile_note"] or gr.Markdown(visible=False))
-            with gr.Tab("Utilities", id="utilities", elem_id="tab-utilities"):
-                util = utilities.build_tab()
+            with gr.Tab("Utilities", id="utilities", elem_id="tab-utilities") as util_tab:
+                util = utilities.build_tab(util_tab.select)
         feedback.restore_on_load(app, forms, tabs)
         with gr.Accordion("Training run", open=True, elem_id="run-panel"):
             progress = gr.HTML(A.progress_html(A.RUNNER.snapshot()), elem_id="run-progress")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import html
 import shlex
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,26 +45,30 @@ def _number_box(o: tools.Option) -> bool:
     return o.kind in ("int", "float") and not o.is_list and not o.choices and o.default is not None
 
 
-def make_control(t: tools.Tool, o: tools.Option):
+def make_control(t: tools.Tool, o: tools.Option, fills: dict, drawn: int = 0):
+    """A control for option o, holding fills[o.name] if given; `drawn` tells forms with other fills apart (the same
+    key in a later drawing of the form keeps the value the user typed)."""
+    value = fills.get(o.name, to_ui(o))
     kw = dict(label=t.label_of(o) + ("" if o.positional else f" ({o.flag})"), info=o.help or None,
-              elem_id=elem(t.key, o.name))
+              elem_id=elem(t.key, o.name), key=f"{elem(t.key, o.name)}-{drawn}",
+              interactive=True)  # drawn later than the page: the page does not know they are inputs
     if o.kind == "bool":
-        return gr.Checkbox(value=to_ui(o), **kw)
+        return gr.Checkbox(value=bool(value), **kw)
     if o.choices and not o.is_list:
         choices = ([("(not set)", "")] if o.default is None else []) + [(str(c), c) for c in o.choices]
-        return gr.Dropdown(choices=choices, value=o.default if o.default is not None else "", **kw)
+        return gr.Dropdown(choices=choices, value=value, **kw)
     if _number_box(o):
-        return gr.Number(value=o.default, precision=0 if o.kind == "int" else None, **kw)
+        return gr.Number(value=value, precision=0 if o.kind == "int" else None, **kw)
     folder = o.name in t.folders
     placeholder = "not set" if o.default is None else None
     if o.is_list:
         placeholder = "values separated by spaces (quote one with spaces)"
     elif o.name in t.outputs or o.positional:
         placeholder = "path to a folder" if folder else "path to a file"
-    return gr.Textbox(value=to_ui(o), placeholder=placeholder, max_lines=1, **kw)
+    return gr.Textbox(value=value, placeholder=placeholder, max_lines=1, **kw)
 
 
-def _rows(t: tools.Tool, options: list[tools.Option], controls: dict) -> None:
+def _rows(t: tools.Tool, options: list[tools.Option], fills: dict, drawn: int, controls: list) -> None:
     """Text and number fields three to a row, checkboxes four to a row, in the given order."""
     runs: list[list[tools.Option]] = []
     for o in options:
@@ -76,35 +81,48 @@ def _rows(t: tools.Tool, options: list[tools.Option], controls: dict) -> None:
         for i in range(0, len(run), per_row):
             with gr.Row():
                 for o in run[i:i + per_row]:
-                    controls[o.name] = make_control(t, o)
+                    controls.append(make_control(t, o, fills, drawn))
 
 
-def group_params(group: str) -> list[tuple[tools.Tool, tools.Option]]:
-    """Every control of a group's tool forms, in the order the handlers receive their values."""
-    return [(t, o) for t in tools.in_group(group) for o in t.options if o.name not in tools.NO_CONTROL]
+def form_options(t: tools.Tool) -> list[tools.Option]:
+    """A tool form's controls, in the order the handlers receive their values (the order on screen)."""
+    first, more = t.ordered()
+    return first + more
 
 
-def tool_values(group: str, key: str, ui_values) -> tuple[tools.Tool, dict[str, Any]]:
-    """The chosen tool and its controls' values by option name, out of all the group's control values."""
+def build_form(t: tools.Tool, fills: dict, drawn: int = 0) -> list:
+    """The tool's form (main options, the others under "More options"), `fills` ({option: value}) put in;
+    returns its controls in form_options order."""
+    gr.Markdown(f"{t.about} Runs `sd-scripts/{t.script}`.", elem_classes="kg-note", elem_id=f"tool-{t.key}")
+    first, more = t.ordered()
+    controls: list = []
+    _rows(t, first, fills, drawn, controls)
+    if more:
+        with gr.Accordion("More options", open=False, elem_id=f"tool-{t.key}-more"):
+            _rows(t, more, fills, drawn, controls)
+    return controls
+
+
+def tool_values(key: str, ui_values) -> tuple[tools.Tool, dict[str, Any]]:
+    """The tool and its controls' values by option name."""
     t = tools.tool(key)
-    values = {o.name: v for (owner, o), v in zip(group_params(group), ui_values, strict=True) if owner is t}
-    return t, values
+    return t, {o.name: v for o, v in zip(form_options(t), ui_values, strict=True)}
 
 
-def _checked(group: str, key: str, ui_values) -> tuple[tools.Tool | None, dict, str]:
+def _checked(key: str, ui_values) -> tuple[tools.Tool | None, dict, str]:
     """(tool, values, error message or "")."""
     if not key:
         return None, {}, A.error_md("Choose a tool first.")
-    t, raw = tool_values(group, key, ui_values)
+    t, raw = tool_values(key, ui_values)
     values, errors = tools.values_from_ui(t, raw)
     if errors:
         return t, values, A.error_md(f"Fix these first ({t.label}):\n" + "\n".join(f"- {e}" for e in errors))
     return t, values, ""
 
 
-def print_tool(group: str, key: str, overwrite: bool, *ui_values) -> tuple[str, str]:
+def print_tool(key: str, overwrite: bool, *ui_values) -> tuple[str, str]:
     """(command, message): the command Run runs, and what must be fixed before it can."""
-    t, values, error = _checked(group, key, ui_values)
+    t, values, error = _checked(key, ui_values)
     if error:
         return gr.update(), error
     command = tools.printable(tools.argv(t, tools.with_overwrite(t, values, overwrite)))
@@ -115,9 +133,9 @@ def print_tool(group: str, key: str, overwrite: bool, *ui_values) -> tuple[str, 
     return command, A.ok_md(f"Run runs this command; its log goes to `{tools.log_path(t)}`.")
 
 
-def run_tool(group: str, key: str, overwrite: bool, *ui_values) -> tuple[str, str]:
+def run_tool(key: str, overwrite: bool, *ui_values) -> tuple[str, str]:
     """(command, message): starts the tool with the training runner (the run panel shows it)."""
-    t, values, error = _checked(group, key, ui_values)
+    t, values, error = _checked(key, ui_values)
     if error:
         return gr.update(), error
     try:
@@ -128,8 +146,8 @@ def run_tool(group: str, key: str, overwrite: bool, *ui_values) -> tuple[str, st
                                           f"(`{tools.log_path(t)}`).")
 
 
-def queue_tool(group: str, key: str, overwrite: bool, *ui_values) -> str:
-    t, values, error = _checked(group, key, ui_values)
+def queue_tool(key: str, overwrite: bool, *ui_values) -> str:
+    t, values, error = _checked(key, ui_values)
     if error:
         return error
     try:
@@ -152,29 +170,30 @@ def stop_tool() -> str:
     return A.ok_md("Stopped the tool.")
 
 
-def choose_tool(group: str, key: str) -> list:
-    """Shows the chosen tool's form, hides the others."""
-    return [gr.update(visible=t.key == key) for t in tools.in_group(group)]
+def shortcut_fills(key: str, fills: dict) -> dict:
+    """A shortcut's values for a tool's form; each time a new dict (drawn: when), so the form is drawn with them."""
+    return {"key": key, "values": dict(fills), "drawn": time.monotonic_ns()}
 
 
-def build_tool_group(group: str) -> dict:
-    """A group's tool picker, one form per tool (only the chosen one shown) and the shared buttons."""
+def build_tool_group(group: str, shown_on: list) -> dict:
+    """A group's tool picker, the chosen tool's form and the shared buttons. The form is drawn by the server when
+    it is needed (`shown_on`: its tab is opened; a tool is picked; a shortcut fills it), not at page load and not
+    one per tool: every component costs the page time on each event."""
     group_tools = tools.in_group(group)
     picker = gr.Dropdown(choices=[(t.label, t.key) for t in group_tools], value=group_tools[0].key, label="Tool",
                          elem_id=f"util-{group}-tool")
-    columns, controls = [], {}
-    for i, t in enumerate(group_tools):
-        with gr.Column(visible=i == 0, elem_id=f"tool-{t.key}") as col:
-            columns.append(col)
-            gr.Markdown(f"{t.about} Runs `sd-scripts/{t.script}`.", elem_classes="kg-note")
-            first, more = t.ordered()
-            own: dict = {}
-            _rows(t, first, own)
-            if more:
-                with gr.Accordion("More options", open=False, elem_id=f"tool-{t.key}-more"):
-                    _rows(t, more, own)
-            controls.update({(t.key, name): c for name, c in own.items()})
-    inputs = [controls[(t.key, o.name)] for t, o in group_params(group)]
+    filled = gr.State(None)  # the last shortcut's values (shortcut_fills), for its tool's form
+
+    @gr.render(inputs=[picker, filled], triggers=[picker.input, filled.change, *shown_on], show_progress="hidden")
+    def form(key: str, shortcut: dict | None):  # runs after the page is built: the buttons below exist by then
+        t = tools.tool(key or group_tools[0].key)
+        fills, drawn = (shortcut["values"], shortcut["drawn"]) if shortcut and shortcut["key"] == t.key else ({}, 0)
+        args = [overwrite, *build_form(t, fills, drawn)]
+        for event in (run_btn.click(functools.partial(run_tool, t.key), inputs=args, outputs=[command, status]),
+                      print_btn.click(functools.partial(print_tool, t.key), inputs=args, outputs=[command, status]),
+                      queue_btn.click(functools.partial(queue_tool, t.key), inputs=args, outputs=status)):
+            feedback.follow(event, status.elem_id)
+
     with gr.Row():
         run_btn = gr.Button("Run", variant="primary", elem_id=f"util-{group}-run")
         queue_btn = gr.Button("Add to queue", elem_id=f"util-{group}-queue")
@@ -185,16 +204,8 @@ def build_tool_group(group: str) -> dict:
     status = feedback.message_area(f"util-{group}-status")
     command = gr.Textbox(label="Command (what Run runs)", lines=2, max_lines=6, interactive=False, buttons=["copy"],
                          elem_id=f"util-{group}-command")
-    picker.change(functools.partial(choose_tool, group), inputs=picker, outputs=columns, show_progress="hidden")
-    args = [picker, overwrite, *inputs]
-    for event, area in ((run_btn.click(functools.partial(run_tool, group), inputs=args, outputs=[command, status]),
-                         status),
-                        (print_btn.click(functools.partial(print_tool, group), inputs=args,
-                                         outputs=[command, status]), status),
-                        (queue_btn.click(functools.partial(queue_tool, group), inputs=args, outputs=status), status),
-                        (stop_btn.click(stop_tool, outputs=status), status)):
-        feedback.follow(event, area.elem_id)
-    return {"picker": picker, "columns": columns, "controls": controls, "status": status, "command": command}
+    feedback.follow(stop_btn.click(stop_tool, outputs=status), status.elem_id)
+    return {"picker": picker, "filled": filled, "status": status, "command": command}
 
 
 # ---- captioning: preview and caption editor ------------------------------------------------------------------------
@@ -513,23 +524,24 @@ def show_metadata(path: str) -> str:
 
 # ---- the tab ------------------------------------------------------------------------------------------------------
 
-def build_tab() -> dict:
+def build_tab(opened) -> dict:
+    """`opened`: the Utilities tab's select event (the Captioning sub-tab is the one shown then)."""
     handles: dict = {}
     with gr.Tabs(elem_id="util-tabs") as sub:
         handles["subtabs"] = sub
-        with gr.Tab("Captioning", id=SUBTABS["captioning"], elem_id="tab-util-captioning"):
+        with gr.Tab("Captioning", id=SUBTABS["captioning"], elem_id="tab-util-captioning") as tab:
             if tools.in_group("captioning"):
-                handles["captioning"] = build_tool_group("captioning")
+                handles["captioning"] = build_tool_group("captioning", [opened, tab.select])
             gr.Markdown("### Caption editor")
             handles["editor"] = build_caption_editor()
-        with gr.Tab("Dataset preparation", id=SUBTABS["dataset"], elem_id="tab-util-dataset"):
+        with gr.Tab("Dataset preparation", id=SUBTABS["dataset"], elem_id="tab-util-dataset") as tab:
             handles["prep"] = build_dataset_prep()
             if tools.in_group("dataset"):
                 gr.Markdown("### Dataset tools")
-                handles["dataset"] = build_tool_group("dataset")
-        with gr.Tab("LoRA tools", id=SUBTABS["lora"], elem_id="tab-util-lora"):
+                handles["dataset"] = build_tool_group("dataset", [tab.select])
+        with gr.Tab("LoRA tools", id=SUBTABS["lora"], elem_id="tab-util-lora") as tab:
             if tools.in_group("lora"):
-                handles["lora"] = build_tool_group("lora")
+                handles["lora"] = build_tool_group("lora", [tab.select])
             with gr.Accordion("Show a LoRA's metadata", open=not tools.in_group("lora"), elem_id="meta-acc"):
                 with gr.Row():
                     meta_path = gr.Textbox(label="LoRA file", placeholder="path to a .safetensors file", scale=4,
@@ -539,7 +551,6 @@ def build_tab() -> dict:
             meta_btn.click(show_metadata, inputs=meta_path, outputs=meta_out)
             handles["meta_path"] = meta_path
     return handles
-
 
 
 # ---- the run panel's shortcuts: the last run's LoRA into the LoRA tools ---------------------------------------------
@@ -592,42 +603,31 @@ def lora_fills(action: str) -> tuple[str, dict[str, Any], str]:
     return key, fills, f"Merge `{lora.name}` into its {settings.family} model: check the paths, then Run."
 
 
-SHORTCUT_FIELDS = {"resize": {"resize_lora": ("model", "save_to")},
-                   "merge": {key: (model, "models", "ratios", "save_to", *(("v2",) if key == "merge_lora" else ()))
-                             for key, model in MERGE_TOOLS.values()}}
-
-
-def shortcut_targets(action: str) -> list[tuple[str, str]]:
-    """(tool, option) of the controls a shortcut fills, for the tools that exist."""
-    present = {t.key for t in tools.in_group("lora")}
-    return [(key, name) for key, names in SHORTCUT_FIELDS[action].items() if key in present for name in names]
+SHORTCUT_TOOLS = {"resize": ("resize_lora",), "merge": tuple(key for key, _ in MERGE_TOOLS.values())}
 
 
 def lora_shortcut(action: str) -> list:
-    """[outer tabs, sub-tabs, LoRA tool picker, *tool forms' visibility, *the filled controls (shortcut_targets),
-    message]."""
-    targets = shortcut_targets(action)
+    """[outer tabs, sub-tabs, LoRA tool picker, the LoRA form's shortcut values (shortcut_fills), message]."""
     try:
         key, fills, note = lora_fills(action)
         tools.tool(key)
     except (ValueError, tools.ToolError) as e:
-        return [gr.skip(), gr.skip(), gr.skip(), *[gr.skip() for _ in tools.in_group("lora")],
-                *[gr.skip() for _ in targets], A.error_md(str(e))]
-    controls = [gr.update(value=fills[name]) if k == key and name in fills else gr.skip() for k, name in targets]
+        return [gr.skip(), gr.skip(), gr.skip(), gr.skip(), A.error_md(str(e))]
     return [gr.Tabs(selected="utilities"), gr.Tabs(selected=SUBTABS["lora"]), gr.update(value=key),
-            *choose_tool("lora", key), *controls, A.ok_md(note)]
+            shortcut_fills(key, fills), A.ok_md(note)]
 
 
 def build_lora_shortcuts(outer_tabs, handles: dict) -> None:
     """Under the run panel's output files: "Resize this LoRA" / "Merge it into its model", when those tools exist."""
     lora = handles.get("lora")
     labels = {"resize": "Resize this LoRA", "merge": "Merge it into its model"}
-    actions = [a for a in labels if lora and shortcut_targets(a)]
+    present = {t.key for t in tools.in_group("lora")}
+    actions = [a for a in labels if lora and present & set(SHORTCUT_TOOLS[a])]
     if not actions:
         return
     with gr.Row():
         for action in actions:
             btn = gr.Button(f"{labels[action]} (the last run's result)", size="sm", elem_id=f"run-lora-{action}")
-            outputs = [outer_tabs, handles["subtabs"], lora["picker"], *lora["columns"],
-                       *[lora["controls"][target] for target in shortcut_targets(action)], lora["status"]]
-            btn.click(functools.partial(lora_shortcut, action), outputs=outputs, show_progress="hidden")
+            btn.click(functools.partial(lora_shortcut, action),
+                      outputs=[outer_tabs, handles["subtabs"], lora["picker"], lora["filled"], lora["status"]],
+                      show_progress="hidden")
