@@ -74,7 +74,7 @@ def test_network_fields_follow_the_network_module_and_reach_the_command(page):
     page.locator("#lora-filter input, #lora-filter textarea").first.fill("network module")
     page.locator("#lora-network_module").wait_for(state="visible")
     page.locator("#lora-filter input, #lora-filter textarea").first.fill("")
-    assert page.locator("#lora-network_args-block_dims").is_visible()  # an SDXL LoRA: networks.lora's fields
+    page.locator("#lora-network_args-block_dims").wait_for(state="visible")  # an SDXL LoRA: networks.lora's fields
     assert not page.locator("#lora-network_args-factor").is_visible()
     pick(page, "lora-network_module", "lycoris.kohya")
     page.locator("#lora-network_args-factor").wait_for(state="visible")  # LyCORIS' fields
