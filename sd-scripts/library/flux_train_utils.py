@@ -253,7 +253,6 @@ TRAIN_BLOCKS = ("all", "single", "double")
 
 def check_full_args(args, target) -> None:
     """flux_train.py's own options, before the family's checks."""
-    from library import optimizers
     from library.errors import ConfigError
 
     if args.train_text_encoder:
@@ -262,12 +261,7 @@ def check_full_args(args, target) -> None:
     if args.save_model_as not in (None, "safetensors"):
         # upstream's flux_train.py ignores --save_model_as the same way
         logger.warning("--save_model_as %s: flux_train.py writes a BFL .safetensors single file", args.save_model_as)
-    if args.blocks_to_swap and not args.fused_backward_pass:
-        raise ConfigError("--blocks_to_swap in a full fine-tune needs --fused_backward_pass (with --optimizer_type "
-                          "Adafactor): each weight must be updated while its block is on the GPU")
-    if blockwise_fused(args) and optimizers.is_schedulefree(args):
-        raise ConfigError("--blockwise_fused_optimizers cannot be used with a schedule-free optimizer "
-                          f"({optimizers.optimizer_type(args)}), as upstream")
+    check_swap_and_blockwise(args)
     if args.fused_optimizer_groups:
         logger.warning("--fused_optimizer_groups has no effect in flux_train.py (upstream: \"this option is not "
                        "working\"); use --blockwise_fused_optimizers")
@@ -315,6 +309,19 @@ def map_deprecated_swap_args(args) -> None:
         logger.info(f"double_blocks_to_swap={args.double_blocks_to_swap} and single_blocks_to_swap="
                     f"{args.single_blocks_to_swap} are converted to blocks_to_swap={blocks}.")
         args.blocks_to_swap = blocks
+
+
+def check_swap_and_blockwise(args) -> None:
+    """The DiT full fine-tunes' (flux_train.py, sd3_train.py) rules for block swap and blockwise fused optimizers."""
+    from library import optimizers
+    from library.errors import ConfigError
+
+    if args.blocks_to_swap and not args.fused_backward_pass:
+        raise ConfigError("--blocks_to_swap in a full fine-tune needs --fused_backward_pass (with --optimizer_type "
+                          "Adafactor): each weight must be updated while its block is on the GPU")
+    if blockwise_fused(args) and optimizers.is_schedulefree(args):
+        raise ConfigError("--blockwise_fused_optimizers cannot be used with a schedule-free optimizer "
+                          f"({optimizers.optimizer_type(args)}), as upstream")
 
 
 def blockwise_fused(args) -> bool:

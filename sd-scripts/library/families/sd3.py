@@ -482,9 +482,8 @@ def full_text_encoder_lrs(args) -> list[float]:
 
 def check_full_args(args, target) -> None:
     """sd3_train.py's own options, before the family's checks."""
-    from library import optimizers
     from library.errors import ConfigError
-    from library.flux_train_utils import blockwise_fused
+    from library.flux_train_utils import check_swap_and_blockwise
 
     caching = args.cache_text_encoder_outputs or args.cache_text_encoder_outputs_to_disk
     if args.train_text_encoder and caching and not args.use_t5xxl_cache_only:
@@ -499,12 +498,7 @@ def check_full_args(args, target) -> None:
         if not caching:
             logger.warning("--use_t5xxl_cache_only: --cache_text_encoder_outputs is turned on (as upstream)")
             args.cache_text_encoder_outputs = True
-    if args.blocks_to_swap and not args.fused_backward_pass:
-        raise ConfigError("--blocks_to_swap in a full fine-tune needs --fused_backward_pass (with --optimizer_type "
-                          "Adafactor): each weight must be updated while its block is on the GPU")
-    if blockwise_fused(args) and optimizers.is_schedulefree(args):
-        raise ConfigError("--blockwise_fused_optimizers cannot be used with a schedule-free optimizer "
-                          f"({optimizers.optimizer_type(args)}), as upstream")
+    check_swap_and_blockwise(args)
     if args.fused_optimizer_groups:
         logger.warning("--fused_optimizer_groups has no effect in sd3_train.py (upstream: \"[DOES NOT WORK]\"); "
                        "use --blockwise_fused_optimizers")
