@@ -13,6 +13,7 @@ from kohya_gui import config_file, presets
 from kohya_gui import params as P
 from kohya_gui.secret_options import SECRET_OPTIONS
 from kohya_gui.ui import actions as A
+from kohya_gui.ui import visibility as V
 
 COMPILE_PARAMS = [p for p in P.PARAMS if p.accordion == "compile"]
 
@@ -84,15 +85,38 @@ def test_defaults_left_out_and_compile_defaults_never_written(tmp_path):
         "gui": {"tab": "lora", "family": "SD1.x"}, "network": {"network_module": "networks.lora"}}
 
 
+def _shown_by_classes(tab, p, family, module=""):
+    """What the page's style sheet shows (ui/visibility.py): a drawn control without the family's kg-hide- class;
+    a network-type field also needs the effective module's kg-mod- class."""
+    classes = V.control_classes(tab, p)
+    if not V.control_shown_somewhere(tab, p) or f"kg-hide-{V.slug(family)}" in classes:
+        return False
+    m = V.effective_module(family, module)
+    return "kg-net" not in classes or bool(m) and f"kg-mod-{V.slug(m)}" in classes
+
+
+@pytest.mark.parametrize("tab", P.TABS)
+def test_page_classes_show_what_the_registry_says(tab):
+    """Every control, family and network module: the page's classes agree with params.visible; every group with
+    params.accordion_visible; the style sheet has a rule for each family's class."""
+    modules = ["", "lycoris.kohya", "networks.oft", "my.own_module"]
+    for family in P.tab_families(tab):
+        for p in A.tab_params(tab):
+            for module in (modules if p.network_arg else [""]):
+                assert _shown_by_classes(tab, p, family, module) == P.visible(p, tab, family, module), \
+                    (p.name, family, module)
+        for key in A.tab_accordions(tab):
+            shown = V.group_shown_somewhere(tab, key) and f"kg-hide-{V.slug(family)}" not in V.group_classes(tab, key)
+            assert shown == (P.accordion_visible(key, tab, family) or key == "model"), (key, family)
+        assert f"[data-kg-{tab}-family=\"{family}\"] #tab-{tab} .kg-hide-{V.slug(family)}" in V.css()
+    assert len({V.slug(f) for f in P.FAMILIES}) == len(P.FAMILIES)
+
+
 def test_visibility_rules():
     def shown(tab, family):
-        ups = A.visibility_updates(tab, family)
-        ps = A.tab_params(tab)
-        # a skipped update is a control that every family shows (or hides) alike
-        assert all("visible" in u or p.name not in A.family_dependent(tab) for p, u in zip(ps, ups))
-        controls = {p.name: u.get("visible", P.visible(p, tab, "SDXL")) for p, u in zip(ps, ups)}
-        accs = dict(zip(A.tab_accordions(tab), [u["visible"] for u in ups[len(ps):-1]]))
-        return controls, accs, ups[-1]["value"]
+        controls = {p.name: _shown_by_classes(tab, p, family) for p in A.tab_params(tab)}
+        accs = {k: "kg-hide-" + V.slug(family) not in V.group_classes(tab, k) for k in A.tab_accordions(tab)}
+        return controls, accs, A.script_note(tab, family)
 
     c, a, note = shown("lora", "SD1.x")
     assert not a["compile"] and not any(c[p.name] for p in COMPILE_PARAMS)

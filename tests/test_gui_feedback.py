@@ -178,7 +178,7 @@ def test_remember_keeps_the_last_good_value_of_a_field_being_edited(user_config)
 
 def test_page_load_shows_the_remembered_form_and_during_a_run_the_runs_settings(user_config, tmp_path, monkeypatch):
     built = feedback.remembered("lora")
-    form = feedback.TabForm("lora", built, outputs=[None] * (3 + len(A.full_updates("lora", "SDXL", {}))))
+    form = feedback.TabForm("lora", built, outputs=[None] * (3 + len(A.value_updates("lora", {}))))
     assert all(u == gr.skip() for u in form.load_updates())  # nothing changed since the page was built
     values = {**built.values, "network_dim": 21}
     last_settings.save("lora", "SDXL", values, "configs/c.toml")
@@ -205,7 +205,7 @@ def test_page_load_selects_the_running_jobs_tab(tmp_path, monkeypatch):
             self.then_js = js
 
     forms = [feedback.TabForm(tab, feedback.remembered(tab),
-                              outputs=[None] * (3 + len(A.full_updates(tab, "SDXL", {})))) for tab in P.TABS]
+                              outputs=[None] * (3 + len(A.value_updates(tab, {})))) for tab in P.TABS]
     app = App()
     feedback.restore_on_load(app, forms, tabs="tabs")
     assert app.outputs[-1] == "tabs" and len(app.outputs) == sum(len(f.outputs) for f in forms) + 1

@@ -264,7 +264,8 @@ def test_gui_picking_lumina_sets_its_flow_matching_defaults():
     from kohya_gui import params as P
     from kohya_gui.ui import actions as A
 
-    updates = dict(zip([p.name for p in A.tab_params("lora")], A.family_value_updates("lora", "Lumina 2")))
+    names = [p.name for p in A.family_default_params("lora")]
+    updates = dict(zip(names, A.family_value_updates("lora", "Lumina 2"), strict=True))
     assert updates["timestep_sampling"]["value"] == "shift" and updates["discrete_flow_shift"]["value"] == 6.0
     assert updates["model_prediction_type"]["value"] == "raw"
     assert P.defaults("lora", "FLUX.1")["timestep_sampling"] == "sigma"

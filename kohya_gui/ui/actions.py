@@ -92,28 +92,15 @@ def values_from_ui(tab: str, ui_values) -> tuple[dict[str, Any], list[str]]:
     return values, errors
 
 
-def visibility_updates(tab: str, family: str, module: str = "") -> list:
-    """gr.update(visible=...) for each control whose visibility depends on the family (gr.skip() for the others:
-    fewer updates for the browser to draw), then each accordion, then the script note. `module`: the Network
-    module field's value (the network-type fields follow it)."""
-    out = [gr.update(visible=P.visible(p, tab, family, module)) if p.name in family_dependent(tab) else gr.skip()
-           for p in tab_params(tab)]
-    out += [gr.update(visible=P.accordion_visible(k, tab, family) or k == "model") for k in tab_accordions(tab)]
-    out.append(gr.update(value=script_note(tab, family)))
-    return out
+def family_default_params(tab: str) -> list[P.Param]:
+    """The tab's controls whose default depends on the family (P.Param.family_defaults), in page order."""
+    return [p for p in tab_params(tab) if p.family_defaults]
 
 
 def family_value_updates(tab: str, family: str) -> list:
     """When the user picks a family: the fields whose default is that family's own (Lumina 2's flow-matching
-    options, P.Param.family_defaults) take it; every other field is left as it is."""
-    return [gr.update(value=to_ui(p, p.default_for(tab, family))) if p.family_defaults else gr.skip()
-            for p in tab_params(tab)]
-
-
-@functools.cache
-def family_dependent(tab: str) -> frozenset[str]:
-    """The controls of a tab that some family shows and another hides."""
-    return frozenset(p.name for p in tab_params(tab) if len({P.visible(p, tab, f) for f in P.tab_families(tab)}) > 1)
+    options: family_default_params) take it; every other field is left as it is."""
+    return [gr.update(value=to_ui(p, p.default_for(tab, family))) for p in family_default_params(tab)]
 
 
 def elem_id(tab: str, p: P.Param) -> str:
@@ -126,19 +113,9 @@ def network_fields(tab: str) -> list[P.Param]:
     return [p for p in tab_params(tab) if p.network_arg]
 
 
-def network_field_updates(tab: str, family: str, module: str) -> list:
-    """Shows the fields of the chosen network module (empty = the family's LoRA), hides the others."""
-    return [gr.update(visible=P.visible(p, tab, family, module)) for p in network_fields(tab)]
-
-
-def full_updates(tab: str, family: str, values: dict[str, Any]) -> list:
-    """Value and visibility of each control, then accordions, then the script note."""
-    module = values.get("network_module") or ""
-    vis = visibility_updates(tab, family, module)
-    n = len(tab_params(tab))
-    out = [gr.update(value=to_ui(p, values.get(p.name, p.default_for(tab))),
-                     visible=P.visible(p, tab, family, module)) for p in tab_params(tab)]
-    return out + vis[n:]
+def value_updates(tab: str, values: dict[str, Any]) -> list:
+    """The value of each control (what the page shows follows the family and network module: ui/visibility.py)."""
+    return [gr.update(value=to_ui(p, values.get(p.name, p.default_for(tab)))) for p in tab_params(tab)]
 
 
 def script_note(tab: str, family: str) -> str:
@@ -146,14 +123,14 @@ def script_note(tab: str, family: str) -> str:
 
 
 def no_change(tab: str) -> list:
-    return [gr.update() for _ in range(len(tab_params(tab)) + len(tab_accordions(tab)) + 1)]
+    return [gr.update() for _ in tab_params(tab)]
 
 
 # ---- open / save ----------------------------------------------------------------------------------------------
 
 def open_config(tab: str, path: str, family: str) -> list:
-    """Returns [status, family update, *control updates, *accordion updates, script note]; on any error the
-    status says why and nothing else changes."""
+    """Returns [status, family update, *control updates]; on any error the status says why and nothing else
+    changes."""
     return _open(tab, path, family)[0]
 
 
@@ -196,12 +173,12 @@ def _open(tab: str, path: str, family: str) -> tuple[list, str | None]:
             return [error_md(f"{path}: cannot write the files kohya_ss makes before a run beside {target}: {e}"),
                     gr.update(), *no_change(tab)], None
         return [ok_md(import_report_md(path, imp, target)), gr.update(value=imp.family),
-                *full_updates(tab, imp.family, imp.values)], str(target)
+                *value_updates(tab, imp.values)], str(target)
     try:
         cfg = config_file.load(path, tab, family)
     except config_file.ConfigError as e:
         return [error_md(str(e)), gr.update(), *no_change(tab)], None
-    return [ok_md(f"Opened {path}"), gr.update(value=cfg.family), *full_updates(tab, cfg.family, cfg.values)], None
+    return [ok_md(f"Opened {path}"), gr.update(value=cfg.family), *value_updates(tab, cfg.values)], None
 
 
 def import_report_md(path: str, imp, target: Path) -> str:

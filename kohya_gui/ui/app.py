@@ -1,5 +1,11 @@
 """The Gradio Blocks, built from the registry: one tab per training kind, one accordion per registry accordion,
-one control per parameter. Visibility follows the family; the handlers live in actions.py."""
+one control per parameter. Visibility follows the family in the page (ui/visibility.py); the handlers live in
+actions.py.
+
+Each Gradio event costs the browser time in proportion to its outputs and to the components that have a progress
+status: an event's outputs get one (show_progress_on narrows it) and keep it for the page's life, and every later
+event's status change updates all of them. So the events here update only what they change, and the events whose
+progress is hidden have no progress targets (build_app)."""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from .. import params as P
 from ..secret_options import SECRET_OPTIONS
 from . import actions as A
 from . import feedback, utilities
+from . import visibility as V
 from .option_filter import filter_js
 
 CSS = """
@@ -49,9 +56,9 @@ FOLLOW_LOG_JS = """() => {
 }"""
 
 
-def make_control(tab: str, p: P.Param, value, family: str, module: str = ""):
-    kw = dict(label=p.label, info=p.help or None, visible=P.visible(p, tab, family, module),
-              elem_id=A.elem_id(tab, p))
+def make_control(tab: str, p: P.Param, value):
+    kw = dict(label=p.label, info=p.help or None, visible=V.control_shown_somewhere(tab, p),
+              elem_id=A.elem_id(tab, p), elem_classes=V.control_classes(tab, p))
     v = A.to_ui(p, value)
     if p.kind == "bool":
         return gr.Checkbox(value=bool(v), **kw)
@@ -112,23 +119,21 @@ def build_tab(tab: str) -> dict:
         for group in _runs([p for p in A.tab_params(tab) if p.accordion == key]):
             per_row = 4 if group[0].kind == "bool" else 3
             for i in range(0, len(group), per_row):
-                with gr.Row():
+                with gr.Row(elem_classes=V.row_classes(tab, group[i:i + per_row])):
                     for p in group[i:i + per_row]:
-                        controls[p.name] = make_control(tab, p, values0.get(p.name, p.default_for(tab)), family0,
-                                                        values0.get("network_module") or "")
+                        controls[p.name] = make_control(tab, p, values0.get(p.name, p.default_for(tab)))
         for sub in A.tab_accordions(tab):
             if P.SUBGROUPS.get(sub, ("", ""))[1] == key:
-                with gr.Accordion(P.group_title(sub), open=False, visible=P.accordion_visible(sub, tab, family0),
-                                  elem_id=f"{tab}-acc-{sub}") as acc:
+                with gr.Accordion(P.group_title(sub), open=False, visible=V.group_shown_somewhere(tab, sub),
+                                  elem_id=f"{tab}-acc-{sub}", elem_classes=V.group_classes(tab, sub)) as acc:
                     accordions[sub] = acc
                     fill(sub)
 
     for key in A.tab_accordions(tab):
         if key in P.SUBGROUPS:
             continue
-        with gr.Accordion(P.group_title(key), open=P.ACCORDIONS[key][1],
-                          visible=P.accordion_visible(key, tab, family0) or key == "model",
-                          elem_id=f"{tab}-acc-{key}") as acc:
+        with gr.Accordion(P.group_title(key), open=P.ACCORDIONS[key][1], visible=V.group_shown_somewhere(tab, key),
+                          elem_id=f"{tab}-acc-{key}", elem_classes=V.group_classes(tab, key)) as acc:
             accordions[key] = acc
             if key == "model":
                 with gr.Row():
@@ -163,20 +168,22 @@ def build_tab(tab: str) -> dict:
                                           interactive=False, buttons=["copy"], elem_id=f"{tab}-standalone-other")
 
     inputs = [controls[p.name] for p in A.tab_params(tab)]
-    layout_outputs = inputs + [accordions[k] for k in A.tab_accordions(tab)] + [note]
 
-    module = controls.get("network_module")  # the LoRA tab's: its fields follow it
-    family.change(functools.partial(A.visibility_updates, tab), inputs=[family] + ([module] if module else []),
-                  outputs=layout_outputs, show_progress="hidden")
+    # what the page shows follows the family and the network module (the LoRA tab's network-type fields) in the
+    # page itself, whoever changed them (the user, Open, a preset, the page load)
+    shown_by = [family] + ([controls["network_module"]] if "network_module" in controls else [])
+    for box in shown_by:
+        box.change(None, inputs=shown_by, js=V.follow_js(tab))
+    family.change(functools.partial(A.script_note, tab), inputs=family, outputs=note, queue=False,
+                  show_progress="hidden")
     # a family picked by the user (not by an opened file) brings its own defaults where its script has them
-    family.input(functools.partial(A.family_value_updates, tab), inputs=family, outputs=inputs, show_progress="hidden")
-    if module:
-        module.change(functools.partial(A.network_field_updates, tab), inputs=[family, module],
-                      outputs=[controls[p.name] for p in A.network_fields(tab)], show_progress="hidden")
+    family.input(functools.partial(A.family_value_updates, tab), inputs=family,
+                 outputs=[controls[p.name] for p in A.family_default_params(tab)], show_progress="hidden")
+    # Open and a preset set every value (and the family); their progress shows on the status line only
     opened = open_btn.click(functools.partial(A.open_from_box, tab), inputs=[path, family],
-                            outputs=[status, family, *layout_outputs, path, preset])
+                            outputs=[status, family, *inputs, path, preset], show_progress_on=status)
     picked = preset.input(functools.partial(A.open_preset, tab), inputs=[preset, family],
-                          outputs=[path, status, family, *layout_outputs])
+                          outputs=[path, status, family, *inputs], show_progress_on=status)
     saved = save_btn.click(functools.partial(A.save_config, tab), inputs=[path, family, *inputs], outputs=status)
     saved_as = save_as_btn.click(functools.partial(A.save_config, tab, overwrite=False),
                                  inputs=[path, family, *inputs], outputs=status)
@@ -196,10 +203,10 @@ def build_tab(tab: str) -> dict:
                         (saved_now, run_status), (sampled_now, run_status), (tensorboard_opened, run_status)]:
         feedback.follow(event, area.elem_id)
     form = feedback.wire_tab(tab, built, path=path, status=status, family=family, inputs=inputs,
-                             layout_outputs=layout_outputs,
                              clicks=[save_btn, save_as_btn, print_btn, start_btn, queue_btn], loads=[opened, picked])
     return {"controls": controls, "accordions": accordions, "family": family, "status": status, "command": cmd,
-            "run_status": run_status, "form": form, "compile_note": compile_note}
+            "run_status": run_status, "form": form, "compile_note": compile_note,
+            "start_classes": V.start_classes(tab, family0, values0.get("network_module") or "")}
 
 
 def build_app() -> gr.Blocks:
@@ -209,8 +216,9 @@ def build_app() -> gr.Blocks:
         forms, compile_notes = [], []
         with gr.Tabs() as tabs:
             for tab in P.TABS:
-                with gr.Tab(P.TAB_LABELS[tab], id=tab, elem_id=f"tab-{tab}"):
+                with gr.Tab(P.TAB_LABELS[tab], id=tab, elem_id=f"tab-{tab}") as tab_item:
                     built = build_tab(tab)
+                    tab_item.elem_classes = built["start_classes"]  # ui/visibility.py: the form it is built with
                     forms.append(built["form"])
                     compile_notes.append(built["compile_note"] or gr.Markdown(visible=False))
             with gr.Tab("Utilities", id="utilities", elem_id="tab-utilities") as util_tab:
@@ -261,8 +269,10 @@ def build_app() -> gr.Blocks:
         # gradio puts the API description, with every control's default value, even into the login page of a
         # password-protected GUI; our events are the page's own, not a documented API
         fn.api_visibility = "undocumented"
+        if fn.show_progress == "hidden" and fn.show_progress_on is None:
+            fn.show_progress_on = []  # no progress status on its outputs: see the module's docstring
     return app
 
 
 def launch_kwargs() -> dict:
-    return {"css": CSS + feedback.CSS, "theme": gr.themes.Soft(), "js": FOLLOW_LOG_JS}
+    return {"css": CSS + feedback.CSS + V.css(), "theme": gr.themes.Soft(), "js": FOLLOW_LOG_JS}

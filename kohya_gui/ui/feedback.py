@@ -117,7 +117,8 @@ def remember(tab: str, path: str, family: str, *ui_values) -> None:
 
 @dataclass
 class TabForm:
-    """A tab's components that a page load fills: [path, status, family, *layout outputs]."""
+    """A tab's components that a page load fills: [path, status, family, *controls] (what is shown follows the
+    family in the page: ui/visibility.py)."""
     tab: str
     built: Shown
     outputs: list = field(default_factory=list)
@@ -127,11 +128,10 @@ class TabForm:
         if shown.same_form(self.built) and shown.note == self.built.note:
             return [gr.skip() for _ in self.outputs]  # the page shows it already (and nothing races the user)
         return [gr.update(value=shown.path), gr.update(value=shown.note), gr.update(value=shown.family),
-                *A.full_updates(self.tab, shown.family, shown.values)]
+                *A.value_updates(self.tab, shown.values)]
 
 
-def wire_tab(tab: str, built: Shown, *, path, status, family, inputs: list, layout_outputs: list,
-             clicks: list, loads: list) -> TabForm:
+def wire_tab(tab: str, built: Shown, *, path, status, family, inputs: list, clicks: list, loads: list) -> TabForm:
     """Remembers the form whenever the user changes a value (typed, pasted, picked; a burst of edits is one write
     or two: always_last), on the `clicks` (Start, Print, Save ...) and after the `loads` (Open, a preset) filled
     it. Not on every `.change`: a preset changes ~100 controls, and an event per control cost the browser 30 s.
@@ -142,7 +142,7 @@ def wire_tab(tab: str, built: Shown, *, path, status, family, inputs: list, layo
     gr.on(triggers=edits + [b.click for b in clicks], trigger_mode="always_last", **keep)
     for load in loads:
         load.then(**keep)
-    return TabForm(tab, built, [path, status, family, *layout_outputs])
+    return TabForm(tab, built, [path, status, family, *inputs])
 
 
 def restore_on_load(app: gr.Blocks, forms: list[TabForm], tabs=None) -> None:
