@@ -4,6 +4,7 @@ tests call them directly. Control values always come in `tab_params(tab)` order.
 from __future__ import annotations
 
 import functools
+import html
 import shlex
 import time
 from pathlib import Path
@@ -119,7 +120,7 @@ def value_updates(tab: str, values: dict[str, Any]) -> list:
 
 
 def script_note(tab: str, family: str) -> str:
-    return f"Runs `sd-scripts/{P.script_for(tab, family)}`"
+    return f"Runs <code>sd-scripts/{html.escape(P.script_for(tab, family))}</code>"
 
 
 def no_change(tab: str) -> list:

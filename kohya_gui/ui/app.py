@@ -111,7 +111,7 @@ def build_tab(tab: str) -> dict:
     option_filter.change(None, inputs=option_filter, js=filter_js(tab, A.tab_params(tab)))
 
     controls, accordions = {}, {}
-    note = compile_note = None
+    compile_note = None
 
     def fill(key: str) -> None:
         """The group's own controls (registry order; text/number fields in rows of 3, checkboxes in rows of 4),
@@ -139,7 +139,9 @@ def build_tab(tab: str) -> dict:
                 with gr.Row():
                     family = gr.Dropdown(choices=P.tab_families(tab), value=family0, label="Model family",
                                          elem_id=f"{tab}-family", scale=1)
-                    note = gr.Markdown(A.script_note(tab, family0), elem_classes="kg-note")
+                    # the script of each family; the page shows the family's own (ui/visibility.py)
+                    gr.HTML(V.per_family_html(tab, functools.partial(A.script_note, tab)), elem_classes="kg-note",
+                            elem_id=f"{tab}-script-note")
             fill(key)
             if key == "compile":  # what auto chose in this tab's last run (actions.compile_auto_notes)
                 compile_note = gr.Markdown("", elem_id=f"{tab}-compile-auto", elem_classes="kg-note")
@@ -174,8 +176,6 @@ def build_tab(tab: str) -> dict:
     shown_by = [family] + ([controls["network_module"]] if "network_module" in controls else [])
     for box in shown_by:
         box.change(None, inputs=shown_by, js=V.follow_js(tab))
-    family.change(functools.partial(A.script_note, tab), inputs=family, outputs=note, queue=False,
-                  show_progress="hidden")
     # a family picked by the user (not by an opened file) brings its own defaults where its script has them
     family.input(functools.partial(A.family_value_updates, tab), inputs=family,
                  outputs=[controls[p.name] for p in A.family_default_params(tab)], show_progress="hidden")

@@ -74,6 +74,13 @@ def effective_module(family: str, module: str) -> str:
     return m if m in _modules() else ""
 
 
+def per_family_html(tab: str, text_of) -> str:
+    """One span per family of the tab, each shown only for its family (text_of(family) -> HTML)."""
+    families = P.tab_families(tab)
+    return "".join('<span class="%s">%s</span>' % (" ".join(f"kg-hide-{slug(o)}" for o in families if o != f),
+                                                    text_of(f)) for f in families)
+
+
 def start_classes(tab: str, family: str, module: str = "") -> list[str]:
     """The tab element's classes for the form it is built with."""
     return [f"kg-start-{slug(family)}", f"kg-startmod-{slug(effective_module(family, module)) or 'none'}"]
