@@ -3,9 +3,10 @@ one control per parameter. Visibility follows the family in the page (ui/visibil
 actions.py.
 
 Each Gradio event costs the browser time in proportion to its outputs and to the components that have a progress
-status: an event's outputs get one (show_progress_on narrows it) and keep it for the page's life, and every later
-event's status change updates all of them. So the events here update only what they change, and the events whose
-progress is hidden have no progress targets (build_app)."""
+status: an event's outputs get one (show_progress_on narrows it) and keep it for the page's life (gradio 6 gives the
+inputs of a completed event one too: a form-wide event such as Print adds the tab's ~300 controls), and every later
+event's status change updates all of them, each found by a walk of the ~2,400-block tree. So the events here update
+only what they change, and the events whose progress is hidden have no progress targets (build_app)."""
 
 from __future__ import annotations
 
