@@ -764,3 +764,20 @@ def test_auto_dynamic_new_bucket_shapes_do_not_recompile(family, caplog):
     assert counts["auto"][0] >= 1 and len(set(counts["auto"])) == 1, counts
     assert counts["false"][-1] > counts["false"][0], counts
     assert any("image-size dimensions of their inputs dynamic" in msg for msg in caplog.messages)
+
+
+def test_compile_workers_start_before_the_models_load(monkeypatch, tmp_path):
+    """graphs.resolve starts inductor's kernel-compile pool (an inductor compile on a CUDA GPU only), with the
+    run's compile cache folder in the environment the workers start with."""
+    import torch._inductor.async_compile as async_compile
+
+    started = []
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: started.append(os.environ["TORCHINDUCTOR_CACHE_DIR"]))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", ""))  # restored after
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert not compile_environment.warm_compile_workers(_parse("--compile", "--compile_backend", "aot_eager"))
+    assert not compile_environment.warm_compile_workers(_parse("--compile_cache_dir", str(tmp_path)))
+    assert compile_environment.warm_compile_workers(_parse("--compile", "--compile_cache_dir", str(tmp_path)))
+    assert started == [str(tmp_path)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not compile_environment.warm_compile_workers(_parse("--compile"))

@@ -116,6 +116,22 @@ def _key_caches_by_sdpa_backends(inductor_config) -> None:
     inductor_config.unsafe_marked_cacheable_functions = {**table, SDPA_CACHE_KEY: state}
 
 
+def warm_compile_workers(args) -> bool:
+    """Start inductor's pool of kernel-compile processes now (called before the models load), not at the first
+    compile inside step 1: the processes start while the models load and the latents are cached. Only for an
+    inductor compile on a CUDA GPU (the pool compiles triton kernels); returns whether it was started."""
+    if not (getattr(args, "compile", False) and getattr(args, "compile_backend", None) == "inductor"
+            and torch.cuda.is_available()):
+        return False
+    from torch._inductor.async_compile import maybe_warm_pool
+
+    cache_dir = resolve_cache_dir(args)  # the workers start with this environment (setup_compile_environment sets it too)
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    maybe_warm_pool()
+    return True
+
+
 def setup_compile_environment(args) -> dict:
     """Apply the global settings the compile flags ask for. Returns what was set (for logs and metadata)."""
     applied: dict = {}
