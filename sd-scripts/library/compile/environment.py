@@ -123,8 +123,10 @@ def warm_compile_workers(args) -> bool:
     if not (getattr(args, "compile", False) and getattr(args, "compile_backend", None) == "inductor"
             and torch.cuda.is_available()):
         return False
-    from torch._inductor.async_compile import maybe_warm_pool
-
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:  # another torch: the pool starts at the first compile, as before
+        return False
     cache_dir = resolve_cache_dir(args)  # the workers start with this environment (setup_compile_environment sets it too)
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
