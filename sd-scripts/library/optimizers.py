@@ -278,11 +278,17 @@ def _can_fuse(cls, params, kwargs: dict) -> bool:
 
 def _faster_step(cls):
     """The class to build for `cls`: the same optimizer with a step of fewer kernel launches where one exists
-    (transformers' Adafactor: library.grouped_adafactor, same weights and state), else `cls`."""
-    if f"{cls.__module__}.{cls.__name__}" == "transformers.optimization.Adafactor":
+    (transformers' Adafactor: library.grouped_adafactor; prodigyopt's Prodigy: library.foreach_prodigy; both keep
+    the weights and state of the original step), else `cls`."""
+    path = f"{cls.__module__}.{cls.__name__}"
+    if path == "transformers.optimization.Adafactor":
         from library.grouped_adafactor import GroupedAdafactor
 
         return GroupedAdafactor
+    if path == "prodigyopt.prodigy.Prodigy":
+        from library.foreach_prodigy import ForeachProdigy
+
+        return ForeachProdigy
     return cls
 
 
