@@ -275,3 +275,59 @@ def test_a_process_killed_during_a_save_ends_the_run_and_keeps_the_earlier_save(
             assert (out / name / "sharded" / ".metadata").is_file()
             assert (out / name / "custom_checkpoint_1.pkl").is_file()
     assert "ft-step00000002-state" in names and "ft-step00000002.safetensors" in names, names
+
+
+# ---- Adafactor (the full fine-tune presets' optimizer) on sharded weights -----------------------------------------
+
+
+def _adafactor_worker(rank: int, world: int, port: int, results):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers.optimization import Adafactor
+
+    sys.path.insert(0, str(REPO / "sd-scripts"))
+    from library import sharding
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+    def make():  # weights of 2 and 4 dims whose first dims (3, 5, 7) do not divide over 2 processes
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3, padding=1), torch.nn.Flatten(),
+                                   torch.nn.Linear(3 * 4 * 4, 5), torch.nn.Linear(5, 7))
+
+    whole, sharded = make(), make()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in (sharded[0], sharded[2], sharded[3]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    options = dict(lr=1e-2, scale_parameter=False, relative_step=False, warmup_init=False, beta1=0.9)
+    opt_whole, opt_sharded = Adafactor(whole.parameters(), **options), Adafactor(sharded.parameters(), **options)
+    sharding.init_optimizer_state([opt_sharded])
+    for step in range(3):
+        x = torch.randn(4, 2, 4, 4, generator=torch.Generator().manual_seed(step))
+        for model, opt in ((whole, opt_whole), (sharded, opt_sharded)):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+    with torch.no_grad():
+        gap = max(float((p.full_tensor() - w).abs().max()) for p, w in zip(sharded.parameters(), whole.parameters()))
+        moved = max(float((w - b).abs().max()) for w, b in zip(whole.parameters(), make().parameters()))
+    results.put((rank, gap, moved))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_adafactor_steps_sharded_weights_as_whole_ones():
+    """transformers' Adafactor on FSDP2 shards (2 gloo processes): with its factored statistics made as sharded
+    tensors (sharding.init_optimizer_state) every process steps its shard, and the weights equal the unsharded
+    optimizer's (without it, Adafactor's first step raises on mixing plain and sharded tensors)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    mp.spawn(_adafactor_worker, args=(2, free_port(), results), nprocs=2)
+    for _ in range(2):
+        rank, gap, moved = results.get(timeout=10)
+        assert moved > 1e-3 and gap < 1e-6, (rank, gap, moved)

@@ -14,7 +14,9 @@ DeepSpeed plugin with upstream's values when the `deepspeed` package is installe
     add_fsdp_arguments(parser)           --fsdp full_shard|shard_grad_op|hybrid_shard, --fsdp_cpu_offload
     check_fsdp_args(args, error)         before any model loads: what FSDP cannot go with
     from_accelerate_config(args)         `accelerate launch --use_fsdp` (its FSDP_* environment) -> --fsdp
+    shards(args, accelerator)            the denoiser will be sharded: leave it off the device until shard()
     shard(args, accelerator, trainable, denoiser, weight_dtype)   the denoiser sharded, param groups remapped
+    init_optimizer_state(optimizers)     Adafactor's factored statistics made as DTensors laid out like the shards
     clip_grad_norm_(params, max_norm, accelerator)   --max_grad_norm over sharded and whole gradients
     gathered(components, models, accelerator)   context: full weights in `components` on the main process
     ShardedState(models, optimizers)     save(accelerator, folder) / load(accelerator, folder) for -state folders
@@ -107,6 +109,13 @@ def check_fsdp_args(args, error) -> None:
 
 def enabled(args) -> bool:
     return bool(getattr(args, "fsdp", None))
+
+
+def shards(args, accelerator) -> bool:
+    """The denoiser will be sharded (--fsdp over several processes): it stays where it loaded until `shard`, whose
+    fully_shard moves it to the device block by block (moving it whole first would need the whole model's memory on
+    every GPU, which is what sharding avoids)."""
+    return enabled(args) and accelerator.num_processes > 1
 
 
 def _fsdp_api():
@@ -204,6 +213,43 @@ def shard(args, accelerator, trainable, denoiser, weight_dtype):
                 f", computed in {str(weight_dtype).removeprefix('torch.')}" if mixed else "",
                 ", kept in CPU memory" if args.fsdp_cpu_offload else "")
     return trainable
+
+
+def init_optimizer_state(optimizers) -> None:
+    """transformers' Adafactor (the full fine-tune presets' optimizer) makes its factored second moments as plain
+    tensors of the whole weight's shape, which cannot meet sharded (DTensor) gradients. They are made here first
+    instead, as DTensors laid out like the gradient: the row statistics sharded as the weight's rows, the column
+    statistics replicated where the sharded dim is averaged away. Each process then updates its own shard, and the
+    statistics (and so the weights) are those of the unsharded optimizer."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import zeros as dtensor_zeros
+
+    try:
+        from transformers.optimization import Adafactor
+    except ImportError:
+        return
+    for optimizer in optimizers:
+        raw = getattr(optimizer, "optimizer", optimizer)
+        if not isinstance(raw, Adafactor):
+            continue
+        for group in raw.param_groups:
+            for p in group["params"]:
+                if not isinstance(p, DTensor) or p.ndim < 2 or raw.state[p]:
+                    continue  # (1-d weights: Adafactor's zeros_like of the gradient is a DTensor already)
+                n = p.ndim
+                shard = [pl.dim if isinstance(pl, Shard) else None for pl in p.placements]
+                row = [Shard(d) if d is not None and d < n - 1 else Replicate() for d in shard]
+                col = [Shard(d) if d is not None and d < n - 2 else Shard(n - 2) if d == n - 1 else Replicate()
+                       for d in shard]
+                state = raw.state[p]  # as Adafactor's own first step makes it (float32 statistics)
+                state["step"] = 0
+                if group["beta1"] is not None:
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                state["exp_avg_sq_row"] = dtensor_zeros(p.shape[:-1], dtype=torch.float32, device_mesh=p.device_mesh,
+                                                        placements=row)
+                state["exp_avg_sq_col"] = dtensor_zeros(p.shape[:-2] + p.shape[-1:], dtype=torch.float32,
+                                                        device_mesh=p.device_mesh, placements=col)
+                state["RMS"] = 0
 
 
 def clip_grad_norm_(params, max_norm: float, accelerator) -> None:
