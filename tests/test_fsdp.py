@@ -280,8 +280,10 @@ def test_a_process_killed_during_a_save_ends_the_run_and_keeps_the_earlier_save(
 # ---- Adafactor (the full fine-tune presets' optimizer) on sharded weights -----------------------------------------
 
 
-def _adafactor_worker(rank: int, world: int, port: int, results):
+def _adafactor_worker(rank: int, world: int, port: int, folder: str, results):
     import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers.optimization import Adafactor
@@ -291,43 +293,60 @@ def _adafactor_worker(rank: int, world: int, port: int, results):
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-
-    def make():  # weights of 2 and 4 dims whose first dims (3, 5, 7) do not divide over 2 processes
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3, padding=1), torch.nn.Flatten(),
-                                   torch.nn.Linear(3 * 4 * 4, 5), torch.nn.Linear(5, 7))
-
-    whole, sharded = make(), make()
     mesh = init_device_mesh("cpu", (world,))
-    for layer in (sharded[0], sharded[2], sharded[3]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(sharded, mesh=mesh)
     options = dict(lr=1e-2, scale_parameter=False, relative_step=False, warmup_init=False, beta1=0.9)
-    opt_whole, opt_sharded = Adafactor(whole.parameters(), **options), Adafactor(sharded.parameters(), **options)
-    sharding.init_optimizer_state([opt_sharded])
-    for step in range(3):
-        x = torch.randn(4, 2, 4, 4, generator=torch.Generator().manual_seed(step))
-        for model, opt in ((whole, opt_whole), (sharded, opt_sharded)):
-            opt.zero_grad()
-            model(x).square().mean().backward()
-            opt.step()
+
+    def make(sharded: bool):  # weights of 1, 2 and 4 dims whose first dims (3, 5, 7) do not divide over 2 processes
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3, padding=1), torch.nn.Flatten(),
+                                    torch.nn.Linear(3 * 4 * 4, 5), torch.nn.Linear(5, 7))
+        if sharded:
+            for layer in (model[0], model[2], model[3]):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        optimizer = Adafactor(model.parameters(), **options)
+        sharding.init_optimizer_state([optimizer])
+        return model, optimizer
+
+    def steps(pairs, seeds):
+        for seed in seeds:
+            x = torch.randn(4, 2, 4, 4, generator=torch.Generator().manual_seed(seed))
+            for model, opt in pairs:
+                opt.zero_grad()
+                model(x).square().mean().backward()
+                opt.step()
+
+    def gap(sharded, whole):
+        with torch.no_grad():
+            return max(float((p.full_tensor() - w).abs().max()) for p, w in zip(sharded.parameters(), whole.parameters()))
+
+    whole, sharded = make(False), make(True)
+    steps([whole, sharded], range(3))
+    gap3 = gap(sharded[0], whole[0])
     with torch.no_grad():
-        gap = max(float((p.full_tensor() - w).abs().max()) for p, w in zip(sharded.parameters(), whole.parameters()))
-        moved = max(float((w - b).abs().max()) for w, b in zip(whole.parameters(), make().parameters()))
-    results.put((rank, gap, moved))
+        moved = max(float((w - b).abs().max()) for w, b in zip(whole[0].parameters(), make(False)[0].parameters()))
+    # the sharded state saved and read into a new sharded model and optimizer, as --save_state / --resume do
+    dcp.save(dict(zip(("model", "optimizer"), get_state_dict(*sharded))), checkpoint_id=folder)
+    resumed = make(True)
+    state = dict(zip(("model", "optimizer"), get_state_dict(*resumed)))
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(*resumed, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    steps([whole, resumed], (3, 4))
+    results.put((rank, gap3, gap(resumed[0], whole[0]), moved))
     dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_adafactor_steps_sharded_weights_as_whole_ones():
-    """transformers' Adafactor on FSDP2 shards (2 gloo processes): with its factored statistics made as sharded
-    tensors (sharding.init_optimizer_state) every process steps its shard, and the weights equal the unsharded
-    optimizer's (without it, Adafactor's first step raises on mixing plain and sharded tensors)."""
+def test_adafactor_steps_sharded_weights_as_whole_ones(tmp_path):
+    """transformers' Adafactor on FSDP2 shards (2 gloo processes): with its state made first as sharded tensors
+    (sharding.init_optimizer_state) every process steps its shard, the weights equal the unsharded optimizer's
+    (without it, Adafactor's first step raises on mixing plain and sharded tensors), and its state saved with
+    torch.distributed.checkpoint and read back continues as the unsharded optimizer does."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    mp.spawn(_adafactor_worker, args=(2, free_port(), results), nprocs=2)
+    mp.spawn(_adafactor_worker, args=(2, free_port(), str(tmp_path / "state"), results), nprocs=2)
     for _ in range(2):
-        rank, gap, moved = results.get(timeout=10)
-        assert moved > 1e-3 and gap < 1e-6, (rank, gap, moved)
+        rank, after3, after_resume, moved = results.get(timeout=10)
+        assert moved > 1e-3 and after3 < 1e-6 and after_resume < 1e-6, (rank, after3, after_resume, moved)

@@ -217,12 +217,12 @@ def shard(args, accelerator, trainable, denoiser, weight_dtype):
 
 def init_optimizer_state(optimizers) -> None:
     """transformers' Adafactor (the full fine-tune presets' optimizer) makes its factored second moments as plain
-    tensors of the whole weight's shape, which cannot meet sharded (DTensor) gradients. They are made here first
-    instead, as DTensors laid out like the gradient: the row statistics sharded as the weight's rows, the column
-    statistics replicated where the sharded dim is averaged away. Each process then updates its own shard, and the
-    statistics (and so the weights) are those of the unsharded optimizer."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor import zeros as dtensor_zeros
+    tensors of the whole weight's shape, which cannot meet sharded (DTensor) gradients. With sharded weights its
+    state is made here first instead, as its first step makes it, with DTensors laid out like the gradient: the row
+    statistics sharded as the weight's rows, the column statistics replicated where the sharded dim is averaged away.
+    Each process then updates its own shard, and the statistics (and so the weights) are those of the unsharded
+    optimizer. Every weight gets its state (whole ones too), so a resumed state fills all of it."""
+    from torch.distributed.tensor import DTensor
 
     try:
         from transformers.optimization import Adafactor
@@ -230,26 +230,38 @@ def init_optimizer_state(optimizers) -> None:
         return
     for optimizer in optimizers:
         raw = getattr(optimizer, "optimizer", optimizer)
-        if not isinstance(raw, Adafactor):
+        params = [p for g in raw.param_groups for p in g["params"]]
+        if not isinstance(raw, Adafactor) or not any(isinstance(p, DTensor) for p in params):
             continue
         for group in raw.param_groups:
             for p in group["params"]:
-                if not isinstance(p, DTensor) or p.ndim < 2 or raw.state[p]:
-                    continue  # (1-d weights: Adafactor's zeros_like of the gradient is a DTensor already)
-                n = p.ndim
-                shard = [pl.dim if isinstance(pl, Shard) else None for pl in p.placements]
-                row = [Shard(d) if d is not None and d < n - 1 else Replicate() for d in shard]
-                col = [Shard(d) if d is not None and d < n - 2 else Shard(n - 2) if d == n - 1 else Replicate()
-                       for d in shard]
-                state = raw.state[p]  # as Adafactor's own first step makes it (float32 statistics)
-                state["step"] = 0
-                if group["beta1"] is not None:
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                state["exp_avg_sq_row"] = dtensor_zeros(p.shape[:-1], dtype=torch.float32, device_mesh=p.device_mesh,
-                                                        placements=row)
-                state["exp_avg_sq_col"] = dtensor_zeros(p.shape[:-2] + p.shape[-1:], dtype=torch.float32,
-                                                        device_mesh=p.device_mesh, placements=col)
-                state["RMS"] = 0
+                if not raw.state[p]:
+                    raw.state[p].update(_adafactor_state(raw, group, p))
+
+
+def _adafactor_state(optimizer, group: dict, p: torch.Tensor) -> dict:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import zeros as dtensor_zeros
+
+    zeros = torch.zeros_like(p, dtype=torch.float32)  # (float32 statistics, whatever the weights' dtype)
+    state = {"step": 0, "RMS": optimizer._rms(zeros)}
+    if group["beta1"] is not None:
+        state["exp_avg"] = torch.zeros_like(zeros)
+    if p.ndim < 2:
+        state["exp_avg_sq"] = torch.zeros_like(zeros)
+        return state
+    row_shape, col_shape = p.shape[:-1], p.shape[:-2] + p.shape[-1:]
+    if not isinstance(p, DTensor):
+        state["exp_avg_sq_row"] = torch.zeros(row_shape, dtype=torch.float32, device=p.device)
+        state["exp_avg_sq_col"] = torch.zeros(col_shape, dtype=torch.float32, device=p.device)
+        return state
+    n = p.ndim
+    dims = [pl.dim if isinstance(pl, Shard) else None for pl in p.placements]
+    row = [Shard(d) if d is not None and d < n - 1 else Replicate() for d in dims]
+    col = [Shard(d) if d is not None and d < n - 2 else Shard(n - 2) if d == n - 1 else Replicate() for d in dims]
+    state["exp_avg_sq_row"] = dtensor_zeros(row_shape, dtype=torch.float32, device_mesh=p.device_mesh, placements=row)
+    state["exp_avg_sq_col"] = dtensor_zeros(col_shape, dtype=torch.float32, device_mesh=p.device_mesh, placements=col)
+    return state
 
 
 def clip_grad_norm_(params, max_norm: float, accelerator) -> None:
