@@ -23,8 +23,8 @@ A row's figures: the trainer's summary line (main process: median step of the st
 step, peak allocated memory since the loop began), every process's own "finished" line (its peak allocated
 memory, library.data_parallel.log_process_done), the --fsdp "sharded over N processes" line, samples/s
 (processes x batch / median step) and, on CUDA, the most memory nvidia-smi showed on each GPU during the run
-(context and allocator reserve included, model loading too). Once every process has said it finished, the run is
-stopped (the final save of a 24 GB model is not what is measured) unless --save.
+(context and allocator reserve included, model loading too). Once every process has said it finished, every
+process of the run is killed (the final save of a 24 GB model is not what is measured) unless --save.
 """
 from __future__ import annotations
 
@@ -231,16 +231,30 @@ def run_row(name: str, workdir: Path, steps: int, tiny: bool, timeout: float, sa
                             start_new_session=True)  # its own process group: stopped as a whole
     stopped_early, timed_out = False, False
 
-    def stop_all(sig=signal.SIGTERM):
+    def stop_all():
+        """Every process of the run, the launcher's workers included, killed now and waited for (a worker left
+        saving a 24 GB model would hold its GPU during the next row)."""
+        import psutil
+
         try:
-            os.killpg(proc.pid, sig)
+            tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            tree = []
+        for p in tree:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        psutil.wait_procs(tree, timeout=30)
 
     def on_timeout():
         nonlocal timed_out
         timed_out = True
-        stop_all(signal.SIGKILL)
+        stop_all()
 
     timer = threading.Timer(timeout, on_timeout) if timeout else None
     if timer:
@@ -261,7 +275,6 @@ def run_row(name: str, workdir: Path, steps: int, tiny: bool, timeout: float, sa
             if len(done) == row.gpus and not save:  # every process has its figures: the save is not measured
                 stopped_early = True
                 stop_all()
-                threading.Timer(15, stop_all, (signal.SIGKILL,)).start()
     rc = proc.wait()
     if timer:
         timer.cancel()
