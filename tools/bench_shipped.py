@@ -1,10 +1,10 @@
 """Times the SHIPPED trainers (what users run) on random full-size SDXL or FLUX.1 checkpoints, eager and compiled.
 
-    python tools/bench_shipped.py prepare --workdir W [--family flux] [--buckets]  # random full-size models + images
+    python tools/bench_shipped.py prepare --workdir W [--family flux|sd3-medium|...] [--buckets] [--tiny]
     python tools/bench_shipped.py run --workdir W --steps 60 [--family flux] [--gradient_checkpointing]
            [--batch_size 4] [--phases eager,compiled] [--compile_mode reduce-overhead] [--scripts_dir OTHER/sd-scripts]
            [--buckets] [--recompiles] [--time_graphs] [--cache_tag T] [--timeout S] [--log_out FILE]
-           [--json_out FILE] [-- more trainer flags]
+           [--json_out FILE] [--upstream_dir D --upstream_pythonpath P] [-- more trainer flags]
     python tools/bench_shipped.py report FILE.json ...  # the runs' --json_out files -> default-vs-best table
 
 `prepare` writes random weights in users' file layouts (nothing is downloaded): SDXL `W/sdxl.safetensors` (SGM
@@ -27,6 +27,18 @@ Every compiled run reports `compile_line_to_step2_done_s`: from the trainer's "C
 line to its progress line for step 1, which it prints once step 2 has run (the loss is read a step late); step 3
 done (issue 15's warm-restart target) is one more step, whose time the summary's median gives. `--cache_tag` runs on the compile
 cache of another tag (a warm restart); `--time_graphs` runs the trainer through tools/graph_timing.py.
+
+The families after FLUX.1 (issue 28 item 6; `--family sd3-medium|sd3-large|chroma|lumina`): `prepare` writes random
+full-size bf16 files in the layouts users download and upstream reads (shapes from each model's published config,
+written down at SD35_MEDIUM and below): SD3.5 as SAI's single file (MMDiT + VAE) with separate clip_l / clip_g /
+t5xxl files; Chroma as its distributed single file with FLUX.1's T5-XXL and AE; Lumina 2 as its single file with
+Gemma 2 2B and the AE; tokenizers in both sides' --tokenizer_cache_dir layouts (`--tiny`: the same at test size).
+`run --phases upstream,compiled,eager` adds a phase that starts upstream kohya-ss/sd-scripts' own script from
+`--upstream_dir` (no compile, as its users run it) with `--upstream_pythonpath` as its whole PYTHONPATH (its pinned
+packages); its progress is a tqdm bar, read for the median step and the first step. Every run also polls
+nvidia-smi for the peak memory.used, the same outside figure for both sides. `report` prints these families' rows
+apart (ours compiled / ours eager / upstream, upstream's step over ours, memory, first step). gpu/README (not in
+git) holds the device scripts.
 """
 from __future__ import annotations
 
