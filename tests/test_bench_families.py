@@ -30,7 +30,7 @@ def test_upstream_tqdm_bar_gives_median_and_first_step():
         log.append((t, bar.format(p=s * 100 // 30, s=s, post="")))
         log.append((t + 0.01, bar.format(p=s * 100 // 30, s=s, post=", avr_loss=0.1")))  # set_postfix redraw
         t += 11.0 if s == 20 else 1.0  # one slow step (a pause): in the mean, not in the median
-    r = bench_shipped.read_log(log, warmup=10)
+    r = bench_shipped.read_log(log, warmup=10, bar=True)
     assert r["first_step_s"] == 12.0 and r["start_to_step1_shown_s"] == 52.0
     assert r["outside_steps"] == "10-30" and r["outside_ms_per_step"] == 1500.0
     assert r["outside_median_ms"] == 1000.0
@@ -38,7 +38,9 @@ def test_upstream_tqdm_bar_gives_median_and_first_step():
 
 
 def test_ours_progress_lines_give_no_bar_figures():
-    log = [(30.0, "steps: 0/20 loss=0"), (45.0, "steps: 1/20 loss=0.1 it/s=0.1"),
+    log = [(30.0, "steps: 0/20 loss=0"), (30.1, "steps:   0%|          | 0/20 [00:00<?, ?it/s]"),
+           (45.0, "steps:   5%|5         | 1/20 [00:15<04:45, 15.0s/it]"),  # ours' bar: a step late, in bursts
+           (45.0, "steps:  10%|#         | 2/20 [00:15<02:15,  7.5s/it]"), (45.0, "steps: 1/20 loss=0.1 it/s=0.1"),
            (50.0, "steps: 10/20 loss=0.1 it/s=1"), (52.0, "steps: 20/20 loss=0.1 it/s=5")]
     r = bench_shipped.read_log(log, warmup=10)
     assert r["outside_ms_per_step"] == 200.0 and r["start_to_step1_shown_s"] == 45.0

@@ -476,15 +476,15 @@ def trainer_argv(args, phase: str, workdir: Path) -> list[str]:
     return argv + args.extra
 
 
-def read_log(lines: list[tuple[float, str]], warmup: int) -> dict:
-    """The figures a run's timestamped output lines give (see the module's docstring)."""
+def read_log(lines: list[tuple[float, str]], warmup: int, bar: bool = False) -> dict:
+    """The figures a run's timestamped output lines give (see the module's docstring). `bar`: the progress is
+    upstream's tqdm bar, redrawn as each step ends (ours draws one too, a step late and in bursts: its
+    "steps: N/M" lines are read instead)."""
     result: dict = {}
     points, shapes, recompiles = [], [], {}
     compiling = graph_timing = None
-    bar = False  # a tqdm bar (upstream): one redraw as each step ends
     for t, line in lines:
-        if m := PROGRESS.match(line) or TQDM.match(line):
-            bar = bar or m.re is TQDM
+        if m := (TQDM if bar else PROGRESS).match(line):
             if not points or int(m.group(1)) != points[-1][0]:  # tqdm redraws a step on close
                 points.append((int(m.group(1)), t))
         elif m := SUMMARY.match(line):
@@ -631,7 +631,7 @@ def run_phase(args, phase: str, workdir: Path) -> dict:
               "smi_peak_mib": memory.stop()}
     if timed_out:
         result["timed_out_after_s"] = args.timeout
-    result.update(read_log(lines, args.warmup))
+    result.update(read_log(lines, args.warmup, bar=upstream))
     result["auto_chose"] = auto_choices([line for _, line in lines])
     if rc != 0:
         result["log_tail"] = [line for _, line in lines[-40:]]
