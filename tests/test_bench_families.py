@@ -54,17 +54,18 @@ def _run(family, phase, **kw):
 def test_family_report_compares_each_run_with_upstream(tmp_path):
     runs = [_run("sd3-large", "eager", trainer_summary={"median_ms": 900.0, "peak_gib": 30.5,
                                                          "first_steps": "first step 3.1 s, second step 0.9 s"},
-                 smi_peak_mib=34816, start_to_step1_shown_s=60.4),
+                 smi_peak_mib=34816, smi_loop_peak_mib=33792, start_to_step1_shown_s=60.4),
             _run("sd3-large", "upstream", outside_median_ms=1500.0, first_step_s=2.5, smi_peak_mib=40960,
-                 start_to_step1_shown_s=70.0),
+                 smi_loop_peak_mib=40960, start_to_step1_shown_s=70.0),
             _run("sd3-large", "compiled", trainer_summary={"median_ms": 600.0, "peak_gib": 28.0,
                                                             "first_steps": "first step 50.2 s, second step 9.0 s"}),
             _run("chroma", "compiled", rc=-9, timed_out_after_s=200.0)]
     (tmp_path / "r.json").write_text(json.dumps(runs))
     rows = bench_shipped.report([str(tmp_path / "r.json")]).splitlines()
     assert rows[2] == "| sd3-large 1024 px | ours, Enable torch.compile | 600.0 ms | 2.50x | 28.00 GiB |  | 50.2 s |  |"
-    assert rows[3] == "| sd3-large 1024 px | ours, eager | 900.0 ms | 1.67x | 30.50 GiB | 34.00 GiB | 3.1 s | 60 s |"
-    assert rows[4] == "| sd3-large 1024 px | upstream | 1500.0 ms |  |  | 40.00 GiB | 2.5 s | 70 s |"
+    assert rows[3] == ("| sd3-large 1024 px | ours, eager | 900.0 ms | 1.67x | 30.50 GiB | 33.00 GiB (run 34.00) | 3.1 s "
+                       "| 60 s |")
+    assert rows[4] == "| sd3-large 1024 px | upstream | 1500.0 ms |  |  | 40.00 GiB (run 40.00) | 2.5 s | 70 s |"
     assert rows[5] == "| chroma 1024 px | ours, Enable torch.compile | failed (rc -9, stopped at 200 s) |  |  |  |  |  |"
 
 
@@ -105,3 +106,26 @@ def test_tokenizer_folders_load_offline_for_ours_and_in_upstreams_layout(tmp_pat
     for tok in (hub, ours):  # <bos> first, every id inside the vocabulary the random Gemma's embedding has
         ids = tok("a cat").input_ids
         assert ids[0] == 2 and len(ids) > 2 and max(ids) < len(ours)
+
+
+def test_nvidia_smi_peak_of_the_whole_run_and_of_the_training_loop():
+    samples = [(1.0, 500), (20.0, 21000), (30.0, 3000), (41.0, 15000), (60.0, 16000)]  # caching T5 at 20 s
+    lines = [(10.0, "INFO caching"), (40.0, "steps:   0%|          | 0/20 [00:00<?, ?it/s]"), (70.0, "done")]
+    assert bench_shipped.memory_figures(samples, lines) == {"smi_peak_mib": 21000, "smi_loop_peak_mib": 16000}
+    assert bench_shipped.memory_figures(samples, lines[:1]) == {"smi_peak_mib": 21000}  # it never reached the loop
+    assert bench_shipped.memory_figures([], lines) == {"smi_peak_mib": None}  # no nvidia-smi (this CPU)
+
+
+def test_memory_poll_reads_nvidia_smi_lines(tmp_path, monkeypatch):
+    fake = tmp_path / "nvidia-smi"  # prints what `--query-gpu=memory.used --format=csv,noheader,nounits -lms` does
+    fake.write_text("#!/bin/sh\nprintf '100\\n20500\\n300\\n'\nexec sleep 30\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    import time
+
+    poll = bench_shipped.GpuMemoryPoll(time.perf_counter())
+    for _ in range(100):
+        if len(poll.samples) == 3:
+            break
+        time.sleep(0.05)
+    assert [m for _, m in poll.stop()] == [100, 20500, 300]
