@@ -290,6 +290,7 @@ def _adafactor_worker(rank: int, world: int, port: int, folder: str, results):
 
     sys.path.insert(0, str(REPO / "sd-scripts"))
     from library import sharding
+    from library.grouped_adafactor import GroupedAdafactor
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -305,7 +306,9 @@ def _adafactor_worker(rank: int, world: int, port: int, folder: str, results):
             for layer in (model[0], model[2], model[3]):
                 fully_shard(layer, mesh=mesh)
             fully_shard(model, mesh=mesh)
-        optimizer = Adafactor([*model.parameters(), *whole.parameters()], **options)
+        # sharded: the class the trainers build for --optimizer_type Adafactor (a subclass with a batched step)
+        cls = GroupedAdafactor if sharded else Adafactor
+        optimizer = cls([*model.parameters(), *whole.parameters()], **options)
         sharding.init_optimizer_state([optimizer])
         return torch.nn.Sequential(model, whole), optimizer
 
