@@ -290,6 +290,7 @@ def _adafactor_worker(rank: int, world: int, port: int, folder: str, results):
 
     sys.path.insert(0, str(REPO / "sd-scripts"))
     from library import sharding
+    from library.grouped_adafactor import GroupedAdafactor
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -300,13 +301,16 @@ def _adafactor_worker(rank: int, world: int, port: int, folder: str, results):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3, padding=1), torch.nn.Flatten(),
                                     torch.nn.Linear(3 * 4 * 4, 5), torch.nn.Linear(5, 7))
+        whole = torch.nn.Linear(7, 3)  # in the same optimizer, never sharded (as a trained text encoder)
         if sharded:
             for layer in (model[0], model[2], model[3]):
                 fully_shard(layer, mesh=mesh)
             fully_shard(model, mesh=mesh)
-        optimizer = Adafactor(model.parameters(), **options)
+        # sharded: the class the trainers build for --optimizer_type Adafactor (a subclass with a batched step)
+        cls = GroupedAdafactor if sharded else Adafactor
+        optimizer = cls([*model.parameters(), *whole.parameters()], **options)
         sharding.init_optimizer_state([optimizer])
-        return model, optimizer
+        return torch.nn.Sequential(model, whole), optimizer
 
     def steps(pairs, seeds):
         for seed in seeds:
@@ -318,7 +322,8 @@ def _adafactor_worker(rank: int, world: int, port: int, folder: str, results):
 
     def gap(sharded, whole):
         with torch.no_grad():
-            return max(float((p.full_tensor() - w).abs().max()) for p, w in zip(sharded.parameters(), whole.parameters()))
+            return max(float(((p.full_tensor() if hasattr(p, "full_tensor") else p) - w).abs().max())
+                       for p, w in zip(sharded.parameters(), whole.parameters()))
 
     whole, sharded = make(False), make(True)
     steps([whole, sharded], range(3))

@@ -350,7 +350,11 @@ def _all_reduce_sums(tensors: list, group):
     if not tensors:
         return iter(())
     flat = torch.cat([t.reshape(-1) for t in tensors])
+    home = flat.device
+    if home.type == "cpu" and "gloo" not in str(torch.distributed.get_backend(group)):
+        flat = flat.cuda()  # --fsdp_cpu_offload on an NCCL group: the sums go through the GPU
     torch.distributed.all_reduce(flat, group=group)
+    flat = flat.to(home)
     sums, offset = [], 0
     for t in tensors:
         sums.append(flat[offset:offset + t.numel()].view_as(t))
