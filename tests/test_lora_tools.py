@@ -407,25 +407,37 @@ def test_dump_options(tool, capsys):
 
 
 def test_benchmark_commands_are_valid_tool_command_lines(tmp_path, capsys):
-    """tools/bench_lora_tools.py --dry_run: the command lines it would time (ours and upstream's) parse with the
-    tools' own parsers (the same options upstream's take, plus --overwrite for ours)."""
+    """tools/bench_lora_tools.py --dry_run: the command lines it would time (ours, and upstream's through its
+    --upstream_launch) parse with the tools' own parsers (the same options upstream's take, plus --overwrite for
+    ours), the WD14 tagger's included."""
     import importlib.util
     import shlex
 
-    spec = importlib.util.spec_from_file_location("bench_lora_tools", REPO / "tools" / "bench_lora_tools.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    def load(name, path):
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    bench = load("bench_lora_tools", REPO / "tools" / "bench_lora_tools.py")
     assert bench.main(["--work_dir", str(tmp_path), "--dry_run", "--upstream", "/opt/sd-scripts"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
-    assert len(lines) == 10
-    by_name = {t.__name__.split(".")[-1]: t for t in TOOLS}
+    names = {line.split("] ", 1)[1].split(":", 1)[0] for line in lines}
+    assert names == {"sdxl_resize", "sdxl_resize_sv_fro", "sdxl_merge", "sdxl_extract", "flux_extract", "wd14_16",
+                     "wd14_160"} and len(lines) == 2 * len(names)
+    parsers = {t.__name__.split(".")[-1]: t.setup_parser for t in TOOLS}
+    parsers["tag_images_by_wd14_tagger"] = load(
+        "wd14", REPO / "sd-scripts" / "finetune" / "tag_images_by_wd14_tagger.py").setup_parser
     for line in lines:
         who, rest = line.split("] ", 1)
         argv = shlex.split(rest.split(": ", 1)[1])
-        script = argv[1].rsplit("/", 1)[1][:-3]
-        assert argv[1].startswith("/opt/sd-scripts/networks/" if who == "[upstream" else str(REPO))
-        by_name[script].setup_parser().parse_args(argv[2:])
-
+        if who == "[upstream":
+            assert argv[1].endswith("tools/bench_lora_tools.py") and argv[2] == "--upstream_launch"
+            argv = [argv[0], *argv[3:]]
+            assert argv[1].startswith("/opt/sd-scripts/")
+        else:
+            assert argv[1].startswith(str(REPO))
+        parsers[argv[1].rsplit("/", 1)[1][:-3]]().parse_args(argv[2:])
 
 def test_sd1_merge_from_a_diffusers_folder_and_extract(tiny_sd1_single_file, tiny_sd1_diffusers, tmp_path):
     """SD1.x: the model read from its diffusers folder, the LoRA (1x1-conv proj_in/out, 3x3 convs) merged and
