@@ -510,3 +510,42 @@ def test_sdxl_merge_with_layer_block_weights_and_oft(sdxl_lora, tiny_sdxl_single
         expected = module.rotated_weight(module.org_module.weight.detach())
         got = merged_weights[paths[id(module.org_module)] + ".weight"]
         assert torch.allclose(got, expected, atol=1e-5) and not torch.allclose(got, module.org_module.weight)
+
+
+def test_benchmark_upstream_launch_runs_a_script_as_python_would(tmp_path):
+    """--upstream_launch: the script runs as `python script args` (its folder first on sys.path, its argv), and
+    `from transformers import CLIPFeatureExtractor` (upstream's lpw pipeline import, gone in transformers 5) works."""
+    (tmp_path / "beside.py").write_text("VALUE = 'beside'\n")
+    (tmp_path / "tool.py").write_text(
+        "import sys\nfrom transformers import CLIPFeatureExtractor\nimport beside\n"
+        "if __name__ == '__main__':\n    print(beside.VALUE, sys.argv[1:], CLIPFeatureExtractor.__name__)\n")
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "bench_lora_tools.py"), "--upstream_launch",
+                        str(tmp_path / "tool.py"), "--x", "1"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "beside ['--x', '1'] CLIPFeatureExtractor"
+
+
+def test_benchmark_output_checks(tmp_path):
+    """The agreement checks the benchmark prints: a LoRA against itself and against a rank-changed copy."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_lora_tools", REPO / "tools" / "bench_lora_tools.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    g = torch.Generator().manual_seed(0)
+    sd = {"lora_unet_a.lora_down.weight": torch.randn(4, 8, generator=g),
+          "lora_unet_a.lora_up.weight": torch.randn(6, 4, generator=g), "lora_unet_a.alpha": torch.tensor(2.0)}
+    other = dict(sd, **{"lora_unet_a.lora_up.weight": sd["lora_unet_a.lora_up.weight"] * 1.01})
+    paths = [str(tmp_path / f"{n}.safetensors") for n in ("a", "b")]
+    lora_tools.save_lora(paths[0], sd, {}, overwrite=False)
+    lora_tools.save_lora(paths[1], other, {}, overwrite=False)
+    same = bench.compare_loras(paths[0], paths[0])
+    assert same == {"modules": [1, 1], "common": 1, "ranks_equal": 1, "max_rel_diff": 0.0}
+    assert bench.compare_loras(paths[0], paths[1])["max_rel_diff"] == pytest.approx(0.01 / 1.01, rel=1e-3)
+    assert bench.compare_models(paths[0], paths[1])["worst_key"] == "lora_unet_a.lora_up.weight"
+    (tmp_path / "x").mkdir()
+    (tmp_path / "y").mkdir()
+    for d, text in (("x", "a, b"), ("y", "a, c")):
+        (tmp_path / d / "1.txt").write_text(text)
+        (tmp_path / d / "2.txt").write_text("same")
+    assert bench.compare_captions(tmp_path / "x", tmp_path / "y") == {"captions": [2, 2], "identical": 1}

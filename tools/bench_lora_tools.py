@@ -10,11 +10,13 @@ Inputs are made under --work_dir on --device (full size: SDXL checkpoint fp16 ~7
 convs at 32, two FLUX.1-dev-shaped transformers, the tuned one = the original + a rank-16 difference, bf16 ~24 GB
 each or fp8 ~12 GB each with --flux_dtype fp8; a ViT-B/16 448 px ONNX tagger with 10861 tags, the shape of
 SmilingWolf/wd-vit-tagger-v3, random weights, and random 1024 px JPEGs). Each command runs in its own process
-(model loading included: what a user waits for); --budget_s bounds the whole run (a command still running at the
-end is stopped and its progress bar's last count recorded). The FLUX.1 files are made last and deleted at the end
-(--keep_inputs keeps them). Upstream's scripts run through `--upstream_launch`, which only adds
-transformers.CLIPFeatureExtractor (removed in transformers 5; upstream names it in an import of its lpw pipeline,
-which no tool runs). The table goes to stdout and --json; --dry_run prints the commands.
+(model loading included: what a user waits for); --budget_s bounds the whole run and --cap_s each command (a command
+still running then is stopped and its progress bar's last count recorded). The FLUX.1 files are made last (after
+the SDXL and WD14 runs, which leave --reserve_s for them) and deleted at the end (--keep_inputs keeps them).
+Upstream's scripts run through `--upstream_launch` (as `python script` would; under transformers 5 it answers
+transformers.CLIPFeatureExtractor, removed there, which upstream imports for a type of its lpw pipeline; its
+SDXL loader still needs upstream's pinned transformers 4.x: pass it with --upstream_pythonpath). The table goes to
+stdout and --json; --dry_run prints the commands.
 """
 from __future__ import annotations
 
@@ -410,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
                     "seconds from the start (their progress is recorded)")
     ap.add_argument("--cap_s", type=float, default=1e9, help="stop any one command after this many seconds (its "
                     "progress bar's count is recorded)")
+    ap.add_argument("--reserve_s", type=float, default=0.0, help="seconds of --budget_s kept for the FLUX.1 extract "
+                    "(made and run last): the SDXL and WD14 commands stop earlier")
     ap.add_argument("--keep_inputs", action="store_true", help="keep the FLUX.1 files (else deleted at the end)")
     ap.add_argument("--json", type=Path, help="write the results here too")
     ap.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
@@ -436,10 +440,10 @@ def main(argv: list[str] | None = None) -> int:
     envs = {"ours": None, "upstream": dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (a.upstream, a.upstream_pythonpath, os.environ.get("PYTHONPATH", "")) if p))}
 
-    def run(name):
+    def run(name, reserve=0.0):
         for who, cmds in sides.items():
             (work / f"out_{who}").mkdir(exist_ok=True)
-            left = min(a.cap_s, a.budget_s - (time.perf_counter() - t0))
+            left = min(a.cap_s, a.budget_s - reserve - (time.perf_counter() - t0))
             if who == "upstream" and name == "sdxl_merge" and a.size == "tiny":
                 # upstream's sdxl_model_util builds the SDXL base architecture only; the full size runs it
                 results.append({"who": who, "bench": name, "seconds": None, "rc": 0, "skipped": "tiny SDXL"})
@@ -454,28 +458,21 @@ def main(argv: list[str] | None = None) -> int:
         pair = [work / f"out_{who}" / file for who in ("ours", "upstream")]
         return [str(p) for p in pair] if a.upstream and all(p.exists() for p in pair) else None
 
-    if want("flux_extract"):
-        make_flux_inputs(work, a.size, a.flux_dtype, gen_device)
-        run("flux_extract")
-        if both("flux_extracted.safetensors"):
-            checks["flux_extract"] = compare_loras(*both("flux_extracted.safetensors"))
-        if not a.keep_inputs:
-            for key in ("flux_org", "flux_tuned"):
-                Path(paths[key]).unlink(missing_ok=True)
+    reserve = a.reserve_s if want("flux_extract") else 0.0  # FLUX.1 runs last, in the time kept for it
     if any(want(n) for n in ("sdxl_resize", "sdxl_resize_sv_fro", "sdxl_merge", "sdxl_extract")):
         make_sdxl_inputs(work, a.size, gen_device)
     for name in ("sdxl_resize", "sdxl_resize_sv_fro"):
         if want(name):
-            run(name)
+            run(name, reserve)
             out = both("resized.safetensors" if name == "sdxl_resize" else "resized_fro.safetensors")
             if out:
                 checks[name] = compare_loras(*out)
     if want("sdxl_merge"):
-        run("sdxl_merge")
+        run("sdxl_merge", reserve)
         if both("merged.safetensors"):
             checks["sdxl_merge"] = compare_models(*both("merged.safetensors"))
     if want("sdxl_extract"):
-        run("sdxl_extract")
+        run("sdxl_extract", reserve)
         if both("sdxl_extracted.safetensors"):
             checks["sdxl_extract"] = compare_loras(*both("sdxl_extracted.safetensors"))
     for who in ("ours", "upstream"):  # 7 GB each (disk)
@@ -489,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             pass
         for n in cfg["wd14"][5:]:
-            run(f"wd14_{n}")
+            run(f"wd14_{n}", reserve)
         few, many = cfg["wd14"][5:]
         for who in sides:
             t = {r["bench"]: r["seconds"] for r in results if r["who"] == who and r["rc"] == 0}
@@ -497,6 +494,14 @@ def main(argv: list[str] | None = None) -> int:
                 checks[f"wd14_images_per_s_{who}"] = round((many - few) / (t[f"wd14_{many}"] - t[f"wd14_{few}"]), 2)
         if a.upstream:
             checks["wd14_captions"] = compare_captions(work / f"wd14_ours_{many}", work / f"wd14_upstream_{many}")
+    if want("flux_extract"):
+        make_flux_inputs(work, a.size, a.flux_dtype, gen_device)
+        run("flux_extract")
+        if both("flux_extracted.safetensors"):
+            checks["flux_extract"] = compare_loras(*both("flux_extracted.safetensors"))
+        if not a.keep_inputs:
+            for key in ("flux_org", "flux_tuned"):
+                Path(paths[key]).unlink(missing_ok=True)
     print("\n| benchmark | who | seconds | exit |\n|---|---|---|---|")
     for r in results:
         print(f"| {r['bench']} | {r['who']} | {r['seconds']} | {r['rc']}"
