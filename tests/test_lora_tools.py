@@ -423,8 +423,8 @@ def test_benchmark_commands_are_valid_tool_command_lines(tmp_path, capsys):
     assert bench.main(["--work_dir", str(tmp_path), "--dry_run", "--upstream", "/opt/sd-scripts"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
     names = {line.split("] ", 1)[1].split(":", 1)[0] for line in lines}
-    assert names == {"sdxl_resize", "sdxl_resize_sv_fro", "sdxl_merge", "sdxl_extract", "flux_extract", "wd14_16",
-                     "wd14_160"} and len(lines) == 2 * len(names)
+    assert names == {"sdxl_resize", "sdxl_resize_sv_fro", "sdxl_merge", "sdxl_extract", "flux_extract", "wd14_8",
+                     "wd14_88"} and len(lines) == 2 * len(names)
     parsers = {t.__name__.split(".")[-1]: t.setup_parser for t in TOOLS}
     parsers["tag_images_by_wd14_tagger"] = load(
         "wd14", REPO / "sd-scripts" / "finetune" / "tag_images_by_wd14_tagger.py").setup_parser
