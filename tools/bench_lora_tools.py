@@ -383,7 +383,8 @@ def time_command(who: str, name: str, cmd: list, cwd: str | None, env: dict | No
     start = time.perf_counter()
     with open(log, "w") as f:
         try:
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd,
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, cwd=cwd,
+                                  env=dict(env or os.environ, COLUMNS="400"),  # rich logs: one line a record
                                   timeout=max(1.0, timeout))
             rc = proc.returncode
         except subprocess.TimeoutExpired:
