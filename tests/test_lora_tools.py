@@ -549,3 +549,23 @@ def test_benchmark_output_checks(tmp_path):
         (tmp_path / d / "1.txt").write_text(text)
         (tmp_path / d / "2.txt").write_text("same")
     assert bench.compare_captions(tmp_path / "x", tmp_path / "y") == {"captions": [2, 2], "identical": 1}
+
+
+def test_benchmark_summary_rows():
+    """The summary table the benchmark ends with: seconds per side, a stopped command's progress and estimate, the
+    output check, and WD14 as images/s."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_lora_tools", REPO / "tools" / "bench_lora_tools.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    results = [{"who": "upstream", "bench": "flux_extract", "seconds": 75.1, "rc": "timeout", "progress": "30/304",
+                "estimated_total_s": 761.0},
+               {"who": "ours", "bench": "flux_extract", "seconds": 40.2, "rc": 0},
+               {"who": "ours", "bench": "wd14_8", "seconds": 9.0, "rc": 0}]
+    checks = {"flux_extract": {"modules": [304, 304], "common": 304, "ranks_equal": 304, "max_rel_diff": 2e-6},
+              "wd14_images_per_s_ours": 12.5, "wd14_captions": {"captions": [88, 88], "identical": 88}}
+    rows = bench.summary(results, checks)
+    assert rows[2] == ("| flux_extract | 40.2 s | stopped at 75.1 s (30/304, est. 761.0 s) | ranks equal 304/304, "
+                       "max rel. diff 2.0e-06 |")
+    assert rows[3] == "| wd14 images/s | 12.5 | - | identical captions 88/88 |" and len(rows) == 4

@@ -405,6 +405,41 @@ def time_command(who: str, name: str, cmd: list, cwd: str | None, env: dict | No
     return result
 
 
+def summary(results: list[dict], checks: dict) -> list[str]:
+    """Markdown rows per benchmark: our and upstream's seconds (a stopped command: its progress and estimate) and the
+    output check; WD14 as images/s of each side."""
+    def cell(r):
+        if r is None:
+            return "-"
+        if r.get("skipped"):
+            return f"skipped ({r['skipped']})"
+        if r["rc"] == "timeout":
+            est = f", est. {r['estimated_total_s']} s" if r.get("estimated_total_s") else ""
+            return f"stopped at {r['seconds']} s ({r.get('progress') or 'no progress'}{est})"
+        return f"{r['seconds']} s" if r["rc"] == 0 else f"{r['seconds']} s, exit {r['rc']}"
+
+    def check(name):
+        c = checks.get(name)
+        if not c:
+            return "-"
+        if "ranks_equal" in c:
+            return f"ranks equal {c['ranks_equal']}/{c['common']}, max rel. diff {c['max_rel_diff']:.1e}"
+        return f"max rel. diff {c['max_rel_diff']:.1e} over {c['common']} tensors"
+
+    rows = ["| tool | ours | upstream | outputs |", "|---|---|---|---|"]
+    by = {(r["bench"], r["who"]): r for r in results}
+    for name in dict.fromkeys(r["bench"] for r in results):
+        if not name.startswith("wd14_"):
+            rows.append(f"| {name} | {cell(by.get((name, 'ours')))} | {cell(by.get((name, 'upstream')))} | "
+                        f"{check(name)} |")
+    if any(k.startswith("wd14_images_per_s") for k in checks):
+        cap = checks.get("wd14_captions", {})
+        rows.append(f"| wd14 images/s | {checks.get('wd14_images_per_s_ours', '-')} | "
+                    f"{checks.get('wd14_images_per_s_upstream', '-')} | "
+                    f"identical captions {cap.get('identical', '-')}/{(cap.get('captions') or ['-'])[0]} |")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--upstream_launch"]:
@@ -525,6 +560,7 @@ def main(argv: list[str] | None = None) -> int:
               + (f" at {r['progress']}" if r.get("progress") else "") + " |")
     for name, c in checks.items():
         print(f"{name}: {c}")
+    print("\n" + "\n".join(summary(results, checks)))
     if a.json:
         a.json.write_text(json.dumps({"results": results, "checks": checks, "size": a.size, "device": a.device,
                                       "flux_dtype": a.flux_dtype, "total_s": round(time.perf_counter() - t0, 1)},
