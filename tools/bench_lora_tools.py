@@ -416,6 +416,8 @@ def summary(results: list[dict], checks: dict) -> list[str]:
         if r["rc"] == "timeout":
             est = f", est. {r['estimated_total_s']} s" if r.get("estimated_total_s") else ""
             return f"stopped at {r['seconds']} s ({r.get('progress') or 'no progress'}{est})"
+        if r["seconds"] is None:
+            return str(r["rc"])  # no time left
         return f"{r['seconds']} s" if r["rc"] == 0 else f"{r['seconds']} s, exit {r['rc']}"
 
     def check(name):
@@ -510,26 +512,34 @@ def main(argv: list[str] | None = None) -> int:
         return [str(p) for p in pair] if a.upstream and all(p.exists() for p in pair) else None
 
     reserve = a.reserve_s if want("flux_extract") else 0.0  # FLUX.1 runs last, in the time kept for it
-    if any(want(n) for n in ("sdxl_resize", "sdxl_resize_sv_fro", "sdxl_merge", "sdxl_extract")):
-        make_sdxl_inputs(work, a.size, gen_device)
-    for name in ("sdxl_resize", "sdxl_resize_sv_fro"):
-        if want(name):
+
+    def guarded(label, fn, *args, **kw):  # one call: a phase that breaks is recorded, the others still run
+        try:
+            return fn(*args, **kw)
+        except Exception as e:  # noqa: BLE001
+            checks[f"error_{label}"] = f"{type(e).__name__}: {e}"[:500]
+            print(f"{label} failed: {type(e).__name__}: {e}", flush=True)
+
+    def check_pair(name, file, compare, **kw):
+        out = both(file)
+        if out:
+            checks[name] = guarded(name, compare, *out, **kw)
+
+    sdxl = [n for n in ("sdxl_resize", "sdxl_resize_sv_fro", "sdxl_merge", "sdxl_extract") if want(n)]
+    if sdxl:
+        guarded("sdxl_inputs", make_sdxl_inputs, work, a.size, gen_device)
+    if sdxl and "error_sdxl_inputs" not in checks:
+        outputs = {"sdxl_resize": "resized.safetensors", "sdxl_resize_sv_fro": "resized_fro.safetensors",
+                   "sdxl_merge": "merged.safetensors", "sdxl_extract": "sdxl_extracted.safetensors"}
+        for name in sdxl:
             run(name, reserve)
-            out = both("resized.safetensors" if name == "sdxl_resize" else "resized_fro.safetensors")
-            if out:
-                checks[name] = compare_loras(*out)
-    if want("sdxl_merge"):
-        run("sdxl_merge", reserve)
-        if both("merged.safetensors"):
-            checks["sdxl_merge"] = compare_models(*both("merged.safetensors"), device=a.device)
-    if want("sdxl_extract"):
-        run("sdxl_extract", reserve)
-        if both("sdxl_extracted.safetensors"):
-            checks["sdxl_extract"] = compare_loras(*both("sdxl_extracted.safetensors"))
+            check_pair(name, outputs[name], compare_models if name == "sdxl_merge" else compare_loras,
+                       **({"device": a.device} if name == "sdxl_merge" else {}))
     for who in ("ours", "upstream"):  # 7 GB each (disk)
         (work / f"out_{who}" / "merged.safetensors").unlink(missing_ok=True)
     if want("wd14"):
-        make_wd14_inputs(work, a.size)
+        guarded("wd14_inputs", make_wd14_inputs, work, a.size)
+    if want("wd14") and "error_wd14_inputs" not in checks:
         try:
             import onnxruntime
 
@@ -544,16 +554,21 @@ def main(argv: list[str] | None = None) -> int:
             if f"wd14_{few}" in t and f"wd14_{many}" in t and t[f"wd14_{many}"] > t[f"wd14_{few}"]:
                 checks[f"wd14_images_per_s_{who}"] = round((many - few) / (t[f"wd14_{many}"] - t[f"wd14_{few}"]), 2)
         if a.upstream:
-            checks["wd14_captions"] = compare_captions(work / f"wd14_ours_{many}", work / f"wd14_upstream_{many}")
+            checks["wd14_captions"] = guarded("wd14_captions", compare_captions, work / f"wd14_ours_{many}",
+                                              work / f"wd14_upstream_{many}")
     if want("flux_extract"):
-        make_flux_inputs(work, a.size, a.flux_dtype, gen_device)
-        # upstream's first, capped (its progress gives its rate), then ours in what is left
-        run("flux_extract", uncapped=("ours",), order=("upstream", "ours"))
-        if both("flux_extracted.safetensors"):
-            checks["flux_extract"] = compare_loras(*both("flux_extracted.safetensors"))
+        guarded("flux_inputs", make_flux_inputs, work, a.size, a.flux_dtype, gen_device)
+        if "error_flux_inputs" not in checks:
+            # upstream's first, capped (its progress gives its rate), then ours in what is left
+            run("flux_extract", uncapped=("ours",), order=("upstream", "ours"))
+            check_pair("flux_extract", "flux_extracted.safetensors", compare_loras)
         if not a.keep_inputs:
             for key in ("flux_org", "flux_tuned"):
                 Path(paths[key]).unlink(missing_ok=True)
+    if a.json:
+        a.json.write_text(json.dumps({"results": results, "checks": checks, "size": a.size, "device": a.device,
+                                      "flux_dtype": a.flux_dtype, "total_s": round(time.perf_counter() - t0, 1)},
+                                     indent=1))
     print("\n| benchmark | who | seconds | exit |\n|---|---|---|---|")
     for r in results:
         print(f"| {r['bench']} | {r['who']} | {r['seconds']} | {r['rc']}"
@@ -561,10 +576,6 @@ def main(argv: list[str] | None = None) -> int:
     for name, c in checks.items():
         print(f"{name}: {c}")
     print("\n" + "\n".join(summary(results, checks)))
-    if a.json:
-        a.json.write_text(json.dumps({"results": results, "checks": checks, "size": a.size, "device": a.device,
-                                      "flux_dtype": a.flux_dtype, "total_s": round(time.perf_counter() - t0, 1)},
-                                     indent=1))
     return 1 if any(isinstance(r["rc"], int) and r["rc"] for r in results) else 0  # not for a cap or budget stop
 
 
