@@ -82,6 +82,8 @@ def test_cudnn_sdp_choice(monkeypatch, caplog, choice, crashed_here, expected):
     (["--compile", "--compile_backend", "aot_eager", "--network_train_unet_only"], "flux", False, "crashed eager"),
     (["--compile"], "flux", False, "text encoders may train"),  # their attention backward runs eagerly
     (["--compile", "--network_train_unet_only"], "sd3", False, "not measured for this model family (sd3)"),
+    (["--compile", "--network_train_unet_only", "--model_type", "chroma"], "flux", False, "family (chroma)"),
+    (["--compile", "--network_train_unet_only", "--apply_t5_attn_mask"], "flux", False, "attention mask"),
     (["--compile", "--train_text_encoder"], "sdxl", False, "text encoders may train"),  # sdxl_train.py
     (["--compile"], "sdxl", True, "inside the inductor-compiled blocks"),  # sdxl_train.py without the flag
 ])
@@ -90,8 +92,9 @@ def test_cudnn_sdp_auto_where_the_crash_was(argv, family, allowed, why):
     inside inductor-compiled blocks of a measured family (test_cudnn_sdp_choice: setup_compile_environment applies it
     and logs the choice)."""
     parser = compile_options.add_compile_arguments(argparse.ArgumentParser())
-    for flag in ("--network_train_unet_only", "--cache_text_encoder_outputs"):
+    for flag in ("--network_train_unet_only", "--cache_text_encoder_outputs", "--apply_t5_attn_mask"):
         parser.add_argument(flag, action="store_true")
+    parser.add_argument("--model_type", default="flux")
     if family == "sdxl" and "--cache_text_encoder_outputs" not in argv:
         parser.add_argument("--train_text_encoder", action="store_true")  # sdxl_train.py's
     args = parser.parse_args(argv)

@@ -86,11 +86,16 @@ def cudnn_sdp_auto(args) -> tuple[bool, str]:
     lays the attention inputs out itself, eager passes diffusers' views. So: on where every attention backward of
     the run is inside inductor-compiled blocks of a family measured so, else off."""
     family = getattr(args, "_family", None)
+    if getattr(args, "model_type", None) == "chroma":  # FLUX.1's scripts, another model (not measured)
+        family = "chroma"
     if not (getattr(args, "compile", False) and getattr(args, "compile_backend", None) == "inductor"):
         return False, ("its backward crashed eager FLUX.1 training here (illegal memory access); auto uses it only "
                        "inside blocks compiled with --compile --compile_backend inductor; --cudnn_sdp on forces it")
     if family not in CUDNN_SDP_MEASURED:
         return False, (f"not measured for this model family ({family or 'unknown'}) on this torch/CUDA/GPU; "
+                       "--cudnn_sdp on allows it")
+    if getattr(args, "apply_t5_attn_mask", False):
+        return False, ("not measured with an attention mask (--apply_t5_attn_mask) on this torch/CUDA/GPU; "
                        "--cudnn_sdp on allows it")
     if _text_encoders_may_train(args):
         return False, ("the text encoders may train, and their attention backward runs eagerly, where cuDNN's "
