@@ -132,7 +132,7 @@ def warm_compile_workers(args) -> bool:
         from torch._inductor.async_compile import maybe_warm_pool
     except ImportError:  # another torch: the pool starts at the first compile, as before
         return False
-    cache_dir = resolve_cache_dir(args)  # the workers start with this environment (setup_compile_environment sets it too)
+    cache_dir = resolve_cache_dir(args)  # the workers start with it (setup_compile_environment sets it too)
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     maybe_warm_pool()
