@@ -783,3 +783,34 @@ def test_compile_workers_start_before_the_models_load(monkeypatch, tmp_path):
     assert started == [str(tmp_path)]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert not compile_environment.warm_compile_workers(_parse("--compile"))
+
+
+@pytest.mark.parametrize("keep", ["attention", "projections"])
+def test_checkpoint_contexts_compile_whole_inside_a_block(keep):
+    """The selective checkpoint's context (a partial of module-level functions) traces into the block's graph:
+    fullgraph compiles it, so no checkpointed block falls back to eager; the gradients are eager's."""
+    import types
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+        def forward(self, x):
+            q = self.down(torch.nn.functional.gelu(self.up(x)))
+            return torch.nn.functional.scaled_dot_product_attention(q[None], q[None], q[None])[0]
+
+    torch.manual_seed(0)
+    eager, block = Block(), Block()
+    block.load_state_dict(eager.state_dict())
+    block._ckpt_rng, block._ckpt_context = False, compile_checkpoint.CHECKPOINT_CONTEXTS[keep]
+    block._forward_inside_checkpoint = block.forward
+    block.forward = types.MethodType(compile_checkpoint._checkpointed_forward, block)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    block.compile(backend=counter, fullgraph=True)
+    x = torch.randn(8, 16)
+    block(x).sum().backward()
+    eager(x).sum().backward()
+    assert counter.frame_count == 1
+    for a, b in zip(eager.parameters(), block.parameters()):
+        torch.testing.assert_close(b.grad, a.grad)
