@@ -328,14 +328,21 @@ class HunyuanImageDiT(nn.Module):
     def dtype(self):
         return next(self.parameters()).dtype
 
-    def enable_gradient_checkpointing(self, *_, **__):
+    _repeated_blocks = ("MMDoubleStreamBlock", "MMSingleStreamBlock")  # regional compile (library.compile)
+
+    def enable_gradient_checkpointing(self, gradient_checkpointing_func=None):
+        """Each double/single block checkpointed (upstream's); `gradient_checkpointing_func(block, *inputs)` as
+        diffusers' models take it (--cpu_offload_checkpointing)."""
         self.gradient_checkpointing = True
+        self._checkpoint = gradient_checkpointing_func
 
     def disable_gradient_checkpointing(self):
         self.gradient_checkpointing = False
 
     def _run(self, block, *args):
         if self.gradient_checkpointing and self.training:
+            if getattr(self, "_checkpoint", None) is not None:
+                return self._checkpoint(block, *args)
             return torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)
         return block(*args)
 
@@ -643,14 +650,15 @@ class HunyuanImageComponents:
 
 
 def load_components(dit: str, text_encoder: str | None, byt5: str | None, vae: str | None, *, dtype=torch.bfloat16,
-                    fp8_base=False, tokenizer_cache_dir: str | None = None) -> HunyuanImageComponents:
+                    fp8_base=False, vae_dtype=torch.float16,
+                    tokenizer_cache_dir: str | None = None) -> HunyuanImageComponents:
     """Upstream's dtypes: Qwen2.5-VL bf16, byT5 fp16, VAE fp16 (the DiT in the training dtype)."""
     missing = [flag for flag, v in (("--text_encoder", text_encoder), ("--byt5", byt5), ("--vae", vae)) if not v]
     if missing:
         raise ModelLoadError(f"{', '.join(missing)} required: HunyuanImage 2.1 needs the Qwen2.5-VL, byT5 and VAE files")
     tok = load_qwen_tokenizer(tokenizer_cache_dir)
     return HunyuanImageComponents(load_dit(dit, dtype, fp8_base), load_qwen(text_encoder, torch.bfloat16),
-                                  load_byt5(byt5, torch.float16), load_vae(vae, torch.float16), tok, byt5_tokenizer())
+                                  load_byt5(byt5, torch.float16), load_vae(vae, vae_dtype), tok, byt5_tokenizer())
 
 
 # ----------------------------------------------------------------------------------------------------------------
