@@ -1,0 +1,189 @@
+"""HunyuanImage 2.1 LoRA (hunyuan_image_train_network.py) on a tiny random HunyuanImage 2.1 built here in upstream's
+file layouts (DiT with `model.diffusion_model.`, Qwen2.5-VL `model.*`, byT5 `encoder.*` + `shared.weight`, the VAE's
+`encoder.down.N.block.M` keys) and a local word-level tokenizer that splits upstream's template as Qwen's does; CPU:
+- the layouts load (the DiT's names are the file's, the VAE's upstream keys go both ways), prompt encoding as
+  upstream (34 template tokens dropped, byT5 only for quoted text), the text join order;
+- LoRA: upstream's keys and metadata, upstream's cache files, batch 2 with captions of different lengths, a sample
+  image; save_state then --resume; bad settings: one line, exit 2.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import hunyuan_image_train_network
+from library import hunyuan_image_models as models
+from library.families import hunyuan_image
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def hy_set(tmp_path_factory):
+    return models.make_tiny_hunyuan_image(tmp_path_factory.mktemp("hy_models"), prefix=True)
+
+
+@pytest.fixture()
+def hy_data(tmp_path):
+    from library.tiny_models import make_captioned_images
+
+    folder = make_captioned_images(tmp_path / "data", n=2, size=(64, 64), repeats=1, name="demo")
+    captions = ['a red circle with a sign "Hi"', "a blue square photo on a green background"]
+    for path, caption in zip(sorted(folder.rglob("*.png")), captions):
+        path.with_suffix(".caption").write_text(caption)
+    return folder
+
+
+def model_argv(p):
+    return ["--pretrained_model_name_or_path", p["dit"], "--text_encoder", p["text_encoder"], "--byt5", p["byt5"],
+            "--vae", p["vae"], "--tokenizer_cache_dir", p["tokenizer_cache_dir"]]
+
+
+LORA = ["--network_module", "networks.lora_hunyuan_image", "--network_dim", "4", "--network_alpha", "2",
+        "--network_train_unet_only"]
+
+
+def train_argv(data, out, name, extra=()):
+    return ["--train_data_dir", str(data), "--output_dir", str(out), "--output_name", name, "--resolution", "64",
+            "--max_train_steps", "2", "--learning_rate", "1e-3", "--max_data_loader_n_workers", "0", "--seed", "1",
+            *extra]
+
+
+def read(path):
+    with safe_open(str(path), "pt") as f:
+        md = f.metadata() or {}
+    return load_file(str(path)), md
+
+
+def upstream_lora_names(dit) -> set[str]:
+    """Upstream's rule (networks/lora_hunyuan_image.py): every Linear inside MMDoubleStreamBlock /
+    MMSingleStreamBlock, named lora_unet_<module path with _>."""
+    names = set()
+    for name, module in dit.named_modules():
+        if type(module).__name__ in ("MMDoubleStreamBlock", "MMSingleStreamBlock"):
+            for child_name, child in module.named_modules():
+                if isinstance(child, torch.nn.Linear):
+                    names.add(f"lora_unet_{name}.{child_name}".replace(".", "_"))
+    return names
+
+
+def test_layouts_load_and_prompts_encode_as_upstream(hy_set):
+    dit = models.load_dit(hy_set["dit"], torch.float32)
+    written = {k.removeprefix("model.diffusion_model."): v for k, v in load_file(hy_set["dit"]).items()}
+    assert set(written) == set(dit.state_dict())
+    assert {"double_blocks.0.img_attn_qkv.weight", "double_blocks.1.txt_attn_q_norm.weight",
+            "single_blocks.0.linear1.weight", "single_blocks.1.modulation.linear.bias", "byt5_in.fc3.weight",
+            "txt_in.individual_token_refiner.blocks.0.self_attn_qkv.weight", "txt_in.c_embedder.linear_2.weight",
+            "final_layer.adaLN_modulation.1.weight", "img_in.proj.weight", "time_in.mlp.2.weight"} <= set(written)
+    vae_file = load_file(hy_set["vae"])
+    assert {"encoder.down.0.block.0.conv1.weight", "encoder.down.0.downsample.conv.weight",
+            "encoder.mid.attn_1.q.weight", "decoder.up.0.upsample.conv.weight", "decoder.mid.block_2.norm1.weight"
+            } <= set(vae_file)
+    vae = models.load_vae(hy_set["vae"], torch.float32)
+    again = models.vae_diffusers_to_upstream(vae.state_dict(), 1)
+    assert again.keys() == vae_file.keys() and all(torch.equal(again[k], vae_file[k]) for k in vae_file)
+
+    c = models.load_components(hy_set["dit"], hy_set["text_encoder"], hy_set["byt5"], hy_set["vae"],
+                               dtype=torch.float32, vae_dtype=torch.float32,
+                               tokenizer_cache_dir=hy_set["tokenizer_cache_dir"])
+    prefix = models.QWEN_TEMPLATE.split("{}")[0]
+    assert len(c.qwen_tokenizer(prefix).input_ids) == models.QWEN_DROP_TOKENS  # as Qwen's tokenizer splits it
+    te = models.encode_prompts(c, ['a sign "Hi" and ‘OK’', "a red circle photo"])
+    assert te["vlm_embed"].shape[:2] == te["vlm_mask"].shape and te["vlm_mask"].sum(1).tolist()[1] == 5
+    assert te["ocr_mask"].tolist() == [True, False]
+    assert te["byt5_embed"].shape == (2, models.BYT5_MAX_TOKENS, 32)
+    assert te["byt5_mask"][1].sum() == 0 and te["byt5_mask"][0].sum() == len('Text "Hi". Text "OK". ') + 1
+    assert models.glyph_text('say "a" then “b”') == 'Text "a". Text "b". '
+
+
+def test_text_join_order_and_dit_runs():
+    byt5 = torch.arange(4.).view(1, 4, 1).repeat(2, 1, 1)
+    txt = 10 + torch.arange(3.).view(1, 3, 1).repeat(2, 1, 1)
+    joined, mask = models.join_text(byt5, torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0]]).bool(), txt,
+                                    torch.tensor([[1, 0, 0], [1, 1, 0]]).bool())
+    # valid byT5 tokens, valid Qwen tokens, then the rest; trimmed to the longest valid length (3)
+    assert joined[0, :, 0].tolist() == [0, 1, 10] and joined[1, :, 0].tolist() == [10, 11, 0]
+    assert mask.tolist() == [[True, True, True], [True, True, False]]
+
+
+@pytest.mark.slow
+def test_lora_keys_metadata_caches_and_sample(hy_set, hy_data, tmp_path):
+    import numpy as np
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text('a sign "Hi" --w 64 --h 64 --s 3 --l 4 --n blurry --d 7 --fs 3\n')
+    path = hunyuan_image_train_network.main([*model_argv(hy_set), *LORA, *train_argv(
+        hy_data, tmp_path / "out", "lora", ["--train_batch_size", "2", "--cache_latents_to_disk",
+                                            "--cache_text_encoder_outputs_to_disk", "--text_encoder_batch_size", "1",
+                                            "--sample_prompts", str(prompts),
+                                            "--sample_every_n_steps", "2", "--save_state"])])
+    sd, md = read(path)
+    dit = models.load_dit(hy_set["dit"], torch.float32)
+    assert {k.split(".")[0] for k in sd} == upstream_lora_names(dit)
+    assert sd["lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight"].shape == (96, 4)
+    assert sd["lora_unet_single_blocks_1_linear1.lora_down.weight"].shape == (4, 32)
+    assert md["ss_network_module"] == "networks.lora_hunyuan_image"
+    assert md["ss_base_model_version"] == "hunyuan-image-2.1"
+    assert md["modelspec.architecture"] == "hunyuan-image-2.1/lora"
+    assert md["modelspec.implementation"] == "diffusers" and md["modelspec.prediction_type"] == "epsilon"
+    assert md["ss_timestep_sampling"] == "sigma" and md["ss_discrete_flow_shift"] == "5.0"
+    assert md["ss_model_prediction_type"] == "raw"
+    latents = sorted(hy_data.rglob("*_0064x0064_hi.npz"))
+    te = sorted(hy_data.rglob("*_hi_te.npz"))
+    assert len(latents) == 2 and len(te) == 2
+    with np.load(te[0]) as npz:
+        assert {"vlm_embed", "vlm_mask", "byt5_embed", "byt5_mask", "ocr_mask"} <= set(npz.files)
+        assert npz["byt5_embed"].shape == (128, 32) and npz["ocr_mask"].shape == ()
+    lengths = set()
+    for f in te:
+        with np.load(f) as npz:
+            lengths.add(npz["vlm_embed"].shape[0])
+    assert len(lengths) == 2  # cached one at a time, each at its own length; a batch of both trained
+    with np.load(latents[0]) as npz:
+        assert npz["latents_2x2"].shape == (16, 2, 2)
+    assert len(list((tmp_path / "out" / "sample").glob("lora_000002_00_*_7.png"))) == 1
+
+    resumed = hunyuan_image_train_network.main([*model_argv(hy_set), *LORA, *train_argv(
+        hy_data, tmp_path / "out", "lora", ["--train_batch_size", "2", "--cache_latents_to_disk",
+                                            "--cache_text_encoder_outputs_to_disk", "--resume",
+                                            str(tmp_path / "out" / "lora-state"), "--max_train_steps", "3",
+                                            "--overwrite_output"])])
+    again, _ = read(resumed)
+    key = "lora_unet_single_blocks_0_linear2.lora_up.weight"
+    assert again.keys() == sd.keys() and not torch.equal(again[key], sd[key])
+
+
+@pytest.mark.parametrize("add, needle", [
+    (["--attn_mode", "sageattn"], "--attn_mode sageattn: Sage Attention does not support training"),
+    (["--timestep_sampling", "nextdit_shift"], "invalid choice"),
+    (["--resolution", "80"], "multiples of 32"),
+    (["--network_args", "split_qkv=True"], "split_qkv=True: not supported"),
+])
+def test_bad_settings_one_line_exit_2(hy_set, hy_data, tmp_path, capsys, add, needle):
+    argv = [*model_argv(hy_set), *LORA, *train_argv(hy_data, tmp_path / "out", "bad"), *add]
+    with pytest.raises(SystemExit) as e:
+        hunyuan_image_train_network.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+    assert not (tmp_path / "out" / "bad.safetensors").exists()
+
+
+def test_text_encoder_lora_is_refused_as_upstream(hy_set, hy_data, tmp_path, capsys):
+    argv = [*model_argv(hy_set), *LORA[:-1], *train_argv(hy_data, tmp_path / "out", "bad")]
+    with pytest.raises(SystemExit) as e:
+        hunyuan_image_train_network.main(argv)
+    assert e.value.code == 2 and "--network_train_unet_only is required" in capsys.readouterr().err
+
+
+def test_projected_guidance_keeps_the_orthogonal_part():
+    """After its first steps upstream's sampler guides with APG: uncond + 10 * (the part of cond - uncond that is
+    orthogonal to cond), the difference's norm capped at 10, with momentum -0.5 over the steps."""
+    g = hunyuan_image.ProjectedGuidance()
+    cond, uncond = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 1.0]])
+    out = g(cond, uncond)
+    assert torch.allclose(out, torch.tensor([[0.0, 1.0 - 10.0]]))  # diff (1, -1): parallel (1, 0) removed
+    out2 = hunyuan_image.guided(0, cond, uncond, 2.0, False, hunyuan_image.ProjectedGuidance())
+    assert torch.allclose(out2, uncond + 2.0 * (cond - uncond))  # plain CFG in the first steps
