@@ -22,6 +22,7 @@ ATTN_PACKAGES = {"xformers": "xformers", "flash": "flash_attn"}
 LATENT_FORMAT = latent_cache.LatentCacheFormat("_hi.npz", models.LATENT_SCALING_FACTOR, multi_resolution=True,
                                                legacy_name=False, stride=models.SPATIAL_COMPRESSION)
 TE_KEYS = ("vlm_embed", "vlm_mask", "byt5_embed", "byt5_mask", "ocr_mask")
+SAMPLE_DEFAULTS = {"sample_steps": 20, "scale": 3.5}  # upstream's sampler defaults (--s, --l)
 
 
 def add_hunyuan_image_arguments(parser) -> None:
@@ -287,8 +288,8 @@ def denoise(transformer, latents, cond: dict, uncond: dict | None, *, steps: int
 
 
 def sample_images(args, components, *, device, epoch, steps, autocast=None, networks=()) -> list[str]:
-    """HunyuanImage samples: kohya prompt lines (--n, --w, --h, --s, --l CFG scale (1 = no negative pass), --d,
-    --fs flow shift (default 5.0)); sizes rounded down to multiples of 16, latents of the 32x VAE."""
+    """HunyuanImage samples: kohya prompt lines (--n, --w, --h, --s steps (default 20), --l CFG scale (default 3.5;
+    1 = no negative pass), --d, --fs flow shift (default 5.0)); sizes rounded down to multiples of 16."""
     from PIL import Image
 
     def draw(_, p, generator):
@@ -310,7 +311,7 @@ def sample_images(args, components, *, device, epoch, steps, autocast=None, netw
 
     return flux_train_utils.sample_with_pipeline(args, _NoPipeline, (components.vae, components.qwen, components.byt5),
                                                  draw, device=device, epoch=epoch, steps=steps, autocast=autocast,
-                                                 networks=networks)
+                                                 networks=networks, prompt_defaults=SAMPLE_DEFAULTS)
 
 
 class _NoPipeline:
