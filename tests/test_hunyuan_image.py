@@ -187,3 +187,54 @@ def test_projected_guidance_keeps_the_orthogonal_part():
     assert torch.allclose(out, torch.tensor([[0.0, 1.0 - 10.0]]))  # diff (1, -1): parallel (1, 0) removed
     out2 = hunyuan_image.guided(0, cond, uncond, 2.0, False, hunyuan_image.ProjectedGuidance())
     assert torch.allclose(out2, uncond + 2.0 * (cond - uncond))  # plain CFG in the first steps
+
+
+def print_command(tmp_path, values: dict) -> str:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kohya_gui import config_file, params as P
+
+    path = tmp_path / "lora.toml"
+    config_file.save(path, "lora", "HunyuanImage 2.1", {**P.defaults("lora", "HunyuanImage 2.1"), **values})
+    out = subprocess.run([sys.executable, "-m", "kohya_gui", "print-command", "--standalone", str(path)],
+                         cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_gui_print_command_names_the_hunyuan_image_script(tmp_path):
+    """A config whose [gui] family is HunyuanImage 2.1 runs hunyuan_image_train_network.py with its model files,
+    its LoRA module, upstream's flow-matching defaults for it and --network_train_unet_only (which it requires)."""
+    out = print_command(tmp_path, {"pretrained_model_name_or_path": "/m/dit.safetensors", "text_encoder": "/m/q.sft",
+                                   "byt5": "/m/b.sft", "vae": "/m/vae.sft", "train_data_dir": "/data",
+                                   "output_dir": str(tmp_path / "out"), "output_name": "x", "attn_mode": "torch"})
+    assert "sd-scripts/hunyuan_image_train_network.py" in out
+    for flag in ("--text_encoder /m/q.sft", "--byt5 /m/b.sft", "--vae /m/vae.sft", "--attn_mode torch",
+                 "--network_module networks.lora_hunyuan_image", "--network_train_unet_only",
+                 "--discrete_flow_shift 5.0", "--model_prediction_type raw"):
+        assert flag in out, flag
+    from kohya_gui import params as P
+
+    # an upstream run TOML without a [gui] table is recognised by its byT5 file or network module
+    assert P.guess_family({"byt5": "/m/b.sft", "text_encoder": "/m/q.sft"}) == "HunyuanImage 2.1"
+    assert P.guess_family({"network_module": "networks.lora_hunyuan_image"}) == "HunyuanImage 2.1"
+
+
+@pytest.mark.slow
+def test_the_guis_command_trains(hy_set, hy_data, tmp_path):
+    """The GUI's printed command, run: the family's LoRA file comes out (GUI -> argv -> trainer, nothing else)."""
+    import shlex
+
+    out = print_command(tmp_path, {
+        "pretrained_model_name_or_path": hy_set["dit"], "text_encoder": hy_set["text_encoder"],
+        "byt5": hy_set["byt5"], "vae": hy_set["vae"], "tokenizer_cache_dir": hy_set["tokenizer_cache_dir"],
+        "train_data_dir": str(hy_data), "output_dir": str(tmp_path / "out"), "output_name": "gui",
+        "resolution": "64", "max_train_steps": 1, "max_data_loader_n_workers": 0, "network_dim": 4,
+        "mixed_precision": "no", "cache_latents": False})
+    argv = shlex.split(out.strip().splitlines()[-1])
+    script = next(i for i, a in enumerate(argv) if a.endswith("hunyuan_image_train_network.py"))
+    path = hunyuan_image_train_network.main(argv[script + 1:])
+    sd, md = read(path)
+    assert md["ss_network_module"] == "networks.lora_hunyuan_image" and "lora_unet_single_blocks_0_linear1.alpha" in sd
