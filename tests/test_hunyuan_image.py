@@ -223,18 +223,33 @@ def test_gui_print_command_names_the_hunyuan_image_script(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_guis_command_trains(hy_set, hy_data, tmp_path):
-    """The GUI's printed command, run: the family's LoRA file comes out (GUI -> argv -> trainer, nothing else)."""
-    import shlex
+def test_gui_demo_preset_makes_a_tiny_hunyuan_image_and_trains(tmp_path, monkeypatch):
+    """The HunyuanImage 2.1 demo preset: the demo helper makes its tiny model and images in cache/demo/, and the flags
+    the GUI builds from the preset run hunyuan_image_train_network.py and train a LoRA with upstream's keys."""
+    from kohya_gui import command, config_file, demo, presets
 
-    out = print_command(tmp_path, {
-        "pretrained_model_name_or_path": hy_set["dit"], "text_encoder": hy_set["text_encoder"],
-        "byt5": hy_set["byt5"], "vae": hy_set["vae"], "tokenizer_cache_dir": hy_set["tokenizer_cache_dir"],
-        "train_data_dir": str(hy_data), "output_dir": str(tmp_path / "out"), "output_name": "gui",
-        "resolution": "64", "max_train_steps": 1, "max_data_loader_n_workers": 0, "network_dim": 4,
-        "mixed_precision": "no", "cache_latents": False})
-    argv = shlex.split(out.strip().splitlines()[-1])
-    script = next(i for i, a in enumerate(argv) if a.endswith("hunyuan_image_train_network.py"))
-    path = hunyuan_image_train_network.main(argv[script + 1:])
+    monkeypatch.chdir(tmp_path)
+    cfg = config_file.load(presets.preset_path("lora", "demo-hunyuan-image-tiny"))
+    assert (cfg.tab, cfg.family) == ("lora", "HunyuanImage 2.1")
+    assert command.script_path(cfg.tab, cfg.family).endswith("hunyuan_image_train_network.py")
+    values = {**cfg.values, "max_train_steps": 2, "sample_every_n_steps": 2}
+    made = demo.make_assets(cfg.family, values, log=lambda *_: None)
+    assert str(tmp_path / "cache/demo/hunyuan_image/dit.safetensors") in {str(tmp_path / p) for p in made}
+    assert not demo.missing_demo_paths(cfg.family, values)
+    argv = command.trainer_args(cfg.tab, cfg.family, values)
+    assert argv[argv.index("--discrete_flow_shift") + 1] == "5.0"  # HunyuanImage's own default, written by the GUI
+    path = hunyuan_image_train_network.main(argv)
     sd, md = read(path)
-    assert md["ss_network_module"] == "networks.lora_hunyuan_image" and "lora_unet_single_blocks_0_linear1.alpha" in sd
+    assert md["ss_base_model_version"] == "hunyuan-image-2.1" and "lora_unet_single_blocks_0_linear1.alpha" in sd
+    assert list((tmp_path / "outputs/demo-hunyuan-image-tiny/sample").glob("demo-hunyuan-image-lora_000002_00_*.png"))
+
+
+@pytest.mark.slow
+def test_lora_block_swap_fp8_checkpointing_and_regional_compile(hy_set, hy_data, tmp_path):
+    path = hunyuan_image_train_network.main([*model_argv(hy_set), *LORA, *train_argv(
+        hy_data, tmp_path / "out", "c", ["--blocks_to_swap", "1", "--gradient_checkpointing", "--fp8_scaled",
+                                         "--split_attn", "--compile", "--compile_backend", "aot_eager"])])
+    sd, md = read(path)
+    # 2 double + 2 single blocks compiled one by one; upstream's 1 -> 0 double + 2 single blocks swapped
+    assert md["ss_fp8_base"] == "True" and md["ss_blocks_to_swap"] == "1" and md["ss_compile_blocks"] == "4"
+    assert any(v.abs().sum() > 0 for k, v in sd.items() if k.endswith("lora_up.weight"))

@@ -436,8 +436,9 @@ def load_dit(path: str, dtype=torch.bfloat16, fp8_base: bool = False) -> Hunyuan
     sd = {k: (v.to(flux_models.FP8_DTYPE) if fp8_base and v.ndim == 2 and k.endswith(".weight")
               and k.startswith(("double_blocks.", "single_blocks.")) else v.to(dtype)) for k, v in sd.items()}
     model = _assign(lambda: HunyuanImageDiT(cfg), sd, path).requires_grad_(False)
-    if fp8_base:
-        flux_models.apply_fp8_base(model)
+    if fp8_base:  # the double/single blocks' Linear weights (upstream's fp8 targets), upcast per layer
+        for block in list(model.double_blocks) + list(model.single_blocks):
+            flux_models.apply_fp8_base(block)
     return model
 
 
