@@ -69,7 +69,7 @@ def upstream_lora_names(dit) -> set[str]:
     return names
 
 
-def test_layouts_load_and_prompts_encode_as_upstream(hy_set):
+def test_layouts_load_and_prompts_encode_as_upstream(hy_set, tmp_path):
     dit = models.load_dit(hy_set["dit"], torch.float32)
     written = {k.removeprefix("model.diffusion_model."): v for k, v in load_file(hy_set["dit"]).items()}
     assert set(written) == set(dit.state_dict())
@@ -85,7 +85,10 @@ def test_layouts_load_and_prompts_encode_as_upstream(hy_set):
     again = models.vae_diffusers_to_upstream(vae.state_dict(), 1)
     assert again.keys() == vae_file.keys() and all(torch.equal(again[k], vae_file[k]) for k in vae_file)
 
-    c = models.load_components(hy_set["dit"], hy_set["text_encoder"], hy_set["byt5"], hy_set["vae"],
+    import shutil
+
+    sft = shutil.copy(hy_set["text_encoder"], tmp_path / "qwen.sft")  # upstream's text encoders are often .sft
+    c = models.load_components(hy_set["dit"], str(sft), hy_set["byt5"], hy_set["vae"],
                                dtype=torch.float32, vae_dtype=torch.float32,
                                tokenizer_cache_dir=hy_set["tokenizer_cache_dir"])
     prefix = models.QWEN_TEMPLATE.split("{}")[0]
@@ -160,6 +163,7 @@ def test_lora_keys_metadata_caches_and_sample(hy_set, hy_data, tmp_path):
     (["--timestep_sampling", "nextdit_shift"], "invalid choice"),
     (["--resolution", "80"], "multiples of 32"),
     (["--network_args", "split_qkv=True"], "split_qkv=True: not supported"),
+    (["--byt5", __file__], "byT5 (--byt5): cannot read"),
 ])
 def test_bad_settings_one_line_exit_2(hy_set, hy_data, tmp_path, capsys, add, needle):
     argv = [*model_argv(hy_set), *LORA, *train_argv(hy_data, tmp_path / "out", "bad"), *add]
@@ -253,3 +257,18 @@ def test_lora_block_swap_fp8_checkpointing_and_regional_compile(hy_set, hy_data,
     # 2 double + 2 single blocks compiled one by one; upstream's 1 -> 0 double + 2 single blocks swapped
     assert md["ss_fp8_base"] == "True" and md["ss_blocks_to_swap"] == "1" and md["ss_compile_blocks"] == "4"
     assert any(v.abs().sum() > 0 for k, v in sd.items() if k.endswith("lora_up.weight"))
+
+
+@pytest.mark.slow
+def test_text_encoders_on_cpu_in_fp8_tiled_vae_and_validation(hy_set, hy_data, tmp_path, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO)
+    path = hunyuan_image_train_network.main([*model_argv(hy_set), *LORA, *train_argv(
+        hy_data, tmp_path / "out", "v", ["--fp8_vl", "--text_encoder_cpu", "--vae_chunk_size", "16",
+                                         "--no_half_vae", "--validation_split", "0.5",
+                                         "--validate_every_n_steps", "1", "--attn_mode", "sdpa"])])
+    sd, _ = read(path)
+    assert any(v.abs().sum() > 0 for k, v in sd.items() if k.endswith("lora_up.weight"))
+    assert "fp8 base: 21 Linear layers of text encoder Qwen2_5_VLTextModel" in caplog.text  # 3 layers x 7 Linears
+    assert "validation" in caplog.text.lower()

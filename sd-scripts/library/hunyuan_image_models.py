@@ -399,12 +399,13 @@ def _count(sd: dict, prefix: str) -> int:
 
 
 def read_safetensors(path: str, what: str) -> dict:
-    from library import flux_models
+    """A safetensors file whatever its suffix (upstream's text encoders are often `.sft`)."""
+    from library.safetensors_io import load_file
 
     try:
-        return flux_models.read_safetensors(path, what)
-    except flux_models.FluxModelError as e:
-        raise ModelLoadError(str(e)) from e
+        return load_file(str(path))
+    except Exception as e:  # noqa: BLE001 - not safetensors, corrupt or truncated
+        raise ModelLoadError(f"{what}: cannot read {path} as a safetensors file: {e}") from e
 
 
 def _assign(build, sd: dict, path: str):
