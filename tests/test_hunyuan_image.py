@@ -85,9 +85,12 @@ def test_layouts_load_and_prompts_encode_as_upstream(hy_set, tmp_path):
     again = models.vae_diffusers_to_upstream(vae.state_dict(), 1)
     assert again.keys() == vae_file.keys() and all(torch.equal(again[k], vae_file[k]) for k in vae_file)
 
-    import shutil
+    from safetensors.torch import save_file
 
-    sft = shutil.copy(hy_set["text_encoder"], tmp_path / "qwen.sft")  # upstream's text encoders are often .sft
+    # upstream's Qwen2.5-VL file: the language model, its vision tower and lm_head; often named .sft
+    sft = tmp_path / "qwen.sft"
+    save_file({**load_file(hy_set["text_encoder"]), "visual.blocks.0.attn.qkv.weight": torch.zeros(3, 2),
+               "lm_head.weight": torch.zeros(4, 32)}, str(sft))
     c = models.load_components(hy_set["dit"], str(sft), hy_set["byt5"], hy_set["vae"],
                                dtype=torch.float32, vae_dtype=torch.float32,
                                tokenizer_cache_dir=hy_set["tokenizer_cache_dir"])

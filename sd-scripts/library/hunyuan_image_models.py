@@ -398,12 +398,12 @@ def _count(sd: dict, prefix: str) -> int:
     return max(ids) + 1 if ids else 0
 
 
-def read_safetensors(path: str, what: str) -> dict:
-    """A safetensors file whatever its suffix (upstream's text encoders are often `.sft`)."""
+def read_safetensors(path: str, what: str, keep=None) -> dict:
+    """A safetensors file whatever its suffix (upstream's text encoders are often `.sft`); `keep(key)`: only those."""
     from library.safetensors_io import load_file
 
     try:
-        return load_file(str(path))
+        return load_file(str(path), keep=keep)
     except Exception as e:  # noqa: BLE001 - not safetensors, corrupt or truncated
         raise ModelLoadError(f"{what}: cannot read {path} as a safetensors file: {e}") from e
 
@@ -553,7 +553,8 @@ def load_qwen(path: str, dtype=torch.bfloat16):
     path = str(path or "")
     if not os.path.isfile(path):
         raise ModelLoadError(f"--text_encoder: not a file: {path or '(not given)'} (Qwen2.5-VL .safetensors)")
-    raw = read_safetensors(path, "Qwen2.5-VL (--text_encoder)")
+    raw = read_safetensors(path, "Qwen2.5-VL (--text_encoder)",
+                           keep=lambda k: k.startswith("model.") and not k.startswith("model.visual."))
     sd = {}
     for k, v in raw.items():
         for p in ("model.language_model.", "model."):
