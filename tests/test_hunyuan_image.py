@@ -165,7 +165,7 @@ def test_lora_keys_metadata_caches_and_sample(hy_set, hy_data, tmp_path):
     (["--attn_mode", "sageattn"], "--attn_mode sageattn: Sage Attention does not support training"),
     (["--timestep_sampling", "nextdit_shift"], "invalid choice"),
     (["--resolution", "80"], "multiples of 32"),
-    (["--network_args", "split_qkv=True"], "split_qkv=True: not supported"),
+    (["--network_args", "split_qkv=maybe"], "split_qkv"),
     (["--byt5", __file__], "byT5 (--byt5): cannot read"),
 ])
 def test_bad_settings_one_line_exit_2(hy_set, hy_data, tmp_path, capsys, add, needle):
@@ -275,3 +275,36 @@ def test_text_encoders_on_cpu_in_fp8_tiled_vae_and_validation(hy_set, hy_data, t
     assert any(v.abs().sum() > 0 for k, v in sd.items() if k.endswith("lora_up.weight"))
     assert "fp8 base: 21 Linear layers of text encoder Qwen2_5_VLTextModel" in caplog.text  # 3 layers x 7 Linears
     assert "validation" in caplog.text.lower()
+
+
+def test_split_qkv_trains_one_lora_per_part_and_saves_them_fused():
+    """split_qkv (upstream's network arg): q, k, v (and a single block's MLP rows) of the fused layers get a LoRA
+    each; the file holds them fused (upstream's layout: n*rank downs, a block-diagonal up), and a network made from
+    that file gives the same outputs."""
+    from networks import lora_hunyuan_image as net
+
+    torch.manual_seed(0)
+    dit = models.tiny_dit(text_dim=32, byt5_dim=32).eval()
+    split = net.create_network(1.0, 2, 1.0, None, [], dit, split_qkv="True")
+    split.apply_to([], dit, False, True)
+    for p in split.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    inputs = (torch.randn(1, 16, 2, 2), torch.tensor([500]), torch.randn(1, 3, 32), torch.ones(1, 3),
+              torch.randn(1, 4, 32), torch.tensor([[1, 1, 0, 0]]))
+    with torch.no_grad():
+        trained = dit(*inputs)
+    sd = split.lora_state_dict()
+    assert sd["lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight"].shape == (6, 32)  # 3 parts x rank 2
+    assert sd["lora_unet_single_blocks_0_linear1.lora_up.weight"].shape == (3 * 32 + 128, 8)  # q, k, v, MLP
+    assert sd["lora_unet_single_blocks_0_linear2.lora_down.weight"].shape == (2, 32 + 128)  # not split
+    up = sd["lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight"]
+    assert torch.count_nonzero(up[:32, 2:]) == 0 and torch.count_nonzero(up[32:64, :2]) == 0  # block-diagonal
+    fresh = models.tiny_dit(text_dim=32, byt5_dim=32).eval()
+    fresh.load_state_dict(dit.state_dict())
+    with torch.no_grad():
+        assert not torch.allclose(fresh(*inputs), trained, atol=1e-3)  # the LoRA changes the output
+    loaded, _ = net.create_network_from_weights(1.0, None, None, [], fresh, weights_sd=sd)
+    loaded.apply_to([], fresh, False, True)
+    loaded.load_state_dict(loaded._file_to_own(sd), strict=False)
+    with torch.no_grad():
+        assert torch.allclose(fresh(*inputs), trained, atol=1e-5)

@@ -8,7 +8,8 @@ upstream). No text-encoder LoRA (upstream has none).
 ``--network_args`` (upstream's names): ``network_reg_dims`` / ``network_reg_lrs`` (``regex=value,...`` on the LoRA
 names), ``rank_dropout``, ``module_dropout``, ``ggpo_sigma`` / ``ggpo_beta``, ``verbose``, LoRA+ ratios,
 ``conv_dim`` / ``conv_alpha`` (accepted: the blocks have no convolutions), networks.lora's ``dora_wd`` /
-``wd_on_output``. ``split_qkv=True`` is refused (not implemented here for the fused qkv layers).
+``wd_on_output``, ``split_qkv`` (one LoRA each for q, k, v (and the single blocks' MLP rows) of the fused
+``img_attn_qkv`` / ``txt_attn_qkv`` / ``linear1`` layers, saved fused as upstream).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Any
 from torch import nn
 
 from networks import lora as lora_sd
-from networks.lora import NetworkArgsError, load_lora_state_dict
+from networks.lora import load_lora_state_dict
 from networks.lora_flux import FluxLoRAModule, LoRANetworkFlux, parse_regex_values
 
 logger = logging.getLogger(__name__)
@@ -48,11 +49,11 @@ class LoRANetworkHunyuanImage(LoRANetworkFlux):
                  module_dropout: float | None = None, modules_dim: dict[str, int] | None = None,
                  modules_alpha: dict[str, float] | None = None, reg_dims: dict[str, int] | None = None,
                  reg_lrs: dict[str, float] | None = None, ggpo_sigma: float | None = None,
-                 ggpo_beta: float | None = None, verbose: bool = False):
+                 ggpo_beta: float | None = None, split_qkv: bool = False, verbose: bool = False):
         nn.Module.__init__(self)
         self._set_options(multiplier, lora_dim, alpha, dropout, rank_dropout, module_dropout)
         self.is_sdxl = False
-        self.train_blocks, self.split_qkv, self.train_t5xxl, self.reg_lrs = "all", False, False, reg_lrs
+        self.train_blocks, self.split_qkv, self.train_t5xxl, self.reg_lrs = "all", split_qkv, False, reg_lrs
         skipped: list[str] = []
         self.text_encoder_loras: list[FluxLoRAModule] = []
         self.unet_loras: list[FluxLoRAModule] = []
@@ -70,7 +71,8 @@ class LoRANetworkHunyuanImage(LoRANetworkFlux):
                     skipped.append(name)
                 continue
             self.unet_loras.append(FluxLoRAModule(name, [child], multiplier, dim, a, dropout, rank_dropout,
-                                                  module_dropout, ggpo_sigma=ggpo_sigma, ggpo_beta=ggpo_beta))
+                                                  module_dropout, ggpo_sigma=ggpo_sigma, ggpo_beta=ggpo_beta,
+                                                  split=split_qkv, pieces=qkv_pieces(name, child)))
         self._check_unique_names()
         logger.info("LoRA for HunyuanImage 2.1: %d modules", len(self.unet_loras))
         if verbose:
@@ -80,12 +82,20 @@ class LoRANetworkHunyuanImage(LoRANetworkFlux):
                 logger.info("%d modules skipped (dim 0): %s", len(skipped), ", ".join(skipped))
 
 
+def qkv_pieces(name: str, layer: nn.Linear) -> list[int] | None:
+    """split_qkv's row widths, as upstream splits them: a double block's qkv into q, k, v; a single block's linear1
+    into q, k, v and the MLP input."""
+    width = layer.in_features
+    if "double" in name and "qkv" in name:
+        return [width] * 3
+    if "single" in name and "linear1" in name:
+        return [width] * 3 + [layer.out_features - 3 * width]
+    return None
+
+
 def parse_network_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """Typed --network_args, checked before any model loads."""
     out = lora_sd.parse_network_kwargs(kwargs, NETWORK_ARGS, "networks.lora_hunyuan_image")
-    if out.get("split_qkv"):
-        raise NetworkArgsError("--network_args split_qkv=True: not supported by networks.lora_hunyuan_image here; "
-                               "leave it unset (a file trained with it loads: its qkv LoRA is stored fused)")
     for key, cast in (("network_reg_dims", int), ("network_reg_lrs", float)):
         if key in out:
             parse_regex_values(key, out[key], cast)
@@ -104,7 +114,8 @@ def create_network(multiplier: float, network_dim: int | None, network_alpha: fl
         dit, multiplier=multiplier, lora_dim=network_dim or 4, alpha=1.0 if network_alpha is None else network_alpha,
         dropout=neuron_dropout, rank_dropout=opts.get("rank_dropout"), module_dropout=opts.get("module_dropout"),
         reg_dims=_regex(opts, "network_reg_dims", int), reg_lrs=_regex(opts, "network_reg_lrs", float),
-        ggpo_sigma=opts.get("ggpo_sigma"), ggpo_beta=opts.get("ggpo_beta"), verbose=opts.get("verbose", False))
+        ggpo_sigma=opts.get("ggpo_sigma"), ggpo_beta=opts.get("ggpo_beta"), split_qkv=opts.get("split_qkv", False),
+        verbose=opts.get("verbose", False))
     lora_sd.apply_loraplus_and_dora(network, opts)
     return network
 
