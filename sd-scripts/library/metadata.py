@@ -94,6 +94,8 @@ def architecture(family: str, *, v_prediction: bool, lora: bool, flux_variant: s
         arch = f"stable-diffusion-3-{flux_variant or 'medium'}"
     elif family == "lumina":
         arch = "lumina-2"
+    elif family == "hunyuan_image":
+        arch = "hunyuan-image-2.1"
     elif family == "sd2":
         arch = "stable-diffusion-v2-768-v" if v_prediction else "stable-diffusion-v2-512"
     else:
