@@ -322,6 +322,8 @@ class Anima(nn.Module):
     """The Anima DiT in upstream's layout (x_embedder, t_embedder, t_embedding_norm, llm_adapter, blocks,
     final_layer); forward(latents [B, C, 1, H, W], sigmas [B], Qwen3 hidden states, t5 ids, masks)."""
 
+    _repeated_blocks = ("Block",)  # regional compilation (library.compile.regional)
+
     def __init__(self, config: AnimaConfig):
         super().__init__()
         c = self.config = config
@@ -336,6 +338,7 @@ class Anima(nn.Module):
                                            c.adaln_lora_dim) for _ in range(c.num_blocks)])
         self.final_layer = FinalLayer(c.model_channels, c.patch_spatial, c.out_channels, c.adaln_lora_dim)
         self.gradient_checkpointing = False
+        self._checkpoint = None
 
     @property
     def dtype(self):
@@ -360,7 +363,7 @@ class Anima(nn.Module):
         emb = self.t_embedding_norm(emb)
         for block in self.blocks:
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(block, x, emb, context, rope, adaln_lora, use_reentrant=False)
+                x = self._checkpoint(block, x, emb, context, rope, adaln_lora)
             else:
                 x = block(x, emb, context, rope, adaln_lora)
         x = self.final_layer(x, emb, adaln_lora)
@@ -368,7 +371,11 @@ class Anima(nn.Module):
         x = x.view(b, tt, hh, ww, p, p, c.out_channels).permute(0, 6, 1, 2, 4, 3, 5)
         return x.reshape(b, c.out_channels, tt, hh * p, ww * p)
 
-    def enable_gradient_checkpointing(self):
+    def enable_gradient_checkpointing(self, gradient_checkpointing_func=None):
+        """Each block checkpointed (diffusers' signature: offload_checkpointing passes its function)."""
+        from functools import partial
+
+        self._checkpoint = gradient_checkpointing_func or partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
         self.gradient_checkpointing = True
 
 

@@ -176,7 +176,8 @@ def loss_weighting(args, sigmas: torch.Tensor) -> torch.Tensor | None:
     (2 / (pi (1 - 2 sigma + 2 sigma^2))), used with --model_prediction_type sigma_scaled (as upstream);
     None = weight 1 (no multiply)."""
     scheme = getattr(args, "weighting_scheme", "uniform")
-    if args.model_prediction_type != "sigma_scaled" or scheme not in ("sigma_sqrt", "cosmap"):
+    # Anima's script has no --model_prediction_type: its weighting always applies (upstream's anima_train_network)
+    if getattr(args, "model_prediction_type", "sigma_scaled") != "sigma_scaled" or scheme not in ("sigma_sqrt", "cosmap"):
         return None
     s = sigmas.view(-1, 1, 1, 1).float()
     if scheme == "sigma_sqrt":
@@ -218,9 +219,11 @@ def sample_sigmas(args, batch_size: int, h: int, w: int, device, generator=None)
 
 
 def apply_model_prediction_type(args, pred, noisy, sigmas):
-    """raw: the output as it is; additive: output + noisy input; sigma_scaled: -sigma * output + noisy input."""
-    if args.model_prediction_type == "additive":
+    """raw (or a script without the option): the output as it is; additive: output + noisy input; sigma_scaled:
+    -sigma * output + noisy input."""
+    kind = getattr(args, "model_prediction_type", "raw")
+    if kind == "additive":
         return pred + noisy
-    if args.model_prediction_type == "sigma_scaled":
+    if kind == "sigma_scaled":
         return pred * (-sigmas.view(-1, 1, 1, 1)) + noisy
     return pred
