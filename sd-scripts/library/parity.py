@@ -23,13 +23,13 @@ from dataclasses import dataclass
 SCRIPTS = ("sdxl_train_network", "train_network", "flux_train_network", "sdxl_train", "train_db", "fine_tune",
            "flux_train", "sd3_train_network", "sd3_train", "train_textual_inversion", "sdxl_train_textual_inversion",
            "lumina_train_network", "lumina_train")
+SCRIPTS += ("anima_train_network",)  # Anima (library/families/anima.py)
 
 # upstream scripts (their option tables in ../shared/parity/upstream-flags/) that are not here yet, with their status;
 # every upstream table is one of SCRIPTS, TOOLS or these (tests/test_upstream_parity.py)
 SCRIPTS_NOT_YET: dict[str, str] = {
     "hunyuan_image_train_network": "not yet (issue 28 item 4): HunyuanImage 2.1 LoRA; after SD3 and Lumina 2 are "
                                    "measured on a GPU",
-    "anima_train_network": "not yet (issue 28 item 4): Anima LoRA; after HunyuanImage 2.1",
     "tools__convert_diffusers_to_flux": "not yet: diffusers FLUX.1 folder to a single BFL file; the trainers read "
                                         "diffusers folders directly",
     "tools__resize_images_to_resolution": "not yet: the trainers' buckets resize on the fly, and "
@@ -104,6 +104,18 @@ DIFFERENT: dict[str, Different] = {
         "FLUX.1: a warning and captions encoded as written (upstream's flux_train.py ignores it and "
         "flux_train_network.py stops with NotImplementedError unless text-encoder outputs are cached); Lumina 2: "
         "the same warning, captions encoded as written as upstream does"),
+    # Anima (anima_train_network.py; library/families/anima.py)
+    "attn_mode": Different("Anima: torch/sdpa, xformers and flash all run PyTorch's SDPA (which picks FlashAttention "
+                           "kernels where it can); sageattn stops before anything loads (upstream: inference only)"),
+    "split_attn": Different("Anima: accepted without effect: the DiT's attention has no padding mask, so one batched "
+                            "SDPA call serves (upstream splits the batch to save memory, and needs it for xformers)"),
+    "vae_chunk_size": Different("Anima: accepted without effect: it tunes upstream's own copy of the Qwen-Image VAE; "
+                                "diffusers' AutoencoderKLQwenImage encodes each image whole"),
+    "vae_disable_cache": Different("Anima: accepted without effect (upstream's own VAE code's feature cache)"),
+    "unsloth_offload_checkpointing": Different(
+        "Anima: the checkpointed blocks' inputs go to CPU memory through the same offloading checkpoint as "
+        "--cpu_offload_checkpointing (upstream: Unsloth's non-blocking copies); the same rules (turns on "
+        "--gradient_checkpointing, not with --cpu_offload_checkpointing or --blocks_to_swap)"),
     # Lumina 2 (lumina_train_network.py / lumina_train.py; library/families/lumina.py)
     "use_flash_attn": Different(
         "Lumina 2: without the flash-attn package the run stops with one line naming it (upstream fails when the "

@@ -41,13 +41,8 @@ def add_anima_arguments(parser) -> None:
                         "else google/t5-v1_1-xxl from the hub")
     g.add_argument("--qwen3_max_token_length", type=int, default=512, help="Qwen3 tokens (default 512)")
     g.add_argument("--t5_max_token_length", type=int, default=512, help="T5 tokens for the LLM adapter (default 512)")
-    g.add_argument("--discrete_flow_shift", type=float, default=1.0,
-                   help="shift of the flow schedule (timestep sampling sigma / shift; default 1.0)")
-    g.add_argument("--timestep_sampling", type=str, default="sigmoid", choices=flow_matching.TIMESTEP_SAMPLING,
-                   help="how sigmas are drawn (default sigmoid: logit-normal)")
-    g.add_argument("--sigmoid_scale", type=float, default=1.0,
-                   help="scale of the normal in sigmoid/shift/flux_shift sampling")
-    flow_matching.add_weighting_arguments(g)
+    flow_matching.add_timestep_arguments(g, sampling_default="sigmoid", discrete_flow_shift=1.0,
+                                         model_prediction_type=None)
     g.add_argument("--attn_mode", choices=ATTN_MODES, default=None,
                    help="attention implementation (upstream's names); training runs PyTorch's scaled-dot-product "
                         "attention, which picks FlashAttention kernels where it can; sageattn is inference only")
