@@ -39,6 +39,8 @@ SD3 = frozenset({"SD3"})
 FLUX_SD3 = FLUX | SD3
 LUMINA = frozenset({"Lumina 2"})
 FLOW = FLUX | LUMINA  # the flow-matching families' shared options (--ae, timesteps, block swap)
+ANIMA = frozenset({"Anima"})
+FLOW |= ANIMA  # Anima: timesteps and block swap (its script has no --ae: the scripts decide where an option is)
 COMPILE_FAMILIES = frozenset({"SDXL", "FLUX.1"})
 
 
@@ -77,7 +79,7 @@ PLACES: dict[str, Look] = {
     "v2": Look("model", "SD2.x model", help="Implied by the SD2.x family.", fixed={"SD2.x": True}),
     "vae": Look("model", "VAE (optional)",
          help="A separate VAE file or folder to use instead of the model's own.",
-         families=SD_SDXL | SD3, widget="file"),
+         families=SD_SDXL | SD3 | ANIMA, widget="file"),
     "clip_l": Look("model", "CLIP-L",
          help="CLIP-L text encoder file (clip_l.safetensors); SD3: empty = the one in the checkpoint.",
          families=FLUX_SD3, widget="file"),
@@ -108,6 +110,7 @@ PLACES: dict[str, Look] = {
              "FLUX.1": "networks.lora_flux",
              "SD3": "networks.lora_sd3",
              "Lumina 2": "networks.lora_lumina",
+             "Anima": "networks.lora_anima",
          },
          choice_labels={"": "LoRA (the family's)"}),
     "token_string": Look("embedding", "Token string",
@@ -244,7 +247,7 @@ PLACES: dict[str, Look] = {
          families=FLUX_SD3, minimum=1),
     "blocks_to_swap": Look("flux", "Blocks to swap (optional)",
          help="Keep this many transformer blocks on the CPU and swap them in; saves memory.",
-         families=FLUX_SD3 | LUMINA, minimum=0),
+         families=FLUX_SD3 | LUMINA | ANIMA, minimum=0),
     "apply_t5_attn_mask": Look("flux", "Apply T5 attention mask", families=FLUX_SD3),
     # SD3 / SD3.5 (sd3_train_network.py, sd3_train.py)
     "apply_lg_attn_mask": Look("sd3", "Apply CLIP-L/G attention mask", families=SD3),
@@ -278,6 +281,28 @@ PLACES: dict[str, Look] = {
     "use_sage_attn": Look("lumina", "Use Sage Attention", help="Inference only upstream; training keeps SDPA.",
          families=LUMINA),
     "sample_batch_size": Look("lumina", "Sample batch size (optional)", families=LUMINA, minimum=1),
+    # Anima (anima_train_network.py)
+    "qwen3": Look("model", "Qwen3", help="Qwen3-0.6B text encoder file or folder (Anima).", families=ANIMA,
+         widget="file", required=True),
+    "llm_adapter_path": Look("anima", "LLM adapter file (optional)",
+         help="Empty = the adapter inside the DiT file.", families=ANIMA, widget="file"),
+    "t5_tokenizer_path": Look("anima", "T5 tokenizer folder (optional)",
+         help="Empty = t5/ in the tokenizer cache folder, else google/t5-v1_1-xxl from the hub.", families=ANIMA,
+         widget="folder"),
+    "qwen3_max_token_length": Look("anima", "Qwen3 max tokens", families=ANIMA, minimum=1),
+    "t5_max_token_length": Look("anima", "T5 max tokens", families=ANIMA, minimum=1),
+    "attn_mode": Look("anima", "Attention mode (optional)", help="All run PyTorch's SDPA in training.",
+         families=ANIMA),
+    "split_attn": Look("anima", "Split attention", help="Accepted; no effect here.", families=ANIMA),
+    "vae_chunk_size": Look("anima", "VAE chunk size (optional)", help="Accepted; no effect here.", families=ANIMA,
+         minimum=1),
+    "vae_disable_cache": Look("anima", "Disable VAE cache", help="Accepted; no effect here.", families=ANIMA),
+    "unsloth_offload_checkpointing": Look("anima", "Unsloth offload checkpointing",
+         help="Gradient checkpointing with the blocks' inputs in CPU memory.", families=ANIMA),
+    **{f"{part}_lr": Look("anima", f"{label} learning rate (full fine-tune only)",
+         help="Upstream's full fine-tune reads it; the LoRA script ignores it (as upstream).", families=ANIMA)
+       for part, label in (("llm_adapter", "LLM adapter"), ("self_attn", "Self-attention"),
+                           ("cross_attn", "Cross-attention"), ("mlp", "MLP"), ("mod", "Modulation"))},
     "noise_offset": Look("advanced_noise", "Noise offset (optional)", families=SD_SDXL, minimum=0),
     "min_snr_gamma": Look("advanced_loss", "Min-SNR gamma (optional)",
          help="5 is a common value.",

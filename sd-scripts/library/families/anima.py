@@ -10,13 +10,12 @@ import os
 import torch
 
 from library import anima_models, dit_options, flux_train_utils, latent_cache, offload_checkpointing, te_cache
-from library.families import flux
 from library.objectives import flow_matching
 from library.objectives.flow_matching import FlowMatching
 
 logger = logging.getLogger(__name__)
 
-ATTN_MODES = ("torch", "xformers", "flash", "sageattn", "sdpa")  # upstream's choices ("sdpa" = "torch")
+ATTN_MODES = ("torch", "xformers", "flash", "sageattn", "sdpa")  # upstream's choices ("sdpa" = "torch": both SDPA)
 TE_KEYS = ("prompt_embeds", "attn_mask", "t5_input_ids", "t5_attn_mask")
 LATENT_FORMAT = latent_cache.LatentCacheFormat("_anima.npz", 1.0, multi_resolution=True, legacy_name=False)
 SAMPLE_FLOW_SHIFT = 3.0  # upstream's sampler default (the prompt line's --fs)
@@ -61,12 +60,6 @@ def add_anima_arguments(parser) -> None:
 
 def normalise_args(args) -> None:
     """Upstream's fixed-ups before training (its __main__ and assert_extra_args)."""
-    if getattr(args, "attn_mode", None) == "sdpa":
-        args.attn_mode = "torch"  # upstream's backward compatibility
-    if getattr(args, "fp8_base", False) or getattr(args, "fp8_base_unet", False):
-        logger.warning("--fp8_base / --fp8_base_unet are not supported for Anima (as upstream): training in the "
-                       "weight dtype")
-        args.fp8_base = args.fp8_base_unet = False
     if getattr(args, "unsloth_offload_checkpointing", False) and not args.gradient_checkpointing:
         logger.warning("--unsloth_offload_checkpointing turns on --gradient_checkpointing")
         args.gradient_checkpointing = True
@@ -127,6 +120,9 @@ class Anima:
         if args.attn_mode in ("xformers", "flash") or args.split_attn:
             logger.info("--attn_mode %s%s: attention runs through PyTorch's SDPA", args.attn_mode,
                         " --split_attn" if args.split_attn else "")
+        if args.fp8_base or args.fp8_base_unet:
+            logger.warning("--fp8_base / --fp8_base_unet are not supported for Anima (as upstream): training in the "
+                           "weight dtype")
         if args.vae_chunk_size is not None or args.vae_disable_cache:
             logger.info("--vae_chunk_size / --vae_disable_cache tune upstream's own VAE code; diffusers' VAE is used "
                         "as it is")
@@ -136,7 +132,7 @@ class Anima:
         c = anima_models.load_anima_components(
             args.pretrained_model_name_or_path, args.qwen3, args.vae, llm_adapter_path=args.llm_adapter_path,
             t5_tokenizer_path=args.t5_tokenizer_path, dtype=weight_dtype, te_dtype=weight_dtype,
-            vae_dtype=torch.float32 if args.no_half_vae else weight_dtype, fp8_base=fp8_denoiser,
+            vae_dtype=torch.float32 if args.no_half_vae else weight_dtype, fp8_base=False,
             tokenizer_cache_dir=args.tokenizer_cache_dir)
         cfg = c.transformer.config
         logger.info("Anima: %d blocks, width %d, %d heads; Qwen3 width %d", cfg.num_blocks, cfg.model_channels,
@@ -178,7 +174,7 @@ class Anima:
             raise ConfigError(str(e)) from e
 
     def apply_fp8(self, args, components, fp8_targets) -> None:
-        flux.apply_fp8(components, fp8_targets)
+        pass  # no fp8 for Anima (upstream turns --fp8_base / --fp8_base_unet off; check_args warns)
 
     def set_attention_backend(self, args, components) -> None:
         pass  # PyTorch SDPA (--attn_mode: see check_args)
@@ -205,6 +201,7 @@ class Anima:
         md = dict(compile_options.compile_settings_metadata(args))
         md.update(flow_matching.metadata(args))  # upstream's update_metadata keys
         md["ss_blocks_to_swap"] = str(args.blocks_to_swap or 0)
+        md["ss_fp8_base"] = md["ss_fp8_base_unet"] = "False"  # upstream turns them off before writing metadata
         if self.compiled_blocks:
             md["ss_compile_blocks"] = str(self.compiled_blocks)
         return md
