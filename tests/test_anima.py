@@ -150,8 +150,9 @@ def test_lora_keys_metadata_sample_caches_and_resume(anima_set, anima_data, tmp_
     cached = anima_train_network.main([*model_argv(anima_set, "qwen3_folder"), *LORA, *train_argv(
         anima_data, tmp_path / "out2", "cached", ["--cache_latents_to_disk", "--cache_text_encoder_outputs_to_disk",
                                                    "--network_train_unet_only", "--save_state",
-                                                   "--gradient_checkpointing"])])
-    csd, _ = read(cached)
+                                                   "--unsloth_offload_checkpointing"])])
+    csd, cmd = read(cached)
+    assert cmd["ss_gradient_checkpointing"] == "True"  # turned on by --unsloth_offload_checkpointing
     assert csd and not any(k.startswith("lora_te_") for k in csd)
     latents = sorted(anima_data.rglob("*_0032x0032_anima.npz"))
     te = sorted(anima_data.rglob("*_anima_te.npz"))
@@ -213,3 +214,15 @@ def test_gui_print_command_names_the_anima_script(tmp_path):
     assert "sd-scripts/anima_train_network.py" in out.stdout and "--qwen3 /m/qwen3.safetensors" in out.stdout
     assert "--vae /m/vae.safetensors" in out.stdout and "--network_module networks.lora_anima" in out.stdout
     assert "--timestep_sampling sigmoid" in out.stdout and "--discrete_flow_shift 1.0" in out.stdout
+
+
+@pytest.mark.slow
+def test_lora_block_swap_checkpointing_and_regional_compile(anima_set, anima_data, tmp_path):
+    path = anima_train_network.main([*model_argv(anima_set), *LORA, *train_argv(
+        anima_data, tmp_path / "out", "c", ["--network_train_unet_only", "--blocks_to_swap", "1",
+                                            "--gradient_checkpointing", "--compile", "--compile_backend", "aot_eager",
+                                            "--fp8_base"])])
+    sd, md = read(path)
+    assert md["ss_blocks_to_swap"] == "1" and md["ss_compile_blocks"] == "2"  # the DiT's two Blocks
+    assert md["ss_fp8_base"] == "False"  # not supported for Anima: off, as upstream
+    assert any(v.abs().sum() > 0 for k, v in sd.items() if k.endswith("lora_up.weight"))
