@@ -226,3 +226,25 @@ def test_lora_block_swap_checkpointing_and_regional_compile(anima_set, anima_dat
     assert md["ss_blocks_to_swap"] == "1" and md["ss_compile_blocks"] == "2"  # the DiT's two Blocks
     assert md["ss_fp8_base"] == "False"  # not supported for Anima: off, as upstream
     assert any(v.abs().sum() > 0 for k, v in sd.items() if k.endswith("lora_up.weight"))
+
+
+@pytest.mark.slow
+def test_gui_demo_preset_makes_a_tiny_anima_and_trains(tmp_path, monkeypatch):
+    """The Anima demo preset: the demo helper makes its tiny Anima and images in cache/demo/, and the flags the GUI
+    builds from the preset run anima_train_network.py and train a LoRA with upstream's keys."""
+    from kohya_gui import command, config_file, demo, presets
+
+    monkeypatch.chdir(tmp_path)
+    cfg = config_file.load(presets.preset_path("lora", "demo-anima-tiny"))
+    assert (cfg.tab, cfg.family) == ("lora", "Anima")
+    assert command.script_path(cfg.tab, cfg.family).endswith("anima_train_network.py")
+    values = {**cfg.values, "max_train_steps": 2, "sample_every_n_steps": 2}
+    made = demo.make_assets(cfg.family, values, log=lambda *_: None)
+    assert str(tmp_path / "cache/demo/anima/anima.safetensors") in {str(tmp_path / p) for p in made}
+    assert not demo.missing_demo_paths(cfg.family, values)
+    argv = command.trainer_args(cfg.tab, cfg.family, values)
+    assert argv[argv.index("--timestep_sampling") + 1] == "sigmoid"  # Anima's own default, written by the GUI
+    path = anima_train_network.main(argv)
+    sd, md = read(path)
+    assert md["ss_base_model_version"] == "anima" and "lora_unet_blocks_0_self_attn_q_proj.lora_up.weight" in sd
+    assert list((tmp_path / "outputs/demo-anima-tiny/sample").glob("demo-anima-lora_000002_00_*.png"))
