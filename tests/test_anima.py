@@ -115,6 +115,15 @@ def test_lora_modules_and_keys_are_upstreams(anima_set):
     assert "lora_unet_llm_adapter_blocks_0_mlp_0" not in names and "lora_unet_blocks_0_mlp_layer1" not in names
     assert "lora_unet_final_layer_linear" in names and "lora_unet_final_layer_adaln_modulation_1" not in names
     assert names["lora_unet_blocks_1_self_attn_q_proj"] == 8 and names["lora_unet_blocks_0_self_attn_q_proj"] == 4
+    # parameter groups as upstream's: Qwen3's at the first text encoder lr, network_reg_lrs (full match of the
+    # module path) before the rest of the DiT's
+    grouped = lora_anima.create_network(1.0, 4, 2, None, [qwen], dit, network_reg_lrs="blocks\\.1\\..*=0.5")
+    grouped.apply_to([qwen], dit)
+    groups, descriptions = grouped.prepare_optimizer_params([1e-5, 2e-5], 1e-3, 1e-4)
+    assert descriptions == ["textencoder 1", "unet reg_lr_0", "unet"]
+    assert [g["lr"] for g in groups] == [1e-5, 0.5, 1e-3]
+    assert len(groups[1]["params"]) == 10 * 2  # blocks.1's ten LoRA modules, down and up each
+    grouped.remove_from()
     # a file's modules come back as they were, the adapter's included
     net.apply_to([], dit, apply_text_encoder=False, apply_unet=True)
     sd = net.lora_state_dict()

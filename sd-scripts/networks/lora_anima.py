@@ -79,7 +79,11 @@ def parse_regex_values(key: str, text: str | None, cast) -> dict[str, Any]:
 
 
 class LoRANetworkAnima(LoRANetworkFlux):
-    """networks.lora_flux's module and training methods; upstream's Anima module selection, names and groups."""
+    """networks.lora_flux's module and training methods (its parameter groups: Qwen3's LoRA at the first text encoder
+    lr, the DiT's at --unet_lr, network_reg_lrs groups first); upstream's Anima module selection and names."""
+
+    TE_PREFIXES = (LORA_PREFIX_TEXT_ENCODER,)
+    reg_lr_match = staticmethod(lambda rx, lora: re.fullmatch(rx, lora.original_name))  # upstream: the module path
 
     def __init__(self, text_encoders: list[nn.Module], dit: nn.Module, multiplier: float = 1.0, lora_dim: int = 4,
                  alpha: float = 1.0, dropout: float | None = None, rank_dropout: float | None = None,
@@ -92,8 +96,7 @@ class LoRANetworkAnima(LoRANetworkFlux):
         self._set_options(multiplier, lora_dim, alpha, dropout, rank_dropout, module_dropout)
         self.is_sdxl = False
         self.train_blocks, self.split_qkv, self.train_t5xxl = "all", False, False
-        self.train_llm_adapter, self.reg_lrs = train_llm_adapter, None
-        self.anima_reg_lrs = reg_lrs or {}
+        self.train_llm_adapter, self.reg_lrs = train_llm_adapter, reg_lrs
         exclude = [*(exclude_patterns or []), re.compile(DEFAULT_EXCLUDE)]
         include = include_patterns or []
         skipped: list[str] = []
@@ -134,45 +137,6 @@ class LoRANetworkAnima(LoRANetworkFlux):
                 logger.info("\t%-60s dim %d, alpha %s", m.lora_name, m.lora_dim, float(m.alpha))
             if skipped:
                 logger.info("%d modules skipped (dim 0): %s", len(skipped), ", ".join(skipped))
-
-    def _groups(self, loras: list, lr, ratio, label: str) -> tuple[list, list]:
-        """Upstream's order: the network_reg_lrs groups (first full match of the module path) first, then the
-        rest at `lr`; LoRA+ "plus" groups inside each."""
-        regs = list(self.anima_reg_lrs.items())
-        buckets: dict[int | None, list] = {}
-        for m in loras:
-            i = next((i for i, (rx, _) in enumerate(regs) if re.fullmatch(rx, m.original_name)), None)
-            buckets.setdefault(i, []).append(m)
-        groups, descriptions = [], []
-        for i in sorted(buckets, key=lambda k: (k is None, k or 0)):
-            g, d = lora_sd.assemble_param_groups(buckets[i], lr if i is None else regs[i][1], ratio,
-                                                 label if i is None else f"{label} reg_lr_{i}")
-            groups.extend(g)
-            descriptions.extend(d)
-        return groups, descriptions
-
-    def prepare_optimizer_params(self, text_encoder_lr, unet_lr, default_lr):
-        """Qwen3's LoRA at the (first) text encoder lr, the DiT's at --unet_lr (default: --learning_rate)."""
-        if isinstance(text_encoder_lr, (list, tuple)):
-            text_encoder_lr = text_encoder_lr[0] if text_encoder_lr else None
-        self.requires_grad_(True)
-        groups, descriptions = [], []
-        for loras, lr, ratio, label in (
-                (self.text_encoder_loras, default_lr if text_encoder_lr is None else text_encoder_lr,
-                 self.loraplus_text_encoder_lr_ratio or self.loraplus_lr_ratio, "textencoder 1"),
-                (self.unet_loras, default_lr if unet_lr is None else unet_lr,
-                 self.loraplus_unet_lr_ratio or self.loraplus_lr_ratio, "unet")):
-            if loras:
-                g, d = self._groups(loras, lr, ratio, label)
-                groups.extend(g)
-                descriptions.extend(d)
-        in_groups = {id(p) for g in groups for p in g["params"]}
-        for p in self.parameters():
-            if id(p) not in in_groups:
-                p.requires_grad_(False)
-        return groups, descriptions
-
-    prepare_optimizer_params_with_multiple_te_lrs = prepare_optimizer_params
 
 
 def parse_network_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
