@@ -112,6 +112,9 @@ DIFFERENT: dict[str, Different] = {
     "vae_chunk_size": Different("Anima: accepted without effect: it tunes upstream's own copy of the Qwen-Image VAE; "
                                 "diffusers' AutoencoderKLQwenImage encodes each image whole"),
     "vae_disable_cache": Different("Anima: accepted without effect (upstream's own VAE code's feature cache)"),
+    "caption_dropout_rate": Different(
+        "with --cache_text_encoder_outputs it stops before anything loads (cached outputs need fixed captions); "
+        "upstream's Anima script caches the rate and blanks cached outputs per step instead"),
     "unsloth_offload_checkpointing": Different(
         "Anima: the checkpointed blocks' inputs go to CPU memory through the same offloading checkpoint as "
         "--cpu_offload_checkpointing (upstream: Unsloth's non-blocking copies); the same rules (turns on "
