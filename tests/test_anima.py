@@ -133,8 +133,12 @@ def test_lora_modules_and_keys_are_upstreams(anima_set):
 
 
 @pytest.mark.slow
-def test_lora_keys_metadata_sample_caches_and_resume(anima_set, anima_data, tmp_path):
+def test_lora_keys_metadata_sample_caches_and_resume(anima_set, anima_data, tmp_path, caplog):
+    import logging
+
     import numpy as np
+
+    caplog.set_level(logging.INFO)
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red circle --w 64 --h 64 --s 2 --l 4 --n blurry --fs 2.0 --d 7\n")
@@ -159,9 +163,11 @@ def test_lora_keys_metadata_sample_caches_and_resume(anima_set, anima_data, tmp_
     cached = anima_train_network.main([*model_argv(anima_set, "qwen3_folder"), *LORA, *train_argv(
         anima_data, tmp_path / "out2", "cached", ["--cache_latents_to_disk", "--cache_text_encoder_outputs_to_disk",
                                                    "--network_train_unet_only", "--save_state",
-                                                   "--unsloth_offload_checkpointing"])])
+                                                   "--unsloth_offload_checkpointing", "--validation_split", "0.5",
+                                                   "--validate_every_n_steps", "1"])])
     csd, cmd = read(cached)
     assert cmd["ss_gradient_checkpointing"] == "True"  # turned on by --unsloth_offload_checkpointing
+    assert cmd["ss_validation_split"] == "0.5" and "validation" in caplog.text.lower()
     assert csd and not any(k.startswith("lora_te_") for k in csd)
     latents = sorted(anima_data.rglob("*_0032x0032_anima.npz"))
     te = sorted(anima_data.rglob("*_anima_te.npz"))
@@ -178,6 +184,13 @@ def test_lora_keys_metadata_sample_caches_and_resume(anima_set, anima_data, tmp_
                                                    "--overwrite_output"])])
     key = "lora_unet_blocks_0_self_attn_q_proj.lora_up.weight"
     assert not torch.equal(read(resumed)[0][key], csd[key])
+
+
+def test_validate_only_loads_no_model(anima_set, anima_data, tmp_path, capsys):
+    assert anima_train_network.main([*model_argv(anima_set), *LORA,
+                                     *train_argv(anima_data, tmp_path / "out", "v"), "--validate_only"]) is None
+    assert "validate_only: ok (2 training images; no model loaded)" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("extra, needle", [
