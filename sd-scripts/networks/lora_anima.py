@@ -23,7 +23,7 @@ from torch import nn
 
 from networks import lora as lora_sd
 from networks.lora import NetworkArgsError, load_lora_state_dict
-from networks.lora_flux import FluxLoRAModule, LoRANetworkFlux
+from networks.lora_flux import FluxLoRAModule, LoRANetworkFlux, parse_regex_values
 
 logger = logging.getLogger(__name__)
 
@@ -58,24 +58,6 @@ def parse_patterns(key: str, text: str | None) -> list[re.Pattern]:
         return [re.compile(str(v)) for v in values]
     except re.error as e:
         raise NetworkArgsError(f"--network_args {key}: invalid regular expression ({e})") from e
-
-
-def parse_regex_values(key: str, text: str | None, cast) -> dict[str, Any]:
-    """``regex=value,regex=value`` (upstream's network_reg_dims / network_reg_lrs)."""
-    out: dict[str, Any] = {}
-    for pair in (text or "").split(","):
-        pair = pair.strip()
-        if not pair:
-            continue
-        rx, sep, value = pair.partition("=")
-        try:
-            if not sep:
-                raise ValueError
-            re.compile(rx.strip())
-            out[rx.strip()] = cast(value.strip())
-        except (ValueError, re.error) as e:
-            raise NetworkArgsError(f"--network_args {key}: '{pair}' is not regex=number") from e
-    return out
 
 
 class LoRANetworkAnima(LoRANetworkFlux):
@@ -144,8 +126,8 @@ def parse_network_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     out = lora_sd.parse_network_kwargs(kwargs, NETWORK_ARGS, "networks.lora_anima")
     for key in ("exclude_patterns", "include_patterns"):
         parse_patterns(key, out.get(key))
-    parse_regex_values("network_reg_dims", out.get("network_reg_dims"), int)
-    parse_regex_values("network_reg_lrs", out.get("network_reg_lrs"), float)
+    parse_regex_values("network_reg_dims", out.get("network_reg_dims") or "", int)
+    parse_regex_values("network_reg_lrs", out.get("network_reg_lrs") or "", float)
     return out
 
 
@@ -166,8 +148,8 @@ def create_network(multiplier: float, network_dim: int | None, network_alpha: fl
         train_llm_adapter=opts.get("train_llm_adapter", False),
         exclude_patterns=parse_patterns("exclude_patterns", opts.get("exclude_patterns")),
         include_patterns=parse_patterns("include_patterns", opts.get("include_patterns")),
-        reg_dims=parse_regex_values("network_reg_dims", opts.get("network_reg_dims"), int) or None,
-        reg_lrs=parse_regex_values("network_reg_lrs", opts.get("network_reg_lrs"), float) or None,
+        reg_dims=parse_regex_values("network_reg_dims", opts.get("network_reg_dims") or "", int) or None,
+        reg_lrs=parse_regex_values("network_reg_lrs", opts.get("network_reg_lrs") or "", float) or None,
         verbose=opts.get("verbose", False))
     lora_sd.apply_loraplus_and_dora(network, opts)
     return network
