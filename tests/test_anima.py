@@ -215,6 +215,24 @@ def test_missing_qwen3_stops_with_one_line(anima_set, anima_data, tmp_path, caps
     assert e.value.code == 2 and "--qwen3 is required" in capsys.readouterr().err
 
 
+def test_gui_shows_animas_model_inputs_only_for_anima():
+    """The LoRA tab's Anima family: the Qwen3 file and VAE in Model, its own fields in "Anima options"; none of them for
+    the other families, and none of theirs (AE, Gemma 2, CLIP-L, FLUX.1 guidance) for Anima."""
+    from kohya_gui import params as P
+
+    assert P.script_for("lora", "Anima") == "anima_train_network.py"
+    assert ("dreambooth", "Anima") not in P.SCRIPTS  # LoRA only, as upstream's tables here
+    anima = {p.name for p in P.params_for("lora", "Anima")}
+    own = {"qwen3", "llm_adapter_path", "t5_tokenizer_path", "qwen3_max_token_length", "t5_max_token_length",
+           "attn_mode", "split_attn", "unsloth_offload_checkpointing"}
+    assert own | {"vae", "timestep_sampling", "discrete_flow_shift", "blocks_to_swap"} <= anima
+    assert not anima & {"ae", "gemma2", "clip_l", "t5xxl", "guidance_scale", "model_prediction_type", "compile"}
+    assert P.BY_NAME["qwen3"].accordion == "model" and P.BY_NAME["attn_mode"].accordion == "anima"
+    for family in P.tab_families("lora"):
+        if family != "Anima":
+            assert not own & {p.name for p in P.params_for("lora", family)}, family
+
+
 def test_gui_print_command_names_the_anima_script(tmp_path):
     """`python -m kohya_gui print-command` on a config whose [gui] family is Anima runs anima_train_network.py with
     its model files and upstream's Anima defaults (sigmoid timesteps, flow shift 1.0)."""
