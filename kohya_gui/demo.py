@@ -1,4 +1,4 @@
-"""The embedded demo: a tiny random SDXL- (or FLUX.1- / Chroma- / SD3- / Lumina 2- / HunyuanImage 2.1-) shaped model and a few captioned images, made locally on
+"""The embedded demo: a tiny random SDXL- (or FLUX.1- / Chroma- / SD3- / Lumina 2- / HunyuanImage 2.1- / Anima-) shaped model and a few captioned images, made locally on
 first use, so a new user (and the tests) can train on the CPU with no download.
 
 A demo preset simply points its paths into ``cache/demo/``. Before a run, any of those paths that is missing is
@@ -41,6 +41,8 @@ def missing_demo_paths(family: str, values: dict[str, Any]) -> dict[str, str]:
         names += ["gemma2", "ae", "tokenizer_cache_dir"]
     elif family == "HunyuanImage 2.1":
         names += ["text_encoder", "byt5", "vae", "tokenizer_cache_dir"]
+    elif family == "Anima":
+        names += ["qwen3", "vae", "tokenizer_cache_dir"]
     elif values.get("tokenizer_cache_dir"):
         names.append("tokenizer_cache_dir")
     out = {}
@@ -69,7 +71,7 @@ def make_assets(family: str, values: dict[str, Any], log=print) -> list[str]:
         sys.path.insert(0, sd_scripts)
     made = []
     model_keys = {"pretrained_model_name_or_path", "clip_l", "t5xxl", "ae", "tokenizer_cache_dir", "gemma2",
-                  "text_encoder", "byt5", "vae"}
+                  "text_encoder", "byt5", "vae", "qwen3"}
     if model_keys & missing.keys():
         model = Path(values["pretrained_model_name_or_path"])
         if family == "HunyuanImage 2.1":
@@ -77,6 +79,11 @@ def make_assets(family: str, values: dict[str, Any], log=print) -> list[str]:
 
             log(f"demo: making a tiny HunyuanImage 2.1 model in {model.parent} (CPU, random weights)")
             made += list(hunyuan_image_models.make_tiny_hunyuan_image(model.parent).values())
+        elif family == "Anima":
+            from library import anima_models
+
+            log(f"demo: making a tiny Anima model in {model.parent} (CPU, random weights)")
+            made += list(anima_models.make_tiny_anima(model.parent).values())
         elif family == "Lumina 2":
             from library import lumina_models
 

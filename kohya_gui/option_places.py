@@ -40,6 +40,8 @@ FLUX_SD3 = FLUX | SD3
 LUMINA = frozenset({"Lumina 2"})
 FLOW = FLUX | LUMINA  # the flow-matching families' shared options (--ae, timesteps, block swap)
 HUNYUAN = frozenset({"HunyuanImage 2.1"})
+ANIMA = frozenset({"Anima"})
+FLOW |= ANIMA  # Anima: timesteps and block swap (its script has no --ae: the scripts decide where an option is)
 COMPILE_FAMILIES = frozenset({"SDXL", "FLUX.1"})
 
 
@@ -79,7 +81,7 @@ PLACES: dict[str, Look] = {
     "vae": Look("model", "VAE (optional)",
          help="A separate VAE file or folder to use instead of the model's own (HunyuanImage 2.1: its VAE file, "
               "needed).",
-         families=SD_SDXL | SD3 | HUNYUAN, widget="file"),
+         families=SD_SDXL | SD3 | HUNYUAN | ANIMA, widget="file"),
     "clip_l": Look("model", "CLIP-L",
          help="CLIP-L text encoder file (clip_l.safetensors); SD3: empty = the one in the checkpoint.",
          families=FLUX_SD3, widget="file"),
@@ -115,6 +117,7 @@ PLACES: dict[str, Look] = {
              "SD3": "networks.lora_sd3",
              "Lumina 2": "networks.lora_lumina",
              "HunyuanImage 2.1": "networks.lora_hunyuan_image",
+             "Anima": "networks.lora_anima",
          },
          choice_labels={"": "LoRA (the family's)"}),
     "token_string": Look("embedding", "Token string",
@@ -255,7 +258,7 @@ PLACES: dict[str, Look] = {
          families=FLUX_SD3, minimum=1),
     "blocks_to_swap": Look("flux", "Blocks to swap (optional)",
          help="Keep this many transformer blocks on the CPU and swap them in; saves memory.",
-         families=FLUX_SD3 | LUMINA | HUNYUAN, minimum=0),
+         families=FLUX_SD3 | LUMINA | HUNYUAN | ANIMA, minimum=0),
     "apply_t5_attn_mask": Look("flux", "Apply T5 attention mask", families=FLUX_SD3),
     # SD3 / SD3.5 (sd3_train_network.py, sd3_train.py)
     "apply_lg_attn_mask": Look("sd3", "Apply CLIP-L/G attention mask", families=SD3),
@@ -290,17 +293,38 @@ PLACES: dict[str, Look] = {
          families=LUMINA),
     "sample_batch_size": Look("lumina", "Sample batch size (optional)", families=LUMINA, minimum=1),
     # HunyuanImage 2.1 (hunyuan_image_train_network.py)
-    "attn_mode": Look("hunyuan_image", "Attention (optional)",
-         help="Empty = torch (PyTorch SDPA); xformers / flash need their package; sageattn is inference only.",
-         families=HUNYUAN),
-    "split_attn": Look("hunyuan_image", "Split attention", help="One sample at a time (less memory).",
-         families=HUNYUAN),
     "fp8_scaled": Look("hunyuan_image", "fp8 DiT", help="The DiT's block weights in fp8.", families=HUNYUAN),
     "fp8_vl": Look("hunyuan_image", "fp8 Qwen2.5-VL", families=HUNYUAN),
     "text_encoder_cpu": Look("hunyuan_image", "Text encoders on the CPU",
          help="Slow; best with text-encoder outputs cached to disk.", families=HUNYUAN),
-    "vae_chunk_size": Look("hunyuan_image", "VAE chunk size (optional)", help="Any value: the VAE in tiles.",
-         families=HUNYUAN, minimum=1),
+    # Anima (anima_train_network.py)
+    "qwen3": Look("model", "Qwen3", help="Qwen3-0.6B text encoder file or folder (Anima).", families=ANIMA,
+         widget="file", required=True),
+    "llm_adapter_path": Look("anima", "LLM adapter file (optional)",
+         help="Empty = the adapter inside the DiT file.", families=ANIMA, widget="file"),
+    "t5_tokenizer_path": Look("anima", "T5 tokenizer folder (optional)",
+         help="Empty = t5/ in the tokenizer cache folder, else google/t5-v1_1-xxl from the hub.", families=ANIMA,
+         widget="folder"),
+    "qwen3_max_token_length": Look("anima", "Qwen3 max tokens", families=ANIMA, minimum=1),
+    "t5_max_token_length": Look("anima", "T5 max tokens", families=ANIMA, minimum=1),
+    "vae_disable_cache": Look("anima", "Disable VAE cache", help="Accepted; no effect here.", families=ANIMA),
+    "unsloth_offload_checkpointing": Look("anima", "Unsloth offload checkpointing",
+         help="Gradient checkpointing with the blocks' inputs in CPU memory.", families=ANIMA),
+    **{f"{part}_lr": Look("anima", f"{label} learning rate (full fine-tune only)",
+         help="Upstream's full fine-tune reads it; the LoRA script ignores it (as upstream).", families=ANIMA)
+       for part, label in (("llm_adapter", "LLM adapter"), ("self_attn", "Self-attention"),
+                           ("cross_attn", "Cross-attention"), ("mlp", "MLP"), ("mod", "Modulation"))},
+    # HunyuanImage 2.1 and Anima share these three
+    "attn_mode": Look("advanced", "Attention mode (optional)",
+         help="HunyuanImage 2.1 / Anima. Empty = torch (PyTorch SDPA); xformers / flash need their package "
+              "(Anima runs PyTorch's SDPA for every mode); sageattn is inference only.",
+         families=HUNYUAN | ANIMA),
+    "split_attn": Look("advanced", "Split attention",
+         help="HunyuanImage 2.1: one sample at a time (less memory). Anima: accepted, no effect.",
+         families=HUNYUAN | ANIMA),
+    "vae_chunk_size": Look("advanced", "VAE chunk size (optional)",
+         help="HunyuanImage 2.1: any value runs the VAE in tiles. Anima: accepted, no effect.",
+         families=HUNYUAN | ANIMA, minimum=1),
     "noise_offset": Look("advanced_noise", "Noise offset (optional)", families=SD_SDXL, minimum=0),
     "min_snr_gamma": Look("advanced_loss", "Min-SNR gamma (optional)",
          help="5 is a common value.",

@@ -24,6 +24,7 @@ from . import option_places
 TABS = ("lora", "dreambooth", "finetune", "ti")
 TAB_LABELS = {"lora": "LoRA", "dreambooth": "DreamBooth", "finetune": "Fine-tune", "ti": "Textual Inversion"}
 FAMILIES = ("SD1.x", "SD2.x", "SDXL", "FLUX.1", "SD3", "Lumina 2", "HunyuanImage 2.1")
+FAMILIES += ("Anima",)  # LoRA only (upstream has no Anima full-fine-tune table here)
 COMPILE_FAMILIES = option_places.COMPILE_FAMILIES
 
 SCRIPTS = {
@@ -49,6 +50,7 @@ SCRIPTS = {
 SCRIPTS.update({("lora", "Lumina 2"): "lumina_train_network.py", ("dreambooth", "Lumina 2"): "lumina_train.py",
                 ("finetune", "Lumina 2"): "lumina_train.py"})
 SCRIPTS[("lora", "HunyuanImage 2.1")] = "hunyuan_image_train_network.py"  # LoRA only (upstream has no full trainer)
+SCRIPTS[("lora", "Anima")] = "anima_train_network.py"
 
 
 def tab_families(tab: str) -> list[str]:
@@ -69,6 +71,7 @@ ACCORDIONS = {
     "sd3": ("SD3 options", False),
     "lumina": ("Lumina 2 options", False),
     "hunyuan_image": ("HunyuanImage 2.1 options", False),
+    "anima": ("Anima options", False),
     "advanced": ("Advanced", False),
     "samples": ("Samples", False),
     "accelerate": ("Accelerate launch", False),
@@ -335,6 +338,16 @@ NOT_SHOWN.update({
                                             "compile_fullgraph", "compile_cache_size_limit", "compile_cache_dir",
                                             "compile_checkpoint_keep", "cuda_allow_tf32", "cuda_cudnn_benchmark",
                                             "cudnn_sdp", "cuda_graph_step")},
+})
+
+# Anima: a flow-matching DiT, LoRA only; the compile flags on the command line (as Lumina 2's)
+NOT_SHOWN.update({
+    ("v2", "Anima"): "SD2.x is a family of its own: choosing it sets --v2",
+    ("v_parameterization", "Anima"): "Anima is a flow-matching model",
+    ("noise_offset", "Anima"): "sd-scripts applies it to SD1.x/SD2.x/SDXL noise only",
+    ("min_snr_gamma", "Anima"): "SNR weighting is for SD1.x/SD2.x/SDXL (Anima has weighting schemes)",
+    **{(name, "Anima"): reason for (name, family), reason in NOT_SHOWN.items()
+       if family == "Lumina 2" and name.startswith(("compile", "cuda", "cudnn"))},
 })
 
 

@@ -177,6 +177,7 @@ def test_compile_accordion_follows_family_and_print_shows_compile(page):
 LORA_SCRIPTS = {"SD1.x": "train_network.py", "SD2.x": "train_network.py", "SDXL": "sdxl_train_network.py",
                 "FLUX.1": "flux_train_network.py", "SD3": "sd3_train_network.py",
                 "Lumina 2": "lumina_train_network.py", "HunyuanImage 2.1": "hunyuan_image_train_network.py"}
+LORA_SCRIPTS["Anima"] = "anima_train_network.py"
 
 
 def test_every_family_names_its_script_and_shows_its_own_fields(page):

@@ -98,7 +98,7 @@ def test_filter_box_says_when_nothing_matches_or_only_another_family(page):
 
     page.wait_for_function("() => document.querySelector('#lora-family input').value === 'SDXL'")
     box.fill("block swap")  # FLUX.1's --blocks_to_swap, every word matched
-    hint_says("Blocks to swap (optional) (FLUX.1, SD3, Lumina 2, HunyuanImage 2.1 only)")
+    hint_says("Blocks to swap (optional) (FLUX.1, SD3, Lumina 2, HunyuanImage 2.1, Anima only)")
     box.fill("no such option at all")
     hint_says('No option matches "no such option at all"')
     box.fill("")

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 SCRIPTS = ("sdxl_train_network", "train_network", "flux_train_network", "sdxl_train", "train_db", "fine_tune",
            "flux_train", "sd3_train_network", "sd3_train", "train_textual_inversion", "sdxl_train_textual_inversion",
            "lumina_train_network", "lumina_train", "hunyuan_image_train_network")
+SCRIPTS += ("anima_train_network",)  # Anima (library/families/anima.py)
 
 # upstream scripts (their option tables in ../shared/parity/upstream-flags/) that are not here yet, with their status;
 # every upstream table is one of SCRIPTS, TOOLS or these (tests/test_upstream_parity.py)
 SCRIPTS_NOT_YET: dict[str, str] = {
-    "anima_train_network": "not yet (issue 28 item 4): Anima LoRA; after HunyuanImage 2.1",
     "tools__convert_diffusers_to_flux": "not yet: diffusers FLUX.1 folder to a single BFL file; the trainers read "
                                         "diffusers folders directly",
     "tools__resize_images_to_resolution": "not yet: the trainers' buckets resize on the fly, and "
@@ -102,6 +102,17 @@ DIFFERENT: dict[str, Different] = {
         "FLUX.1: a warning and captions encoded as written (upstream's flux_train.py ignores it and "
         "flux_train_network.py stops with NotImplementedError unless text-encoder outputs are cached); Lumina 2: "
         "the same warning, captions encoded as written as upstream does; HunyuanImage 2.1 too"),
+    # Anima (anima_train_network.py; library/families/anima.py)
+    "split_attn": Different("Anima: accepted without effect: the DiT's attention has no padding mask, so one batched "
+                            "SDPA call serves (upstream splits the batch to save memory, and needs it for xformers)"),
+    "vae_disable_cache": Different("Anima: accepted without effect (upstream's own VAE code's feature cache)"),
+    "caption_dropout_rate": Different(
+        "with --cache_text_encoder_outputs it stops before anything loads (cached outputs need fixed captions); "
+        "upstream's Anima script caches the rate and blanks cached outputs per step instead"),
+    "unsloth_offload_checkpointing": Different(
+        "Anima: the checkpointed blocks' inputs go to CPU memory through the same offloading checkpoint as "
+        "--cpu_offload_checkpointing (upstream: Unsloth's non-blocking copies); the same rules (turns on "
+        "--gradient_checkpointing, not with --cpu_offload_checkpointing or --blocks_to_swap)"),
     # Lumina 2 (lumina_train_network.py / lumina_train.py; library/families/lumina.py)
     "use_flash_attn": Different(
         "Lumina 2: without the flash-attn package the run stops with one line naming it (upstream fails when the "
@@ -211,7 +222,8 @@ DIFFERENT: dict[str, Different] = {
     "attn_mode": Different(
         "HunyuanImage 2.1: torch/sdpa as upstream (PyTorch SDPA with the text mask); xformers and flash need their "
         "package (one line naming it otherwise) and then also run through SDPA, which picks its memory-efficient / "
-        "flash kernels itself; sageattn stops before anything loads (upstream: inference only)"),
+        "flash kernels itself; sageattn stops before anything loads (upstream: inference only). Anima: every mode "
+        "runs PyTorch's SDPA, sageattn stops the same way"),
     "fp8_scaled": Different(
         "HunyuanImage 2.1: the double/single blocks' Linear weights stored in float8 and upcast per layer, as "
         "--fp8_base does (upstream quantises with per-block scales and, on supported GPUs, runs scaled fp8 matmuls)"),
@@ -219,7 +231,9 @@ DIFFERENT: dict[str, Different] = {
                         "(upstream also keeps its norms and residual sums in float32)"),
     "vae_chunk_size": Different(
         "HunyuanImage 2.1: any value switches diffusers' tiled VAE encode/decode on (upstream chunks each convolution "
-        "along the height by that many rows); both save memory, tiles blend at their seams"),
+        "along the height by that many rows); both save memory, tiles blend at their seams. Anima: accepted "
+        "without effect (it tunes upstream's own copy of the Qwen-Image VAE; diffusers' AutoencoderKLQwenImage "
+        "encodes each image whole)"),
     "text_encoder": Different(
         "HunyuanImage 2.1: Qwen2.5-VL's language model from upstream's file (its vision tower is not loaded: "
         "prompts are text only); its tokenizer from --tokenizer_cache_dir (a saved tokenizer or the hub cache) as "

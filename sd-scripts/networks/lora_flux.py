@@ -431,6 +431,7 @@ class LoRANetworkFlux(lora_sd.LoRANetwork):
 
     # -- training ----------------------------------------------------------------------------------------
     TE_PREFIXES = (LORA_PREFIX_CLIP_L, LORA_PREFIX_T5XXL)  # one optimizer group (and lr) per text encoder
+    reg_lr_match = None  # network_reg_lrs: a regex found in the LoRA name (lora_anima: its own rule)
 
     @staticmethod
     def text_encoder_lrs(text_encoder_lr, default_lr) -> list:
@@ -449,7 +450,7 @@ class LoRANetworkFlux(lora_sd.LoRANetwork):
         groups, descriptions = [], []
 
         def add(loras, lr, ratio, label):
-            g, d = lora_sd.assemble_param_groups(loras, lr, ratio, label, self.reg_lrs)
+            g, d = lora_sd.assemble_param_groups(loras, lr, ratio, label, self.reg_lrs, self.reg_lr_match)
             groups.extend(g)
             descriptions.extend(d)
 
