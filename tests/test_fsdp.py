@@ -87,14 +87,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(processes: int, args: list, timeout: int = 400, script: str = "sdxl_train.py") -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", ACCELERATE_USE_CPU="1")
+def launch_env() -> dict:
+    return dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", ACCELERATE_USE_CPU="1")
+
+
+def launch_command(processes: int, script: str, args: list) -> list[str]:
+    """`accelerate launch` of `processes` CPU processes (gloo with launch_env's ACCELERATE_USE_CPU) of a trainer."""
     several = ["--multi_gpu"] if processes > 1 else []
-    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", *several, "--num_processes", str(processes),
-           "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
-           "--dynamo_backend", "no", "--num_cpu_threads_per_process", "1", str(REPO / "sd-scripts" / script)]
-    proc = subprocess.run(cmd + [str(a) for a in args], env=env, capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO)
+    return [str(Path(sys.executable).parent / "accelerate"), "launch", *several, "--num_processes", str(processes),
+            "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
+            "--dynamo_backend", "no", "--num_cpu_threads_per_process", "1", str(REPO / "sd-scripts" / script),
+            *(str(a) for a in args)]
+
+
+def launch(processes: int, args: list, timeout: int = 400, script: str = "sdxl_train.py") -> subprocess.CompletedProcess:
+    proc = subprocess.run(launch_command(processes, script, args), env=launch_env(), capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc
 
@@ -322,16 +330,12 @@ def test_a_process_killed_during_a_save_ends_the_run_and_keeps_the_earlier_save(
     from kohya_gui.runner import first_failed_process
 
     out = tmp_path / "out"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", ACCELERATE_USE_CPU="1")
-    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
-           "--dynamo_backend", "no", "--num_cpu_threads_per_process", "1", str(REPO / "sd-scripts" / "sdxl_train.py")]
     args = sdxl_args(tiny_sdxl_single_file, tiny_dataset_dir, out, "ft", 40) + [
         "--fsdp", "full_shard", "--save_state", "--save_every_n_steps", 2]
     log_path = tmp_path / "log.txt"
     with open(log_path, "w") as log:
-        launcher = subprocess.Popen(cmd + [str(a) for a in args], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    cwd=REPO)
+        launcher = subprocess.Popen(launch_command(2, "sdxl_train.py", args), env=launch_env(), stdout=log,
+                                    stderr=subprocess.STDOUT, cwd=REPO)
     try:
         deadline = time.time() + 300
         # the second state save has begun (the first is complete): kill process rank 1 now

@@ -122,20 +122,16 @@ def test_runner_after_a_rank_failed_names_it_in_the_rows_and_the_message(tmp_pat
 @pytest.mark.slow
 def test_two_process_run_shows_both_ranks_and_stop_ends_both_after_the_save(tmp_path, tiny_sd1_single_file,
                                                                              tiny_dataset_dir):
-    from test_fsdp import free_port
+    from test_fsdp import launch_command, launch_env
 
     out = tmp_path / "out"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", ACCELERATE_USE_CPU="1")
-    argv = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
-            "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
-            "--dynamo_backend", "no", "--num_cpu_threads_per_process", "1",
-            str(REPO / "sd-scripts" / "train_network.py"), "--pretrained_model_name_or_path", str(tiny_sd1_single_file),
-            "--tokenizer_cache_dir", str(tiny_sd1_single_file.parent / "tokenizers"), "--train_data_dir",
-            str(tiny_dataset_dir), "--caption_extension", ".txt", "--resolution", "64", "--output_dir", str(out),
-            "--output_name", "lora", "--max_train_steps", "2000", "--max_data_loader_n_workers", "0",
-            "--network_module", "networks.lora", "--network_dim", "4", "--seed", "3"]
+    argv = launch_command(2, "train_network.py", [
+        "--pretrained_model_name_or_path", tiny_sd1_single_file, "--tokenizer_cache_dir",
+        tiny_sd1_single_file.parent / "tokenizers", "--train_data_dir", tiny_dataset_dir, "--caption_extension", ".txt",
+        "--resolution", 64, "--output_dir", out, "--output_name", "lora", "--max_train_steps", 2000,
+        "--max_data_loader_n_workers", 0, "--network_module", "networks.lora", "--network_dim", 4, "--seed", 3])
     runner = Runner()
-    runner.start([argv], out / "run.log", cwd=REPO, env=env, output_dir=out)
+    runner.start([argv], out / "run.log", cwd=REPO, env=launch_env(), output_dir=out)
     try:
         assert wait_for(lambda: len(runner.snapshot().ranks) == 2 or not runner.running, 300), runner.log_tail(40)
         s = runner.snapshot()
