@@ -352,9 +352,10 @@ PLACES: dict[str, Look] = {
          help="Let cuDNN pick the fastest kernels.",
          families=COMPILE_FAMILIES),
     "cudnn_sdp": Look("compile", "cuDNN attention",
-         help=("auto: torch's choice, but off on torch 2.11 + CUDA 13 with Hopper GPUs (H100/H200), where its "
-               "backward crashed FLUX.1 training. on: use it there too (on an H100 with cuDNN 9.19 a compiled FLUX.1"
-               " 1024 px step took 514 instead of 584 ms, but an eager 512 px run still crashed). off: never."),
+         help=("auto: torch's choice; on torch 2.11 + CUDA 13 with Hopper GPUs (H100/H200), where its backward "
+               "crashed eager FLUX.1 training, on only inside compiled FLUX.1 / SDXL blocks with the text encoders "
+               "not trained (there a FLUX.1 1024 px step took 511 instead of 581 ms on an H100). on: everywhere. "
+               "off: never."),
          families=COMPILE_FAMILIES),
     "compile_checkpoint_keep": Look("compile", "Checkpointing keeps",
          help=("With gradient checkpointing: what is kept for backward instead of recomputed; each choice uses more "
@@ -362,7 +363,8 @@ PLACES: dict[str, Look] = {
                "projections: also their Linear outputs no wider than the inputs (q/k/v, output projections). "
                "resnets: projections, and the UNet's ResNets are not checkpointed (FLUX.1: as projections). On an "
                "H100, SDXL 1024 bs4: 299 -> 264 ms (attention -> resnets) at 10.6 -> 18.8 GiB; FLUX.1 1024: 581 -> "
-               "521 ms (attention -> projections) at 27.3 -> 33.8 GiB."),
+               "521 ms (attention -> projections) at 27.3 -> 33.8 GiB. auto: FLUX.1 projections, SDXL resnets when the "
+               "GPU's free memory holds twice the extra with 4 GiB to spare, else attention (the log says which)."),
          families=COMPILE_FAMILIES),
     "bucket_reso_steps": Look("dataset", "Bucket resolution steps"),
     "bucket_no_upscale": Look("dataset", "Don't upscale bucket resolution"),

@@ -57,19 +57,100 @@ def test_defaults_and_choices():
     ("on", True, True),
     ("off", False, False),
 ])
-def test_cudnn_sdp_choice(monkeypatch, choice, crashed_here, expected):
+def test_cudnn_sdp_choice(monkeypatch, caplog, choice, crashed_here, expected):
     monkeypatch.setattr(compile_environment, "_needs_cudnn_sdpa_workaround", lambda: crashed_here)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")  # named in the log
     before = torch.backends.cuda.cudnn_sdp_enabled()
     try:
         torch.backends.cuda.enable_cudnn_sdp(True)
-        applied = compile_environment.setup_compile_environment(_parse("--cudnn_sdp", choice))
+        with caplog.at_level(logging.INFO, logger="library.compile"):
+            applied = compile_environment.setup_compile_environment(_parse("--cudnn_sdp", choice))
         assert applied.get("cudnn_sdp") == expected
         assert torch.backends.cuda.cudnn_sdp_enabled() is (expected is not False)
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+    if choice == "auto" and crashed_here:  # not compiled: off, and the log line says why
+        assert "cuDNN attention (--cudnn_sdp auto) off on torch" in caplog.text and "crashed eager" in caplog.text
     with pytest.raises(SystemExit):
         _parse("--cudnn_sdp", "yes")
+
+
+@pytest.mark.parametrize("argv, family, allowed, why", [
+    (["--compile", "--network_train_unet_only"], "flux", True, "inside the inductor-compiled blocks"),
+    (["--compile", "--cache_text_encoder_outputs"], "sdxl", True, "inside the inductor-compiled blocks"),
+    (["--network_train_unet_only"], "flux", False, "crashed eager FLUX.1 training"),  # eager: where it crashed
+    (["--compile", "--compile_backend", "aot_eager", "--network_train_unet_only"], "flux", False, "crashed eager"),
+    (["--compile"], "flux", False, "text encoders may train"),  # their attention backward runs eagerly
+    (["--compile", "--network_train_unet_only"], "sd3", False, "not measured for this model family (sd3)"),
+    (["--compile", "--train_text_encoder"], "sdxl", False, "text encoders may train"),  # sdxl_train.py
+    (["--compile"], "sdxl", True, "inside the inductor-compiled blocks"),  # sdxl_train.py without the flag
+])
+def test_cudnn_sdp_auto_where_the_crash_was(argv, family, allowed, why):
+    """--cudnn_sdp auto on torch 2.11 + CUDA 13 + Hopper: cuDNN attention only where every attention backward runs
+    inside inductor-compiled blocks of a measured family (test_cudnn_sdp_choice: setup_compile_environment applies it
+    and logs the choice)."""
+    parser = compile_options.add_compile_arguments(argparse.ArgumentParser())
+    for flag in ("--network_train_unet_only", "--cache_text_encoder_outputs"):
+        parser.add_argument(flag, action="store_true")
+    if family == "sdxl" and "--cache_text_encoder_outputs" not in argv:
+        parser.add_argument("--train_text_encoder", action="store_true")  # sdxl_train.py's
+    args = parser.parse_args(argv)
+    args._family = family
+    got, reason = compile_environment.cudnn_sdp_auto(args)
+    assert got is allowed and why in reason
+
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize("family, batch, pixels, free_gib, expected", [
+    ("flux", 1, 1024 * 1024, 56.0, "projections"),  # an 80 GB card after FLUX.1's 22.7 GiB: 2 x 6.47 + 4 = 16.9
+    ("flux", 1, 1024 * 1024, 16.5, "attention"),  # a 40 GB card: fits attention's 27.3 GiB peak, not with margin
+    ("flux", 1, 512 * 512, 10.0, "projections"),  # 512 px: (1024 + 512) / 4608 of the extra
+    ("flux", 4, 1024 * 1024, 40.0, "attention"),  # four samples keep four times as much
+    ("sdxl", 1, 1024 * 1024, 8.1, "resnets"),  # 2 x 2.05 + 4
+    ("sdxl", 1, 1024 * 1024, 8.0, "attention"),
+    ("sdxl", 4, 1024 * 1024, 74.0, "resnets"),
+    ("sdxl", 4, 1024 * 1024, 18.0, "attention"),  # a 24 GB card at bs4: 2 x 8.2 + 4 = 20.4
+    ("sd3", 1, 1024 * 1024, 70.0, "attention"),  # not measured
+    ("flux", 1, 1024 * 1024, None, "attention"),  # no CUDA
+])
+def test_checkpoint_keep_auto_from_free_memory(family, batch, pixels, free_gib, expected):
+    choice, why = compile_checkpoint.auto_keep(family, batch, pixels, None if free_gib is None else free_gib * GIB)
+    assert choice == expected, why
+
+
+def test_checkpoint_keep_auto_logs_its_choice(monkeypatch, caplog):
+    """resolve_keep: auto reads the free memory (faked here) and the run's family, batch and largest bucket."""
+    args = _parse("--compile")
+    args._family, args._max_pixels, args.train_batch_size = "flux", 1024 * 1024, 1
+    for free_gib, expected in ((60.0, "projections"), (12.0, "attention")):
+        monkeypatch.setattr(compile_checkpoint, "free_gpu_bytes", lambda *a, f=free_gib: int(f * GIB))
+        with caplog.at_level(logging.INFO, logger="library.compile"):
+            assert compile_checkpoint.resolve_keep(args, gradient_checkpointing=True) == expected
+        assert f"--compile_checkpoint_keep auto: {expected} ({free_gib:.1f} GiB of GPU memory free" in caplog.text
+    assert compile_checkpoint.resolve_keep(_parse("--compile_checkpoint_keep", "resnets"), True) == "resnets"
+    assert compile_checkpoint.resolve_keep(args, gradient_checkpointing=False) == "attention"
+
+
+def test_checkpoint_contexts_pickle_for_the_autograd_cache():
+    """Inductor pickles the cache key, context_fn included: a closure made the AOTAutograd cache bypass every
+    checkpointed graph (warm restarts traced and partitioned them again). The contexts pickle by reference and keep
+    their cache_hash and policy."""
+    import pickle
+
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    for keep, context in compile_checkpoint.CHECKPOINT_CONTEXTS.items():
+        back = pickle.loads(pickle.dumps(context))
+        assert back.cache_hash == context.cache_hash and back.func is context.func
+        policy = back.args[0]
+        attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+        assert compile_checkpoint._policy(policy, None, attention) is CheckpointPolicy.MUST_SAVE
+        narrowing = (None, torch.empty(64, 32))  # mm(x, w) with w (in 64, out 32)
+        assert (compile_checkpoint._policy(policy, None, torch.ops.aten.mm.default, *narrowing)
+                is (CheckpointPolicy.MUST_SAVE if keep != "attention" else CheckpointPolicy.PREFER_RECOMPUTE))
+    assert len({c.cache_hash for c in compile_checkpoint.CHECKPOINT_CONTEXTS.values()}) == 2  # resnets = projections
 
 
 def test_compile_caches_are_keyed_by_the_attention_backends(tmp_path, monkeypatch):
@@ -511,7 +592,7 @@ def test_checkpoint_keep_choices_recompute_less_with_the_same_grads():
     assert resnets == resnets_p > resnets_r == len(resnet_calls) > 0, counts  # diffusers' checkpoint recomputes
     with pytest.raises(SystemExit):
         _parse("--compile_checkpoint_keep", "everything")
-    assert _parse().compile_checkpoint_keep == "attention"
+    assert _parse().compile_checkpoint_keep == "auto"
 
 
 @pytest.mark.parametrize("argv, applies", [
@@ -529,8 +610,8 @@ def test_checkpoint_keep_without_inside_checkpointing_warns(argv, applies, caplo
         compile_options.validate_compile_args(args)
     assert ("--compile_checkpoint_keep resnets has no effect" in caplog.text) != applies
     args.compile_checkpoint_keep = "everything"  # as a config file can set it
-    with pytest.raises(compile_options.CompileConfigError, match="--compile_checkpoint_keep must be one of attention, "
-                                                    "projections, resnets; got 'everything'"):
+    with pytest.raises(compile_options.CompileConfigError, match="--compile_checkpoint_keep must be one of auto, "
+                                                    "attention, projections, resnets; got 'everything'"):
         compile_options.validate_compile_args(args)
 
 
@@ -683,3 +764,20 @@ def test_auto_dynamic_new_bucket_shapes_do_not_recompile(family, caplog):
     assert counts["auto"][0] >= 1 and len(set(counts["auto"])) == 1, counts
     assert counts["false"][-1] > counts["false"][0], counts
     assert any("image-size dimensions of their inputs dynamic" in msg for msg in caplog.messages)
+
+
+def test_compile_workers_start_before_the_models_load(monkeypatch, tmp_path):
+    """graphs.resolve starts inductor's kernel-compile pool (an inductor compile on a CUDA GPU only), with the
+    run's compile cache folder in the environment the workers start with."""
+    import torch._inductor.async_compile as async_compile
+
+    started = []
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: started.append(os.environ["TORCHINDUCTOR_CACHE_DIR"]))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", ""))  # restored after
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert not compile_environment.warm_compile_workers(_parse("--compile", "--compile_backend", "aot_eager"))
+    assert not compile_environment.warm_compile_workers(_parse("--compile_cache_dir", str(tmp_path)))
+    assert compile_environment.warm_compile_workers(_parse("--compile", "--compile_cache_dir", str(tmp_path)))
+    assert started == [str(tmp_path)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not compile_environment.warm_compile_workers(_parse("--compile"))

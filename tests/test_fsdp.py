@@ -363,3 +363,118 @@ def test_a_process_killed_during_a_save_ends_the_run_and_keeps_the_earlier_save(
             assert (out / name / "sharded" / ".metadata").is_file()
             assert (out / name / "custom_checkpoint_1.pkl").is_file()
     assert "ft-step00000002-state" in names and "ft-step00000002.safetensors" in names, names
+
+
+# ---- Adafactor (the full fine-tune presets' optimizer) on sharded weights -----------------------------------------
+
+
+def _adafactor_worker(rank: int, world: int, port: int, folder: str, results):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers.optimization import Adafactor
+
+    sys.path.insert(0, str(REPO / "sd-scripts"))
+    from library import sharding
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    options = dict(lr=1e-2, scale_parameter=False, relative_step=False, warmup_init=False, beta1=0.9)
+
+    def make(sharded: bool):  # weights of 1, 2 and 4 dims whose first dims (3, 5, 7) do not divide over 2 processes
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3, padding=1), torch.nn.Flatten(),
+                                    torch.nn.Linear(3 * 4 * 4, 5), torch.nn.Linear(5, 7))
+        if sharded:
+            for layer in (model[0], model[2], model[3]):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        optimizer = Adafactor(model.parameters(), **options)
+        sharding.init_optimizer_state([optimizer])
+        return model, optimizer
+
+    def steps(pairs, seeds):
+        for seed in seeds:
+            x = torch.randn(4, 2, 4, 4, generator=torch.Generator().manual_seed(seed))
+            for model, opt in pairs:
+                opt.zero_grad()
+                model(x).square().mean().backward()
+                opt.step()
+
+    def gap(sharded, whole):
+        with torch.no_grad():
+            return max(float((p.full_tensor() - w).abs().max()) for p, w in zip(sharded.parameters(), whole.parameters()))
+
+    whole, sharded = make(False), make(True)
+    steps([whole, sharded], range(3))
+    gap3 = gap(sharded[0], whole[0])
+    with torch.no_grad():
+        moved = max(float((w - b).abs().max()) for w, b in zip(whole[0].parameters(), make(False)[0].parameters()))
+    # the sharded state saved and read into a new sharded model and optimizer, as --save_state / --resume do
+    dcp.save(dict(zip(("model", "optimizer"), get_state_dict(*sharded))), checkpoint_id=folder)
+    resumed = make(True)
+    state = dict(zip(("model", "optimizer"), get_state_dict(*resumed)))
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(*resumed, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    steps([whole, resumed], (3, 4))
+    results.put((rank, gap3, gap(resumed[0], whole[0]), moved))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_adafactor_steps_sharded_weights_as_whole_ones(tmp_path):
+    """transformers' Adafactor on FSDP2 shards (2 gloo processes): with its state made first as sharded tensors
+    (sharding.init_optimizer_state) every process steps its shard, the weights equal the unsharded optimizer's
+    (without it, Adafactor's first step raises on mixing plain and sharded tensors), and its state saved with
+    torch.distributed.checkpoint and read back continues as the unsharded optimizer does."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    mp.spawn(_adafactor_worker, args=(2, free_port(), str(tmp_path / "state"), results), nprocs=2)
+    for _ in range(2):
+        rank, after3, after_resume, moved = results.get(timeout=10)
+        assert moved > 1e-3 and after3 < 1e-6 and after_resume < 1e-6, (rank, after3, after_resume, moved)
+
+
+# ---- flux_train.py: Adafactor (the preset's optimizer), sharded state resumed on 2 and on 1 process ---------------
+
+
+@pytest.mark.slow
+def test_flux_fsdp_adafactor_state_resumes_on_two_and_on_one_process(tmp_path):
+    from safetensors.torch import load_file
+
+    from library import flux_tiny, tiny_models
+
+    paths = flux_tiny.make_tiny_flux(tmp_path / "models", num_double=2, num_single=2)
+    data = tiny_models.make_captioned_images(tmp_path / "data", n=2, size=(32, 32), repeats=2, name="demo")
+    args = ["--pretrained_model_name_or_path", paths["transformer"], "--clip_l", paths["clip_l"], "--t5xxl",
+            paths["t5xxl"], "--ae", paths["ae"], "--tokenizer_cache_dir", paths["tokenizer_cache_dir"],
+            "--train_data_dir", data, "--resolution", "32", "--t5xxl_max_token_length", "16", "--output_name", "ft",
+            "--max_data_loader_n_workers", 0, "--seed", 1, "--cache_latents", "--cache_text_encoder_outputs",
+            "--gradient_checkpointing", "--optimizer_type", "Adafactor", "--optimizer_args", "scale_parameter=False",
+            "relative_step=False", "warmup_init=False", "--learning_rate", "1e-3", "--fsdp", "full_shard"]
+    first = launch(2, args + ["--output_dir", tmp_path / "first", "--max_train_steps", 2, "--save_state"],
+                   script="flux_train.py")
+    log = first.stdout + first.stderr
+    assert re.search(r"--fsdp full_shard: the parameters of the FluxTransformer2DModel \([\d.]+M, \d+ blocks\) are "
+                     r"sharded over 2 processes", log), log[-3000:]
+    state = tmp_path / "first" / "ft-state"
+    assert (state / "sharded" / ".metadata").is_file()
+    # 2 processes continue to step 3 with the saved Adafactor state
+    proc = launch(2, args + ["--output_dir", tmp_path / "two", "--max_train_steps", 3, "--resume", state],
+                  script="flux_train.py")
+    log = proc.stdout + proc.stderr
+    assert log.count("resumed at step 2 (epoch 1)") == 2 and "process 1/2 finished 3 steps" in log, log[-3000:]
+    # 1 process reads the 2 processes' shards (the Adafactor statistics too) and trains step 3 on them
+    proc = launch(1, args + ["--output_dir", tmp_path / "one", "--max_train_steps", 3, "--resume", state],
+                  script="flux_train.py")
+    log = proc.stdout + proc.stderr
+    assert "one process, nothing to shard" in log and "resumed at step 2" in log, log[-3000:]
+    assert "process 0/1 finished 3 steps" in log, log[-3000:]
+    saved, two, one = (load_file(tmp_path / d / "ft.safetensors") for d in ("first", "two", "one"))
+    assert set(saved) == set(two) == set(one)
+    assert any(not torch.equal(saved[k], one[k]) for k in saved)  # step 3 was trained

@@ -1,6 +1,15 @@
 """Checks the cuDNN SDPA backend against flash attention on FLUX.1 / SDXL attention shapes (GPU only).
 
     python tools/probe_cudnn_sdpa.py [--lengths 1536 4608 ...] [--iters 5]
+    python tools/probe_cudnn_sdpa.py --flux_blocks [--cases eager:512 eager:1024 compiled:512 compiled:1024]
+
+--flux_blocks: the attention as FLUX.1 training hands it to SDPA: one double and one single block of FLUX.1-dev's
+width (3072, 24 heads x 128) with random bf16 weights, run through the trainers' forward (flux_train_utils:
+packed latents, rotary embeddings, 512 T5 tokens), eager or compiled the trainers' way (regional compile,
+inductor, checkpoint inside the blocks with --compile_checkpoint_keep projections), at 512 or 1024 px, forward then
+backward with cuDNN attention the only SDPA backend, compared with eager flash attention on the same inputs. One
+process a case; each prints the phase it reached (forward, backward) and whether it crashed. Where the eager 512
+px FLUX.1 run crashed in the trainer (docs/BENCHMARKS.md run49, run57), this says whether the block alone does.
 
 Each case (sequence length, heads, head dim) runs in its own process, since an illegal memory access ends the
 process's CUDA context: forward and backward with the layout diffusers' attention processors give SDPA (q, k, v
@@ -57,6 +66,94 @@ def run_case(length: int, heads: int, head_dim: int, iters: int, batch: int) -> 
     }
 
 
+def run_flux_case(mode: str, resolution: int, tiny: bool, backend: str) -> dict:
+    """One --flux_blocks case (see the module's docstring); prints the phase before each, so a crash names it."""
+    import argparse as _argparse
+    import time
+
+    import torch
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "sd-scripts"))
+    from library import flux_tiny, flux_train_utils
+
+    cuda = torch.cuda.is_available()
+    dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    shape = dict(width=128, t5_dim=32, clip_dim=64) if tiny else dict(width=3072, t5_dim=4096, clip_dim=768)
+    model = flux_tiny.tiny_transformer(**shape, num_double=1, num_single=1, guidance=True, dtype=dtype).to(dev)
+    model.requires_grad_(False)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    h = w = resolution // 8
+    noisy = (torch.randn(1, 16, h, w, generator=g)).to(dev, dtype)
+    te = {"t5_out": torch.randn(1, 512, shape["t5_dim"], generator=g).to(dev, dtype),
+          "pooled": torch.randn(1, shape["clip_dim"], generator=g).to(dev, dtype)}
+    sigmas = torch.tensor([0.5], device=dev)
+    grad_out = torch.randn(1, 16, h, w, generator=g).to(dev, dtype)
+
+    def step(m):
+        x = noisy.clone().requires_grad_()
+        print(json.dumps({"phase": "forward"}), flush=True)
+        out = flux_train_utils.flux_forward(m, x, sigmas, te, 3.5, dtype)
+        if cuda:
+            torch.cuda.synchronize()
+        print(json.dumps({"phase": "backward"}), flush=True)
+        out.backward(grad_out)
+        if cuda:
+            torch.cuda.synchronize()
+        return out.detach().float(), x.grad.float()
+
+    def only(cudnn: bool):
+        if cuda:
+            b = torch.backends.cuda
+            b.enable_flash_sdp(not cudnn), b.enable_mem_efficient_sdp(False), b.enable_math_sdp(False)
+            b.enable_cudnn_sdp(cudnn)
+
+    only(False)
+    reference = step(model)  # eager, flash attention
+    only(True)
+    if mode == "compiled":
+        from library.compile import regional
+
+        cargs = _argparse.Namespace(compile=True, compile_backend=backend, compile_mode="default",
+                                    compile_dynamic="false", compile_fullgraph=False,
+                                    compile_checkpoint_keep="projections", cuda_graph_step="off")
+        regional.compile_model_blocks(model, cargs, model_name="FLUX probe", gradient_checkpointing=True)
+    t0 = time.perf_counter()
+    got = step(model)  # compiles here when compiled
+    first_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    got = step(model)
+    second_s = time.perf_counter() - t0
+
+    def rel(a, b):
+        return round(float((a - b).norm() / b.norm().clamp_min(1e-12)), 5)
+
+    return {"mode": mode, "resolution": resolution, "ok": True, "cudnn": cuda,
+            "rel_diff_vs_eager_flash": {"out": rel(got[0], reference[0]), "d_latents": rel(got[1], reference[1])},
+            "nan": any(bool(torch.isnan(t).any()) for t in got), "first_s": round(first_s, 1),
+            "second_s": round(second_s, 3)}
+
+
+def flux_blocks(cases: list[str], tiny: bool, backend: str) -> None:
+    import torch
+
+    print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+                      "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                      "flux_blocks": cases}), flush=True)
+    for case in cases:
+        mode, resolution = case.split(":")
+        cmd = [sys.executable, __file__, "--flux_case", case, "--backend", backend] + (["--tiny"] if tiny else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        phases = [json.loads(line)["phase"] for line in lines if '"phase"' in line]
+        if proc.returncode == 0 and lines:
+            print(json.dumps({**json.loads(lines[-1]), "phases": phases}), flush=True)
+        else:
+            err = [line for line in proc.stderr.strip().splitlines() if "Error" in line or "error" in line]
+            print(json.dumps({"mode": mode, "resolution": int(resolution), "ok": False,
+                              "crashed_in": phases[-1] if phases else "setup", "rc": proc.returncode,
+                              "error": (err or proc.stderr.strip().splitlines()[-1:] or ["?"])[-1][:400]}), flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # FLUX.1: 512 px (1024 + 512 text tokens), 768, 1024 px and two 1024 px-area buckets; SDXL self-attention
@@ -66,7 +163,20 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--case", type=int, default=None, help=argparse.SUPPRESS)  # one case, in a child process
+    p.add_argument("--flux_blocks", action="store_true", help="probe FLUX.1 blocks as training runs them")
+    p.add_argument("--cases", nargs="*", default=["eager:512", "eager:1024", "compiled:512", "compiled:1024"],
+                   help="--flux_blocks: mode:resolution, mode eager or compiled")
+    p.add_argument("--tiny", action="store_true", help="--flux_blocks: a 128-wide model (a CPU check of the tool)")
+    p.add_argument("--backend", default="inductor", help="--flux_blocks: the compile backend")
+    p.add_argument("--flux_case", default=None, help=argparse.SUPPRESS)  # one --flux_blocks case, in a child
     args = p.parse_args(argv)
+    if args.flux_case is not None:
+        mode, resolution = args.flux_case.split(":")
+        print(json.dumps(run_flux_case(mode, int(resolution), args.tiny, args.backend)))
+        return 0
+    if args.flux_blocks:
+        flux_blocks(args.cases, args.tiny, args.backend)
+        return 0
     if args.case is not None:
         print(json.dumps(run_case(args.case, args.heads, args.head_dim, args.iters, args.batch)))
         return 0

@@ -152,5 +152,10 @@ def weights_checksum(params) -> float:
 
 
 def log_process_done(accelerator, steps: int, last_loss: float, params) -> None:
-    logger.info("process %d/%d finished %d steps, last loss %.4f, weights checksum %.10e", accelerator.process_index,
-                accelerator.num_processes, steps, last_loss, weights_checksum(params))
+    """On a GPU the line ends with this process's peak of allocated memory since the loop began (each rank's own:
+    with --fsdp they differ from the main process's summary line)."""
+    peak = ""
+    if accelerator.device.type == "cuda":
+        peak = f", peak GPU memory {torch.cuda.max_memory_allocated(accelerator.device) / 2**30:.2f} GiB"
+    logger.info("process %d/%d finished %d steps, last loss %.4f, weights checksum %.10e%s", accelerator.process_index,
+                accelerator.num_processes, steps, last_loss, weights_checksum(params), peak)

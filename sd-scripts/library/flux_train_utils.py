@@ -345,6 +345,7 @@ def blockwise_optimizer_groups(args, components) -> list[list[dict]]:
 def place_for_full_training(args, accelerator, family, components, train_dtype):
     """The transformer (or its --train_blocks) is trained; with --blocks_to_swap only the resident blocks go to
     the device (the family's swapper then also syncs the blocks before a save)."""
+    from library import sharding
     from library.block_swap import BlockSwapError, place_with_block_swap
     from library.network_trainer import Trainable
     from library.errors import ConfigError
@@ -363,7 +364,7 @@ def place_for_full_training(args, accelerator, family, components, train_dtype):
             family.swapper = place_with_block_swap(model, args.blocks_to_swap, device, trainable=True)
         except BlockSwapError as e:
             raise ConfigError(str(e)) from e
-    else:
+    elif not sharding.shards(args, accelerator):  # (--fsdp: fully_shard places it block by block)
         model.to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     logger.info("training the FLUX transformer (--train_blocks %s): %.2fM parameters in %s", args.train_blocks,

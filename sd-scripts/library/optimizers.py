@@ -276,6 +276,22 @@ def _can_fuse(cls, params, kwargs: dict) -> bool:
     return bool(tensors) and all(t.device.type in ("cuda", "cpu") and t.is_floating_point() for t in tensors)
 
 
+def _faster_step(cls):
+    """The class to build for `cls`: the same optimizer with a step of fewer kernel launches where one exists
+    (transformers' Adafactor: library.grouped_adafactor; prodigyopt's Prodigy: library.foreach_prodigy; both keep
+    the weights and state of the original step), else `cls`."""
+    path = f"{cls.__module__}.{cls.__name__}"
+    if path == "transformers.optimization.Adafactor":
+        from library.grouped_adafactor import GroupedAdafactor
+
+        return GroupedAdafactor
+    if path == "prodigyopt.prodigy.Prodigy":
+        from library.foreach_prodigy import ForeachProdigy
+
+        return ForeachProdigy
+    return cls
+
+
 def get_optimizer(args: argparse.Namespace, params) -> tuple[str, str, torch.optim.Optimizer]:
     """-> (name as asked, "module.Class" for metadata, optimizer). `params`: param groups or tensors."""
     name = optimizer_type(args)
@@ -321,8 +337,9 @@ def get_optimizer(args: argparse.Namespace, params) -> tuple[str, str, torch.opt
         # a few kernels for all tensors: with torch's default (foreach) a compiled SDXL LoRA step on an H100
         # took 161 ms instead of 113 ms (docs/BENCHMARKS.md, run13); the update is the same
         kwargs["fused"] = True
+    build = _faster_step(cls)
     try:
-        optimizer = cls(params, lr=lr, **kwargs) if lr is not None else cls(params, **kwargs)
+        optimizer = build(params, lr=lr, **kwargs) if lr is not None else build(params, **kwargs)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"--optimizer_args {kwargs} not accepted by {cls.__module__}.{cls.__name__}: {e}") from e
     if callable(getattr(optimizer, "train", None)):

@@ -14,7 +14,9 @@ DeepSpeed plugin with upstream's values when the `deepspeed` package is installe
     add_fsdp_arguments(parser)           --fsdp full_shard|shard_grad_op|hybrid_shard, --fsdp_cpu_offload
     check_fsdp_args(args, error)         before any model loads: what FSDP cannot go with
     from_accelerate_config(args)         `accelerate launch --use_fsdp` (its FSDP_* environment) -> --fsdp
+    shards(args, accelerator)            the denoiser will be sharded: leave it off the device until shard()
     shard(args, accelerator, trainable, denoiser, weight_dtype)   the denoiser sharded, param groups remapped
+    init_optimizer_state(optimizers)     Adafactor's factored statistics made as DTensors laid out like the shards
     clip_grad_norm_(params, max_norm, accelerator)   --max_grad_norm over sharded and whole gradients
     gathered(components, models, accelerator)   context: full weights in `components` on the main process
     ShardedState(models, optimizers)     save(accelerator, folder) / load(accelerator, folder) for -state folders
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 
 import torch
@@ -108,6 +111,13 @@ def check_fsdp_args(args, error) -> None:
 
 def enabled(args) -> bool:
     return bool(getattr(args, "fsdp", None))
+
+
+def shards(args, accelerator) -> bool:
+    """The denoiser will be sharded (--fsdp over several processes): it stays where it loaded until `shard`, whose
+    fully_shard moves it to the device block by block (moving it whole first would need the whole model's memory on
+    every GPU, which is what sharding avoids)."""
+    return enabled(args) and accelerator.num_processes > 1
 
 
 def _fsdp_api():
@@ -205,6 +215,198 @@ def shard(args, accelerator, trainable, denoiser, weight_dtype):
                 f", computed in {str(weight_dtype).removeprefix('torch.')}" if mixed else "",
                 ", kept in CPU memory" if args.fsdp_cpu_offload else "")
     return trainable
+
+
+def init_optimizer_state(optimizers) -> None:
+    """transformers' Adafactor (the full fine-tune presets' optimizer) on sharded (DTensor) weights. Its own step
+    makes its factored statistics as plain tensors of the whole weight's shape, which cannot meet sharded gradients,
+    and stepping through DTensor operations costs milliseconds of dispatch per weight. So with sharded weights its
+    state is made here first, as its first step makes it, the statistics as DTensors laid out like the weights (a
+    sharded checkpoint holds them whole; resumed on any number of processes), and its step is replaced by
+    `_sharded_adafactor_step`: Adafactor's arithmetic on each process's shards, with the few sums that span shards
+    (column statistics, the RMS of weights and updates) reduced in a handful of collectives per step. The weights
+    after each step are those of the unsharded optimizer."""
+    import types
+
+    from torch.distributed.tensor import DTensor
+
+    try:
+        from transformers.optimization import Adafactor
+    except ImportError:
+        return
+    for optimizer in optimizers:
+        raw = getattr(optimizer, "optimizer", optimizer)
+        params = [p for g in raw.param_groups for p in g["params"]]
+        sharded = [p for p in params if isinstance(p, DTensor)]
+        if not isinstance(raw, Adafactor) or not sharded:
+            continue
+        for group in raw.param_groups:
+            for p in group["params"]:
+                if not raw.state[p]:
+                    raw.state[p].update(_adafactor_state(group, p))
+        groups = {_shard_group(p) for p in sharded}
+        if len(groups) == 1 and None not in groups:
+            raw.step = types.MethodType(_sharded_adafactor_step, raw)
+            raw._shard_group = groups.pop()
+        else:  # (not what fully_shard makes) Adafactor's own step through DTensor operations: slow, exact
+            logger.warning("Adafactor: some weights are not sharded on their first dim over one group; it steps "
+                           "them through DTensor operations (slower)")
+
+
+def _shard_group(p):
+    """The process group a DTensor weight is sharded over on its dim 0 (fully_shard's layout), or None."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    dims = [i for i, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
+    if len(dims) != 1 or p.placements[dims[0]] != Shard(0):
+        return None
+    return p.device_mesh.get_group(dims[0])
+
+
+def _adafactor_state(group: dict, p: torch.Tensor) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    zeros = torch.zeros_like(p, dtype=torch.float32)  # (float32 statistics, whatever the weights' dtype)
+    device = zeros.to_local().device if isinstance(zeros, DTensor) else zeros.device
+    state = {"step": 0, "RMS": torch.zeros((), dtype=torch.float32, device=device)}
+    if group["beta1"] is not None:
+        state["exp_avg"] = torch.zeros_like(zeros)
+    if p.ndim < 2:
+        state["exp_avg_sq"] = torch.zeros_like(zeros)
+        return state
+    # the row statistics reduce the last dim, the column ones the one before: a DTensor sharded on dim 0 gives
+    # them the weight's layout (Shard(0)), except a 2-d weight's columns, whose sharded dim is averaged away
+    state["exp_avg_sq_row"] = zeros.mean(dim=-1)
+    state["exp_avg_sq_col"] = zeros.mean(dim=-2)
+    if isinstance(p, DTensor) and p.ndim == 2:
+        from torch.distributed.tensor import Replicate
+
+        state["exp_avg_sq_col"] = state["exp_avg_sq_col"].redistribute(placements=[Replicate()] * len(p.placements))
+    return state
+
+
+# sharded Adafactor updates held at once before their RMS is reduced (bytes of float32)
+_ADAFACTOR_CHUNK_BYTES = 512 * 1024 * 1024
+
+
+@torch.no_grad()
+def _sharded_adafactor_step(self, closure=None):
+    """transformers' Adafactor.step (same options, same arithmetic) on the local shards of FSDP2 weights (plain
+    weights too, e.g. trained text encoders): sums over a sharded dim are reduced over the shard group."""
+    from torch.distributed.tensor import DTensor
+
+    loss = closure() if closure is not None else None
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+    items, partial = [], []  # partial: the sums to reduce, in the order they are read back
+    for group in self.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state.update(_adafactor_state(group, p))
+            sharded = isinstance(p, DTensor)
+            grad = local(p.grad).float()
+            weight = local(p).float()
+            state["step"] += 1
+            beta2t = 1.0 - math.pow(state["step"], group["decay_rate"])
+            sq = grad * grad + group["eps"][0]
+            item = dict(p=p, group=group, state=state, sharded=sharded, beta2t=beta2t, split_rows=False)
+            if p.ndim >= 2:
+                row = local(state["exp_avg_sq_row"])
+                row.mul_(beta2t).add_(sq.mean(dim=-1), alpha=1.0 - beta2t)
+                if sharded and p.ndim == 2:  # the column means and the row statistics' mean span the shards
+                    item["split_rows"] = True
+                    partial += [sq.sum(dim=-2), row.sum().reshape(1)]
+                else:
+                    local(state["exp_avg_sq_col"]).mul_(beta2t).add_(sq.mean(dim=-2), alpha=1.0 - beta2t)
+            else:
+                local(state["exp_avg_sq"]).mul_(beta2t).add_(sq, alpha=1.0 - beta2t)
+            weight_sq = weight.square().sum().reshape(1)
+            if sharded:
+                partial.append(weight_sq)
+            item["weight_sq"] = weight_sq
+            items.append(item)
+    reduced = _all_reduce_sums(partial, getattr(self, "_shard_group", None))
+    for item in items:  # read back in the order they were added
+        if item["split_rows"]:
+            item["col_sum"], item["row_sum"] = next(reduced), next(reduced)
+        if item["sharded"]:
+            item["weight_sq"] = next(reduced)
+    # the updates, a chunk at a time (their RMS spans the shards too)
+    chunk, size = [], 0
+    for item in items:
+        chunk.append(item)
+        size += local(item["p"]).numel() * 4
+        if size >= _ADAFACTOR_CHUNK_BYTES:
+            _adafactor_apply(self, chunk, local)
+            chunk, size = [], 0
+    if chunk:
+        _adafactor_apply(self, chunk, local)
+    return loss
+
+
+def _all_reduce_sums(tensors: list, group):
+    """Sums each tensor over the group in one collective; an iterator over the sums, in order."""
+    if not tensors:
+        return iter(())
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    torch.distributed.all_reduce(flat, group=group)
+    sums, offset = [], 0
+    for t in tensors:
+        sums.append(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return iter(sums)
+
+
+def _adafactor_apply(optimizer, items: list, local) -> None:
+    update_sq = []
+    for item in items:
+        p, state = item["p"], item["state"]
+        grad = local(p.grad).float()
+        if p.ndim >= 2:
+            row, col = local(state["exp_avg_sq_row"]), local(state["exp_avg_sq_col"])
+            if item["split_rows"]:
+                rows = p.shape[0]
+                col.mul_(item["beta2t"]).add_(item["col_sum"] / rows, alpha=1.0 - item["beta2t"])
+                row_mean = item["row_sum"] / rows
+            else:
+                row_mean = row.mean(dim=-1, keepdim=True)
+            update = torch.mul((row / row_mean).rsqrt_().unsqueeze(-1), col.unsqueeze(-2).rsqrt())
+            update.mul_(grad)
+        else:
+            update = local(state["exp_avg_sq"]).rsqrt().mul_(grad)
+        item["update"] = update
+        item["update_sq"] = update.square().sum().reshape(1)
+        if item["sharded"]:
+            update_sq.append(item["update_sq"])
+    reduced = _all_reduce_sums(update_sq, getattr(optimizer, "_shard_group", None))
+    for item in items:
+        p, group, state = item["p"], item["group"], item["state"]
+        if item["sharded"]:
+            item["update_sq"] = next(reduced)
+        numel = p.numel()  # (a DTensor's is the whole weight's)
+        state["RMS"] = (item["weight_sq"] / numel).sqrt().reshape(())
+        lr = group["lr"]
+        if group["relative_step"]:
+            min_step = 1e-6 * state["step"] if group["warmup_init"] else 1e-2
+            lr = min(min_step, 1.0 / math.sqrt(state["step"]))
+        if group["scale_parameter"]:
+            lr = state["RMS"].clamp(min=group["eps"][1]) * lr
+        update = item.pop("update")
+        update.div_(((item["update_sq"] / numel).sqrt() / group["clip_threshold"]).clamp_(min=1.0))
+        update.mul_(lr)
+        if group["beta1"] is not None:
+            exp_avg = local(state["exp_avg"])
+            exp_avg.mul_(group["beta1"]).add_(update, alpha=1 - group["beta1"])
+            update = exp_avg
+        weight = local(p)
+        weight32 = weight.float()
+        if group["weight_decay"] != 0:
+            weight32.add_(weight32 * (-group["weight_decay"] * lr))
+        weight32.add_(-update)
+        if weight32 is not weight:
+            weight.copy_(weight32)
 
 
 def clip_grad_norm_(params, max_norm: float, accelerator) -> None:

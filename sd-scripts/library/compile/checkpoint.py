@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
+
+logger = logging.getLogger(__name__)
 
 def _attention_ops() -> set:
     names = (
@@ -42,20 +47,27 @@ def _keeps_projections(op, args) -> bool:
     return _keeps_attention(op, args)
 
 
-def _checkpoint_context(keeps, version: str):
-    """The context_fn of a selective checkpoint that saves the outputs `keeps` picks and recomputes the rest."""
+def _policy(keeps, ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
 
-    def policy(ctx, op, *args, **kwargs):
-        from torch.utils.checkpoint import CheckpointPolicy
+    return CheckpointPolicy.MUST_SAVE if keeps(op, args) else CheckpointPolicy.PREFER_RECOMPUTE
 
-        return CheckpointPolicy.MUST_SAVE if keeps(op, args) else CheckpointPolicy.PREFER_RECOMPUTE
 
-    def context():
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+def _selective_context(keeps):
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-        return create_selective_checkpoint_contexts(policy)
+    return create_selective_checkpoint_contexts(functools.partial(_policy, keeps))
 
-    # lets the AOTAutograd cache store graphs that use this policy (bump the version when the policy changes)
+
+def _checkpoint_context(keeps, version: str) -> functools.partial:
+    """The context_fn of a selective checkpoint that saves the outputs `keeps` picks and recomputes the rest.
+
+    A partial of module-level functions (dynamo takes functions and partials as context_fn): it pickles by
+    reference. Inductor pickles the cache key, and a closure there made the AOTAutograd cache bypass every
+    checkpointed graph ("Can't pickle local object"), so a warm restart traced and partitioned them again.
+    `cache_hash` lets the AOTAutograd cache store graphs that use it (bump the version when the policy changes).
+    """
+    context = functools.partial(_selective_context, keeps)
     context.cache_hash = f"sd-scripts/compile_utils/{version}"
     return context
 
@@ -69,6 +81,60 @@ CHECKPOINT_CONTEXTS = {
     "resnets": _KEEP_PROJECTIONS,
 }
 CHECKPOINT_KEEP_CHOICES = tuple(CHECKPOINT_CONTEXTS)
+KEEP_CHOICES = ("auto",) + CHECKPOINT_KEEP_CHOICES  # the option's choices
+
+# --compile_checkpoint_keep auto: per family, the faster choice that keeps more, and what it kept more than
+# "attention" at the measured size (one H100, docs/BENCHMARKS.md run54-run62): GiB at that many tokens a sample
+# (tokens = pixels / pixels_per_token + text_tokens; the kept outputs grow with the tokens and the batch)
+AUTO_KEEP = {
+    # FLUX.1 1024 px bs1: 27.28 -> 33.75 GiB, 581 -> 521 ms (flash) / 511 -> 451 ms (cuDNN attention)
+    "flux": dict(choice="projections", extra_gib=6.47, tokens=4096 + 512, pixels_per_token=256, text_tokens=512),
+    # SDXL 1024 px bs4: 10.56 -> 18.76 GiB, 298.7 -> 264.3 ms
+    "sdxl": dict(choice="resnets", extra_gib=8.2 / 4, tokens=16384, pixels_per_token=64, text_tokens=0),
+}
+AUTO_MARGIN_GIB = 4.0
+
+
+def auto_keep(family: str | None, batch_size: int, pixels: int | None, free_bytes: int | None) -> tuple[str, str]:
+    """--compile_checkpoint_keep auto: (choice, why). The family's faster choice only when the GPU's free memory (at
+    the compile, with the model, the network and the optimizer in place) holds twice what it keeps more than
+    "attention" (scaled from the measured size by tokens and batch) plus AUTO_MARGIN_GIB: the other half covers
+    what "attention" itself still needs for its activations, gradients and optimizer state, which was at most 1.3x
+    that extra at the measured sizes. Otherwise attention, the least memory, as before auto."""
+    table = AUTO_KEEP.get(family or "")
+    if table is None:
+        return "attention", f"no faster choice measured for this model family ({family or 'unknown'})"
+    if free_bytes is None or not pixels:
+        return "attention", "free GPU memory or the image size unknown"
+    tokens = pixels / table["pixels_per_token"] + table["text_tokens"]
+    extra = table["extra_gib"] * tokens / table["tokens"] * max(1, batch_size)
+    need = 2 * extra + AUTO_MARGIN_GIB
+    free = free_bytes / 2**30
+    if free >= need:
+        return table["choice"], (f"{free:.1f} GiB of GPU memory free >= {need:.1f} GiB (twice the {extra:.1f} GiB it "
+                                 f"keeps more than attention, + {AUTO_MARGIN_GIB:.0f})")
+    return "attention", (f"{free:.1f} GiB of GPU memory free < {need:.1f} GiB that {table['choice']} would want "
+                         f"(twice the {extra:.1f} GiB it keeps more, + {AUTO_MARGIN_GIB:.0f})")
+
+
+def free_gpu_bytes(device=None) -> int | None:
+    """Free memory of the current CUDA device for this process: the driver's free memory plus what torch's caching
+    allocator holds unused. None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def resolve_keep(args, gradient_checkpointing: bool) -> str:
+    """What the checkpoint inside the compiled blocks keeps: the option's choice, or auto's (one log line)."""
+    keep = getattr(args, "compile_checkpoint_keep", "attention") or "attention"
+    if keep != "auto" or not gradient_checkpointing:
+        return "attention" if keep == "auto" else keep
+    choice, why = auto_keep(getattr(args, "_family", None), getattr(args, "train_batch_size", 1) or 1,
+                            getattr(args, "_max_pixels", None), free_gpu_bytes())
+    logger.info("--compile_checkpoint_keep auto: %s (%s)", choice, why)
+    return choice
 
 
 def _checkpointed_forward(self, *args, **kwargs):

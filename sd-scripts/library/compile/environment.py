@@ -64,6 +64,41 @@ def _needs_cudnn_sdpa_workaround() -> bool:
     return torch.cuda.get_device_capability()[0] == 9
 
 
+# families whose compiled training step was measured with cuDNN attention on torch 2.11 + CUDA 13 on Hopper
+CUDNN_SDP_MEASURED = {"flux": "FLUX.1 1024 px + GC 510.7 against 581.4 ms (run55/run56)",
+                      "sdxl": "SDXL bs4 + GC 314.2 against 336.8 ms (run51)"}
+
+
+def _text_encoders_may_train(args) -> bool:
+    """Whether the run may train a text encoder (their attention runs eagerly, outside the compiled blocks)."""
+    if any(getattr(args, flag, False) for flag in ("network_train_unet_only", "cache_text_encoder_outputs",
+                                                  "cache_text_encoder_outputs_to_disk")):
+        return False
+    return getattr(args, "train_text_encoder", True) is not False  # sdxl_train.py's flag; LoRA trains them unless told
+
+
+def cudnn_sdp_auto(args) -> tuple[bool, str]:
+    """--cudnn_sdp auto where cuDNN attention's backward crashed (torch 2.11 + CUDA 13 on Hopper): (allowed, why).
+
+    The evidence (docs/BENCHMARKS.md run17, run49-run57): an eager FLUX.1 512 px run crashed in its first backward
+    inside cuDNN's attention backward, every time; the same attention standalone, and every run whose attention
+    ran inside inductor-compiled blocks (FLUX.1 512 and 1024 px, SDXL bs1 and bs4), ran clean and faster. Inductor
+    lays the attention inputs out itself, eager passes diffusers' views. So: on where every attention backward of
+    the run is inside inductor-compiled blocks of a family measured so, else off."""
+    family = getattr(args, "_family", None)
+    if not (getattr(args, "compile", False) and getattr(args, "compile_backend", None) == "inductor"):
+        return False, ("its backward crashed eager FLUX.1 training here (illegal memory access); auto uses it only "
+                       "inside blocks compiled with --compile --compile_backend inductor; --cudnn_sdp on forces it")
+    if family not in CUDNN_SDP_MEASURED:
+        return False, (f"not measured for this model family ({family or 'unknown'}) on this torch/CUDA/GPU; "
+                       "--cudnn_sdp on allows it")
+    if _text_encoders_may_train(args):
+        return False, ("the text encoders may train, and their attention backward runs eagerly, where cuDNN's "
+                       "crashed (--network_train_unet_only or cached text-encoder outputs keep them frozen)")
+    return True, ("every attention backward of this run is inside the inductor-compiled blocks, where it ran clean "
+                  f"and faster: {CUDNN_SDP_MEASURED[family]}; --cudnn_sdp off turns it off")
+
+
 SDPA_CACHE_KEY = "sd-scripts.sdpa_backends"  # an entry of inductor's config, so part of every compile cache key
 
 
@@ -79,6 +114,24 @@ def _key_caches_by_sdpa_backends(inductor_config) -> None:
     state = (f"cudnn={int(b.cudnn_sdp_enabled())},flash={int(b.flash_sdp_enabled())},"
              f"efficient={int(b.mem_efficient_sdp_enabled())},math={int(b.math_sdp_enabled())}")
     inductor_config.unsafe_marked_cacheable_functions = {**table, SDPA_CACHE_KEY: state}
+
+
+def warm_compile_workers(args) -> bool:
+    """Start inductor's pool of kernel-compile processes now (called before the models load), not at the first
+    compile inside step 1: the processes start while the models load and the latents are cached. Only for an
+    inductor compile on a CUDA GPU (the pool compiles triton kernels); returns whether it was started."""
+    if not (getattr(args, "compile", False) and getattr(args, "compile_backend", None) == "inductor"
+            and torch.cuda.is_available()):
+        return False
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:  # another torch: the pool starts at the first compile, as before
+        return False
+    cache_dir = resolve_cache_dir(args)  # the workers start with this environment (setup_compile_environment sets it too)
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    maybe_warm_pool()
+    return True
 
 
 def setup_compile_environment(args) -> dict:
@@ -100,15 +153,11 @@ def setup_compile_environment(args) -> dict:
         applied["cudnn_sdp"] = cudnn_sdp == "on"
         logger.info("cuDNN SDPA backend %s (--cudnn_sdp %s)", "allowed" if cudnn_sdp == "on" else "off", cudnn_sdp)
     elif _needs_cudnn_sdpa_workaround():
-        torch.backends.cuda.enable_cudnn_sdp(False)
-        applied["cudnn_sdp"] = False
-        logger.info(
-            "Disabled the cuDNN SDPA backend: its backward crashed FLUX.1 training on torch %s / CUDA %s / %s "
-            "(illegal memory access); flash / memory-efficient attention are used instead (--cudnn_sdp on uses it)",
-            torch.__version__,
-            torch.version.cuda,
-            torch.cuda.get_device_name(),
-        )
+        allowed, why = cudnn_sdp_auto(args)
+        torch.backends.cuda.enable_cudnn_sdp(allowed)
+        applied["cudnn_sdp"] = allowed
+        logger.info("cuDNN attention (--cudnn_sdp auto) %s on torch %s / CUDA %s / %s: %s", "on" if allowed else "off",
+                    torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), why)
 
     if not getattr(args, "compile", False):
         return applied

@@ -181,9 +181,16 @@ def resolve(args, groups, num_processes: int, family: str, error: type[Exception
             logger.info("--cuda_graph_step auto: on (forward, backward and clipping as one CUDA graph, %s)", how)
         else:
             logger.info("--cuda_graph_step auto: off; the step graph %s", why)
+    resos = {reso for g in groups for d in g.datasets for reso in d.buckets}
     for target in {id(t): t for t in (args, compiled) if t is not None}.values():
         target._step_graph_auto = on
         target._input_shapes = shapes
+        target._family = family  # --cudnn_sdp auto and --compile_checkpoint_keep auto follow what was measured
+        target._max_pixels = max((w * h for w, h in resos), default=None)  # --compile_checkpoint_keep auto
+    if compiled is not None:
+        from library.compile.environment import warm_compile_workers  # (environment imports this module)
+
+        warm_compile_workers(compiled)
 
 
 def block_compile_mode(args) -> str:

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from library.compile.checkpoint import CHECKPOINT_KEEP_CHOICES
+from library.compile.checkpoint import KEEP_CHOICES
 from library.compile.graphs import compile_args, cuda_graph_flag, cuda_graphs  # noqa: F401  (compile_args re-exported)
 from library.errors import CompileConfigError  # noqa: F401  (re-exported)
 
@@ -64,13 +64,15 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     group.add_argument(
         "--compile_checkpoint_keep",
         type=str,
-        default="attention",
-        choices=CHECKPOINT_KEEP_CHOICES,
+        default="auto",
+        choices=KEEP_CHOICES,
         help="with --gradient_checkpointing, what is kept for backward instead of recomputed; each choice uses "
         "more memory for less recompute: attention (the compiled blocks' attention outputs; least memory), "
         "projections (also the outputs of their Linear layers no wider than their inputs, so only the MLP's "
         "widening projection is recomputed), resnets (projections, and a UNet's ResNets are not checkpointed; "
-        "FLUX.1: as projections). On an H100, SDXL 1024 bs4 (--cuda_graph_step --cudnn_sdp on): 299 / 264 ms "
+        "FLUX.1: as projections); auto (default): FLUX.1 projections, SDXL resnets when the GPU's free memory at "
+        "the compile holds twice what they keep more (scaled by batch and image size) + 4 GiB, else attention; "
+        "one log line says which. On an H100, SDXL 1024 bs4 (--cuda_graph_step --cudnn_sdp on): 299 / 264 ms "
         "(attention / resnets) at 10.6 / 18.8 GiB; FLUX.1 1024: 581 / 521 ms (attention / projections) at 27.3 / "
         "33.8 GiB",
     )
@@ -81,10 +83,11 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         type=str,
         default="auto",
         choices=CUDNN_SDP_CHOICES,
-        help="cuDNN attention backend of scaled_dot_product_attention: auto (torch's choice, except off on torch "
-        "2.11 + CUDA 13 on Hopper GPUs, where its backward crashed FLUX.1 training), on (allowed there too: on an "
-        "H100 with cuDNN 9.19 a compiled FLUX.1 1024 px step took 514 instead of 584 ms, but an eager 512 px run "
-        "still crashed in its first backward), off (never used)",
+        help="cuDNN attention backend of scaled_dot_product_attention: auto (torch's choice; on torch 2.11 + CUDA 13 "
+        "on Hopper GPUs, where its backward crashed eager FLUX.1 training, on only when every attention backward "
+        "runs inside inductor-compiled blocks of FLUX.1 or SDXL (text encoders not trained), where it ran clean "
+        "and faster: a FLUX.1 1024 px step 511 instead of 581 ms on an H100; one log line says which), on "
+        "(allowed everywhere), off (never used)",
     )
     return parser
 
@@ -215,18 +218,18 @@ def validate_compile_args(args) -> None:
     limit = getattr(args, "compile_cache_size_limit", 0) or 0
     if limit < 0:
         raise CompileConfigError(f"--compile_cache_size_limit must be 0 (torch default) or a positive integer, got {limit}")
-    keep = getattr(args, "compile_checkpoint_keep", "attention")
+    keep = getattr(args, "compile_checkpoint_keep", "auto")
     for flag, value, choices in (
         ("--compile_backend", args.compile_backend, BACKENDS),
         ("--compile_mode", args.compile_mode, MODES),
         ("--compile_dynamic", args.compile_dynamic, DYNAMIC_CHOICES),
-        ("--compile_checkpoint_keep", keep, CHECKPOINT_KEEP_CHOICES),
+        ("--compile_checkpoint_keep", keep, KEEP_CHOICES),
     ):
         if value not in choices:
             raise CompileConfigError(f"{flag} must be one of {', '.join(choices)}; got {value!r}")
     checkpoints_inside = getattr(args, "compile", False) and getattr(args, "gradient_checkpointing", False) and not \
         getattr(args, "cpu_offload_checkpointing", False)
-    if keep != "attention" and not checkpoints_inside:
+    if keep not in ("auto", "attention") and not checkpoints_inside:
         logger.warning(f"--compile_checkpoint_keep {keep} has no effect: it applies with --compile and "
                        "--gradient_checkpointing (without --cpu_offload_checkpointing)")
     if not getattr(args, "compile", False):

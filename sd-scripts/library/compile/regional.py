@@ -9,8 +9,8 @@ import types
 import torch
 import torch._dynamo
 
-from library.compile.checkpoint import (CHECKPOINT_CONTEXTS, class_name, _checkpointed_forward, _checkpointing_off,
-                                        _move_checkpointing_inside, _uses_dropout)
+from library.compile.checkpoint import (CHECKPOINT_CONTEXTS, class_name, resolve_keep, _checkpointed_forward,
+                                        _checkpointing_off, _move_checkpointing_inside, _uses_dropout)
 from library.compile.graphs import block_compile_mode, cuda_graphs
 from library.compile.options import CompileConfigError, dynamic_value
 
@@ -167,7 +167,7 @@ def compile_model_blocks(
         gradient_checkpointing = False
     elif _move_checkpointing_inside(model, names):
         gradient_checkpointing = True
-    keep = getattr(args, "compile_checkpoint_keep", "attention")
+    keep = resolve_keep(args, gradient_checkpointing)
     if gradient_checkpointing and keep == "resnets" and _checkpointing_off(model):
         logger.info(f"{model_name}: the layers outside the compiled blocks (ResNets) are not checkpointed "
                     "(--compile_checkpoint_keep resnets)")

@@ -519,6 +519,7 @@ def place_for_full_training(args, accelerator, family, components, train_dtype):
     """The MMDiT (without its last --num_last_block_to_freeze joint blocks) and the text encoders whose learning
     rate is not 0 (with --train_text_encoder) are trained; with --blocks_to_swap only the resident blocks go to the
     device."""
+    from library import sharding
     from library.block_swap import BlockSwapError, place_with_block_swap
     from library.errors import ConfigError
     from library.network_trainer import Trainable
@@ -554,7 +555,7 @@ def place_for_full_training(args, accelerator, family, components, train_dtype):
             family.swapper = place_with_block_swap(model, args.blocks_to_swap, device, trainable=True)
         except BlockSwapError as e:
             raise ConfigError(str(e)) from e
-    else:
+    elif not sharding.shards(args, accelerator):  # (--fsdp: fully_shard places it block by block)
         model.to(device)
     logger.info("training the SD3 MMDiT: %.2fM parameters in %s",
                 sum(p.numel() for g in groups for p in g["params"]) / 1e6, str(train_dtype).removeprefix("torch."))

@@ -174,6 +174,7 @@ def build_optimization(trainer, args, accelerator, components, trainable, group,
     LR schedulers, accelerate's prepare, the compile of the denoiser and the fused-backward hooks."""
     built = [optimizers.get_optimizer(args, g)
              for g in trainer.target.optimizer_param_groups(args, trainer.family, components, trainable)]
+    sharding.init_optimizer_state([b[2] for b in built])  # --fsdp: Adafactor's statistics as sharded tensors
     # sharded over the processes: each sees len(group) / num_processes batches per epoch
     if sharding.deepspeed_enabled(args):  # accelerate prepares the models, the optimizer and the data together
         dataloader, prepared = sharding.prepare_deepspeed(accelerator, trainable.models, make_dataloader(group, args),

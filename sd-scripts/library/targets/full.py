@@ -135,7 +135,9 @@ class Full:
         if self._place is not None:  # the script places and selects what is trained (flux_train.py)
             trainable = self._place(args, accelerator, family, components, train_dtype)
         else:
-            trainable = self._denoiser_and_text_encoders(args, device, family, components, train_dtype)
+            denoiser_device = None if sharding.shards(args, accelerator) else device  # fully_shard places it
+            trainable = self._denoiser_and_text_encoders(args, device, denoiser_device, family, components,
+                                                         train_dtype)
         if not caching_te or self.te_cache_partial(args):
             for te in components.text_encoders:
                 te.to(device)
@@ -144,10 +146,10 @@ class Full:
             self._param_groups(args, components, trainable, self.fused_optimizer_groups(args))
         return trainable
 
-    def _denoiser_and_text_encoders(self, args, device, family, components, train_dtype) -> Trainable:
+    def _denoiser_and_text_encoders(self, args, device, denoiser_device, family, components, train_dtype) -> Trainable:
         model = components.denoiser
         model.requires_grad_(True)
-        model.to(device, dtype=train_dtype)
+        model.to(denoiser_device, dtype=train_dtype)
         groups = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": args.learning_rate}]
         models, trained_tes = [model], []
         if self.trains_text_encoder(args):
