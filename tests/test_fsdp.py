@@ -269,6 +269,35 @@ def test_deepspeed_that_accelerate_did_not_set_up_is_one_line():
                                             SimpleNamespace(distributed_type=DistributedType.NO)) is None
 
 
+def test_accelerate_deepspeed_config_is_taken_as_deepspeed(monkeypatch):
+    from library import sharding
+    from library.errors import ConfigError
+
+    def parsed(*argv):
+        import sdxl_train
+
+        return sdxl_train.setup_parser().parse_args(list(argv))
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # accelerate launch --use_deepspeed --zero_stage 1 ...
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "1")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "cpu")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none")
+    args = parsed()
+    sharding.from_accelerate_deepspeed_config(args, ConfigError)
+    assert (args.deepspeed, args.zero_stage, args.offload_optimizer_device, args.offload_param_device) == \
+        (True, 1, "cpu", None)
+    args = parsed("--deepspeed", "--zero_stage", "2")  # the command line's options win
+    sharding.from_accelerate_deepspeed_config(args, ConfigError)
+    assert (args.zero_stage, args.offload_optimizer_device) == (2, None)
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "ds.json")
+    with pytest.raises(ConfigError, match="DeepSpeed config file ds.json is not read here"):
+        sharding.from_accelerate_deepspeed_config(parsed(), ConfigError)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")
+    args = parsed()
+    sharding.from_accelerate_deepspeed_config(args, ConfigError)
+    assert not args.deepspeed
+
+
 def deepspeed_missing() -> str | None:
     try:
         import deepspeed  # noqa: F401
@@ -314,6 +343,25 @@ def test_deepspeed_zero2_full_fine_tune_on_two_cpu_processes(tmp_path, tiny_sd1_
                   script="train_db.py")
     log = proc.stdout + proc.stderr
     assert log.count("resumed at step 2") == 2 and "steps: 3/3 " in log, log[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(deepspeed_missing() is not None, reason=deepspeed_missing() or "")
+def test_accelerate_launch_use_deepspeed_trains_a_lora_with_zero1(tmp_path, tiny_sd1_single_file, tiny_dataset_dir):
+    """`accelerate launch --use_deepspeed --zero_stage 1` (no --deepspeed on the trainer's line), 2 CPU processes."""
+    cmd = launch_command(2, "train_network.py", [
+        "--pretrained_model_name_or_path", tiny_sd1_single_file, "--tokenizer_cache_dir",
+        tiny_sd1_single_file.parent / "tokenizers", "--train_data_dir", tiny_dataset_dir, "--caption_extension", ".txt",
+        "--resolution", 64, "--output_dir", tmp_path, "--output_name", "lora", "--max_train_steps", 2,
+        "--network_module", "networks.lora", "--network_dim", 4])
+    cmd[cmd.index("--multi_gpu")] = "--use_deepspeed"
+    cmd[cmd.index("--use_deepspeed") + 1:cmd.index("--use_deepspeed") + 1] = ["--zero_stage", "1"]
+    proc = subprocess.run(cmd, env=launch_env(), capture_output=True, text=True, timeout=400, cwd=REPO)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert "accelerate's DeepSpeed config: --deepspeed --zero_stage 1" in log, log[-3000:]
+    assert log.count("with ZeRO stage 1 (DeepSpeedZeroOptimizer) over 2 processes") == 2, log[-3000:]
+    assert (tmp_path / "lora.safetensors").is_file()
 
 
 # ---- faults: a process that dies -------------------------------------------------------------------------------

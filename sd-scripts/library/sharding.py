@@ -20,8 +20,8 @@ DeepSpeed plugin with upstream's values when the `deepspeed` package is installe
     clip_grad_norm_(params, max_norm, accelerator)   --max_grad_norm over sharded and whole gradients
     gathered(components, models, accelerator)   context: full weights in `components` on the main process
     ShardedState(models, optimizers)     save(accelerator, folder) / load(accelerator, folder) for -state folders
-    add_deepspeed_arguments / check_deepspeed_args / deepspeed_plugin / deepspeed_kwargs_handlers /
-    check_deepspeed_engaged / prepare_deepspeed   --deepspeed
+    add_deepspeed_arguments / from_accelerate_deepspeed_config / check_deepspeed_args / deepspeed_plugin /
+    deepspeed_kwargs_handlers / check_deepspeed_engaged / prepare_deepspeed   --deepspeed
 """
 from __future__ import annotations
 
@@ -586,9 +586,36 @@ def deepspeed_enabled(args) -> bool:
     return bool(getattr(args, "deepspeed", False))
 
 
+def from_accelerate_deepspeed_config(args, error) -> None:
+    """`accelerate launch --use_deepspeed` (or an accelerate config with DeepSpeed) sets ACCELERATE_USE_DEEPSPEED and
+    ACCELERATE_DEEPSPEED_*: taken as --deepspeed with its ZeRO stage, offload devices and ZeRO-3 flags (the trainer
+    builds the plugin itself, with upstream's values; the command line's --deepspeed options win)."""
+    env = os.environ
+    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() not in ("1", "true", "yes") or deepspeed_enabled(args) \
+            or not hasattr(args, "deepspeed"):
+        return
+    if env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"):
+        raise error(f"accelerate's DeepSpeed config file {env['ACCELERATE_DEEPSPEED_CONFIG_FILE']} is not read here; "
+                    "use --deepspeed with --zero_stage and --offload_* (upstream's options)")
+    args.deepspeed = True
+    if env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE"):
+        args.zero_stage = int(env["ACCELERATE_DEEPSPEED_ZERO_STAGE"])
+    for name, attr in (("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "offload_optimizer_device"),
+                       ("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "offload_param_device")):
+        if env.get(name, "none").lower() != "none" and getattr(args, attr) is None:
+            setattr(args, attr, env[name].lower())
+    for name, attr in (("ACCELERATE_DEEPSPEED_ZERO3_INIT", "zero3_init_flag"),
+                       ("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL", "zero3_save_16bit_model")):
+        if env.get(name, "").lower() == "true":
+            setattr(args, attr, True)
+    logger.info("accelerate's DeepSpeed config: --deepspeed --zero_stage %d%s", args.zero_stage,
+                f" --offload_optimizer_device {args.offload_optimizer_device}" if args.offload_optimizer_device else "")
+
+
 def check_deepspeed_args(args, error) -> None:
-    """Before any model loads: the deepspeed package is there (else one line naming the install extra), and
-    what it cannot go with."""
+    """Before any model loads: accelerate's DeepSpeed config taken as --deepspeed, the deepspeed package is there
+    (else one line naming the install extra), and what it cannot go with."""
+    from_accelerate_deepspeed_config(args, error)
     if not deepspeed_enabled(args):
         return
     try:
