@@ -364,6 +364,25 @@ def test_accelerate_launch_use_deepspeed_trains_a_lora_with_zero1(tmp_path, tiny
     assert (tmp_path / "lora.safetensors").is_file()
 
 
+@pytest.mark.slow
+def test_data_parallel_resume_on_two_processes_continues_exactly(tmp_path, tiny_sd1_single_file, tiny_dataset_dir):
+    """Each process draws its noise from its own generator: the -state folder keeps every rank's (only the main
+    process writes it), so a resume on 2 processes trains the same weights as the run that was not interrupted."""
+    args = ["--pretrained_model_name_or_path", tiny_sd1_single_file, "--tokenizer_cache_dir",
+            tiny_sd1_single_file.parent / "tokenizers", "--train_data_dir", tiny_dataset_dir, "--caption_extension",
+            ".txt", "--resolution", 64, "--output_name", "lora", "--max_train_steps", 3, "--max_data_loader_n_workers",
+            0, "--network_module", "networks.lora", "--network_dim", 4, "--seed", 3]
+    whole = launch(2, args + ["--output_dir", tmp_path / "whole", "--save_state", "--save_every_n_steps", 2],
+                   script="train_network.py")
+    resumed = launch(2, args + ["--output_dir", tmp_path / "resumed", "--resume",
+                                tmp_path / "whole" / "lora-step00000002-state"], script="train_network.py")
+    finished = r"process (\d)/2 finished 3 steps, last loss (\S+), weights checksum (\S+)"
+    whole_done = sorted(re.findall(finished, whole.stdout + whole.stderr))
+    resumed_log = resumed.stdout + resumed.stderr
+    assert resumed_log.count("resumed at step 2") == 2, resumed_log[-3000:]
+    assert len(whole_done) == 2 and sorted(re.findall(finished, resumed_log)) == whole_done, resumed_log[-3000:]
+
+
 # ---- faults: a process that dies -------------------------------------------------------------------------------
 
 
