@@ -373,3 +373,31 @@ def test_fused_layer_output_is_the_fused_lora_split_over_the_parts():
     fused = m.lora_up(m.lora_down(x)) * m.multiplier * m.scale
     got = torch.cat([p(x) - torch.nn.Linear.forward(p, x) for p in parts], dim=-1)
     assert torch.allclose(got, fused, atol=1e-6)
+
+
+def test_fused_layer_without_dropout_compiles_inside_a_checkpoint_with_the_same_output():
+    """With no dropout the parts keep no state between their calls, so a checkpointed block compiles whole
+    (fullgraph): a side effect in forward made torch.compile run every checkpointed FLUX.1 block eagerly."""
+    from torch.utils.checkpoint import checkpoint
+
+    m, parts = _fused_qkv()
+    with torch.no_grad():
+        m.lora_up.weight.normal_()
+    x = torch.randn(2, 5, 8, requires_grad=True)
+
+    def block(x):
+        return checkpoint(lambda t: torch.cat([p(t) for p in parts], dim=-1), x, use_reentrant=False)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    got = compiled(x)
+    got.sum().backward()
+    grad = m.lora_up.weight.grad.clone()
+    m.lora_up.weight.grad = None
+    want = block(x)
+    want.sum().backward()
+    torch._dynamo.reset()
+    assert torch.allclose(got, want, atol=1e-6)
+    assert torch.allclose(grad, m.lora_up.weight.grad, atol=1e-6)
+    fused = m.lora_up(m.lora_down(x)) * m.multiplier * m.scale
+    assert torch.allclose(want - torch.cat([torch.nn.Linear.forward(p, x) for p in parts], dim=-1), fused, atol=1e-6)

@@ -191,9 +191,12 @@ class FluxLoRAModule(lora_sd.LoRABase):
     def _part_delta(self, i: int, x: torch.Tensor) -> torch.Tensor | None:
         """Part i's share of the fused layer's LoRA output for x (None: module dropout left it out). The parts
         of a fused layer are called one after another with the same x: the first call computes every part's
-        share with one set of dropout draws (as sd-scripts' one BFL Linear does), the others take theirs."""
+        share with one set of dropout draws (as sd-scripts' one BFL Linear does), the others take theirs. With
+        nothing to draw, each part computes its own share (_one_part_delta)."""
         if len(self.split_dims) == 1:
             return self._fused_deltas(x)[0]
+        if not self._draws_random():
+            return self._one_part_delta(i, x)
         pending = self._pending
         if pending is not None and pending[0] is x and i in pending[1]:
             delta = pending[1].pop(i)
@@ -203,6 +206,20 @@ class FluxLoRAModule(lora_sd.LoRABase):
         deltas = self._fused_deltas(x)
         self._pending = (x, {j: d for j, d in enumerate(deltas) if j != i})
         return deltas[i]
+
+    def _draws_random(self) -> bool:
+        return self.training and bool(self.dropout or self.rank_dropout or self.module_dropout)
+
+    def _one_part_delta(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Part i's share with nothing drawn at random: computed on its own, keeping no state between the parts'
+        calls. State written in forward is a side effect that torch.compile cannot put inside a checkpointed
+        region: it would run every checkpointed FLUX.1 block eagerly."""
+        if self.split:
+            lx, scale = self.down_with_dropout(x, self.lora_down[i])
+            return self.lora_up[i](lx) * (self.multiplier * scale)
+        lx, scale = self.down_with_dropout(x)
+        rows = self.lora_up.weight[self._offsets[i]:self._offsets[i] + self.split_dims[i]]
+        return torch.nn.functional.linear(lx, rows) * (self.multiplier * scale)
 
     def _fused_deltas(self, x: torch.Tensor) -> list[torch.Tensor | None]:
         """Each part's LoRA output for x: module dropout drawn once, the down projection computed once (each

@@ -65,8 +65,10 @@ def _needs_cudnn_sdpa_workaround() -> bool:
 
 
 # families whose compiled training step was measured with cuDNN attention on torch 2.11 + CUDA 13 on Hopper
-CUDNN_SDP_MEASURED = {"flux": "FLUX.1 1024 px + GC 510.7 against 581.4 ms (run55/run56)",
-                      "sdxl": "SDXL bs4 + GC 314.2 against 336.8 ms (run51)"}
+CUDNN_SDP_MEASURED = {"sdxl": "SDXL bs4 + GC 314.2 against 336.8 ms (run51)"}
+# ... and where it crashed inside compiled blocks too
+CUDNN_SDP_CRASHED = {"flux": "a compiled FLUX.1 block at 1024 px crashed in its backward (illegal memory access, "
+                             "tools/probe_cudnn_sdpa.py --flux_blocks, run69), though run55/run56 ran clean"}
 
 
 def _text_encoders_may_train(args) -> bool:
@@ -82,19 +84,21 @@ def cudnn_sdp_auto(args) -> tuple[bool, str]:
 
     The evidence (docs/BENCHMARKS.md run17, run49-run57): an eager FLUX.1 512 px run crashed in its first backward
     inside cuDNN's attention backward, every time; the same attention standalone, and every run whose attention
-    ran inside inductor-compiled blocks (FLUX.1 512 and 1024 px, SDXL bs1 and bs4), ran clean and faster. Inductor
-    lays the attention inputs out itself, eager passes diffusers' views. So: on where every attention backward of
-    the run is inside inductor-compiled blocks of a family measured so, else off."""
+    ran inside inductor-compiled blocks (FLUX.1 512 and 1024 px, SDXL bs1 and bs4), ran clean and faster; but in
+    run69 a compiled FLUX.1 block at 1024 px crashed in the probe. So: on where every attention backward of the run
+    is inside inductor-compiled blocks of a family measured clean (SDXL), else off."""
     family = getattr(args, "_family", None)
     if not (getattr(args, "compile", False) and getattr(args, "compile_backend", None) == "inductor"):
         return False, ("its backward crashed eager FLUX.1 training here (illegal memory access); auto uses it only "
                        "inside blocks compiled with --compile --compile_backend inductor; --cudnn_sdp on forces it")
-    if family not in CUDNN_SDP_MEASURED:
-        return False, (f"not measured for this model family ({family or 'unknown'}) on this torch/CUDA/GPU; "
-                       "--cudnn_sdp on allows it")
     if _text_encoders_may_train(args):
         return False, ("the text encoders may train, and their attention backward runs eagerly, where cuDNN's "
                        "crashed (--network_train_unet_only or cached text-encoder outputs keep them frozen)")
+    if family in CUDNN_SDP_CRASHED:
+        return False, f"{CUDNN_SDP_CRASHED[family]}; --cudnn_sdp on forces it"
+    if family not in CUDNN_SDP_MEASURED:
+        return False, (f"not measured for this model family ({family or 'unknown'}) on this torch/CUDA/GPU; "
+                       "--cudnn_sdp on allows it")
     return True, ("every attention backward of this run is inside the inductor-compiled blocks, where it ran clean "
                   f"and faster: {CUDNN_SDP_MEASURED[family]}; --cudnn_sdp off turns it off")
 
