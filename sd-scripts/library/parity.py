@@ -59,7 +59,9 @@ DIFFERENT: dict[str, Different] = {
     "deepspeed": Different(
         "needs the deepspeed package (install extra 'deepspeed'); without it one line naming the extra, exit 2 "
         "(upstream: an error log, exit 1). Not with --fsdp, the fused backward pass / optimizer groups or "
-        "--blocks_to_swap (DeepSpeed steps the optimizer itself)"),
+        "--blocks_to_swap (DeepSpeed steps the optimizer itself). `accelerate launch --use_deepspeed` counts as "
+        "--deepspeed with its ZeRO stage and offload devices; on a machine without a GPU the processes join over "
+        "gloo (DeepSpeed's CPU accelerator)"),
     "zero_stage": Different(
         "0, 1 and 2 as upstream; 3 is refused for now (the model is saved from the processes' whole weights): "
         "--fsdp full_shard shards the weights too (library/sharding.py)"),
