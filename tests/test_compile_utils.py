@@ -769,8 +769,8 @@ def test_auto_dynamic_new_bucket_shapes_do_not_recompile(family, caplog):
 
 
 def test_compile_workers_start_before_the_models_load(monkeypatch, tmp_path):
-    """graphs.resolve starts inductor's kernel-compile pool (an inductor compile on a CUDA GPU only), with the
-    run's compile cache folder in the environment the workers start with."""
+    """Run setup (after graphs.resolve, before the models load) starts inductor's kernel-compile pool (an inductor
+    compile on a CUDA GPU only), with the run's compile cache folder in the environment the workers start with."""
     import torch._inductor.async_compile as async_compile
 
     started = []
