@@ -169,6 +169,8 @@ def cache(trainer, args, accelerator, components, groups, weight_dtype) -> bool:
                                              fmt=family.te_cache_format(args, components))
         for te in components.text_encoders:
             te.to("cpu")
+    if device.type == "cuda":  # give back what the VAE and the text encoders held (as upstream's clean_memory)
+        torch.cuda.empty_cache()
     return bool(caching_te)
 
 
