@@ -243,7 +243,7 @@ PLACES: dict[str, Look] = {
          help="No text-encoder LoRA.",
          tabs=LORA,  # required by hunyuan_image_train_network.py (it trains no text-encoder LoRA)
          family_default={f: f in HUNYUAN for f in ("SD1.x", "SD2.x", "SDXL", "FLUX.1", "SD3", "Lumina 2",
-                                                   "HunyuanImage 2.1")}),
+                                                   "HunyuanImage 2.1", "Anima")}),
     "guidance_scale": Look("flux", "Guidance scale",
          help="Guidance value given to FLUX.1 dev during training.",
          families=FLUX),

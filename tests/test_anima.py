@@ -227,10 +227,12 @@ def test_gui_shows_animas_model_inputs_only_for_anima():
            "attn_mode", "split_attn", "unsloth_offload_checkpointing"}
     assert own | {"vae", "timestep_sampling", "discrete_flow_shift", "blocks_to_swap"} <= anima
     assert not anima & {"ae", "gemma2", "clip_l", "t5xxl", "guidance_scale", "model_prediction_type", "compile"}
-    assert P.BY_NAME["qwen3"].accordion == "model" and P.BY_NAME["attn_mode"].accordion == "anima"
+    assert P.BY_NAME["qwen3"].accordion == "model" and P.BY_NAME["attn_mode"].accordion == "advanced"
+    shared = {"attn_mode", "split_attn"}  # HunyuanImage 2.1's too
     for family in P.tab_families("lora"):
         if family != "Anima":
-            assert not own & {p.name for p in P.params_for("lora", family)}, family
+            theirs = {p.name for p in P.params_for("lora", family)}
+            assert not (own - shared) & theirs and (shared <= theirs) == (family == "HunyuanImage 2.1"), family
 
 
 def test_gui_print_command_names_the_anima_script(tmp_path):
