@@ -199,7 +199,7 @@ def parse(text: str, source: str, tab: str | None = None, family: str = "SDXL") 
         file_family = P.tab_families(file_tab)[-1]
     what = f"{P.TAB_LABELS[file_tab]} {file_family} ({P.script_for(file_tab, file_family)})"
 
-    values = P.defaults(file_tab)
+    values = P.defaults(file_tab, file_family)  # a family whose script has its own defaults gets them
     seen: set[str] = set()
     entries = [(P.LAUNCH_TABLE, k, v) for k, v in launch.items()] + trainer + \
         [(P.GUI_TABLE, k, v) for k, v in gui.items() if k not in ("tab", "family") and k in gui_keys]

@@ -1,4 +1,4 @@
-"""The embedded demo: a tiny random SDXL- (or FLUX.1- / Chroma- / SD3- / Lumina 2-) shaped model and a few captioned images, made locally on
+"""The embedded demo: a tiny random SDXL- (or FLUX.1- / Chroma- / SD3- / Lumina 2- / HunyuanImage 2.1- / Anima-) shaped model and a few captioned images, made locally on
 first use, so a new user (and the tests) can train on the CPU with no download.
 
 A demo preset simply points its paths into ``cache/demo/``. Before a run, any of those paths that is missing is
@@ -39,6 +39,10 @@ def missing_demo_paths(family: str, values: dict[str, Any]) -> dict[str, str]:
         names += ["clip_l", "t5xxl", "ae", "tokenizer_cache_dir"]  # Chroma's preset has no clip_l
     elif family == "Lumina 2":
         names += ["gemma2", "ae", "tokenizer_cache_dir"]
+    elif family == "HunyuanImage 2.1":
+        names += ["text_encoder", "byt5", "vae", "tokenizer_cache_dir"]
+    elif family == "Anima":
+        names += ["qwen3", "vae", "tokenizer_cache_dir"]
     elif values.get("tokenizer_cache_dir"):
         names.append("tokenizer_cache_dir")
     out = {}
@@ -66,10 +70,21 @@ def make_assets(family: str, values: dict[str, Any], log=print) -> list[str]:
     if sd_scripts not in sys.path:
         sys.path.insert(0, sd_scripts)
     made = []
-    model_keys = {"pretrained_model_name_or_path", "clip_l", "t5xxl", "ae", "tokenizer_cache_dir", "gemma2"}
+    model_keys = {"pretrained_model_name_or_path", "clip_l", "t5xxl", "ae", "tokenizer_cache_dir", "gemma2",
+                  "text_encoder", "byt5", "vae", "qwen3"}
     if model_keys & missing.keys():
         model = Path(values["pretrained_model_name_or_path"])
-        if family == "Lumina 2":
+        if family == "HunyuanImage 2.1":
+            from library import hunyuan_image_models
+
+            log(f"demo: making a tiny HunyuanImage 2.1 model in {model.parent} (CPU, random weights)")
+            made += list(hunyuan_image_models.make_tiny_hunyuan_image(model.parent).values())
+        elif family == "Anima":
+            from library import anima_models
+
+            log(f"demo: making a tiny Anima model in {model.parent} (CPU, random weights)")
+            made += list(anima_models.make_tiny_anima(model.parent).values())
+        elif family == "Lumina 2":
             from library import lumina_models
 
             log(f"demo: making a tiny Lumina 2 model in {model.parent} (CPU, random weights)")

@@ -39,6 +39,9 @@ SD3 = frozenset({"SD3"})
 FLUX_SD3 = FLUX | SD3
 LUMINA = frozenset({"Lumina 2"})
 FLOW = FLUX | LUMINA  # the flow-matching families' shared options (--ae, timesteps, block swap)
+HUNYUAN = frozenset({"HunyuanImage 2.1"})
+ANIMA = frozenset({"Anima"})
+FLOW |= ANIMA  # Anima: timesteps and block swap (its script has no --ae: the scripts decide where an option is)
 COMPILE_FAMILIES = frozenset({"SDXL", "FLUX.1"})
 
 
@@ -76,8 +79,9 @@ PLACES: dict[str, Look] = {
          widget="file", required=True),
     "v2": Look("model", "SD2.x model", help="Implied by the SD2.x family.", fixed={"SD2.x": True}),
     "vae": Look("model", "VAE (optional)",
-         help="A separate VAE file or folder to use instead of the model's own.",
-         families=SD_SDXL | SD3, widget="file"),
+         help="A separate VAE file or folder to use instead of the model's own (HunyuanImage 2.1: its VAE file, "
+              "needed).",
+         families=SD_SDXL | SD3 | HUNYUAN | ANIMA, widget="file"),
     "clip_l": Look("model", "CLIP-L",
          help="CLIP-L text encoder file (clip_l.safetensors); SD3: empty = the one in the checkpoint.",
          families=FLUX_SD3, widget="file"),
@@ -90,6 +94,10 @@ PLACES: dict[str, Look] = {
     "ae": Look("model", "AE", help="FLUX.1 autoencoder file (ae.safetensors; Lumina 2 uses it too).", families=FLOW,
          widget="file"),
     "gemma2": Look("model", "Gemma 2", help="Gemma 2 2B text encoder file or folder (Lumina 2).", families=LUMINA,
+         widget="file"),
+    "text_encoder": Look("model", "Qwen2.5-VL", help="Qwen2.5-VL 7B text encoder file (HunyuanImage 2.1).",
+         families=HUNYUAN, widget="file"),
+    "byt5": Look("model", "byT5", help="byT5 glyph text encoder file (HunyuanImage 2.1).", families=HUNYUAN,
          widget="file"),
     "v_parameterization": Look("model", "v-parameterization",
          help="Tick for v-prediction models (SD2.x 768-v, v-pred SD1.x / SDXL checkpoints).",
@@ -108,6 +116,8 @@ PLACES: dict[str, Look] = {
              "FLUX.1": "networks.lora_flux",
              "SD3": "networks.lora_sd3",
              "Lumina 2": "networks.lora_lumina",
+             "HunyuanImage 2.1": "networks.lora_hunyuan_image",
+             "Anima": "networks.lora_anima",
          },
          choice_labels={"": "LoRA (the family's)"}),
     "token_string": Look("embedding", "Token string",
@@ -231,20 +241,24 @@ PLACES: dict[str, Look] = {
          tabs=LORA),
     "network_train_unet_only": Look("network", "Train UNet / transformer only",
          help="No text-encoder LoRA.",
-         tabs=LORA),
+         tabs=LORA,  # required by hunyuan_image_train_network.py (it trains no text-encoder LoRA)
+         family_default={f: f in HUNYUAN for f in ("SD1.x", "SD2.x", "SDXL", "FLUX.1", "SD3", "Lumina 2",
+                                                   "HunyuanImage 2.1", "Anima")}),
     "guidance_scale": Look("flux", "Guidance scale",
          help="Guidance value given to FLUX.1 dev during training.",
          families=FLUX),
-    "timestep_sampling": Look("flux", "Timestep sampling", families=FLOW),
-    "sigmoid_scale": Look("flux", "Sigmoid scale", help="For sigmoid/shift timestep sampling.", families=FLOW),
-    "discrete_flow_shift": Look("flux", "Discrete flow shift", help="For shift timestep sampling.", families=FLOW),
-    "model_prediction_type": Look("flux", "Model prediction type", families=FLOW),
+    "timestep_sampling": Look("flux", "Timestep sampling", families=FLOW | HUNYUAN),
+    "sigmoid_scale": Look("flux", "Sigmoid scale", help="For sigmoid/shift timestep sampling.",
+         families=FLOW | HUNYUAN),
+    "discrete_flow_shift": Look("flux", "Discrete flow shift", help="For shift timestep sampling.",
+         families=FLOW | HUNYUAN),
+    "model_prediction_type": Look("flux", "Model prediction type", families=FLOW | HUNYUAN),
     "t5xxl_max_token_length": Look("flux", "T5-XXL max tokens (optional)",
          help="FLUX.1: empty = 512 for dev, 256 for schnell. SD3: 256 by default.",
          families=FLUX_SD3, minimum=1),
     "blocks_to_swap": Look("flux", "Blocks to swap (optional)",
          help="Keep this many transformer blocks on the CPU and swap them in; saves memory.",
-         families=FLUX_SD3 | LUMINA, minimum=0),
+         families=FLUX_SD3 | LUMINA | HUNYUAN | ANIMA, minimum=0),
     "apply_t5_attn_mask": Look("flux", "Apply T5 attention mask", families=FLUX_SD3),
     # SD3 / SD3.5 (sd3_train_network.py, sd3_train.py)
     "apply_lg_attn_mask": Look("sd3", "Apply CLIP-L/G attention mask", families=SD3),
@@ -278,6 +292,39 @@ PLACES: dict[str, Look] = {
     "use_sage_attn": Look("lumina", "Use Sage Attention", help="Inference only upstream; training keeps SDPA.",
          families=LUMINA),
     "sample_batch_size": Look("lumina", "Sample batch size (optional)", families=LUMINA, minimum=1),
+    # HunyuanImage 2.1 (hunyuan_image_train_network.py)
+    "fp8_scaled": Look("hunyuan_image", "fp8 DiT", help="The DiT's block weights in fp8.", families=HUNYUAN),
+    "fp8_vl": Look("hunyuan_image", "fp8 Qwen2.5-VL", families=HUNYUAN),
+    "text_encoder_cpu": Look("hunyuan_image", "Text encoders on the CPU",
+         help="Slow; best with text-encoder outputs cached to disk.", families=HUNYUAN),
+    # Anima (anima_train_network.py)
+    "qwen3": Look("model", "Qwen3", help="Qwen3-0.6B text encoder file or folder (Anima).", families=ANIMA,
+         widget="file", required=True),
+    "llm_adapter_path": Look("anima", "LLM adapter file (optional)",
+         help="Empty = the adapter inside the DiT file.", families=ANIMA, widget="file"),
+    "t5_tokenizer_path": Look("anima", "T5 tokenizer folder (optional)",
+         help="Empty = t5/ in the tokenizer cache folder, else google/t5-v1_1-xxl from the hub.", families=ANIMA,
+         widget="folder"),
+    "qwen3_max_token_length": Look("anima", "Qwen3 max tokens", families=ANIMA, minimum=1),
+    "t5_max_token_length": Look("anima", "T5 max tokens", families=ANIMA, minimum=1),
+    "vae_disable_cache": Look("anima", "Disable VAE cache", help="Accepted; no effect here.", families=ANIMA),
+    "unsloth_offload_checkpointing": Look("anima", "Unsloth offload checkpointing",
+         help="Gradient checkpointing with the blocks' inputs in CPU memory.", families=ANIMA),
+    **{f"{part}_lr": Look("anima", f"{label} learning rate (full fine-tune only)",
+         help="Upstream's full fine-tune reads it; the LoRA script ignores it (as upstream).", families=ANIMA)
+       for part, label in (("llm_adapter", "LLM adapter"), ("self_attn", "Self-attention"),
+                           ("cross_attn", "Cross-attention"), ("mlp", "MLP"), ("mod", "Modulation"))},
+    # HunyuanImage 2.1 and Anima share these three
+    "attn_mode": Look("advanced", "Attention mode (optional)",
+         help="HunyuanImage 2.1 / Anima. Empty = torch (PyTorch SDPA); xformers / flash need their package "
+              "(Anima runs PyTorch's SDPA for every mode); sageattn is inference only.",
+         families=HUNYUAN | ANIMA),
+    "split_attn": Look("advanced", "Split attention",
+         help="HunyuanImage 2.1: one sample at a time (less memory). Anima: accepted, no effect.",
+         families=HUNYUAN | ANIMA),
+    "vae_chunk_size": Look("advanced", "VAE chunk size (optional)",
+         help="HunyuanImage 2.1: any value runs the VAE in tiles. Anima: accepted, no effect.",
+         families=HUNYUAN | ANIMA, minimum=1),
     "noise_offset": Look("advanced_noise", "Noise offset (optional)", families=SD_SDXL, minimum=0),
     "min_snr_gamma": Look("advanced_loss", "Min-SNR gamma (optional)",
          help="5 is a common value.",

@@ -23,7 +23,8 @@ from . import option_places
 
 TABS = ("lora", "dreambooth", "finetune", "ti")
 TAB_LABELS = {"lora": "LoRA", "dreambooth": "DreamBooth", "finetune": "Fine-tune", "ti": "Textual Inversion"}
-FAMILIES = ("SD1.x", "SD2.x", "SDXL", "FLUX.1", "SD3", "Lumina 2")
+FAMILIES = ("SD1.x", "SD2.x", "SDXL", "FLUX.1", "SD3", "Lumina 2", "HunyuanImage 2.1")
+FAMILIES += ("Anima",)  # LoRA only (upstream has no Anima full-fine-tune table here)
 COMPILE_FAMILIES = option_places.COMPILE_FAMILIES
 
 SCRIPTS = {
@@ -48,6 +49,8 @@ SCRIPTS = {
 }
 SCRIPTS.update({("lora", "Lumina 2"): "lumina_train_network.py", ("dreambooth", "Lumina 2"): "lumina_train.py",
                 ("finetune", "Lumina 2"): "lumina_train.py"})
+SCRIPTS[("lora", "HunyuanImage 2.1")] = "hunyuan_image_train_network.py"  # LoRA only (upstream has no full trainer)
+SCRIPTS[("lora", "Anima")] = "anima_train_network.py"
 
 
 def tab_families(tab: str) -> list[str]:
@@ -67,6 +70,8 @@ ACCORDIONS = {
     "flux": ("FLUX.1 options", False),
     "sd3": ("SD3 options", False),
     "lumina": ("Lumina 2 options", False),
+    "hunyuan_image": ("HunyuanImage 2.1 options", False),
+    "anima": ("Anima options", False),
     "advanced": ("Advanced", False),
     "samples": ("Samples", False),
     "accelerate": ("Accelerate launch", False),
@@ -335,6 +340,32 @@ NOT_SHOWN.update({
                                             "cudnn_sdp", "cuda_graph_step")},
 })
 
+# Anima: a flow-matching DiT, LoRA only; the compile flags on the command line (as Lumina 2's)
+NOT_SHOWN.update({
+    ("v2", "Anima"): "SD2.x is a family of its own: choosing it sets --v2",
+    ("v_parameterization", "Anima"): "Anima is a flow-matching model",
+    ("noise_offset", "Anima"): "sd-scripts applies it to SD1.x/SD2.x/SDXL noise only",
+    ("min_snr_gamma", "Anima"): "SNR weighting is for SD1.x/SD2.x/SDXL (Anima has weighting schemes)",
+    **{(name, "Anima"): reason for (name, family), reason in NOT_SHOWN.items()
+       if family == "Lumina 2" and name.startswith(("compile", "cuda", "cudnn"))},
+})
+
+
+# HunyuanImage 2.1: a flow-matching DiT with its own VAE (shown for it), compile flags on the command line
+NOT_SHOWN.update({
+    ("v2", "HunyuanImage 2.1"): "SD2.x is a family of its own: choosing it sets --v2",
+    ("v_parameterization", "HunyuanImage 2.1"): "HunyuanImage 2.1 is a flow-matching model",
+    ("noise_offset", "HunyuanImage 2.1"): "sd-scripts applies it to SD1.x/SD2.x/SDXL noise only",
+    ("min_snr_gamma", "HunyuanImage 2.1"): "SNR weighting is for SD1.x/SD2.x/SDXL (HunyuanImage 2.1 has weighting "
+                                          "schemes)",
+    **{(name, "HunyuanImage 2.1"): "the Torch Compile Settings are for SDXL and FLUX.1; HunyuanImage 2.1 takes the "
+       "compile flags in Additional parameters" for name in ("compile", "compile_backend", "compile_mode",
+                                                             "compile_dynamic", "compile_fullgraph",
+                                                             "compile_cache_size_limit", "compile_cache_dir",
+                                                             "compile_checkpoint_keep", "cuda_allow_tf32",
+                                                             "cuda_cudnn_benchmark", "cudnn_sdp", "cuda_graph_step")},
+})
+
 
 def _load_trainer_options() -> dict[str, dict[str, dict]]:
     """script -> {option name: description}"""
@@ -489,8 +520,11 @@ def _family_options(family: str) -> set[str]:
 
 def guess_family(keys: dict[str, Any], fallback: str = "SDXL") -> str:
     """The model family of a run TOML that does not say (no [gui] table): the one rule of Open, print-command and
-    import. SD3 by its CLIP-G file, network or --training_shift, FLUX.1 by its model files or network, SD2.x by v2, else SDXL or SD1.x where a key only that family's
-    scripts accept says so, else `fallback` (the GUI's default family)."""
+    import. HunyuanImage 2.1 by its byT5 file or network, SD3 by its CLIP-G file, network or --training_shift,
+    FLUX.1 by its model files or network, SD2.x by v2, else SDXL or SD1.x where a key only that family's scripts
+    accept says so, else `fallback` (the GUI's default family)."""
+    if keys.get("network_module") == "networks.lora_hunyuan_image" or keys.get("byt5"):
+        return "HunyuanImage 2.1"
     if keys.get("network_module") == "networks.lora_sd3" or keys.get("clip_g") or "training_shift" in keys:
         return "SD3"
     if keys.get("network_module") in ("networks.lora_flux", "networks.oft_flux") or \

@@ -100,9 +100,10 @@ ROOT_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)(?: \(pid: \d+\))?\s*(?:\((\w
 ROOT_HOST = re.compile(r"^\s*host\s*:\s*(\S+)")
 
 
-def first_failed_process(lines: list[str]) -> str | None:
-    """`process rank R (host H) ended first with exit code C (SIGNAL)` from the launcher's "Root Cause" block, or
-    None when the log has none."""
+def root_cause(lines) -> tuple[int, str | None, str | None] | None:
+    """(rank, host, exit code with its signal) of the process that ended first, from the launcher's "Root Cause"
+    block, or None when the log has none."""
+    lines = list(lines)  # (the runner's lines are a deque, which cannot be sliced)
     try:
         start = max(i for i, ln in enumerate(lines) if ln.startswith("Root Cause"))
     except ValueError:
@@ -110,15 +111,52 @@ def first_failed_process(lines: list[str]) -> str | None:
     rank = host = code = None
     for ln in lines[start + 1:start + 12]:
         if (m := ROOT_CAUSE.match(ln)) and rank is None:
-            rank = m.group(1)
+            rank = int(m.group(1))
         elif (m := ROOT_HOST.match(ln)) and host is None:
             host = m.group(1)
         elif (m := ROOT_EXIT.match(ln)) and code is None:
             code = m.group(1) + (f" ({m.group(2)})" if m.group(2) else "")
-    if rank is None:
+    return None if rank is None else (rank, host, code)
+
+
+def first_failed_process(lines: list[str]) -> str | None:
+    """`process rank R (host H) ended first with exit code C (SIGNAL)` from the launcher's "Root Cause" block, or
+    None when the log has none."""
+    cause = root_cause(lines)
+    if cause is None:
         return None
+    rank, host, code = cause
     return f"process rank {rank}{f' (host {host})' if host else ''} ended first" + \
         (f" with exit code {code}" if code else "")
+
+
+# ---- every rank of a multi-process run ------------------------------------------------------------------------
+# library.run.events.RankProgress: "rank 1/2 (pid 4242): step 12/100, 0.532 s/step, peak GPU memory 7.11 GiB"; and
+# library.data_parallel's last line of each rank, "process 1/2 finished 100 steps, last loss ..."
+RANK_LINE = re.compile(r"\brank (\d+)/(\d+) \(pid (\d+)\): step (\d+)/(\d+), " + NUM +
+                       r" s/step(?:, peak (GPU memory|RSS) " + NUM + r" GiB)?")
+RANK_DONE = re.compile(r"\bprocess (\d+)/(\d+) finished (\d+) steps")
+SILENT_S = 30.0  # a rank that printed nothing for this long (it prints every few seconds) is shown as silent
+
+
+def parse_rank(line: str) -> dict | None:
+    """{'rank', 'world', 'pid', 'step', 'total', 'step_s', 'memory_gib', 'memory_kind'} from a rank line, or None."""
+    m = RANK_LINE.search(line)
+    if not m:
+        return None
+    return {"rank": int(m.group(1)), "world": int(m.group(2)), "pid": int(m.group(3)), "step": int(m.group(4)),
+            "total": int(m.group(5)), "step_s": float(m.group(6)), "memory_kind": m.group(7),
+            "memory_gib": float(m.group(8)) if m.group(8) else None}
+
+
+def rank_status(info: dict, now: float, running: bool) -> str:
+    """What the run panel says of one rank: its end ("finished", "ended", "ended first ..."), or while the run goes
+    on "training" / "silent for N s"."""
+    if info.get("ended"):
+        return info["ended"]
+    if running and now - info["seen"] > SILENT_S:
+        return f"silent for {format_eta(now - info['seen'])}"
+    return "training" if running else "-"
 
 class RunnerBusy(RuntimeError):
     pass
@@ -140,6 +178,7 @@ class RunState:
     message: str = ""  # "starting", "running", "compiling (...)", "stopping..." while running; the outcome after
     config_path: str | None = None  # the settings file of the run (what Start wrote), if any
     auto_choices: dict = field(default_factory=dict)  # what the compile settings left at auto chose (compile_auto)
+    ranks: dict = field(default_factory=dict)  # rank -> parse_rank's dict + "seen" (time), "ended" (several processes)
 
 
 class _Adopted:
@@ -170,6 +209,7 @@ class Runner:
         self._stopped_line: tuple[float, str] | None = None  # (when, text) of the trainer's "stopped at step"
         self._compiling: list | None = None  # [steps it lasts, first step or None] after a COMPILE_LINE
         self._log_fd: int | None = None  # the run's log file, opened for appending (the runner's own lines)
+        self._rank_procs: dict[int, psutil.Process | None] = {}  # each rank's process, to see it end
         self.state = RunState()
         self._reserved = False  # a Start is checking its settings and writing its files (see reserved())
         self.line_callback = None  # optional: called with every output line (the CLI echoes them)
@@ -213,6 +253,7 @@ class Runner:
         self._stop_requested.clear()
         self._stopped_line = None
         self._compiling = None
+        self._rank_procs = {}
         self.version += 1
         self.history = RunHistory()
         self.history_version += 1
@@ -300,6 +341,7 @@ class Runner:
             s = self.state
             return RunState(**{**s.__dict__, "commands": list(s.commands), "outputs": list(s.outputs),
                                "error_lines": list(s.error_lines), "auto_choices": dict(s.auto_choices),
+                               "ranks": {r: dict(info) for r, info in s.ranks.items()},
                                "progress": dict(s.progress) if s.progress else None})
 
     def history_snapshot(self) -> tuple[int, RunHistory]:
@@ -343,9 +385,15 @@ class Runner:
         text = text.rstrip()
         if not text:
             return
-        prog = parse_progress(text)
+        rank = parse_rank(text) if not in_place else None
+        prog = parse_progress(text) if rank is None else None  # a rank's line is not the run's progress
+        done = RANK_DONE.search(text) if not in_place and rank is None else None
         with self._lock:
             self.version += 1
+            if rank is not None:
+                self._see_rank(rank)
+            elif done and int(done.group(2)) > 1 and int(done.group(1)) in self.state.ranks:
+                self.state.ranks[int(done.group(1))]["ended"] = f"finished {done.group(3)} steps"
             if not in_place and STOPPED_LINE.match(text):
                 self._stopped_line = (time.time(), text)
             if not in_place and self.history.feed(text):
@@ -371,6 +419,30 @@ class Runner:
             with contextlib.suppress(OSError):
                 os.write(fd, (text + "\n").encode("utf-8"))
         self._add(text, False)
+
+    def _see_rank(self, rank: dict) -> None:
+        """A rank's line (under the lock): its row, and its process, looked up once, to see it end (the log holds
+        this machine's ranks only: a process not found has ended before its line was read)."""
+        info = self.state.ranks.setdefault(rank["rank"], {})
+        new_process = info.get("pid") != rank["pid"]  # the first line, or the rank restarted (torchrun)
+        info.update(rank, seen=time.time())
+        if new_process:
+            info.pop("ended", None)
+            try:
+                self._rank_procs[rank["rank"]] = psutil.Process(rank["pid"])
+            except psutil.Error:
+                self._rank_procs[rank["rank"]] = None
+                info.setdefault("ended", "ended")
+
+    def _check_ranks(self) -> None:
+        """A rank whose process has ended without its "finished" line is shown as ended, while the others go on."""
+        with self._lock:
+            for rank, process in self._rank_procs.items():
+                info = self.state.ranks.get(rank)
+                if info is not None and process is not None and not info.get("ended") \
+                        and not proc_tree.alive(process):
+                    info["ended"] = "ended"
+                    self.version += 1
 
     def _follow_compile(self, text: str, prog: dict | None, in_place: bool) -> None:
         """message = "compiling (...)" from a COMPILE_LINE until the step(s) it announces are done (the progress
@@ -438,6 +510,7 @@ class Runner:
 
     def _finish(self, rc: int | None, adopted: bool = False) -> None:
         stopped = self._stop_requested.is_set()
+        self._check_ranks()
         with self._lock:
             st = self.state
             self._proc = None
@@ -459,6 +532,9 @@ class Runner:
                 first = first_failed_process(self._lines) if rc else None
                 if first:  # several processes: the one that ended first, as the launcher reports it
                     st.message = f"failed: {first}; the launcher stopped every other process (exit status {rc})"
+                    rank, _, code = root_cause(self._lines)
+                    if rank in st.ranks:
+                        st.ranks[rank]["ended"] = "ended first" + (f" (exit code {code})" if code else "")
             message = st.message
         self._forget_active()
         fd, self._log_fd = self._log_fd, None
@@ -494,6 +570,7 @@ class Runner:
                 time.sleep(POLL_S)
                 if time.monotonic() - looked > 0.5:  # processes started since (the trainer, its workers)
                     tree, looked = proc_tree.grown(tree), time.monotonic()
+                    self._check_ranks()
         if buf:
             self._add(buf.decode("utf-8", "replace"), False)
         return tree

@@ -82,6 +82,7 @@ def test_cudnn_sdp_choice(monkeypatch, caplog, choice, crashed_here, expected):
     (["--compile", "--compile_backend", "aot_eager", "--network_train_unet_only"], "flux", False, "crashed eager"),
     (["--compile"], "flux", False, "text encoders may train"),  # their attention backward runs eagerly
     (["--compile", "--network_train_unet_only"], "sd3", False, "not measured for this model family (sd3)"),
+    (["--compile", "--network_train_unet_only", "--model_type", "chroma"], "flux", False, "family (chroma)"),
     (["--compile", "--train_text_encoder"], "sdxl", False, "text encoders may train"),  # sdxl_train.py
     (["--compile"], "sdxl", True, "inside the inductor-compiled blocks"),  # sdxl_train.py without the flag
 ])
@@ -92,6 +93,7 @@ def test_cudnn_sdp_auto_where_the_crash_was(argv, family, allowed, why):
     parser = compile_options.add_compile_arguments(argparse.ArgumentParser())
     for flag in ("--network_train_unet_only", "--cache_text_encoder_outputs"):
         parser.add_argument(flag, action="store_true")
+    parser.add_argument("--model_type", default="flux")
     if family == "sdxl" and "--cache_text_encoder_outputs" not in argv:
         parser.add_argument("--train_text_encoder", action="store_true")  # sdxl_train.py's
     args = parser.parse_args(argv)
@@ -767,8 +769,8 @@ def test_auto_dynamic_new_bucket_shapes_do_not_recompile(family, caplog):
 
 
 def test_compile_workers_start_before_the_models_load(monkeypatch, tmp_path):
-    """graphs.resolve starts inductor's kernel-compile pool (an inductor compile on a CUDA GPU only), with the
-    run's compile cache folder in the environment the workers start with."""
+    """Run setup (after graphs.resolve, before the models load) starts inductor's kernel-compile pool (an inductor
+    compile on a CUDA GPU only), with the run's compile cache folder in the environment the workers start with."""
     import torch._inductor.async_compile as async_compile
 
     started = []
@@ -781,3 +783,34 @@ def test_compile_workers_start_before_the_models_load(monkeypatch, tmp_path):
     assert started == [str(tmp_path)]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert not compile_environment.warm_compile_workers(_parse("--compile"))
+
+
+@pytest.mark.parametrize("keep", ["attention", "projections"])
+def test_checkpoint_contexts_compile_whole_inside_a_block(keep):
+    """The selective checkpoint's context (a partial of module-level functions) traces into the block's graph:
+    fullgraph compiles it, so no checkpointed block falls back to eager; the gradients are eager's."""
+    import types
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+        def forward(self, x):
+            q = self.down(torch.nn.functional.gelu(self.up(x)))
+            return torch.nn.functional.scaled_dot_product_attention(q[None], q[None], q[None])[0]
+
+    torch.manual_seed(0)
+    eager, block = Block(), Block()
+    block.load_state_dict(eager.state_dict())
+    block._ckpt_rng, block._ckpt_context = False, compile_checkpoint.CHECKPOINT_CONTEXTS[keep]
+    block._forward_inside_checkpoint = block.forward
+    block.forward = types.MethodType(compile_checkpoint._checkpointed_forward, block)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    block.compile(backend=counter, fullgraph=True)
+    x = torch.randn(8, 16)
+    block(x).sum().backward()
+    eager(x).sum().backward()
+    assert counter.frame_count == 1
+    for a, b in zip(eager.parameters(), block.parameters()):
+        torch.testing.assert_close(b.grad, a.grad)

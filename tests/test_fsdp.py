@@ -87,14 +87,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(processes: int, args: list, timeout: int = 400, script: str = "sdxl_train.py") -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", ACCELERATE_USE_CPU="1")
+def launch_env() -> dict:
+    return dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", ACCELERATE_USE_CPU="1")
+
+
+def launch_command(processes: int, script: str, args: list) -> list[str]:
+    """`accelerate launch` of `processes` CPU processes (gloo with launch_env's ACCELERATE_USE_CPU) of a trainer."""
     several = ["--multi_gpu"] if processes > 1 else []
-    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", *several, "--num_processes", str(processes),
-           "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
-           "--dynamo_backend", "no", "--num_cpu_threads_per_process", "1", str(REPO / "sd-scripts" / script)]
-    proc = subprocess.run(cmd + [str(a) for a in args], env=env, capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO)
+    return [str(Path(sys.executable).parent / "accelerate"), "launch", *several, "--num_processes", str(processes),
+            "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
+            "--dynamo_backend", "no", "--num_cpu_threads_per_process", "1", str(REPO / "sd-scripts" / script),
+            *(str(a) for a in args)]
+
+
+def launch(processes: int, args: list, timeout: int = 400, script: str = "sdxl_train.py") -> subprocess.CompletedProcess:
+    proc = subprocess.run(launch_command(processes, script, args), env=launch_env(), capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc
 
@@ -224,6 +232,157 @@ def test_deepspeed_plugin_has_upstreams_values(monkeypatch):
         sharding.check_deepspeed_args(args, ConfigError)
 
 
+def test_deepspeed_without_a_gpu_joins_the_processes_over_gloo(monkeypatch):
+    """accelerate leaves DeepSpeed off with ACCELERATE_USE_CPU and has no backend without a GPU: the trainer takes
+    the CPU switch back and asks for gloo, keeping --ddp_timeout; one process without a launcher gets a group."""
+    from datetime import timedelta
+
+    from accelerate.utils import InitProcessGroupKwargs
+
+    from library import sharding
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name, value in (("WORLD_SIZE", "2"), ("LOCAL_RANK", "1"), ("RANK", "1"), ("ACCELERATE_USE_CPU", "1")):
+        monkeypatch.setenv(name, value)
+    args = SimpleNamespace(deepspeed=True)
+    handlers = sharding.deepspeed_kwargs_handlers(args, [InitProcessGroupKwargs(timeout=timedelta(minutes=7))])
+    assert len(handlers) == 1 and handlers[0].to_kwargs() == {"backend": "gloo", "timeout": timedelta(minutes=7)}
+    assert "ACCELERATE_USE_CPU" not in os.environ and os.environ["RANK"] == "1"
+    assert sharding.deepspeed_kwargs_handlers(SimpleNamespace(deepspeed=False), []) == []
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    sharding.deepspeed_kwargs_handlers(args, [])  # one process, no launcher
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["MASTER_ADDR"]) == ("0", "1", "127.0.0.1")
+    assert int(os.environ["MASTER_PORT"]) > 0
+
+
+def test_deepspeed_that_accelerate_did_not_set_up_is_one_line():
+    from accelerate.utils import DistributedType
+
+    from library import sharding
+
+    args = SimpleNamespace(deepspeed=True)
+    line = sharding.check_deepspeed_engaged(args, SimpleNamespace(distributed_type=DistributedType.MULTI_CPU))
+    assert line.startswith("--deepspeed: accelerate did not set up DeepSpeed (distributed type MULTI_CPU)"), line
+    assert sharding.check_deepspeed_engaged(args, SimpleNamespace(distributed_type=DistributedType.DEEPSPEED)) is None
+    assert sharding.check_deepspeed_engaged(SimpleNamespace(deepspeed=False),
+                                            SimpleNamespace(distributed_type=DistributedType.NO)) is None
+
+
+def test_accelerate_deepspeed_config_is_taken_as_deepspeed(monkeypatch):
+    from library import sharding
+    from library.errors import ConfigError
+
+    def parsed(*argv):
+        import sdxl_train
+
+        return sdxl_train.setup_parser().parse_args(list(argv))
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # accelerate launch --use_deepspeed --zero_stage 1 ...
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "1")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "cpu")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none")
+    args = parsed()
+    sharding.from_accelerate_deepspeed_config(args, ConfigError)
+    assert (args.deepspeed, args.zero_stage, args.offload_optimizer_device, args.offload_param_device) == \
+        (True, 1, "cpu", None)
+    args = parsed("--deepspeed", "--zero_stage", "2")  # the command line's options win
+    sharding.from_accelerate_deepspeed_config(args, ConfigError)
+    assert (args.zero_stage, args.offload_optimizer_device) == (2, None)
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "ds.json")
+    with pytest.raises(ConfigError, match="DeepSpeed config file ds.json is not read here"):
+        sharding.from_accelerate_deepspeed_config(parsed(), ConfigError)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")
+    args = parsed()
+    sharding.from_accelerate_deepspeed_config(args, ConfigError)
+    assert not args.deepspeed
+
+
+def deepspeed_missing() -> str | None:
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - not installed, or installed without what it needs here
+        return f"deepspeed is not importable ({type(e).__name__}: {e}); install extra 'deepspeed' to run this test"
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(deepspeed_missing() is not None, reason=deepspeed_missing() or "")
+def test_deepspeed_zero2_full_fine_tune_on_two_cpu_processes(tmp_path, tiny_sd1_single_file, tiny_dataset_dir):
+    """DeepSpeed's CPU accelerator over gloo: ZeRO-2 trains the same weights as data parallel, --save_state writes
+    DeepSpeed's sharded optimizer state (one file a process) and --resume continues from it."""
+    from safetensors.torch import load_file
+
+    def args(out: Path, steps: int) -> list:
+        return ["--pretrained_model_name_or_path", tiny_sd1_single_file, "--tokenizer_cache_dir",
+                tiny_sd1_single_file.parent / "tokenizers", "--train_data_dir", tiny_dataset_dir, "--caption_extension",
+                ".txt", "--resolution", 64, "--output_dir", out, "--output_name", "db", "--max_train_steps", steps,
+                "--max_data_loader_n_workers", 0, "--seed", 3, "--optimizer_type", "torch.optim.SGD",
+                "--learning_rate", 0.05, "--train_text_encoder"]
+
+    proc = launch(2, args(tmp_path / "ds", 2) + ["--deepspeed", "--zero_stage", "2", "--save_state"],
+                  script="train_db.py")
+    log = proc.stdout + proc.stderr
+    assert log.count("--deepspeed: the DeepSpeed engine trains") == 2, log[-3000:]
+    assert re.search(r"DeepSpeed engine trains [\d.]+M parameters with ZeRO stage 2 \(DeepSpeedZeroOptimizer\) over 2 "
+                     r"processes", log), log[-3000:]
+    done = dict(re.findall(r"process (\d)/2 finished 2 steps, last loss \S+, weights checksum (\S+)", log))
+    assert set(done) == {"0", "1"} and done["0"] == done["1"], log[-3000:]
+    state = tmp_path / "ds" / "db-state"
+    assert sorted(p.name for p in (state / "pytorch_model").glob("zero_pp_rank_*_optim_states.pt")) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+
+    launch(2, args(tmp_path / "dp", 2), script="train_db.py")
+    ds, dp = load_file(tmp_path / "ds" / "db.safetensors"), load_file(tmp_path / "dp" / "db.safetensors")
+    base = load_file(tiny_sd1_single_file)
+    assert relative_difference(ds, dp) < 1e-4
+    moved = relative_difference(dp, {k: base[k] for k in dp})
+    assert moved > 100 * relative_difference(ds, dp), moved  # and training moved the weights far more
+
+    proc = launch(2, args(tmp_path / "resumed", 3) + ["--deepspeed", "--zero_stage", "2", "--resume", state],
+                  script="train_db.py")
+    log = proc.stdout + proc.stderr
+    assert log.count("resumed at step 2") == 2 and "steps: 3/3 " in log, log[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(deepspeed_missing() is not None, reason=deepspeed_missing() or "")
+def test_accelerate_launch_use_deepspeed_trains_a_lora_with_zero1(tmp_path, tiny_sd1_single_file, tiny_dataset_dir):
+    """`accelerate launch --use_deepspeed --zero_stage 1` (no --deepspeed on the trainer's line), 2 CPU processes."""
+    cmd = launch_command(2, "train_network.py", [
+        "--pretrained_model_name_or_path", tiny_sd1_single_file, "--tokenizer_cache_dir",
+        tiny_sd1_single_file.parent / "tokenizers", "--train_data_dir", tiny_dataset_dir, "--caption_extension", ".txt",
+        "--resolution", 64, "--output_dir", tmp_path, "--output_name", "lora", "--max_train_steps", 2,
+        "--network_module", "networks.lora", "--network_dim", 4])
+    cmd[cmd.index("--multi_gpu")] = "--use_deepspeed"
+    cmd[cmd.index("--use_deepspeed") + 1:cmd.index("--use_deepspeed") + 1] = ["--zero_stage", "1"]
+    proc = subprocess.run(cmd, env=launch_env(), capture_output=True, text=True, timeout=400, cwd=REPO)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert "accelerate's DeepSpeed config: --deepspeed --zero_stage 1" in log, log[-3000:]
+    assert log.count("with ZeRO stage 1 (DeepSpeedZeroOptimizer) over 2 processes") == 2, log[-3000:]
+    assert (tmp_path / "lora.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_data_parallel_resume_on_two_processes_continues_exactly(tmp_path, tiny_sd1_single_file, tiny_dataset_dir):
+    """Each process draws its noise from its own generator: the -state folder keeps every rank's (only the main
+    process writes it), so a resume on 2 processes trains the same weights as the run that was not interrupted."""
+    args = ["--pretrained_model_name_or_path", tiny_sd1_single_file, "--tokenizer_cache_dir",
+            tiny_sd1_single_file.parent / "tokenizers", "--train_data_dir", tiny_dataset_dir, "--caption_extension",
+            ".txt", "--resolution", 64, "--output_name", "lora", "--max_train_steps", 3, "--max_data_loader_n_workers",
+            0, "--network_module", "networks.lora", "--network_dim", 4, "--seed", 3]
+    whole = launch(2, args + ["--output_dir", tmp_path / "whole", "--save_state", "--save_every_n_steps", 2],
+                   script="train_network.py")
+    resumed = launch(2, args + ["--output_dir", tmp_path / "resumed", "--resume",
+                                tmp_path / "whole" / "lora-step00000002-state"], script="train_network.py")
+    finished = r"process (\d)/2 finished 3 steps, last loss (\S+), weights checksum (\S+)"
+    whole_done = sorted(re.findall(finished, whole.stdout + whole.stderr))
+    resumed_log = resumed.stdout + resumed.stderr
+    assert resumed_log.count("resumed at step 2") == 2, resumed_log[-3000:]
+    assert len(whole_done) == 2 and sorted(re.findall(finished, resumed_log)) == whole_done, resumed_log[-3000:]
+
+
 # ---- faults: a process that dies -------------------------------------------------------------------------------
 
 
@@ -238,16 +397,12 @@ def test_a_process_killed_during_a_save_ends_the_run_and_keeps_the_earlier_save(
     from kohya_gui.runner import first_failed_process
 
     out = tmp_path / "out"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", ACCELERATE_USE_CPU="1")
-    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
-           "--dynamo_backend", "no", "--num_cpu_threads_per_process", "1", str(REPO / "sd-scripts" / "sdxl_train.py")]
     args = sdxl_args(tiny_sdxl_single_file, tiny_dataset_dir, out, "ft", 40) + [
         "--fsdp", "full_shard", "--save_state", "--save_every_n_steps", 2]
     log_path = tmp_path / "log.txt"
     with open(log_path, "w") as log:
-        launcher = subprocess.Popen(cmd + [str(a) for a in args], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    cwd=REPO)
+        launcher = subprocess.Popen(launch_command(2, "sdxl_train.py", args), env=launch_env(), stdout=log,
+                                    stderr=subprocess.STDOUT, cwd=REPO)
     try:
         deadline = time.time() + 300
         # the second state save has begun (the first is complete): kill process rank 1 now
@@ -290,6 +445,7 @@ def _adafactor_worker(rank: int, world: int, port: int, folder: str, results):
 
     sys.path.insert(0, str(REPO / "sd-scripts"))
     from library import sharding
+    from library.grouped_adafactor import GroupedAdafactor
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -300,13 +456,16 @@ def _adafactor_worker(rank: int, world: int, port: int, folder: str, results):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3, padding=1), torch.nn.Flatten(),
                                     torch.nn.Linear(3 * 4 * 4, 5), torch.nn.Linear(5, 7))
+        whole = torch.nn.Linear(7, 3)  # in the same optimizer, never sharded (as a trained text encoder)
         if sharded:
             for layer in (model[0], model[2], model[3]):
                 fully_shard(layer, mesh=mesh)
             fully_shard(model, mesh=mesh)
-        optimizer = Adafactor(model.parameters(), **options)
+        # sharded: the class the trainers build for --optimizer_type Adafactor (a subclass with a batched step)
+        cls = GroupedAdafactor if sharded else Adafactor
+        optimizer = cls([*model.parameters(), *whole.parameters()], **options)
         sharding.init_optimizer_state([optimizer])
-        return model, optimizer
+        return torch.nn.Sequential(model, whole), optimizer
 
     def steps(pairs, seeds):
         for seed in seeds:
@@ -318,7 +477,8 @@ def _adafactor_worker(rank: int, world: int, port: int, folder: str, results):
 
     def gap(sharded, whole):
         with torch.no_grad():
-            return max(float((p.full_tensor() - w).abs().max()) for p, w in zip(sharded.parameters(), whole.parameters()))
+            return max(float(((p.full_tensor() if hasattr(p, "full_tensor") else p) - w).abs().max())
+                       for p, w in zip(sharded.parameters(), whole.parameters()))
 
     whole, sharded = make(False), make(True)
     steps([whole, sharded], range(3))

@@ -149,7 +149,7 @@ def test_presets_pass_the_trainers_checks(tab, name):
     args = train_util.parse_args(parser, ["--config_file", str(presets.preset_path(tab, name))])
     args.sample_prompts = args.resume = None  # files that are made on first use / exist on the user's machine
     train_util.verify_training_args(args)
-    if cfg.family in P.COMPILE_FAMILIES or cfg.family in ("SD3", "Lumina 2"):  # the compile flags without the accordion
+    if cfg.family in P.COMPILE_FAMILIES or cfg.family in ("SD3", "Lumina 2", "HunyuanImage 2.1", "Anima"):  # no accordion
         compile_options.validate_compile_args(args)
     else:
         assert not hasattr(args, "compile")

@@ -176,7 +176,8 @@ def test_compile_accordion_follows_family_and_print_shows_compile(page):
 
 LORA_SCRIPTS = {"SD1.x": "train_network.py", "SD2.x": "train_network.py", "SDXL": "sdxl_train_network.py",
                 "FLUX.1": "flux_train_network.py", "SD3": "sd3_train_network.py",
-                "Lumina 2": "lumina_train_network.py"}
+                "Lumina 2": "lumina_train_network.py", "HunyuanImage 2.1": "hunyuan_image_train_network.py"}
+LORA_SCRIPTS["Anima"] = "anima_train_network.py"
 
 
 def test_every_family_names_its_script_and_shows_its_own_fields(page):
@@ -199,9 +200,14 @@ def test_every_family_names_its_script_and_shows_its_own_fields(page):
     standalone = field(page, "lora-standalone").input_value()
     assert "--timestep_sampling shift" in standalone and "--discrete_flow_shift 6.0" in standalone
     assert "--model_prediction_type raw" in standalone
+    pick(page, "lora-family", "HunyuanImage 2.1")
+    page.locator("#lora-acc-hunyuan_image").wait_for(state="visible")
+    page.locator("#lora-acc-lumina").wait_for(state="hidden")
+    assert page.locator("#lora-byt5").is_visible() and not page.locator("#lora-gemma2").is_visible()
     pick(page, "lora-family", "SD3")
     page.locator("#lora-acc-sd3").wait_for(state="visible")
     page.locator("#lora-acc-lumina").wait_for(state="hidden")
+    page.locator("#lora-acc-hunyuan_image").wait_for(state="hidden")
     pick(page, "lora-family", "FLUX.1")
     page.locator("#lora-acc-flux").get_by_text("FLUX.1 options").first.click()  # a fresh page: closed
     pick(page, "lora-model_type", "chroma")

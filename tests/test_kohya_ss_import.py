@@ -412,14 +412,15 @@ def test_gui_import_keeps_the_inline_prompts_through_save_and_clears_the_preset(
 
 
 def test_the_option_filter_knows_each_options_families():
-    """The filter's index says which families an option is for: "block swap" on SDXL hints "FLUX.1, SD3, Lumina 2 only"."""
+    """The filter's index says which families an option is for: "block swap" on SDXL hints "FLUX.1, SD3, Lumina 2,
+    HunyuanImage 2.1, Anima only"."""
     from kohya_gui.ui import actions as A
     from kohya_gui.ui.option_filter import filter_js
 
     js = filter_js("lora", A.tab_params("lora"))
     index = json.loads(js.split("index = ", 1)[1].split(";\n", 1)[0])
     row = next(r for r in index if r[0] == "blocks_to_swap")
-    assert row[3] == ["FLUX.1", "SD3", "Lumina 2"] and all(w in row[1] for w in ("block", "swap"))
+    assert row[3] == ["FLUX.1", "SD3", "Lumina 2", "HunyuanImage 2.1", "Anima"] and all(w in row[1] for w in ("block", "swap"))
     assert "No option matches" in js and "only)" in js
 
 

@@ -407,25 +407,37 @@ def test_dump_options(tool, capsys):
 
 
 def test_benchmark_commands_are_valid_tool_command_lines(tmp_path, capsys):
-    """tools/bench_lora_tools.py --dry_run: the command lines it would time (ours and upstream's) parse with the
-    tools' own parsers (the same options upstream's take, plus --overwrite for ours)."""
+    """tools/bench_lora_tools.py --dry_run: the command lines it would time (ours, and upstream's through its
+    --upstream_launch) parse with the tools' own parsers (the same options upstream's take, plus --overwrite for
+    ours), the WD14 tagger's included."""
     import importlib.util
     import shlex
 
-    spec = importlib.util.spec_from_file_location("bench_lora_tools", REPO / "tools" / "bench_lora_tools.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    def load(name, path):
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    bench = load("bench_lora_tools", REPO / "tools" / "bench_lora_tools.py")
     assert bench.main(["--work_dir", str(tmp_path), "--dry_run", "--upstream", "/opt/sd-scripts"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
-    assert len(lines) == 10
-    by_name = {t.__name__.split(".")[-1]: t for t in TOOLS}
+    names = {line.split("] ", 1)[1].split(":", 1)[0] for line in lines}
+    assert names == {"sdxl_resize", "sdxl_resize_sv_fro", "sdxl_merge", "sdxl_extract", "flux_extract", "wd14_8",
+                     "wd14_88"} and len(lines) == 2 * len(names)
+    parsers = {t.__name__.split(".")[-1]: t.setup_parser for t in TOOLS}
+    parsers["tag_images_by_wd14_tagger"] = load(
+        "wd14", REPO / "sd-scripts" / "finetune" / "tag_images_by_wd14_tagger.py").setup_parser
     for line in lines:
         who, rest = line.split("] ", 1)
         argv = shlex.split(rest.split(": ", 1)[1])
-        script = argv[1].rsplit("/", 1)[1][:-3]
-        assert argv[1].startswith("/opt/sd-scripts/networks/" if who == "[upstream" else str(REPO))
-        by_name[script].setup_parser().parse_args(argv[2:])
-
+        if who == "[upstream":
+            assert argv[1].endswith("tools/bench_lora_tools.py") and argv[2] == "--upstream_launch"
+            argv = [argv[0], *argv[3:]]
+            assert argv[1].startswith("/opt/sd-scripts/")
+        else:
+            assert argv[1].startswith(str(REPO))
+        parsers[argv[1].rsplit("/", 1)[1][:-3]]().parse_args(argv[2:])
 
 def test_sd1_merge_from_a_diffusers_folder_and_extract(tiny_sd1_single_file, tiny_sd1_diffusers, tmp_path):
     """SD1.x: the model read from its diffusers folder, the LoRA (1x1-conv proj_in/out, 3x3 convs) merged and
@@ -498,3 +510,62 @@ def test_sdxl_merge_with_layer_block_weights_and_oft(sdxl_lora, tiny_sdxl_single
         expected = module.rotated_weight(module.org_module.weight.detach())
         got = merged_weights[paths[id(module.org_module)] + ".weight"]
         assert torch.allclose(got, expected, atol=1e-5) and not torch.allclose(got, module.org_module.weight)
+
+
+def test_benchmark_upstream_launch_runs_a_script_as_python_would(tmp_path):
+    """--upstream_launch: the script runs as `python script args` (its folder first on sys.path, its argv), and
+    `from transformers import CLIPFeatureExtractor` (upstream's lpw pipeline import, gone in transformers 5) works."""
+    (tmp_path / "beside.py").write_text("VALUE = 'beside'\n")
+    (tmp_path / "tool.py").write_text(
+        "import sys\nfrom transformers import CLIPFeatureExtractor\nimport beside\n"
+        "if __name__ == '__main__':\n    print(beside.VALUE, sys.argv[1:], CLIPFeatureExtractor.__name__)\n")
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "bench_lora_tools.py"), "--upstream_launch",
+                        str(tmp_path / "tool.py"), "--x", "1"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "beside ['--x', '1'] CLIPFeatureExtractor"
+
+
+def test_benchmark_output_checks(tmp_path):
+    """The agreement checks the benchmark prints: a LoRA against itself and against a rank-changed copy."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_lora_tools", REPO / "tools" / "bench_lora_tools.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    g = torch.Generator().manual_seed(0)
+    sd = {"lora_unet_a.lora_down.weight": torch.randn(4, 8, generator=g),
+          "lora_unet_a.lora_up.weight": torch.randn(6, 4, generator=g), "lora_unet_a.alpha": torch.tensor(2.0)}
+    other = dict(sd, **{"lora_unet_a.lora_up.weight": sd["lora_unet_a.lora_up.weight"] * 1.01})
+    paths = [str(tmp_path / f"{n}.safetensors") for n in ("a", "b")]
+    lora_tools.save_lora(paths[0], sd, {}, overwrite=False)
+    lora_tools.save_lora(paths[1], other, {}, overwrite=False)
+    same = bench.compare_loras(paths[0], paths[0])
+    assert same == {"modules": [1, 1], "common": 1, "ranks_equal": 1, "max_rel_diff": 0.0}
+    assert bench.compare_loras(paths[0], paths[1])["max_rel_diff"] == pytest.approx(0.01 / 1.01, rel=1e-3)
+    assert bench.compare_models(paths[0], paths[1])["worst_key"] == "lora_unet_a.lora_up.weight"
+    (tmp_path / "x").mkdir()
+    (tmp_path / "y").mkdir()
+    for d, text in (("x", "a, b"), ("y", "a, c")):
+        (tmp_path / d / "1.txt").write_text(text)
+        (tmp_path / d / "2.txt").write_text("same")
+    assert bench.compare_captions(tmp_path / "x", tmp_path / "y") == {"captions": [2, 2], "identical": 1}
+
+
+def test_benchmark_summary_rows():
+    """The summary table the benchmark ends with: seconds per side, a stopped command's progress and estimate, the
+    output check, and WD14 as images/s."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_lora_tools", REPO / "tools" / "bench_lora_tools.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    results = [{"who": "upstream", "bench": "flux_extract", "seconds": 75.1, "rc": "timeout", "progress": "30/304",
+                "estimated_total_s": 761.0},
+               {"who": "ours", "bench": "flux_extract", "seconds": 40.2, "rc": 0},
+               {"who": "ours", "bench": "wd14_8", "seconds": 9.0, "rc": 0}]
+    checks = {"flux_extract": {"modules": [304, 304], "common": 304, "ranks_equal": 304, "max_rel_diff": 2e-6},
+              "wd14_images_per_s_ours": 12.5, "wd14_captions": {"captions": [88, 88], "identical": 88}}
+    rows = bench.summary(results, checks)
+    assert rows[2] == ("| flux_extract | 40.2 s | stopped at 75.1 s (30/304, est. 761.0 s) | ranks equal 304/304, "
+                       "max rel. diff 2.0e-06 |")
+    assert rows[3] == "| wd14 images/s | 12.5 | - | identical captions 88/88 |" and len(rows) == 4

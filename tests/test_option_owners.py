@@ -17,6 +17,7 @@ SCRIPTS = ("sdxl_train_network", "train_network", "flux_train_network", "sdxl_tr
            "flux_train", "sd3_train_network", "sd3_train")
 SCRIPTS += ("train_textual_inversion", "sdxl_train_textual_inversion")
 SCRIPTS += ("lumina_train_network", "lumina_train")
+SCRIPTS += ("hunyuan_image_train_network",)
 
 
 # options that train_util declared while their code lives in these modules

@@ -1,10 +1,10 @@
 """Times the SHIPPED trainers (what users run) on random full-size SDXL or FLUX.1 checkpoints, eager and compiled.
 
-    python tools/bench_shipped.py prepare --workdir W [--family flux] [--buckets]  # random full-size models + images
+    python tools/bench_shipped.py prepare --workdir W [--family flux|sd3-medium|...] [--buckets] [--tiny]
     python tools/bench_shipped.py run --workdir W --steps 60 [--family flux] [--gradient_checkpointing]
            [--batch_size 4] [--phases eager,compiled] [--compile_mode reduce-overhead] [--scripts_dir OTHER/sd-scripts]
            [--buckets] [--recompiles] [--time_graphs] [--cache_tag T] [--timeout S] [--log_out FILE]
-           [--json_out FILE] [-- more trainer flags]
+           [--json_out FILE] [--upstream_dir D --upstream_pythonpath P] [-- more trainer flags]
     python tools/bench_shipped.py report FILE.json ...  # the runs' --json_out files -> default-vs-best table
 
 `prepare` writes random weights in users' file layouts (nothing is downloaded): SDXL `W/sdxl.safetensors` (SGM
@@ -27,6 +27,18 @@ Every compiled run reports `compile_line_to_step2_done_s`: from the trainer's "C
 line to its progress line for step 1, which it prints once step 2 has run (the loss is read a step late); step 3
 done (issue 15's warm-restart target) is one more step, whose time the summary's median gives. `--cache_tag` runs on the compile
 cache of another tag (a warm restart); `--time_graphs` runs the trainer through tools/graph_timing.py.
+
+The families after FLUX.1 (issue 28 item 6; `--family sd3-medium|sd3-large|chroma|lumina`): `prepare` writes random
+full-size bf16 files in the layouts users download and upstream reads (shapes from each model's published config,
+written down at SD35_MEDIUM and below): SD3.5 as SAI's single file (MMDiT + VAE) with separate clip_l / clip_g /
+t5xxl files; Chroma as its distributed single file with FLUX.1's T5-XXL and AE; Lumina 2 as its single file with
+Gemma 2 2B and the AE; tokenizers in both sides' --tokenizer_cache_dir layouts (`--tiny`: the same at test size).
+`run --phases upstream,compiled,eager` adds a phase that starts upstream kohya-ss/sd-scripts' own script from
+`--upstream_dir` (no compile, as its users run it) with `--upstream_pythonpath` as its whole PYTHONPATH (its pinned
+packages); its progress is a tqdm bar, read for the median step and the first step. Every run also polls
+nvidia-smi for the peak memory.used, the same outside figure for both sides. `report` prints these families' rows
+apart (ours compiled / ours eager / upstream, upstream's step over ours, memory, first step). gpu/README (not in
+git) holds the device scripts.
 """
 from __future__ import annotations
 
@@ -34,6 +46,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -43,6 +56,9 @@ REPO = Path(__file__).resolve().parent.parent
 SD_SCRIPTS = REPO / "sd-scripts"
 
 PROGRESS = re.compile(r"^steps: (\d+)/(\d+) ")
+# upstream's progress: a tqdm bar ("steps:  10%|█         | 3/30 [00:05<00:45,  1.69s/it, avr_loss=0.5]"), redrawn
+# after each step with a carriage return
+TQDM = re.compile(r"^steps:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)\s*\[")
 SUMMARY = re.compile(r"^median step ([\d.]+) ms \(steps (\d+)-(\d+)\)(?:; (.*))?$")
 PEAK = re.compile(r"peak GPU memory ([\d.]+) GiB")
 SETUP = re.compile(r"(\d+) input shapes: (\d+) setup steps \(([^)]*)\) ([\d.]+) s in all")
@@ -60,12 +76,15 @@ BUCKET_SIZES = ((1024, 1024), (896, 1152), (1152, 896), (832, 1216))
 
 
 def prepare(workdir: Path, images: int, resolution: int, checkpoint: str | None = None, family: str = "sdxl",
-            bucket_images: int = 0, repeats: int = REPEATS) -> None:
+            bucket_images: int = 0, repeats: int = REPEATS, tiny: bool = False) -> None:
     sys.path.insert(0, str(SD_SCRIPTS))
     if bucket_images:
         make_bucket_images(workdir, bucket_images)
     if family == "flux":
         prepare_flux(workdir / "flux")
+        return make_images(workdir, images, resolution, repeats)
+    if family in NEW_FAMILIES:
+        prepare_family(workdir, family, tiny)
         return make_images(workdir, images, resolution, repeats)
     import torch
     from accelerate import init_empty_weights
@@ -158,6 +177,244 @@ def prepare_flux(dest: Path, shapes: dict | None = None) -> None:
     write("ae.safetensors", flux_models.ae_diffusers_to_bfl(ae.state_dict()))
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The families after FLUX.1 (issue 28): SD3.5 medium / large, Chroma, Lumina 2. Shapes from each model's published
+# config; TINY_SHAPES (prepare --tiny) are the same layouts at test size, for the CPU check of the GPU scripts.
+
+# stabilityai/stable-diffusion-3.5-medium transformer/config.json (SD3Transformer2DModel)
+SD35_MEDIUM = dict(num_layers=24, num_attention_heads=24, attention_head_dim=64, joint_attention_dim=4096,
+                   caption_projection_dim=1536, pooled_projection_dim=2048, pos_embed_max_size=384, sample_size=128,
+                   qk_norm="rms_norm", dual_attention_layers=tuple(range(13)))
+# stabilityai/stable-diffusion-3.5-large transformer/config.json
+SD35_LARGE = dict(num_layers=38, num_attention_heads=38, attention_head_dim=64, joint_attention_dim=4096,
+                  caption_projection_dim=2432, pooled_projection_dim=2048, pos_embed_max_size=192, sample_size=128,
+                  qk_norm="rms_norm", dual_attention_layers=())
+# stabilityai/stable-diffusion-3.5-large text_encoder_2/config.json (CLIP-G, CLIPTextModelWithProjection); CLIP-L is
+# CLIP_L above (text_encoder/config.json)
+CLIP_G = dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
+              max_position_embeddings=77, projection_dim=1280, hidden_act="gelu")
+# lodestones/Chroma1-HD transformer/config.json (ChromaTransformer2DModel; upstream's chroma_params)
+CHROMA = dict(num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24,
+              joint_attention_dim=4096, approximator_num_channels=64, approximator_hidden_dim=5120,
+              approximator_layers=5)
+# Alpha-VLLM/Lumina-Image-2.0 transformer/config.json (Lumina2Transformer2DModel; upstream's NextDiT 2B)
+LUMINA2 = dict(hidden_size=2304, num_layers=26, num_refiner_layers=2, num_attention_heads=24, num_kv_heads=8,
+               axes_dim_rope=(32, 32, 32), axes_lens=(300, 512, 512), cap_feat_dim=2304)
+# google/gemma-2-2b config.json (upstream's lumina_util GEMMA2_CONFIG)
+GEMMA2_2B = dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+                 hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, attn_logit_softcapping=50.0,
+                 final_logit_softcapping=30.0, sliding_window=4096, max_position_embeddings=8192, pad_token_id=0,
+                 eos_token_id=1, bos_token_id=2)
+
+# Test size, for the CPU check of the GPU scripts. Upstream builds the AE, the text encoders, Chroma and Lumina 2
+# from fixed configs (gpu/cpu_shim/tiny_upstream.py sets those to these sizes on the CPU), infers an SD3 model's
+# layers and heads both from its width (every SD3 model has as many of each) and pads CLIP's outputs to 4096
+# (T5-XXL's width), so the AE, T5's width and the joint attention width stay full size.
+TINY_SHAPES = {
+    "clip_l": dict(CLIP_L, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                   projection_dim=32),
+    "clip_g": dict(CLIP_G, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                   projection_dim=32),
+    "t5xxl": dict(T5_XXL, d_kv=8, d_ff=64, num_layers=1, num_heads=2),  # d_model stays 4096: upstream pads CLIP to it
+    "sd3-medium": dict(SD35_MEDIUM, num_layers=2, num_attention_heads=2,
+                       caption_projection_dim=128, pooled_projection_dim=64, pos_embed_max_size=16,
+                       dual_attention_layers=(0,)),
+    "sd3-large": dict(SD35_LARGE, num_layers=2, num_attention_heads=2,
+                      caption_projection_dim=128, pooled_projection_dim=64, pos_embed_max_size=16),
+    "chroma": dict(CHROMA, num_layers=1, num_single_layers=1, num_attention_heads=1,
+                   approximator_hidden_dim=64, approximator_layers=2),
+    "lumina": dict(LUMINA2, hidden_size=48, num_layers=2, num_attention_heads=2, num_kv_heads=1,
+                   axes_dim_rope=(8, 8, 8), cap_feat_dim=32),
+    "gemma2": dict(GEMMA2_2B, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=1),
+}
+NEW_FAMILIES = ("sd3-medium", "sd3-large", "chroma", "lumina")
+
+
+def _random_module(module_fn, seed: int, dtype):
+    """A module built without init (full size costs nothing) and filled from a random pool; its buffers (computed
+    ones such as SD3's positional embedding) are kept."""
+    import torch
+    from accelerate import init_empty_weights
+
+    from library import flux_tiny
+
+    with init_empty_weights():
+        m = module_fn()
+    buffers = {n: b.clone() for n, b in m.named_buffers()}
+    m = flux_tiny._randomize(m.to(dtype).to_empty(device="cpu"), seed, std=0.02)
+    with torch.no_grad():
+        for n, b in m.named_buffers():
+            if n in buffers:
+                b.copy_(buffers[n])
+    return m
+
+
+class _Writer:
+    def __init__(self, dest: Path):
+        self.dest, self.t0 = dest, time.perf_counter()
+        dest.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, name: str, sd: dict) -> str:
+        from safetensors.torch import save_file
+
+        path = self.dest / name
+        save_file({k: v.contiguous() for k, v in sd.items()}, str(path))
+        print(f"wrote {path} ({path.stat().st_size / 2**30:.2f} GiB) at {time.perf_counter() - self.t0:.0f} s",
+              flush=True)
+        return str(path)
+
+
+def make_family_tokenizers(dest: Path, which: tuple[str, ...]) -> None:
+    """Character tokenizers (ids inside the real vocabularies) in the layouts both sides read from
+    --tokenizer_cache_dir: ours (tokenizer/ = CLIP-L, tokenizer_2/ = CLIP-G or FLUX's T5, tokenizer_3/ = SD3's T5,
+    a Gemma tokenizer at the top) and upstream's (a folder per hub id with "/" -> "_"; Gemma in the hub's cache
+    layout, which upstream's AutoTokenizer.from_pretrained(GEMMA_ID, cache_dir=...) reads offline)."""
+    import shutil
+
+    from library import flux_tiny, lumina_models
+
+    hub_dirs = {"clip_l": "openai_clip-vit-large-patch14", "clip_g": "laion_CLIP-ViT-bigG-14-laion2B-39B-b160k",
+                "t5xxl": "google_t5-v1_1-xxl"}
+    ours = {"sd3": {"clip_l": "tokenizer", "clip_g": "tokenizer_2", "t5xxl": "tokenizer_3"},
+            "flux": {"clip_l": "tokenizer", "t5xxl": "tokenizer_2"}}
+    layout = ours["sd3" if "clip_g" in which else "flux"]
+    for w in which:
+        if w == "gemma2":
+            lumina_models.make_gemma_tokenizer(dest)
+            snap = dest / "models--google--gemma-2-2b" / "snapshots" / ("0" * 40)
+            snap.mkdir(parents=True, exist_ok=True)
+            (dest / "models--google--gemma-2-2b" / "refs").mkdir(exist_ok=True)
+            (dest / "models--google--gemma-2-2b" / "refs" / "main").write_text("0" * 40)
+            for f in ("tokenizer.json", "special_tokens_map.json", "tokenizer_config.json"):
+                if (dest / f).exists():
+                    shutil.copy(dest / f, snap / f)
+            _config_for_transformers4(snap / "tokenizer_config.json", "GemmaTokenizerFast")
+            (snap / "config.json").write_text(json.dumps({"model_type": "gemma2"}))  # AutoTokenizer asks for it
+            continue
+        make = flux_tiny.make_t5_tokenizer if w == "t5xxl" else flux_tiny.make_clip_tokenizer
+        tok = make(dest / layout[w])
+        shutil.copytree(dest / layout[w], dest / hub_dirs[w], dirs_exist_ok=True)
+        if w != "t5xxl":  # upstream's slow CLIPTokenizer (transformers 4.x) reads vocab.json and merges.txt
+            (dest / hub_dirs[w] / "vocab.json").write_text(json.dumps(tok.get_vocab()))
+            (dest / hub_dirs[w] / "merges.txt").write_text("#version: 0.2\n")
+        _config_for_transformers4(dest / hub_dirs[w] / "tokenizer_config.json")
+
+
+def _config_for_transformers4(path: Path, tokenizer_class: str | None = None) -> None:
+    """A tokenizer_config.json as transformers 4.x (upstream's pin) reads it: without the keys 5.x adds."""
+    cfg = json.loads(path.read_text())
+    for k in ("backend", "extra_special_tokens"):
+        cfg.pop(k, None)
+    if tokenizer_class:
+        cfg["tokenizer_class"] = tokenizer_class
+    path.write_text(json.dumps(cfg, indent=1))
+
+
+def _text_encoder_files(w: _Writer, which: tuple[str, ...], shapes: dict) -> None:
+    """Each text encoder as its own file, as users download them (transformers' keys: SD3's
+    text_encoders/clip_l.safetensors, clip_g.safetensors, t5xxl_fp16.safetensors; FLUX.1's t5xxl_fp16; Gemma 2 2B)."""
+    import torch
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, Gemma2Config, Gemma2Model, T5Config
+    from transformers import T5EncoderModel
+
+    from library import sd3_models
+
+    for i, name in enumerate(which):
+        if (w.dest / f"{name}.safetensors").exists():
+            continue
+        if name in ("clip_l", "clip_g"):
+            m = _random_module(lambda: CLIPTextModelWithProjection(CLIPTextConfig(**shapes[name])), i, torch.bfloat16)
+        elif name == "t5xxl":
+            m = _random_module(lambda: T5EncoderModel(T5Config(**shapes[name])), i, torch.bfloat16)
+        else:
+            m = _random_module(lambda: Gemma2Model(Gemma2Config(**shapes[name])), i, torch.bfloat16)
+        w(f"{name}.safetensors", sd3_models.text_encoder_state_dict(m))
+        del m
+
+
+def prepare_family(workdir: Path, family: str, tiny: bool = False) -> None:
+    """Random full-size (or tiny) files of one of NEW_FAMILIES in users' layouts under W/<sd3|chroma|lumina>/
+    (family_argv names them). Skips files already there."""
+    import torch
+
+    from library import chroma_models, flux_models, lumina_models, sd3_models
+    from library.model_util import vae_to_ldm_state_dict
+
+    shapes = {"clip_l": CLIP_L, "clip_g": CLIP_G, "t5xxl": T5_XXL, "ae": FLUX_AE, "sd3-medium": SD35_MEDIUM,
+              "sd3-large": SD35_LARGE, "chroma": CHROMA, "lumina": LUMINA2, "gemma2": GEMMA2_2B,
+              **(TINY_SHAPES if tiny else {})}
+    dest = family_dir(workdir, family)
+    w = _Writer(dest)
+    if not (dest / "tokenizers").exists():
+        make_family_tokenizers(dest / "tokenizers", {"chroma": ("clip_l", "t5xxl"), "lumina": ("gemma2",)}.get(
+            family, ("clip_l", "clip_g", "t5xxl")))
+
+    def ae():
+        from diffusers import AutoencoderKL
+        return _random_module(lambda: AutoencoderKL(**shapes["ae"], scaling_factor=sd3_models.VAE_SCALING_FACTOR,
+                                                    shift_factor=sd3_models.VAE_SHIFT_FACTOR), 9, torch.float32)
+
+    main = dest / f"{family}.safetensors"
+    if family.startswith("sd3"):
+        _text_encoder_files(w, ("clip_l", "clip_g", "t5xxl"), shapes)
+        if not main.exists():  # SAI's single file: MMDiT (model.diffusion_model.*) and VAE (first_stage_model.*)
+            from diffusers import SD3Transformer2DModel
+
+            mmdit = _random_module(lambda: SD3Transformer2DModel(
+                patch_size=2, in_channels=16, out_channels=16, **shapes[family]), 10, torch.bfloat16)
+            sd = {sd3_models.MMDIT_PREFIX + k: v for k, v in sd3_models.diffusers_to_sai(mmdit.state_dict()).items()}
+            del mmdit
+            sd.update({sd3_models.VAE_PREFIX + k: v.to(torch.bfloat16) for k, v in vae_to_ldm_state_dict(ae()).items()})
+            w(main.name, sd)
+            del sd
+        return
+    if not (dest / "ae.safetensors").exists():  # FLUX.1's ae.safetensors (BFL keys)
+        w("ae.safetensors", flux_models.ae_diffusers_to_bfl(ae().state_dict()))
+    if family == "chroma":
+        _text_encoder_files(w, ("t5xxl",), shapes)
+        if not main.exists():  # as distributed (Chroma1-HD.safetensors: BFL-style keys, no prefix)
+            from diffusers import ChromaTransformer2DModel
+
+            model = _random_module(lambda: ChromaTransformer2DModel(
+                patch_size=1, in_channels=64, axes_dims_rope=list(flux_models.ROPE_AXES), **shapes["chroma"]),
+                11, torch.bfloat16)
+            w(main.name, chroma_models.diffusers_to_single_file(model.state_dict()))
+            del model
+        return
+    _text_encoder_files(w, ("gemma2",), shapes)
+    if not main.exists():  # upstream's single file (Lumina-Image-2.0's consolidated keys)
+        from diffusers import Lumina2Transformer2DModel
+
+        model = _random_module(lambda: Lumina2Transformer2DModel(
+            sample_size=128, patch_size=2, in_channels=16, **shapes["lumina"]), 12, torch.bfloat16)
+        w(main.name, lumina_models.diffusers_to_single_file(model.state_dict()))
+        del model
+
+
+def family_dir(workdir: Path, family: str) -> Path:
+    return workdir / ("sd3" if family.startswith("sd3") else family)
+
+
+def family_argv(workdir: Path, family: str) -> list[str]:
+    """The model flags of one of NEW_FAMILIES, the same for our scripts and upstream's: the files prepare_family
+    wrote, the family's LoRA module, and what upstream's docs say the family needs (Chroma: --guidance_scale 0.0,
+    --apply_t5_attn_mask; SD3 and Chroma: --sdpa)."""
+    d = family_dir(workdir, family)
+    argv = ["--pretrained_model_name_or_path", str(d / f"{family}.safetensors"),
+            "--tokenizer_cache_dir", str(d / "tokenizers")]
+    if family.startswith("sd3"):
+        return argv + ["--clip_l", str(d / "clip_l.safetensors"), "--clip_g", str(d / "clip_g.safetensors"),
+                       "--t5xxl", str(d / "t5xxl.safetensors"), "--network_module", "networks.lora_sd3", "--sdpa"]
+    if family == "chroma":
+        return argv + ["--model_type", "chroma", "--t5xxl", str(d / "t5xxl.safetensors"),
+                       "--ae", str(d / "ae.safetensors"), "--guidance_scale", "0.0", "--apply_t5_attn_mask",
+                       "--network_module", "networks.lora_flux", "--sdpa"]
+    return argv + ["--gemma2", str(d / "gemma2.safetensors"), "--ae", str(d / "ae.safetensors"),
+                   "--network_module", "networks.lora_lumina"]
+
+
 def make_images(workdir: Path, images: int, resolution: int, repeats: int = REPEATS) -> None:
     from library import tiny_models
 
@@ -177,10 +434,13 @@ def make_bucket_images(workdir: Path, per_size: int, sizes=BUCKET_SIZES) -> Path
     return dest
 
 
-SCRIPTS = {"sdxl": "sdxl_train_network.py", "flux": "flux_train_network.py"}
+SCRIPTS = {"sdxl": "sdxl_train_network.py", "flux": "flux_train_network.py", "sd3-medium": "sd3_train_network.py",
+           "sd3-large": "sd3_train_network.py", "chroma": "flux_train_network.py", "lumina": "lumina_train_network.py"}
 
 
 def model_argv(family: str, workdir: Path) -> list[str]:
+    if family in NEW_FAMILIES:
+        return family_argv(workdir, family)
     if family == "flux":
         d = workdir / "flux"
         return ["--pretrained_model_name_or_path", str(d / "flux.safetensors"), "--clip_l", str(d / "clip_l.safetensors"),
@@ -192,35 +452,41 @@ def model_argv(family: str, workdir: Path) -> list[str]:
 
 def trainer_argv(args, phase: str, workdir: Path) -> list[str]:
     out = workdir / f"out_{args.tag}_{phase}"
-    dim = args.network_dim or (16 if args.family == "flux" else 32)
+    dim = args.network_dim or (32 if args.family == "sdxl" else 16)
     argv = model_argv(args.family, workdir) + [
         "--train_data_dir", str(workdir / ("data_buckets" if args.buckets else "data")),
         "--resolution", f"{args.resolution},{args.resolution}", "--output_dir", str(out), "--output_name", "bench",
-        "--overwrite_output", "--network_dim", str(dim),
+        "--network_dim", str(dim),
         "--network_alpha", str(dim / 2), "--network_train_unet_only",
         "--max_train_steps", str(args.steps), "--learning_rate", "1e-4", "--optimizer_type", "AdamW",
         "--mixed_precision", "bf16", "--cache_latents", "--cache_text_encoder_outputs",
         "--train_batch_size", str(args.batch_size), "--max_data_loader_n_workers", "0", "--seed", "0",
     ]
+    if phase != "upstream":
+        argv.append("--overwrite_output")  # ours only (upstream has no such option)
     if args.gradient_checkpointing:
         argv.append("--gradient_checkpointing")
     if args.buckets:
         sides = [side for size in BUCKET_SIZES for side in size]
         argv += ["--enable_bucket", "--min_bucket_reso", str(min(sides)), "--max_bucket_reso", str(max(sides))]
     if phase == "compiled":
-        argv += ["--compile", "--compile_mode", args.compile_mode,
-                 "--compile_cache_dir", str(workdir / f"compile_cache_{args.cache_tag or args.tag}")]
+        argv += ["--compile", "--compile_mode", args.compile_mode]
+        if args.family not in NEW_FAMILIES:  # the new families: what ticking Enable torch.compile gives, nothing more
+            argv += ["--compile_cache_dir", str(workdir / f"compile_cache_{args.cache_tag or args.tag}")]
     return argv + args.extra
 
 
-def read_log(lines: list[tuple[float, str]], warmup: int) -> dict:
-    """The figures a run's timestamped output lines give (see the module's docstring)."""
+def read_log(lines: list[tuple[float, str]], warmup: int, bar: bool = False) -> dict:
+    """The figures a run's timestamped output lines give (see the module's docstring). `bar`: the progress is
+    upstream's tqdm bar, redrawn as each step ends (ours draws one too, a step late and in bursts: its
+    "steps: N/M" lines are read instead)."""
     result: dict = {}
     points, shapes, recompiles = [], [], {}
     compiling = graph_timing = None
     for t, line in lines:
-        if m := PROGRESS.match(line):
-            points.append((int(m.group(1)), t))
+        if m := (TQDM if bar else PROGRESS).match(line):
+            if not points or int(m.group(1)) != points[-1][0]:  # tqdm redraws a step on close
+                points.append((int(m.group(1)), t))
         elif m := SUMMARY.match(line):
             result["trainer_summary"] = {"median_ms": float(m.group(1)), "steps": f"{m.group(2)}-{m.group(3)}",
                                          "first_steps": m.group(4)}
@@ -249,26 +515,108 @@ def read_log(lines: list[tuple[float, str]], warmup: int) -> dict:
         step1 = [t for s, t in points if s == 1]  # always printed, once step 2 has run (the loss is read late)
         if step1:
             result["compile_line_to_step2_done_s"] = round(step1[0] - compiling, 1)
-    later = [(s, t) for s, t in points if s >= warmup]
-    if len(later) >= 2 and later[-1][0] > later[0][0]:
-        (s0, t0_), (s1, t1) = later[0], later[-1]
-        result["outside_ms_per_step"] = round((t1 - t0_) / (s1 - s0) * 1000, 1)
-        result["outside_steps"] = f"{s0}-{s1}"
+    result.update(progress_figures(points, warmup, bar))
     return result
 
 
+def progress_figures(points: list[tuple[int, float]], warmup: int, bar: bool = False) -> dict:
+    """From (step, seconds since start) progress points: the mean step time after the warm-up and when step 1 was
+    first shown; with a tqdm `bar` (redrawn as each step ends) also the median step time after the warm-up and the
+    first step's time (from the step-0 bar, drawn as the loop starts). Ours prints at most one line a second, each
+    a step late: its median and first step are its summary's."""
+    out: dict = {}
+    later = [(s, t) for s, t in points if s >= warmup]
+    if len(later) >= 2 and later[-1][0] > later[0][0]:
+        (s0, t0_), (s1, t1) = later[0], later[-1]
+        out["outside_ms_per_step"] = round((t1 - t0_) / (s1 - s0) * 1000, 1)
+        out["outside_steps"] = f"{s0}-{s1}"
+    if bar and len(later) >= 2:
+        per_step = []
+        for (sa, ta), (sb, tb) in zip(later, later[1:]):
+            per_step += [(tb - ta) / (sb - sa)] * (sb - sa)
+        out["outside_median_ms"] = round(statistics.median(per_step) * 1000, 1)
+    shown = [t for s, t in points if s >= 1]
+    if shown:
+        out["start_to_step1_shown_s"] = round(shown[0], 1)
+        zero = [t for s, t in points if s == 0]
+        if bar and zero and any(s == 1 for s, _ in points):
+            out["first_step_s"] = round([t for s, t in points if s == 1][0] - zero[-1], 1)
+    return out
+
+
+def split_output(stream, chunk: int = 65536):
+    """The lines of a byte stream, ended by a newline or a carriage return (tqdm redraws its bar with one), as
+    each arrives."""
+    buf = b""
+    while data := stream.read1(chunk) if hasattr(stream, "read1") else stream.read(chunk):
+        buf += data
+        *done, buf = re.split(rb"\r\n|\r|\n", buf)
+        for line in done:
+            if line:
+                yield line.decode("utf-8", "replace")
+    if buf:
+        yield buf.decode("utf-8", "replace")
+
+
+class GpuMemoryPoll:
+    """memory.used of GPU 0 as nvidia-smi reports it while a run goes (every 200 ms), as (seconds since `t0`, MiB):
+    the same outside figure for any trainer (CUDA context and the allocator's reserve included). No samples where
+    there is no nvidia-smi."""
+
+    def __init__(self, t0: float):
+        import shutil
+        import threading
+
+        self.t0, self.samples, self.proc = t0, [], None
+        if shutil.which("nvidia-smi"):
+            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                                          "-i", "0", "-lms", "200"], stdout=subprocess.PIPE, text=True)
+            self.thread = threading.Thread(target=self._read, daemon=True)
+            self.thread.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            if line.strip().isdigit():
+                self.samples.append((time.perf_counter() - self.t0, int(line.strip())))
+
+    def stop(self) -> list[tuple[float, int]]:
+        if self.proc:
+            self.proc.terminate()
+            self.proc.wait()
+            self.thread.join(timeout=5)
+        return self.samples
+
+
+def memory_figures(samples: list[tuple[float, int]], lines: list[tuple[float, str]]) -> dict:
+    """nvidia-smi's peak over the whole run and over the training loop (from the first progress line on: the
+    text-encoder caching before it can hold more, T5-XXL alone being 9.5 GB)."""
+    if not samples:
+        return {"smi_peak_mib": None}
+    loop = next((t for t, line in lines if PROGRESS.match(line) or TQDM.match(line)), None)
+    out = {"smi_peak_mib": max(m for _, m in samples)}
+    if loop is not None and any(t >= loop for t, _ in samples):
+        out["smi_loop_peak_mib"] = max(m for t, m in samples if t >= loop)
+    return out
+
+
 def run_phase(args, phase: str, workdir: Path) -> dict:
-    scripts_dir = Path(args.scripts_dir).resolve()
+    upstream = phase == "upstream"
+    scripts_dir = Path(args.upstream_dir if upstream else args.scripts_dir).resolve()
     script = scripts_dir / SCRIPTS[args.family]
-    runner = [str(REPO / "tools" / "graph_timing.py")] if args.time_graphs else []
+    runner = [str(REPO / "tools" / "graph_timing.py")] if args.time_graphs and not upstream else []
+    if upstream and args.upstream_runner:
+        runner = [str(Path(args.upstream_runner).resolve())]
     cmd = [sys.executable] + runner + [str(script)] + trainer_argv(args, phase, workdir)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if upstream:  # upstream's own package set only (its pins), never ours
+        env["PYTHONPATH"] = args.upstream_pythonpath or ""
     if args.recompiles:
         env["TORCH_LOGS"] = ",".join(filter(None, [env.get("TORCH_LOGS"), "recompiles"]))
     t0 = time.perf_counter()
     lines, timed_out = [], False
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=str(scripts_dir.parent))
+    memory = GpuMemoryPoll(t0)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                            cwd=str(scripts_dir if upstream else scripts_dir.parent))
     timer = None
     if args.timeout:
         import threading
@@ -281,9 +629,8 @@ def run_phase(args, phase: str, workdir: Path) -> dict:
         timer = threading.Timer(args.timeout, stop)
         timer.start()
     log = open(args.log_out, "a") if args.log_out else None
-    for line in proc.stdout:
+    for line in split_output(proc.stdout):
         now = time.perf_counter() - t0
-        line = line.rstrip("\n")
         lines.append((now, line))
         if log:
             log.write(f"{now:8.2f} {line}\n")
@@ -292,10 +639,11 @@ def run_phase(args, phase: str, workdir: Path) -> dict:
         timer.cancel()
     if log:
         log.close()
-    result = {"phase": phase, "rc": rc, "wall_s": round(time.perf_counter() - t0, 1), "trainer_summary": None}
+    result = {"phase": phase, "rc": rc, "wall_s": round(time.perf_counter() - t0, 1), "trainer_summary": None,
+              **memory_figures(memory.stop(), lines)}
     if timed_out:
         result["timed_out_after_s"] = args.timeout
-    result.update(read_log(lines, args.warmup))
+    result.update(read_log(lines, args.warmup, bar=upstream))
     result["auto_chose"] = auto_choices([line for _, line in lines])
     if rc != 0:
         result["log_tail"] = [line for _, line in lines[-40:]]
@@ -325,6 +673,10 @@ def report(paths: list[str]) -> str:
     scripts (their tag), what auto chose, the median step and peak memory; rows of one workload and flags side by
     side, the fastest in bold."""
     runs = [r for path in paths for r in json.loads(Path(path).read_text())]
+    family_runs = [r for r in runs if r.get("family") in NEW_FAMILIES]
+    runs = [r for r in runs if r.get("family") not in NEW_FAMILIES]
+    if not runs:
+        return family_report(family_runs)
 
     def key(r) -> tuple[str, str]:
         return r["workload"], " ".join(r.get("extra") or []) or "default"
@@ -343,6 +695,54 @@ def report(paths: list[str]) -> str:
         outside = f"{r['outside_ms_per_step']} ms" if "outside_ms_per_step" in r else ""
         rows.append(f"| {key(r)[0]} | {key(r)[1]} | {r['tag']} | {r.get('auto_chose') or ''} | {shown} | {peak} | "
                     f"{outside} |")
+    return "\n".join(rows) + ("\n\n" + family_report(family_runs) if family_runs else "")
+
+
+FIRST_STEP = re.compile(r"first step ([\d.]+) s")
+PHASE_NAMES = {"compiled": "ours, Enable torch.compile", "eager": "ours, eager", "upstream": "upstream"}
+
+
+def step_ms(r: dict) -> float | None:
+    """A run's median step: ours' summary line; upstream's from its tqdm bar (outside; ours' outside figure is a
+    mean over its once-a-second lines, for comparison only)."""
+    if r["phase"] == "upstream":
+        return r.get("outside_median_ms")
+    return (r.get("trainer_summary") or {}).get("median_ms")
+
+
+def family_report(runs: list[dict]) -> str:
+    """The new families' rows (issue 28 item 6): per family ours compiled / ours eager / upstream, the median step
+    after the warm-up, upstream's step over ours (the target: 2x or more), peak GPU memory (the trainer's own
+    figure, ours only; nvidia-smi's for both, in the training loop and over the whole run), the first step and the
+    time from the start to step 1 shown."""
+    rows = ["| family | run | median step | upstream / this | peak (trainer) | peak (nvidia-smi: loop (whole run)) | "
+            "first step | start to step 1 |", "|---|---|---|---|---|---|---|---|"]
+    order = {f: i for i, f in enumerate(NEW_FAMILIES)}
+    phases = list(PHASE_NAMES)
+    runs = sorted(runs, key=lambda r: (order[r["family"]], phases.index(r["phase"]) if r["phase"] in phases else 9))
+    upstream = {r["family"]: step_ms(r) for r in runs if r["phase"] == "upstream"}
+    for r in runs:
+        ms = step_ms(r)
+        if ms is None:
+            shown = f"failed (rc {r['rc']}" + (f", stopped at {r['timed_out_after_s']:.0f} s" if "timed_out_after_s" in r
+                                                else "") + ")"
+        else:
+            shown = f"{ms:.1f} ms"
+        up = upstream.get(r["family"])
+        ratio = f"{up / ms:.2f}x" if ms and up and r["phase"] != "upstream" else ""
+        summary = r.get("trainer_summary") or {}
+        peak = f"{summary['peak_gib']:.2f} GiB" if "peak_gib" in summary else ""
+        smi = f"{r['smi_loop_peak_mib'] / 1024:.2f} GiB" if r.get("smi_loop_peak_mib") else ""
+        if r.get("smi_peak_mib"):
+            smi += f" (run {r['smi_peak_mib'] / 1024:.2f})"
+        first = r.get("first_step_s")
+        if r["phase"] != "upstream":
+            m = FIRST_STEP.search(summary.get("first_steps") or "")
+            first = float(m.group(1)) if m else None
+        first = f"{first:.1f} s" if first is not None else ""
+        start = f"{r['start_to_step1_shown_s']:.0f} s" if "start_to_step1_shown_s" in r else ""
+        rows.append(f"| {r['family']} {r.get('resolution', '')} px | {PHASE_NAMES.get(r['phase'], r['phase'])} | "
+                    f"{shown} | {ratio} | {peak} | {smi} | {first} | {start} |")
     return "\n".join(rows)
 
 
@@ -361,9 +761,16 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the outside measurement")
     p.add_argument("--batch_size", type=int, default=1)
     p.add_argument("--family", choices=sorted(SCRIPTS), default="sdxl")
-    p.add_argument("--network_dim", type=int, default=None, help="default: 32 (SDXL), 16 (FLUX.1)")
+    p.add_argument("--tiny", action="store_true", help="prepare: the new families at test size (TINY_SHAPES)")
+    p.add_argument("--network_dim", type=int, default=None, help="default: 32 (SDXL), 16 (the others)")
     p.add_argument("--gradient_checkpointing", action="store_true")
-    p.add_argument("--phases", default="eager,compiled")
+    p.add_argument("--phases", default="eager,compiled",
+                   help="any of eager, compiled (ours) and upstream (--upstream_dir's script, as its users run it)")
+    p.add_argument("--upstream_dir", default=None, help="a copy of upstream kohya-ss/sd-scripts (phase upstream)")
+    p.add_argument("--upstream_pythonpath", default=None,
+                   help="PYTHONPATH of the upstream phase: its pinned packages (transformers 4.54, diffusers 0.32)")
+    p.add_argument("--upstream_runner", default=None,
+                   help="start upstream's script through this Python file (the CPU check's tiny-config shim)")
     p.add_argument("--compile_mode", default="reduce-overhead")
     p.add_argument("--scripts_dir", default=str(SD_SCRIPTS), help="the sd-scripts folder to time (default: ours)")
     p.add_argument("--tag", default="main", help="names the run in the output and its compile cache")
@@ -385,13 +792,14 @@ def main(argv=None) -> int:
     workdir = Path(args.workdir).resolve()
     if args.action == "prepare":
         prepare(workdir, args.images, args.resolution, args.checkpoint, args.family,
-                args.bucket_images if args.buckets else 0, args.repeats)
+                args.bucket_images if args.buckets else 0, args.repeats, args.tiny)
         return 0
     results = []
     for phase in args.phases.split(","):
         r = run_phase(args, phase, workdir)
         r.update(workload=f"{args.family.upper()} bs{args.batch_size}" + (" + GC" if args.gradient_checkpointing else "")
                  + (" buckets" if args.buckets else "") + ("" if phase == "compiled" else f" {phase}"),
+                 resolution=args.resolution,
                  extra=args.extra, tag=args.tag, family=args.family, batch_size=args.batch_size,
                  gradient_checkpointing=args.gradient_checkpointing, buckets=args.buckets,
                  cache_tag=args.cache_tag or args.tag, scripts_dir=args.scripts_dir)

@@ -17,7 +17,7 @@ from .. import (command, compile_auto, config_file, importer, presets, quoting, 
                trainer_check, training)
 from .. import params as P
 from ..run_queue import QueueError, QueueWorker, RunQueue
-from ..runner import Runner, RunnerBusy, format_eta, new_outputs
+from ..runner import Runner, RunnerBusy, format_eta, new_outputs, rank_status
 from ..tensorboard import TensorBoard, TensorBoardError
 from . import run_notice
 
@@ -433,7 +433,25 @@ def progress_html(s) -> str:
     elapsed = (s.ended or time.time()) - s.started
     parts.append(f"elapsed {format_eta(elapsed)}")
     return (f"<div class='kg-progress'><div class='kg-bar'><div style='width:{frac * 100:.1f}%'></div></div>"
-            f"<div class='kg-stats'>{' &middot; '.join(parts)}</div>{run_notice.settings_html(s)}</div>")
+            f"<div class='kg-stats'>{' &middot; '.join(parts)}</div>{ranks_html(s)}{run_notice.settings_html(s)}</div>")
+
+
+def ranks_html(s) -> str:
+    """One row per process of a multi-process run (the trainers' rank lines, kohya_gui.runner.parse_rank): its
+    step, step time, peak memory and state, so a rank that falls behind, goes silent or ends is seen by name."""
+    if len(s.ranks) < 2:
+        return ""
+    now = time.time()
+    rows = []
+    for rank, info in sorted(s.ranks.items()):
+        memory = f"{info['memory_gib']:.2f} GiB" + (" RSS" if info.get("memory_kind") == "RSS" else "") \
+            if info.get("memory_gib") is not None else "-"
+        status = rank_status(info, now, s.running)
+        flag = " class='kg-rank-off'" if status.startswith(("ended", "silent")) else ""
+        rows.append(f"<tr{flag}><td>rank {rank}</td><td>{info['step']} / {info['total']}</td>"
+                    f"<td>{info['step_s']:.3f} s</td><td>{memory}</td><td>{status}</td></tr>")
+    return ("<table class='kg-ranks'><tr><th>process</th><th>step</th><th>s/step</th><th>peak memory</th>"
+            f"<th>state</th></tr>{''.join(rows)}</table>")
 
 
 def result_md(s) -> str:

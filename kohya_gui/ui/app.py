@@ -30,6 +30,8 @@ CSS = """
 .kg-state {font-weight: 600; margin-right: 4px;}
 .kg-state::first-letter {text-transform: uppercase;}
 .kg-note {opacity: 0.8; font-size: 0.9em;}
+.kg-ranks {font-size: 0.9em; margin-top: 4px;} .kg-ranks td, .kg-ranks th {padding: 1px 10px 1px 0;}
+.kg-rank-off {color: var(--error-text-color, #c00); font-weight: 600;}
 #kg-log textarea {font-family: var(--font-mono); font-size: 12px;}
 .kg-config-buttons {align-self: flex-end; padding-bottom: 6px;}
 """

@@ -96,9 +96,9 @@ def check_caption_args(args, family: str) -> None:
         raise DatasetError(f"--token_warmup_min must be >= 0, got {args.token_warmup_min}")
     if getattr(args, "token_warmup_step", 0) < 0:
         raise DatasetError(f"--token_warmup_step must be >= 0, got {args.token_warmup_step}")
-    if getattr(args, "weighted_captions", False) and family in ("flux", "lumina"):
-        logger.warning("--weighted_captions has no effect for FLUX.1 / Lumina 2 (upstream does not weight their "
-                       "captions either): captions are encoded as written")
+    if getattr(args, "weighted_captions", False) and family in ("flux", "lumina", "hunyuan_image"):
+        logger.warning("--weighted_captions has no effect for FLUX.1 / Lumina 2 / HunyuanImage 2.1 (upstream does not "
+                       "weight their captions either): captions are encoded as written")
     if getattr(args, "no_token_padding", False) and getattr(args, "max_token_length", None):
         logger.warning("--max_token_length is ignored with --no_token_padding (one chunk of at most 77 tokens, "
                        "padded to the longest caption of the batch)")

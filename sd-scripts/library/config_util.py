@@ -39,7 +39,7 @@ __all__ = ["add_dataset_arguments", "build_dataset_group", "build_dataset_groups
 
 # Default --resolution when neither the CLI nor the dataset config sets one.
 FAMILY_DEFAULT_RESOLUTION = {"sd1": 512, "sd2": 768, "sdxl": 1024, "flux": 1024, "sd3": 1024,
-                             "lumina": 1024}
+                             "lumina": 1024, "hunyuan_image": 1024, "anima": 1024}
 _FAMILY_ALIASES = {"sd15": "sd1", "sd1x": "sd1", "sd1.x": "sd1", "v1": "sd1", "sd2x": "sd2", "sd2.x": "sd2",
                    "v2": "sd2", "flux1": "flux", "flux.1": "flux"}
 

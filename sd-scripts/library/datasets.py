@@ -412,7 +412,7 @@ class ImageDataset(torch.utils.data.Dataset):
             paths.append(info.path)
         te_outputs = None
         if te_list:
-            te_outputs = {k: torch.stack([t[k] for t in te_list]) for k in te_list[0]}
+            te_outputs = {k: stack_padded([t[k] for t in te_list]) for k in te_list[0]}
         n = len(captions)
         return {
             "network_multipliers": torch.full((n,), float(self.params.network_multiplier)),
@@ -824,6 +824,15 @@ def _check_encoded(latents, chunk: list) -> torch.Tensor:
 def new_epoch_value():
     """The shared current-epoch counter (inherited by DataLoader workers)."""
     return multiprocessing.Value("i", 0)
+
+
+def stack_padded(tensors: list) -> torch.Tensor:
+    """torch.stack; cached text-encoder outputs of different lengths (HunyuanImage's Qwen2.5-VL tokens, padded to
+    each caption's own length) are right-padded with zeros first (a zero mask = padding)."""
+    if all(t.shape == tensors[0].shape for t in tensors):
+        return torch.stack(tensors)
+    n = max(t.shape[0] for t in tensors)
+    return torch.stack([torch.nn.functional.pad(t, (0, 0) * (t.ndim - 1) + (0, n - t.shape[0])) for t in tensors])
 
 
 def collate_one(items: list) -> dict:

@@ -168,7 +168,7 @@ def sample_images(args, components, *, device, epoch, steps, autocast=None, netw
 
 @torch.no_grad()
 def sample_with_pipeline(args, make_pipeline, models, draw, *, device, epoch, steps, autocast=None,
-                         networks=()) -> list[str]:
+                         networks=(), prompt_defaults: dict | None = None) -> list[str]:
     """The sample loop of the flow-matching families (FLUX.1, library.families.chroma): the --sample_prompts
     lines, `models` on `device` while sampling (moved back after), `make_pipeline()` over the live models,
     `draw(pipe, prompt, generator)` -> one image per line, saved under <output_dir>/sample/; RNG states and the
@@ -176,7 +176,7 @@ def sample_with_pipeline(args, make_pipeline, models, draw, *, device, epoch, st
     from library.sample_prompts import parse_prompt_file
     from library.sampling import sampling_state, save_sample_image
 
-    prompts = parse_prompt_file(args.sample_prompts)
+    prompts = parse_prompt_file(args.sample_prompts, prompt_defaults)  # the family's defaults (--s, --l ...)
     if not prompts:
         return []
     os.makedirs(os.path.join(args.output_dir, "sample"), exist_ok=True)

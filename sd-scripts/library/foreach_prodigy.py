@@ -19,18 +19,37 @@ import torch
 from prodigyopt import Prodigy
 
 
-def _per_param_sums(pairs: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
-    """For each (a, b): dot(a, b), or sum(|a|) when b is None; tensors of one shape are reduced as one batch."""
+def _batched_per_param(keys: list, reduce) -> list[torch.Tensor]:
+    """reduce(indices) -> one value per index, called once per group of equal keys; the values in the input order."""
     batches = defaultdict(list)
-    for i, (a, b) in enumerate(pairs):
-        batches[(tuple(a.shape), a.dtype, b is None)].append(i)
-    out: list = [None] * len(pairs)
-    for (_shape, _dtype, is_abs), idx in batches.items():
-        a = torch.stack([pairs[i][0] for i in idx])
-        sums = a.abs().sum(dim=1) if is_abs else (a * torch.stack([pairs[i][1] for i in idx])).sum(dim=1)
-        for j, i in enumerate(idx):
-            out[i] = sums[j]
+    for i, key in enumerate(keys):
+        batches[key].append(i)
+    out: list = [None] * len(keys)
+    for idx in batches.values():
+        for i, value in zip(idx, reduce(idx)):
+            out[i] = value
     return out
+
+
+def _dots(sliced_grads: list, p0s: list, sliced_params: list) -> list[torch.Tensor]:
+    """dot(g, p0 - p) per parameter, parameters of one shape as one batch (p0 is a zero scalar for a parameter
+    that started at zero, as prodigyopt keeps it)."""
+    def reduce(idx):
+        g = torch.stack([sliced_grads[i] for i in idx])
+        p0 = torch.stack([p0s[i] for i in idx])
+        if p0.ndim == 1:  # zero scalars, one a parameter
+            p0 = p0.view(-1, *([1] * (g.ndim - 1)))
+        diff = p0 - torch.stack([sliced_params[i] for i in idx])
+        return (g * diff).sum(dim=1)
+
+    keys = [(tuple(g.shape), g.dtype, p0.ndim) for g, p0 in zip(sliced_grads, p0s)]
+    return _batched_per_param(keys, reduce)
+
+
+def _abs_sums(tensors: list) -> list[torch.Tensor]:
+    """sum(|t|) per tensor, tensors of one shape as one batch."""
+    return _batched_per_param([(tuple(t.shape), t.dtype) for t in tensors],
+                              lambda idx: torch.stack([tensors[i] for i in idx]).abs().sum(dim=1))
 
 
 class ForeachProdigy(Prodigy):
@@ -76,8 +95,7 @@ class ForeachProdigy(Prodigy):
                 continue
             states = [self.state[p] for p in params]
             sliced = [gr.flatten()[::slice_p] for gr in grads]
-            diffs = [s["p0"].data - p.data.flatten()[::slice_p] for s, p in zip(states, params)]
-            dots += _per_param_sums(list(zip(sliced, diffs)))
+            dots += _dots(sliced, [s["p0"].data for s in states], [p.data.flatten()[::slice_p] for p in params])
             dot_scales += [(d / d0) * dlr] * len(params)
             if beta1 > 0:
                 exp_avgs = [s["exp_avg"] for s in states]
@@ -89,7 +107,7 @@ class ForeachProdigy(Prodigy):
             ss = [s["s"] for s in states]
             torch._foreach_mul_(ss, beta3)
             torch._foreach_add_(ss, sliced, alpha=((d / d0) * d) if g["safeguard_warmup"] else ((d / d0) * dlr))
-            s_sums += _per_param_sums([(s, None) for s in ss])
+            s_sums += _abs_sums(ss)
 
         # one read back, then prodigyopt's host arithmetic in its order
         values = torch.stack([v.float() for v in dots + s_sums]).tolist() if dots else []

@@ -57,6 +57,7 @@ IMPL_DIFFUSERS = "diffusers"
 IMPL_FLUX = "https://github.com/black-forest-labs/flux"
 IMPL_CHROMA = "https://huggingface.co/lodestones/Chroma"
 IMPL_LUMINA = "https://github.com/Alpha-VLLM/Lumina-Image-2.0"
+IMPL_ANIMA = "https://huggingface.co/circlestone-labs/Anima"
 
 # the keys of a network (a full checkpoint has none of them)
 NETWORK_KEYS = ("ss_text_encoder_lr", "ss_unet_lr", "ss_network_module", "ss_network_dim", "ss_network_alpha",
@@ -94,6 +95,10 @@ def architecture(family: str, *, v_prediction: bool, lora: bool, flux_variant: s
         arch = f"stable-diffusion-3-{flux_variant or 'medium'}"
     elif family == "lumina":
         arch = "lumina-2"
+    elif family == "hunyuan_image":
+        arch = "hunyuan-image-2.1"
+    elif family == "anima":
+        arch = "anima-preview"  # upstream: anima="preview"
     elif family == "sd2":
         arch = "stable-diffusion-v2-768-v" if v_prediction else "stable-diffusion-v2-512"
     else:
@@ -108,6 +113,8 @@ def implementation(family: str, *, lora: bool, flux_variant: str | None = None) 
         return IMPL_CHROMA if flux_variant == "chroma" else IMPL_FLUX
     if family == "lumina":
         return IMPL_LUMINA
+    if family == "anima":
+        return IMPL_ANIMA
     if not lora or family == "sdxl":
         return IMPL_STABILITY_AI
     return IMPL_DIFFUSERS
@@ -120,7 +127,7 @@ def _resolution(args, family: str, v_prediction: bool) -> str:
 
         w, h = parse_resolution(value, "--resolution")
     else:  # upstream's defaults (not our training default for SD2 without v-prediction)
-        w = h = 1024 if family in ("sdxl", "flux", "sd3", "lumina") else 768 if family == "sd2" and v_prediction else 512
+        w = h = 1024 if family in ("sdxl", "flux", "sd3", "lumina", "anima") else 768 if family == "sd2" and v_prediction else 512
     return f"{w}x{h}"
 
 

@@ -22,14 +22,12 @@ from dataclasses import dataclass
 # the trainer scripts, as upstream names them
 SCRIPTS = ("sdxl_train_network", "train_network", "flux_train_network", "sdxl_train", "train_db", "fine_tune",
            "flux_train", "sd3_train_network", "sd3_train", "train_textual_inversion", "sdxl_train_textual_inversion",
-           "lumina_train_network", "lumina_train")
+           "lumina_train_network", "lumina_train", "hunyuan_image_train_network")
+SCRIPTS += ("anima_train_network",)  # Anima (library/families/anima.py)
 
 # upstream scripts (their option tables in ../shared/parity/upstream-flags/) that are not here yet, with their status;
 # every upstream table is one of SCRIPTS, TOOLS or these (tests/test_upstream_parity.py)
 SCRIPTS_NOT_YET: dict[str, str] = {
-    "hunyuan_image_train_network": "not yet (issue 28 item 4): HunyuanImage 2.1 LoRA; after SD3 and Lumina 2 are "
-                                   "measured on a GPU",
-    "anima_train_network": "not yet (issue 28 item 4): Anima LoRA; after HunyuanImage 2.1",
     "tools__convert_diffusers_to_flux": "not yet: diffusers FLUX.1 folder to a single BFL file; the trainers read "
                                         "diffusers folders directly",
     "tools__resize_images_to_resolution": "not yet: the trainers' buckets resize on the fly, and "
@@ -61,7 +59,9 @@ DIFFERENT: dict[str, Different] = {
     "deepspeed": Different(
         "needs the deepspeed package (install extra 'deepspeed'); without it one line naming the extra, exit 2 "
         "(upstream: an error log, exit 1). Not with --fsdp, the fused backward pass / optimizer groups or "
-        "--blocks_to_swap (DeepSpeed steps the optimizer itself)"),
+        "--blocks_to_swap (DeepSpeed steps the optimizer itself). `accelerate launch --use_deepspeed` counts as "
+        "--deepspeed with its ZeRO stage and offload devices; on a machine without a GPU the processes join over "
+        "gloo (DeepSpeed's CPU accelerator)"),
     "zero_stage": Different(
         "0, 1 and 2 as upstream; 3 is refused for now (the model is saved from the processes' whole weights): "
         "--fsdp full_shard shards the weights too (library/sharding.py)"),
@@ -103,7 +103,18 @@ DIFFERENT: dict[str, Different] = {
     "weighted_captions": Different(
         "FLUX.1: a warning and captions encoded as written (upstream's flux_train.py ignores it and "
         "flux_train_network.py stops with NotImplementedError unless text-encoder outputs are cached); Lumina 2: "
-        "the same warning, captions encoded as written as upstream does"),
+        "the same warning, captions encoded as written as upstream does; HunyuanImage 2.1 too"),
+    # Anima (anima_train_network.py; library/families/anima.py)
+    "split_attn": Different("Anima: accepted without effect: the DiT's attention has no padding mask, so one batched "
+                            "SDPA call serves (upstream splits the batch to save memory, and needs it for xformers)"),
+    "vae_disable_cache": Different("Anima: accepted without effect (upstream's own VAE code's feature cache)"),
+    "caption_dropout_rate": Different(
+        "with --cache_text_encoder_outputs it stops before anything loads (cached outputs need fixed captions); "
+        "upstream's Anima script caches the rate and blanks cached outputs per step instead"),
+    "unsloth_offload_checkpointing": Different(
+        "Anima: the checkpointed blocks' inputs go to CPU memory through the same offloading checkpoint as "
+        "--cpu_offload_checkpointing (upstream: Unsloth's non-blocking copies); the same rules (turns on "
+        "--gradient_checkpointing, not with --cpu_offload_checkpointing or --blocks_to_swap)"),
     # Lumina 2 (lumina_train_network.py / lumina_train.py; library/families/lumina.py)
     "use_flash_attn": Different(
         "Lumina 2: without the flash-attn package the run stops with one line naming it (upstream fails when the "
@@ -113,7 +124,9 @@ DIFFERENT: dict[str, Different] = {
     "sample_batch_size": Different("Lumina 2: accepted; sample prompts are drawn one at a time (upstream batches "
                                    "prompts of the same size, scale and seed)"),
     "blocks_to_swap": Different("lumina_train.py stops on a value above 0 (no block swap in Lumina 2 full "
-                                "fine-tunes yet); the other scripts swap as upstream"),
+                                "fine-tunes yet); HunyuanImage 2.1 swaps as many blocks as upstream (n // 2 + "
+                                "2 * (n - n // 2)) but the last ones in execution order (upstream: n // 2 double "
+                                "and the rest single blocks); the other scripts swap as upstream"),
     "block_lr": Different("a UNet block at rate 0 is frozen (upstream leaves it trainable outside the optimizer: "
                           "its gradients are computed, never applied nor cleared, and count in the clipping norm)"),
     "fused_backward_pass": Different("the full trainers refuse it with --mixed_precision fp16 before anything loads "
@@ -160,7 +173,7 @@ DIFFERENT: dict[str, Different] = {
         "another model, another bucket size or a newer image (upstream's files are reused as upstream reuses them; "
         "--skip_cache_check reuses any existing file)"),
     "cache_text_encoder_outputs_to_disk": Different(
-        "upstream's SDXL, FLUX.1 and Lumina 2 file layouts; our files also record the caption and model and are encoded again "
+        "upstream's SDXL, FLUX.1, Lumina 2 and HunyuanImage 2.1 file layouts; our files also record the caption and model and are encoded again "
         "when either changes (upstream reuses a file for a changed caption)"),
     "fp8_base": Different(
         "LoRA scripts: only the Linear weights are stored in float8 (convolutions, norms, embeddings and T5's wo "
@@ -207,10 +220,34 @@ DIFFERENT: dict[str, Different] = {
         "SD3: CLIP-L/CLIP-G/T5-XXL also come from a diffusers StableDiffusion3Pipeline folder given as "
         "--pretrained_model_name_or_path (upstream reads SAI single files only); the models are diffusers' "
         "SD3Transformer2DModel and transformers' CLIP/T5 classes, saved in upstream's SAI layout"),
+    # HunyuanImage 2.1 (hunyuan_image_train_network.py; library/families/hunyuan_image.py)
+    "attn_mode": Different(
+        "HunyuanImage 2.1: torch/sdpa as upstream (PyTorch SDPA with the text mask); xformers and flash need their "
+        "package (one line naming it otherwise) and then also run through SDPA, which picks its memory-efficient / "
+        "flash kernels itself; sageattn stops before anything loads (upstream: inference only). Anima: every mode "
+        "runs PyTorch's SDPA, sageattn stops the same way"),
+    "fp8_scaled": Different(
+        "HunyuanImage 2.1: the double/single blocks' Linear weights stored in float8 and upcast per layer, as "
+        "--fp8_base does (upstream quantises with per-block scales and, on supported GPUs, runs scaled fp8 matmuls)"),
+    "fp8_vl": Different("HunyuanImage 2.1: Qwen2.5-VL's Linear weights stored in float8 and upcast per layer "
+                        "(upstream also keeps its norms and residual sums in float32)"),
+    "vae_chunk_size": Different(
+        "HunyuanImage 2.1: any value switches diffusers' tiled VAE encode/decode on (upstream chunks each convolution "
+        "along the height by that many rows); both save memory, tiles blend at their seams. Anima: accepted "
+        "without effect (it tunes upstream's own copy of the Qwen-Image VAE; diffusers' AutoencoderKLQwenImage "
+        "encodes each image whole)"),
+    "text_encoder": Different(
+        "HunyuanImage 2.1: Qwen2.5-VL's language model from upstream's file (its vision tower is not loaded: "
+        "prompts are text only); its tokenizer from --tokenizer_cache_dir (a saved tokenizer or the hub cache) as "
+        "upstream. byT5's tokenizer is the byte tokenizer without the glyph model's added <color-N>/<font-N> tokens "
+        "(no caption uses them; the file's larger embedding table loads as it is). The script also requires "
+        "--network_train_unet_only (one line without it, as upstream's guide says: it trains no text-encoder LoRA) "
+        "and honours --no_half_vae (a float32 VAE; upstream's keeps float16)"),
     "sample_prompts": Different(
         "SD3 samples come from diffusers' StableDiffusion3Pipeline over the live models: Euler on the discrete flow "
         "with shift 3.0 and CFG, as upstream's SD3 sampler (defaults --s 30, --l 7.5; no --n = an empty negative "
-        "prompt)"),
+        "prompt). HunyuanImage 2.1 samples as upstream's sampler (Euler on the shifted flow, --fs flow shift 5.0, "
+        "CFG then its adaptive projected guidance, defaults --s 20, --l 3.5)"),
 }
 
 

@@ -37,10 +37,18 @@ def mmap_setting(args):
         _mmap = saved
 
 
-def load_file(path: str | os.PathLike, device: str = "cpu") -> dict:
-    """safetensors.torch.load_file, or (mmap off) the file's bytes read at once and parsed."""
+def load_file(path: str | os.PathLike, device: str = "cpu", keep=None) -> dict:
+    """safetensors.torch.load_file, or (mmap off) the file's bytes read at once and parsed. `keep(key)`: only those
+    tensors (with mmap the others are never read: HunyuanImage's Qwen2.5-VL file carries a vision tower)."""
     import safetensors.torch
 
+    if _mmap and keep is not None:
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt", device=device) as f:
+            return {k: f.get_tensor(k) for k in f.keys() if keep(k)}
+    if keep is not None:
+        return {k: v for k, v in load_file(path, device).items() if keep(k)}
     if _mmap:
         return safetensors.torch.load_file(str(path), device=device)
     with open(path, "rb") as f:

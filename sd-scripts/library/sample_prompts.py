@@ -31,8 +31,9 @@ DEFAULTS: dict[str, Any] = {
     "sample_sampler": None,  # None: the trainer's --sample_sampler
 }
 # keys a prompt has only when given (the family that reads them has its own default): Lumina 2's CFG truncation
-# ratio (upstream's --ctr, 0.25) and renormalisation (--rcfg, 1.0)
-OPTIONAL = ("cfg_trunc_ratio", "renorm_cfg")
+# ratio (upstream's --ctr, 0.25) and renormalisation (--rcfg, 1.0); the flow shift (--fs) of HunyuanImage 2.1 (5.0)
+# and Anima (3.0)
+OPTIONAL = ("cfg_trunc_ratio", "renorm_cfg", "flow_shift")
 
 # line option -> (key, description)
 OPTIONS = {
@@ -46,6 +47,7 @@ OPTIONS = {
     "ss": ("sample_sampler", "sampler name"),
     "ctr": ("cfg_trunc_ratio", "Lumina 2 CFG truncation ratio"),
     "rcfg": ("renorm_cfg", "Lumina 2 CFG renormalisation"),
+    "fs": ("flow_shift", "HunyuanImage 2.1 / Anima flow shift"),
 }
 KEYS = ("prompt",) + tuple(DEFAULTS) + OPTIONAL
 
@@ -85,7 +87,7 @@ def _convert(key: str, value, where: str):
         if v is None or v < 0:
             fail("a whole number >= 0")
         return v
-    if key in ("scale", "guidance_scale", "cfg_trunc_ratio", "renorm_cfg"):
+    if key in ("scale", "guidance_scale", "cfg_trunc_ratio", "renorm_cfg", "flow_shift"):
         v = _number(value, float)
         if v is None or v != v or v < 0:
             fail("a number >= 0")

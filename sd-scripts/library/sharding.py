@@ -20,7 +20,8 @@ DeepSpeed plugin with upstream's values when the `deepspeed` package is installe
     clip_grad_norm_(params, max_norm, accelerator)   --max_grad_norm over sharded and whole gradients
     gathered(components, models, accelerator)   context: full weights in `components` on the main process
     ShardedState(models, optimizers)     save(accelerator, folder) / load(accelerator, folder) for -state folders
-    add_deepspeed_arguments / check_deepspeed_args / deepspeed_plugin / prepare_deepspeed   --deepspeed
+    add_deepspeed_arguments / from_accelerate_deepspeed_config / check_deepspeed_args / deepspeed_plugin /
+    deepspeed_kwargs_handlers / check_deepspeed_engaged / prepare_deepspeed   --deepspeed
 """
 from __future__ import annotations
 
@@ -350,7 +351,11 @@ def _all_reduce_sums(tensors: list, group):
     if not tensors:
         return iter(())
     flat = torch.cat([t.reshape(-1) for t in tensors])
+    home = flat.device
+    if home.type == "cpu" and "gloo" not in str(torch.distributed.get_backend(group)):
+        flat = flat.cuda()  # --fsdp_cpu_offload on an NCCL group: the sums go through the GPU
     torch.distributed.all_reduce(flat, group=group)
+    flat = flat.to(home)
     sums, offset = [], 0
     for t in tensors:
         sums.append(flat[offset:offset + t.numel()].view_as(t))
@@ -585,9 +590,36 @@ def deepspeed_enabled(args) -> bool:
     return bool(getattr(args, "deepspeed", False))
 
 
+def from_accelerate_deepspeed_config(args, error) -> None:
+    """`accelerate launch --use_deepspeed` (or an accelerate config with DeepSpeed) sets ACCELERATE_USE_DEEPSPEED and
+    ACCELERATE_DEEPSPEED_*: taken as --deepspeed with its ZeRO stage, offload devices and ZeRO-3 flags (the trainer
+    builds the plugin itself, with upstream's values; the command line's --deepspeed options win)."""
+    env = os.environ
+    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() not in ("1", "true", "yes") or deepspeed_enabled(args) \
+            or not hasattr(args, "deepspeed"):
+        return
+    if env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"):
+        raise error(f"accelerate's DeepSpeed config file {env['ACCELERATE_DEEPSPEED_CONFIG_FILE']} is not read here; "
+                    "use --deepspeed with --zero_stage and --offload_* (upstream's options)")
+    args.deepspeed = True
+    if env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE"):
+        args.zero_stage = int(env["ACCELERATE_DEEPSPEED_ZERO_STAGE"])
+    for name, attr in (("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "offload_optimizer_device"),
+                       ("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "offload_param_device")):
+        if env.get(name, "none").lower() != "none" and getattr(args, attr) is None:
+            setattr(args, attr, env[name].lower())
+    for name, attr in (("ACCELERATE_DEEPSPEED_ZERO3_INIT", "zero3_init_flag"),
+                       ("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL", "zero3_save_16bit_model")):
+        if env.get(name, "").lower() == "true":
+            setattr(args, attr, True)
+    logger.info("accelerate's DeepSpeed config: --deepspeed --zero_stage %d%s", args.zero_stage,
+                f" --offload_optimizer_device {args.offload_optimizer_device}" if args.offload_optimizer_device else "")
+
+
 def check_deepspeed_args(args, error) -> None:
-    """Before any model loads: the deepspeed package is there (else one line naming the install extra), and
-    what it cannot go with."""
+    """Before any model loads: accelerate's DeepSpeed config taken as --deepspeed, the deepspeed package is there
+    (else one line naming the install extra), and what it cannot go with."""
+    from_accelerate_deepspeed_config(args, error)
     if not deepspeed_enabled(args):
         return
     try:
@@ -636,10 +668,51 @@ def deepspeed_plugin(args):
     return plugin
 
 
+def deepspeed_kwargs_handlers(args, handlers: list) -> list:
+    """The process group of a --deepspeed run, before the Accelerator is made. One process started without a
+    launcher gets the environment of a one-process group (DeepSpeed otherwise looks for MPI). Without a GPU,
+    accelerate leaves DeepSpeed off on the CPU (ACCELERATE_USE_CPU, `--cpu`) and finds no process-group backend,
+    so the CPU switch is taken back and the processes join over gloo (DeepSpeed's CPU accelerator). Returns
+    accelerate's kwargs handlers: `handlers`, with gloo as the backend without a GPU."""
+    if not deepspeed_enabled(args):
+        return handlers
+    if "RANK" not in os.environ:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+    if torch.cuda.is_available():
+        return handlers
+    from accelerate.utils import InitProcessGroupKwargs
+
+    os.environ.pop("ACCELERATE_USE_CPU", None)
+    kept = [h for h in handlers if not isinstance(h, InitProcessGroupKwargs)]
+    timeout = next((h.timeout for h in handlers if isinstance(h, InitProcessGroupKwargs)), None)
+    logger.info("--deepspeed without a GPU: DeepSpeed's CPU accelerator, the processes joined over gloo")
+    return kept + [InitProcessGroupKwargs(backend="gloo", timeout=timeout)]
+
+
+def check_deepspeed_engaged(args, accelerator) -> str | None:
+    """After the Accelerator is made: None when --deepspeed is off or accelerate runs DeepSpeed, else the one line
+    saying why not (no silent data-parallel run in its place)."""
+    if not deepspeed_enabled(args) or accelerator.distributed_type == "DEEPSPEED":
+        return None
+    return (f"--deepspeed: accelerate did not set up DeepSpeed (distributed type "
+            f"{str(accelerator.distributed_type).rsplit('.', 1)[-1]}); launch with `accelerate launch` on a "
+            "machine with GPUs, or with --multi_gpu --num_processes N (N > 1) on the CPU")
+
+
 def prepare_deepspeed(accelerator, models: list, dataloader, optimizers: list):
     """accelerate prepares the trained models (one module, as DeepSpeed takes one model), the optimizer and the
     dataloader together; the models keep being called directly (the engine's hooks and its backward/step do the
     rest). Returns (dataloader, [optimizer])."""
     wrapper = torch.nn.ModuleList(models)
     engine, optimizer, dataloader = accelerator.prepare(wrapper, optimizers[0], dataloader)
+    trained = sum(p.numel() for p in wrapper.parameters() if p.requires_grad)
+    logger.info("--deepspeed: the DeepSpeed engine trains %.2fM parameters with ZeRO stage %d (%s) over %d "
+                "processes", trained / 1e6, engine.zero_optimization_stage(), type(engine.optimizer).__name__,
+                accelerator.num_processes)
     return dataloader, [optimizer]

@@ -340,17 +340,19 @@ def target_layers(root: nn.Module, targets: tuple[str, ...]) -> Iterator[tuple[s
 
 
 def assemble_param_groups(loras: list, lr: float | None, plus_ratio: float | None, label: str,
-                          reg_lrs: dict[str, float] | None = None) -> tuple[list[dict], list[str]]:
+                          reg_lrs: dict[str, float] | None = None, reg_match=None) -> tuple[list[dict], list[str]]:
     """Optimizer param groups of `loras` as sd-scripts builds them: with a LoRA+ ratio the lora_up weights get
     their own group at lr * ratio ("<label> plus"); with `reg_lrs` (regex -> lr, networks.lora_flux) the modules
-    whose name matches a regex (first match wins) get that lr, in groups "<label> reg_lr_<i>" placed first.
+    whose name matches a regex (first match wins; `reg_match(regex, lora)` decides instead when given) get that
+    lr, in groups "<label> reg_lr_<i>" placed first.
     Groups whose lr is 0 or None are left out (their weights are not trained)."""
     import re
 
     regs = list((reg_lrs or {}).items())
     buckets: dict[tuple, list] = {}
     for lora in loras:
-        reg = next((i for i, (rx, _) in enumerate(regs) if re.search(rx, lora.lora_name)), None)
+        reg = next((i for i, (rx, _) in enumerate(regs)
+                    if (reg_match(rx, lora) if reg_match else re.search(rx, lora.lora_name))), None)
         for name, p in lora.named_parameters():
             plus = plus_ratio is not None and "lora_up" in name
             buckets.setdefault((reg, plus), []).append(p)

@@ -126,16 +126,18 @@ class FluxLoRAModule(lora_sd.LoRABase):
     def __init__(self, lora_name: str, org_modules: list[nn.Linear], multiplier: float = 1.0, lora_dim: int = 4,
                  alpha: float | None = 1.0, dropout: float | None = None, rank_dropout: float | None = None,
                  module_dropout: float | None = None, split: bool = False, ggpo_sigma: float | None = None,
-                 ggpo_beta: float | None = None):
+                 ggpo_beta: float | None = None, pieces: list[int] | None = None):
         in_dims = {m.in_features for m in org_modules}
         if len(in_dims) != 1:
             raise ValueError(f"{lora_name}: parts have different input widths {sorted(in_dims)}")
         in_dim = in_dims.pop()
         split_dims = [m.out_features for m in org_modules]
-        self.split = split and len(org_modules) > 1
+        # split_qkv: one LoRA per diffusers part, or per `pieces` (row widths) of one fused Linear (HunyuanImage)
+        pieces = list(pieces) if pieces and len(org_modules) == 1 else split_dims
+        self.split = split and len(pieces) > 1
         if self.split:
-            down = nn.ModuleList([nn.Linear(in_dim, lora_dim, bias=False) for _ in split_dims])
-            up = nn.ModuleList([nn.Linear(lora_dim, d, bias=False) for d in split_dims])
+            down = nn.ModuleList([nn.Linear(in_dim, lora_dim, bias=False) for _ in pieces])
+            up = nn.ModuleList([nn.Linear(lora_dim, d, bias=False) for d in pieces])
         else:
             down, up = nn.Linear(in_dim, lora_dim, bias=False), nn.Linear(lora_dim, sum(split_dims), bias=False)
         super().__init__(lora_name, down, up, multiplier, lora_dim, alpha, dropout, rank_dropout, module_dropout)
@@ -144,6 +146,7 @@ class FluxLoRAModule(lora_sd.LoRABase):
         self._org_forwards: list | None = None
         self._pending: tuple | None = None  # (x, {part: its LoRA output}) until the other parts take theirs
         self._offsets = [sum(split_dims[:i]) for i in range(len(split_dims))]
+        self.piece_dims, self._piece_offsets = pieces, [sum(pieces[:i]) for i in range(len(pieces))]
         self.ggpo_sigma, self.ggpo_beta = ggpo_sigma, ggpo_beta
         self.grad_norms = self.weight_norms = self.combined_weight_norms = None
         if self.uses_ggpo:
@@ -231,7 +234,7 @@ class FluxLoRAModule(lora_sd.LoRABase):
             for down, up in zip(self.lora_down, self.lora_up):
                 lx, scale = self.down_with_dropout(x, down)
                 deltas.append(up(lx) * (self.multiplier * scale))
-            return deltas
+            return deltas if len(self._orgs) > 1 else [torch.cat(deltas, dim=-1)]
         lx, scale = self.down_with_dropout(x)
         out = self.lora_up(lx) * (self.multiplier * scale)
         return list(out.split(self.split_dims, dim=-1)) if len(self.split_dims) > 1 else [out]
@@ -394,10 +397,10 @@ class LoRANetworkFlux(lora_sd.LoRANetwork):
             return sd
         out = {k: v for k, v in sd.items() if k.split(".")[0] not in split}
         for name, m in split.items():
-            n, r = len(m.split_dims), m.lora_dim
+            n, r = len(m.piece_dims), m.lora_dim
             downs = [sd[f"{name}.lora_down.{i}.weight"] for i in range(n)]
-            up = torch.zeros(sum(m.split_dims), n * r, dtype=downs[0].dtype, device=downs[0].device)
-            for i, (o, d) in enumerate(zip(m._offsets, m.split_dims)):
+            up = torch.zeros(sum(m.piece_dims), n * r, dtype=downs[0].dtype, device=downs[0].device)
+            for i, (o, d) in enumerate(zip(m._piece_offsets, m.piece_dims)):
                 up[o:o + d, i * r:(i + 1) * r] = sd[f"{name}.lora_up.{i}.weight"]
             out[f"{name}.lora_down.weight"] = torch.cat(downs)
             out[f"{name}.lora_up.weight"] = up
@@ -414,10 +417,10 @@ class LoRANetworkFlux(lora_sd.LoRANetwork):
         for name, m in split.items():
             if f"{name}.lora_down.weight" not in sd:
                 continue
-            n = len(m.split_dims)
+            n = len(m.piece_dims)
             down, up = sd[f"{name}.lora_down.weight"], sd[f"{name}.lora_up.weight"]
             r = down.shape[0] // n
-            for i, (o, d) in enumerate(zip(m._offsets, m.split_dims)):
+            for i, (o, d) in enumerate(zip(m._piece_offsets, m.piece_dims)):
                 out[f"{name}.lora_down.{i}.weight"] = down[i * r:(i + 1) * r]
                 out[f"{name}.lora_up.{i}.weight"] = up[o:o + d, i * r:(i + 1) * r]
             if f"{name}.alpha" in sd:
@@ -428,6 +431,7 @@ class LoRANetworkFlux(lora_sd.LoRANetwork):
 
     # -- training ----------------------------------------------------------------------------------------
     TE_PREFIXES = (LORA_PREFIX_CLIP_L, LORA_PREFIX_T5XXL)  # one optimizer group (and lr) per text encoder
+    reg_lr_match = None  # network_reg_lrs: a regex found in the LoRA name (lora_anima: its own rule)
 
     @staticmethod
     def text_encoder_lrs(text_encoder_lr, default_lr) -> list:
@@ -446,7 +450,7 @@ class LoRANetworkFlux(lora_sd.LoRANetwork):
         groups, descriptions = [], []
 
         def add(loras, lr, ratio, label):
-            g, d = lora_sd.assemble_param_groups(loras, lr, ratio, label, self.reg_lrs)
+            g, d = lora_sd.assemble_param_groups(loras, lr, ratio, label, self.reg_lrs, self.reg_lr_match)
             groups.extend(g)
             descriptions.extend(d)
 

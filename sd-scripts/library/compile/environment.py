@@ -88,6 +88,8 @@ def cudnn_sdp_auto(args) -> tuple[bool, str]:
     run69 a compiled FLUX.1 block at 1024 px crashed in the probe. So: on where every attention backward of the run
     is inside inductor-compiled blocks of a family measured clean (SDXL), else off."""
     family = getattr(args, "_family", None)
+    if getattr(args, "model_type", None) == "chroma":  # FLUX.1's scripts, another model (not measured)
+        family = "chroma"
     if not (getattr(args, "compile", False) and getattr(args, "compile_backend", None) == "inductor"):
         return False, ("its backward crashed eager FLUX.1 training here (illegal memory access); auto uses it only "
                        "inside blocks compiled with --compile --compile_backend inductor; --cudnn_sdp on forces it")
@@ -131,7 +133,7 @@ def warm_compile_workers(args) -> bool:
         from torch._inductor.async_compile import maybe_warm_pool
     except ImportError:  # another torch: the pool starts at the first compile, as before
         return False
-    cache_dir = resolve_cache_dir(args)  # the workers start with this environment (setup_compile_environment sets it too)
+    cache_dir = resolve_cache_dir(args)  # the workers start with it (setup_compile_environment sets it too)
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     maybe_warm_pool()

@@ -187,10 +187,6 @@ def resolve(args, groups, num_processes: int, family: str, error: type[Exception
         target._input_shapes = shapes
         target._family = family  # --cudnn_sdp auto and --compile_checkpoint_keep auto follow what was measured
         target._max_pixels = max((w * h for w, h in resos), default=None)  # --compile_checkpoint_keep auto
-    if compiled is not None:
-        from library.compile.environment import warm_compile_workers  # (environment imports this module)
-
-        warm_compile_workers(compiled)
 
 
 def block_compile_mode(args) -> str:

@@ -32,9 +32,11 @@ def add_weighting_arguments(group) -> None:
 
 
 def add_timestep_arguments(group, *, sampling_default: str, discrete_flow_shift: float,
-                           model_prediction_type: str, sampling_choices: tuple[str, ...] = TIMESTEP_SAMPLING) -> None:
+                           model_prediction_type: str | None, sampling_choices: tuple[str, ...] = TIMESTEP_SAMPLING
+                           ) -> None:
     """--timestep_sampling, --sigmoid_scale, --discrete_flow_shift, the weighting options and
-    --model_prediction_type (FLUX.1 / Chroma, Lumina), with the script's upstream defaults."""
+    --model_prediction_type (FLUX.1 / Chroma, Lumina; None: the script has none, as Anima's), with the script's
+    upstream defaults."""
     group.add_argument("--timestep_sampling", type=str, default=sampling_default, choices=sampling_choices,
                        help="how sigmas are drawn: sigma (uniform over the shifted schedule), uniform, sigmoid "
                             "(sigmoid of a normal), shift (sigmoid + --discrete_flow_shift), flux_shift "
@@ -44,6 +46,8 @@ def add_timestep_arguments(group, *, sampling_default: str, discrete_flow_shift:
     group.add_argument("--discrete_flow_shift", type=float, default=discrete_flow_shift,
                        help="shift of the flow schedule (sigma, shift)")
     add_weighting_arguments(group)
+    if model_prediction_type is None:
+        return
     group.add_argument("--model_prediction_type", type=str, default=model_prediction_type,
                        choices=MODEL_PREDICTION_TYPES,
                        help="raw: the output as it is; additive: output + noisy input; sigma_scaled: -sigma * "
@@ -176,7 +180,8 @@ def loss_weighting(args, sigmas: torch.Tensor) -> torch.Tensor | None:
     (2 / (pi (1 - 2 sigma + 2 sigma^2))), used with --model_prediction_type sigma_scaled (as upstream);
     None = weight 1 (no multiply)."""
     scheme = getattr(args, "weighting_scheme", "uniform")
-    if args.model_prediction_type != "sigma_scaled" or scheme not in ("sigma_sqrt", "cosmap"):
+    # Anima's script has no --model_prediction_type: its weighting always applies (upstream's anima_train_network)
+    if getattr(args, "model_prediction_type", "sigma_scaled") != "sigma_scaled" or scheme not in ("sigma_sqrt", "cosmap"):
         return None
     s = sigmas.view(-1, 1, 1, 1).float()
     if scheme == "sigma_sqrt":
@@ -218,9 +223,11 @@ def sample_sigmas(args, batch_size: int, h: int, w: int, device, generator=None)
 
 
 def apply_model_prediction_type(args, pred, noisy, sigmas):
-    """raw: the output as it is; additive: output + noisy input; sigma_scaled: -sigma * output + noisy input."""
-    if args.model_prediction_type == "additive":
+    """raw (or a script without the option): the output as it is; additive: output + noisy input; sigma_scaled:
+    -sigma * output + noisy input."""
+    kind = getattr(args, "model_prediction_type", "raw")
+    if kind == "additive":
         return pred + noisy
-    if args.model_prediction_type == "sigma_scaled":
+    if kind == "sigma_scaled":
         return pred * (-sigmas.view(-1, 1, 1, 1)) + noisy
     return pred

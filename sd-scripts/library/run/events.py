@@ -8,7 +8,9 @@ Events that do work outside the step (validation, saving, sampling) read every p
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import time
 
 from library import finite_guard, optimizers, stop_signal
 from library.ema import EMAUpdate
@@ -70,6 +72,57 @@ class Progress:
         """Reads every pending loss (waits for the GPU); the wait is the last step's time, not the pause's."""
         self.report(state, self.late.flush())
         state.timer.waited()
+
+
+class RankProgress:
+    """With several processes, every process (rank 0 too) prints its own line, besides rank 0's usual progress line
+    (unchanged), so a run's panel shows each rank and which one falls behind or ends (kohya_gui.runner parses it):
+
+        rank 1/2 (pid 4242): step 12/100, 0.532 s/step, peak GPU memory 7.11 GiB
+
+    On the first and the last step and at most once per INTERVAL_S between. The step time is the mean of the steps
+    since the rank's last line (library.step_timer: pauses for saves and samples left out); the memory is the
+    loop's peak of allocated GPU memory, or the process's peak resident memory (RSS) on the CPU."""
+
+    INTERVAL_S = 5.0
+
+    def __init__(self, progress_bar):
+        self.bar = progress_bar
+        self.last_print, self.timed = None, 0  # when the last line was printed; durations it covered
+
+    def due(self, state) -> bool:
+        return not state.at_epoch_end and state.accelerator.num_processes > 1
+
+    def run(self, state) -> None:
+        now = time.monotonic()
+        step, last = state.global_step, state.global_step >= state.max_train_steps
+        if self.last_print is not None and not last and now - self.last_print < self.INTERVAL_S:
+            return
+        self.last_print = now
+        durations = state.timer.durations[self.timed:]
+        self.timed = len(state.timer.durations)
+        step_s = sum(durations) / len(durations) if durations else 0.0
+        self.bar.write(self.line(state.accelerator, step, state.max_train_steps, step_s, state.device),
+                       file=sys.stdout)
+        sys.stdout.flush()
+
+    @staticmethod
+    def line(accelerator, step: int, total: int, step_s: float, device) -> str:
+        memory = ""
+        if device.type == "cuda":
+            import torch
+
+            memory = f", peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
+        else:
+            try:
+                import resource  # POSIX; ru_maxrss in KiB on Linux, bytes on macOS
+
+                rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                memory = f", peak RSS {rss / (2**30 if sys.platform == 'darwin' else 2**20):.2f} GiB"
+            except ImportError:
+                pass
+        return (f"rank {accelerator.process_index}/{accelerator.num_processes} (pid {os.getpid()}): step {step}/{total}, "
+                f"{step_s:.3f} s/step{memory}")
 
 
 class Validate:
@@ -204,7 +257,7 @@ def sample_images(state, *, epoch: int | None) -> None:
 def step_events(progress_bar, line, late) -> list:
     """The events of a run, in the order they run: timing and progress first (the step's record), then the work
     that pauses training, then Stop (it ends the loop after the step, once the rest has run)."""
-    return [StepTiming(), Progress(progress_bar, line, late), EMAUpdate(), Validate(), EpochLoss(), TakeRequests(),
+    return [StepTiming(), Progress(progress_bar, line, late), RankProgress(progress_bar), EMAUpdate(), Validate(), EpochLoss(), TakeRequests(),
             Save(), Sample(), StopAfterPause(), Stop()]
 
 

@@ -61,10 +61,13 @@ def prepare(trainer, args, startup: Startup) -> RunState | Done:
     if isinstance(data, Done):
         return data
     group, val_group, groups = data
-    from library.compile import graphs as compile_graphs
+    from library.compile import environment as compile_environment, graphs as compile_graphs
 
     # --cuda_graph_step auto and --compile_dynamic auto follow the dataset's bucket shapes
     compile_graphs.resolve(args, groups, accelerator.num_processes, trainer.family_for(args), ConfigError)
+    compiled = compile_graphs.compile_args(args)
+    if compiled is not None:
+        compile_environment.warm_compile_workers(compiled)  # inductor's compile workers start while the models load
     os.makedirs(args.output_dir, exist_ok=True)
     requests = run_requests.RunRequests(args.output_dir, accelerator.is_main_process)
     requests.clear_stale()  # before models load: a request sent while they load is this run's
@@ -166,6 +169,8 @@ def cache(trainer, args, accelerator, components, groups, weight_dtype) -> bool:
                                              fmt=family.te_cache_format(args, components))
         for te in components.text_encoders:
             te.to("cpu")
+    if device.type == "cuda":  # give back what the VAE and the text encoders held (as upstream's clean_memory)
+        torch.cuda.empty_cache()
     return bool(caching_te)
 
 

@@ -13,7 +13,10 @@ import torch
 
 
 class TrainState:
-    """The step counter saved with `--save_state` (accelerate custom checkpoint object)."""
+    """The step counter saved with `--save_state` (accelerate custom checkpoint object), and the run's generator.
+    Each process draws its noise from its own generator (seeded seed + rank) but only the main process writes the
+    file: with several processes every one's generator state is gathered into it (`noise_rng_per_rank`; every
+    process calls state_dict in accelerate's save_state), and a resume on as many processes gives each its own."""
 
     def __init__(self):
         self.global_step = 0
@@ -24,13 +27,27 @@ class TrainState:
         out = {"global_step": self.global_step, "epoch": self.epoch}
         if self.generator is not None:
             out["noise_rng"] = self.generator.get_state()
+            if _world() > 1:
+                per_rank = [None] * _world()
+                torch.distributed.all_gather_object(per_rank, out["noise_rng"])
+                out["noise_rng_per_rank"] = per_rank
         return out
 
     def load_state_dict(self, state: dict) -> None:
         self.global_step = int(state["global_step"])
         self.epoch = int(state["epoch"])
-        if self.generator is not None and "noise_rng" in state:
+        if self.generator is None or "noise_rng" not in state:
+            return
+        per_rank = state.get("noise_rng_per_rank")
+        if per_rank is not None and len(per_rank) == _world():
+            self.generator.set_state(per_rank[torch.distributed.get_rank()])
+        else:  # saved by one process, or resumed on another number of processes
             self.generator.set_state(state["noise_rng"])
+
+
+def _world() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_available() and \
+        torch.distributed.is_initialized() else 1
 
 
 @dataclass

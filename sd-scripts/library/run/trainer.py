@@ -116,8 +116,11 @@ class Trainer:
                                   mixed_precision=args.mixed_precision, log_with=trackers.log_with(args),
                                   project_config=ProjectConfiguration(project_dir=args.output_dir,
                                                                       logging_dir=logging_dir),
-                                  kwargs_handlers=data_parallel.accelerator_kwargs_handlers(args),
+                                  kwargs_handlers=sharding.deepspeed_kwargs_handlers(
+                                      args, data_parallel.accelerator_kwargs_handlers(args)),
                                   deepspeed_plugin=sharding.deepspeed_plugin(args))
+        if problem := sharding.check_deepspeed_engaged(args, accelerator):
+            raise TrainingError(problem)
         try:
             data_parallel.check_launch(accelerator)
         except RuntimeError as e:
