@@ -58,6 +58,16 @@ def wait_text(page, elem_id: str, text: str, timeout: float = 120000) -> str:
     return page.locator(f"#{elem_id}").inner_text()
 
 
+def message(page, elem_id: str, text: str, timeout: float = 120000) -> str:
+    """A button's message (feedback.follow): its text, then the area inside the window. The page scrolls it there
+    just after drawing it; a click before that scroll (the next tool's picker) lands on a page that moves under it,
+    and the picker's option list, which Gradio keeps beside its box, moves out of the window with it."""
+    out = wait_text(page, elem_id, text, timeout)
+    page.wait_for_function("id => { const r = document.getElementById(id).getBoundingClientRect();"
+                           " return r.top >= 0 && r.bottom <= window.innerHeight; }", arg=elem_id)
+    return out
+
+
 def test_build_the_folder_layout_and_check_its_dataset_toml(page, workdir):  # noqa: F811
     src = images(workdir / "prep-src", {"a": "sks dog", "b": "sks dog, grass"})
     page.get_by_role("tab", name="Dataset preparation").click()
@@ -76,7 +86,7 @@ def test_build_the_folder_layout_and_check_its_dataset_toml(page, workdir):  # n
     wait_text(page, "dstoml-status", "Added a subset per N_name folder")
     assert "5_sks dog" in page.locator("#dstoml-summary").inner_text()
     page.locator("#dstoml-check").click()  # the text on screen, as it is (Save: tests/test_utilities.py)
-    out = wait_text(page, "dstoml-status", "accepts this dataset", timeout=240000)
+    out = message(page, "dstoml-status", "accepts this dataset", timeout=240000)
     assert "10 train images with repeats" in out
 
 
@@ -133,14 +143,14 @@ def printed(page, group: str, key: str) -> str:
     page.locator(f"#util-{group}-print").click()
     page.wait_for_function(f"() => document.querySelector('#util-{group}-command textarea').value"
                            f".includes('/{key}.py')")
-    wait_text(page, f"util-{group}-status", "Run runs this command")
+    message(page, f"util-{group}-status", "Run runs this command")
     return field(page, f"util-{group}-command").input_value()
 
 
 def ran(page, group: str, key: str) -> str:
     """Run, then the run panel's result for this tool's run (its log is tool_logs/<tool>.log); the run's log."""
     page.locator(f"#util-{group}-run").click()
-    wait_text(page, f"util-{group}-status", "started")
+    message(page, f"util-{group}-status", "started")
     result = wait_text(page, "run-result", f"{key}.log", timeout=240000)
     log = field(page, "kg-log").input_value()
     assert "Run finished" in result and "exit status 0" in result, result + "\n" + log
@@ -200,7 +210,7 @@ def test_every_dataset_tool(page, workdir):  # noqa: F811
     ran(page, "dataset", "merge_captions_to_metadata")
     assert json.loads(captions.read_text()) == {"a": {"caption": "a cat"}, "b": {"caption": "a dog"}}
     page.locator("#util-dataset-run").click()  # the result exists now: refused, nothing overwritten
-    wait_text(page, "util-dataset-status", "already exists")
+    message(page, "util-dataset-status", "already exists")
 
     pick_tool(page, "dataset", "Merge tags into metadata JSON", "merge_dd_tags_to_metadata")
     fill_form(page, "merge_dd_tags_to_metadata", {"train_data_dir": folder, "in_json": captions, "out_json": tags,
