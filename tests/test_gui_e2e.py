@@ -20,6 +20,8 @@ import pytest
 from kohya_gui import REPO, config_file, presets, training
 from kohya_gui import params as P
 from kohya_gui.runner import Runner
+from kohya_gui.ui import actions as A
+from kohya_gui.ui import visibility as V
 from gui_helpers import wait_for
 
 CHROMIUM = "/usr/bin/chromium"
@@ -145,6 +147,89 @@ def field(page, elem_id: str):
     return page.locator(f"#{elem_id}").locator("input, textarea").first
 
 
+# Whether the page shows an element: it and every container up to its tab displayed (null: not drawn)
+SHOWN_JS = """([tab, ids]) => {
+  const root = document.getElementById(`tab-${tab}`);
+  const shown = el => {
+    if (!el) return false;
+    for (let e = el; e && e !== root; e = e.parentElement)
+      if (getComputedStyle(e).display === 'none') return false;
+    return true;
+  };
+  return Object.fromEntries(ids.map(id => {
+    const el = document.getElementById(id);
+    return [id, el ? shown(el) : null];
+  }));
+}"""
+
+# Opens each closed group the tab shows (a click on its title, as a user; gradio draws a group's controls when it
+# is first opened); true once none is left closed and the given elements are drawn
+OPEN_GROUPS_JS = """([tab, ids]) => {
+  let closed = 0;
+  for (const b of document.querySelectorAll(`#tab-${tab} .gr-accordion > button.label-wrap:not(.open)`))
+    if (b.offsetParent !== null) { b.click(); closed++; }
+  return closed === 0 && ids.every(id => document.getElementById(id));
+}"""
+
+
+def open_groups(page, tab: str, ids=()) -> None:
+    page.wait_for_function(OPEN_GROUPS_JS, arg=[tab, list(ids)], polling=200, timeout=60_000)
+
+
+def registry_view(tab: str, family: str, module: str = "") -> tuple[dict, str]:
+    """What the registry says the tab shows for the family (and network module), by element id: each control
+    (P.visible, inside groups that are shown) and each group (P.accordion_visible; the model group always), and
+    the script note."""
+    def group_shown(key):
+        top = P.top_group(key)
+        return (key == "model" or P.accordion_visible(key, tab, family)) and \
+            (top == "model" or P.accordion_visible(top, tab, family))
+
+    view = {f"{tab}-acc-{k}": group_shown(k) for k in A.tab_accordions(tab)}
+    view |= {A.elem_id(tab, p): P.visible(p, tab, family, module) and group_shown(p.accordion)
+             for p in A.tab_params(tab)}
+    return view, A.script_note(tab, family).replace("<code>", "").replace("</code>", "")
+
+
+def network_module_on_page(page, tab: str) -> str:
+    """The Network module field's value ("" when the tab has none)."""
+    box = page.locator(f"#{tab}-network_module input")
+    if not box.count():
+        return ""
+    labels = {label: value for value, label in P.BY_NAME["network_module"].choice_labels.items()}
+    shown = box.input_value()
+    return labels.get(shown, shown)
+
+
+def assert_page_shows_the_registrys_view(page, tab: str, family: str, every_group: bool = True) -> None:
+    """Once the page has taken the family, the tab's controls and groups are shown or hidden as the registry says
+    for it and the Network module field's value, and the script note names the family's script only.
+    every_group: each group the tab shows is opened first (gradio draws a group's controls when it is first
+    opened), so every control is checked; else the groups and the controls drawn so far (the open groups')."""
+    from playwright.sync_api import TimeoutError
+
+    page.wait_for_function("([tab, f]) => document.body.getAttribute(`data-kg-${tab}-family`) === f",
+                           arg=[tab, family])
+    module = network_module_on_page(page, tab)
+    expected, note = registry_view(tab, family, module)
+    if every_group:
+        try:
+            open_groups(page, tab, [k for k, v in expected.items() if v])
+        except TimeoutError:  # a group that should show does not: the comparison below names what is missing
+            pass
+    shown = page.evaluate(SHOWN_JS, [tab, list(expected)])
+    groups = [f"{tab}-acc-{k}" for k in A.tab_accordions(tab)
+              if k not in P.SUBGROUPS and V.group_shown_somewhere(tab, k)]
+    assert all(shown[g] is not None for g in groups), [g for g in groups if shown[g] is None]  # always drawn
+    if every_group:
+        wrong = {k: bool(v) for k, v in shown.items() if bool(v) != expected[k]}
+    else:  # a control not drawn yet is in a group not opened yet: nothing to tell
+        wrong = {k: v for k, v in shown.items() if v is not None and v != expected[k]}
+    assert not wrong, f"{tab} / {family} / module {module!r}, shown (True) or hidden (False) unlike the registry: " \
+        f"{wrong}"
+    assert page.locator(f"#{tab}-script-note").inner_text().strip() == note
+
+
 def test_compile_accordion_follows_family_and_print_shows_compile(page):
     acc = page.locator("#lora-acc-compile")
     assert acc.is_visible()  # the demo preset is SDXL
@@ -191,6 +276,7 @@ def test_every_family_names_its_script_and_shows_its_own_fields(page):
         page.wait_for_function("(s) => document.querySelector('#lora-acc-model').innerText.includes(s)",
                                arg=f"sd-scripts/{script}")
         compile_acc.wait_for(state="visible" if family in P.COMPILE_FAMILIES else "hidden")
+        assert_page_shows_the_registrys_view(page, "lora", family)
     pick(page, "lora-family", "Lumina 2")
     page.locator("#lora-acc-lumina").wait_for(state="visible")
     assert page.locator("#lora-gemma2").is_visible() and not page.locator("#lora-clip_l").is_visible()
@@ -209,7 +295,7 @@ def test_every_family_names_its_script_and_shows_its_own_fields(page):
     page.locator("#lora-acc-lumina").wait_for(state="hidden")
     page.locator("#lora-acc-hunyuan_image").wait_for(state="hidden")
     pick(page, "lora-family", "FLUX.1")
-    page.locator("#lora-acc-flux").get_by_text("FLUX.1 options").first.click()  # a fresh page: closed
+    open_groups(page, "lora")  # FLUX.1 options among them
     pick(page, "lora-model_type", "chroma")
     page.locator("#lora-print").click()
     page.wait_for_function(
@@ -218,6 +304,30 @@ def test_every_family_names_its_script_and_shows_its_own_fields(page):
     pick(page, "lora-model_type", "flux")
     pick(page, "lora-family", "SDXL")
     compile_acc.wait_for(state="visible")
+
+
+def test_every_tab_and_family_shows_the_registrys_fields(page):
+    """The DreamBooth, Fine-tune and Textual Inversion tabs with each of their families: every group, and the
+    controls drawn, shown or hidden as the registry says (KG_E2E_EVERY_GROUP=1: every group opened and every
+    control checked; ~11 min on 2 busy cores, as the whole form of three tabs is then drawn); the LoRA tab's
+    network-type fields with LyCORIS, OFT and the family's LoRA: every control. (The LoRA tab's families, every
+    control: the test above.) Each tab is left on the family it had."""
+    every_group = os.environ.get("KG_E2E_EVERY_GROUP") == "1"
+    for tab in ("dreambooth", "finetune", "ti"):
+        page.get_by_role("tab", name=P.TAB_LABELS[tab]).click()
+        start = page.locator(f"#{tab}-family input").input_value()
+        for family in [f for f in P.tab_families(tab) if f != start] + [start]:
+            pick(page, f"{tab}-family", family)
+            assert_page_shows_the_registrys_view(page, tab, family, every_group)
+    page.get_by_role("tab", name="LoRA").click()
+    family = page.locator("#lora-family input").input_value()
+    open_groups(page, "lora")  # the Network group among them
+    for module in ("lycoris.kohya", "networks.oft", ""):
+        pick(page, "lora-network_module", module or "LoRA (the family's)")
+        page.wait_for_function("m => document.body.getAttribute('data-kg-lora-module') === m",
+                               arg=V.effective_module(family, module))
+        assert network_module_on_page(page, "lora") == module
+        assert_page_shows_the_registrys_view(page, "lora", family)
 
 
 def test_dreambooth_tab_compile_accordion_and_print(page):

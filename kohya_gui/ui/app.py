@@ -180,8 +180,9 @@ def build_tab(tab: str) -> dict:
     for box in shown_by:
         box.change(None, inputs=shown_by, js=V.follow_js(tab))
     # a family picked by the user (not by an opened file) brings its own defaults where its script has them
-    family.input(functools.partial(A.family_value_updates, tab), inputs=family,
-                 outputs=[controls[p.name] for p in A.family_default_params(tab)], show_progress="hidden")
+    if A.family_default_params(tab):  # none: no server event at all
+        family.input(functools.partial(A.family_value_updates, tab), inputs=family,
+                     outputs=[controls[p.name] for p in A.family_default_params(tab)], show_progress="hidden")
     # Open and a preset set every value (and the family); their progress shows on the status line only
     opened = open_btn.click(functools.partial(A.open_from_box, tab), inputs=[path, family],
                             outputs=[status, family, *inputs, path, preset], show_progress_on=status)
