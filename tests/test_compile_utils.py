@@ -613,7 +613,7 @@ def test_checkpoint_keep_without_inside_checkpointing_warns(argv, applies, caplo
     assert ("--compile_checkpoint_keep resnets has no effect" in caplog.text) != applies
     args.compile_checkpoint_keep = "everything"  # as a config file can set it
     with pytest.raises(compile_options.CompileConfigError, match="--compile_checkpoint_keep must be one of auto, "
-                                                    "attention, projections, resnets; got 'everything'"):
+                                                    "inputs, attention, projections, resnets; got 'everything'"):
         compile_options.validate_compile_args(args)
 
 
