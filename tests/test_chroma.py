@@ -144,11 +144,15 @@ def full_length_forward(model, noisy, sigma, t5, t5_mask):
     return flux_train_utils.unpack_latents(out, h, w)
 
 
-@pytest.mark.parametrize("lengths", [(3,), (5, 2), (4, 4), (12, 1)])
-def test_cut_text_gives_the_full_length_outputs_and_gradients(chroma_set, lengths):
+@pytest.mark.parametrize("lengths, checkpointing", [((3,), None), ((5, 2), None), ((4, 4), None), ((12, 1), None),
+                                                     ((5, 2), "diffusers"), ((12, 1), "offload"), ((3,), "offload")])
+def test_cut_text_gives_the_full_length_outputs_and_gradients(chroma_set, lengths, checkpointing):
     """chroma_forward cuts the text after the batch's longest caption (+ its padding token) and drops the mask
     where every sample sees the same length: the same outputs and gradients (model weights and input) as the
-    whole padded sequence with the mask."""
+    whole padded sequence with the mask. Also with diffusers' gradient checkpointing (plain or CPU-offloading),
+    which hands the single blocks no mask of its own (single_blocks_masked)."""
+    from library import offload_checkpointing
+
     model = chroma_models.load_chroma_transformer(chroma_set["transformer"], torch.float32)
     model.requires_grad_(True)
     g = torch.Generator().manual_seed(1)
@@ -165,6 +169,10 @@ def test_cut_text_gives_the_full_length_outputs_and_gradients(chroma_set, length
     for forward in (lambda x: full_length_forward(model, x, sigma, t5, t5_mask),
                     lambda x: chroma.chroma_forward(model, x, sigma, {"t5_out": t5, "t5_attn_mask": t5_mask}, 0.0,
                                                     torch.float32)):
+        if results and checkpointing == "diffusers":
+            model.enable_gradient_checkpointing()
+        elif results and checkpointing == "offload":
+            offload_checkpointing.enable(model)
         model.zero_grad()
         x = noisy.clone().requires_grad_(True)
         out = forward(x)

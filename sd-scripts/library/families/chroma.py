@@ -164,6 +164,31 @@ def trim_text(t5_out: torch.Tensor, t5_mask: torch.Tensor, image_tokens: int) ->
 
 
 @contextlib.contextmanager
+def single_blocks_masked(transformer, mask: torch.Tensor | None):
+    """diffusers' Chroma passes no attention mask to its single blocks under its own gradient checkpointing (the
+    checkpointed call gives them three arguments); while the context is open, its checkpoint function hands them
+    the mask as their fourth (the checkpoint keeps it for the recompute). Only a batch whose captions differ in
+    length has a mask (trim_text)."""
+    from diffusers.models.transformers.transformer_chroma import ChromaSingleTransformerBlock
+
+    func = getattr(transformer, "_gradient_checkpointing_func", None)
+    if mask is None or func is None or not getattr(transformer, "gradient_checkpointing", False):
+        yield
+        return
+
+    def with_mask(block, *args):
+        if isinstance(block, ChromaSingleTransformerBlock) and len(args) == 3:
+            args = (*args, mask)
+        return func(block, *args)
+
+    transformer._gradient_checkpointing_func = with_mask
+    try:
+        yield
+    finally:
+        transformer._gradient_checkpointing_func = func
+
+
+@contextlib.contextmanager
 def embedded_guidance(transformer, guidance: float | None):
     """diffusers' Chroma always feeds guidance 0 to the approximator; upstream feeds --guidance_scale / --g. A
     non-zero value replaces that part of the approximator's input while the context is open."""
@@ -194,7 +219,7 @@ def chroma_forward(transformer, noisy: torch.Tensor, sigmas: torch.Tensor, te: d
     t5_out, mask = trim_text(te["t5_out"], te["t5_attn_mask"], (h // 2) * (w // 2))
     t5_out = t5_out.to(noisy.device, dtype)
     mask = None if mask is None else mask.to(noisy.device)
-    with embedded_guidance(transformer, guidance):
+    with embedded_guidance(transformer, guidance), single_blocks_masked(transformer, mask):
         out = transformer(hidden_states=flux_train_utils.pack_latents(noisy).to(dtype), encoder_hidden_states=t5_out,
                           timestep=sigmas.to(dtype), img_ids=flux_train_utils.image_ids(h, w, noisy.device, dtype),
                           txt_ids=torch.zeros(t5_out.shape[1], 3, device=noisy.device, dtype=dtype),
