@@ -187,6 +187,37 @@ def test_cut_text_gives_the_full_length_outputs_and_gradients(chroma_set, length
         torch.testing.assert_close(grads[name], grad, atol=2e-5, rtol=1e-4, msg=name)
 
 
+def test_compiled_blocks_take_a_new_caption_length_with_one_recompile(chroma_set):
+    """The cut text changes the blocks' input shapes with each batch's longest caption, also with one bucket shape:
+    Chroma compiles with torch's automatic dynamic there (static graphs first, one recompile with the length
+    symbolic at a second length), not static graphs that recompile for every caption length."""
+    import argparse
+    import types
+
+    from library.compile import options as compile_options
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    args = compile_options.add_compile_arguments(argparse.ArgumentParser()).parse_args(
+        ["--compile", "--compile_backend", "eager"])
+    args.gradient_checkpointing, args.blocks_to_swap, args._input_shapes = False, 0, 1  # one bucket shape
+    model = chroma_models.load_chroma_transformer(chroma_set["transformer"], torch.float32)
+    family = chroma.Chroma()
+    family.compile(args, types.SimpleNamespace(transformer=model))
+    assert family.compiled_blocks == 2 and args._input_shapes == 1  # the caller's settings are left as they were
+    g = torch.Generator().manual_seed(2)
+    for length in (3, 6, 9, 12, 5):
+        t5_mask = (torch.arange(16)[None, :] < length).long()
+        with torch.no_grad():
+            chroma.chroma_forward(model, torch.randn(1, 16, 8, 8, generator=g), torch.tensor([0.5]),
+                                  {"t5_out": torch.randn(1, 16, 32, generator=g), "t5_attn_mask": t5_mask}, 0.0,
+                                  torch.float32)
+    # two block classes: each compiled for the first length, then once more with the length dynamic
+    assert counters["stats"]["unique_graphs"] == 4, dict(counters["stats"])
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("drop, add, needle", [
     ("--apply_t5_attn_mask", [], "--model_type chroma needs --apply_t5_attn_mask"),
     ("--t5xxl", [], "--t5xxl required"),
