@@ -75,7 +75,7 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         "the compile holds twice what they keep more (scaled by batch and image size) + 4 GiB, else attention; "
         "one log line says which. On an H100, SDXL 1024 bs4 (--cuda_graph_step --cudnn_sdp on): 299 / 264 ms "
         "(attention / resnets) at 10.6 / 18.8 GiB; FLUX.1 1024: 581 / 521 ms (attention / projections) at 27.3 / "
-        "33.8 GiB; Chroma 1024: 448 / 426 ms (attention / projections) at 21.0 / 25.4 GiB",
+        "33.8 GiB; Chroma 1024: 477 / 451 / 417 ms (inputs / attention / projections) at 19.6 / 21.0 / 25.4 GiB",
     )
     group.add_argument("--cuda_allow_tf32", action="store_true", help="allow TF32 matmul/cuDNN on Ampere or newer GPUs")
     group.add_argument("--cuda_cudnn_benchmark", action="store_true", help="enable cudnn.benchmark")

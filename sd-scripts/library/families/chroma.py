@@ -2,7 +2,11 @@
 only (no CLIP-L), the T5 attention mask required (each caption attends to its tokens plus one padding token, as
 upstream's Chroma), the guidance scale fed to the distilled-guidance approximator (upstream: use 0.0). The
 transformer is diffusers' ChromaTransformer2DModel (library.chroma_models); FLUX.1's pieces are reused as plain
-functions of library.families.flux / flux_train_utils."""
+functions of library.families.flux / flux_train_utils.
+
+Speed: as upstream, the text is cut after the batch's longest caption + its padding token (trim_text), so a batch
+of one needs no mask and attention runs on the flash kernel; the compiled blocks follow the caption length with
+torch's automatic dynamic (Chroma.compile)."""
 from __future__ import annotations
 
 import contextlib
