@@ -35,7 +35,8 @@ def make_blocks(kind: str, width: int, heads: int, device, dtype):
     return [b.to(device, dtype).requires_grad_(False) for b in (double, single)]
 
 
-def block_inputs(kind: str, width: int, text: int, image: int, mask: bool, device, dtype):
+def block_inputs(kind: str, width: int, text: int, image: int, seen: int | None, device, dtype):
+    """The blocks' inputs; `seen`: mask the text tokens from there on (None: no mask)."""
     from diffusers.models.embeddings import FluxPosEmbed
 
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -50,9 +51,8 @@ def block_inputs(kind: str, width: int, text: int, image: int, mask: bool, devic
     rope = FluxPosEmbed(theta=10000, axes_dim=[16, 56, 56])(ids.to(device))
     rope = tuple(r.to(device) for r in rope)
     attn_mask = None
-    if mask:  # 12 caption tokens + 1 padding token seen, then every image token
-        seen = torch.arange(text) < 13
-        attn_mask = torch.cat([seen, torch.ones(image, dtype=torch.bool)])[None].to(device)
+    if seen is not None:  # the caption + 1 padding token seen, then every image token
+        attn_mask = torch.cat([torch.arange(text) < seen, torch.ones(image, dtype=torch.bool)])[None].to(device)
     img, txt = rand(1, image, width), rand(1, text, width)
     temb_double = rand(1, 12, width) * 0.1 if kind == "chroma" else rand(1, width)
     temb_single = rand(1, 3, width) * 0.1 if kind == "chroma" else rand(1, width)
@@ -82,11 +82,11 @@ def run_single(kind, double, single, inputs):
         (img_out.float().square().mean() + txt_out.float().square().mean()).backward()
 
 
-def measure(name, kind, text, args, device, dtype) -> dict:
+def measure(name, kind, text, args, device, dtype, seen=None) -> dict:
     width, heads = (128, 1) if args.tiny else (3072, 24)
     image = 16 if args.tiny else 4096
     double, single = make_blocks(kind, width, heads, device, dtype)
-    inputs = block_inputs(kind, width, text, image, name.startswith("chroma masked"), device, dtype)
+    inputs = block_inputs(kind, width, text, image, seen, device, dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     result = {"variant": name, "text_tokens": text, "image_tokens": image}
     for label, fn in (("double", run_double), ("single", run_single)):
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     full = 16 if args.tiny else 512
     cut = min(args.caption_tokens + 1, full)
-    rows = [measure("chroma masked 512", "chroma", full, args, device, dtype),
+    rows = [measure("chroma masked 512", "chroma", full, args, device, dtype, seen=cut),
             measure("chroma cut", "chroma", cut, args, device, dtype),
             measure("flux 512", "flux", full, args, device, dtype)]
     if args.json:
