@@ -65,6 +65,13 @@ def normalise_args(args) -> None:
         args.gradient_checkpointing = True
 
 
+def normalise_full_args(args) -> None:
+    """anima_train.py's fix-ups: the LoRA script's, and --cpu_offload_checkpointing / the deprecated
+    --skip_latents_validity_check as upstream's full trainers."""
+    normalise_args(args)
+    flux_train_utils.normalise_dit_full_args(args)
+
+
 def check_anima_args(args, error_cls) -> None:
     if args.v2 or args.v_parameterization:
         raise error_cls("--v2 / --v_parameterization are for SD2.x; this script trains Anima")
@@ -120,7 +127,7 @@ class Anima:
         if args.attn_mode in ("xformers", "flash") or args.split_attn:
             logger.info("--attn_mode %s%s: attention runs through PyTorch's SDPA", args.attn_mode,
                         " --split_attn" if args.split_attn else "")
-        if args.fp8_base or args.fp8_base_unet:
+        if args.fp8_base or getattr(args, "fp8_base_unet", False):
             logger.warning("--fp8_base / --fp8_base_unet are not supported for Anima (as upstream): training in the "
                            "weight dtype")
         if args.vae_chunk_size is not None or args.vae_disable_cache:
@@ -221,6 +228,16 @@ class Anima:
                     f"{args.t5_max_token_length}")
         return f"anima:{what}:{os.path.basename(str(args.vae or ''))}"
 
+    def full_output_format(self, args) -> tuple[str, str]:
+        return "single", ".safetensors"  # upstream's layout, whatever --save_model_as says (as upstream)
+
+    def save_full_model(self, args, components, path: str, metadata, save_dtype) -> None:
+        from library.compile.regional import strip_orig_mod
+
+        if self.swapper is not None:
+            self.swapper.synchronize()
+        anima_models.save_dit(path, strip_orig_mod(components.transformer.state_dict()), metadata, save_dtype)
+
 
 def _te_to_file(o: dict) -> dict:
     arrays = {k: te_cache._numpy(o[k]) for k in TE_KEYS}
@@ -315,3 +332,85 @@ class _NoPipeline:
 
     def set_progress_bar_config(self, **_):
         pass
+
+
+# anima_train.py (full fine-tune of the DiT and its LLM adapter; Qwen3 and the VAE stay frozen, as upstream)
+
+PARTS = ("self_attn", "cross_attn", "mlp", "mod", "llm_adapter")  # --<part>_lr
+
+
+def param_part(name: str) -> str:
+    """Upstream's get_anima_param_groups: the part (and so the learning rate) a DiT parameter belongs to."""
+    if "llm_adapter" in name:
+        return "llm_adapter"
+    for part, marker in (("self_attn", ".self_attn"), ("cross_attn", ".cross_attn"), ("mlp", ".mlp"),
+                         ("mod", ".adaln_modulation")):
+        if marker in name:
+            return part
+    return "base"
+
+
+def part_learning_rates(args) -> dict[str, float]:
+    """base = --learning_rate; each --<part>_lr, unset = --learning_rate."""
+    lrs = {"base": args.learning_rate}
+    lrs.update({part: args.learning_rate if getattr(args, f"{part}_lr") is None else getattr(args, f"{part}_lr")
+                for part in PARTS})
+    return lrs
+
+
+def check_full_args(args, target) -> None:
+    from library.errors import ConfigError
+
+    if args.train_text_encoder:
+        raise ConfigError("--train_text_encoder: anima_train.py trains the DiT only (Qwen3 stays frozen, as "
+                          "upstream); train a Qwen3 LoRA with anima_train_network.py instead")
+    for part in PARTS:
+        value = getattr(args, f"{part}_lr")
+        if value is not None and value < 0:
+            raise ConfigError(f"--{part}_lr must be 0 (frozen) or more, got {value}")
+    if not args.learning_rate or not any(part_learning_rates(args).values()):
+        raise ConfigError(f"--learning_rate {args.learning_rate}: every part of the DiT would be frozen (upstream "
+                          "then trains and saves nothing); give a learning rate above 0")
+    if args.save_model_as not in (None, "safetensors"):
+        logger.warning("--save_model_as %s: anima_train.py writes a .safetensors single file (as upstream)",
+                       args.save_model_as)
+
+
+def place_for_full_training(args, accelerator, family, components, train_dtype):
+    """The DiT (with its LLM adapter) in upstream's six parameter groups (base, self_attn, cross_attn, mlp, mod,
+    llm_adapter), a part at rate 0 frozen; with --blocks_to_swap only the resident blocks go to the device."""
+    from library import sharding
+    from library.block_swap import BlockSwapError, place_with_block_swap
+    from library.errors import ConfigError
+    from library.network_trainer import Trainable
+
+    model = components.transformer
+    model.to(dtype=train_dtype).requires_grad_(True)
+    lrs = part_learning_rates(args)
+    by_part: dict[str, list] = {part: [] for part in lrs}
+    for name, p in model.named_parameters():
+        by_part[param_part(name)].append(p)
+    groups, names = [], []
+    for part, params in by_part.items():
+        if lrs[part] == 0:
+            for p in params:
+                p.requires_grad_(False)
+            logger.info("%s: learning rate 0, %d tensors frozen", part, len(params))
+        elif params:
+            groups.append({"params": params, "lr": lrs[part]})
+            names.append(part)  # upstream's lr log names: lr/base, lr/self_attn, ...
+            logger.info("%s: %d tensors at learning rate %s", part, len(params), lrs[part])
+    if args.gradient_checkpointing:
+        family.enable_gradient_checkpointing(args, components, [])
+    model.train()
+    if args.blocks_to_swap:
+        try:
+            family.swapper = place_with_block_swap(model, args.blocks_to_swap, accelerator.device, trainable=True,
+                                                   blocks=list(model.blocks))
+        except BlockSwapError as e:
+            raise ConfigError(str(e)) from e
+    elif not sharding.shards(args, accelerator):  # (--fsdp: fully_shard places it block by block)
+        model.to(accelerator.device)
+    logger.info("training the Anima DiT: %.2fM parameters in %s",
+                sum(p.numel() for g in groups for p in g["params"]) / 1e6, str(train_dtype).removeprefix("torch."))
+    return Trainable(models=[model], param_groups=groups, train_text_encoder=False, lr_descriptions=names)
