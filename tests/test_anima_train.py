@@ -133,3 +133,27 @@ def test_bad_settings_stop_with_one_line(anima_set, anima_data, tmp_path, capsys
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_gui_demo_preset_fine_tunes_a_tiny_anima(tmp_path, monkeypatch):
+    """The Fine-tune tab's Anima demo preset: the demo helper makes its tiny Anima and images in cache/demo/, and the
+    flags the GUI builds from the preset run anima_train.py, which writes upstream's single file and a sample."""
+    from kohya_gui import command, config_file, demo, presets
+
+    monkeypatch.chdir(tmp_path)
+    cfg = config_file.load(presets.preset_path("finetune", "demo-anima-tiny"))
+    assert (cfg.tab, cfg.family) == ("finetune", "Anima")
+    assert command.script_path(cfg.tab, cfg.family).endswith("anima_train.py")
+    values = {**cfg.values, "max_train_steps": 2, "sample_every_n_steps": 2}
+    demo.make_assets(cfg.family, values, log=lambda *_: None)
+    assert not demo.missing_demo_paths(cfg.family, values)
+    argv = command.trainer_args(cfg.tab, cfg.family, values)
+    assert argv[argv.index("--llm_adapter_lr") + 1] == "0.0"
+    path = anima_train.main(argv)
+    written, md = read(path)
+    base = load_file(str(tmp_path / "cache/demo/anima/anima.safetensors"))
+    assert written.keys() == base.keys() and md["modelspec.architecture"] == "anima-preview"
+    assert torch.equal(written["net.llm_adapter.embed.weight"], base["net.llm_adapter.embed.weight"])
+    assert not torch.equal(written["net.blocks.0.mlp.layer1.weight"], base["net.blocks.0.mlp.layer1.weight"])
+    assert list((tmp_path / "outputs/demo-anima-ft/sample").glob("demo-anima-ft_000002_00_*.png"))
