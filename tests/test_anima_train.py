@@ -124,6 +124,7 @@ def test_validate_only_loads_no_model(anima_set, anima_data, tmp_path, capsys):
     (["--self_attn_lr", "-1"], "--self_attn_lr must be 0 (frozen) or more"),
     (["--learning_rate", "0"], "every part of the DiT would be frozen"),
     (["--attn_mode", "sageattn"], "--attn_mode sageattn"),
+    (["--v_parameterization"], "--v2 / --v_parameterization are for SD2.x; this script trains Anima"),
     (["--fused_backward_pass", "--optimizer_type", "Adafactor", "--mixed_precision", "fp16"], "--mixed_precision bf16"),
 ])
 def test_bad_settings_stop_with_one_line(anima_set, anima_data, tmp_path, capsys, extra, needle):

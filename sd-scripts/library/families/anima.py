@@ -10,8 +10,8 @@ import os
 import torch
 
 from library import anima_models, dit_options, flux_train_utils, latent_cache, offload_checkpointing, te_cache
+from library.families import dit_family
 from library.objectives import flow_matching
-from library.objectives.flow_matching import FlowMatching
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +73,6 @@ def normalise_full_args(args) -> None:
 
 
 def check_anima_args(args, error_cls) -> None:
-    if args.v2 or args.v_parameterization:
-        raise error_cls("--v2 / --v_parameterization are for SD2.x; this script trains Anima")
     for name in ("qwen3_max_token_length", "t5_max_token_length"):
         if getattr(args, name) < 1:
             raise error_cls(f"--{name} must be 1 or more, got {getattr(args, name)}")
@@ -92,11 +90,7 @@ def check_anima_args(args, error_cls) -> None:
             raise error_cls("--unsloth_offload_checkpointing cannot be used with --blocks_to_swap")
     flow_matching.check_args(args, error_cls)
     offload_checkpointing.check_args(args, error_cls)
-    res = getattr(args, "resolution", None)
-    if isinstance(res, str):
-        for v in res.replace("x", ",").split(","):
-            if v.strip().isdigit() and int(v) % 16:
-                raise error_cls(f"--resolution {res}: Anima needs sides that are multiples of 16")
+    dit_family.check_resolution_multiple(args, error_cls, 16, "Anima")
 
 
 def offloads_checkpoints(args) -> bool:
@@ -107,23 +101,13 @@ class Anima:
     label = "Anima"
 
     def __init__(self):
-        self.objective = FlowMatching()
-        self.bucket_reso_steps_multiple = 16  # upstream: verify_bucket_reso_steps(16)
-        self.compiled_blocks = 0
-        self.swapper = None
+        dit_family.init(self, 16)
 
     def name(self, args) -> str:
         return "anima"
 
     def check_args(self, args) -> None:
-        from library.compile import options as compile_options
-        from library.errors import ConfigError
-
-        check_anima_args(args, ConfigError)
-        module = getattr(args, "network_module", None)
-        if module not in (None, "networks.lora_anima"):
-            logger.warning("--network_module %s: Anima LoRA files in kohya's format come from networks.lora_anima",
-                           module)
+        dit_family.check_args(args, check_anima_args, self.label, "networks.lora_anima")
         if args.attn_mode in ("xformers", "flash") or args.split_attn:
             logger.info("--attn_mode %s%s: attention runs through PyTorch's SDPA", args.attn_mode,
                         " --split_attn" if args.split_attn else "")
@@ -133,7 +117,6 @@ class Anima:
         if args.vae_chunk_size is not None or args.vae_disable_cache:
             logger.info("--vae_chunk_size / --vae_disable_cache tune upstream's own VAE code; diffusers' VAE is used "
                         "as it is")
-        compile_options.validate_compile_args(args)
 
     def load(self, args, weight_dtype, fp8_denoiser: bool):
         c = anima_models.load_anima_components(
@@ -170,15 +153,8 @@ class Anima:
             offload_checkpointing.enable(components.transformer)
 
     def place_denoiser(self, args, components, device, weight_dtype, fp8: bool) -> None:
-        from library.block_swap import BlockSwapError
-        from library.errors import ConfigError
-
-        try:
-            self.swapper = flux_train_utils.place_transformer(components.transformer, device, weight_dtype, fp8,
-                                                              args.blocks_to_swap or 0,
-                                                              blocks=list(components.transformer.blocks))
-        except BlockSwapError as e:
-            raise ConfigError(str(e)) from e
+        dit_family.place_denoiser(self, components, device, weight_dtype, fp8, args.blocks_to_swap or 0,
+                                  list(components.transformer.blocks))
 
     def apply_fp8(self, args, components, fp8_targets) -> None:
         pass  # no fp8 for Anima (upstream turns --fp8_base / --fp8_base_unet off; check_args warns)
@@ -203,15 +179,8 @@ class Anima:
         return "anima"  # upstream's load_target_model
 
     def metadata(self, args, fp8_targets) -> dict[str, str]:
-        from library.compile import options as compile_options
-
-        md = dict(compile_options.compile_settings_metadata(args))
-        md.update(flow_matching.metadata(args))  # upstream's update_metadata keys
-        md["ss_blocks_to_swap"] = str(args.blocks_to_swap or 0)
-        md["ss_fp8_base"] = md["ss_fp8_base_unet"] = "False"  # upstream turns them off before writing metadata
-        if self.compiled_blocks:
-            md["ss_compile_blocks"] = str(self.compiled_blocks)
-        return md
+        # upstream turns --fp8_base / --fp8_base_unet off before writing metadata
+        return dit_family.metadata(self, args, {"ss_fp8_base": "False", "ss_fp8_base_unet": "False"})
 
     def modelspec_variant(self) -> str | None:
         return None
@@ -232,11 +201,7 @@ class Anima:
         return "single", ".safetensors"  # upstream's layout, whatever --save_model_as says (as upstream)
 
     def save_full_model(self, args, components, path: str, metadata, save_dtype) -> None:
-        from library.compile.regional import strip_orig_mod
-
-        if self.swapper is not None:
-            self.swapper.synchronize()
-        anima_models.save_dit(path, strip_orig_mod(components.transformer.state_dict()), metadata, save_dtype)
+        anima_models.save_dit(path, dit_family.trained_state_dict(self, components), metadata, save_dtype)
 
 
 def _te_to_file(o: dict) -> dict:
@@ -322,16 +287,9 @@ def sample_images(args, components, *, device, epoch, steps, autocast=None, netw
         array = ((image[0].permute(1, 2, 0).float().cpu() + 1) * 127.5).round().to(torch.uint8).numpy()
         return Image.fromarray(array)
 
-    return flux_train_utils.sample_with_pipeline(args, _NoPipeline, (components.vae, components.qwen3), draw,
-                                                 device=device, epoch=epoch, steps=steps, autocast=autocast,
+    return flux_train_utils.sample_with_pipeline(args, dit_family.NoPipeline, (components.vae, components.qwen3),
+                                                 draw, device=device, epoch=epoch, steps=steps, autocast=autocast,
                                                  networks=networks)
-
-
-class _NoPipeline:
-    """sample_with_pipeline's pipeline slot: Anima's sampler is the function above."""
-
-    def set_progress_bar_config(self, **_):
-        pass
 
 
 # anima_train.py (full fine-tune of the DiT and its LLM adapter; Qwen3 and the VAE stay frozen, as upstream)
