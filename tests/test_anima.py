@@ -19,18 +19,6 @@ from networks import lora_anima
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def anima_set(tmp_path_factory):
-    return anima_models.make_tiny_anima(tmp_path_factory.mktemp("anima_models"))
-
-
-@pytest.fixture(scope="module")
-def anima_data(tmp_path_factory):
-    from library.tiny_models import make_captioned_images
-
-    return make_captioned_images(tmp_path_factory.mktemp("anima_data"), n=2, size=(32, 32), repeats=1, name="demo")
-
-
 def model_argv(paths, qwen3="qwen3"):
     return ["--pretrained_model_name_or_path", paths["dit"], "--qwen3", paths[qwen3], "--vae", paths["vae"],
             "--tokenizer_cache_dir", paths["tokenizer_cache_dir"]]
