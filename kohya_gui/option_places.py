@@ -536,7 +536,7 @@ PLACES: dict[str, Look] = {
     "fp16_master_weights_and_gradients": Look("advanced_compat", "fp16 master weights (DeepSpeed, no effect)"),
     "torch_compile": Look("advanced_compat", "Legacy Torch Compile (accelerate dynamo)"),
     "dynamo_backend": Look("advanced_compat", "Dynamo backend"),
-    "learning_rate_te": Look("optimizer", "Learning rate TE"),
+    "learning_rate_te": Look("optimizer", "Learning rate TE", families=SD | FLOW - ANIMA),  # (anima_train: Qwen3 frozen)
     "use_safetensors": Look("advanced_saving", "Use safetensors"),
     "no_metadata": Look("metadata", "No metadata"),
     "training_comment": Look("metadata", "Training comment"),

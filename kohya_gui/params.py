@@ -344,6 +344,7 @@ NOT_SHOWN.update({
 # Anima: a flow-matching DiT; the compile flags on the command line (as Lumina 2's)
 NOT_SHOWN.update({
     ("train_text_encoder", "Anima"): "anima_train.py trains the DiT (as upstream)",
+    ("learning_rate_te", "Anima"): "anima_train.py keeps Qwen3 frozen (as upstream)",
     **{(f"{part}_lr", "lora"): "anima_train_network.py accepts and ignores it (as upstream); anima_train.py reads it"
        for part in ("llm_adapter", "self_attn", "cross_attn", "mlp", "mod")},
     ("v2", "Anima"): "SD2.x is a family of its own: choosing it sets --v2",
