@@ -39,7 +39,8 @@ def setup_parser() -> argparse.ArgumentParser:
 
 
 def trainer(args=None) -> Trainer:
-    return Trainer(anima.Anima(), Full(check=anima.check_full_args, place=anima.place_for_full_training))
+    return Trainer(anima.Anima(), Full(check=anima.check_full_args, place=anima.place_for_full_training,
+                                       extra_metadata=anima.full_metadata))
 
 
 def main(argv: list[str] | None = None) -> str | None:

@@ -69,6 +69,7 @@ def test_full_fine_tune_saves_upstreams_file_and_resumes(anima_set, anima_data, 
     assert md["format"] == "pt" and md["modelspec.architecture"] == "anima-preview"
     assert md["modelspec.implementation"] == "https://huggingface.co/circlestone-labs/Anima"
     assert md["ss_base_model_version"] == "anima" and md["ss_steps"] == "2" and "ss_network_module" not in md
+    assert md["ss_llm_adapter_lr"] == "0.0" and md["ss_mod_lr"] == "0.002" and "ss_self_attn_lr" not in md
     assert "mod: 14 tensors at learning rate 0.002" in caplog.text and "llm_adapter: learning rate 0" in caplog.text
     # a step save under upstream's name; the file reads back into the same weights
     assert (out / "full-step00000001.safetensors").is_file()

@@ -316,6 +316,11 @@ def part_learning_rates(args) -> dict[str, float]:
     return lrs
 
 
+def full_metadata(args) -> dict[str, float]:
+    """The per-part learning rates given (ss_self_attn_lr ...), so a fine-tune's file says how it was trained."""
+    return {f"ss_{part}_lr": getattr(args, f"{part}_lr") for part in PARTS if getattr(args, f"{part}_lr") is not None}
+
+
 def check_full_args(args, target) -> None:
     from library.errors import ConfigError
 
