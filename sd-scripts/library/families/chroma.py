@@ -158,9 +158,9 @@ def trim_text(t5_out: torch.Tensor, t5_mask: torch.Tensor, image_tokens: int) ->
     model returns the image tokens only). Where every sample sees the same length (always with batch 1) no mask
     is left, so attention runs on the flash kernel; else [B, L_txt + L_img] bool over the cut sequence."""
     seen = text_lengths(t5_mask)
-    longest = int(seen.max())
+    shortest, longest = torch.stack([seen.min(), seen.max()]).tolist()  # one read from the device
     t5_out = t5_out[:, :longest]
-    if bool((seen == longest).all()):
+    if shortest == longest:
         return t5_out, None
     txt = torch.arange(longest, device=seen.device)[None, :] < seen[:, None]
     mask = torch.cat([txt, torch.ones(len(seen), image_tokens, dtype=torch.bool, device=seen.device)], dim=1)
