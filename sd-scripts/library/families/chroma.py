@@ -147,7 +147,7 @@ class Chroma:
 def text_lengths(t5_mask: torch.Tensor) -> torch.Tensor:
     """[B] how many text tokens each sample attends to: its caption's tokens plus one padding token (upstream's
     attn_padding=1), at most the padded length."""
-    return torch.clamp(t5_mask.sum(dim=1) + 1, max=t5_mask.shape[1])
+    return torch.clamp(t5_mask.sum(dim=1).long() + 1, max=t5_mask.shape[1])
 
 
 def trim_text(t5_out: torch.Tensor, t5_mask: torch.Tensor, image_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
