@@ -28,11 +28,14 @@ line to its progress line for step 1, which it prints once step 2 has run (the l
 done (issue 15's warm-restart target) is one more step, whose time the summary's median gives. `--cache_tag` runs on the compile
 cache of another tag (a warm restart); `--time_graphs` runs the trainer through tools/graph_timing.py.
 
-The families after FLUX.1 (issue 28 item 6; `--family sd3-medium|sd3-large|chroma|lumina`): `prepare` writes random
-full-size bf16 files in the layouts users download and upstream reads (shapes from each model's published config,
-written down at SD35_MEDIUM and below): SD3.5 as SAI's single file (MMDiT + VAE) with separate clip_l / clip_g /
-t5xxl files; Chroma as its distributed single file with FLUX.1's T5-XXL and AE; Lumina 2 as its single file with
-Gemma 2 2B and the AE; tokenizers in both sides' --tokenizer_cache_dir layouts (`--tiny`: the same at test size).
+The families after FLUX.1 (issue 28 item 6; `--family sd3-medium|sd3-large|chroma|lumina|hunyuan-image|anima`):
+`prepare` writes random full-size bf16 files in the layouts users download and upstream reads (shapes from each
+model's published config, written down at SD35_MEDIUM and below): SD3.5 as SAI's single file (MMDiT + VAE) with
+separate clip_l / clip_g / t5xxl files; Chroma as its distributed single file with FLUX.1's T5-XXL and AE; Lumina 2
+as its single file with Gemma 2 2B and the AE; HunyuanImage 2.1's DiT, Qwen2.5-VL (QWEN25_VL_BENCH_LAYERS of its 28
+layers: its outputs are cached before the loop), glyph byT5 and VAE; Anima's DiT (with its LLM adapter), Qwen3-0.6B
+and the Qwen-Image VAE; tokenizers in both sides' layouts (HunyuanImage and Anima: upstream's own Qwen and T5
+tokenizer files from `--upstream_dir`'s configs/; `--tiny`: the same at test size).
 `run --phases upstream,compiled,eager` adds a phase that starts upstream kohya-ss/sd-scripts' own script from
 `--upstream_dir` (no compile, as its users run it) with `--upstream_pythonpath` as its whole PYTHONPATH (its pinned
 packages); its progress is a tqdm bar, read for the median step and the first step. Every run also polls
