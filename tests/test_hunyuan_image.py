@@ -141,6 +141,25 @@ def test_blocks_get_no_mask_when_every_token_is_valid_and_compile_whole(monkeypa
     assert explained.graph_break_count == 1  # what a padded batch with --split_attn still costs
 
 
+def test_step_graph_auto_stays_off_as_the_text_is_trimmed_on_the_host(monkeypatch, caplog):
+    import argparse
+    import logging
+
+    from library.compile import graphs
+    from library.errors import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = argparse.Namespace(cuda_graph_step="auto", compile=True, compile_mode="reduce-overhead",
+                              compile_backend="inductor", optimizer_type="AdamW", optimizer_args=[],
+                              gradient_accumulation_steps=1, cache_latents=True, cache_text_encoder_outputs=True,
+                              mixed_precision="bf16", blocks_to_swap=None)
+    dataset = argparse.Namespace(buckets={(1024, 1024): [0]})
+    with caplog.at_level(logging.INFO, logger="library.compile.graphs"):
+        graphs.resolve(args, [argparse.Namespace(datasets=[dataset])], 1, "hunyuan_image", ConfigError)
+    assert graphs.cuda_graphs(args) == "blocks" and graphs.block_compile_mode(args) == "reduce-overhead"
+    assert any("off; the step graph is left off for HunyuanImage 2.1" in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.slow
 def test_lora_keys_metadata_caches_and_sample(hy_set, hy_data, tmp_path):
     import numpy as np
