@@ -229,8 +229,9 @@ QWEN25_VL_BENCH_LAYERS = 4
 BYT5_GLYPH = dict(vocab_size=384 + 138 + 988, d_model=1472, d_kv=64, d_ff=3584, num_layers=12, num_heads=6,
                   feed_forward_proj="gated-gelu", relative_attention_num_buckets=32, is_encoder_decoder=False,
                   use_cache=False)
-HUNYUAN_VAE = dict(in_channels=3, out_channels=3, latent_channels=64, block_out_channels=(128, 256, 512, 512, 1024, 1024),
-                   layers_per_block=2, spatial_compression_ratio=32, sample_size=384)
+HUNYUAN_VAE = dict(in_channels=3, out_channels=3, latent_channels=64,
+                   block_out_channels=(128, 256, 512, 512, 1024, 1024), layers_per_block=2,
+                   spatial_compression_ratio=32, sample_size=384)
 # Anima (circlestone-labs/Anima; upstream's fixed dit_config: the Cosmos-Predict2 2B DiT with its LLM adapter) and
 # Qwen3-0.6B (upstream's configs/qwen3_06b); the Qwen-Image VAE is diffusers' AutoencoderKLQwenImage default.
 ANIMA = dict(model_channels=2048, num_blocks=28, num_heads=16)
@@ -272,9 +273,10 @@ TINY_SHAPES = {
 NEW_FAMILIES = ("sd3-medium", "sd3-large", "chroma", "lumina", "hunyuan-image", "anima")
 
 
-def _random_module(module_fn, seed: int, dtype):
-    """A module built without init (full size costs nothing) and filled from a random pool; its buffers (computed
-    ones such as SD3's positional embedding) are kept."""
+def _random_module(module_fn, seed: int, dtype, on_gpu: bool = False):
+    """A module built without init (full size costs nothing) and filled from a random pool (`on_gpu`: drawn on the
+    GPU where there is one: HunyuanImage's 17B parameters take a minute from the CPU's pool, seconds this way); its
+    buffers (computed ones such as SD3's positional embedding) are kept."""
     import torch
     from accelerate import init_empty_weights
 
@@ -283,12 +285,28 @@ def _random_module(module_fn, seed: int, dtype):
     with init_empty_weights():
         m = module_fn()
     buffers = {n: b.clone() for n, b in m.named_buffers()}
-    m = flux_tiny._randomize(m.to(dtype).to_empty(device="cpu"), seed, std=0.02)
+    m = m.to(dtype).to_empty(device="cpu")
+    m = _draw_random(m, seed, std=0.02) if on_gpu else flux_tiny._randomize(m, seed, std=0.02)
     with torch.no_grad():
         for n, b in m.named_buffers():
             if n in buffers:
                 b.copy_(buffers[n])
     return m
+
+
+def _draw_random(model, seed: int, std: float):
+    """Normal(0, std) weights, norm weights 1 + Normal(0, 0.1) (as flux_tiny._randomize's pools), drawn on the GPU
+    if there is one and copied into the CPU module in its dtype."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=g, device=device)
+            norm = p.ndim == 1 and "norm" in name and name.endswith(".weight")
+            p.copy_((1 + 0.1 * r if norm else r * std).to(p.dtype))
+    return model
 
 
 class _Writer:
@@ -496,7 +514,7 @@ def prepare_qwen_family(workdir: Path, family: str, tiny: bool = False) -> None:
                                        "mrope_section": text.pop("mrope_section")}
             cfg = Qwen2_5_VLConfig(text_config=text, vision_config=sz["qwen25_vl_vision"],
                                    vocab_size=text["vocab_size"], tie_word_embeddings=False)
-            m = _random_module(lambda: Qwen2_5_VLForConditionalGeneration(cfg), 1, torch.bfloat16)
+            m = _random_module(lambda: Qwen2_5_VLForConditionalGeneration(cfg), 1, torch.bfloat16, True)
             sd = {}
             for k, v in m.state_dict().items():
                 for a, b in (("model.language_model.", "model."), ("model.visual.", "visual.")):
@@ -507,16 +525,17 @@ def prepare_qwen_family(workdir: Path, family: str, tiny: bool = False) -> None:
             w("qwen_2.5_vl_7b.safetensors", sd)
             del m, sd
         if not (dest / "byt5.safetensors").exists():
-            m = _random_module(lambda: T5EncoderModel(T5Config(**sz["byt5"])), 2, torch.float16)
+            m = _random_module(lambda: T5EncoderModel(T5Config(**sz["byt5"])), 2, torch.float16, True)
             w("byt5.safetensors", {k: v for k, v in m.state_dict().items() if k != "encoder.embed_tokens.weight"})
             del m
         if not (dest / "vae.safetensors").exists():
-            vae = _random_module(lambda: AutoencoderKLHunyuanImage(**HUNYUAN_VAE, scaling_factor=hm.LATENT_SCALING_FACTOR),
-                                 3, torch.float16)
+            vae = _random_module(lambda: AutoencoderKLHunyuanImage(
+                **HUNYUAN_VAE, scaling_factor=hm.LATENT_SCALING_FACTOR), 3, torch.float16, True)
             w("vae.safetensors", hm.vae_diffusers_to_upstream(vae.state_dict(), HUNYUAN_VAE["layers_per_block"]))
             del vae
         if not (dest / "hunyuan-image.safetensors").exists():
-            dit = _random_module(lambda: hm.HunyuanImageDiT(hm.DiTConfig(**sz["hunyuan-image"])), 4, torch.bfloat16)
+            dit = _random_module(lambda: hm.HunyuanImageDiT(hm.DiTConfig(**sz["hunyuan-image"])), 4, torch.bfloat16,
+                                 True)
             w("hunyuan-image.safetensors", dit.state_dict())
             del dit
         return
@@ -534,13 +553,13 @@ def prepare_qwen_family(workdir: Path, family: str, tiny: bool = False) -> None:
                                                           "extra_ids": 100, "model_max_length": 512}))
     if not (dest / "qwen3.safetensors").exists():  # Comfy-Org's qwen_3_06b_base: model.* keys (lm_head tied)
         cfg = Qwen3Config(**sz["qwen3"], tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1000000.0)
-        m = _random_module(lambda: Qwen3Model(cfg), 1, torch.bfloat16)
+        m = _random_module(lambda: Qwen3Model(cfg), 1, torch.bfloat16, True)
         w("qwen3.safetensors", {"model." + k: v for k, v in m.state_dict().items()})
         del m
     if not (dest / "vae.safetensors").exists():  # diffusers' keys (upstream's "official" layout)
-        w("vae.safetensors", _random_module(AutoencoderKLQwenImage, 3, torch.bfloat16).state_dict())
+        w("vae.safetensors", _random_module(AutoencoderKLQwenImage, 3, torch.bfloat16, True).state_dict())
     if not (dest / "anima.safetensors").exists():
-        dit = _random_module(lambda: am.Anima(am.AnimaConfig(**sz["anima"])), 4, torch.bfloat16)
+        dit = _random_module(lambda: am.Anima(am.AnimaConfig(**sz["anima"])), 4, torch.bfloat16, True)
         sd = {"net." + k: v for k, v in dit.state_dict().items()}
         w("anima.safetensors", sd)
         del dit, sd
@@ -573,8 +592,9 @@ def family_argv(workdir: Path, family: str) -> list[str]:
                 "--vae", str(d / "vae.safetensors"), "--tokenizer_cache_dir", str(d / "tokenizers" / "qwen"),
                 "--attn_mode", "torch", "--split_attn", "--network_module", "networks.lora_hunyuan_image"]
     if family == "anima":
-        return ["--pretrained_model_name_or_path", str(d / "anima.safetensors"), "--qwen3", str(d / "qwen3.safetensors"),
-                "--vae", str(d / "vae.safetensors"), "--tokenizer_cache_dir", str(d / "tokenizers"),
+        return ["--pretrained_model_name_or_path", str(d / "anima.safetensors"),
+                "--qwen3", str(d / "qwen3.safetensors"), "--vae", str(d / "vae.safetensors"),
+                "--tokenizer_cache_dir", str(d / "tokenizers"),
                 "--t5_tokenizer_path", str(d / "tokenizers" / "t5"), "--network_module", "networks.lora_anima"]
     return argv + ["--gemma2", str(d / "gemma2.safetensors"), "--ae", str(d / "ae.safetensors"),
                    "--network_module", "networks.lora_lumina"]
