@@ -193,8 +193,10 @@ def one_attention_grad_layout(transformer) -> int:
     of the output's gradient too. A single block concatenates its attention output with the MLP branch, so that
     gradient arrives as a slice (row stride 15360 instead of 3072); a double block's arrives contiguous. Whichever
     backward runs first (a single block's) fixed the plan for both, and the double blocks then read their gradient
-    with five times its row stride: out of bounds (the illegal memory accesses) or wrong gradients. PyTorch later
-    added the gradient's strides to that cache key; this makes the layouts agree on the torch we ship with."""
+    with five times its row stride: an illegal memory access, or silently wrong gradients where the memory past the
+    gradient was mapped (tools/probe_cudnn_sdpa.py --grad_layouts and --flux_blocks show both on an H100 with
+    torch 2.11 + cuDNN 9.19; pytorch/pytorch#191576 puts the gradient's strides into that key). With one layout
+    every attention backward runs on the right plan; the copy costs one gradient-sized write a single block."""
     from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
 
     n = 0
