@@ -14,6 +14,7 @@ TOOL = Path(__file__).resolve().parent.parent / "tools" / "graph_timing.py"
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1", "matmul"),
     ("nvjet_hsh_256x128_64x4_2x1_v_bz_coopB_TNT", "matmul"),
     ("triton_per_fused__to_copy_add_mul_native_layer_norm_0", "triton"),
+    ("triton_red_fused__fused_rms_norm__scaled_dot_product_cudnn_attention_backward__to_copy__un", "triton"),
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "other"),
 ])

@@ -134,10 +134,10 @@ def _count_steps(mark_step_begin):
     return wrapper
 
 
-KERNEL_KINDS = (  # by name, first match: cuDNN's attention kernels carry gemm-like names too
+KERNEL_KINDS = (  # by name, first match: inductor names its kernels after the ops they fuse (attention's too),
+    ("triton", ("triton",)),  # and cuDNN's attention kernels carry gemm-like words
     ("attention", ("flash", "fmha", "sdpa", "attention", "attn")),
     ("optimizer", ("adam", "multi_tensor")),
-    ("triton", ("triton",)),
     ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "wgmma", "splitk")),
 )
 
