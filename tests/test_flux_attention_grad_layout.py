@@ -91,3 +91,49 @@ def test_the_hook_compiles_inside_the_checkpointed_blocks_without_a_graph_break(
         torch._dynamo.reset()
     assert torch.allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
     assert torch.allclose(got[1], want[1], rtol=1e-4, atol=1e-6)
+
+
+def test_a_compiled_run_caches_the_hooked_blocks_autograd_graphs(monkeypatch, tmp_path):
+    """The hook's autograd.Function makes torch bypass its AOTAutograd cache (a FLUX.1 warm restart traced the
+    single blocks again); setup_compile_environment lets the cache take such graphs. Checked on dynamo's graph of
+    a hooked single block with torch's own cacheability check (no inductor compile here)."""
+    import torch._functorch.config as functorch_config
+    from torch._functorch._aot_autograd import autograd_cache
+
+    from library.compile import environment, options
+
+    model = _model()
+    flux.one_attention_grad_layout(model)
+    graphs = []
+
+    def keep_graph(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    block = model.single_transformer_blocks[0]
+    x, enc, temb = torch.randn(1, 16, WIDTH, requires_grad=True), torch.randn(1, 8, WIDTH), torch.randn(1, WIDTH)
+    torch._dynamo.reset()
+    try:
+        torch.compile(block, backend=keep_graph, fullgraph=True)(x, enc, temb,
+                                                                 image_rotary_emb=model.pos_embed(torch.zeros(24, 3)))
+    finally:
+        torch._dynamo.reset()
+
+    def cacheable() -> bool:
+        try:
+            for node in graphs[0].graph.nodes:
+                autograd_cache.check_node_safe(node)
+        except autograd_cache.BypassAOTAutogradCache:
+            return False
+        return True
+
+    monkeypatch.setattr(functorch_config, "autograd_cache_allow_custom_autograd_functions", False)
+    assert not cacheable()  # torch's default: the hooked graph would be traced again at every start
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "before"))  # setup sets it; monkeypatch restores
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", torch._inductor.config.fx_graph_cache)
+    monkeypatch.setattr(functorch_config, "enable_autograd_cache", functorch_config.enable_autograd_cache)
+    monkeypatch.setattr(torch._inductor.config, "unsafe_marked_cacheable_functions",
+                        torch._inductor.config.unsafe_marked_cacheable_functions)
+    parser = options.add_compile_arguments(__import__("argparse").ArgumentParser())
+    environment.setup_compile_environment(parser.parse_args(["--compile", "--compile_cache_dir", str(tmp_path)]))
+    assert cacheable()
