@@ -65,6 +65,35 @@ def test_single_and_double_blocks_hand_attention_one_gradient_layout_with_the_sa
     assert torch.allclose(after[1], before[1], rtol=1e-5, atol=1e-7)
 
 
+def test_chromas_single_blocks_get_the_same_layout(monkeypatch, tmp_path):
+    """Chroma (--model_type chroma) shares FLUX.1's attention backend setup, and its single blocks concatenate the
+    attention output with the MLP branch the same way."""
+    from safetensors.torch import save_file
+
+    from library import chroma_models
+    from library.families import chroma
+
+    built = chroma_models.tiny_chroma_transformer(width=WIDTH, num_double=1, num_single=2)
+    save_file(chroma_models.diffusers_to_single_file(built.state_dict()), tmp_path / "chroma.safetensors")
+    model = chroma_models.load_chroma_transformer(str(tmp_path / "chroma.safetensors"), torch.float32)
+    model.requires_grad_(False)
+    noisy, _, grad_out = _inputs()
+    te = {"t5_out": torch.randn(1, 8, 32), "t5_attn_mask": torch.ones(1, 8, dtype=torch.long)}
+    seen = _attention_grad_strides(monkeypatch)
+
+    def step():
+        x = noisy.clone().requires_grad_()
+        chroma.chroma_forward(model, x, torch.tensor([0.5]), te, 0.0, torch.float32).backward(grad_out)
+        return x.grad
+
+    before = step()
+    assert len(set(seen)) == 2
+    assert flux.one_attention_grad_layout(model) == 2
+    seen.clear()
+    assert torch.allclose(step(), before, rtol=1e-5, atol=1e-7)
+    assert len(seen) == 3 and len(set(seen)) == 1
+
+
 @pytest.mark.slow
 def test_the_hook_compiles_inside_the_checkpointed_blocks_without_a_graph_break():
     """The trainers' regional compile with gradient checkpointing inside the blocks (aot_eager on the CPU): the

@@ -197,11 +197,13 @@ def one_attention_grad_layout(transformer) -> int:
     gradient was mapped (tools/probe_cudnn_sdpa.py --grad_layouts and --flux_blocks show both on an H100 with
     torch 2.11 + cuDNN 9.19; pytorch/pytorch#191576 puts the gradient's strides into that key). With one layout
     every attention backward runs on the right plan; the copy costs one gradient-sized write a single block."""
+    from diffusers.models.transformers.transformer_chroma import ChromaSingleTransformerBlock
     from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
 
     n = 0
-    for block in transformer.modules():
-        if isinstance(block, FluxSingleTransformerBlock) and not getattr(block.attn, "_one_grad_layout", False):
+    for block in transformer.modules():  # Chroma's single blocks concatenate the same way
+        single = isinstance(block, (FluxSingleTransformerBlock, ChromaSingleTransformerBlock))
+        if single and not getattr(block.attn, "_one_grad_layout", False):
             block.attn.register_forward_hook(_contiguous_grad_hook)
             block.attn._one_grad_layout = True
             n += 1
