@@ -195,7 +195,7 @@ def one_attention_grad_layout(transformer) -> int:
     backward runs first (a single block's) fixed the plan for both, and the double blocks then read their gradient
     with five times its row stride: an illegal memory access, or silently wrong gradients where the memory past the
     gradient was mapped (tools/probe_cudnn_sdpa.py --grad_layouts and --flux_blocks show both on an H100 with
-    torch 2.11 + cuDNN 9.19; pytorch/pytorch#191576 puts the gradient's strides into that key). With one layout
+    torch 2.11 + cuDNN 9.19; pytorch/pytorch#191576 proposed the gradient's strides in that key). With one layout
     every attention backward runs on the right plan; the copy costs one gradient-sized write a single block."""
     from diffusers.models.transformers.transformer_chroma import ChromaSingleTransformerBlock
     from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
