@@ -101,6 +101,10 @@ def cudnn_sdp_auto(args) -> tuple[bool, str]:
     if family not in CUDNN_SDP_MEASURED:
         return False, (f"not measured for this model family ({family or 'unknown'}) on this torch/CUDA/GPU; "
                        "--cudnn_sdp on allows it")
+    if getattr(args, "apply_t5_attn_mask", False):  # torch 2.11's cuDNN backward with a mask: pytorch#196678
+        return False, ("not measured with an attention mask (--apply_t5_attn_mask), where torch 2.11's cuDNN "
+                       "backward gives NaN gradients at some sequence lengths (pytorch/pytorch#196678); "
+                       "--cudnn_sdp on allows it")
     return True, ("every attention backward of this run is inside the inductor-compiled blocks, where it ran clean "
                   f"and faster: {CUDNN_SDP_MEASURED[family]}; --cudnn_sdp off turns it off")
 
