@@ -374,11 +374,12 @@ def time_svd_methods(device: str, width: int, rank: int, count: int = 3) -> dict
 # agreement of the two sides' outputs
 
 
-def compare_loras(a: str, b: str, svd_signs: bool = False) -> dict:
+def compare_loras(a: str, b: str, svd_signs: bool = False, device: str = "cpu") -> dict:
     """Per module: equal rank, and the effective weights' (up x down x alpha / rank) relative Frobenius difference.
     svd_signs (extracted LoRAs): also that difference with a's singular pairs turned to b's signs and both clamped at
     the smaller of the two clamp thresholds (each side's largest |value|): the SVD's signs are arbitrary and the
-    extract's quantile clamp depends on them, so this compares the decompositions themselves."""
+    extract's quantile clamp depends on them, so this compares the decompositions themselves. Computed on
+    `device` (FLUX.1's 304 effective weights take half a minute on the CPU)."""
     import torch
 
     from library import lora_tools
@@ -386,6 +387,8 @@ def compare_loras(a: str, b: str, svd_signs: bool = False) -> dict:
     ma, mb = (lora_tools.lora_modules(lora_tools.load_lora(p)[0]) for p in (a, b))
     worst, worst_aligned, ranks_equal = 0.0, 0.0, 0
     for name in set(ma) & set(mb):
+        for m in (ma[name], mb[name]):
+            m.up, m.down = m.up.to(device), m.down.to(device)
         ranks_equal += ma[name].rank == mb[name].rank
         wa, wb = lora_tools.effective_weight(ma[name]), lora_tools.effective_weight(mb[name])
         worst = max(worst, float((wa - wb).norm() / wb.norm().clamp_min(1e-12)))
@@ -629,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
         if "error_flux_inputs" not in checks:
             # ours, then upstream's in what is left (stopped at the budget: its progress gives its rate)
             run("flux_extract", uncapped=("ours", "upstream"))
-            check_pair("flux_extract", "flux_extracted.safetensors", compare_loras, svd_signs=True)
+            check_pair("flux_extract", "flux_extracted.safetensors", compare_loras, svd_signs=True, device=a.device)
         if not a.keep_inputs:
             for key in ("flux_org", "flux_tuned"):
                 Path(paths[key]).unlink(missing_ok=True)
