@@ -387,6 +387,43 @@ def test_flux_merge_extract_convert_and_load_in_diffusers(flux_setup, tmp_path):
     assert md["ss_network_module"] == "networks.lora_flux" and md["modelspec.architecture"] == "flux-1-dev/lora"
 
 
+def test_flux_extract_is_upstreams_method_within_float32_noise(flux_setup, tmp_path):
+    """flux_extract_lora.py (the Gram route, default clamp) against upstream's per-module full SVD written out again,
+    on a tuned model = original + a rank-6 change + full-rank noise: the same modules and ranks, and the same
+    decompositions (effective weights within 1e-4 once the SVD's arbitrary signs are aligned, see the bench)."""
+    import importlib.util
+
+    from safetensors.torch import save_file
+
+    spec = importlib.util.spec_from_file_location("bench_lora_tools", REPO / "tools" / "bench_lora_tools.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    org = load_file(flux_setup["transformer"])
+    targets = [k for k in org if ("single_block" in k or "double_block" in k) and ".bias" not in k
+               and "norm" not in k]
+    assert targets
+    g = torch.Generator().manual_seed(5)
+    tuned = dict(org)
+    for k in targets:
+        tuned[k] = org[k] + _low_rank_plus_noise(g, *org[k].shape, 6, 0.05).to(org[k].dtype)
+    tuned_path, ours, theirs = (str(tmp_path / f) for f in ("tuned.safetensors", "ours.safetensors",
+                                                              "upstream.safetensors"))
+    save_file(tuned, tuned_path)
+    assert flux_extract_lora.main(["--model_org", flux_setup["transformer"], "--model_tuned", tuned_path,
+                                   "--save_to", ours, "--dim", "4", "--device", "cpu"]) == 0
+    upstream = {}
+    for k in targets:
+        diff = tuned[k].float() - org[k].float()
+        up, down = _upstream_extract(diff, min(4, *diff.shape), 0.99)
+        name = "lora_unet_" + k.replace(".weight", "").replace(".", "_")
+        upstream |= {f"{name}.lora_up.weight": up.contiguous(), f"{name}.lora_down.weight": down.contiguous(),
+                     f"{name}.alpha": torch.tensor(down.shape[0])}
+    save_file(upstream, theirs)
+    check = bench.compare_loras(ours, theirs, svd_signs=True)
+    assert check["modules"] == [len(targets)] * 2 and check["ranks_equal"] == len(targets)
+    assert check["max_rel_diff_svd_signs_aligned"] < 1e-4
+
+
 def test_flux_lora_to_lora_merge_takes_diffusers_layout(flux_setup, tmp_path):
     diffusers_lora = tmp_path / "d.safetensors"
     assert convert_flux_lora.main(["--src", "sd-scripts", "--dst", "ai-toolkit", "--src_path", flux_setup["lora"],
