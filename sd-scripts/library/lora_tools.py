@@ -336,7 +336,8 @@ def top_svd_many(mats: dict[str, torch.Tensor], ranks: dict[str, int], device: t
     vectors from M itself (V = M^T U / S). The same top singular triplets as the full SVD within float32 noise
     (float64 squares the range it resolves: singular values down to GRAM_MIN_RATIO of the largest keep float32
     accuracy), at a fraction of its time for a 3072 x 12288 matrix; same shapes run as one batch. A matrix with
-    a kept singular value below that (a zero difference, a rank below the cut) goes through torch.linalg.svd."""
+    a kept singular value below that (a zero difference, a rank below the cut) goes through torch.linalg.svd.
+    Each pair's sign (arbitrary in any SVD) is the eigensolver's, not LAPACK's or cuSOLVER's SVD's."""
     by_shape: dict[tuple, list[str]] = {}
     for name, m in mats.items():
         by_shape.setdefault(tuple(m.shape), []).append(name)
