@@ -399,10 +399,9 @@ PLACES: dict[str, Look] = {
          help="Let cuDNN pick the fastest kernels.",
          families=COMPILE_FAMILIES),
     "cudnn_sdp": Look("compile", "cuDNN attention",
-         help=("auto: torch's choice; on torch 2.11 + CUDA 13 with Hopper GPUs (H100/H200), where its backward "
-               "crashed eager FLUX.1 training, on only inside compiled FLUX.1 / SDXL blocks with the text encoders "
-               "not trained (there a FLUX.1 1024 px step took 511 instead of 581 ms on an H100). on: everywhere. "
-               "off: never."),
+         help=("auto: torch's choice; on torch 2.11 + CUDA 13 with Hopper GPUs (H100/H200) on only inside compiled "
+               "FLUX.1 / SDXL blocks with the text encoders not trained (there a FLUX.1 1024 px step took 447 "
+               "instead of 524 ms on an H100). on: everywhere. off: never."),
          families=COMPILE_FAMILIES),
     "compile_checkpoint_keep": Look("compile", "Checkpointing keeps",
          help=("With gradient checkpointing: what is kept for backward instead of recomputed; each choice uses more "

@@ -336,6 +336,12 @@ UPSTREAM_TABLES_BY_HAND: dict[str, dict[str, dict]] = {
 _NO_OVERWRITE = ("an existing output file stops the tool (exit 2) unless --overwrite is given (upstream "
                  "overwrites it)")
 _GPU_DEFAULT = "unset = the GPU when there is one (upstream: the CPU); the SVDs run batched in float32 there"
+_EXTRACT_CLAMP = ("upstream's rule (the quantile of the signed up/down values); the singular pairs' signs, arbitrary "
+                  "in any SVD, come from the eigensolver, not upstream's SVD, so the threshold can differ slightly "
+                  "from an upstream run's (the decomposition is the same within float32 noise)")
+_GPU_DEFAULT_EXTRACT = ("unset = the GPU when there is one (upstream: the CPU); only the kept singular triplets are "
+                        "computed there, from each difference's Gram matrix in float64 (upstream's full SVD's within "
+                        "float32 noise)")
 
 # tool -> option -> Different (the same option name means different things in different tools)
 _LORA_TOOL_DIFFERENT: dict[str, dict[str, Different]] = {
@@ -365,7 +371,8 @@ _LORA_TOOL_DIFFERENT: dict[str, dict[str, Different]] = {
     },
     "networks__svd_merge_lora": {"save_to": Different(_NO_OVERWRITE), "device": Different(_GPU_DEFAULT)},
     "networks__extract_lora_from_models": {
-        "save_to": Different(_NO_OVERWRITE), "device": Different(_GPU_DEFAULT),
+        "save_to": Different(_NO_OVERWRITE), "device": Different(_GPU_DEFAULT_EXTRACT),
+        "clamp_quantile": Different(_EXTRACT_CLAMP),
         "load_precision": Different("unset = the dtype a single file stores, as upstream; a diffusers folder "
                                     "(which upstream does not read) loads in float32"),
         "v_parameterization": Different("default None = the same as --v2, as upstream's code and help say (the "
@@ -376,7 +383,8 @@ _LORA_TOOL_DIFFERENT: dict[str, dict[str, Different]] = {
                                          "(upstream: the CPU)"),
     },
     "networks__flux_extract_lora": {
-        "save_to": Different(_NO_OVERWRITE), "device": Different(_GPU_DEFAULT),
+        "save_to": Different(_NO_OVERWRITE), "device": Different(_GPU_DEFAULT_EXTRACT),
+        "clamp_quantile": Different(_EXTRACT_CLAMP),
         "model_org": Different("a diffusers folder is read too; BFL files are read one tensor at a time onto "
                                "--device, with or without the model.diffusion_model. prefix"),
         "mem_eff_safe_open": Different("accepted, no effect: the files are always read one tensor at a time"),

@@ -85,10 +85,9 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         default="auto",
         choices=CUDNN_SDP_CHOICES,
         help="cuDNN attention backend of scaled_dot_product_attention: auto (torch's choice; on torch 2.11 + CUDA 13 "
-        "on Hopper GPUs, where its backward crashed eager FLUX.1 training, on only when every attention backward "
-        "runs inside inductor-compiled blocks of FLUX.1 or SDXL (text encoders not trained), where it ran clean "
-        "and faster: a FLUX.1 1024 px step 511 instead of 581 ms on an H100; one log line says which), on "
-        "(allowed everywhere), off (never used)",
+        "on Hopper GPUs on only when every attention backward runs inside inductor-compiled blocks of FLUX.1 or "
+        "SDXL (text encoders not trained), where it was measured clean and faster: a FLUX.1 1024 px step 447 "
+        "instead of 524 ms on an H100; one log line says which), on (allowed everywhere), off (never used)",
     )
     return parser
 
