@@ -70,16 +70,17 @@ def test_cudnn_sdp_choice(monkeypatch, caplog, choice, crashed_here, expected):
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
     if choice == "auto" and crashed_here:  # not compiled: off, and the log line says why
-        assert "cuDNN attention (--cudnn_sdp auto) off on torch" in caplog.text and "crashed eager" in caplog.text
+        assert "cuDNN attention (--cudnn_sdp auto) off on torch" in caplog.text and "measured only inside" in caplog.text
     with pytest.raises(SystemExit):
         _parse("--cudnn_sdp", "yes")
 
 
 @pytest.mark.parametrize("argv, family, allowed, why", [
-    (["--compile", "--network_train_unet_only"], "flux", False, "compiled FLUX.1 block at 1024 px crashed"),
+    (["--compile", "--network_train_unet_only"], "flux", True, "each attention's gradient in one layout"),
+    (["--compile", "--network_train_unet_only", "--apply_t5_attn_mask"], "flux", False, "attention mask"),
     (["--compile", "--cache_text_encoder_outputs"], "sdxl", True, "inside the inductor-compiled blocks"),
-    (["--network_train_unet_only"], "flux", False, "crashed eager FLUX.1 training"),  # eager: where it crashed
-    (["--compile", "--compile_backend", "aot_eager", "--network_train_unet_only"], "flux", False, "crashed eager"),
+    (["--network_train_unet_only"], "flux", False, "measured only inside"),  # eager: where it crashed
+    (["--compile", "--compile_backend", "aot_eager", "--network_train_unet_only"], "flux", False, "measured only"),
     (["--compile"], "flux", False, "text encoders may train"),  # their attention backward runs eagerly
     (["--compile", "--network_train_unet_only"], "sd3", False, "not measured for this model family (sd3)"),
     (["--compile", "--network_train_unet_only", "--model_type", "chroma"], "flux", False, "family (chroma)"),
@@ -91,7 +92,7 @@ def test_cudnn_sdp_auto_where_the_crash_was(argv, family, allowed, why):
     inside inductor-compiled blocks of a measured family (test_cudnn_sdp_choice: setup_compile_environment applies it
     and logs the choice)."""
     parser = compile_options.add_compile_arguments(argparse.ArgumentParser())
-    for flag in ("--network_train_unet_only", "--cache_text_encoder_outputs"):
+    for flag in ("--network_train_unet_only", "--cache_text_encoder_outputs", "--apply_t5_attn_mask"):
         parser.add_argument(flag, action="store_true")
     parser.add_argument("--model_type", default="flux")
     if family == "sdxl" and "--cache_text_encoder_outputs" not in argv:
@@ -148,11 +149,13 @@ def test_checkpoint_contexts_pickle_for_the_autograd_cache():
         assert back.cache_hash == context.cache_hash and back.func is context.func
         policy = back.args[0]
         attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-        assert compile_checkpoint._policy(policy, None, attention) is CheckpointPolicy.MUST_SAVE
+        assert (compile_checkpoint._policy(policy, None, attention)
+                is (CheckpointPolicy.MUST_SAVE if keep != "inputs" else CheckpointPolicy.PREFER_RECOMPUTE))
         narrowing = (None, torch.empty(64, 32))  # mm(x, w) with w (in 64, out 32)
         assert (compile_checkpoint._policy(policy, None, torch.ops.aten.mm.default, *narrowing)
-                is (CheckpointPolicy.MUST_SAVE if keep != "attention" else CheckpointPolicy.PREFER_RECOMPUTE))
-    assert len({c.cache_hash for c in compile_checkpoint.CHECKPOINT_CONTEXTS.values()}) == 2  # resnets = projections
+                is (CheckpointPolicy.MUST_SAVE if keep not in ("inputs", "attention")
+                    else CheckpointPolicy.PREFER_RECOMPUTE))
+    assert len({c.cache_hash for c in compile_checkpoint.CHECKPOINT_CONTEXTS.values()}) == 3  # resnets = projections
 
 
 def test_compile_caches_are_keyed_by_the_attention_backends(tmp_path, monkeypatch):
@@ -613,7 +616,7 @@ def test_checkpoint_keep_without_inside_checkpointing_warns(argv, applies, caplo
     assert ("--compile_checkpoint_keep resnets has no effect" in caplog.text) != applies
     args.compile_checkpoint_keep = "everything"  # as a config file can set it
     with pytest.raises(compile_options.CompileConfigError, match="--compile_checkpoint_keep must be one of auto, "
-                                                    "attention, projections, resnets; got 'everything'"):
+                                                    "inputs, attention, projections, resnets; got 'everything'"):
         compile_options.validate_compile_args(args)
 
 

@@ -259,6 +259,62 @@ def test_dylora_split_and_check_weights(sdxl_lora, tmp_path, capsys):
     assert float(mean) == pytest.approx(float(original[key].abs().mean()))
 
 
+# -- extract: the top singular triplets from the Gram matrix, against upstream's full SVD ---------------------
+
+def _low_rank_plus_noise(g, m, n, rank, noise):
+    a, b = torch.randn(m, rank, generator=g), torch.randn(rank, n, generator=g)
+    return (a * torch.linspace(1, 0.5, rank)) @ b / (m * n) ** 0.25 + noise * torch.randn(m, n, generator=g) / n ** 0.5
+
+
+def _upstream_extract(mat: torch.Tensor, rank: int, quantile: float):
+    """upstream flux_extract_lora.py / extract_lora_from_models.py per module, written out again: full SVD in
+    float32, up = U diag(S), down = Vh, both clamped at the quantile of all their values."""
+    U, S, Vh = torch.linalg.svd(mat)
+    up, down = U[:, :rank] @ torch.diag(S[:rank]), Vh[:rank]
+    hi = torch.quantile(torch.cat([up.flatten(), down.flatten()]), quantile)
+    return up.clamp(-hi, hi), down.clamp(-hi, hi)
+
+
+def test_top_svd_from_the_gram_matrix_is_the_full_svds_within_float32_noise():
+    g = torch.Generator().manual_seed(0)
+    mats = {"wide": _low_rank_plus_noise(g, 48, 192, 8, 1e-3), "tall": _low_rank_plus_noise(g, 192, 48, 8, 0.3),
+            "wide2": _low_rank_plus_noise(g, 48, 192, 8, 3.0), "noise": torch.randn(40, 100, generator=g),
+            "rank2": _low_rank_plus_noise(g, 30, 50, 2, 0.0), "zero": torch.zeros(16, 24)}
+    got = {n: (U, S, Vh) for n, U, S, Vh in
+           lora_tools.top_svd_many(mats, dict.fromkeys(mats, 8), torch.device("cpu"), desc=None)}
+    assert set(got) == set(mats)
+    for name, mat in mats.items():
+        U, S, Vh = got[name]
+        assert U.dtype == S.dtype == Vh.dtype == torch.float32
+        assert U.shape == (mat.shape[0], 8) and S.shape == (8,) and Vh.shape == (8, mat.shape[1])
+        u, s, vh = torch.linalg.svd(mat.double(), full_matrices=False)  # the exact answer, float64
+        u32, s32, vh32 = torch.linalg.svd(mat)  # upstream's, float32
+        exact, upstream = (u[:, :8] * s[:8]) @ vh[:8], (u32[:, :8] * s32[:8]) @ vh32[:8]
+        ours = (U * S) @ Vh
+        if name == "zero":  # the full-SVD fallback: nothing to keep
+            assert float(ours.abs().max()) == 0.0
+            continue
+        assert float((S.double() - s[:8]).abs().max()) <= 1e-6 * float(s[0])
+        assert _rel(ours.double(), exact) <= max(2 * _rel(upstream.double(), exact), 1e-6), name
+        assert float((U.T @ U - torch.eye(8)).abs().max()) < 1e-5 or name == "rank2"  # orthonormal columns
+
+
+@pytest.mark.parametrize("quantile", [0.99, 1.0])
+def test_extract_gives_upstreams_lora_but_for_the_svds_signs(quantile):
+    """The clamp's threshold (the quantile of up's and down's values, clamped to [-q, q]) depends on each singular
+    pair's sign, which no SVD fixes (LAPACK and cuSOLVER may choose either): with ours turned to upstream's signs,
+    the clamped LoRA is upstream's within float32 noise."""
+    g = torch.Generator().manual_seed(1)
+    diffs = {f"m{i}": _low_rank_plus_noise(g, 96, 384, 16, noise) for i, noise in enumerate((1e-3, 0.3, 3.0))}
+    diffs["tall"] = _low_rank_plus_noise(g, 384, 96, 16, 0.3)
+    for name, U, S, Vh in lora_tools.top_svd_many(diffs, dict.fromkeys(diffs, 16), torch.device("cpu"), desc=None):
+        up_ref, down_ref = _upstream_extract(diffs[name], 16, quantile)
+        sign = torch.sign(((U * S) * up_ref).sum(0))
+        up, down = lora_tools.clamp_quantile(*lora_tools.truncate(U * sign, S, Vh * sign[:, None], 16), quantile)
+        assert _rel(up, up_ref) < 1e-4 and _rel(down, down_ref) < 1e-4, name
+        assert _rel(up @ down, up_ref @ down_ref) < 1e-4, name
+
+
 # -- FLUX.1 -----------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -329,6 +385,43 @@ def test_flux_merge_extract_convert_and_load_in_diffusers(flux_setup, tmp_path):
     assert total < 0.05
     md = _metadata(extracted)
     assert md["ss_network_module"] == "networks.lora_flux" and md["modelspec.architecture"] == "flux-1-dev/lora"
+
+
+def test_flux_extract_is_upstreams_method_within_float32_noise(flux_setup, tmp_path):
+    """flux_extract_lora.py (the Gram route, default clamp) against upstream's per-module full SVD written out again,
+    on a tuned model = original + a rank-6 change + full-rank noise: the same modules and ranks, and the same
+    decompositions (effective weights within 1e-4 once the SVD's arbitrary signs are aligned, see the bench)."""
+    import importlib.util
+
+    from safetensors.torch import save_file
+
+    spec = importlib.util.spec_from_file_location("bench_lora_tools", REPO / "tools" / "bench_lora_tools.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    org = load_file(flux_setup["transformer"])
+    targets = [k for k in org if ("single_block" in k or "double_block" in k) and ".bias" not in k
+               and "norm" not in k]
+    assert targets
+    g = torch.Generator().manual_seed(5)
+    tuned = dict(org)
+    for k in targets:
+        tuned[k] = org[k] + _low_rank_plus_noise(g, *org[k].shape, 6, 0.05).to(org[k].dtype)
+    tuned_path, ours, theirs = (str(tmp_path / f) for f in ("tuned.safetensors", "ours.safetensors",
+                                                              "upstream.safetensors"))
+    save_file(tuned, tuned_path)
+    assert flux_extract_lora.main(["--model_org", flux_setup["transformer"], "--model_tuned", tuned_path,
+                                   "--save_to", ours, "--dim", "4", "--device", "cpu"]) == 0
+    upstream = {}
+    for k in targets:
+        diff = tuned[k].float() - org[k].float()
+        up, down = _upstream_extract(diff, min(4, *diff.shape), 0.99)
+        name = "lora_unet_" + k.replace(".weight", "").replace(".", "_")
+        upstream |= {f"{name}.lora_up.weight": up.contiguous(), f"{name}.lora_down.weight": down.contiguous(),
+                     f"{name}.alpha": torch.tensor(down.shape[0])}
+    save_file(upstream, theirs)
+    check = bench.compare_loras(ours, theirs, svd_signs=True)
+    assert check["modules"] == [len(targets)] * 2 and check["ranks_equal"] == len(targets)
+    assert check["max_rel_diff_svd_signs_aligned"] < 1e-4
 
 
 def test_flux_lora_to_lora_merge_takes_diffusers_layout(flux_setup, tmp_path):
@@ -423,8 +516,8 @@ def test_benchmark_commands_are_valid_tool_command_lines(tmp_path, capsys):
     assert bench.main(["--work_dir", str(tmp_path), "--dry_run", "--upstream", "/opt/sd-scripts"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
     names = {line.split("] ", 1)[1].split(":", 1)[0] for line in lines}
-    assert names == {"sdxl_resize", "sdxl_resize_sv_fro", "sdxl_merge", "sdxl_extract", "flux_extract", "wd14_8",
-                     "wd14_88"} and len(lines) == 2 * len(names)
+    assert names == {"sdxl_resize", "sdxl_resize_sv_fro", "sdxl_merge", "sdxl_merge_loras", "sdxl_extract",
+                     "flux_extract", "wd14_8", "wd14_88"} and len(lines) == 2 * len(names)
     parsers = {t.__name__.split(".")[-1]: t.setup_parser for t in TOOLS}
     parsers["tag_images_by_wd14_tagger"] = load(
         "wd14", REPO / "sd-scripts" / "finetune" / "tag_images_by_wd14_tagger.py").setup_parser
@@ -543,6 +636,17 @@ def test_benchmark_output_checks(tmp_path):
     assert same == {"modules": [1, 1], "common": 1, "ranks_equal": 1, "max_rel_diff": 0.0}
     assert bench.compare_loras(paths[0], paths[1])["max_rel_diff"] == pytest.approx(0.01 / 1.01, rel=1e-3)
     assert bench.compare_models(paths[0], paths[1])["worst_key"] == "lora_unet_a.lora_up.weight"
+    # an extracted LoRA with one singular pair of the other sign, clamped at its own (lower) threshold: the raw
+    # effective weights differ, the sign-aligned comparison sees the same decomposition
+    flip = torch.tensor([1.0, -1.0, 1.0, 1.0])
+    up, down = sd["lora_unet_a.lora_up.weight"], sd["lora_unet_a.lora_down.weight"]
+    h = 0.9 * float(torch.cat([up.flatten(), down.flatten()]).abs().max())
+    flipped = dict(sd, **{"lora_unet_a.lora_up.weight": (up * flip).clamp(-h, h),
+                          "lora_unet_a.lora_down.weight": (down * flip[:, None]).clamp(-h, h)})
+    lora_tools.save_lora(paths[1], flipped, {}, overwrite=True)
+    check = bench.compare_loras(paths[1], paths[0], svd_signs=True)
+    assert check["max_rel_diff"] > 0.01 and check["max_rel_diff_svd_signs_aligned"] < 1e-6
+    assert bench.compare_loras(paths[0], paths[0], svd_signs=True)["max_rel_diff_svd_signs_aligned"] == 0.0
     (tmp_path / "x").mkdir()
     (tmp_path / "y").mkdir()
     for d, text in (("x", "a, b"), ("y", "a, c")):

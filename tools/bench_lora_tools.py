@@ -38,7 +38,8 @@ SIZES = {"full": {"flux": (3072, 19, 38), "sdxl": "full", "lora_dim": 64, "conv_
                   "extract_dim": 16, "wd14": (448, 16, 768, 12, 10861, 8, 88), "image_side": 1024},
          "tiny": {"flux": (128, 1, 2), "sdxl": "tiny", "lora_dim": 8, "conv_dim": 4, "new_rank": 4,
                   "extract_dim": 4, "wd14": (448, 64, 32, 1, 300, 4, 12), "image_side": 96}}  # upstream: 448 px only
-INPUT_FILES = {"sdxl": "sdxl.safetensors", "sdxl_lora": "sdxl_lora.safetensors", "flux_org": "flux_org.safetensors",
+INPUT_FILES = {"sdxl": "sdxl.safetensors", "sdxl_lora": "sdxl_lora.safetensors",
+               "sdxl_lora2": "sdxl_lora2.safetensors", "flux_org": "flux_org.safetensors",
                "flux_tuned": "flux_tuned.safetensors", "wd14_model_dir": "wd14_models"}
 WD14_REPO = "SmilingWolf/wd-vit-tagger-v3"
 
@@ -117,7 +118,8 @@ def make_flux_inputs(work: Path, size: str, flux_dtype: str, device: str) -> Non
 
 
 def make_sdxl_inputs(work: Path, size: str, device: str) -> None:
-    """The SDXL checkpoint and a LoRA on it (text encoders and UNet, 3x3 convs), random, made on `device`."""
+    """The SDXL checkpoint and two LoRAs on it (text encoders and UNet, 3x3 convs; random, seeds 0 and 1), made
+    on `device`."""
     import torch
 
     from library import lora_tools, model_util, tiny_models
@@ -125,8 +127,9 @@ def make_sdxl_inputs(work: Path, size: str, device: str) -> None:
 
     cfg = SIZES[size]
     work.mkdir(parents=True, exist_ok=True)
-    sdxl, sdxl_lora = work / INPUT_FILES["sdxl"], work / INPUT_FILES["sdxl_lora"]
-    if sdxl.exists() and sdxl_lora.exists():
+    sdxl = work / INPUT_FILES["sdxl"]
+    loras = [work / INPUT_FILES["sdxl_lora"], work / INPUT_FILES["sdxl_lora2"]]
+    if sdxl.exists() and all(p.exists() for p in loras):
         return
     print(f"making {sdxl}", flush=True)
     if cfg["sdxl"] == "tiny":
@@ -136,16 +139,17 @@ def make_sdxl_inputs(work: Path, size: str, device: str) -> None:
     else:
         comps = full_sdxl_components(device)
         model_util.save_sd_checkpoint(sdxl, comps, save_dtype=torch.float16)
-    print(f"making {sdxl_lora}", flush=True)
     net = lora.create_network(1.0, cfg["lora_dim"], cfg["lora_dim"] / 2, None, comps.text_encoders, comps.unet,
                               conv_dim=cfg["conv_dim"], conv_alpha=cfg["conv_dim"] / 2)
     net.apply_to(comps.text_encoders, comps.unet)
-    g = torch.Generator().manual_seed(0)
-    for p in net.parameters():
-        p.data = torch.randn(p.shape, generator=g) * 0.02
-    lora_tools.save_lora(str(sdxl_lora), net.lora_state_dict(torch.float16),
-                         {"ss_base_model_version": "sdxl_base_v1-0", "ss_network_dim": str(cfg["lora_dim"])},
-                         overwrite=False)
+    for seed, path in enumerate(loras):
+        print(f"making {path}", flush=True)
+        g = torch.Generator().manual_seed(seed)
+        for p in net.parameters():
+            p.data = torch.randn(p.shape, generator=g) * 0.02
+        lora_tools.save_lora(str(path), net.lora_state_dict(torch.float16),
+                             {"ss_base_model_version": "sdxl_base_v1-0", "ss_network_dim": str(cfg["lora_dim"])},
+                             overwrite=True)
     del comps, net
     _free_device_memory()
 
@@ -280,6 +284,9 @@ def commands(root: str, python: str, paths: dict, out: Path, device: str, cfg: d
         "sdxl_merge": [*launch, f"{net}/sdxl_merge_lora.py", "--sd_model", paths["sdxl"], "--models",
                        paths["sdxl_lora"], "--ratios", "1", "--save_to", str(out / "merged.safetensors"),
                        "--save_precision", "fp16", *extra],
+        "sdxl_merge_loras": [*launch, f"{net}/sdxl_merge_lora.py", "--models", paths["sdxl_lora"],
+                             paths["sdxl_lora2"], "--ratios", "0.7", "0.5", "--save_to",
+                             str(out / "merged_loras.safetensors"), "--save_precision", "fp16", *extra],
         "sdxl_extract": [*launch, f"{net}/extract_lora_from_models.py", "--sdxl", "--model_org", paths["sdxl"],
                          "--model_tuned", str(out / "merged.safetensors"), "--save_to",
                          str(out / "sdxl_extracted.safetensors"), "--dim", str(cfg["lora_dim"]), "--conv_dim",
@@ -322,22 +329,80 @@ def upstream_launch(argv: list[str]) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
+def time_svd_methods(device: str, width: int, rank: int, count: int = 3) -> dict:
+    """Milliseconds a matrix for FLUX.1's commonest extract shape (width x 4 width, an MLP weight difference of
+    rank `rank` plus noise): upstream's full SVD (torch.linalg.svd, full_matrices, float32), the reduced batched SVD
+    (svd_many) and the Gram route (top_svd_many); and how far the latter two's rank-`rank` products are from the
+    full SVD's (largest relative Frobenius difference)."""
+    import torch
+
+    from library import lora_tools
+
+    dev = torch.device(device)
+    g = _generator(dev, 0)
+    shape = (width, 4 * width)
+    mats = {f"m{i}": (torch.randn(shape[0], rank, generator=g, device=dev)
+                      @ torch.randn(rank, shape[1], generator=g, device=dev) * 0.01
+                      + torch.randn(shape, generator=g, device=dev) * 1e-3) for i in range(count)}
+
+    def product(U, S, Vh):
+        return (U[:, :rank] * S[:rank]) @ Vh[:rank]
+
+    def timed(fn):
+        fn()  # warm-up (cuSOLVER handles, workspaces)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return round((time.perf_counter() - start) * 1000 / count, 1), out
+
+    full_ms, full = timed(lambda: {n: product(*torch.linalg.svd(m, full_matrices=True)) for n, m in mats.items()})
+    reduced_ms, reduced = timed(lambda: {n: product(U, S, Vh) for n, U, S, Vh in lora_tools.svd_many(mats, dev, None)})
+    gram_ms, gram = timed(lambda: {n: product(U, S, Vh) for n, U, S, Vh in
+                                   lora_tools.top_svd_many(mats, dict.fromkeys(mats, rank), dev, None)})
+
+    def worst(got):
+        return max(float((got[n] - full[n]).norm() / full[n].norm()) for n in mats)
+
+    return {"shape": list(shape), "rank": rank, "ms_full_svd": full_ms, "ms_reduced_svd": reduced_ms,
+            "ms_gram_eigh_f64": gram_ms, "rel_diff_reduced": worst(reduced), "rel_diff_gram": worst(gram)}
+
+
 # ----------------------------------------------------------------------------------------------------------
 # agreement of the two sides' outputs
 
 
-def compare_loras(a: str, b: str) -> dict:
-    """Per module: equal rank, and the effective weights' (up x down x alpha / rank) relative Frobenius difference."""
+def compare_loras(a: str, b: str, svd_signs: bool = False, device: str = "cpu") -> dict:
+    """Per module: equal rank, and the effective weights' (up x down x alpha / rank) relative Frobenius difference.
+    svd_signs (extracted LoRAs): also that difference with a's singular pairs turned to b's signs and both clamped at
+    the smaller of the two clamp thresholds (each side's largest |value|): the SVD's signs are arbitrary and the
+    extract's quantile clamp depends on them, so this compares the decompositions themselves. Computed on
+    `device` (FLUX.1's 304 effective weights take half a minute on the CPU)."""
+    import torch
+
     from library import lora_tools
 
     ma, mb = (lora_tools.lora_modules(lora_tools.load_lora(p)[0]) for p in (a, b))
-    worst, ranks_equal = 0.0, 0
+    worst, worst_aligned, ranks_equal = 0.0, 0.0, 0
     for name in set(ma) & set(mb):
+        for m in (ma[name], mb[name]):
+            m.up, m.down = m.up.to(device), m.down.to(device)
         ranks_equal += ma[name].rank == mb[name].rank
         wa, wb = lora_tools.effective_weight(ma[name]), lora_tools.effective_weight(mb[name])
         worst = max(worst, float((wa - wb).norm() / wb.norm().clamp_min(1e-12)))
-    return {"modules": [len(ma), len(mb)], "common": len(set(ma) & set(mb)), "ranks_equal": ranks_equal,
-            "max_rel_diff": worst}
+        if svd_signs and ma[name].rank == mb[name].rank:
+            (ua, da), (ub, db) = ((m.up.float().flatten(1), m.down.float().flatten(1)) for m in (ma[name], mb[name]))
+            sign = torch.where((ua * ub).sum(0) < 0, -1.0, 1.0)
+            ua, da = ua * sign, da * sign[:, None]
+            h = min(float(torch.cat([ua.flatten(), da.flatten()]).abs().max()),
+                    float(torch.cat([ub.flatten(), db.flatten()]).abs().max()))
+            pa, pb = ua.clamp(-h, h) @ da.clamp(-h, h), ub.clamp(-h, h) @ db.clamp(-h, h)
+            worst_aligned = max(worst_aligned, float((pa - pb).norm() / pb.norm().clamp_min(1e-12)))
+    out = {"modules": [len(ma), len(mb)], "common": len(set(ma) & set(mb)), "ranks_equal": ranks_equal,
+           "max_rel_diff": worst}
+    return out | ({"max_rel_diff_svd_signs_aligned": worst_aligned} if svd_signs else {})
 
 
 def compare_models(a: str, b: str, device: str = "cpu") -> dict:
@@ -425,7 +490,9 @@ def summary(results: list[dict], checks: dict) -> list[str]:
         if not c:
             return "-"
         if "ranks_equal" in c:
-            return f"ranks equal {c['ranks_equal']}/{c['common']}, max rel. diff {c['max_rel_diff']:.1e}"
+            aligned = c.get("max_rel_diff_svd_signs_aligned")
+            return (f"ranks equal {c['ranks_equal']}/{c['common']}, max rel. diff {c['max_rel_diff']:.1e}"
+                    + (f" ({aligned:.1e} with the SVD's signs aligned)" if aligned is not None else ""))
         return f"max rel. diff {c['max_rel_diff']:.1e} over {c['common']} tensors"
 
     rows = ["| tool | ours | upstream | outputs |", "|---|---|---|---|"]
@@ -458,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--upstream_pythonpath", default="",
                     help="extra PYTHONPATH entries for upstream's commands (e.g. its pinned packages)")
     ap.add_argument("--only", nargs="*", help="run only these benchmarks (sdxl_resize, sdxl_resize_sv_fro, "
-                    "sdxl_merge, sdxl_extract, wd14, flux_extract)")
+                    "sdxl_merge, sdxl_merge_loras, sdxl_extract, wd14, svd_methods, flux_extract)")
     ap.add_argument("--budget_s", type=float, default=1e9, help="stop commands still running after this many "
                     "seconds from the start (their progress is recorded)")
     ap.add_argument("--cap_s", type=float, default=1e9, help="stop any one command after this many seconds (its "
@@ -525,12 +592,14 @@ def main(argv: list[str] | None = None) -> int:
         if out:
             checks[name] = guarded(name, compare, *out, **kw)
 
-    sdxl = [n for n in ("sdxl_resize", "sdxl_resize_sv_fro", "sdxl_merge", "sdxl_extract") if want(n)]
+    sdxl = [n for n in ("sdxl_resize", "sdxl_resize_sv_fro", "sdxl_merge", "sdxl_merge_loras", "sdxl_extract")
+            if want(n)]
     if sdxl:
         guarded("sdxl_inputs", make_sdxl_inputs, work, a.size, gen_device)
     if sdxl and "error_sdxl_inputs" not in checks:
         outputs = {"sdxl_resize": "resized.safetensors", "sdxl_resize_sv_fro": "resized_fro.safetensors",
-                   "sdxl_merge": "merged.safetensors", "sdxl_extract": "sdxl_extracted.safetensors"}
+                   "sdxl_merge": "merged.safetensors", "sdxl_merge_loras": "merged_loras.safetensors",
+                   "sdxl_extract": "sdxl_extracted.safetensors"}
         for name in sdxl:
             run(name, reserve)
             check_pair(name, outputs[name], compare_models if name == "sdxl_merge" else compare_loras,
@@ -556,12 +625,14 @@ def main(argv: list[str] | None = None) -> int:
         if a.upstream:
             checks["wd14_captions"] = guarded("wd14_captions", compare_captions, work / f"wd14_ours_{many}",
                                               work / f"wd14_upstream_{many}")
+    if want("svd_methods"):
+        checks["svd_methods"] = guarded("svd_methods", time_svd_methods, a.device, cfg["flux"][0], cfg["extract_dim"])
     if want("flux_extract"):
         guarded("flux_inputs", make_flux_inputs, work, a.size, a.flux_dtype, gen_device)
         if "error_flux_inputs" not in checks:
-            # upstream's first, capped (its progress gives its rate), then ours in what is left
-            run("flux_extract", uncapped=("ours",), order=("upstream", "ours"))
-            check_pair("flux_extract", "flux_extracted.safetensors", compare_loras)
+            # ours, then upstream's in what is left (stopped at the budget: its progress gives its rate)
+            run("flux_extract", uncapped=("ours", "upstream"))
+            check_pair("flux_extract", "flux_extracted.safetensors", compare_loras, svd_signs=True, device=a.device)
         if not a.keep_inputs:
             for key in ("flux_org", "flux_tuned"):
                 Path(paths[key]).unlink(missing_ok=True)

@@ -32,6 +32,9 @@ Environment:
 - GRAPH_TIMING_STEADY=A:B: cProfile over the steady steps A to B-1 (counted by the trainer's calls of
   torch.compiler.cudagraph_mark_step_begin, so only with the CUDA-graph modes): the host work of a replayed step,
   by own time and by cumulative time.
+- GRAPH_TIMING_KERNELS=A:B: torch.profiler over the GPU kernels of steps A to B-1 (counted the same way): one
+  line `graph_timing kernels: {...}` with the wall time and the kernel time a step, the kernel time by kind
+  (attention, matmul, triton = inductor's fused kernels, optimizer, other) and the 20 costliest kernels.
 """
 from __future__ import annotations
 
@@ -54,6 +57,9 @@ PROFILE = cProfile.Profile() if os.environ.get("GRAPH_TIMING_PROFILE") == "1" el
 STEADY = tuple(int(x) for x in os.environ["GRAPH_TIMING_STEADY"].split(":")) if os.environ.get(
     "GRAPH_TIMING_STEADY") else None
 STEADY_PROFILE = cProfile.Profile() if STEADY else None
+KERNELS = tuple(int(x) for x in os.environ["GRAPH_TIMING_KERNELS"].split(":")) if os.environ.get(
+    "GRAPH_TIMING_KERNELS") else None
+_kernel_profile: dict = {}
 _steps = [0]
 
 
@@ -114,13 +120,64 @@ def _count_steps(mark_step_begin):
     @functools.wraps(mark_step_begin)
     def wrapper():
         _steps[0] += 1
-        if _steps[0] == STEADY[0]:
+        if STEADY and _steps[0] == STEADY[0]:
             STEADY_PROFILE.enable()
-        elif _steps[0] == STEADY[1]:
+        elif STEADY and _steps[0] == STEADY[1]:
             STEADY_PROFILE.disable()
+        if KERNELS and _steps[0] in KERNELS:
+            try:
+                _kernel_steps(start=_steps[0] == KERNELS[0])
+            except Exception as e:  # a measurement aid: never the reason a training run stops
+                print(f"graph_timing kernels: failed ({type(e).__name__}: {e})", flush=True)
         return mark_step_begin()
 
     return wrapper
+
+
+KERNEL_KINDS = (  # by name, first match: inductor names its kernels after the ops they fuse (attention's too),
+    ("triton", ("triton",)),  # and cuDNN's attention kernels carry gemm-like words
+    ("attention", ("flash", "fmha", "sdpa", "attention", "attn")),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "wgmma", "splitk")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, words in KERNEL_KINDS if any(w in low for w in words)), "other")
+
+
+def _kernel_steps(start: bool) -> None:
+    """Starts (at step A) or ends (at step B) the kernel profile of GRAPH_TIMING_KERNELS."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    if start:
+        _kernel_profile["prof"] = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+        _kernel_profile["prof"].start()
+        _kernel_profile["t0"] = time.perf_counter()
+        return
+    wall = time.perf_counter() - _kernel_profile.pop("t0")
+    prof = _kernel_profile.pop("prof")
+    prof.stop()
+    steps = KERNELS[1] - KERNELS[0]
+    per_kernel, by_kind = {}, {}
+    for evt in prof.key_averages():
+        us = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0)
+        if not us:
+            continue
+        per_kernel[evt.key] = (us, evt.count)
+        kind = kernel_kind(evt.key)
+        by_kind[kind] = by_kind.get(kind, 0.0) + us
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:20]
+    print("graph_timing kernels: " + json.dumps({
+        "steps": f"{KERNELS[0]}-{KERNELS[1] - 1}", "wall_ms_per_step": round(wall * 1e3 / steps, 1),
+        "kernel_ms_per_step": round(sum(us for us, _ in per_kernel.values()) / 1e3 / steps, 1),
+        "by_kind_ms_per_step": {k: round(v / 1e3 / steps, 1) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "top": [[name[:90], round(us / 1e3 / steps, 2), n // steps] for name, (us, n) in top]}), flush=True)
 
 
 def install() -> None:
@@ -154,7 +211,7 @@ def install() -> None:
         (gc, "collect", "gc_collect"),
     ):
         _wrap(owner, attr, name)
-    if STEADY:
+    if STEADY or KERNELS:
         torch.compiler.cudagraph_mark_step_begin = _count_steps(torch.compiler.cudagraph_mark_step_begin)
     atexit.register(report)
 

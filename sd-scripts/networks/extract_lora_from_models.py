@@ -8,7 +8,8 @@ Each target layer's weight difference (tuned - original) is decomposed by SVD an
 3x3 convs; convs are extracted only with --conv_dim), alpha = rank, values clamped at --clamp_quantile. The text
 encoders are extracted only when they differ by more than --min_diff. Models are read as the trainers read them
 (single file or diffusers folder) in --load_precision onto --load_original_model_to / --load_tuned_model_to (default:
-the GPU when there is one), and the SVDs run batched in float32 there.
+the GPU when there is one); the top singular triplets come from each difference's Gram matrix in float64 there
+(lora_tools.top_svd_many: upstream's full SVD's within float32 noise).
 """
 from __future__ import annotations
 

@@ -7,8 +7,9 @@ networks/flux_extract_lora.py, same options and file):
 Every Linear weight of the double and single blocks (not biases or norms) is differenced and decomposed by SVD,
 cut to --dim (alpha = rank) and clamped at --clamp_quantile; the keys are kohya's FLUX.1 names
 (lora_unet_double_blocks_0_img_attn_qkv, ...), as networks.lora_flux writes them. BFL single files are read
-tensor by tensor (straight onto --device); a diffusers folder is converted to BFL names. The SVDs run batched in
-float32 on the GPU when there is one.
+tensor by tensor (straight onto --device); a diffusers folder is converted to BFL names. Only the top --dim
+singular triplets are computed, from the eigendecomposition of each difference's 3072 x 3072 Gram matrix in
+float64 on the GPU when there is one (lora_tools.top_svd_many: upstream's full SVD's within float32 noise).
 """
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def svd(args: argparse.Namespace) -> None:
     if set(org_names) != set(tuned_names):
         raise lora_tools.ToolError(f"{args.model_org} and {args.model_tuned} have different blocks: a LoRA is "
                                    "extracted from two models of one architecture")
-    # same-shaped weights together, as much as one batched SVD takes, so the models are never whole in memory
+    # same-shaped weights together, as much as one batch takes, so the models are never whole in memory
     names = sorted(org_names, key=lambda n: org.shape(org_names[n]))
     lora_sd: dict[str, torch.Tensor] = {}
     chunk: dict[str, torch.Tensor] = {}

@@ -65,10 +65,11 @@ def _needs_cudnn_sdpa_workaround() -> bool:
 
 
 # families whose compiled training step was measured with cuDNN attention on torch 2.11 + CUDA 13 on Hopper
-CUDNN_SDP_MEASURED = {"sdxl": "SDXL bs4 + GC 314.2 against 336.8 ms (run51)"}
-# ... and where it crashed inside compiled blocks too
-CUDNN_SDP_CRASHED = {"flux": "a compiled FLUX.1 block at 1024 px crashed in its backward (illegal memory access, "
-                             "tools/probe_cudnn_sdpa.py --flux_blocks, run69), though run55/run56 ran clean"}
+CUDNN_SDP_MEASURED = {
+    "sdxl": "SDXL bs4 + GC 314.2 against 336.8 ms (run51)",
+    "flux": "FLUX.1 1024 px + GC 446.6 against 523.6 ms with flash attention at the same peak memory (issue 25), each "
+            "attention's gradient in one layout (library.families.flux.one_attention_grad_layout)",
+}
 
 
 def _text_encoders_may_train(args) -> bool:
@@ -80,26 +81,29 @@ def _text_encoders_may_train(args) -> bool:
 
 
 def cudnn_sdp_auto(args) -> tuple[bool, str]:
-    """--cudnn_sdp auto where cuDNN attention's backward crashed (torch 2.11 + CUDA 13 on Hopper): (allowed, why).
+    """--cudnn_sdp auto on torch 2.11 + CUDA 13 on Hopper: (allowed, why).
 
-    The evidence (docs/BENCHMARKS.md run17, run49-run57): an eager FLUX.1 512 px run crashed in its first backward
-    inside cuDNN's attention backward, every time; the same attention standalone, and every run whose attention
-    ran inside inductor-compiled blocks (FLUX.1 512 and 1024 px, SDXL bs1 and bs4), ran clean and faster; but in
-    run69 a compiled FLUX.1 block at 1024 px crashed in the probe. So: on where every attention backward of the run
-    is inside inductor-compiled blocks of a family measured clean (SDXL), else off."""
+    The crashes (docs/BENCHMARKS.md run17, run49-run57, run69: FLUX.1's attention backward, eager every time,
+    compiled once) had one cause: torch caches cuDNN's backward plan by the q/k/v layout alone, while the plan holds
+    the output gradient's layout too, and FLUX.1's single blocks hand back a sliced gradient where the double blocks
+    hand back a contiguous one (tools/probe_cudnn_sdpa.py --grad_layouts). The FLUX.1 family now gives every
+    attention one gradient layout. Auto still uses cuDNN attention only where it was measured: every attention
+    backward inside inductor-compiled blocks of a family whose training ran clean and faster with it."""
     family = getattr(args, "_family", None)
     if getattr(args, "model_type", None) == "chroma":  # FLUX.1's scripts, another model (not measured)
         family = "chroma"
     if not (getattr(args, "compile", False) and getattr(args, "compile_backend", None) == "inductor"):
-        return False, ("its backward crashed eager FLUX.1 training here (illegal memory access); auto uses it only "
-                       "inside blocks compiled with --compile --compile_backend inductor; --cudnn_sdp on forces it")
+        return False, ("measured only inside blocks compiled with --compile --compile_backend inductor (its backward "
+                       "crashed eager FLUX.1 training before); --cudnn_sdp on forces it")
     if _text_encoders_may_train(args):
         return False, ("the text encoders may train, and their attention backward runs eagerly, where cuDNN's "
-                       "crashed (--network_train_unet_only or cached text-encoder outputs keep them frozen)")
-    if family in CUDNN_SDP_CRASHED:
-        return False, f"{CUDNN_SDP_CRASHED[family]}; --cudnn_sdp on forces it"
+                       "was not measured (--network_train_unet_only or cached text-encoder outputs keep them frozen)")
     if family not in CUDNN_SDP_MEASURED:
         return False, (f"not measured for this model family ({family or 'unknown'}) on this torch/CUDA/GPU; "
+                       "--cudnn_sdp on allows it")
+    if getattr(args, "apply_t5_attn_mask", False):  # torch 2.11's cuDNN backward with a mask: pytorch#196678
+        return False, ("not measured with an attention mask (--apply_t5_attn_mask), where torch 2.11's cuDNN "
+                       "backward gives NaN gradients at some sequence lengths (pytorch/pytorch#196678); "
                        "--cudnn_sdp on allows it")
     return True, ("every attention backward of this run is inside the inductor-compiled blocks, where it ran clean "
                   f"and faster: {CUDNN_SDP_MEASURED[family]}; --cudnn_sdp off turns it off")
@@ -180,6 +184,11 @@ def setup_compile_environment(args) -> dict:
         import torch._functorch.config as functorch_config
 
         functorch_config.enable_autograd_cache = True
+        # torch leaves graphs with an autograd.Function out of its AOTAutograd cache unless told; dynamo traces the
+        # Function's forward and backward into the graph, so the cache key covers them. Without this, a FLUX.1
+        # warm restart traced its single blocks again (families.flux.one_attention_grad_layout; the fp8 base's
+        # linear is another): 1.7 s of joint-graph tracing and 0.9 s of its passes in the first step.
+        functorch_config.autograd_cache_allow_custom_autograd_functions = True
     except (ImportError, AttributeError):  # older torch: FX graph cache only
         pass
     _key_caches_by_sdpa_backends(inductor_config)

@@ -166,6 +166,48 @@ def set_attention_backend(args, components) -> None:
     from library.families import sd
 
     sd.set_attention_backend(args, components)
+    one_attention_grad_layout(components.transformer)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity in forward; hands a contiguous gradient back."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _contiguous_grad_hook(module, args, output):
+    return _ContiguousGrad.apply(output)
+
+
+def one_attention_grad_layout(transformer) -> int:
+    """Gives every attention backward of a FLUX.1 transformer its output's gradient in one layout (contiguous);
+    returns how many attention layers needed it.
+
+    torch 2.11's cuDNN attention caches its backward plan by the q/k/v layout alone, but the plan holds the layout
+    of the output's gradient too. A single block concatenates its attention output with the MLP branch, so that
+    gradient arrives as a slice (row stride 15360 instead of 3072); a double block's arrives contiguous. Whichever
+    backward runs first (a single block's) fixed the plan for both, and the double blocks then read their gradient
+    with five times its row stride: an illegal memory access, or silently wrong gradients where the memory past the
+    gradient was mapped (tools/probe_cudnn_sdpa.py --grad_layouts and --flux_blocks show both on an H100 with
+    torch 2.11 + cuDNN 9.19; pytorch/pytorch#191576 proposed the gradient's strides in that key). With one layout
+    every attention backward runs on the right plan; the copy costs one gradient-sized write a single block."""
+    from diffusers.models.transformers.transformer_chroma import ChromaSingleTransformerBlock
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+
+    n = 0
+    for block in transformer.modules():  # Chroma's single blocks concatenate the same way
+        single = isinstance(block, (FluxSingleTransformerBlock, ChromaSingleTransformerBlock))
+        if single and not getattr(block.attn, "_one_grad_layout", False):
+            block.attn.register_forward_hook(_contiguous_grad_hook)
+            block.attn._one_grad_layout = True
+            n += 1
+    return n
 
 
 def compile_denoiser(args, components, label: str) -> int:
