@@ -308,21 +308,28 @@ def _batches(items: list, numel: Callable) -> Iterable[list]:
         yield batch
 
 
+def _same_shape_batches(mats: dict[str, torch.Tensor], bytes_per_element: int = 1
+                        ) -> Iterable[tuple[tuple, list[str]]]:
+    """(shape, names) batches of the matrices of one shape, each as much as one stacked call takes."""
+    by_shape: dict[tuple, list[str]] = {}
+    for name, m in mats.items():
+        by_shape.setdefault(tuple(m.shape), []).append(name)
+    for shape, names in by_shape.items():
+        for batch in _batches(names, lambda n: bytes_per_element * mats[n].numel()):
+            yield shape, batch
+
+
 def svd_many(mats: dict[str, torch.Tensor], device: torch.device, desc: str | None = "svd"
              ) -> Iterable[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(name, U, S, Vh) of every 2-D matrix, reduced SVD in float32 on `device`, matrices of one shape stacked
     into batched torch.linalg.svd calls; results on `device`."""
-    by_shape: dict[tuple, list[str]] = {}
-    for name, m in mats.items():
-        by_shape.setdefault(tuple(m.shape), []).append(name)
     bar = progress(None, desc, total=len(mats))
-    for shape, names in by_shape.items():
-        for batch in _batches(names, lambda n: mats[n].numel()):
-            stack = torch.stack([mats[n].to(device, torch.float32) for n in batch])
-            U, S, Vh = torch.linalg.svd(stack, full_matrices=False)
-            for i, n in enumerate(batch):
-                yield n, U[i], S[i], Vh[i]
-            bar.update(len(batch))
+    for _, batch in _same_shape_batches(mats):
+        stack = torch.stack([mats[n].to(device, torch.float32) for n in batch])
+        U, S, Vh = torch.linalg.svd(stack, full_matrices=False)
+        for i, n in enumerate(batch):
+            yield n, U[i], S[i], Vh[i]
+        bar.update(len(batch))
     bar.close()
 
 
@@ -338,35 +345,34 @@ def top_svd_many(mats: dict[str, torch.Tensor], ranks: dict[str, int], device: t
     accuracy), at a fraction of its time for a 3072 x 12288 matrix; same shapes run as one batch. A matrix with
     a kept singular value below that (a zero difference, a rank below the cut) goes through torch.linalg.svd.
     Each pair's sign (arbitrary in any SVD) is the eigensolver's, not LAPACK's or cuSOLVER's SVD's."""
-    by_shape: dict[tuple, list[str]] = {}
+    shape_rank: dict[tuple, int] = {}
     for name, m in mats.items():
-        by_shape.setdefault(tuple(m.shape), []).append(name)
+        shape_rank[tuple(m.shape)] = max(shape_rank.get(tuple(m.shape), 0), ranks[name])
     bar = progress(None, desc, total=len(mats))
-    for (rows, cols), names in by_shape.items():
-        k = min(max(ranks[n] for n in names), rows, cols)
-        for batch in _batches(names, lambda n: 2 * mats[n].numel()):  # float64
-            M = torch.stack([mats[n].to(device, torch.float64) for n in batch])
-            wide = rows <= cols
-            gram = M @ M.transpose(1, 2) if wide else M.transpose(1, 2) @ M
-            evals, evecs = torch.linalg.eigh(gram)  # ascending
-            del gram
-            S = evals[:, -k:].flip(-1).clamp_min(0).sqrt()
-            side = evecs[:, :, -k:].flip(-1)  # U (wide) or V
-            del evecs
-            ok = S[:, -1] > S[:, 0] * GRAM_MIN_RATIO
-            inv = torch.where(ok[:, None], 1 / S.clamp_min(torch.finfo(S.dtype).tiny), 0)
-            if wide:
-                U, Vh = side, (side.transpose(1, 2) @ M) * inv[:, :, None]
+    for (rows, cols), batch in _same_shape_batches(mats, bytes_per_element=2):  # float64
+        k = min(shape_rank[(rows, cols)], rows, cols)
+        M = torch.stack([mats[n].to(device, torch.float64) for n in batch])
+        wide = rows <= cols
+        gram = M @ M.transpose(1, 2) if wide else M.transpose(1, 2) @ M
+        evals, evecs = torch.linalg.eigh(gram)  # ascending
+        del gram
+        S = evals[:, -k:].flip(-1).clamp_min(0).sqrt()
+        side = evecs[:, :, -k:].flip(-1)  # U (wide) or V
+        del evecs
+        ok = S[:, -1] > S[:, 0] * GRAM_MIN_RATIO
+        inv = torch.where(ok[:, None], 1 / S.clamp_min(torch.finfo(S.dtype).tiny), 0)
+        if wide:
+            U, Vh = side, (side.transpose(1, 2) @ M) * inv[:, :, None]
+        else:
+            U, Vh = (M @ side) * inv[:, None, :], side.transpose(1, 2)
+        for i, (n, fits) in enumerate(zip(batch, ok.tolist())):  # one read of the flags from the device
+            if fits:
+                yield n, U[i].float(), S[i].float(), Vh[i].float()
             else:
-                U, Vh = (M @ side) * inv[:, None, :], side.transpose(1, 2)
-            for i, n in enumerate(batch):
-                if bool(ok[i]):
-                    yield n, U[i].float(), S[i].float(), Vh[i].float()
-                else:
-                    u, s, vh = torch.linalg.svd(M[i].float(), full_matrices=False)
-                    yield n, u[:, :k], s[:k], vh[:k]
-            del M, U, Vh, side
-            bar.update(len(batch))
+                u, s, vh = torch.linalg.svd(M[i].float(), full_matrices=False)
+                yield n, u[:, :k], s[:k], vh[:k]
+        del M, U, Vh, side
+        bar.update(len(batch))
     bar.close()
 
 
