@@ -534,7 +534,8 @@ def load_sd_model(path: str, family: str, dtype: torch.dtype, device: torch.devi
     if detected is not None and detected != family and not {detected, family} <= {"sd1", "sd2"}:
         raise ToolError(f"{path}: {A_FAMILY[detected]} model, expected {FAMILY_NAMES[family]}"
                         + {"sdxl": " (--sdxl / sdxl_merge_lora.py for SDXL)"}.get(detected, ""))
-    comps = model_util.load_sd_components(path, family, dtype=None, tokenizers=False)
+    stored = None if os.path.isfile(path) else dtype  # a single file's tensors uncast and uncopied
+    comps = model_util.load_sd_components(path, family, dtype=stored, tokenizers=False)
     for m in [comps.unet, comps.vae, *comps.text_encoders]:
         m.to(device)
         for t in [*m.parameters(), *m.buffers()]:
@@ -726,7 +727,8 @@ def merge_into_layers(layers: dict[str, torch.nn.Module], models: list[str], rat
                 delta = as_layer_weight(delta, w)
             except ToolError as e:
                 raise ToolError(f"{path}: module {name}: {e}; a LoRA for another model?") from e
-            w.data = w.data.to(dtype) + delta.to(w.device)  # stays in `dtype`: the next LoRA adds to it unrounded
+            # in place into the fresh delta (no fp32 copy of W); the sum stays in `dtype`, unrounded for the next LoRA
+            w.data = delta.to(w.device).add_(w.data)
         if missing:
             if len(missing) == len(mods):
                 raise ToolError(f"{path}: none of its {len(mods)} modules is a layer of the model ({model_label}); "
