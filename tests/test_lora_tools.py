@@ -223,6 +223,45 @@ def test_merge_into_an_fp16_model_saves_the_bits_of_an_all_fp32_merge(sdxl_lora,
     assert not torch.equal(ours[q_proj], load_file(str(fp16_model))[q_proj].to(dtype))  # the LoRAs moved it
 
 
+def test_streamed_safetensors_writer_writes_the_librarys_bytes(tiny_sdxl_single_file, tmp_path):
+    """save_sd_checkpoint writes a model on a GPU with safetensors_io.save_file_streamed: its file is the one
+    safetensors.torch.save_file writes (the same header, length and tensor order, the data byte for byte; only
+    the order of the metadata keys, which the library takes from a hash map, may differ), for every dtype, odd
+    shapes, non-contiguous views, a cast on the way and buffers smaller than a tensor (run here on the CPU)."""
+
+    def parts(path):
+        raw = path.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        return n, json.loads(raw[8:8 + n]), raw[8 + n:]
+
+    from safetensors.torch import save_file
+
+    from library import model_util
+    from library.safetensors_io import save_file_streamed
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"b.w": torch.randn(30, 7, generator=g), "a.h": torch.randn(13, generator=g).half(),
+               "c.bf": torch.randn(5, 3, generator=g).bfloat16(), "f64": torch.randn(3, dtype=torch.float64),
+               "i64": torch.arange(7), "i32": torch.arange(5, dtype=torch.int32), "i16": torch.arange(3).short(),
+               "i8": torch.arange(3, dtype=torch.int8), "u8": torch.arange(11, dtype=torch.uint8),
+               "flag": torch.tensor([True, False, True]), "scalar": torch.tensor(3.5), "empty": torch.empty(0, 4),
+               "view": torch.randn(8, 6, generator=g).t()}
+    meta = {"modelspec.title": "Zürich ☃ \"quoted\"", "format": "pt"}
+    for cast in (None, torch.float16):
+        ref, ours = tmp_path / f"ref{cast}.safetensors", tmp_path / f"ours{cast}.safetensors"
+        save_file({k: (v.to(cast) if cast and v.is_floating_point() else v).contiguous() for k, v in tensors.items()},
+                  str(ref), metadata=meta)
+        save_file_streamed(tensors, ours, meta, float_dtype=cast, chunk_bytes=64)
+        assert parts(ours) == parts(ref), cast
+
+    comps = model_util.load_sd_components(str(tiny_sdxl_single_file), "sdxl", tokenizers=False)
+    saved = model_util.save_sd_checkpoint(tmp_path / "lib.safetensors", comps, save_dtype="fp16", metadata=meta)
+    meta_pt = {**meta, "format": "pt"}
+    save_file_streamed(model_util.components_to_ldm_state_dict(comps), tmp_path / "streamed.safetensors", meta_pt,
+                       float_dtype=torch.float16, chunk_bytes=4096)
+    assert parts(tmp_path / "streamed.safetensors") == parts(saved)
+
+
 # -- LoRA to LoRA -----------------------------------------------------------------------------------------------
 
 def test_merge_loras_sum_and_concat(sdxl_lora, tmp_path):

@@ -920,13 +920,19 @@ def save_sd_checkpoint(path, comps: SDComponents, *, save_dtype=None, metadata=N
         raise ValueError(f"{path}: unsupported checkpoint type {suffix!r}; allowed: .safetensors, .ckpt")
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} already exists; not overwriting it (choose another name, or overwrite=True)")
-    sd = _cast(components_to_ldm_state_dict(comps), save_dtype)
+    sd = components_to_ldm_state_dict(comps)
     if suffix == ".safetensors":
+        from library import safetensors_io
+
         meta = {str(k): str(v) for k, v in (metadata or {}).items()}
         meta.setdefault("format", "pt")
-        files.save_safetensors(sd, path, meta, overwrite=True)
+        if any(v.device.type != "cpu" for v in sd.values()) and safetensors_io.can_stream(sd):
+            with files.atomic_target(path, overwrite=True) as tmp:  # from the GPU, with no CPU copy of the model
+                safetensors_io.save_file_streamed(sd, tmp, meta, float_dtype=as_dtype(save_dtype))
+        else:
+            files.save_safetensors(_cast(sd, save_dtype), path, meta, overwrite=True)
     else:
-        files.save_torch({"state_dict": sd}, path, overwrite=True)
+        files.save_torch({"state_dict": _cast(sd, save_dtype)}, path, overwrite=True)
     return path
 
 
