@@ -129,3 +129,33 @@ def test_memory_poll_reads_nvidia_smi_lines(tmp_path, monkeypatch):
             break
         time.sleep(0.05)
     assert [m for _, m in poll.stop()] == [100, 20500, 300]
+
+
+def test_hunyuan_image_and_anima_runs_name_upstreams_files_and_flags_on_both_sides(tmp_path):
+    args = bench_shipped.argparse.Namespace(tag="t", cache_tag=None, family="hunyuan-image", network_dim=None,
+                                            resolution=1024, steps=20, batch_size=1, gradient_checkpointing=True,
+                                            buckets=False, compile_mode="reduce-overhead", extra=[])
+    up = bench_shipped.trainer_argv(args, "upstream", tmp_path)
+    ours = [a.replace("_eager", "_upstream") for a in bench_shipped.trainer_argv(args, "eager", tmp_path)]
+    assert [a for a in ours if a != "--overwrite_output"] == up
+    d = tmp_path / "hunyuan-image"
+    assert up[up.index("--text_encoder") + 1] == str(d / "qwen_2.5_vl_7b.safetensors")
+    assert {"--split_attn", "--cache_text_encoder_outputs_to_disk", "--network_train_unet_only"} <= set(up)
+    assert up[up.index("--network_module") + 1] == "networks.lora_hunyuan_image"
+    args.family = "anima"
+    up = bench_shipped.trainer_argv(args, "upstream", tmp_path)
+    assert up[up.index("--t5_tokenizer_path") + 1] == str(tmp_path / "anima" / "tokenizers" / "t5")
+    assert up[up.index("--qwen3") + 1] == str(tmp_path / "anima" / "qwen3.safetensors")
+    assert bench_shipped.SCRIPTS["anima"] == "anima_train_network.py"
+
+
+def test_hub_snapshot_is_what_from_pretrained_reads_offline(tmp_path, monkeypatch):
+    """Upstream's HunyuanImage loads its tokenizers by hub id with no cache dir: HF_HUB_CACHE points at this."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    snap = bench_shipped._hub_snapshot(tmp_path / "hub", "google/byt5-small")
+    (snap / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "ByT5Tokenizer", "extra_ids": 125}))
+    (snap / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained("google/byt5-small", cache_dir=str(tmp_path / "hub"))
+    assert type(tok).__name__ == "ByT5Tokenizer" and tok("ab").input_ids == [100, 101, 1]

@@ -114,6 +114,52 @@ def test_text_join_order_and_dit_runs():
     assert mask.tolist() == [[True, True, True], [True, True, False]]
 
 
+def test_blocks_get_no_mask_when_every_token_is_valid_and_compile_whole(monkeypatch):
+    """--split_attn read each sample's token count inside the blocks (a graph break in every compiled block, run72's
+    method would time them eager); with nothing to mask the blocks get no mask, and the output is the same."""
+    dit = models.tiny_dit(32, 32).eval()
+    lat, t = torch.randn(1, 16, 2, 2), torch.tensor([500])
+    text, byt5 = torch.randn(1, 3, 32), torch.randn(1, 4, 32)
+    args = (lat, t, text, torch.ones(1, 3, dtype=torch.bool), byt5, torch.tensor([[1, 1, 0, 0]]).bool())
+    seen, attention = [], models.attention
+    monkeypatch.setattr(models, "attention", lambda q, k, v, mask, split=False: seen.append(mask) or attention(
+        q, k, v, mask, split))
+    dit.split_attn = True
+    out = dit(*args)
+    blocks = len(dit.double_blocks) + len(dit.single_blocks)
+    assert len(seen) > blocks and all(m is None for m in seen[-blocks:])  # (the text refiner before them keeps its)
+    dit.split_attn = False
+    monkeypatch.setattr(models, "attention", lambda q, k, v, mask, split=False: attention(
+        q, k, v, torch.ones(q.shape[:2], dtype=torch.bool), split))  # the all-true mask the blocks had before
+    torch.testing.assert_close(dit(*args), out)
+    monkeypatch.setattr(models, "attention", attention)
+    x, vec = torch.randn(1, 7, 32), torch.randn(1, 32)
+    explained = torch._dynamo.explain(dit.single_blocks[0])(x, vec, models.rope_2d(16, 2, 2), None, True, 4)
+    assert explained.graph_break_count == 0
+    explained = torch._dynamo.explain(dit.single_blocks[0])(x, vec, models.rope_2d(16, 2, 2),
+                                                             torch.ones(1, 7, dtype=torch.bool), True, 4)
+    assert explained.graph_break_count == 1  # what a padded batch with --split_attn still costs
+
+
+def test_step_graph_auto_stays_off_as_the_text_is_trimmed_on_the_host(monkeypatch, caplog):
+    import argparse
+    import logging
+
+    from library.compile import graphs
+    from library.errors import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = argparse.Namespace(cuda_graph_step="auto", compile=True, compile_mode="reduce-overhead",
+                              compile_backend="inductor", optimizer_type="AdamW", optimizer_args=[],
+                              gradient_accumulation_steps=1, cache_latents=True, cache_text_encoder_outputs=True,
+                              mixed_precision="bf16", blocks_to_swap=None)
+    dataset = argparse.Namespace(buckets={(1024, 1024): [0]})
+    with caplog.at_level(logging.INFO, logger="library.compile.graphs"):
+        graphs.resolve(args, [argparse.Namespace(datasets=[dataset])], 1, "hunyuan_image", ConfigError)
+    assert graphs.cuda_graphs(args) == "blocks" and graphs.block_compile_mode(args) == "reduce-overhead"
+    assert any("off; the step graph is left off for HunyuanImage 2.1" in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.slow
 def test_lora_keys_metadata_caches_and_sample(hy_set, hy_data, tmp_path):
     import numpy as np

@@ -28,11 +28,14 @@ line to its progress line for step 1, which it prints once step 2 has run (the l
 done (issue 15's warm-restart target) is one more step, whose time the summary's median gives. `--cache_tag` runs on the compile
 cache of another tag (a warm restart); `--time_graphs` runs the trainer through tools/graph_timing.py.
 
-The families after FLUX.1 (issue 28 item 6; `--family sd3-medium|sd3-large|chroma|lumina`): `prepare` writes random
-full-size bf16 files in the layouts users download and upstream reads (shapes from each model's published config,
-written down at SD35_MEDIUM and below): SD3.5 as SAI's single file (MMDiT + VAE) with separate clip_l / clip_g /
-t5xxl files; Chroma as its distributed single file with FLUX.1's T5-XXL and AE; Lumina 2 as its single file with
-Gemma 2 2B and the AE; tokenizers in both sides' --tokenizer_cache_dir layouts (`--tiny`: the same at test size).
+The families after FLUX.1 (issue 28 item 6; `--family sd3-medium|sd3-large|chroma|lumina|hunyuan-image|anima`):
+`prepare` writes random full-size bf16 files in the layouts users download and upstream reads (shapes from each
+model's published config, written down at SD35_MEDIUM and below): SD3.5 as SAI's single file (MMDiT + VAE) with
+separate clip_l / clip_g / t5xxl files; Chroma as its distributed single file with FLUX.1's T5-XXL and AE; Lumina 2
+as its single file with Gemma 2 2B and the AE; HunyuanImage 2.1's DiT, Qwen2.5-VL (QWEN25_VL_BENCH_LAYERS of its 28
+layers: its outputs are cached before the loop), glyph byT5 and VAE; Anima's DiT (with its LLM adapter), Qwen3-0.6B
+and the Qwen-Image VAE; tokenizers in both sides' layouts (HunyuanImage and Anima: upstream's own Qwen and T5
+tokenizer files from `--upstream_dir`'s configs/; `--tiny`: the same at test size).
 `run --phases upstream,compiled,eager` adds a phase that starts upstream kohya-ss/sd-scripts' own script from
 `--upstream_dir` (no compile, as its users run it) with `--upstream_pythonpath` as its whole PYTHONPATH (its pinned
 packages); its progress is a tqdm bar, read for the median step and the first step. Every run also polls
@@ -207,6 +210,34 @@ GEMMA2_2B = dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, nu
                  final_logit_softcapping=30.0, sliding_window=4096, max_position_embeddings=8192, pad_token_id=0,
                  eos_token_id=1, bos_token_id=2)
 
+# HunyuanImage 2.1 (tencent/HunyuanImage-2.1 dit/hunyuanimage2.1.safetensors; upstream's fixed
+# HYImageDiffusionTransformer): library.hunyuan_image_models.DiTConfig's defaults, 20 double + 40 single blocks, width
+# 3584, 17.0B parameters. Its text encoders as upstream's fixed configs (hunyuan_image_text_encoder): Qwen2.5-VL 7B
+# (Comfy-Org's qwen_2.5_vl_7b: language model, vision tower, lm_head) and the glyph byT5-small (vocabulary enlarged
+# by upstream's 138 colour + 988 font tokens); the VAE as upstream's HunyuanVAE2D.
+HUNYUAN_DIT = dict(width=3584, heads=28, double_blocks=20, single_blocks=40, refiner_blocks=2, in_channels=64,
+                   text_dim=3584, byt5_dim=1472, byt5_hidden=2048, byt5_out=2048, mlp_ratio=4.0)
+QWEN25_VL_TEXT = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                      num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-6, max_position_embeddings=128000,
+                      hidden_act="silu", rope_theta=1000000.0, mrope_section=[16, 24, 24])
+QWEN25_VL_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                        patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                        fullatt_block_indexes=[7, 15, 23, 31], in_channels=3, hidden_act="silu")
+# Qwen2.5-VL's layers in the benchmark's file: its outputs are cached before the training loop, so its depth only
+# changes the caching time (upstream's encoder takes the third-last hidden state: 3 layers or more)
+QWEN25_VL_BENCH_LAYERS = 4
+BYT5_GLYPH = dict(vocab_size=384 + 138 + 988, d_model=1472, d_kv=64, d_ff=3584, num_layers=12, num_heads=6,
+                  feed_forward_proj="gated-gelu", relative_attention_num_buckets=32, is_encoder_decoder=False,
+                  use_cache=False)
+HUNYUAN_VAE = dict(in_channels=3, out_channels=3, latent_channels=64,
+                   block_out_channels=(128, 256, 512, 512, 1024, 1024), layers_per_block=2,
+                   spatial_compression_ratio=32, sample_size=384)
+# Anima (circlestone-labs/Anima; upstream's fixed dit_config: the Cosmos-Predict2 2B DiT with its LLM adapter) and
+# Qwen3-0.6B (upstream's configs/qwen3_06b); the Qwen-Image VAE is diffusers' AutoencoderKLQwenImage default.
+ANIMA = dict(model_channels=2048, num_blocks=28, num_heads=16)
+QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+
 # Test size, for the CPU check of the GPU scripts. Upstream builds the AE, the text encoders, Chroma and Lumina 2
 # from fixed configs (gpu/cpu_shim/tiny_upstream.py sets those to these sizes on the CPU), infers an SD3 model's
 # layers and heads both from its width (every SD3 model has as many of each) and pads CLIP's outputs to 4096
@@ -228,13 +259,24 @@ TINY_SHAPES = {
                    axes_dim_rope=(8, 8, 8), cap_feat_dim=32),
     "gemma2": dict(GEMMA2_2B, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                    num_key_value_heads=1),
+    # HunyuanImage 2.1: upstream's byT5 width, Qwen's vocabulary and the whole VAE stay (cpu_shim shrinks the rest)
+    "hunyuan-image": dict(HUNYUAN_DIT, width=64, heads=2, double_blocks=1, single_blocks=1, text_dim=64),
+    "qwen25_vl_text": dict(QWEN25_VL_TEXT, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, mrope_section=[2, 3, 3]),
+    "qwen25_vl_vision": dict(QWEN25_VL_VISION, depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                             out_hidden_size=64, fullatt_block_indexes=[0]),
+    "byt5": dict(BYT5_GLYPH, d_kv=8, d_ff=64, num_layers=1, num_heads=2),
+    # Anima: the LLM adapter is fixed upstream (1024 wide), so Qwen3's width stays; the whole VAE stays
+    "anima": dict(ANIMA, model_channels=64, num_blocks=1, num_heads=2),
+    "qwen3": dict(QWEN3_06B, intermediate_size=64, num_hidden_layers=1),
 }
-NEW_FAMILIES = ("sd3-medium", "sd3-large", "chroma", "lumina")
+NEW_FAMILIES = ("sd3-medium", "sd3-large", "chroma", "lumina", "hunyuan-image", "anima")
 
 
-def _random_module(module_fn, seed: int, dtype):
-    """A module built without init (full size costs nothing) and filled from a random pool; its buffers (computed
-    ones such as SD3's positional embedding) are kept."""
+def _random_module(module_fn, seed: int, dtype, on_gpu: bool = False):
+    """A module built without init (full size costs nothing) and filled from a random pool (`on_gpu`: drawn on the
+    GPU where there is one: HunyuanImage's 17B parameters take a minute from the CPU's pool, seconds this way); its
+    buffers (computed ones such as SD3's positional embedding) are kept."""
     import torch
     from accelerate import init_empty_weights
 
@@ -243,12 +285,28 @@ def _random_module(module_fn, seed: int, dtype):
     with init_empty_weights():
         m = module_fn()
     buffers = {n: b.clone() for n, b in m.named_buffers()}
-    m = flux_tiny._randomize(m.to(dtype).to_empty(device="cpu"), seed, std=0.02)
+    m = m.to(dtype).to_empty(device="cpu")
+    m = _draw_random(m, seed, std=0.02) if on_gpu else flux_tiny._randomize(m, seed, std=0.02)
     with torch.no_grad():
         for n, b in m.named_buffers():
             if n in buffers:
                 b.copy_(buffers[n])
     return m
+
+
+def _draw_random(model, seed: int, std: float):
+    """Normal(0, std) weights, norm weights 1 + Normal(0, 0.1) (as flux_tiny._randomize's pools), drawn on the GPU
+    if there is one and copied into the CPU module in its dtype."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=g, device=device)
+            norm = p.ndim == 1 and "norm" in name and name.endswith(".weight")
+            p.copy_((1 + 0.1 * r if norm else r * std).to(p.dtype))
+    return model
 
 
 class _Writer:
@@ -345,6 +403,8 @@ def prepare_family(workdir: Path, family: str, tiny: bool = False) -> None:
     shapes = {"clip_l": CLIP_L, "clip_g": CLIP_G, "t5xxl": T5_XXL, "ae": FLUX_AE, "sd3-medium": SD35_MEDIUM,
               "sd3-large": SD35_LARGE, "chroma": CHROMA, "lumina": LUMINA2, "gemma2": GEMMA2_2B,
               **(TINY_SHAPES if tiny else {})}
+    if family in ("hunyuan-image", "anima"):
+        return prepare_qwen_family(workdir, family, tiny)
     dest = family_dir(workdir, family)
     w = _Writer(dest)
     if not (dest / "tokenizers").exists():
@@ -393,6 +453,118 @@ def prepare_family(workdir: Path, family: str, tiny: bool = False) -> None:
         del model
 
 
+UPSTREAM_CONFIGS = None  # upstream's configs/ folder (prepare --upstream_dir): its Qwen3 and T5 tokenizer files
+
+
+def _qwen_tokenizer_files(dest: Path, hub_id: str | None = None) -> None:
+    """Upstream's Qwen tokenizer files (configs/qwen3_06b: the byte-level BPE Qwen2.5 and Qwen3 share, the same 151k
+    vocabulary and merges, <|im_start|>/<|im_end|> at the same ids) in `dest` (our --tokenizer_cache_dir layout) and,
+    with `hub_id`, in a hub cache beside it (upstream's HunyuanImage loads Qwen2Tokenizer.from_pretrained(hub id)
+    with no cache dir: HF_HUB_CACHE points there in its runs)."""
+    import shutil
+
+    src = Path(UPSTREAM_CONFIGS or "") / "qwen3_06b"
+    if not (src / "vocab.json").is_file():
+        raise SystemExit(f"prepare: upstream's Qwen tokenizer files not found in {src} (pass --upstream_dir)")
+    targets = [dest]
+    if hub_id:
+        targets.append(_hub_snapshot(dest.parent / "hub", hub_id))
+    for t in targets:
+        t.mkdir(parents=True, exist_ok=True)
+        for f in ("vocab.json", "merges.txt", "tokenizer_config.json"):
+            shutil.copy(src / f, t / f)
+
+
+def _hub_snapshot(hub: Path, hub_id: str) -> Path:
+    """A hub-cache snapshot folder for `hub_id` (what from_pretrained(hub_id) reads offline)."""
+    repo = hub / ("models--" + hub_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    snap = repo / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True, exist_ok=True)
+    return snap
+
+
+def prepare_qwen_family(workdir: Path, family: str, tiny: bool = False) -> None:
+    """HunyuanImage 2.1 or Anima, random full-size (or TINY_SHAPES) bf16 files in the layouts upstream's guides name,
+    plus the tokenizers both sides read (upstream's own Qwen and T5 tokenizer files)."""
+    import shutil
+
+    import torch
+    from transformers import Qwen3Config, Qwen3Model
+
+    dest = family_dir(workdir, family)
+    w = _Writer(dest)
+    sz = {**{"hunyuan-image": HUNYUAN_DIT, "anima": ANIMA, "qwen3": QWEN3_06B, "byt5": BYT5_GLYPH,
+             "qwen25_vl_text": dict(QWEN25_VL_TEXT, num_hidden_layers=QWEN25_VL_BENCH_LAYERS),
+             "qwen25_vl_vision": QWEN25_VL_VISION}, **(TINY_SHAPES if tiny else {})}
+    if family == "hunyuan-image":
+        from diffusers import AutoencoderKLHunyuanImage
+        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, T5Config, T5EncoderModel
+
+        from library import hunyuan_image_models as hm
+
+        _qwen_tokenizer_files(dest / "tokenizers" / "qwen", hub_id=hm.QWEN_ID)
+        snap = _hub_snapshot(dest / "tokenizers" / "hub", "google/byt5-small")  # ByT5Tokenizer needs no vocabulary
+        (snap / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "ByT5Tokenizer", "extra_ids": 125}))
+        (snap / "config.json").write_text(json.dumps({"model_type": "t5"}))
+        if not (dest / "qwen_2.5_vl_7b.safetensors").exists():  # Comfy-Org's keys: model.*, visual.*, lm_head
+            text = dict(sz["qwen25_vl_text"])
+            text["rope_parameters"] = {"rope_type": "default", "rope_theta": text.pop("rope_theta"),
+                                       "mrope_section": text.pop("mrope_section")}
+            cfg = Qwen2_5_VLConfig(text_config=text, vision_config=sz["qwen25_vl_vision"],
+                                   vocab_size=text["vocab_size"], tie_word_embeddings=False)
+            m = _random_module(lambda: Qwen2_5_VLForConditionalGeneration(cfg), 1, torch.bfloat16, True)
+            sd = {}
+            for k, v in m.state_dict().items():
+                for a, b in (("model.language_model.", "model."), ("model.visual.", "visual.")):
+                    if k.startswith(a):
+                        k = b + k[len(a):]
+                        break
+                sd[k] = v
+            w("qwen_2.5_vl_7b.safetensors", sd)
+            del m, sd
+        if not (dest / "byt5.safetensors").exists():
+            m = _random_module(lambda: T5EncoderModel(T5Config(**sz["byt5"])), 2, torch.float16, True)
+            w("byt5.safetensors", {k: v for k, v in m.state_dict().items() if k != "encoder.embed_tokens.weight"})
+            del m
+        if not (dest / "vae.safetensors").exists():
+            vae = _random_module(lambda: AutoencoderKLHunyuanImage(
+                **HUNYUAN_VAE, scaling_factor=hm.LATENT_SCALING_FACTOR), 3, torch.float16, True)
+            w("vae.safetensors", hm.vae_diffusers_to_upstream(vae.state_dict(), HUNYUAN_VAE["layers_per_block"]))
+            del vae
+        if not (dest / "hunyuan-image.safetensors").exists():
+            dit = _random_module(lambda: hm.HunyuanImageDiT(hm.DiTConfig(**sz["hunyuan-image"])), 4, torch.bfloat16,
+                                 True)
+            w("hunyuan-image.safetensors", dit.state_dict())
+            del dit
+        return
+    from diffusers import AutoencoderKLQwenImage
+
+    from library import anima_models as am
+
+    _qwen_tokenizer_files(dest / "tokenizers" / "qwen3")
+    t5 = dest / "tokenizers" / "t5"  # upstream's configs/t5_old (T5-v1.1's sentencepiece), for --t5_tokenizer_path
+    t5.mkdir(parents=True, exist_ok=True)
+    for f in ("spiece.model", "tokenizer.json"):
+        shutil.copy(Path(UPSTREAM_CONFIGS) / "t5_old" / f, t5 / f)
+    (t5 / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "T5Tokenizer", "eos_token": "</s>",
+                                                          "unk_token": "<unk>", "pad_token": "<pad>",
+                                                          "extra_ids": 100, "model_max_length": 512}))
+    if not (dest / "qwen3.safetensors").exists():  # Comfy-Org's qwen_3_06b_base: model.* keys (lm_head tied)
+        cfg = Qwen3Config(**sz["qwen3"], tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1000000.0)
+        m = _random_module(lambda: Qwen3Model(cfg), 1, torch.bfloat16, True)
+        w("qwen3.safetensors", {"model." + k: v for k, v in m.state_dict().items()})
+        del m
+    if not (dest / "vae.safetensors").exists():  # diffusers' keys (upstream's "official" layout)
+        w("vae.safetensors", _random_module(AutoencoderKLQwenImage, 3, torch.bfloat16, True).state_dict())
+    if not (dest / "anima.safetensors").exists():
+        dit = _random_module(lambda: am.Anima(am.AnimaConfig(**sz["anima"])), 4, torch.bfloat16, True)
+        sd = {"net." + k: v for k, v in dit.state_dict().items()}
+        w("anima.safetensors", sd)
+        del dit, sd
+
+
 def family_dir(workdir: Path, family: str) -> Path:
     return workdir / ("sd3" if family.startswith("sd3") else family)
 
@@ -411,6 +583,19 @@ def family_argv(workdir: Path, family: str) -> list[str]:
         return argv + ["--model_type", "chroma", "--t5xxl", str(d / "t5xxl.safetensors"),
                        "--ae", str(d / "ae.safetensors"), "--guidance_scale", "0.0", "--apply_t5_attn_mask",
                        "--network_module", "networks.lora_flux", "--sdpa"]
+    if family == "hunyuan-image":
+        # upstream's guide's attention flags (one sample: SDPA over its own tokens); the text-encoder outputs cached on
+        # disk: upstream's in-memory cache fails as the batch is built (torch.FloatTensor(numpy.bool_) for ocr_mask)
+        return ["--cache_text_encoder_outputs_to_disk",
+                "--pretrained_model_name_or_path", str(d / "hunyuan-image.safetensors"),
+                "--text_encoder", str(d / "qwen_2.5_vl_7b.safetensors"), "--byt5", str(d / "byt5.safetensors"),
+                "--vae", str(d / "vae.safetensors"), "--tokenizer_cache_dir", str(d / "tokenizers" / "qwen"),
+                "--attn_mode", "torch", "--split_attn", "--network_module", "networks.lora_hunyuan_image"]
+    if family == "anima":
+        return ["--pretrained_model_name_or_path", str(d / "anima.safetensors"),
+                "--qwen3", str(d / "qwen3.safetensors"), "--vae", str(d / "vae.safetensors"),
+                "--tokenizer_cache_dir", str(d / "tokenizers"),
+                "--t5_tokenizer_path", str(d / "tokenizers" / "t5"), "--network_module", "networks.lora_anima"]
     return argv + ["--gemma2", str(d / "gemma2.safetensors"), "--ae", str(d / "ae.safetensors"),
                    "--network_module", "networks.lora_lumina"]
 
@@ -435,7 +620,8 @@ def make_bucket_images(workdir: Path, per_size: int, sizes=BUCKET_SIZES) -> Path
 
 
 SCRIPTS = {"sdxl": "sdxl_train_network.py", "flux": "flux_train_network.py", "sd3-medium": "sd3_train_network.py",
-           "sd3-large": "sd3_train_network.py", "chroma": "flux_train_network.py", "lumina": "lumina_train_network.py"}
+           "sd3-large": "sd3_train_network.py", "chroma": "flux_train_network.py", "lumina": "lumina_train_network.py",
+           "hunyuan-image": "hunyuan_image_train_network.py", "anima": "anima_train_network.py"}
 
 
 def model_argv(family: str, workdir: Path) -> list[str]:
@@ -610,6 +796,9 @@ def run_phase(args, phase: str, workdir: Path) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if upstream:  # upstream's own package set only (its pins), never ours
         env["PYTHONPATH"] = args.upstream_pythonpath or ""
+        hub = family_dir(workdir, args.family) / "tokenizers" / "hub"
+        if args.family in NEW_FAMILIES and hub.is_dir():  # tokenizers upstream loads by hub id, no cache dir
+            env["HF_HUB_CACHE"] = str(hub)
     if args.recompiles:
         env["TORCH_LOGS"] = ",".join(filter(None, [env.get("TORCH_LOGS"), "recompiles"]))
     t0 = time.perf_counter()
@@ -766,7 +955,8 @@ def main(argv=None) -> int:
     p.add_argument("--gradient_checkpointing", action="store_true")
     p.add_argument("--phases", default="eager,compiled",
                    help="any of eager, compiled (ours) and upstream (--upstream_dir's script, as its users run it)")
-    p.add_argument("--upstream_dir", default=None, help="a copy of upstream kohya-ss/sd-scripts (phase upstream)")
+    p.add_argument("--upstream_dir", default=None,
+                   help="a copy of upstream kohya-ss/sd-scripts (phase upstream; prepare: its configs/ tokenizer files)")
     p.add_argument("--upstream_pythonpath", default=None,
                    help="PYTHONPATH of the upstream phase: its pinned packages (transformers 4.54, diffusers 0.32)")
     p.add_argument("--upstream_runner", default=None,
@@ -791,6 +981,8 @@ def main(argv=None) -> int:
     args.extra = extra
     workdir = Path(args.workdir).resolve()
     if args.action == "prepare":
+        global UPSTREAM_CONFIGS
+        UPSTREAM_CONFIGS = Path(args.upstream_dir) / "configs" if args.upstream_dir else None
         prepare(workdir, args.images, args.resolution, args.checkpoint, args.family,
                 args.bucket_images if args.buckets else 0, args.repeats, args.tiny)
         return 0

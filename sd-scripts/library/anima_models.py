@@ -580,7 +580,7 @@ def load_vae(path: str, dtype=torch.float32):
 def encode_pixels(vae, images: torch.Tensor) -> torch.Tensor:
     """Upstream's encode_pixels_to_latents: images in [-1, 1] -> the posterior's mode, (z - mean) / std; [B, 16, h, w]."""
     cfg = vae.config
-    z = vae.encode(images.to(vae.dtype)[:, :, None]).latent_dist.mode()
+    z = vae.encode(images.to(vae.device, vae.dtype)[:, :, None]).latent_dist.mode()
     mean = torch.tensor(cfg.latents_mean, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
     std = torch.tensor(cfg.latents_std, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
     return ((z - mean) / std)[:, :, 0]
@@ -589,7 +589,7 @@ def encode_pixels(vae, images: torch.Tensor) -> torch.Tensor:
 def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     """Upstream's decode_to_pixels: [B, 16, h, w] -> images in [-1, 1]."""
     cfg = vae.config
-    z = latents.to(vae.dtype)[:, :, None]
+    z = latents.to(vae.device, vae.dtype)[:, :, None]
     mean = torch.tensor(cfg.latents_mean, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
     std = torch.tensor(cfg.latents_std, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
     return vae.decode(z * std + mean).sample[:, :, 0].clamp(-1, 1)

@@ -355,6 +355,8 @@ class HunyuanImageDiT(nn.Module):
         txt = self.txt_in(text, timesteps, text_mask, self.split_attn)
         txt, txt_mask = join_text(self.byt5_in(byt5), byt5_mask.bool(), txt, text_mask)
         key_mask = torch.cat([torch.ones(b, img.shape[1], dtype=torch.bool, device=img.device), txt_mask], 1)
+        if bool(txt_mask.all()):  # nothing to mask (one sample, or as long as the longest): SDPA's flash kernel, and
+            key_mask = None       # no per-sample token count read inside a compiled block (a graph break)
         for block in self.double_blocks:
             img, txt = self._run(block, img, txt, vec, rope, key_mask, self.split_attn)
         n = img.shape[1]

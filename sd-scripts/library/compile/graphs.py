@@ -76,7 +76,9 @@ AFTER_GRAPH_OPTIMIZERS = ("AdamW8bit", "Lion8bit", "SGDNesterov8bit", "Lion", "P
 # families where auto leaves it off, and why
 AUTO_OFF_FAMILIES = {"flux": "FLUX.1: GPU-bound at its sizes, its step was slower with the step graph "
                              "(docs/BENCHMARKS.md, run46/run47)",
-                     "sd1": "SD1.x: not measured with it yet", "sd2": "SD2.x: not measured with it yet"}
+                     "sd1": "SD1.x: not measured with it yet", "sd2": "SD2.x: not measured with it yet",
+                     "hunyuan_image": "HunyuanImage 2.1: its forward trims the text to the batch's valid tokens, "
+                                      "counted on the host (a capture fails there)"}
 
 
 def _setting_type(value: str) -> str:
