@@ -247,11 +247,11 @@ def test_streamed_safetensors_writer_writes_the_librarys_bytes(tiny_sdxl_single_
                "flag": torch.tensor([True, False, True]), "scalar": torch.tensor(3.5), "empty": torch.empty(0, 4),
                "view": torch.randn(8, 6, generator=g).t()}
     meta = {"modelspec.title": "Zürich ☃ \"quoted\"", "format": "pt"}
-    for cast in (None, torch.float16):
+    for cast, chunk in ((None, 64), (torch.float16, 1 << 20)):  # buffers smaller / larger than all the data
         ref, ours = tmp_path / f"ref{cast}.safetensors", tmp_path / f"ours{cast}.safetensors"
         save_file({k: (v.to(cast) if cast and v.is_floating_point() else v).contiguous() for k, v in tensors.items()},
                   str(ref), metadata=meta)
-        save_file_streamed(tensors, ours, meta, float_dtype=cast, chunk_bytes=64)
+        save_file_streamed(tensors, ours, meta, float_dtype=cast, chunk_bytes=chunk)
         assert parts(ours) == parts(ref), cast
 
     comps = model_util.load_sd_components(str(tiny_sdxl_single_file), "sdxl", tokenizers=False)

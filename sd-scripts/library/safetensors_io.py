@@ -118,15 +118,21 @@ def save_file_streamed(tensors: dict, path: str | os.PathLike, metadata: dict[st
         writer = threading.Thread(target=write, daemon=True)
         writer.start()
         try:
+            buf, filled = free.get(), 0  # small tensors share a buffer: one write for many
             for _, v in items:
                 flat = v.detach().to(out_dtype(v)).contiguous().reshape(-1).view(torch.uint8)
-                for start in range(0, flat.numel(), chunk_bytes):
-                    buf = free.get()
-                    if failed:
-                        raise failed[0]
-                    n = min(chunk_bytes, flat.numel() - start)
-                    buf[:n].copy_(flat[start:start + n])
-                    full.put((buf, n))
+                start = 0
+                while start < flat.numel():
+                    n = min(chunk_bytes - filled, flat.numel() - start)
+                    buf[filled:filled + n].copy_(flat[start:start + n])
+                    filled, start = filled + n, start + n
+                    if filled == chunk_bytes:
+                        full.put((buf, filled))
+                        buf, filled = free.get(), 0
+                        if failed:
+                            raise failed[0]
+            if filled:
+                full.put((buf, filled))
         finally:
             full.put(None)
             writer.join()
