@@ -188,6 +188,80 @@ def test_merge_into_sdxl_loads_everywhere_and_extracts_back(sdxl_lora, tiny_sdxl
     assert md["ss_base_model_version"] == "sdxl_base_v1-0" and md["modelspec.architecture"].endswith("/lora")
 
 
+@pytest.mark.parametrize("save_precision", ["fp16", "float"])
+def test_merge_into_an_fp16_model_saves_the_bits_of_an_all_fp32_merge(sdxl_lora, tiny_sdxl_single_file, tmp_path,
+                                                                       save_precision):
+    """The merge keeps the file's fp16 tensors uncast and upcasts only the layers it changes: every saved tensor
+    has the bits of upstream's recipe (the whole model in fp32, W += ratio * up x down * alpha / rank per LoRA,
+    then cast to --save_precision), two LoRAs accumulating in fp32."""
+    from library import model_util
+
+    fp16_model = tmp_path / "fp16.safetensors"
+    model_util.save_sd_checkpoint(fp16_model, model_util.load_sd_components(str(tiny_sdxl_single_file), "sdxl",
+                                                                            tokenizers=False),
+                                  save_dtype=torch.float16)
+    merged = tmp_path / "merged.safetensors"
+    assert sdxl_merge_lora.main(["--sd_model", str(fp16_model), "--models", str(sdxl_lora), str(sdxl_lora),
+                                 "--ratios", "0.7", "-0.3", "--save_precision", save_precision,
+                                 "--save_to", str(merged)]) == 0
+
+    comps = model_util.load_sd_components(str(fp16_model), "sdxl", dtype=torch.float32, tokenizers=False)
+    layers = lora_tools.sd_layer_map(comps.text_encoders, comps.unet)
+    for ratio in (0.7, -0.3):
+        for name, m in lora_tools.lora_modules(load_file(str(sdxl_lora))).items():
+            w = layers[name].weight
+            w.data = w.data + (m.up.float().reshape(m.up.shape[0], -1) @ m.down.float().reshape(m.rank, -1)
+                               ).reshape(w.shape) * (ratio * m.scale)
+    reference = tmp_path / "reference.safetensors"
+    model_util.save_sd_checkpoint(reference, comps, save_dtype=torch.float16 if save_precision == "fp16" else None)
+    ours, ref = load_file(str(merged)), load_file(str(reference))
+    assert set(ours) == set(ref) and len(ours) > 100
+    dtype = torch.float16 if save_precision == "fp16" else torch.float32
+    assert {v.dtype for v in ours.values() if v.is_floating_point()} == {dtype}
+    assert [k for k in ref if not torch.equal(ours[k], ref[k])] == []
+    q_proj = model_util.SDXL_TE1_PREFIX + "text_model.encoder.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(ours[q_proj], load_file(str(fp16_model))[q_proj].to(dtype))  # the LoRAs moved it
+
+
+def test_streamed_safetensors_writer_writes_the_librarys_bytes(tiny_sdxl_single_file, tmp_path):
+    """save_sd_checkpoint writes a model on a GPU with safetensors_io.save_file_streamed: its file is the one
+    safetensors.torch.save_file writes (the same header, length and tensor order, the data byte for byte; only
+    the order of the metadata keys, which the library takes from a hash map, may differ), for every dtype, odd
+    shapes, non-contiguous views, a cast on the way and buffers smaller than a tensor (run here on the CPU)."""
+
+    def parts(path):
+        raw = path.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        return n, json.loads(raw[8:8 + n]), raw[8 + n:]
+
+    from safetensors.torch import save_file
+
+    from library import model_util
+    from library.safetensors_io import save_file_streamed
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"b.w": torch.randn(30, 7, generator=g), "a.h": torch.randn(13, generator=g).half(),
+               "c.bf": torch.randn(5, 3, generator=g).bfloat16(), "f64": torch.randn(3, dtype=torch.float64),
+               "i64": torch.arange(7), "i32": torch.arange(5, dtype=torch.int32), "i16": torch.arange(3).short(),
+               "i8": torch.arange(3, dtype=torch.int8), "u8": torch.arange(11, dtype=torch.uint8),
+               "flag": torch.tensor([True, False, True]), "scalar": torch.tensor(3.5), "empty": torch.empty(0, 4),
+               "view": torch.randn(8, 6, generator=g).t()}
+    meta = {"modelspec.title": "Zürich ☃ \"quoted\"", "format": "pt"}
+    for cast, chunk in ((None, 64), (torch.float16, 1 << 20)):  # buffers smaller / larger than all the data
+        ref, ours = tmp_path / f"ref{cast}.safetensors", tmp_path / f"ours{cast}.safetensors"
+        save_file({k: (v.to(cast) if cast and v.is_floating_point() else v).contiguous() for k, v in tensors.items()},
+                  str(ref), metadata=meta)
+        save_file_streamed(tensors, ours, meta, float_dtype=cast, chunk_bytes=chunk)
+        assert parts(ours) == parts(ref), cast
+
+    comps = model_util.load_sd_components(str(tiny_sdxl_single_file), "sdxl", tokenizers=False)
+    saved = model_util.save_sd_checkpoint(tmp_path / "lib.safetensors", comps, save_dtype="fp16", metadata=meta)
+    meta_pt = {**meta, "format": "pt"}
+    save_file_streamed(model_util.components_to_ldm_state_dict(comps), tmp_path / "streamed.safetensors", meta_pt,
+                       float_dtype=torch.float16, chunk_bytes=4096)
+    assert parts(tmp_path / "streamed.safetensors") == parts(saved)
+
+
 # -- LoRA to LoRA -----------------------------------------------------------------------------------------------
 
 def test_merge_loras_sum_and_concat(sdxl_lora, tmp_path):
