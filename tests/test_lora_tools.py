@@ -262,6 +262,77 @@ def test_streamed_safetensors_writer_writes_the_librarys_bytes(tiny_sdxl_single_
     assert parts(tmp_path / "streamed.safetensors") == parts(saved)
 
 
+def _mapped_files(tensors) -> set[str]:
+    """The files whose memory mappings hold these tensors' data (/proc/self/maps)."""
+    maps = []
+    for line in open("/proc/self/maps").read().splitlines():
+        fields = line.split()
+        if len(fields) >= 6:
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            maps.append((lo, hi, fields[5]))
+    return {name for t in tensors for lo, hi, name in maps if lo <= t.data_ptr() < hi}
+
+
+def test_save_over_the_memory_mapped_file_the_model_came_from(tiny_sdxl_single_file, tmp_path, writes_fail_past):
+    """A trainer or tool that saves over the checkpoint its model was read from (--overwrite_output, --save_to =
+    --sd_model): the model's tensors are memory-mapped from that file while the new one is written. The save
+    writes a temporary file and renames it over the old one at the end, so the mapped tensors keep their values,
+    the new file has the bytes a save to a fresh name has, and a save the disk refuses halfway leaves the old file
+    whole and no temporary file behind."""
+    import shutil
+
+    from library import model_util
+    from library.errors import SaveError
+
+    path = tmp_path / "model.safetensors"
+    shutil.copyfile(tiny_sdxl_single_file, path)
+    before = path.read_bytes()
+    comps = model_util.load_sd_components(str(path), "sdxl", dtype=None, tokenizers=False)  # as stored: mapped
+    params = list(comps.unet.parameters())
+    assert str(path) in _mapped_files(params)
+    kept = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        params[0].add_(1.0)  # a trained weight (the mapping is private: the file keeps its bytes)
+    kept[0] += 1.0
+
+    with writes_fail_past(len(before) // 3), pytest.raises(SaveError, match="File too large"):
+        model_util.save_sd_checkpoint(path, comps, save_dtype="bf16", overwrite=True)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+
+    fresh = model_util.save_sd_checkpoint(tmp_path / "fresh" / "model.safetensors", comps, save_dtype="bf16")
+    model_util.save_sd_checkpoint(path, comps, save_dtype="bf16", overwrite=True)
+    assert all(torch.equal(p, k) for p, k in zip(params, kept))  # the old file's mapping is still read
+    assert path.read_bytes() == fresh.read_bytes() != before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "model.safetensors"]
+
+
+def test_merge_saved_over_its_own_input(sdxl_lora, tiny_sdxl_single_file, tmp_path, writes_fail_past, capsys):
+    """sdxl_merge_lora.py --save_to naming its --sd_model (with --overwrite): the merged file is the one a merge to
+    another folder writes; when the disk refuses that save halfway, the input stays whole (one error line, exit 2)."""
+    import shutil
+
+    for folder in ("a", "b", "c"):
+        (tmp_path / folder).mkdir()
+    for folder in ("a", "b"):
+        shutil.copyfile(tiny_sdxl_single_file, tmp_path / folder / "model.safetensors")
+    model, elsewhere = tmp_path / "b" / "model.safetensors", tmp_path / "c" / "model.safetensors"
+    argv = ["--models", str(sdxl_lora), "--ratios", "0.8", "--save_precision", "fp16"]
+    assert sdxl_merge_lora.main(["--sd_model", str(tmp_path / "a" / "model.safetensors"), "--save_to",
+                                 str(elsewhere), *argv]) == 0
+    before = model.read_bytes()
+    with writes_fail_past(elsewhere.stat().st_size // 2):
+        assert sdxl_merge_lora.main(["--sd_model", str(model), "--save_to", str(model), "--overwrite", *argv]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: cannot save {model}: File too large")
+    assert model.read_bytes() == before and [p.name for p in model.parent.iterdir()] == ["model.safetensors"]
+
+    assert sdxl_merge_lora.main(["--sd_model", str(model), "--save_to", str(model), "--overwrite", *argv]) == 0
+    ours, ref = load_file(str(model)), load_file(str(elsewhere))
+    assert set(ours) == set(ref) and [k for k in ref if not torch.equal(ours[k], ref[k])] == []
+    undated = [{k: v for k, v in _metadata(p).items() if k != "modelspec.date"} for p in (model, elsewhere)]
+    assert undated[0] == undated[1] and model.read_bytes() != before
+    assert [p.name for p in model.parent.iterdir()] == ["model.safetensors"]
+
+
 # -- LoRA to LoRA -----------------------------------------------------------------------------------------------
 
 def test_merge_loras_sum_and_concat(sdxl_lora, tmp_path):

@@ -926,9 +926,9 @@ def save_sd_checkpoint(path, comps: SDComponents, *, save_dtype=None, metadata=N
 
         meta = {str(k): str(v) for k, v in (metadata or {}).items()}
         meta.setdefault("format", "pt")
-        if any(v.device.type != "cpu" for v in sd.values()) and safetensors_io.can_stream(sd):
-            with files.atomic_target(path, overwrite=True) as tmp:  # from the GPU, with no CPU copy of the model
-                safetensors_io.save_file_streamed(sd, tmp, meta, float_dtype=as_dtype(save_dtype))
+        save_dtype = as_dtype(save_dtype)
+        if safetensors_io.can_stream(sd, save_dtype):  # no copy of the model (a GPU casts, the bytes stream from there)
+            safetensors_io.save_file_streamed(sd, path, meta, float_dtype=save_dtype, overwrite=True)
         else:
             files.save_safetensors(_cast(sd, save_dtype), path, meta, overwrite=True)
     else:

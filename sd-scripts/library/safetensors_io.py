@@ -1,5 +1,5 @@
 """Reading .safetensors model files, with kohya-ss/sd-scripts' `--disable_mmap_load_safetensors`; writing one
-from tensors on a GPU (`save_file_streamed`).
+without a copy of the model, from the GPU or the CPU, atomically (`save_file_streamed`).
 
 By default safetensors memory-maps the file and the tensors are paged in as they are read. With the option the
 whole file is read into memory in one go and the tensors are built from those bytes (upstream's remedy for slow
@@ -64,16 +64,29 @@ _ST_DTYPES = {"bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "floa
 _ST_RANK = {name: i for i, name in enumerate(_ST_DTYPES)}
 
 
-def can_stream(tensors: dict) -> bool:
-    return all(str(v.dtype).removeprefix("torch.") in _ST_DTYPES for v in tensors.values())
+def can_stream(tensors: dict, float_dtype=None) -> bool:
+    """save_file_streamed writes these dtypes (fp8 goes through safetensors' own save_file)."""
+    out = [float_dtype if float_dtype is not None and v.is_floating_point() else v.dtype for v in tensors.values()]
+    return all(str(d).removeprefix("torch.") in _ST_DTYPES for d in out)
 
 
 def save_file_streamed(tensors: dict, path: str | os.PathLike, metadata: dict[str, str] | None = None, *,
-                       float_dtype=None, chunk_bytes: int = 64 << 20) -> None:
-    """safetensors.torch.save_file for tensors on a GPU (floating ones cast to `float_dtype` there first): the
-    library's file layout (its tensor order and header), the bytes passing through two reusable pinned buffers, a
-    thread writing one while the GPU copies into the other. No CPU copy of the whole model is made (save_file
-    needs the tensors on the CPU: a GPU-to-pageable copy of every byte, then the write)."""
+                       float_dtype=None, chunk_bytes: int = 64 << 20, overwrite: bool = True) -> None:
+    """safetensors.torch.save_file without a copy of the whole model (floating tensors cast to `float_dtype` where
+    they are, on a GPU there): the library's file layout (its tensor order and header), the bytes passing through
+    two reusable buffers (pinned for a GPU), a thread writing one while the other fills. save_file needs the
+    tensors on the CPU and copies every byte once more before the write.
+
+    Written to a temporary file beside `path` and renamed over it when complete (library.files.atomic_target): a
+    model memory-mapped from `path` itself (safetensors' load_file) reads its old bytes throughout, and a save
+    that fails leaves `path` as it was."""
+    from library import files
+
+    with files.atomic_target(path, overwrite=overwrite) as tmp:
+        _write_streamed(tensors, tmp, metadata, float_dtype, chunk_bytes)
+
+
+def _write_streamed(tensors: dict, path: str, metadata: dict[str, str] | None, float_dtype, chunk_bytes: int) -> None:
     import json
     import queue
     import struct
