@@ -233,9 +233,9 @@ def time_gpu_save(work: Path, size: str, device: str) -> dict:
     def streamed(path, dtype):
         model_util.save_sd_checkpoint(path, comps, save_dtype=dtype, metadata=meta, overwrite=True)
 
-    def cpu_copy_save_file(path, dtype):
+    def cpu_copy_save_file(path, dtype):  # save_sd_checkpoint's route before save_file_streamed
         cpu = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).to("cpu").contiguous()
-               for k, v in sd.items()}
+               for k, v in model_util.components_to_ldm_state_dict(comps).items()}
         save_file(cpu, str(path), metadata=meta)
 
     for name, dtype, first in (("bf16", torch.bfloat16, "streamed"), ("fp16", torch.float16, "save_file")):
@@ -519,16 +519,23 @@ def compare_models(a: str, b: str, device: str = "cpu") -> dict:
     return {"keys": [len(ka), len(kb)], "common": len(ka & kb), "max_rel_diff": worst, "worst_key": worst_key}
 
 
-def profile_summary(prof: Path, log: Path, top: int = 14) -> list[str]:
-    """The functions with the most cumulative time in a cProfile file (all of them into `log`, the top here)."""
+def profile_summary(prof: Path, log: Path) -> dict:
+    """A cProfile file's functions with the most cumulative time (the phases) and the most own time (where the
+    seconds are spent); the longer lists go to `log`."""
     import io
     import pstats
 
-    text = io.StringIO()
-    pstats.Stats(str(prof), stream=text).sort_stats("cumulative").print_stats(60)
-    log.write_text(text.getvalue())
-    rows = [line for line in text.getvalue().splitlines() if re.match(r"\s*\d+(/\d+)?\s+\d", line)]
-    return [" ".join(r.split()[3:4] + r.split()[5:]) for r in rows[:top]]  # cumtime and the function
+    def top(order: str, n: int) -> tuple[str, list[str]]:
+        text = io.StringIO()
+        pstats.Stats(str(prof), stream=text).sort_stats(order).print_stats(n)
+        rows = [line.split() for line in text.getvalue().splitlines() if re.match(r"\s*\d+(/\d+)?\s+\d", line)]
+        key = 3 if order == "cumulative" else 1  # ncalls tottime percall cumtime percall function
+        return text.getvalue(), [f"{r[key]} s {' '.join(r[5:])[-110:]}" for r in rows]
+
+    cum_text, cum = top("cumulative", 60)
+    own_text, own = top("tottime", 30)
+    log.write_text(cum_text + "\n" + own_text)
+    return {"cumulative": cum[:28], "own_time": own[:12]}
 
 
 def compare_captions(a: Path, b: Path) -> dict:
@@ -596,7 +603,7 @@ def summary(results: list[dict], checks: dict) -> list[str]:
 
     def check(name):
         c = checks.get(name)
-        if not c:
+        if not isinstance(c, dict) or not c:
             return "-"
         if "ranks_equal" in c:
             aligned = c.get("max_rel_diff_svd_signs_aligned")
@@ -610,6 +617,11 @@ def summary(results: list[dict], checks: dict) -> list[str]:
         if not name.startswith("wd14_"):
             rows.append(f"| {name} | {cell(by.get((name, 'ours')))} | {cell(by.get((name, 'upstream')))} | "
                         f"{check(name)} |")
+    for name, c in (checks.get("gpu_save") or {}).items():
+        if isinstance(c, dict):
+            rows.append(f"| gpu_save {name} (streamed / CPU copy + save_file) | {c['streamed_s']} s | "
+                        f"{c['cpu_copy_save_file_s']} s | tensors equal {c['tensors_equal']}, data bytes equal: "
+                        f"{c['data_bytes_equal_to_save_file']} |")
     if any(k.startswith("wd14_images_per_s") for k in checks):
         cap = checks.get("wd14_captions", {})
         rows.append(f"| wd14 images/s | {checks.get('wd14_images_per_s_ours', '-')} | "
@@ -772,7 +784,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['bench']} | {r['who']} | {r['seconds']} | {r['rc']}"
               + (f" at {r['progress']}" if r.get("progress") else "") + " |")
     for name, c in checks.items():
-        print(f"{name}: {c}")
+        if name == "sdxl_merge_profile" and isinstance(c, dict):
+            for order, lines in c.items():
+                print(f"{name} ({order}):\n  " + "\n  ".join(lines))
+        else:
+            print(f"{name}: {c}")
     print("\n" + "\n".join(summary(results, checks)))
     return 1 if any(isinstance(r["rc"], int) and r["rc"] for r in results) else 0  # not for a cap or budget stop
 
