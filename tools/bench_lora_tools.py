@@ -528,11 +528,12 @@ def profile_summary(prof: Path, log: Path) -> dict:
     def top(order: str, n: int) -> tuple[str, list[str]]:
         text = io.StringIO()
         pstats.Stats(str(prof), stream=text).sort_stats(order).print_stats(n)
-        rows = [line.split() for line in text.getvalue().splitlines() if re.match(r"\s*\d+(/\d+)?\s+\d", line)]
+        rows = [line.split() for line in text.getvalue().splitlines()
+                if re.match(r"\s*\d+(/\d+)?\s+\d", line) and not re.search(r"<frozen|__import__|import_module", line)]
         key = 3 if order == "cumulative" else 1  # ncalls tottime percall cumtime percall function
         return text.getvalue(), [f"{r[key]} s {' '.join(r[5:])[-110:]}" for r in rows]
 
-    cum_text, cum = top("cumulative", 60)
+    cum_text, cum = top("cumulative", 80)
     own_text, own = top("tottime", 30)
     log.write_text(cum_text + "\n" + own_text)
     return {"cumulative": cum[:28], "own_time": own[:12]}
@@ -603,7 +604,7 @@ def summary(results: list[dict], checks: dict) -> list[str]:
 
     def check(name):
         c = checks.get(name)
-        if not isinstance(c, dict) or not c:
+        if not isinstance(c, dict) or "max_rel_diff" not in c:  # no comparison (a profile, an error)
             return "-"
         if "ranks_equal" in c:
             aligned = c.get("max_rel_diff_svd_signs_aligned")
