@@ -1,6 +1,7 @@
 """Wall time of the LoRA tools and the WD14 tagger on random full-size inputs, ours and (with --upstream)
-kohya-ss/sd-scripts' scripts on the same files: SDXL LoRA resize (rank 64 -> 16, and sv_fro), SDXL merge into the
-model, FLUX.1 extract, WD14 images/s; the outputs of both sides are compared.
+kohya-ss/sd-scripts' scripts on the same files: SDXL LoRA resize (rank 64 -> 16, and sv_fro), SDXL and SD1.5 merge
+into the model (ours once more under cProfile), FLUX.1 extract, WD14 images/s; the outputs of both sides are
+compared. gpu_save: the trainers' save of a model on the GPU (save_file_streamed) against a CPU copy + save_file.
 
     python tools/bench_lora_tools.py --work_dir /tmp/lora_bench --device cuda \
         [--upstream /path/to/kohya-ss/sd-scripts --upstream_python /path/to/its/venv/bin/python]
