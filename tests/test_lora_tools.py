@@ -662,7 +662,8 @@ def test_benchmark_commands_are_valid_tool_command_lines(tmp_path, capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
     names = {line.split("] ", 1)[1].split(":", 1)[0] for line in lines}
     assert names == {"sdxl_resize", "sdxl_resize_sv_fro", "sdxl_merge", "sdxl_merge_loras", "sdxl_extract",
-                     "flux_extract", "wd14_8", "wd14_88"} and len(lines) == 2 * len(names)
+                     "sd_merge", "sdxl_merge_profile", "flux_extract", "wd14_8", "wd14_88"}
+    assert len(lines) == 2 * len(names) - 1  # the profiled merge is ours only
     parsers = {t.__name__.split(".")[-1]: t.setup_parser for t in TOOLS}
     parsers["tag_images_by_wd14_tagger"] = load(
         "wd14", REPO / "sd-scripts" / "finetune" / "tag_images_by_wd14_tagger.py").setup_parser
@@ -674,6 +675,9 @@ def test_benchmark_commands_are_valid_tool_command_lines(tmp_path, capsys):
             argv = [argv[0], *argv[3:]]
             assert argv[1].startswith("/opt/sd-scripts/")
         else:
+            if argv[1:3] == ["-m", "cProfile"]:  # sdxl_merge_profile: python -m cProfile -o FILE script ...
+                assert argv[3] == "-o" and argv[4].endswith(".prof")
+                argv = [argv[0], *argv[5:]]
             assert argv[1].startswith(str(REPO))
         parsers[argv[1].rsplit("/", 1)[1][:-3]]().parse_args(argv[2:])
 
