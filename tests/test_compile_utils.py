@@ -117,6 +117,7 @@ GIB = 2**30
     ("sdxl", 4, 1024 * 1024, 18.0, "attention"),  # a 24 GB card at bs4: 2 x 8.2 + 4 = 20.4
     ("sd3", 1, 1024 * 1024, 70.0, "inputs"),  # attention's outputs took it past upstream's memory (run81)
     ("chroma", 1, 1024 * 1024, 56.0, "inputs"),  # projections was faster at 6 GiB more than upstream (run78)
+    ("anima", 1, 1024 * 1024, 70.0, "inputs"),  # as SD3.5: self- and cross-attention outputs
     ("lumina", 1, 1024 * 1024, 70.0, "attention"),  # at upstream's memory with it (run72)
     ("flux", 1, 1024 * 1024, None, "attention"),  # no CUDA
 ])
