@@ -471,8 +471,6 @@ def test_use_t5xxl_cache_only_with_train_t5xxl_is_one_line_exit_2(sd3_set, sd3_d
 def _saved_bytes_of_compiled_block(keep: str, tokens: tuple[int, int], dim: int = 64, heads: int = 2) -> int:
     """Bytes one SD3 joint block compiled with --compile_checkpoint_keep `keep` (inductor's partitioner, no code
     generation) saves for backward beyond its weights and inputs, with frozen weights as under a LoRA."""
-    import types as _types
-
     from diffusers.models.attention import JointTransformerBlock
 
     from library.compile.checkpoint import CHECKPOINT_CONTEXTS, _checkpointed_forward
@@ -483,7 +481,7 @@ def _saved_bytes_of_compiled_block(keep: str, tokens: tuple[int, int], dim: int 
                                   context_pre_only=False, qk_norm="rms_norm").requires_grad_(False)
     block._ckpt_rng, block._ckpt_context = False, CHECKPOINT_CONTEXTS[keep]
     block._forward_inside_checkpoint = block.forward
-    block.forward = _types.MethodType(_checkpointed_forward, block)
+    block.forward = types.MethodType(_checkpointed_forward, block)
     block.compile(backend="aot_eager_decomp_partition")
     inputs = [torch.randn(1, tokens[0], dim, requires_grad=True), torch.randn(1, tokens[1], dim, requires_grad=True),
               torch.randn(1, dim, requires_grad=True)]
