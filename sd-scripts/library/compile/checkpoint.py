@@ -101,16 +101,16 @@ AUTO_KEEP = {
 AUTO_MARGIN_GIB = 4.0
 # --compile_checkpoint_keep auto where only "inputs" meets issue 28's target (2x upstream's step at upstream's memory
 # or less; upstream checkpoints each block whole, keeping its inputs): what keeping more cost, 1024 px bs1, an H100
-# (Anima: estimated from its shapes)
+# (Anima: the kept bytes of its compiled block on the CPU, not yet timed on a GPU)
 AUTO_KEEP_INPUTS = {
     "chroma": "Chroma 1024 px: 477 ms at 21.2 GiB, 2.43x upstream's step at its 21.3 GiB; attention (451 ms, 22.7 GiB) "
               "and projections (417 ms, 27.4 GiB) take more memory than upstream (docs/BENCHMARKS.md run78)",
     "sd3": "SD3.5: attention keeps each block's attention output, 0.75 GiB more on large (20.2 against upstream's "
            "19.6 GiB), 0.36 GiB on medium (7.6 against 7.25) (docs/BENCHMARKS.md run81); inputs keeps what upstream "
            "keeps",
-    "anima": "as SD3.5: attention would keep each block's self- and cross-attention outputs, 0.9 GiB over its 28 "
-             "blocks at 1024 px, where upstream uses 6.5 GiB in all (docs/BENCHMARKS.md run82; not yet measured "
-             "with attention)",
+    "anima": "as SD3.5: attention would keep each block's self- and cross-attention outputs, 8.3 kB a token (a "
+             "compiled block on the CPU), 0.9 GiB over its 28 blocks at 1024 px, where upstream uses 6.5 GiB in all "
+             "(docs/BENCHMARKS.md run82; not yet measured on a GPU)",
 }
 
 
