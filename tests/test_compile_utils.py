@@ -83,7 +83,7 @@ def test_cudnn_sdp_choice(monkeypatch, caplog, choice, crashed_here, expected):
     (["--compile", "--compile_backend", "aot_eager", "--network_train_unet_only"], "flux", False, "measured only"),
     (["--compile"], "flux", False, "text encoders may train"),  # their attention backward runs eagerly
     (["--compile", "--network_train_unet_only"], "sd3", False, "not measured for this model family (sd3)"),
-    (["--compile", "--network_train_unet_only", "--model_type", "chroma"], "flux", False, "family (chroma)"),
+    (["--compile", "--network_train_unet_only", "--model_type", "chroma"], "chroma", False, "family (chroma)"),
     (["--compile", "--train_text_encoder"], "sdxl", False, "text encoders may train"),  # sdxl_train.py
     (["--compile"], "sdxl", True, "inside the inductor-compiled blocks"),  # sdxl_train.py without the flag
 ])
@@ -115,7 +115,10 @@ GIB = 2**30
     ("sdxl", 1, 1024 * 1024, 8.0, "attention"),
     ("sdxl", 4, 1024 * 1024, 74.0, "resnets"),
     ("sdxl", 4, 1024 * 1024, 18.0, "attention"),  # a 24 GB card at bs4: 2 x 8.2 + 4 = 20.4
-    ("sd3", 1, 1024 * 1024, 70.0, "attention"),  # not measured
+    ("sd3", 1, 1024 * 1024, 70.0, "inputs"),  # attention's outputs took it past upstream's memory (run81)
+    ("chroma", 1, 1024 * 1024, 56.0, "inputs"),  # projections was faster at 6 GiB more than upstream (run78)
+    ("anima", 1, 1024 * 1024, 70.0, "inputs"),  # as SD3.5: self- and cross-attention outputs
+    ("lumina", 1, 1024 * 1024, 70.0, "attention"),  # at upstream's memory with it (run72)
     ("flux", 1, 1024 * 1024, None, "attention"),  # no CUDA
 ])
 def test_checkpoint_keep_auto_from_free_memory(family, batch, pixels, free_gib, expected):
@@ -134,6 +137,23 @@ def test_checkpoint_keep_auto_logs_its_choice(monkeypatch, caplog):
         assert f"--compile_checkpoint_keep auto: {expected} ({free_gib:.1f} GiB of GPU memory free" in caplog.text
     assert compile_checkpoint.resolve_keep(_parse("--compile_checkpoint_keep", "resnets"), True) == "resnets"
     assert compile_checkpoint.resolve_keep(args, gradient_checkpointing=False) == "attention"
+
+
+def test_checkpoint_keep_auto_tells_chroma_from_flux(monkeypatch, caplog):
+    """Chroma runs in FLUX.1's scripts (family "flux"); graphs.resolve notes the model, so auto keeps inputs for it,
+    whatever the free memory, and says why in its line."""
+    monkeypatch.setattr(compile_checkpoint, "free_gpu_bytes", lambda *a: 60 * GIB)
+    picked = {}
+    for model_type in ("flux", "chroma"):
+        args = _parse("--compile")
+        args.model_type, args.cuda_graph_step, args.train_batch_size = model_type, "off", 1
+        dataset = argparse.Namespace(buckets={(1024, 1024): [0]})
+        compile_graphs.resolve(args, [argparse.Namespace(datasets=[dataset])], 1, "flux", ValueError)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="library.compile"):
+            picked[model_type] = compile_checkpoint.resolve_keep(args, gradient_checkpointing=True)
+    assert picked == {"flux": "projections", "chroma": "inputs"}
+    assert "--compile_checkpoint_keep auto: inputs (the only choice at upstream's memory or less: Chroma" in caplog.text
 
 
 def test_checkpoint_contexts_pickle_for_the_autograd_cache():

@@ -930,7 +930,8 @@ def family_report(runs: list[dict]) -> str:
             first = float(m.group(1)) if m else None
         first = f"{first:.1f} s" if first is not None else ""
         start = f"{r['start_to_step1_shown_s']:.0f} s" if "start_to_step1_shown_s" in r else ""
-        rows.append(f"| {r['family']} {r.get('resolution', '')} px | {PHASE_NAMES.get(r['phase'], r['phase'])} | "
+        name = PHASE_NAMES.get(r["phase"], r["phase"]) + (f", `{' '.join(r['extra'])}`" if r.get("extra") else "")
+        rows.append(f"| {r['family']} {r.get('resolution', '')} px | {name} | "
                     f"{shown} | {ratio} | {peak} | {smi} | {first} | {start} |")
     return "\n".join(rows)
 

@@ -99,6 +99,19 @@ AUTO_KEEP = {
     "sdxl": dict(choice="resnets", extra_gib=8.2 / 4, tokens=16384, pixels_per_token=64, text_tokens=0),
 }
 AUTO_MARGIN_GIB = 4.0
+# --compile_checkpoint_keep auto where only "inputs" meets issue 28's target (2x upstream's step at upstream's memory
+# or less; upstream checkpoints each block whole, keeping its inputs): what keeping more cost, 1024 px bs1, an H100
+# (Anima: the kept bytes of its compiled block on the CPU, not yet timed on a GPU)
+AUTO_KEEP_INPUTS = {
+    "chroma": "Chroma 1024 px: 477 ms at 21.2 GiB, 2.43x upstream's step at its 21.3 GiB; attention (451 ms, 22.7 GiB) "
+              "and projections (417 ms, 27.4 GiB) take more memory than upstream (docs/BENCHMARKS.md run78)",
+    "sd3": "SD3.5: attention keeps each block's attention output, 0.75 GiB more on large (20.2 against upstream's "
+           "19.6 GiB), 0.36 GiB on medium (7.6 against 7.25) (docs/BENCHMARKS.md run81); inputs keeps what upstream "
+           "keeps",
+    "anima": "as SD3.5: attention would keep each block's self- and cross-attention outputs, 8.3 kB a token (a "
+             "compiled block on the CPU), 0.9 GiB over its 28 blocks at 1024 px, where upstream uses 6.5 GiB in all "
+             "(docs/BENCHMARKS.md run82; not yet measured on a GPU)",
+}
 
 
 def auto_keep(family: str | None, batch_size: int, pixels: int | None, free_bytes: int | None) -> tuple[str, str]:
@@ -106,7 +119,10 @@ def auto_keep(family: str | None, batch_size: int, pixels: int | None, free_byte
     the compile, with the model, the network and the optimizer in place) holds twice what it keeps more than
     "attention" (scaled from the measured size by tokens and batch) plus AUTO_MARGIN_GIB: the other half covers
     what "attention" itself still needs for its activations, gradients and optimizer state, which was at most 1.3x
-    that extra at the measured sizes. Otherwise attention, the least memory, as before auto."""
+    that extra at the measured sizes. Otherwise attention, the least memory, as before auto. AUTO_KEEP_INPUTS's
+    families: inputs, whatever the free memory."""
+    if family in AUTO_KEEP_INPUTS:
+        return "inputs", f"the only choice at upstream's memory or less: {AUTO_KEEP_INPUTS[family]}"
     table = AUTO_KEEP.get(family or "")
     if table is None:
         return "attention", f"no faster choice measured for this model family ({family or 'unknown'})"

@@ -89,9 +89,7 @@ def cudnn_sdp_auto(args) -> tuple[bool, str]:
     hand back a contiguous one (tools/probe_cudnn_sdpa.py --grad_layouts). The FLUX.1 family now gives every
     attention one gradient layout. Auto still uses cuDNN attention only where it was measured: every attention
     backward inside inductor-compiled blocks of a family whose training ran clean and faster with it."""
-    family = getattr(args, "_family", None)
-    if getattr(args, "model_type", None) == "chroma":  # FLUX.1's scripts, another model (not measured)
-        family = "chroma"
+    family = getattr(args, "_family", None)  # graphs.resolve's: Chroma apart from FLUX.1 (not measured)
     if not (getattr(args, "compile", False) and getattr(args, "compile_backend", None) == "inductor"):
         return False, ("measured only inside blocks compiled with --compile --compile_backend inductor (its backward "
                        "crashed eager FLUX.1 training before); --cudnn_sdp on forces it")

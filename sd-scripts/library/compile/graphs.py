@@ -187,7 +187,9 @@ def resolve(args, groups, num_processes: int, family: str, error: type[Exception
     for target in {id(t): t for t in (args, compiled) if t is not None}.values():
         target._step_graph_auto = on
         target._input_shapes = shapes
-        target._family = family  # --cudnn_sdp auto and --compile_checkpoint_keep auto follow what was measured
+        # --cudnn_sdp auto and --compile_checkpoint_keep auto follow what was measured on this model (Chroma apart
+        # from FLUX.1, whose scripts it runs in)
+        target._family = "chroma" if getattr(args, "model_type", None) == "chroma" else family
         target._max_pixels = max((w * h for w, h in resos), default=None)  # --compile_checkpoint_keep auto
 
 
