@@ -69,6 +69,12 @@ NEW_SHAPE = re.compile(r"torch\.compile: new input shape (\S+)(?: at step (\d+))
 COMPILING = re.compile(r"Compiling .* with torch\.compile")
 RECOMPILE = "Recompiling function"
 GRAPH_TIMING = re.compile(r"^graph_timing: (\{.*\})$")
+COUNTERS = re.compile(r"^graph_timing counters: (\{.*\})$")  # torch's cache hits/misses, frames (tools/graph_timing.py)
+COMPILE_TIME = re.compile(r"^([A-Za-z_][\w.]*), ([\d.]+)$")  # a row of torch's compile_times table
+# where the time to step 2 goes: the first line of each stage (seconds since the process started)
+TIMELINE = {"first_log_line": re.compile(r" INFO "), "model_loaded": re.compile(r"loaded .*model|loading .* done|"
+            r"Loaded .* from"), "caching_latents": re.compile(r"caching latents"),
+            "caching_text": re.compile(r"caching text encoder outputs"), "compile_line": COMPILING}
 
 # the image folder's repeats: an epoch longer than a run's steps, as on a user's dataset (an epoch's end waits for
 # the GPU; a one-batch epoch would do that every step)
@@ -669,7 +675,16 @@ def read_log(lines: list[tuple[float, str]], warmup: int, bar: bool = False) -> 
     result: dict = {}
     points, shapes, recompiles = [], [], {}
     compiling = graph_timing = None
+    timeline: dict = {}
+    compile_times: dict = {}
     for t, line in lines:
+        for stage, pattern in TIMELINE.items():
+            if stage not in timeline and pattern.search(line):
+                timeline[stage] = round(t, 1)
+        if compile_times is not None and (m := COMPILE_TIME.match(line)) and graph_timing is not None:
+            compile_times[m.group(1)] = float(m.group(2))  # the table follows the graph_timing line
+        if m := COUNTERS.match(line):
+            result["compile_counters"] = json.loads(m.group(1))
         if m := (TQDM if bar else PROGRESS).match(line):
             if not points or int(m.group(1)) != points[-1][0]:  # tqdm redraws a step on close
                 points.append((int(m.group(1)), t))
@@ -697,10 +712,15 @@ def read_log(lines: list[tuple[float, str]], warmup: int, bar: bool = False) -> 
         result["recompiles_by_shapes_seen"] = {str(k): v for k, v in sorted(recompiles.items())}
     if graph_timing is not None:
         result["graph_timing"] = graph_timing
-    if compiling is not None:
-        step1 = [t for s, t in points if s == 1]  # always printed, once step 2 has run (the loss is read late)
-        if step1:
-            result["compile_line_to_step2_done_s"] = round(step1[0] - compiling, 1)
+    if compile_times:
+        result["compile_times"] = compile_times
+    step1 = [t for s, t in points if s == 1]  # always printed, once step 2 has run (the loss is read late)
+    if step1:
+        timeline["step2_done"] = round(step1[0], 1)
+    if timeline:
+        result["timeline_s"] = timeline
+    if compiling is not None and step1:
+        result["compile_line_to_step2_done_s"] = round(step1[0] - compiling, 1)
     result.update(progress_figures(points, warmup, bar))
     return result
 

@@ -21,7 +21,9 @@ those of the calls inside it):
   path's outputs: recorded_scan, alias_scan)
 - pool_check: check_memory_pool (inductor's slow_path_cudagraph_asserts) / liveness: CUDAGraphNode._get_liveness
 - synchronize, empty_cache, gc_collect: torch.cuda.synchronize / empty_cache, gc.collect, from anywhere
-The dynamo/inductor compile-time table of torch (torch._dynamo.utils.compile_times) follows on its own lines.
+The dynamo/inductor compile-time table of torch (torch._dynamo.utils.compile_times) follows on its own lines, after
+one line `graph_timing counters: {...}` of torch's counters (FX-graph and AOTAutograd cache hits and misses, frames,
+unique graphs, recompile reasons).
 
 Environment:
 - GRAPH_TIMING_VARIANT: "shipped" (default: library.compile.recording.speed_up, as the trainers do), "torch"
@@ -235,6 +237,16 @@ def report() -> None:
         except TypeError:
             out.write("nothing recorded")
         print(f"graph_timing steady profile, steps {STEADY[0]}-{STEADY[1] - 1}:\n" + out.getvalue(), flush=True)
+    try:
+        from torch._dynamo.utils import counters
+
+        # cache hits and misses (inductor: fxgraph_cache_*, aot_autograd: autograd_cache_*), frames, unique graphs
+        keep = ("stats", "frames", "inductor", "aot_autograd", "recompile_reasons", "graph_break")
+        print("graph_timing counters: " + json.dumps(
+            {k: {str(n): v for n, v in counters[k].items() if k != "inductor" or "cache" in n}
+             for k in keep if counters.get(k)}, default=str)[:4000], flush=True)
+    except Exception as e:  # a torch without the counters
+        print(f"graph_timing counters: not available ({e})", flush=True)
     try:
         import torch._dynamo.utils
 

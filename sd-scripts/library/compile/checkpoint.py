@@ -96,7 +96,10 @@ AUTO_KEEP = {
     # FLUX.1 1024 px bs1: 27.28 -> 33.75 GiB, 581 -> 521 ms (flash) / 511 -> 451 ms (cuDNN attention)
     "flux": dict(choice="projections", extra_gib=6.47, tokens=4096 + 512, pixels_per_token=256, text_tokens=512),
     # SDXL 1024 px bs4: 10.56 -> 18.76 GiB, 298.7 -> 264.3 ms
-    "sdxl": dict(choice="resnets", extra_gib=8.2 / 4, tokens=16384, pixels_per_token=64, text_tokens=0),
+    "sdxl": dict(choice="resnets", extra_gib=8.2 / 4, tokens=16384, pixels_per_token=64, text_tokens=0,
+                 # bs1 keeps attention: 114.0 ms at 7.13 GiB meets issue 25's bs1 + GC target (<= 130 ms under
+                 # 8 GiB); resnets' 99.8 ms needs 9.16 GiB (run80)
+                 min_batch=2),
 }
 AUTO_MARGIN_GIB = 4.0
 
@@ -106,10 +109,14 @@ def auto_keep(family: str | None, batch_size: int, pixels: int | None, free_byte
     the compile, with the model, the network and the optimizer in place) holds twice what it keeps more than
     "attention" (scaled from the measured size by tokens and batch) plus AUTO_MARGIN_GIB: the other half covers
     what "attention" itself still needs for its activations, gradients and optimizer state, which was at most 1.3x
-    that extra at the measured sizes. Otherwise attention, the least memory, as before auto."""
+    that extra at the measured sizes; and from the family's min_batch on. Otherwise attention, the least memory, as
+    before auto."""
     table = AUTO_KEEP.get(family or "")
     if table is None:
         return "attention", f"no faster choice measured for this model family ({family or 'unknown'})"
+    if batch_size < table.get("min_batch", 1):
+        return "attention", (f"batch size {batch_size}: attention keeps the least memory at the speed "
+                             f"measured there; {table['choice']} from batch size {table['min_batch']}")
     if free_bytes is None or not pixels:
         return "attention", "free GPU memory or the image size unknown"
     tokens = pixels / table["pixels_per_token"] + table["text_tokens"]
