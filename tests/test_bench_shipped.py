@@ -103,6 +103,39 @@ def test_bucketed_run_figures_read_from_the_trainer_log():
     assert r["outside_ms_per_step"] == 166.7 and r["outside_steps"] == "12-24"
 
 
+def test_warm_restart_breakdown_read_from_the_trainer_log():
+    """Where a (warm) start's time to step 2 goes: the stages' first lines since the process started, torch's cache
+    counters and its compile-time table (both printed by tools/graph_timing.py at exit), lines as a run printed them."""
+    log = [
+        (5.5, "graph_timing: variant shipped (pool checks False)"),
+        (5.9, "2026-11-26 08:30:53 INFO library.train_util: seed: 0"),
+        (9.1, "2026-11-26 08:30:56 INFO library.model_util: loaded SDXL model from /w/sdxl.safetensors (prediction: "
+              "epsilon)"),
+        (9.1, "2026-11-26 08:30:56 INFO library.datasets: caching latents: 4 images to encode, 0 reused from disk"),
+        (11.7, "2026-11-26 08:30:58 INFO library.datasets: caching text encoder outputs: 4 captions to encode"),
+        (12.0, "2026-11-26 08:30:59 INFO library.compile.regional: Compiling SDXL UNet with torch.compile: backend=x"),
+        (19.3, "steps: 1/4 loss=0.1"),
+        (19.5, "median step 59.8 ms (steps 3-4); first step 7.2 s, second step 0.1 s"),
+        (19.6, 'graph_timing: {"gc_collect": [2, 0.003]}'),
+        (19.6, 'graph_timing counters: {"stats": {"unique_graphs": 2}, "inductor": {"fxgraph_cache_hit": 4}, '
+               '"aot_autograd": {"total": 2, "autograd_cache_hit": 2}}'),
+        (19.6, "compile_times:"),
+        (19.6, "TorchDynamo compilation metrics:"),
+        (19.6, "Function, Runtimes (s)"),
+        (19.6, "_compile.compile_inner, 4.3692"),
+        (19.6, "bytecode_tracing, 2.0276"),
+        (19.6, "AOTAutogradCache.inductor_load, 1.6457"),
+    ]
+    r = _bench().read_log(log, warmup=1)
+    assert r["timeline_s"] == {"first_log_line": 5.9, "model_loaded": 9.1, "caching_latents": 9.1,
+                               "caching_text": 11.7, "compile_line": 12.0, "step2_done": 19.3}
+    assert r["compile_counters"]["aot_autograd"]["autograd_cache_hit"] == 2
+    assert r["compile_counters"]["inductor"] == {"fxgraph_cache_hit": 4}
+    assert r["compile_times"] == {"_compile.compile_inner": 4.3692, "bytecode_tracing": 2.0276,
+                                  "AOTAutogradCache.inductor_load": 1.6457}
+    assert r["compile_line_to_step2_done_s"] == 7.3
+
+
 def test_bucket_images_and_trainer_flags(tmp_path):
     bench = _bench()
     sys.path.insert(0, str(REPO / "sd-scripts"))

@@ -72,8 +72,7 @@ GRAPH_TIMING = re.compile(r"^graph_timing: (\{.*\})$")
 COUNTERS = re.compile(r"^graph_timing counters: (\{.*\})$")  # torch's cache hits/misses, frames (tools/graph_timing.py)
 COMPILE_TIME = re.compile(r"^([A-Za-z_][\w.]*), ([\d.]+)$")  # a row of torch's compile_times table
 # where the time to step 2 goes: the first line of each stage (seconds since the process started)
-TIMELINE = {"first_log_line": re.compile(r" INFO "), "model_loaded": re.compile(r"loaded .*model|loading .* done|"
-            r"Loaded .* from"), "caching_latents": re.compile(r"caching latents"),
+TIMELINE = {"first_log_line": re.compile(r" INFO "), "model_loaded": re.compile(r"loaded .*model from|FLUX\.1 \w+: \d+ double"), "caching_latents": re.compile(r"caching latents"),
             "caching_text": re.compile(r"caching text encoder outputs"), "compile_line": COMPILING}
 
 # the image folder's repeats: an epoch longer than a run's steps, as on a user's dataset (an epoch's end waits for

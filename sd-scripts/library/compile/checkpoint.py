@@ -99,7 +99,8 @@ AUTO_KEEP = {
     "sdxl": dict(choice="resnets", extra_gib=8.2 / 4, tokens=16384, pixels_per_token=64, text_tokens=0,
                  # bs1 keeps attention: 114.0 ms at 7.13 GiB meets issue 25's bs1 + GC target (<= 130 ms under
                  # 8 GiB); resnets' 99.8 ms needs 9.16 GiB (run80)
-                 min_batch=2),
+                 min_batch=2, below_min_batch="at 1024 px bs1 + GC it took 114 ms at 7.1 GiB against resnets' 100 ms "
+                                                "at 9.2 GiB (H100)"),
 }
 AUTO_MARGIN_GIB = 4.0
 
@@ -115,8 +116,8 @@ def auto_keep(family: str | None, batch_size: int, pixels: int | None, free_byte
     if table is None:
         return "attention", f"no faster choice measured for this model family ({family or 'unknown'})"
     if batch_size < table.get("min_batch", 1):
-        return "attention", (f"batch size {batch_size}: attention keeps the least memory at the speed "
-                             f"measured there; {table['choice']} from batch size {table['min_batch']}")
+        return "attention", (f"batch size {batch_size}: the least memory, {table['below_min_batch']}; "
+                             f"{table['choice']} from batch size {table['min_batch']} when memory allows")
     if free_bytes is None or not pixels:
         return "attention", "free GPU memory or the image size unknown"
     tokens = pixels / table["pixels_per_token"] + table["text_tokens"]
