@@ -243,10 +243,10 @@ def compile_cache_report() -> str | None:
     if not graphs:
         return None
     aot, inductor = counters["aot_autograd"], counters["inductor"]
-    parts = [f"{graphs} graph{'s' if graphs != 1 else ''} traced by dynamo"]
+    parts = [f"{graphs} graph{'s' if graphs != 1 else ''} compiled"]
     times = getattr(dynamo_utils, "compilation_time_metrics", {})  # seconds per timed phase (torch's table)
     if times.get("_compile.compile_inner"):
-        parts[0] += (f" in {sum(times['_compile.compile_inner']):.1f} s (tracing "
+        parts[0] += (f" in {sum(times['_compile.compile_inner']):.1f} s (of it dynamo's tracing "
                      f"{sum(times.get('bytecode_tracing', [])):.1f} s)")
     if aot.get("autograd_cache_hit") or aot.get("autograd_cache_miss") or aot.get("autograd_cache_bypass"):
         parts.append(f"AOTAutograd cache {aot.get('autograd_cache_hit', 0)} hit, {aot.get('autograd_cache_miss', 0)} "
