@@ -26,7 +26,10 @@ one line `graph_timing counters: {...}` of torch's counters (FX-graph and AOTAut
 unique graphs, recompile reasons).
 
 Environment:
-- GRAPH_TIMING_VARIANT: "shipped" (default: library.compile.recording.speed_up, as the trainers do), "torch"
+- GRAPH_TIMING_VARIANT: "shipped" (default: library.compile.recording.speed_up, as the trainers do with the
+  blocks' CUDA graphs; applied here in every run, and its inductor setting is part of torch's FX-graph cache key:
+  a run through this tool and one without it do not share compile-cache entries, so time a warm restart with the
+  tool on both runs or on neither), "torch"
   (torch's own bookkeeping), "no_pool_checks" (torch's, with slow_path_cudagraph_asserts off), to compare them on
   one machine.
 - GRAPH_TIMING_PROFILE=1: cProfile over the warm-up runs and recordings; the 30 functions with the most own time
