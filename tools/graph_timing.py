@@ -34,6 +34,9 @@ Environment:
   one machine.
 - GRAPH_TIMING_PROFILE=1: cProfile over the warm-up runs and recordings; the 30 functions with the most own time
   are printed at the end (cProfile slows Python code, so its times are only relative).
+- GRAPH_TIMING_PROFILE=all: cProfile over the whole run (imports after this tool's, model load, caching, compile,
+  every step): the 120 functions with the most cumulative time and the 40 with the most own time are printed at
+  the end, and with GRAPH_TIMING_PROFILE_OUT=PATH the stats are written there (pstats) too; keep the run short.
 - GRAPH_TIMING_STEADY=A:B: cProfile over the steady steps A to B-1 (counted by the trainer's calls of
   torch.compiler.cudagraph_mark_step_begin, so only with the CUDA-graph modes): the host work of a replayed step,
   by own time and by cumulative time.
@@ -62,6 +65,7 @@ PROFILE = cProfile.Profile() if os.environ.get("GRAPH_TIMING_PROFILE") == "1" el
 STEADY = tuple(int(x) for x in os.environ["GRAPH_TIMING_STEADY"].split(":")) if os.environ.get(
     "GRAPH_TIMING_STEADY") else None
 STEADY_PROFILE = cProfile.Profile() if STEADY else None
+WHOLE_PROFILE = cProfile.Profile() if os.environ.get("GRAPH_TIMING_PROFILE") == "all" else None
 KERNELS = tuple(int(x) for x in os.environ["GRAPH_TIMING_KERNELS"].split(":")) if os.environ.get(
     "GRAPH_TIMING_KERNELS") else None
 _kernel_profile: dict = {}
@@ -230,6 +234,15 @@ def report() -> None:
         except TypeError:  # nothing was recorded (no CUDA graphs in this run)
             out.write("nothing recorded")
         print("graph_timing profile:\n" + out.getvalue(), flush=True)
+    if WHOLE_PROFILE is not None:
+        WHOLE_PROFILE.disable()
+        out = io.StringIO()
+        stats = pstats.Stats(WHOLE_PROFILE, stream=out)
+        stats.sort_stats("cumulative").print_stats(120)
+        stats.sort_stats("tottime").print_stats(40)
+        if path := os.environ.get("GRAPH_TIMING_PROFILE_OUT"):
+            stats.dump_stats(path)
+        print("graph_timing whole-run profile:\n" + out.getvalue(), flush=True)
     if STEADY_PROFILE is not None:
         STEADY_PROFILE.disable()
         out = io.StringIO()
@@ -263,6 +276,8 @@ def main() -> None:
     sys.argv = [script] + sys.argv[2:]
     sys.path.insert(0, os.path.dirname(script))  # as `python SCRIPT.py` has it
     install()
+    if WHOLE_PROFILE is not None:
+        WHOLE_PROFILE.enable()
     runpy.run_path(script, run_name="__main__")
 
 
