@@ -98,7 +98,8 @@ AUTO_KEEP = {
     # SDXL 1024 px bs4: 10.56 -> 18.76 GiB, 298.7 -> 264.3 ms
     "sdxl": dict(choice="resnets", extra_gib=8.2 / 4, tokens=16384, pixels_per_token=64, text_tokens=0,
                  # bs1 keeps attention: 114.0 ms at 7.13 GiB meets issue 25's bs1 + GC target (<= 130 ms under
-                 # 8 GiB); resnets' 99.8 ms needs 9.16 GiB (run80)
+                 # 8 GiB); resnets' 99.8 ms needs 9.16 GiB (run80). From bs2 attention alone needs about 8.3 GiB
+                 # (between bs1's 7.13 and bs4's 10.56), so no choice fits that bound and the faster one is taken
                  min_batch=2, below_min_batch="at 1024 px bs1 + GC it took 114 ms at 7.1 GiB against resnets' 100 ms "
                                                 "at 9.2 GiB (H100)"),
 }
