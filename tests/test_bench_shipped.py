@@ -164,14 +164,21 @@ def test_report_puts_default_and_best_side_by_side(tmp_path):
     assert bench_shipped.auto_choices(log) == "step graph on, static"
     assert bench_shipped.auto_choices(["x, image-size dimensions of their inputs dynamic (bucket shapes ...)"]) == \
         "inputs dynamic"
+    assert bench_shipped.auto_choices(["INFO --compile_checkpoint_keep auto: attention (batch size 1: ...)"]) == \
+        "keep attention"
     runs = [dict(workload="SDXL bs1 + GC", tag="before", extra=[], auto_chose="", rc=0,
-                 trainer_summary={"median_ms": 154.7, "peak_gib": 7.05}, outside_ms_per_step=160.0),
+                 trainer_summary={"median_ms": 154.7, "peak_gib": 7.05,
+                                  "first_steps": "first step 17.1 s, second step 0.3 s; peak GPU memory 7.05 GiB"},
+                 outside_ms_per_step=160.0, compile_line_to_step2_done_s=19.5,
+                 compile_counters={"inductor": {"fxgraph_cache_hit": 3, "fxgraph_cache_miss": 1},
+                                   "aot_autograd": {"total": 2, "autograd_cache_hit": 2, "ok": 2}}),
             dict(workload="SDXL bs1 + GC", tag="after", extra=[], auto_chose="step graph on, static", rc=0,
                  trainer_summary={"median_ms": 119.4, "peak_gib": 7.1}),
             dict(workload="SDXL bs1 + GC", tag="after", extra=["--optimizer_type", "Prodigy"], auto_chose="", rc=1,
                  trainer_summary=None)]
     (tmp_path / "r.json").write_text(json.dumps(runs))
     rows = bench_shipped.report([str(tmp_path / "r.json")]).splitlines()
-    assert rows[2] == "| SDXL bs1 + GC | --optimizer_type Prodigy | after |  | failed (rc 1) |  |  |"
-    assert rows[3] == "| SDXL bs1 + GC | default | after | step graph on, static | **119.4 ms** | 7.1 GiB |  |"
-    assert rows[4] == "| SDXL bs1 + GC | default | before |  | 154.7 ms | 7.05 GiB | 160.0 ms |"
+    assert rows[2] == "| SDXL bs1 + GC | --optimizer_type Prodigy | after |  | failed (rc 1) |  |  |  |  |  |"
+    assert rows[3] == "| SDXL bs1 + GC | default | after | step graph on, static | **119.4 ms** | 7.1 GiB |  |  |  |  |"
+    assert rows[4] == ("| SDXL bs1 + GC | default | before |  | 154.7 ms | 7.05 GiB | 160.0 ms | 17.1 / 0.3 s | 19.5 s "
+                       "| FX 3/4, AOT 2/2 |")

@@ -861,6 +861,7 @@ def run_phase(args, phase: str, workdir: Path) -> dict:
 # what the trainer's log says auto chose (library.compile.graphs.resolve, library.compile.regional)
 AUTO_CHOICE = re.compile(r"--cuda_graph_step auto: (on|off)")
 STATIC = "static shapes (--compile_dynamic auto"
+KEEP_CHOICE = re.compile(r"--compile_checkpoint_keep auto: (\w+)")
 
 
 def auto_choices(lines: list[str]) -> str:
@@ -873,6 +874,8 @@ def auto_choices(lines: list[str]) -> str:
             words.append("static")
         if "image-size dimensions of their inputs dynamic" in line:
             words.append("inputs dynamic")
+        if m := KEEP_CHOICE.search(line):
+            words.append(f"keep {m.group(1)}")
     return ", ".join(dict.fromkeys(words))
 
 
@@ -894,19 +897,36 @@ def report(paths: list[str]) -> str:
         ms = (r.get("trainer_summary") or {}).get("median_ms")
         if ms is not None:
             best[key(r)] = min(best.get(key(r), ms), ms)
-    rows = ["| workload | flags | scripts | auto chose | median step | peak | outside |", "|---|---|---|---|---|---|---|"]
+    rows = ["| workload | flags | scripts | auto chose | median step | peak | outside | first / second step | "
+            "compile line to step 2 | from the compile cache |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(runs, key=lambda r: (*key(r), r["tag"])):
         summary = r.get("trainer_summary") or {}
         ms = summary.get("median_ms")
         shown = "failed (rc %s)" % r["rc"] if ms is None else (f"**{ms} ms**" if ms == best[key(r)] else f"{ms} ms")
         peak = f"{summary['peak_gib']} GiB" if "peak_gib" in summary else ""
         outside = f"{r['outside_ms_per_step']} ms" if "outside_ms_per_step" in r else ""
+        steps = SECOND_STEP.search(summary.get("first_steps") or "")
+        firsts = f"{steps[1]} / {steps[2]} s" if steps else ""
+        to_step2 = f"{r['compile_line_to_step2_done_s']} s" if "compile_line_to_step2_done_s" in r else ""
         rows.append(f"| {key(r)[0]} | {key(r)[1]} | {r['tag']} | {r.get('auto_chose') or ''} | {shown} | {peak} | "
-                    f"{outside} |")
+                    f"{outside} | {firsts} | {to_step2} | {cache_served(r.get('compile_counters') or {})} |")
     return "\n".join(rows) + ("\n\n" + family_report(family_runs) if family_runs else "")
 
 
 FIRST_STEP = re.compile(r"first step ([\d.]+) s")
+SECOND_STEP = re.compile(r"first step ([\d.]+) s, second step ([\d.]+) s")
+
+
+def cache_served(counters: dict) -> str:
+    """What the persistent compile cache served, from torch's counters (tools/graph_timing.py): "FX 4/4, AOT 2/2"
+    (hits of lookups), "" when the run printed none."""
+    parts = []
+    for name, group, prefix in (("FX", "inductor", "fxgraph_cache_"), ("AOT", "aot_autograd", "autograd_cache_")):
+        c = counters.get(group) or {}
+        looked = sum(c.get(prefix + k, 0) for k in ("hit", "miss", "bypass"))
+        if looked:
+            parts.append(f"{name} {c.get(prefix + 'hit', 0)}/{looked}")
+    return ", ".join(parts)
 PHASE_NAMES = {"compiled": "ours, Enable torch.compile", "eager": "ours, eager", "upstream": "upstream"}
 
 
