@@ -45,6 +45,9 @@ class CompileReport:
         from library.compile.environment import compile_cache_report
 
         self.done = True
+        accelerator = getattr(state, "accelerator", None)
+        if accelerator is not None and not accelerator.is_main_process:  # one line a run, as the progress
+            return
         if report := compile_cache_report():
             logger.info("torch.compile after step %d: %s", state.global_step, report)
 
