@@ -1,5 +1,6 @@
-"""library.bnb_unsynced: bitsandbytes' optimizers step with the same calls in the same order as bitsandbytes' own
-step, without its GPU synchronize after every parameter (paged ones keep it). Needs bitsandbytes (an extra)."""
+"""library.bnb_unsynced: bitsandbytes' optimizers step without its GPU synchronize after every parameter (paged ones
+keep it), and with one update call for a flat run of parameters, bit for bit as bitsandbytes' own step. Needs
+bitsandbytes (an extra); runs on the CPU (bitsandbytes' CPU kernels), tests/test_step_graph_gpu.py on a GPU."""
 import copy
 
 import pytest
@@ -62,3 +63,84 @@ def test_get_optimizer_builds_the_unsynced_class_and_names_bitsandbytes_class():
     _, class_path, opt = optimizers.get_optimizer(args, _params())
     assert class_path == "bitsandbytes.optim.adamw.AdamW8bit"
     assert type(opt).step is not bnb.optim.AdamW8bit.step and isinstance(opt, bnb.optim.AdamW8bit)
+
+
+def _lora_like(seed=0):
+    """Sizes of a LoRA (multiples of 256 and not), one below min_8bit_size (32-bit state), one zero-initialised."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(32, 320), (320, 32), (7, 333), (333, 7), (16, 40), (40, 16), (300,), (64, 1280)]
+    params = [torch.nn.Parameter(torch.randn(*s, generator=g) * 0.1) for s in shapes]
+    with torch.no_grad():
+        params[1].zero_()
+    return params
+
+
+def _lora_steps(opt, params, steps, seed=1, skip=None):
+    g = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        for i, p in enumerate(params):
+            p.grad = torch.randn(p.shape, generator=g) * (0.01 if i % 2 else 1.0)
+            if i == 2 and step < 2:
+                p.grad.zero_()  # all-zero blocks (absmax 0) while a LoRA's up matrix is zero
+        if skip is not None and step == skip:
+            params[3].grad = None  # a parameter without a gradient this step: its run takes per-parameter calls
+        opt.step()
+
+
+@pytest.mark.parametrize("name", ["AdamW8bit", "Lion8bit", "SGD8bit", "AdamW"])
+@pytest.mark.parametrize("chunk", [1 << 24, 10_000])
+def test_flat_runs_give_bitsandbytes_bits(name, chunk, monkeypatch):
+    """One update call per run of parameters laid out at block-aligned offsets: the same weights and state, bit for
+    bit, as bitsandbytes' own per-parameter calls (8-bit and 32-bit state, two groups, chunks of the run)."""
+    monkeypatch.setattr(bnb_unsynced, "CHUNK_ELEMENTS", chunk)
+    cls = getattr(bnb.optim, name)
+    kwargs = dict(lr=1e-2, weight_decay=0.01, min_8bit_size=1000) | (dict(momentum=0.9) if name == "SGD8bit" else {})
+    ref_params, got_params = _lora_like(), _lora_like()
+
+    def groups(params):
+        return [{"params": params[:5]}, {"params": params[5:], "lr": 3e-3}]
+
+    ref = cls(groups(ref_params), **kwargs)
+    got = bnb_unsynced.unsynced(cls)(groups(got_params), **kwargs)
+    calls = []
+    real = bnb.functional.optimizer_update_8bit_blockwise
+    monkeypatch.setattr(bnb.functional, "optimizer_update_8bit_blockwise",
+                        lambda *a, **k: (calls.append(a[1].numel()), real(*a, **k)))
+    _lora_steps(ref, ref_params, 6, skip=4)
+    n_ref = len(calls)
+    calls.clear()
+    _lora_steps(got, got_params, 6, skip=4)
+    if name != "AdamW":  # 8-bit: fewer, larger calls than one per parameter
+        assert 0 < len(calls) < n_ref
+    for a, b in zip(ref_params, got_params):
+        assert torch.equal(a, b)
+    for pa, pb in zip(ref_params, got_params):
+        sa, sb = ref.state[pa], got.state[pb]
+        assert sa.keys() == sb.keys() and sa["step"] == sb["step"]
+        for key in sa.keys() - {"step"}:
+            assert torch.equal(sa[key], sb[key]), key
+
+
+def test_flat_runs_survive_save_and_load():
+    """A state saved from the flat runs loads into bitsandbytes' own class and into ours (a resume), and both go on
+    with the same bits as an uninterrupted run."""
+    kwargs = dict(lr=1e-2, min_8bit_size=1000)
+    a_params = _lora_like()
+    fast = bnb_unsynced.unsynced(bnb.optim.AdamW8bit)(a_params, **kwargs)
+    _lora_steps(fast, a_params, 3)
+    saved = copy.deepcopy(fast.state_dict())
+    b_params = [torch.nn.Parameter(p.detach().clone()) for p in a_params]
+    c_params = [torch.nn.Parameter(p.detach().clone()) for p in a_params]
+    plain = bnb.optim.AdamW8bit(b_params, **kwargs)
+    plain.load_state_dict(saved)
+    resumed = bnb_unsynced.unsynced(bnb.optim.AdamW8bit)(c_params, **kwargs)
+    resumed.load_state_dict(saved)
+    for opt, params in ((fast, a_params), (plain, b_params), (resumed, c_params)):
+        _lora_steps(opt, params, 3, seed=7)
+    ref2_params = _lora_like()
+    ref2 = bnb.optim.AdamW8bit(ref2_params, **kwargs)
+    _lora_steps(ref2, ref2_params, 3)
+    _lora_steps(ref2, ref2_params, 3, seed=7)
+    for params in (a_params, b_params, c_params):
+        for a, b in zip(ref2_params, params):
+            assert torch.equal(a, b)
