@@ -65,11 +65,11 @@ def test_get_optimizer_builds_the_unsynced_class_and_names_bitsandbytes_class():
     assert type(opt).step is not bnb.optim.AdamW8bit.step and isinstance(opt, bnb.optim.AdamW8bit)
 
 
-def _lora_like(seed=0):
+def _lora_like(seed=0, device="cpu"):
     """Sizes of a LoRA (multiples of 256 and not), one below min_8bit_size (32-bit state), one zero-initialised."""
     g = torch.Generator().manual_seed(seed)
     shapes = [(32, 320), (320, 32), (7, 333), (333, 7), (16, 40), (40, 16), (300,), (64, 1280)]
-    params = [torch.nn.Parameter(torch.randn(*s, generator=g) * 0.1) for s in shapes]
+    params = [torch.nn.Parameter((torch.randn(*s, generator=g) * 0.1).to(device)) for s in shapes]
     with torch.no_grad():
         params[1].zero_()
     return params
@@ -79,7 +79,7 @@ def _lora_steps(opt, params, steps, seed=1, skip=None):
     g = torch.Generator().manual_seed(seed)
     for step in range(steps):
         for i, p in enumerate(params):
-            p.grad = torch.randn(p.shape, generator=g) * (0.01 if i % 2 else 1.0)
+            p.grad = (torch.randn(p.shape, generator=g) * (0.01 if i % 2 else 1.0)).to(p.device)
             if i == 2 and step < 2:
                 p.grad.zero_()  # all-zero blocks (absmax 0) while a LoRA's up matrix is zero
         if skip is not None and step == skip:
@@ -87,15 +87,20 @@ def _lora_steps(opt, params, steps, seed=1, skip=None):
         opt.step()
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["AdamW8bit", "Lion8bit", "SGD8bit", "AdamW"])
 @pytest.mark.parametrize("chunk", [1 << 24, 10_000])
-def test_flat_runs_give_bitsandbytes_bits(name, chunk, monkeypatch):
+def test_flat_runs_give_bitsandbytes_bits(name, chunk, device, monkeypatch):
     """One update call per run of parameters laid out at block-aligned offsets: the same weights and state, bit for
-    bit, as bitsandbytes' own per-parameter calls (8-bit and 32-bit state, two groups, chunks of the run)."""
+    bit, as bitsandbytes' own per-parameter calls (8-bit and 32-bit state, two groups, chunks of the run; bitsandbytes'
+    CPU kernels here, its CUDA kernels on a GPU)."""
     monkeypatch.setattr(bnb_unsynced, "CHUNK_ELEMENTS", chunk)
     cls = getattr(bnb.optim, name)
     kwargs = dict(lr=1e-2, weight_decay=0.01, min_8bit_size=1000) | (dict(momentum=0.9) if name == "SGD8bit" else {})
-    ref_params, got_params = _lora_like(), _lora_like()
+    ref_params, got_params = _lora_like(device=device), _lora_like(device=device)
 
     def groups(params):
         return [{"params": params[:5]}, {"params": params[5:], "lr": 3e-3}]

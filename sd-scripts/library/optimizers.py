@@ -357,7 +357,8 @@ def d_lr_logs(optimizers, names: list[str] | None = None) -> dict[str, float]:
     """`lr/d*lr/<group>`: the step size D-Adaptation and Prodigy actually use (their `d` times the rate), which
     upstream logs next to `lr/<group>`."""
     groups = [g for o in optimizers for g in _unwrap(o).param_groups]
-    return {f"lr/d*lr/{names[i] if names and i < len(names) else f'group{i}'}": g["d"] * g["lr"]
+    # float(): library.foreach_prodigy keeps d on the device (read here only when trackers log it)
+    return {f"lr/d*lr/{names[i] if names and i < len(names) else f'group{i}'}": float(g["d"]) * g["lr"]
             for i, g in enumerate(groups) if "d" in g and g.get("lr") is not None}
 
 
