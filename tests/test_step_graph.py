@@ -263,7 +263,8 @@ def test_auto_turns_it_on_where_it_can_follow_and_says_why_not(change, family, w
     assert len(lines) == 1, lines
     if why is None:
         assert used == "step" and lines[0].startswith("--cuda_graph_step auto: on")
-        in_graph = change.get("optimizer_type", "AdamW") in ("AdamW", "Prodigy") and not change.get("optimizer_args")
+        in_graph = change.get("optimizer_type", "AdamW") in compile_graphs.IN_GRAPH_OPTIMIZERS and \
+            not change.get("optimizer_args")
         assert ("optimizer step inside the graph" in lines[0]) == in_graph
     else:
         assert used == ("blocks" if args.compile else None)  # the blocks record their own CUDA graphs, as before

@@ -1,5 +1,5 @@
-"""--cuda_graph_step on a CUDA GPU: for torch's fused AdamW and Prodigy (stepped inside the graph) and each optimizer
-that `--cuda_graph_step auto` lets step after the graph (library.compile.graphs.AFTER_GRAPH_OPTIMIZERS), a few steps
+"""--cuda_graph_step on a CUDA GPU: for torch's fused AdamW, Prodigy and Lion (stepped inside the graph) and each
+optimizer that `--cuda_graph_step auto` lets step after the graph (library.compile.graphs.AFTER_GRAPH_OPTIMIZERS), a few steps
 through library.compile.step_graph give the same weights as the same steps without it. The model is LoRA-like
 (a frozen bf16 base, fp32 down/up matrices, bf16 autocast), with clipping, a schedule that changes the rate every
 step and noise drawn from a generator registered with the graph. Skipped without CUDA; an optimizer whose package
@@ -18,7 +18,8 @@ from library.compile import step_graph
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 
 CASES = [("AdamW", ()), ("AdamW", ("foreach=True",)), ("Prodigy", ()),
-         ("Prodigy", ("weight_decay=0.4", "use_bias_correction=True", "safeguard_warmup=True", "d0=1e-5"))] + \
+         ("Prodigy", ("weight_decay=0.4", "use_bias_correction=True", "safeguard_warmup=True", "d0=1e-5")),
+         ("Lion", ("weight_decay=0.1",))] + \
     [(n, ()) for n in compile_graphs.AFTER_GRAPH_OPTIMIZERS]
 STEPS = step_graph.WARMUP + 5  # two ordinary steps, the capture's step, four replays
 
@@ -86,7 +87,7 @@ def test_the_step_graph_trains_to_the_same_weights_as_the_ordinary_step(name, op
     plain, _ = _train(name, optimizer_args, with_graph=False)
     graphed, graphs = _train(name, optimizer_args, with_graph=True)
     assert graphs.off is None and len(graphs.graphs) == 1  # captured, and replayed from then on
-    assert graphs.optimizer_in_graph == (name == "Prodigy" or (name == "AdamW" and not optimizer_args))
+    assert graphs.optimizer_in_graph == (name in ("Prodigy", "Lion") or (name == "AdamW" and not optimizer_args))
     for a, b in zip(graphed, plain):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -66,12 +66,12 @@ def cuda_graph_flag(args) -> str:
 
 CHOICES = ("auto", "on", "off")
 # optimizers that the captured graph steps itself (capturable, the learning rate read from a tensor): torch's
-# fused AdamW/Adam, Prodigy (library.foreach_prodigy)
-IN_GRAPH_OPTIMIZERS = ("AdamW", "Adam", "Prodigy")
+# fused AdamW/Adam, Prodigy (library.foreach_prodigy), Lion (library.foreach_lion)
+IN_GRAPH_OPTIMIZERS = ("AdamW", "Adam", "Prodigy", "Lion")
 # optimizers that read host values each step (step counters, adaptive rates): the graph holds forward, backward
 # and clipping, and their step runs after each replay; auto uses the step graph with these (each shown to train
 # to the same weights as the ordinary step on a GPU: tests/test_step_graph_gpu.py)
-AFTER_GRAPH_OPTIMIZERS = ("AdamW8bit", "Lion8bit", "SGDNesterov8bit", "Lion", "AdaFactor", "DAdaptation",
+AFTER_GRAPH_OPTIMIZERS = ("AdamW8bit", "Lion8bit", "SGDNesterov8bit", "AdaFactor", "DAdaptation",
                           "DAdaptAdam", "DAdaptLion", "AdamWScheduleFree", "RAdamScheduleFree", "SGDScheduleFree",
                           "SGDNesterov")
 # families where auto leaves it off, and why
@@ -91,21 +91,21 @@ def add_arguments(parser) -> None:
         help="capture the whole training step (forward, backward, optimizer step) as one CUDA graph after its first "
              f"{WARMUP} steps per batch shape and replay it: no per-step Python overhead at small batch sizes. Needs "
              "one CUDA GPU, cached latents and text-encoder outputs and no gradient accumulation; optimizers other "
-             "than AdamW/Adam/Prodigy step after the graph. auto (default): on where it can follow and was measured "
+             "than AdamW/Adam/Prodigy/Lion step after the graph. auto (default): on where it can follow and was measured "
              "faster (SDXL with --compile, one bucket shape), else off with a log line saying why; on (also the bare "
              "flag): always, refused where it cannot follow; off: never")
 
 
 def optimizer_in_graph(args) -> bool:
-    """Whether the step graph holds the optimizer step too (torch's fusable AdamW/Adam, Prodigy), or the step runs
-    after it."""
+    """Whether the step graph holds the optimizer step too (torch's fusable AdamW/Adam, Prodigy, Lion), or the step
+    runs after it."""
     from library import optimizers
 
     name = optimizers.canonical_name(optimizers.optimizer_type(args))
     given = optimizers.parse_optimizer_args(args.optimizer_args)
     if name not in IN_GRAPH_OPTIMIZERS:
         return False
-    return name == "Prodigy" or not {"fused", "foreach", "differentiable"} & given.keys()
+    return name in ("Prodigy", "Lion") or not {"fused", "foreach", "differentiable"} & given.keys()
 
 
 def blocker(args, num_processes: int = 1) -> str | None:
