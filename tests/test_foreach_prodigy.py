@@ -76,13 +76,14 @@ def _reads_nothing_back(monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, refuse)
 
 
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.0, 0.99)], ids=["first-moment", "no-first-moment"])
 @pytest.mark.parametrize("tensor_rates", [False, True])
-def test_steps_read_nothing_back_and_rates_may_be_tensors(tensor_rates, monkeypatch):
+def test_steps_read_nothing_back_and_rates_may_be_tensors(tensor_rates, betas, monkeypatch):
     """After the first step (which makes the state: prodigyopt's p.any()), a step reads no value back to the host, also
     with the learning rates given as device tensors (as library.compile.step_graph does while it captures); a warmup
     rate of 0 leaves everything as prodigyopt does, and the weights are those of prodigyopt's step."""
     ref_params, got_params = _params(), _params()
-    kwargs = dict(weight_decay=0.01, decouple=True)
+    kwargs = dict(weight_decay=0.01, decouple=True, betas=betas)
     ref = Prodigy([{"params": ref_params[:4]}, {"params": ref_params[4:]}], lr=1.0, **kwargs)
     got = ForeachProdigy([{"params": got_params[:4]}, {"params": got_params[4:]}], lr=1.0, **kwargs)
     rates = [0.0, 0.0, 1.0, 0.5, 0.25, 0.0, 1.0]  # a warmup from 0, a decay, a pause at 0

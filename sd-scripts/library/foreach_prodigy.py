@@ -110,11 +110,12 @@ class ForeachProdigy(Prodigy):
                 torch._foreach_add_(grads, params, alpha=decay)
             for p in params:
                 self._init_state(p, slice_p, beta1, device)
-            torch._foreach_mul_(grads, d.float())  # d * grad; the second pass steps with it in every group
+            masked = active is not True and active is not False  # a device flag: contributions are times it
+            # d * grad (times the flag where only the first pass reads the gradients: beta1 > 0)
+            torch._foreach_mul_(grads, (d * active).float() if masked and beta1 > 0 else d.float())
             if active is False:
                 continue
-            masked = active is not True  # a device flag: the group's contributions are multiplied by it
-            contrib = torch._foreach_mul(grads, active.float()) if masked else grads
+            contrib = torch._foreach_mul(grads, active.float()) if masked and beta1 == 0 else grads
             states = [self.state[p] for p in params]
             sliced = [gr.flatten()[::slice_p] for gr in contrib]
             # sum of dot(d * grad, p0 - p): p0 is a zero scalar for a parameter that started at zero
