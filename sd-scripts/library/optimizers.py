@@ -357,12 +357,30 @@ def get_optimizer(args: argparse.Namespace, params) -> tuple[str, str, torch.opt
     return name, f"{cls.__module__}.{cls.__name__}", optimizer
 
 
-def d_lr_logs(optimizers, names: list[str] | None = None) -> dict[str, float]:
+class LateValue:
+    """A number on the device, copied to the host without waiting and read (float()) once that copy is done:
+    library.foreach_prodigy keeps d on the GPU, and reading it right away would wait for the step in flight."""
+
+    def __init__(self, value: torch.Tensor):
+        self.host = torch.empty((), dtype=torch.float64, pin_memory=value.is_cuda)
+        self.host.copy_(value.detach(), non_blocking=True)
+        self.event = None
+        if value.is_cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def __float__(self) -> float:
+        if self.event is not None:
+            self.event.synchronize()  # this copy only, not the steps queued after it
+        return float(self.host)
+
+
+def d_lr_logs(optimizers, names: list[str] | None = None) -> dict[str, float | LateValue]:
     """`lr/d*lr/<group>`: the step size D-Adaptation and Prodigy actually use (their `d` times the rate), which
-    upstream logs next to `lr/<group>`."""
+    upstream logs next to `lr/<group>`; a LateValue (float() it when logging) where d is a device tensor."""
     groups = [g for o in optimizers for g in _unwrap(o).param_groups]
-    # float(): library.foreach_prodigy keeps d on the device (read here only when trackers log it)
-    return {f"lr/d*lr/{names[i] if names and i < len(names) else f'group{i}'}": float(g["d"]) * g["lr"]
+    return {f"lr/d*lr/{names[i] if names and i < len(names) else f'group{i}'}":
+            LateValue(g["d"] * g["lr"]) if isinstance(g["d"], torch.Tensor) else g["d"] * g["lr"]
             for i, g in enumerate(groups) if "d" in g and g.get("lr") is not None}
 
 
