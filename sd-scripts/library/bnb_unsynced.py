@@ -92,11 +92,21 @@ class _Run:
             self.flat["state1"].untyped_storage().data_ptr()
 
 
-def _zero_code(qmap: torch.Tensor) -> int:
+def _zero_code(qmap: torch.Tensor) -> int | None:
+    """The code that dequantizes to exactly 0 (padding stays 0 only with one), else None."""
     zeros = (qmap == 0).nonzero()
-    if zeros.numel() == 0:
-        raise ValueError("bitsandbytes' quantization map has no exact 0")
-    return int(zeros[0, 0])
+    return int(zeros[0, 0]) if zeros.numel() else None
+
+
+def _has_zero_codes(state: dict, known: dict) -> bool:
+    """8-bit state: whether its maps have a code of exact 0 (`known`: the answer per map, the maps are shared)."""
+    if state["state1"].dtype != torch.uint8:
+        return True
+    maps = [state[q] for q in ("qmap1", "qmap2") if state.get(q) is not None]
+    for m in maps:
+        if id(m) not in known:
+            known[id(m)] = _zero_code(m) is not None
+    return all(known[id(m)] for m in maps)
 
 
 def _flat_groups(self) -> dict:
@@ -104,7 +114,7 @@ def _flat_groups(self) -> dict:
     if getattr(self, "_flat_runs", None) is not None:
         return self._flat_runs
     runs: dict[int, list[_Run]] = {}
-    mng = self.mng
+    mng, zero_codes = self.mng, {}
     for gindex, group in enumerate(self.param_groups):
         if self.optimizer_name not in FLAT_OPTIMIZERS or type(self).update_step not in _plain_updates():
             continue
@@ -116,7 +126,7 @@ def _flat_groups(self) -> dict:
             state = self.state.get(p)
             if (gindex, pindex) in mng.index2config or id(p) in mng.pid2config:
                 continue
-            if not state or "state1" not in state or not p.is_contiguous():
+            if not state or "state1" not in state or not p.is_contiguous() or not _has_zero_codes(state, zero_codes):
                 continue
             by_kind.setdefault((state["state1"].dtype, p.dtype, p.device), []).append((pindex, p))
         runs[gindex] = [_Run(self, gindex, kind[0][0], [p for _, p in kind], functools.partial(_scratch, self))
