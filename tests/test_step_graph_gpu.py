@@ -1,6 +1,6 @@
 """--cuda_graph_step on a CUDA GPU: for torch's fused AdamW, Prodigy and Lion (stepped inside the graph) and each
-optimizer that `--cuda_graph_step auto` lets step after the graph (library.compile.graphs.AFTER_GRAPH_OPTIMIZERS), a few steps
-through library.compile.step_graph give the same weights as the same steps without it. The model is LoRA-like
+optimizer that `--cuda_graph_step auto` lets step after the graph (library.compile.graphs.AFTER_GRAPH_OPTIMIZERS), a
+few steps through library.compile.step_graph give the same weights as the same steps without it. The model is LoRA-like
 (a frozen bf16 base, fp32 down/up matrices, bf16 autocast), with clipping, a schedule that changes the rate every
 step and noise drawn from a generator registered with the graph. Skipped without CUDA; an optimizer whose package
 is not installed is skipped."""

@@ -82,7 +82,8 @@ class _Run:
                 start = i
         bounds.append((start, n))
         his = [offsets[e] if e < n else total for _, e in bounds]
-        scratch = scratch_for(params[0].dtype, params[0].device, max(hi - offsets[s] for (s, _), hi in zip(bounds, his)))
+        longest = max(hi - offsets[s] for (s, _), hi in zip(bounds, his))
+        scratch = scratch_for(params[0].dtype, params[0].device, longest)
         self.chunks = [_Chunk(params[s:e], offsets[s:e], offsets[s], hi, scratch) for (s, e), hi in zip(bounds, his)]
 
     def owns_its_state(self, optimizer) -> bool:
