@@ -218,7 +218,7 @@ PLACES: dict[str, Look] = {
     "full_bf16": Look("parameters", "Full bf16", help="Keep the trained weights and gradients in bf16."),
     "fused_backward_pass": Look("optimizer_fused", "Fused backward pass",
          help="Adafactor only: apply updates during backward (saves memory for full SDXL training).",
-         tabs=FULL, families=COMPILE_FAMILIES | SD3 | LUMINA),
+         tabs=FULL, families=COMPILE_FAMILIES | SD3 | LUMINA | ANIMA),
     "train_text_encoder": Look("parameters", "Train text encoder",
          help="DreamBooth SD1.x/SD2.x trains it anyway (as kohya's train_db.py): see Stop text-encoder training.",
          tabs=FULL, families=SD_SDXL | SD3),
@@ -297,7 +297,7 @@ PLACES: dict[str, Look] = {
     "fp8_vl": Look("hunyuan_image", "fp8 Qwen2.5-VL", families=HUNYUAN),
     "text_encoder_cpu": Look("hunyuan_image", "Text encoders on the CPU",
          help="Slow; best with text-encoder outputs cached to disk.", families=HUNYUAN),
-    # Anima (anima_train_network.py)
+    # Anima (anima_train_network.py / anima_train.py)
     "qwen3": Look("model", "Qwen3", help="Qwen3-0.6B text encoder file or folder (Anima).", families=ANIMA,
          widget="file", required=True),
     "llm_adapter_path": Look("anima", "LLM adapter file (optional)",
@@ -310,8 +310,8 @@ PLACES: dict[str, Look] = {
     "vae_disable_cache": Look("anima", "Disable VAE cache", help="Accepted; no effect here.", families=ANIMA),
     "unsloth_offload_checkpointing": Look("anima", "Unsloth offload checkpointing",
          help="Gradient checkpointing with the blocks' inputs in CPU memory.", families=ANIMA),
-    **{f"{part}_lr": Look("anima", f"{label} learning rate (full fine-tune only)",
-         help="Upstream's full fine-tune reads it; the LoRA script ignores it (as upstream).", families=ANIMA)
+    **{f"{part}_lr": Look("anima", f"{label} learning rate (optional)",
+         help="Empty = the learning rate; 0 = frozen.", families=ANIMA, tabs=FULL, minimum=0)
        for part, label in (("llm_adapter", "LLM adapter"), ("self_attn", "Self-attention"),
                            ("cross_attn", "Cross-attention"), ("mlp", "MLP"), ("mod", "Modulation"))},
     # HunyuanImage 2.1 and Anima share these three
@@ -406,7 +406,8 @@ PLACES: dict[str, Look] = {
          families=COMPILE_FAMILIES),
     "compile_checkpoint_keep": Look("compile", "Checkpointing keeps",
          help=("With gradient checkpointing: what is kept for backward instead of recomputed; each choice uses more "
-               "memory for less recompute. attention: the compiled blocks' attention outputs (least memory). "
+               "memory for less recompute. inputs: only each compiled block's inputs, everything recomputed (least "
+               "memory). attention: also the compiled blocks' attention outputs. "
                "projections: also their Linear outputs no wider than the inputs (q/k/v, output projections). "
                "resnets: projections, and the UNet's ResNets are not checkpointed (FLUX.1: as projections). On an "
                "H100, SDXL 1024 bs4: 299 -> 264 ms (attention -> resnets) at 10.6 -> 18.8 GiB; FLUX.1 1024: 581 -> "
@@ -536,7 +537,7 @@ PLACES: dict[str, Look] = {
     "fp16_master_weights_and_gradients": Look("advanced_compat", "fp16 master weights (DeepSpeed, no effect)"),
     "torch_compile": Look("advanced_compat", "Legacy Torch Compile (accelerate dynamo)"),
     "dynamo_backend": Look("advanced_compat", "Dynamo backend"),
-    "learning_rate_te": Look("optimizer", "Learning rate TE"),
+    "learning_rate_te": Look("optimizer", "Learning rate TE", families=SD | FLOW - ANIMA),  # (anima_train: Qwen3 frozen)
     "use_safetensors": Look("advanced_saving", "Use safetensors"),
     "no_metadata": Look("metadata", "No metadata"),
     "training_comment": Look("metadata", "Training comment"),

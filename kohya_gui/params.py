@@ -24,7 +24,7 @@ from . import option_places
 TABS = ("lora", "dreambooth", "finetune", "ti")
 TAB_LABELS = {"lora": "LoRA", "dreambooth": "DreamBooth", "finetune": "Fine-tune", "ti": "Textual Inversion"}
 FAMILIES = ("SD1.x", "SD2.x", "SDXL", "FLUX.1", "SD3", "Lumina 2", "HunyuanImage 2.1")
-FAMILIES += ("Anima",)  # LoRA only (upstream has no Anima full-fine-tune table here)
+FAMILIES += ("Anima",)
 COMPILE_FAMILIES = option_places.COMPILE_FAMILIES
 
 SCRIPTS = {
@@ -51,6 +51,7 @@ SCRIPTS.update({("lora", "Lumina 2"): "lumina_train_network.py", ("dreambooth", 
                 ("finetune", "Lumina 2"): "lumina_train.py"})
 SCRIPTS[("lora", "HunyuanImage 2.1")] = "hunyuan_image_train_network.py"  # LoRA only (upstream has no full trainer)
 SCRIPTS[("lora", "Anima")] = "anima_train_network.py"
+SCRIPTS.update({("dreambooth", "Anima"): "anima_train.py", ("finetune", "Anima"): "anima_train.py"})
 
 
 def tab_families(tab: str) -> list[str]:
@@ -340,8 +341,12 @@ NOT_SHOWN.update({
                                             "cudnn_sdp", "cuda_graph_step")},
 })
 
-# Anima: a flow-matching DiT, LoRA only; the compile flags on the command line (as Lumina 2's)
+# Anima: a flow-matching DiT; the compile flags on the command line (as Lumina 2's)
 NOT_SHOWN.update({
+    ("train_text_encoder", "Anima"): "anima_train.py trains the DiT (as upstream)",
+    ("learning_rate_te", "Anima"): "anima_train.py keeps Qwen3 frozen (as upstream)",
+    **{(f"{part}_lr", "lora"): "anima_train_network.py accepts and ignores it (as upstream); anima_train.py reads it"
+       for part in ("llm_adapter", "self_attn", "cross_attn", "mlp", "mod")},
     ("v2", "Anima"): "SD2.x is a family of its own: choosing it sets --v2",
     ("v_parameterization", "Anima"): "Anima is a flow-matching model",
     ("noise_offset", "Anima"): "sd-scripts applies it to SD1.x/SD2.x/SDXL noise only",

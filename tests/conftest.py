@@ -79,6 +79,23 @@ def tiny_dataset_dir(tmp_path_factory):
     return make_captioned_images(tmp_path_factory.mktemp("tiny_dataset"), n=4, size=(64, 64), repeats=2, name="demo")
 
 
+@pytest.fixture(scope="session")
+def anima_set(tmp_path_factory):
+    """A tiny random Anima (library.anima_models.make_tiny_anima: the DiT in upstream's layout, Qwen3 as a file and a
+    folder, the VAE, local tokenizers); tests/test_anima*.py."""
+    from library import anima_models
+
+    return anima_models.make_tiny_anima(tmp_path_factory.mktemp("anima_models"))
+
+
+@pytest.fixture(scope="session")
+def anima_data(tmp_path_factory):
+    """Two captioned 32x32 images for the Anima tests."""
+    from library.tiny_models import make_captioned_images
+
+    return make_captioned_images(tmp_path_factory.mktemp("anima_data"), n=2, size=(32, 32), repeats=1, name="demo")
+
+
 def load_tiny_components(path, family):
     """SD components of a tiny single file made by the fixtures above (its tokenizers beside it)."""
     from library.model_util import load_sd_components

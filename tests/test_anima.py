@@ -19,18 +19,6 @@ from networks import lora_anima
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def anima_set(tmp_path_factory):
-    return anima_models.make_tiny_anima(tmp_path_factory.mktemp("anima_models"))
-
-
-@pytest.fixture(scope="module")
-def anima_data(tmp_path_factory):
-    from library.tiny_models import make_captioned_images
-
-    return make_captioned_images(tmp_path_factory.mktemp("anima_data"), n=2, size=(32, 32), repeats=1, name="demo")
-
-
 def model_argv(paths, qwen3="qwen3"):
     return ["--pretrained_model_name_or_path", paths["dit"], "--qwen3", paths[qwen3], "--vae", paths["vae"],
             "--tokenizer_cache_dir", paths["tokenizer_cache_dir"]]
@@ -221,7 +209,13 @@ def test_gui_shows_animas_model_inputs_only_for_anima():
     from kohya_gui import params as P
 
     assert P.script_for("lora", "Anima") == "anima_train_network.py"
-    assert ("dreambooth", "Anima") not in P.SCRIPTS  # LoRA only, as upstream's tables here
+    assert P.script_for("dreambooth", "Anima") == P.script_for("finetune", "Anima") == "anima_train.py"
+    assert "Anima" in P.tab_families("dreambooth") and "Anima" in P.tab_families("finetune")
+    parts = {f"{p}_lr" for p in ("llm_adapter", "self_attn", "cross_attn", "mlp", "mod")}
+    full = {p.name for p in P.params_for("finetune", "Anima")}
+    assert parts | {"qwen3", "fused_backward_pass", "blocks_to_swap"} <= full
+    assert not full & {"train_text_encoder", "learning_rate_te"}  # Qwen3 stays frozen (as upstream)
+    assert not parts & {p.name for p in P.params_for("lora", "Anima")}  # the LoRA script ignores them (as upstream)
     anima = {p.name for p in P.params_for("lora", "Anima")}
     own = {"qwen3", "llm_adapter_path", "t5_tokenizer_path", "qwen3_max_token_length", "t5_max_token_length",
            "attn_mode", "split_attn", "unsloth_offload_checkpointing"}
@@ -235,9 +229,10 @@ def test_gui_shows_animas_model_inputs_only_for_anima():
             assert not (own - shared) & theirs and (shared <= theirs) == (family == "HunyuanImage 2.1"), family
 
 
-def test_gui_print_command_names_the_anima_script(tmp_path):
-    """`python -m kohya_gui print-command` on a config whose [gui] family is Anima runs anima_train_network.py with
-    its model files and upstream's Anima defaults (sigmoid timesteps, flow shift 1.0)."""
+def test_gui_print_command_names_the_anima_scripts(tmp_path):
+    """`python -m kohya_gui print-command` on a config whose [gui] family is Anima runs anima_train_network.py (LoRA)
+    or anima_train.py (DreamBooth / Fine-tune) with its model files and upstream's Anima defaults (sigmoid timesteps,
+    flow shift 1.0); the full fine-tune's per-part learning rates go to anima_train.py."""
     import subprocess
     import sys
     from pathlib import Path
@@ -245,17 +240,26 @@ def test_gui_print_command_names_the_anima_script(tmp_path):
     from kohya_gui import config_file, params as P
 
     repo = Path(__file__).resolve().parent.parent
-    values = {**P.defaults("lora", "Anima"), "pretrained_model_name_or_path": "/m/anima.safetensors",
-              "qwen3": "/m/qwen3.safetensors", "vae": "/m/vae.safetensors", "train_data_dir": "/data",
-              "output_dir": str(tmp_path / "out"), "output_name": "x"}
-    path = tmp_path / "lora.toml"
-    config_file.save(path, "lora", "Anima", values)
-    out = subprocess.run([sys.executable, "-m", "kohya_gui", "print-command", "--standalone", str(path)],
-                         cwd=repo, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "sd-scripts/anima_train_network.py" in out.stdout and "--qwen3 /m/qwen3.safetensors" in out.stdout
-    assert "--vae /m/vae.safetensors" in out.stdout and "--network_module networks.lora_anima" in out.stdout
-    assert "--timestep_sampling sigmoid" in out.stdout and "--discrete_flow_shift 1.0" in out.stdout
+    for tab, script in (("lora", "anima_train_network.py"), ("dreambooth", "anima_train.py"),
+                        ("finetune", "anima_train.py")):
+        values = {**P.defaults(tab, "Anima"), "pretrained_model_name_or_path": "/m/anima.safetensors",
+                  "qwen3": "/m/qwen3.safetensors", "vae": "/m/vae.safetensors", "train_data_dir": "/data",
+                  "output_dir": str(tmp_path / "out"), "output_name": "x"}
+        if tab != "lora":
+            values.update({"self_attn_lr": 2e-5, "llm_adapter_lr": 0.0})
+        path = tmp_path / f"{tab}.toml"
+        config_file.save(path, tab, "Anima", values)
+        out = subprocess.run([sys.executable, "-m", "kohya_gui", "print-command", "--standalone", str(path)],
+                             cwd=repo, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert f"sd-scripts/{script}" in out.stdout and "--qwen3 /m/qwen3.safetensors" in out.stdout
+        assert "--vae /m/vae.safetensors" in out.stdout
+        assert "--timestep_sampling sigmoid" in out.stdout and "--discrete_flow_shift 1.0" in out.stdout
+        if tab == "lora":
+            assert "--network_module networks.lora_anima" in out.stdout
+        else:
+            assert "--network_module" not in out.stdout
+            assert "--self_attn_lr 2e-05" in out.stdout and "--llm_adapter_lr 0.0" in out.stdout
 
 
 @pytest.mark.slow

@@ -129,6 +129,95 @@ def test_mask_sees_one_padding_token_and_guidance_reaches_the_approximator(chrom
     assert torch.equal(base, again)  # the guidance hook is gone after the call
 
 
+def full_length_forward(model, noisy, sigma, t5, t5_mask):
+    """The transformer over all padded text tokens with the mask (the tokens past each caption and its one padding
+    token masked as keys; masked queries see nothing): what chroma_forward computed before it cut the text."""
+    from library import flux_train_utils
+
+    b, _, h, w = noisy.shape
+    seen = torch.clamp(t5_mask.sum(dim=1, keepdim=True) + 1, max=t5_mask.shape[1])
+    txt = torch.arange(t5_mask.shape[1])[None, :] < seen
+    mask = torch.cat([txt, torch.ones(b, (h // 2) * (w // 2), dtype=torch.bool)], dim=1)
+    out = model(hidden_states=flux_train_utils.pack_latents(noisy), encoder_hidden_states=t5, timestep=sigma,
+                img_ids=flux_train_utils.image_ids(h, w, noisy.device, noisy.dtype),
+                txt_ids=torch.zeros(t5.shape[1], 3), attention_mask=mask, return_dict=False)[0]
+    return flux_train_utils.unpack_latents(out, h, w)
+
+
+@pytest.mark.parametrize("lengths, checkpointing", [((3,), None), ((5, 2), None), ((4, 4), None), ((12, 1), None),
+                                                     ((5, 2), "diffusers"), ((12, 1), "offload"), ((3,), "offload")])
+def test_cut_text_gives_the_full_length_outputs_and_gradients(chroma_set, lengths, checkpointing):
+    """chroma_forward cuts the text after the batch's longest caption (+ its padding token) and drops the mask
+    where every sample sees the same length: the same outputs and gradients (model weights and input) as the
+    whole padded sequence with the mask. Also with diffusers' gradient checkpointing (plain or CPU-offloading),
+    which hands the single blocks no mask of its own (single_blocks_masked)."""
+    from library import offload_checkpointing
+
+    model = chroma_models.load_chroma_transformer(chroma_set["transformer"], torch.float32)
+    model.requires_grad_(True)
+    g = torch.Generator().manual_seed(1)
+    b = len(lengths)
+    noisy = torch.randn(b, 16, 8, 8, generator=g)
+    sigma = torch.rand(b, generator=g)
+    t5 = torch.randn(b, 12, 32, generator=g)
+    t5_mask = (torch.arange(12)[None, :] < torch.tensor(lengths)[:, None]).long()
+    cut, mask = chroma.trim_text(t5, t5_mask, 16)
+    longest = min(max(lengths) + 1, 12)
+    assert cut.shape[1] == longest
+    assert (mask is None) == (len(set(min(n + 1, 12) for n in lengths)) == 1)
+    results = []
+    for forward in (lambda x: full_length_forward(model, x, sigma, t5, t5_mask),
+                    lambda x: chroma.chroma_forward(model, x, sigma, {"t5_out": t5, "t5_attn_mask": t5_mask}, 0.0,
+                                                    torch.float32)):
+        if results and checkpointing == "diffusers":
+            model.enable_gradient_checkpointing()
+        elif results and checkpointing == "offload":
+            offload_checkpointing.enable(model)
+        model.zero_grad()
+        x = noisy.clone().requires_grad_(True)
+        out = forward(x)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results.append((out.detach(), x.grad, {n: p.grad.clone() for n, p in model.named_parameters()
+                                               if p.grad is not None}))
+    (ref, ref_dx, ref_grads), (ours, dx, grads) = results
+    torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(dx, ref_dx, atol=2e-5, rtol=1e-4)
+    assert ref_grads.keys() == grads.keys() and len(grads) > 20
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_compiled_blocks_take_a_new_caption_length_with_one_recompile(chroma_set):
+    """The cut text changes the blocks' input shapes with each batch's longest caption, also with one bucket shape:
+    Chroma compiles with torch's automatic dynamic there (static graphs first, one recompile with the length
+    symbolic at a second length), not static graphs that recompile for every caption length."""
+    import argparse
+    import types
+
+    from library.compile import options as compile_options
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    args = compile_options.add_compile_arguments(argparse.ArgumentParser()).parse_args(
+        ["--compile", "--compile_backend", "eager"])
+    args.gradient_checkpointing, args.blocks_to_swap, args._input_shapes = False, 0, 1  # one bucket shape
+    model = chroma_models.load_chroma_transformer(chroma_set["transformer"], torch.float32)
+    family = chroma.Chroma()
+    family.compile(args, types.SimpleNamespace(transformer=model))
+    assert family.compiled_blocks == 2 and args._input_shapes == 1  # the caller's settings are left as they were
+    g = torch.Generator().manual_seed(2)
+    for length in (3, 6, 9, 12, 5):
+        t5_mask = (torch.arange(16)[None, :] < length).long()
+        with torch.no_grad():
+            chroma.chroma_forward(model, torch.randn(1, 16, 8, 8, generator=g), torch.tensor([0.5]),
+                                  {"t5_out": torch.randn(1, 16, 32, generator=g), "t5_attn_mask": t5_mask}, 0.0,
+                                  torch.float32)
+    # two block classes: each compiled for the first length, then once more with the length dynamic
+    assert counters["stats"]["unique_graphs"] == 4, dict(counters["stats"])
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("drop, add, needle", [
     ("--apply_t5_attn_mask", [], "--model_type chroma needs --apply_t5_attn_mask"),
     ("--t5xxl", [], "--t5xxl required"),

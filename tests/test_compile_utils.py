@@ -148,11 +148,13 @@ def test_checkpoint_contexts_pickle_for_the_autograd_cache():
         assert back.cache_hash == context.cache_hash and back.func is context.func
         policy = back.args[0]
         attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-        assert compile_checkpoint._policy(policy, None, attention) is CheckpointPolicy.MUST_SAVE
+        assert (compile_checkpoint._policy(policy, None, attention)
+                is (CheckpointPolicy.MUST_SAVE if keep != "inputs" else CheckpointPolicy.PREFER_RECOMPUTE))
         narrowing = (None, torch.empty(64, 32))  # mm(x, w) with w (in 64, out 32)
         assert (compile_checkpoint._policy(policy, None, torch.ops.aten.mm.default, *narrowing)
-                is (CheckpointPolicy.MUST_SAVE if keep != "attention" else CheckpointPolicy.PREFER_RECOMPUTE))
-    assert len({c.cache_hash for c in compile_checkpoint.CHECKPOINT_CONTEXTS.values()}) == 2  # resnets = projections
+                is (CheckpointPolicy.MUST_SAVE if keep not in ("inputs", "attention")
+                    else CheckpointPolicy.PREFER_RECOMPUTE))
+    assert len({c.cache_hash for c in compile_checkpoint.CHECKPOINT_CONTEXTS.values()}) == 3  # resnets = projections
 
 
 def test_compile_caches_are_keyed_by_the_attention_backends(tmp_path, monkeypatch):
@@ -613,7 +615,7 @@ def test_checkpoint_keep_without_inside_checkpointing_warns(argv, applies, caplo
     assert ("--compile_checkpoint_keep resnets has no effect" in caplog.text) != applies
     args.compile_checkpoint_keep = "everything"  # as a config file can set it
     with pytest.raises(compile_options.CompileConfigError, match="--compile_checkpoint_keep must be one of auto, "
-                                                    "attention, projections, resnets; got 'everything'"):
+                                                    "inputs, attention, projections, resnets; got 'everything'"):
         compile_options.validate_compile_args(args)
 
 

@@ -20,7 +20,7 @@ SCRIPTS = ("sdxl_train_network", "train_network", "flux_train_network", "sdxl_tr
 SCRIPTS += ("train_textual_inversion", "sdxl_train_textual_inversion")
 SCRIPTS += ("lumina_train_network", "lumina_train")  # Lumina Image 2.0 (library/families/lumina.py)
 SCRIPTS += ("hunyuan_image_train_network",)  # HunyuanImage 2.1 (library/families/hunyuan_image.py)
-SCRIPTS += ("anima_train_network",)  # Anima (library/families/anima.py)
+SCRIPTS += ("anima_train_network", "anima_train")  # Anima (library/families/anima.py)
 # the Utilities tab's tools (kohya_gui/tools.py has their presentation); a script that is not there yet is left out
 TOOL_SCRIPTS = tuple(f"finetune/{n}" for n in (
     "tag_images_by_wd14_tagger", "make_captions", "make_captions_by_git", "make_captions_by_florence2",

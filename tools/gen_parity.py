@@ -33,6 +33,9 @@ def _shared_dir() -> Path:
 
 
 UPSTREAM_FLAGS = _shared_dir() / "parity" / "upstream-flags"
+# tables the shared folder lacks, made the same way (../shared/parity/upstream_flags_ast.py on upstream's source at
+# 48d368f, e.g. `python upstream_flags_ast.py UPSTREAM anima_train.py tools/upstream-flags/anima_train.json`)
+REPO_FLAGS = REPO / "tools" / "upstream-flags"
 PARITY_MD = REPO / "docs" / "PARITY.md"
 FIELDS = ("opts", "type", "default", "choices", "nargs", "action")
 
@@ -54,7 +57,11 @@ class Row:
 
 
 def load_upstream(flags_dir: Path = UPSTREAM_FLAGS) -> dict[str, dict[str, dict]]:
-    return {s: json.loads((flags_dir / f"{s}.json").read_text()) for s in parity.SCRIPTS}
+    def table(script: str) -> Path:
+        path = flags_dir / f"{script}.json"
+        return path if path.exists() else REPO_FLAGS / f"{script}.json"
+
+    return {s: json.loads(table(s).read_text()) for s in parity.SCRIPTS}
 
 
 def load_parsers() -> dict[str, argparse.ArgumentParser]:

@@ -151,6 +151,11 @@ def add_blockwise_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--blockwise_fused_optimizers", action="store_true",
                         help="one optimizer per transformer block, each stepped inside backward as soon as its "
                              "block's gradients are complete (any optimizer; saves the memory of all gradients)")
+    add_skip_latents_validity_check_argument(parser)
+
+
+def add_skip_latents_validity_check_argument(parser: argparse.ArgumentParser) -> None:
+    """The DiT full trainers' deprecated flag (anima_train.py has it without the blockwise optimizers)."""
     parser.add_argument("--skip_latents_validity_check", action="store_true",
                         help="[deprecated] the same as --skip_cache_check")
 

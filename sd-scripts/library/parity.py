@@ -23,7 +23,7 @@ from dataclasses import dataclass
 SCRIPTS = ("sdxl_train_network", "train_network", "flux_train_network", "sdxl_train", "train_db", "fine_tune",
            "flux_train", "sd3_train_network", "sd3_train", "train_textual_inversion", "sdxl_train_textual_inversion",
            "lumina_train_network", "lumina_train", "hunyuan_image_train_network")
-SCRIPTS += ("anima_train_network",)  # Anima (library/families/anima.py)
+SCRIPTS += ("anima_train_network", "anima_train")  # Anima (library/families/anima.py; anima_train's table: tools/)
 
 # upstream scripts (their option tables in ../shared/parity/upstream-flags/) that are not here yet, with their status;
 # every upstream table is one of SCRIPTS, TOOLS or these (tests/test_upstream_parity.py)
@@ -111,6 +111,8 @@ DIFFERENT: dict[str, Different] = {
     "caption_dropout_rate": Different(
         "with --cache_text_encoder_outputs it stops before anything loads (cached outputs need fixed captions); "
         "upstream's Anima script caches the rate and blanks cached outputs per step instead"),
+    "learning_rate": Different("anima_train.py: 0, or every part of the DiT at rate 0 (--self_attn_lr ...), stops "
+                               "before anything loads (upstream trains and saves nothing)"),
     "unsloth_offload_checkpointing": Different(
         "Anima: the checkpointed blocks' inputs go to CPU memory through the same offloading checkpoint as "
         "--cpu_offload_checkpointing (upstream: Unsloth's non-blocking copies); the same rules (turns on "
@@ -146,7 +148,7 @@ DIFFERENT: dict[str, Different] = {
         "upstream's code writes .ckpt unless --use_safetensors, against its own help \"same as the original\"); "
         "diffusers and diffusers_safetensors both write safetensors weights (upstream: .bin for diffusers), which "
         "every diffusers/transformers version loads; flux_train.py writes a BFL .safetensors whatever is given, as "
-        "upstream"),
+        "upstream, and anima_train.py its `net.` single file (with a warning)"),
     "huggingface_path_in_repo": Different(
         "unset: each saved file or folder goes to the repo under its own name (upstream passes no path: a file "
         "upload fails and a folder's files land at the repo's top level, mixing the states)"),

@@ -664,6 +664,32 @@ def dims_from_weights(weights_sd: dict[str, torch.Tensor]) -> tuple[dict[str, in
     return modules_dim, modules_alpha
 
 
+def network_from_weights(build, file: str | None, weights_sd: dict | None, kwargs: dict[str, Any], parse, *,
+                         multiplier: float, neuron_dropout: float | None):
+    """The shared part of the DiT networks' create_network_from_weights: the LoRA file's state dict (read from `file`
+    unless given), `build(shape, opts, weights_sd)` makes the network (`shape`: multiplier, the file's per-module dims
+    and alphas and the dropouts, as constructor keywords; `opts`: `parse(kwargs)`), then LoRA+ / DoRA. Returns
+    (network, weights_sd)."""
+    if weights_sd is None:
+        weights_sd = load_lora_state_dict(file)
+    modules_dim, modules_alpha = dims_from_weights(weights_sd)
+    opts = parse(kwargs)
+    shape = {"multiplier": multiplier, "modules_dim": modules_dim, "modules_alpha": modules_alpha,
+             "dropout": neuron_dropout, "rank_dropout": opts.get("rank_dropout"),
+             "module_dropout": opts.get("module_dropout")}
+    network = build(shape, opts, weights_sd)
+    apply_loraplus_and_dora(network, opts, weights_sd)
+    return network, weights_sd
+
+
+def text_encoder_list(text_encoders) -> list:
+    """kohya's entry points get one text encoder, a list of them or None: the list without the Nones."""
+    if text_encoders is None:
+        return []
+    items = text_encoders if isinstance(text_encoders, (list, tuple)) else [text_encoders]
+    return [t for t in items if t is not None]
+
+
 def parse_network_kwargs(kwargs: dict[str, Any], allowed: dict[str, type] = NETWORK_ARGS,
                          module: str = "networks.lora") -> dict[str, Any]:
     """`--network_args` values (text) -> typed values; keys not in `allowed` (of network `module`) are an

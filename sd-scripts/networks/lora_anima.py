@@ -22,7 +22,7 @@ from typing import Any
 from torch import nn
 
 from networks import lora as lora_sd
-from networks.lora import NetworkArgsError, load_lora_state_dict
+from networks.lora import NetworkArgsError
 from networks.lora_flux import FluxLoRAModule, LoRANetworkFlux, parse_regex_values
 
 logger = logging.getLogger(__name__)
@@ -131,18 +131,12 @@ def parse_network_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _text_encoders(text_encoder) -> list:
-    if text_encoder is None:
-        return []
-    return [t for t in (text_encoder if isinstance(text_encoder, (list, tuple)) else [text_encoder]) if t is not None]
-
-
 def create_network(multiplier: float, network_dim: int | None, network_alpha: float | None, vae, text_encoders, dit,
                    neuron_dropout: float | None = None, **kwargs) -> LoRANetworkAnima:
     """kohya's entry point; kwargs are --network_args."""
     opts = parse_network_kwargs(kwargs)
     network = LoRANetworkAnima(
-        _text_encoders(text_encoders), dit, multiplier=multiplier, lora_dim=network_dim or 4,
+        lora_sd.text_encoder_list(text_encoders), dit, multiplier=multiplier, lora_dim=network_dim or 4,
         alpha=1.0 if network_alpha is None else network_alpha, dropout=neuron_dropout,
         rank_dropout=opts.get("rank_dropout"), module_dropout=opts.get("module_dropout"),
         train_llm_adapter=opts.get("train_llm_adapter", False),
@@ -159,15 +153,9 @@ def create_network_from_weights(multiplier: float, file: str | None, vae, text_e
                                 weights_sd: dict | None = None, for_inference: bool = False,
                                 neuron_dropout: float | None = None, **kwargs):
     """A network shaped like a LoRA file (its modules, dims and alphas; the LLM adapter's when it has them)."""
-    if weights_sd is None:
-        weights_sd = load_lora_state_dict(file)
-    modules_dim, modules_alpha = lora_sd.dims_from_weights(weights_sd)
-    opts = parse_network_kwargs(kwargs)
-    network = LoRANetworkAnima(
-        _text_encoders(text_encoders), dit, multiplier=multiplier, modules_dim=modules_dim,
-        modules_alpha=modules_alpha, dropout=neuron_dropout, rank_dropout=opts.get("rank_dropout"),
-        module_dropout=opts.get("module_dropout"),
-        train_llm_adapter=any("llm_adapter" in name for name in modules_dim),
-        include_patterns=[re.compile(".*")])  # a file's modules are all kept, excluded by default or not
-    lora_sd.apply_loraplus_and_dora(network, opts, weights_sd)
-    return network, weights_sd
+    return lora_sd.network_from_weights(
+        lambda shape, opts, sd: LoRANetworkAnima(
+            lora_sd.text_encoder_list(text_encoders), dit,
+            train_llm_adapter=any("llm_adapter" in name for name in shape["modules_dim"]),
+            include_patterns=[re.compile(".*")], **shape),  # a file's modules are all kept, excluded by default or not
+        file, weights_sd, kwargs, parse_network_kwargs, multiplier=multiplier, neuron_dropout=neuron_dropout)

@@ -20,7 +20,6 @@ from typing import Any
 from torch import nn
 
 from networks import lora as lora_sd
-from networks.lora import load_lora_state_dict
 from networks.lora_flux import FluxLoRAModule, LoRANetworkFlux, parse_regex_values
 
 logger = logging.getLogger(__name__)
@@ -124,13 +123,6 @@ def create_network_from_weights(multiplier: float, file: str | None, vae, text_e
                                 weights_sd: dict | None = None, for_inference: bool = False,
                                 neuron_dropout: float | None = None, **kwargs):
     """A network shaped like a LoRA file (its modules, dims and alphas)."""
-    if weights_sd is None:
-        weights_sd = load_lora_state_dict(file)
-    modules_dim, modules_alpha = lora_sd.dims_from_weights(weights_sd)
-    opts = parse_network_kwargs(kwargs)
-    network = LoRANetworkHunyuanImage(dit, multiplier=multiplier, modules_dim=modules_dim,
-                                      modules_alpha=modules_alpha, dropout=neuron_dropout,
-                                      rank_dropout=opts.get("rank_dropout"), module_dropout=opts.get("module_dropout"),
-                                      reg_lrs=_regex(opts, "network_reg_lrs", float))
-    lora_sd.apply_loraplus_and_dora(network, opts, weights_sd)
-    return network, weights_sd
+    return lora_sd.network_from_weights(
+        lambda shape, opts, sd: LoRANetworkHunyuanImage(dit, reg_lrs=_regex(opts, "network_reg_lrs", float), **shape),
+        file, weights_sd, kwargs, parse_network_kwargs, multiplier=multiplier, neuron_dropout=neuron_dropout)

@@ -26,7 +26,7 @@ from torch import nn
 from library import sd3_models
 from library.model_util import text_encoder_hf_module_names
 from networks import lora as lora_sd
-from networks.lora import NetworkArgsError, load_lora_state_dict
+from networks.lora import NetworkArgsError
 from networks.lora_flux import FluxLoRAModule, LoRANetworkFlux, parse_block_selection
 
 logger = logging.getLogger(__name__)
@@ -212,18 +212,13 @@ def create_network_from_weights(multiplier: float, file: str | None, vae, text_e
                                 weights_sd: dict | None = None, for_inference: bool = False,
                                 neuron_dropout: float | None = None, **kwargs):
     """A network shaped like a LoRA file (dims and alphas per module; T5-XXL modules when it has lora_te3_ keys)."""
-    if weights_sd is None:
-        weights_sd = load_lora_state_dict(file)
-    modules_dim, modules_alpha = lora_sd.dims_from_weights(weights_sd)
-    opts = parse_network_kwargs(kwargs)
-    split = any(re.search(r"\.lora_down\.\d+\.weight$", k) for k in weights_sd)
-    network = LoRANetworkSD3(_text_encoders(text_encoders), mmdit, multiplier=multiplier, modules_dim=modules_dim,
-                             modules_alpha=modules_alpha, dropout=neuron_dropout,
-                             rank_dropout=opts.get("rank_dropout"), module_dropout=opts.get("module_dropout"),
-                             split_qkv=split or opts.get("split_qkv", False),
-                             train_t5xxl=any(k.startswith(TE_PREFIXES[2] + "_") for k in weights_sd))
-    lora_sd.apply_loraplus_and_dora(network, opts, weights_sd)
-    return network, weights_sd
+    def build(shape, opts, sd):
+        split = any(re.search(r"\.lora_down\.\d+\.weight$", k) for k in sd)
+        return LoRANetworkSD3(_text_encoders(text_encoders), mmdit, split_qkv=split or opts.get("split_qkv", False),
+                              train_t5xxl=any(k.startswith(TE_PREFIXES[2] + "_") for k in sd), **shape)
+
+    return lora_sd.network_from_weights(build, file, weights_sd, kwargs, parse_network_kwargs, multiplier=multiplier,
+                                        neuron_dropout=neuron_dropout)
 
 
 def to_diffusers(weights_sd: dict) -> dict:

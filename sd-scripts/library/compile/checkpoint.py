@@ -31,6 +31,11 @@ def _linear_widths(op, args) -> tuple[int, int]:
     return weight.shape[0], weight.shape[1]
 
 
+def _keeps_inputs(op, args) -> bool:
+    # nothing inside the block: only its inputs stay (the checkpoint's own), every op is recomputed in backward
+    return False
+
+
 def _keeps_attention(op, args) -> bool:
     # Attention is the costliest op to recompute and its output is only as large as the hidden states. Not
     # recomputing it also keeps the graph free of the RNG-state wrapper that torch puts around recomputed SDPA
@@ -76,6 +81,7 @@ def _checkpoint_context(keeps, version: str) -> functools.partial:
 # "resnets" saves what "projections" does and also stops diffusers' checkpointing outside the blocks (a UNet's ResNets)
 _KEEP_PROJECTIONS = _checkpoint_context(_keeps_projections, "save-projections-v1")
 CHECKPOINT_CONTEXTS = {
+    "inputs": _checkpoint_context(_keeps_inputs, "save-inputs-v1"),
     "attention": _checkpoint_context(_keeps_attention, "save-attention-v1"),
     "projections": _KEEP_PROJECTIONS,
     "resnets": _KEEP_PROJECTIONS,

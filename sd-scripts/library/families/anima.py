@@ -10,8 +10,8 @@ import os
 import torch
 
 from library import anima_models, dit_options, flux_train_utils, latent_cache, offload_checkpointing, te_cache
+from library.families import dit_family
 from library.objectives import flow_matching
-from library.objectives.flow_matching import FlowMatching
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +65,14 @@ def normalise_args(args) -> None:
         args.gradient_checkpointing = True
 
 
+def normalise_full_args(args) -> None:
+    """anima_train.py's fix-ups: the LoRA script's, and --cpu_offload_checkpointing / the deprecated
+    --skip_latents_validity_check as upstream's full trainers."""
+    normalise_args(args)
+    flux_train_utils.normalise_dit_full_args(args)
+
+
 def check_anima_args(args, error_cls) -> None:
-    if args.v2 or args.v_parameterization:
-        raise error_cls("--v2 / --v_parameterization are for SD2.x; this script trains Anima")
     for name in ("qwen3_max_token_length", "t5_max_token_length"):
         if getattr(args, name) < 1:
             raise error_cls(f"--{name} must be 1 or more, got {getattr(args, name)}")
@@ -85,11 +90,7 @@ def check_anima_args(args, error_cls) -> None:
             raise error_cls("--unsloth_offload_checkpointing cannot be used with --blocks_to_swap")
     flow_matching.check_args(args, error_cls)
     offload_checkpointing.check_args(args, error_cls)
-    res = getattr(args, "resolution", None)
-    if isinstance(res, str):
-        for v in res.replace("x", ",").split(","):
-            if v.strip().isdigit() and int(v) % 16:
-                raise error_cls(f"--resolution {res}: Anima needs sides that are multiples of 16")
+    dit_family.check_resolution_multiple(args, error_cls, 16, "Anima")
 
 
 def offloads_checkpoints(args) -> bool:
@@ -100,33 +101,22 @@ class Anima:
     label = "Anima"
 
     def __init__(self):
-        self.objective = FlowMatching()
-        self.bucket_reso_steps_multiple = 16  # upstream: verify_bucket_reso_steps(16)
-        self.compiled_blocks = 0
-        self.swapper = None
+        dit_family.init(self, 16)
 
     def name(self, args) -> str:
         return "anima"
 
     def check_args(self, args) -> None:
-        from library.compile import options as compile_options
-        from library.errors import ConfigError
-
-        check_anima_args(args, ConfigError)
-        module = getattr(args, "network_module", None)
-        if module not in (None, "networks.lora_anima"):
-            logger.warning("--network_module %s: Anima LoRA files in kohya's format come from networks.lora_anima",
-                           module)
+        dit_family.check_args(args, check_anima_args, self.label, "networks.lora_anima")
         if args.attn_mode in ("xformers", "flash") or args.split_attn:
             logger.info("--attn_mode %s%s: attention runs through PyTorch's SDPA", args.attn_mode,
                         " --split_attn" if args.split_attn else "")
-        if args.fp8_base or args.fp8_base_unet:
+        if args.fp8_base or getattr(args, "fp8_base_unet", False):
             logger.warning("--fp8_base / --fp8_base_unet are not supported for Anima (as upstream): training in the "
                            "weight dtype")
         if args.vae_chunk_size is not None or args.vae_disable_cache:
             logger.info("--vae_chunk_size / --vae_disable_cache tune upstream's own VAE code; diffusers' VAE is used "
                         "as it is")
-        compile_options.validate_compile_args(args)
 
     def load(self, args, weight_dtype, fp8_denoiser: bool):
         c = anima_models.load_anima_components(
@@ -163,15 +153,8 @@ class Anima:
             offload_checkpointing.enable(components.transformer)
 
     def place_denoiser(self, args, components, device, weight_dtype, fp8: bool) -> None:
-        from library.block_swap import BlockSwapError
-        from library.errors import ConfigError
-
-        try:
-            self.swapper = flux_train_utils.place_transformer(components.transformer, device, weight_dtype, fp8,
-                                                              args.blocks_to_swap or 0,
-                                                              blocks=list(components.transformer.blocks))
-        except BlockSwapError as e:
-            raise ConfigError(str(e)) from e
+        dit_family.place_denoiser(self, components, device, weight_dtype, fp8, args.blocks_to_swap or 0,
+                                  list(components.transformer.blocks))
 
     def apply_fp8(self, args, components, fp8_targets) -> None:
         pass  # no fp8 for Anima (upstream turns --fp8_base / --fp8_base_unet off; check_args warns)
@@ -196,15 +179,8 @@ class Anima:
         return "anima"  # upstream's load_target_model
 
     def metadata(self, args, fp8_targets) -> dict[str, str]:
-        from library.compile import options as compile_options
-
-        md = dict(compile_options.compile_settings_metadata(args))
-        md.update(flow_matching.metadata(args))  # upstream's update_metadata keys
-        md["ss_blocks_to_swap"] = str(args.blocks_to_swap or 0)
-        md["ss_fp8_base"] = md["ss_fp8_base_unet"] = "False"  # upstream turns them off before writing metadata
-        if self.compiled_blocks:
-            md["ss_compile_blocks"] = str(self.compiled_blocks)
-        return md
+        # upstream turns --fp8_base / --fp8_base_unet off before writing metadata
+        return dit_family.metadata(self, args, {"ss_fp8_base": "False", "ss_fp8_base_unet": "False"})
 
     def modelspec_variant(self) -> str | None:
         return None
@@ -220,6 +196,12 @@ class Anima:
             return (f"anima:te:{os.path.basename(str(args.qwen3 or ''))}:{args.qwen3_max_token_length}:"
                     f"{args.t5_max_token_length}")
         return f"anima:{what}:{os.path.basename(str(args.vae or ''))}"
+
+    def full_output_format(self, args) -> tuple[str, str]:
+        return "single", ".safetensors"  # upstream's layout, whatever --save_model_as says (as upstream)
+
+    def save_full_model(self, args, components, path: str, metadata, save_dtype) -> None:
+        anima_models.save_dit(path, dit_family.trained_state_dict(self, components), metadata, save_dtype)
 
 
 def _te_to_file(o: dict) -> dict:
@@ -305,13 +287,93 @@ def sample_images(args, components, *, device, epoch, steps, autocast=None, netw
         array = ((image[0].permute(1, 2, 0).float().cpu() + 1) * 127.5).round().to(torch.uint8).numpy()
         return Image.fromarray(array)
 
-    return flux_train_utils.sample_with_pipeline(args, _NoPipeline, (components.vae, components.qwen3), draw,
-                                                 device=device, epoch=epoch, steps=steps, autocast=autocast,
+    return flux_train_utils.sample_with_pipeline(args, dit_family.NoPipeline, (components.vae, components.qwen3),
+                                                 draw, device=device, epoch=epoch, steps=steps, autocast=autocast,
                                                  networks=networks)
 
 
-class _NoPipeline:
-    """sample_with_pipeline's pipeline slot: Anima's sampler is the function above."""
+# anima_train.py (full fine-tune of the DiT and its LLM adapter; Qwen3 and the VAE stay frozen, as upstream)
 
-    def set_progress_bar_config(self, **_):
-        pass
+PARTS = ("self_attn", "cross_attn", "mlp", "mod", "llm_adapter")  # --<part>_lr
+
+
+def param_part(name: str) -> str:
+    """Upstream's get_anima_param_groups: the part (and so the learning rate) a DiT parameter belongs to."""
+    if "llm_adapter" in name:
+        return "llm_adapter"
+    for part, marker in (("self_attn", ".self_attn"), ("cross_attn", ".cross_attn"), ("mlp", ".mlp"),
+                         ("mod", ".adaln_modulation")):
+        if marker in name:
+            return part
+    return "base"
+
+
+def part_learning_rates(args) -> dict[str, float]:
+    """base = --learning_rate; each --<part>_lr, unset = --learning_rate."""
+    lrs = {"base": args.learning_rate}
+    lrs.update({part: args.learning_rate if getattr(args, f"{part}_lr") is None else getattr(args, f"{part}_lr")
+                for part in PARTS})
+    return lrs
+
+
+def full_metadata(args) -> dict[str, float]:
+    """The per-part learning rates given (ss_self_attn_lr ...), so a fine-tune's file says how it was trained."""
+    return {f"ss_{part}_lr": getattr(args, f"{part}_lr") for part in PARTS if getattr(args, f"{part}_lr") is not None}
+
+
+def check_full_args(args, target) -> None:
+    from library.errors import ConfigError
+
+    if args.train_text_encoder:
+        raise ConfigError("--train_text_encoder: anima_train.py trains the DiT only (Qwen3 stays frozen, as "
+                          "upstream); train a Qwen3 LoRA with anima_train_network.py instead")
+    for part in PARTS:
+        value = getattr(args, f"{part}_lr")
+        if value is not None and value < 0:
+            raise ConfigError(f"--{part}_lr must be 0 (frozen) or more, got {value}")
+    if not args.learning_rate or not any(part_learning_rates(args).values()):
+        raise ConfigError(f"--learning_rate {args.learning_rate}: every part of the DiT would be frozen (upstream "
+                          "then trains and saves nothing); give a learning rate above 0")
+    if args.save_model_as not in (None, "safetensors"):
+        logger.warning("--save_model_as %s: anima_train.py writes a .safetensors single file (as upstream)",
+                       args.save_model_as)
+
+
+def place_for_full_training(args, accelerator, family, components, train_dtype):
+    """The DiT (with its LLM adapter) in upstream's six parameter groups (base, self_attn, cross_attn, mlp, mod,
+    llm_adapter), a part at rate 0 frozen; with --blocks_to_swap only the resident blocks go to the device."""
+    from library import sharding
+    from library.block_swap import BlockSwapError, place_with_block_swap
+    from library.errors import ConfigError
+    from library.network_trainer import Trainable
+
+    model = components.transformer
+    model.to(dtype=train_dtype).requires_grad_(True)
+    lrs = part_learning_rates(args)
+    by_part: dict[str, list] = {part: [] for part in lrs}
+    for name, p in model.named_parameters():
+        by_part[param_part(name)].append(p)
+    groups, names = [], []
+    for part, params in by_part.items():
+        if lrs[part] == 0:
+            for p in params:
+                p.requires_grad_(False)
+            logger.info("%s: learning rate 0, %d tensors frozen", part, len(params))
+        elif params:
+            groups.append({"params": params, "lr": lrs[part]})
+            names.append(part)  # upstream's lr log names: lr/base, lr/self_attn, ...
+            logger.info("%s: %d tensors at learning rate %s", part, len(params), lrs[part])
+    if args.gradient_checkpointing:
+        family.enable_gradient_checkpointing(args, components, [])
+    model.train()
+    if args.blocks_to_swap:
+        try:
+            family.swapper = place_with_block_swap(model, args.blocks_to_swap, accelerator.device, trainable=True,
+                                                   blocks=list(model.blocks))
+        except BlockSwapError as e:
+            raise ConfigError(str(e)) from e
+    elif not sharding.shards(args, accelerator):  # (--fsdp: fully_shard places it block by block)
+        model.to(accelerator.device)
+    logger.info("training the Anima DiT: %.2fM parameters in %s",
+                sum(p.numel() for g in groups for p in g["params"]) / 1e6, str(train_dtype).removeprefix("torch."))
+    return Trainable(models=[model], param_groups=groups, train_text_encoder=False, lr_descriptions=names)

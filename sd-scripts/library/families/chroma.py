@@ -2,10 +2,15 @@
 only (no CLIP-L), the T5 attention mask required (each caption attends to its tokens plus one padding token, as
 upstream's Chroma), the guidance scale fed to the distilled-guidance approximator (upstream: use 0.0). The
 transformer is diffusers' ChromaTransformer2DModel (library.chroma_models); FLUX.1's pieces are reused as plain
-functions of library.families.flux / flux_train_utils."""
+functions of library.families.flux / flux_train_utils.
+
+Speed: as upstream, the text is cut after the batch's longest caption + its padding token (trim_text), so a batch
+of one needs no mask and attention runs on the flash kernel; the compiled blocks follow the caption length with
+torch's automatic dynamic (Chroma.compile)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 
 import torch
@@ -95,6 +100,12 @@ class Chroma:
         flux.set_attention_backend(args, components)
 
     def compile(self, args, components) -> None:
+        if getattr(args, "compile_dynamic", "auto") == "auto" and getattr(args, "_input_shapes", None) == 1:
+            # one bucket shape is not one input shape here: the text length follows each batch's longest caption
+            # (trim_text), so torch's automatic dynamic (static graphs, one recompile at a second length), not
+            # static-only graphs that recompile for every caption length
+            args = copy.copy(args)
+            args._input_shapes = None
         self.compiled_blocks = flux.compile_denoiser(args, components, self.label)
 
     def sample(self, args, components, accelerator, *, epoch, steps, networks, prediction_type) -> None:
@@ -133,14 +144,52 @@ class Chroma:
                                           overwrite=args.overwrite_output)
 
 
-def attention_mask(t5_mask: torch.Tensor, image_tokens: int, device) -> torch.Tensor:
-    """[B, L_txt + L_img] bool: each caption's tokens plus one padding token (upstream's attn_padding=1), then
-    every image token."""
-    t5_mask = t5_mask.to(device)
-    length = t5_mask.shape[1]
-    seen = torch.clamp(t5_mask.sum(dim=1, keepdim=True) + 1, max=length)
-    txt = torch.arange(length, device=device)[None, :] < seen
-    return torch.cat([txt, torch.ones(t5_mask.shape[0], image_tokens, dtype=torch.bool, device=device)], dim=1)
+def text_lengths(t5_mask: torch.Tensor) -> torch.Tensor:
+    """[B] how many text tokens each sample attends to: its caption's tokens plus one padding token (upstream's
+    attn_padding=1), at most the padded length."""
+    return torch.clamp(t5_mask.sum(dim=1).long() + 1, max=t5_mask.shape[1])
+
+
+def trim_text(t5_out: torch.Tensor, t5_mask: torch.Tensor, image_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The text tokens some sample of the batch attends to, and the attention mask the rest still needs.
+
+    As upstream's Chroma, the text is cut after the batch's longest caption (+ its padding token): the tokens past
+    it are masked keys for every image and text token, so leaving them out changes no output the loss sees (the
+    model returns the image tokens only). Where every sample sees the same length (always with batch 1) no mask
+    is left, so attention runs on the flash kernel; else [B, L_txt + L_img] bool over the cut sequence."""
+    seen = text_lengths(t5_mask)
+    shortest, longest = torch.stack([seen.min(), seen.max()]).tolist()  # one read from the device
+    t5_out = t5_out[:, :longest]
+    if shortest == longest:
+        return t5_out, None
+    txt = torch.arange(longest, device=seen.device)[None, :] < seen[:, None]
+    mask = torch.cat([txt, torch.ones(len(seen), image_tokens, dtype=torch.bool, device=seen.device)], dim=1)
+    return t5_out, mask
+
+
+@contextlib.contextmanager
+def single_blocks_masked(transformer, mask: torch.Tensor | None):
+    """diffusers' Chroma passes no attention mask to its single blocks under its own gradient checkpointing (the
+    checkpointed call gives them three arguments); while the context is open, its checkpoint function hands them
+    the mask as their fourth (the checkpoint keeps it for the recompute). Only a batch whose captions differ in
+    length has a mask (trim_text)."""
+    from diffusers.models.transformers.transformer_chroma import ChromaSingleTransformerBlock
+
+    func = getattr(transformer, "_gradient_checkpointing_func", None)
+    if mask is None or func is None or not getattr(transformer, "gradient_checkpointing", False):
+        yield
+        return
+
+    def with_mask(block, *args):
+        if isinstance(block, ChromaSingleTransformerBlock) and len(args) == 3:
+            args = (*args, mask)
+        return func(block, *args)
+
+    transformer._gradient_checkpointing_func = with_mask
+    try:
+        yield
+    finally:
+        transformer._gradient_checkpointing_func = func
 
 
 @contextlib.contextmanager
@@ -171,9 +220,10 @@ def chroma_forward(transformer, noisy: torch.Tensor, sigmas: torch.Tensor, te: d
                    dtype: torch.dtype) -> torch.Tensor:
     """The transformer on unpacked latents [B, 16, h, w]; returns the prediction in the same layout."""
     b, _, h, w = noisy.shape
-    t5_out = te["t5_out"].to(noisy.device, dtype)
-    mask = attention_mask(te["t5_attn_mask"], (h // 2) * (w // 2), noisy.device)
-    with embedded_guidance(transformer, guidance):
+    t5_out, mask = trim_text(te["t5_out"], te["t5_attn_mask"], (h // 2) * (w // 2))
+    t5_out = t5_out.to(noisy.device, dtype)
+    mask = None if mask is None else mask.to(noisy.device)
+    with embedded_guidance(transformer, guidance), single_blocks_masked(transformer, mask):
         out = transformer(hidden_states=flux_train_utils.pack_latents(noisy).to(dtype), encoder_hidden_states=t5_out,
                           timestep=sigmas.to(dtype), img_ids=flux_train_utils.image_ids(h, w, noisy.device, dtype),
                           txt_ids=torch.zeros(t5_out.shape[1], 3, device=noisy.device, dtype=dtype),

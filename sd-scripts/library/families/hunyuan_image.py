@@ -11,8 +11,8 @@ import os
 import torch
 
 from library import flux_train_utils, hunyuan_image_models as models, latent_cache, offload_checkpointing, te_cache
+from library.families import dit_family
 from library.objectives import flow_matching
-from library.objectives.flow_matching import FlowMatching
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +49,6 @@ def add_hunyuan_image_arguments(parser) -> None:
 
 
 def check_hunyuan_image_args(args, error_cls) -> None:
-    if args.v2 or args.v_parameterization:
-        raise error_cls("--v2 / --v_parameterization are for SD2.x; this script trains HunyuanImage 2.1")
     if not getattr(args, "network_train_unet_only", True):
         raise error_cls("--network_train_unet_only is required: HunyuanImage 2.1 trains no text-encoder LoRA "
                         "(Qwen2.5-VL and byT5 stay frozen, as upstream's guide says)")
@@ -70,11 +68,7 @@ def check_hunyuan_image_args(args, error_cls) -> None:
                             "use --attn_mode torch") from e
     flow_matching.check_args(args, error_cls)
     offload_checkpointing.check_args(args, error_cls)
-    res = getattr(args, "resolution", None)
-    if isinstance(res, str):
-        for v in res.replace("x", ",").split(","):
-            if v.strip().isdigit() and int(v) % 32:
-                raise error_cls(f"--resolution {res}: HunyuanImage 2.1 needs sides that are multiples of 32")
+    dit_family.check_resolution_multiple(args, error_cls, 32, "HunyuanImage 2.1")
 
 
 def upstream_blocks_to_swap(n: int) -> int:
@@ -87,28 +81,17 @@ class HunyuanImage:
     label = "HunyuanImage 2.1"
 
     def __init__(self):
-        self.objective = FlowMatching()
-        self.bucket_reso_steps_multiple = 32  # upstream: verify_bucket_reso_steps(32)
-        self.compiled_blocks = 0
-        self.swapper = None
+        dit_family.init(self, 32)
 
     def name(self, args) -> str:
         return "hunyuan_image"
 
     def check_args(self, args) -> None:
-        from library.compile import options as compile_options
-        from library.errors import ConfigError
-
-        check_hunyuan_image_args(args, ConfigError)
-        module = getattr(args, "network_module", None)
-        if module not in (None, "networks.lora_hunyuan_image"):
-            logger.warning("--network_module %s: HunyuanImage 2.1 LoRA files in kohya's format come from "
-                           "networks.lora_hunyuan_image", module)
+        dit_family.check_args(args, check_hunyuan_image_args, self.label, "networks.lora_hunyuan_image")
         if args.mixed_precision == "fp16":
             logger.warning("mixed_precision bf16 is recommended for HunyuanImage 2.1 (as upstream)")
         if args.fp8_base or getattr(args, "fp8_base_unet", False):
             logger.info("--fp8_base: the DiT's blocks in fp8 (upstream asks for --fp8_scaled; both do that here)")
-        compile_options.validate_compile_args(args)
 
     def load(self, args, weight_dtype, fp8_denoiser: bool):
         c = models.load_components(args.pretrained_model_name_or_path, args.text_encoder, args.byt5, args.vae,
@@ -155,16 +138,10 @@ class HunyuanImage:
         sd.enable_gradient_checkpointing(args, components.denoiser, [])
 
     def place_denoiser(self, args, components, device, weight_dtype, fp8: bool) -> None:
-        from library.block_swap import BlockSwapError
-        from library.errors import ConfigError
-
         t = components.transformer
         n = upstream_blocks_to_swap(args.blocks_to_swap) if args.blocks_to_swap else 0
-        try:
-            self.swapper = flux_train_utils.place_transformer(t, device, weight_dtype, fp8 or args.fp8_scaled, n,
-                                                              blocks=list(t.double_blocks) + list(t.single_blocks))
-        except BlockSwapError as e:
-            raise ConfigError(str(e)) from e
+        dit_family.place_denoiser(self, components, device, weight_dtype, fp8 or args.fp8_scaled, n,
+                                  list(t.double_blocks) + list(t.single_blocks))
 
     def apply_fp8(self, args, components, fp8_targets) -> None:
         pass  # the loader stored the DiT's block weights in fp8 (--fp8_base / --fp8_scaled); the encoders stay
@@ -185,15 +162,7 @@ class HunyuanImage:
         return models.MODEL_VERSION
 
     def metadata(self, args, fp8_targets) -> dict[str, str]:
-        from library.compile import options as compile_options
-
-        md = dict(compile_options.compile_settings_metadata(args))
-        md.update(flow_matching.metadata(args))
-        md.update({"ss_fp8_base": str(bool(fp8_targets[0] or args.fp8_scaled)),
-                   "ss_blocks_to_swap": str(args.blocks_to_swap or 0)})
-        if self.compiled_blocks:
-            md["ss_compile_blocks"] = str(self.compiled_blocks)
-        return md
+        return dit_family.metadata(self, args, {"ss_fp8_base": str(bool(fp8_targets[0] or args.fp8_scaled))})
 
     def modelspec_variant(self) -> str | None:
         return None
@@ -309,13 +278,7 @@ def sample_images(args, components, *, device, epoch, steps, autocast=None, netw
         array = ((image[0].permute(1, 2, 0).float().cpu() + 1) * 127.5).round().to(torch.uint8).numpy()
         return Image.fromarray(array)
 
-    return flux_train_utils.sample_with_pipeline(args, _NoPipeline, (components.vae, components.qwen, components.byt5),
-                                                 draw, device=device, epoch=epoch, steps=steps, autocast=autocast,
+    return flux_train_utils.sample_with_pipeline(args, dit_family.NoPipeline,
+                                                 (components.vae, components.qwen, components.byt5), draw,
+                                                 device=device, epoch=epoch, steps=steps, autocast=autocast,
                                                  networks=networks, prompt_defaults=SAMPLE_DEFAULTS)
-
-
-class _NoPipeline:
-    """sample_with_pipeline's pipeline slot: HunyuanImage's sampler is the function above."""
-
-    def set_progress_bar_config(self, **_):
-        pass

@@ -10,9 +10,8 @@ import logging
 import torch
 
 from library import dit_options, flux_train_utils, latent_cache, lumina_models, offload_checkpointing, te_cache
-from library.families import flux
+from library.families import dit_family, flux
 from library.objectives import flow_matching
-from library.objectives.flow_matching import FlowMatching
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +42,6 @@ def add_lumina_arguments(parser) -> None:
 
 
 def check_lumina_args(args, error_cls) -> None:
-    if args.v2 or args.v_parameterization:
-        raise error_cls("--v2 / --v_parameterization are for SD2.x; this script trains Lumina 2")
     if args.gemma2_max_token_length is not None and args.gemma2_max_token_length < 1:
         raise error_cls(f"--gemma2_max_token_length must be 1 or more, got {args.gemma2_max_token_length}")
     if args.blocks_to_swap is not None and args.blocks_to_swap < 0:
@@ -60,37 +57,22 @@ def check_lumina_args(args, error_cls) -> None:
         logger.warning("--use_sage_attn is ignored for training (upstream: Sage Attention supports inference only)")
     flow_matching.check_args(args, error_cls)
     offload_checkpointing.check_args(args, error_cls)
-    res = getattr(args, "resolution", None)
-    if isinstance(res, str):
-        for v in res.replace("x", ",").split(","):
-            if v.strip().isdigit() and int(v) % 16:
-                raise error_cls(f"--resolution {res}: Lumina 2 needs sides that are multiples of 16")
+    dit_family.check_resolution_multiple(args, error_cls, 16, "Lumina 2")
 
 
 class Lumina:
     label = "Lumina 2"
 
     def __init__(self):
-        self.objective = FlowMatching()
-        self.bucket_reso_steps_multiple = 16  # upstream: verify_bucket_reso_steps(16)
-        self.compiled_blocks = 0
-        self.swapper = None
+        dit_family.init(self, 16)
         self.max_length = DEFAULT_TOKENS
 
     def name(self, args) -> str:
         return "lumina"
 
     def check_args(self, args) -> None:
-        from library.compile import options as compile_options
-        from library.errors import ConfigError
-
-        check_lumina_args(args, ConfigError)
-        module = getattr(args, "network_module", None)
-        if module not in (None, "networks.lora_lumina"):
-            logger.warning("--network_module %s: Lumina 2 LoRA files in kohya's format come from networks.lora_lumina",
-                           module)
+        dit_family.check_args(args, check_lumina_args, self.label, "networks.lora_lumina")
         self.max_length = args.gemma2_max_token_length or DEFAULT_TOKENS
-        compile_options.validate_compile_args(args)
 
     def load(self, args, weight_dtype, fp8_denoiser: bool):
         c = lumina_models.load_lumina_components(
@@ -124,15 +106,8 @@ class Lumina:
         flux.enable_gradient_checkpointing(args, components, text_encoders)
 
     def place_denoiser(self, args, components, device, weight_dtype, fp8: bool) -> None:
-        from library.block_swap import BlockSwapError
-        from library.errors import ConfigError
-
-        try:
-            self.swapper = flux_train_utils.place_transformer(components.transformer, device, weight_dtype, fp8,
-                                                              args.blocks_to_swap or 0,
-                                                              blocks=list(components.transformer.layers))
-        except BlockSwapError as e:
-            raise ConfigError(str(e)) from e
+        dit_family.place_denoiser(self, components, device, weight_dtype, fp8, args.blocks_to_swap or 0,
+                                  list(components.transformer.layers))
 
     def apply_fp8(self, args, components, fp8_targets) -> None:
         flux.apply_fp8(components, fp8_targets)
@@ -151,15 +126,9 @@ class Lumina:
         return "lumina2"  # upstream's MODEL_VERSION_LUMINA_V2
 
     def metadata(self, args, fp8_targets) -> dict[str, str]:
-        from library.compile import options as compile_options
-
-        md = dict(compile_options.compile_settings_metadata(args))
-        md.update(flow_matching.metadata(args))
-        md.update({"ss_system_prompt": args.system_prompt, "ss_gemma2_max_token_length": str(self.max_length),
-                   "ss_fp8_base": str(fp8_targets[0]), "ss_blocks_to_swap": str(args.blocks_to_swap or 0)})
-        if self.compiled_blocks:
-            md["ss_compile_blocks"] = str(self.compiled_blocks)
-        return md
+        return dit_family.metadata(self, args, {"ss_system_prompt": args.system_prompt,
+                                                "ss_gemma2_max_token_length": str(self.max_length),
+                                                "ss_fp8_base": str(fp8_targets[0])})
 
     def modelspec_variant(self) -> str | None:
         return None
@@ -182,11 +151,8 @@ class Lumina:
 
     def save_full_model(self, args, components, path: str, metadata, save_dtype) -> None:
         from library import saving
-        from library.compile.regional import strip_orig_mod
 
-        if self.swapper is not None:
-            self.swapper.synchronize()
-        sd = strip_orig_mod(components.transformer.state_dict())
+        sd = dit_family.trained_state_dict(self, components)
         saving.save_safetensors_streaming(
             path, lumina_models.diffusers_to_single_file_entries(sd, save_dtype, components.norm_final), metadata,
             overwrite=args.overwrite_output)
@@ -292,16 +258,9 @@ def sample_images(args, components, max_length: int, *, device, epoch, steps, au
         array = ((image[0].permute(1, 2, 0).float().cpu() + 1) * 127.5).round().to(torch.uint8).numpy()
         return Image.fromarray(array)
 
-    return flux_train_utils.sample_with_pipeline(args, _NoPipeline, (components.ae, components.gemma2), draw,
+    return flux_train_utils.sample_with_pipeline(args, dit_family.NoPipeline, (components.ae, components.gemma2), draw,
                                                  device=device, epoch=epoch, steps=steps, autocast=autocast,
                                                  networks=networks)
-
-
-class _NoPipeline:
-    """sample_with_pipeline's pipeline slot: Lumina's sampler is the function above."""
-
-    def set_progress_bar_config(self, **_):
-        pass
 
 
 # lumina_train.py (full fine-tune of the DiT; Gemma 2 and the AE stay frozen, as upstream)
