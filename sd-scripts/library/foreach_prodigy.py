@@ -22,37 +22,21 @@ import math
 import torch
 from prodigyopt import Prodigy
 
-SCALARS = ("d", "d_max", "d_numerator", "d_hat", "d_denom", "k")  # prodigyopt's per-group numbers, here tensors
+from library.device_scalars import DeviceScalars, cat_sum
 
-
-def _cat_sum(tensors: list) -> torch.Tensor:
-    """The sum of all elements of `tensors` in float64 (one copy into one buffer, one reduction)."""
-    if not tensors:
-        return None
-    return torch.cat([t.reshape(-1) for t in tensors]).sum(dtype=torch.float64)
-
-
-class ForeachProdigy(Prodigy):
+class ForeachProdigy(DeviceScalars, Prodigy):
     """Prodigy whose step runs as a few multi-tensor operations on the device (see the module's docstring)."""
 
     capturable_step = True  # library.compile.step_graph: the step may be captured, with lr tensors
+    SCALARS = ("d", "d_max", "d_numerator", "d_hat", "d_denom", "k")  # prodigyopt's per-group numbers
+
+    def _initial(self, group: dict, key: str) -> float:
+        return group.get(key, group["d"] if key == "d_hat" else 0.0)  # before its first step: no d_hat / d_denom
 
     def _own_step(self) -> bool:
         params = [p for g in self.param_groups for p in g["params"]]
         return any(g["fsdp_in_use"] for g in self.param_groups) or any(hasattr(p, "_fsdp_flattened") for p in params) \
             or (bool(params) and params[0].device.type == "mps")
-
-    def _scalars(self, device) -> dict:
-        """The groups' d estimates and k as float64 device tensors, the same tensors in every group."""
-        first = self.param_groups[0]
-        if not all(isinstance(first.get(k), torch.Tensor) and first[k].device == device for k in SCALARS) or \
-                any(g.get(k) is not first[k] for g in self.param_groups for k in SCALARS):
-            # before the first step prodigyopt's groups have no d_hat / d_denom yet
-            values = {k: torch.tensor(float(first.get(k, first["d"] if k == "d_hat" else 0.0)), dtype=torch.float64,
-                                      device=device) for k in SCALARS}
-            for g in self.param_groups:
-                g.update(values)
-        return {k: first[k] for k in SCALARS}
 
     def _rates(self, device):
         """-> (lr, per group: True / False / a device bool tensor whether it steps). prodigyopt's `lr` is the
@@ -126,11 +110,11 @@ class ForeachProdigy(Prodigy):
                 diffs = torch._foreach_sub([states[i]["p0"] for i in full],
                                            [params[i].flatten()[::slice_p] for i in full])
                 torch._foreach_mul_(diffs, [sliced[i] for i in full])
-                dot = _cat_sum(diffs)
+                dot = cat_sum(diffs)
                 del diffs
             if zero:
                 prods = torch._foreach_mul([sliced[i] for i in zero], [params[i].flatten()[::slice_p] for i in zero])
-                dot = dot - _cat_sum(prods)
+                dot = dot - cat_sum(prods)
                 del prods
             delta_numerator.append(dot * (dlr / d0))
             keep1 = torch.where(active, beta1, 1.0).float() if masked else beta1
@@ -186,8 +170,7 @@ class ForeachProdigy(Prodigy):
     def _init_state(self, p, slice_p: int, beta1: float, device) -> None:
         state = self.state[p]
         if "step" in state:
-            if not isinstance(state["step"], torch.Tensor):  # loaded from a file: prodigyopt's int
-                state["step"] = torch.tensor(int(state["step"]), dtype=torch.int64, device=device)
+            self._step_counter(state, device)
             return
         state["step"] = torch.zeros((), dtype=torch.int64, device=device)
         state["s"] = torch.zeros_like(p.data.flatten()[::slice_p]).detach()
@@ -198,15 +181,3 @@ class ForeachProdigy(Prodigy):
         if beta1 > 0:
             state["exp_avg"] = torch.zeros_like(p.data).detach()
         state["exp_avg_sq"] = torch.zeros_like(p.data).detach()
-
-    def state_dict(self):
-        """prodigyopt's layout: the scalars and step counts as Python numbers (read back once)."""
-        out = super().state_dict()
-        out["state"] = {i: dict(s) for i, s in out["state"].items()}  # torch's packs the live dicts
-        tensors = [(g, key) for g in out["param_groups"] for key in SCALARS if isinstance(g.get(key), torch.Tensor)]
-        steps = [(s, "step") for s in out["state"].values() if isinstance(s.get("step"), torch.Tensor)]
-        if tensors or steps:
-            values = torch.stack([c[key].double() for c, key in tensors + steps])
-            for (c, key), value in zip(tensors + steps, values.tolist()):
-                c[key] = int(value) if key in ("k", "step") else value
-        return out
