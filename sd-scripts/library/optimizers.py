@@ -279,8 +279,8 @@ def _can_fuse(cls, params, kwargs: dict) -> bool:
 def _faster_step(cls):
     """The class to build for `cls`: the same optimizer with a step of fewer kernel launches where one exists
     (transformers' Adafactor: library.grouped_adafactor; prodigyopt's Prodigy: library.foreach_prodigy;
-    lion-pytorch's Lion: library.foreach_lion; bitsandbytes' optimizers: library.bnb_unsynced; each keeps the
-    weights and state of the original step), else `cls`."""
+    lion-pytorch's Lion: library.foreach_lion; dadaptation's DAdaptAdam: library.foreach_dadapt; bitsandbytes'
+    optimizers: library.bnb_unsynced; each keeps the weights and state of the original step), else `cls`."""
     path = f"{cls.__module__}.{cls.__name__}"
     if path == "transformers.optimization.Adafactor":
         from library.grouped_adafactor import GroupedAdafactor
@@ -290,6 +290,10 @@ def _faster_step(cls):
         from library.foreach_prodigy import ForeachProdigy
 
         return ForeachProdigy
+    if path == "dadaptation.dadapt_adam.DAdaptAdam":
+        from library.foreach_dadapt import ForeachDAdaptAdam
+
+        return ForeachDAdaptAdam
     if path == "lion_pytorch.lion_pytorch.Lion":
         from library.foreach_lion import ForeachLion
 
