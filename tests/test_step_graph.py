@@ -494,3 +494,27 @@ def test_gradient_accumulation_replays_two_graphs_adding_into_the_same_gradients
     for a, b in zip(t.model.parameters(), plain.model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     assert all(torch.count_nonzero(g) == 0 for _, g in graphs.static_grads)  # zero after the window's step
+
+
+def test_a_failed_capture_mid_window_keeps_the_windows_gradients(caplog):
+    """Gradient accumulation: a capture that fails on a micro-step inside a window leaves the gradients of the
+    window's earlier micro-steps, and the run goes on the ordinary way with the weights of the ordinary loop."""
+    t, plain = _Accumulating(True), _Accumulating(True)
+
+    def fail(run, generators):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs = step_graph.StepGraphs([t.optimizer], "cpu", capture=fail, accumulation_steps=4)
+    failed_at = []
+    with caplog.at_level(logging.WARNING, logger="library.compile.step_graph"):
+        for i in range(4 * (step_graph.WARMUP + 2)):
+            t.sync = plain.sync = i % 4 == 3
+            graphs.step(_batch(float(i % 5) / 5), t.run_step, sync=t.sync)
+            if graphs.off and not failed_at:
+                failed_at.append(i)
+            plain.run_step(_batch(float(i % 5) / 5))
+            if plain.sync:
+                plain.optimizer.zero_grad(set_to_none=True)
+    assert failed_at == [step_graph.WARMUP] and "could not be captured" in caplog.text  # after 2 micro-steps
+    for a, b in zip(t.model.parameters(), plain.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

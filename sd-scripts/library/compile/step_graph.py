@@ -258,9 +258,11 @@ class StepGraphs:
             self.off = f"{type(e).__name__}: {e}".splitlines()[0][:300]
             logger.warning("step graph: the training step could not be captured (%s); training goes on without "
                            "--cuda_graph_step", self.off)
-            self.static_grads = None
-            for o in self.optimizers:
-                o.zero_grad(set_to_none=True)
+            if self.accumulating:  # the window's gradients so far stay (a capture runs nothing)
+                self.static_grads = None
+            else:
+                for o in self.optimizers:
+                    o.zero_grad(set_to_none=True)
             _reset_generators(self.generators, self.device)
             return None
         finally:
