@@ -24,6 +24,7 @@ from prodigyopt import Prodigy
 
 from library.device_scalars import DeviceScalars, cat_sum
 
+
 class ForeachProdigy(DeviceScalars, Prodigy):
     """Prodigy whose step runs as a few multi-tensor operations on the device (see the module's docstring)."""
 
