@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("dadaptation")
 from dadaptation import DAdaptAdam  # noqa: E402
 
+from host_reads import refuse_host_reads, steps_without_sync  # noqa: E402
 from library import optimizers  # noqa: E402
 from library.foreach_dadapt import ForeachDAdaptAdam  # noqa: E402
 
@@ -38,8 +39,7 @@ def _train(opt, params, steps=6, rates=None, monkeypatch=None):
             opt.step()
             continue
         with monkeypatch.context() as patch:
-            for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "__repr__"):
-                patch.setattr(torch.Tensor, name, lambda *a, **k: pytest.fail("the step read a tensor back"))
+            refuse_host_reads(patch)
             opt.step()
 
 
@@ -103,14 +103,5 @@ def test_on_a_gpu_steps_do_not_synchronize():
     """torch's sync debug mode raises on any wait for the GPU: none after the first step (which makes the state)."""
     params = [torch.nn.Parameter(p.detach().cuda()) for p in _params()]
     opt = ForeachDAdaptAdam(params, lr=1.0, weight_decay=0.01, decouple=True)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    for step in range(4):
-        for p in params:
-            p.grad = torch.randn(p.shape, device="cuda", generator=g)
-        if step:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            opt.step()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+    steps_without_sync(opt, params)
     assert opt.state_dict()["param_groups"][0]["k"] == 4

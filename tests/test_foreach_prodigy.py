@@ -6,6 +6,7 @@ import pytest
 import torch
 from prodigyopt import Prodigy
 
+from host_reads import refuse_host_reads, steps_without_sync
 from library.foreach_prodigy import ForeachProdigy
 
 
@@ -68,14 +69,6 @@ def test_no_gradients_no_step():
     assert opt.param_groups[0]["k"] == 0 and all(torch.equal(p, b) for p, b in zip(params, before))
 
 
-def _reads_nothing_back(monkeypatch):
-    """Any read of a tensor's value on the host (what waits for a GPU, and what a CUDA graph cannot hold) raises."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("the step read a tensor back to the host")
-    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "__repr__"):
-        monkeypatch.setattr(torch.Tensor, name, refuse)
-
-
 @pytest.mark.parametrize("betas", [(0.9, 0.999), (0.0, 0.99)], ids=["first-moment", "no-first-moment"])
 @pytest.mark.parametrize("tensor_rates", [False, True])
 def test_steps_read_nothing_back_and_rates_may_be_tensors(tensor_rates, betas, monkeypatch):
@@ -101,7 +94,7 @@ def test_steps_read_nothing_back_and_rates_may_be_tensors(tensor_rates, betas, m
             group["lr"] = torch.tensor(rate, dtype=torch.float64) if tensor_rates else rate
         with monkeypatch.context() as patch:
             if step > 0:
-                _reads_nothing_back(patch)
+                refuse_host_reads(patch)
             got.step()
     for a, b in zip(ref_params, got_params):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
@@ -139,16 +132,7 @@ def test_on_a_gpu_steps_do_not_synchronize():
     """torch's sync debug mode raises on any wait for the GPU: none after the first step (which makes the state)."""
     params = [torch.nn.Parameter(p.detach().cuda()) for p in _params()]
     opt = ForeachProdigy(params, lr=1.0, weight_decay=0.01)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    for step in range(4):
-        for p in params:
-            p.grad = torch.randn(p.shape, device="cuda", generator=g)
-        if step:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            opt.step()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+    steps_without_sync(opt, params)
     assert opt.state_dict()["param_groups"][0]["k"] == 4
 
 

@@ -33,6 +33,22 @@ class DeviceScalars:
         if not isinstance(state["step"], torch.Tensor):
             state["step"] = torch.tensor(int(state["step"]), dtype=torch.int64, device=device)
 
+    def _with_grads(self, group: dict, coupled_decay: bool) -> tuple[list, list]:
+        """The group's parameters that have a gradient and their gradients, with the weight decay added to the
+        gradients where it is coupled (both packages do so before anything else)."""
+        params = [p for p in group["params"] if p.grad is not None]
+        grads = [p.grad for p in params]
+        if params and group["weight_decay"] != 0 and coupled_decay:
+            torch._foreach_add_(grads, params, alpha=group["weight_decay"])
+        return params, grads
+
+    def _counted_roots(self, params: list, ok: torch.Tensor) -> tuple[list, list]:
+        """The second pass's start: each parameter's step count goes up where the step happened (ok), and
+        -> (their states, sqrt(exp_avg_sq) of each)."""
+        states = [self.state[p] for p in params]
+        torch._foreach_add_([s["step"] for s in states], ok.long())
+        return states, torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
+
     def state_dict(self):
         """The original layout: the group numbers and step counts as Python numbers (read back once)."""
         out = super().state_dict()

@@ -61,13 +61,10 @@ class ForeachDAdaptAdam(DeviceScalars, DAdaptAdam):
         # the first pass, per group: the dot product with s / denom, the EMAs and s, the sum of |s|
         numerator_acum, sk_l1 = [], []
         for g in self.param_groups:
-            decay, eps, r = g["weight_decay"], g["eps"], g["layer_scale"]
-            params = [p for p in g["params"] if p.grad is not None]
+            eps, r = g["eps"], g["layer_scale"]
+            params, grads = self._with_grads(g, coupled_decay=not decouple)
             if not params:
                 continue
-            grads = [p.grad for p in params]
-            if decay != 0 and not decouple:
-                torch._foreach_add_(grads, params, alpha=decay)
             for p in params:
                 self._init_state(p, device)
             if not g["lr"] > 0.0:
@@ -110,9 +107,7 @@ class ForeachDAdaptAdam(DeviceScalars, DAdaptAdam):
             params = [p for p in g["params"] if p.grad is not None]
             if not params:
                 continue
-            states = [self.state[p] for p in params]
-            torch._foreach_add_([s["step"] for s in states], ok.long())
-            denoms = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
+            states, denoms = self._counted_roots(params, ok)
             torch._foreach_add_(denoms, g["eps"])
             if g["weight_decay"] != 0 and decouple:
                 torch._foreach_mul_(params, 1 - g["weight_decay"] * step_rate)

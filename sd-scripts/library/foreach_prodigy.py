@@ -86,13 +86,10 @@ class ForeachProdigy(DeviceScalars, Prodigy):
         # the first pass: the gradients scaled by d, the EMAs and s per group, and the two sums, all on the device
         delta_numerator, d_denom = [], []
         for g, active in zip(self.param_groups, actives):
-            decay, d0, slice_p = g["weight_decay"], g["d0"], g["slice_p"]
-            params = [p for p in g["params"] if p.grad is not None]
+            d0, slice_p = g["d0"], g["slice_p"]
+            params, grads = self._with_grads(g, coupled_decay=not decouple)
             if not params:
                 continue
-            grads = [p.grad for p in params]
-            if decay != 0 and not decouple:
-                torch._foreach_add_(grads, params, alpha=decay)
             for p in params:
                 self._init_state(p, slice_p, beta1, device)
             masked = active is not True and active is not False  # a device flag: contributions are times it
@@ -155,9 +152,7 @@ class ForeachProdigy(DeviceScalars, Prodigy):
             params = [p for p in g["params"] if p.grad is not None]
             if not params:
                 continue
-            states = [self.state[p] for p in params]
-            torch._foreach_add_([s["step"] for s in states], ok.long())
-            denoms = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
+            states, denoms = self._counted_roots(params, ok)
             torch._foreach_add_(denoms, (d * g["eps"]).float())
             if g["weight_decay"] != 0 and decouple:
                 torch._foreach_mul_(params, 1 - g["weight_decay"] * step_rate)
