@@ -59,7 +59,7 @@ def test_reads_what_auto_chose_from_the_trainers_lines(caplog, monkeypatch, tiny
 
     choices = {}
     assert compile_auto.feed(choices, off) and compile_auto.feed(choices, static)
-    assert choices["cuda_graph_step"].startswith("off: the step graph replays one whole optimizer step")
+    assert choices["cuda_graph_step"].startswith("off: the step graph is left off with gradient accumulation")
     assert "(--gradient_accumulation_steps 4)" in choices["cuda_graph_step"]
     assert choices["compile_dynamic"].startswith("static (the dataset has one bucket shape)")
     assert compile_auto.feed(choices, on) and compile_auto.feed(choices, dynamic)

@@ -1,6 +1,6 @@
-"""--cuda_graph_step on a CUDA GPU: for torch's fused AdamW (stepped inside the graph) and each optimizer that
-`--cuda_graph_step auto` lets step after the graph (library.compile.graphs.AFTER_GRAPH_OPTIMIZERS), a few steps
-through library.compile.step_graph give the same weights as the same steps without it. The model is LoRA-like
+"""--cuda_graph_step on a CUDA GPU: for torch's fused AdamW, Prodigy and Lion (stepped inside the graph) and each
+optimizer that `--cuda_graph_step auto` lets step after the graph (library.compile.graphs.AFTER_GRAPH_OPTIMIZERS), a
+few steps through library.compile.step_graph give the same weights as the same steps without it. The model is LoRA-like
 (a frozen bf16 base, fp32 down/up matrices, bf16 autocast), with clipping, a schedule that changes the rate every
 step and noise drawn from a generator registered with the graph. Skipped without CUDA; an optimizer whose package
 is not installed is skipped."""
@@ -17,7 +17,10 @@ from library.compile import step_graph
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 
-CASES = [("AdamW", ()), ("AdamW", ("foreach=True",))] + [(n, ()) for n in compile_graphs.AFTER_GRAPH_OPTIMIZERS]
+CASES = [("AdamW", ()), ("AdamW", ("foreach=True",)), ("Prodigy", ()),
+         ("Prodigy", ("weight_decay=0.4", "use_bias_correction=True", "safeguard_warmup=True", "d0=1e-5")),
+         ("Lion", ("weight_decay=0.1",))] + \
+    [(n, ()) for n in compile_graphs.AFTER_GRAPH_OPTIMIZERS]
 STEPS = step_graph.WARMUP + 5  # two ordinary steps, the capture's step, four replays
 
 
@@ -33,8 +36,9 @@ class _Lora(torch.nn.Module):
         return self.base(x) + x @ self.down.t().to(x.dtype) @ self.up.t().to(x.dtype)
 
 
-def _train(name: str, optimizer_args: tuple, with_graph: bool, device: str = "cuda"):
-    """-> (the trained weights, the StepGraphs that ran the steps or None)"""
+def _train(name: str, optimizer_args: tuple, with_graph: bool, device: str = "cuda", accumulation: int = 1):
+    """-> (the trained weights, the StepGraphs that ran the steps or None); accumulation: micro-steps a window,
+    clipping and the optimizer step at the window's end"""
     device = torch.device(device)
     torch.manual_seed(0)
     model = _Lora().to(device)
@@ -50,25 +54,33 @@ def _train(name: str, optimizer_args: tuple, with_graph: bool, device: str = "cu
     generator = torch.Generator(device=device).manual_seed(1)
     target = torch.randn(4, 64, device=device, generator=torch.Generator(device=device).manual_seed(2))
 
+    window = {"sync": True}
+
     def run_step(batch):
         with torch.autocast(device.type, dtype=torch.bfloat16):
             x = batch["latents"] + torch.randn(batch["latents"].shape, device=device, generator=generator)
             loss = torch.nn.functional.mse_loss(model(x).float(), target)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
+        (loss / accumulation).backward()
+        if window["sync"]:
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
         return loss
 
-    graphs = step_graph.StepGraphs([optimizer], device, [generator]) if with_graph else None
-    batches = torch.randn(STEPS, 4, 64, device=device, generator=torch.Generator(device=device).manual_seed(3))
-    for i in range(STEPS):
+    graphs = step_graph.StepGraphs([optimizer], device, [generator], accumulation_steps=accumulation) \
+        if with_graph else None
+    micro_steps = STEPS * accumulation
+    batches = torch.randn(micro_steps, 4, 64, device=device, generator=torch.Generator(device=device).manual_seed(3))
+    for i in range(micro_steps):
         batch = {"latents": batches[i].clone(), "network_multipliers": [1.0]}
+        window["sync"] = (i + 1) % accumulation == 0
         if graphs is not None:
-            graphs.step(batch, run_step)
-        else:
+            graphs.step(batch, run_step, sync=window["sync"])
+        elif window["sync"]:
             run_step(batch)
             optimizer.zero_grad(set_to_none=True)
-        if schedule is not None:
+        else:
+            run_step(batch)
+        if schedule is not None and window["sync"]:
             schedule.step()
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -84,10 +96,29 @@ def test_the_step_graph_trains_to_the_same_weights_as_the_ordinary_step(name, op
     plain, _ = _train(name, optimizer_args, with_graph=False)
     graphed, graphs = _train(name, optimizer_args, with_graph=True)
     assert graphs.off is None and len(graphs.graphs) == 1  # captured, and replayed from then on
-    assert graphs.optimizer_in_graph == (name == "AdamW" and not optimizer_args)
+    assert graphs.optimizer_in_graph == (name in ("Prodigy", "Lion") or (name == "AdamW" and not optimizer_args))
     for a, b in zip(graphed, plain):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     torch.manual_seed(0)
     start = [p.detach().cuda() for p in _Lora().parameters() if p.requires_grad]
     assert all(not torch.equal(a, s) for a, s in zip(graphed, start))  # the steps moved the weights
+
+
+ACCUMULATING = ["AdamW", "Prodigy", "AdamW8bit", "AdaFactor"]
+
+
+@pytest.mark.parametrize("name", ACCUMULATING)
+def test_with_gradient_accumulation_the_same_weights(name):
+    """3 micro-steps a window: the accumulating micro-step's graph and the window's last (with clipping and, for
+    AdamW / Prodigy, the optimizer step) add into the same gradients; the weights are the ordinary loop's."""
+    try:
+        optimizers.optimizer_class(name)
+    except Exception as e:  # noqa: BLE001 - an optional package that is not installed here
+        pytest.skip(f"{name}: {e}")
+    plain, _ = _train(name, (), with_graph=False, accumulation=3)
+    graphed, graphs = _train(name, (), with_graph=True, accumulation=3)
+    assert graphs.off is None and len(graphs.graphs) == 2
+    for a, b in zip(graphed, plain):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -65,12 +65,13 @@ def cuda_graph_flag(args) -> str:
 
 
 CHOICES = ("auto", "on", "off")
-# torch's optimizers that the captured graph steps itself (capturable, the learning rate read from a tensor)
-IN_GRAPH_OPTIMIZERS = ("AdamW", "Adam")
+# optimizers that the captured graph steps itself (capturable, the learning rate read from a tensor): torch's
+# fused AdamW/Adam, Prodigy (library.foreach_prodigy), Lion (library.foreach_lion)
+IN_GRAPH_OPTIMIZERS = ("AdamW", "Adam", "Prodigy", "Lion")
 # optimizers that read host values each step (step counters, adaptive rates): the graph holds forward, backward
 # and clipping, and their step runs after each replay; auto uses the step graph with these (each shown to train
 # to the same weights as the ordinary step on a GPU: tests/test_step_graph_gpu.py)
-AFTER_GRAPH_OPTIMIZERS = ("AdamW8bit", "Lion8bit", "SGDNesterov8bit", "Lion", "Prodigy", "AdaFactor", "DAdaptation",
+AFTER_GRAPH_OPTIMIZERS = ("AdamW8bit", "Lion8bit", "SGDNesterov8bit", "AdaFactor", "DAdaptation",
                           "DAdaptAdam", "DAdaptLion", "AdamWScheduleFree", "RAdamScheduleFree", "SGDScheduleFree",
                           "SGDNesterov")
 # families where auto leaves it off, and why
@@ -91,26 +92,27 @@ def add_arguments(parser) -> None:
         "--cuda_graph_step", type=_setting_type, nargs="?", const="on", default="auto", choices=CHOICES,
         help="capture the whole training step (forward, backward, optimizer step) as one CUDA graph after its first "
              f"{WARMUP} steps per batch shape and replay it: no per-step Python overhead at small batch sizes. Needs "
-             "one CUDA GPU, cached latents and text-encoder outputs and no gradient accumulation; optimizers other "
-             "than AdamW/Adam step after the graph. auto (default): on where it can follow and was measured faster "
-             "(SDXL with --compile, one bucket shape), else off with a log line saying why; on (also the bare flag): "
-             "always, refused where it cannot follow; off: never")
+             "one CUDA GPU and cached latents and text-encoder outputs (with gradient accumulation a micro-step that "
+             "ends the window and one that does not are two graphs); optimizers other than AdamW/Adam/Prodigy/Lion "
+             "step after the graph. auto (default): on where it can follow and was measured "
+             "faster (SDXL with --compile, one bucket shape), else off with a log line saying why; on (also the bare "
+             "flag): always, refused where it cannot follow; off: never")
 
 
 def optimizer_in_graph(args) -> bool:
-    """Whether the step graph holds the optimizer step too (torch's fusable AdamW/Adam), or the step runs after it."""
+    """Whether the step graph holds the optimizer step too (torch's fusable AdamW/Adam, Prodigy, Lion), or the step
+    runs after it."""
     from library import optimizers
 
     name = optimizers.canonical_name(optimizers.optimizer_type(args))
     given = optimizers.parse_optimizer_args(args.optimizer_args)
-    return name in IN_GRAPH_OPTIMIZERS and not {"fused", "foreach", "differentiable"} & given.keys()
+    if name not in IN_GRAPH_OPTIMIZERS:
+        return False
+    return name in ("Prodigy", "Lion") or not {"fused", "foreach", "differentiable"} & given.keys()
 
 
 def blocker(args, num_processes: int = 1) -> str | None:
     """Why the step graph cannot follow this run, or None."""
-    if args.gradient_accumulation_steps > 1:
-        return (f"replays one whole optimizer step, so it cannot accumulate gradients "
-                f"(--gradient_accumulation_steps {args.gradient_accumulation_steps})")
     if not (args.cache_latents or args.cache_latents_to_disk):
         return ("needs cached latents (--cache_latents or --cache_latents_to_disk): encoding images checks them on "
                 "the host each step")
@@ -170,6 +172,10 @@ def resolve(args, groups, num_processes: int, family: str, error: type[Exception
             why = f"is left off for {AUTO_OFF_FAMILIES[family]}"
         if why is None and not getattr(compiled, "compile", False):
             why = "is left off without --compile: measured only with the compiled blocks (docs/BENCHMARKS.md)"
+        if why is None and args.gradient_accumulation_steps > 1:
+            why = (f"is left off with gradient accumulation (--gradient_accumulation_steps "
+                   f"{args.gradient_accumulation_steps}): not measured on a GPU yet; --cuda_graph_step on captures "
+                   "the micro-steps")
         if why is None and shapes > 1:
             why = (f"is left off for {shapes} bucket shapes: each would keep a graph's memory "
                    "(--cuda_graph_step on captures them)")
