@@ -6,7 +6,6 @@ import pytest
 import torch
 from prodigyopt import Prodigy
 
-from host_reads import refuse_host_reads, steps_without_sync
 from library.foreach_prodigy import ForeachProdigy
 
 
@@ -67,73 +66,6 @@ def test_no_gradients_no_step():
     before = [p.detach().clone() for p in params]
     opt.step()
     assert opt.param_groups[0]["k"] == 0 and all(torch.equal(p, b) for p, b in zip(params, before))
-
-
-@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.0, 0.99)], ids=["first-moment", "no-first-moment"])
-@pytest.mark.parametrize("tensor_rates", [False, True])
-def test_steps_read_nothing_back_and_rates_may_be_tensors(tensor_rates, betas, monkeypatch):
-    """After the first step (which makes the state: prodigyopt's p.any()), a step reads no value back to the host, also
-    with the learning rates given as device tensors (as library.compile.step_graph does while it captures); a warmup
-    rate of 0 leaves everything as prodigyopt does, and the weights are those of prodigyopt's step."""
-    ref_params, got_params = _params(), _params()
-    kwargs = dict(weight_decay=0.01, decouple=True, betas=betas)
-    ref = Prodigy([{"params": ref_params[:4]}, {"params": ref_params[4:]}], lr=1.0, **kwargs)
-    got = ForeachProdigy([{"params": got_params[:4]}, {"params": got_params[4:]}], lr=1.0, **kwargs)
-    rates = [0.0, 0.0, 1.0, 0.5, 0.25, 0.0, 1.0]  # a warmup from 0, a decay, a pause at 0
-    g = torch.Generator().manual_seed(1)
-    targets = [torch.randn(p.shape, generator=g) for p in ref_params]
-    for step, rate in enumerate(rates):
-        noise = [0.1 * torch.randn(p.shape, generator=g) for p in ref_params]
-        for params in (ref_params, got_params):
-            for p, t, n in zip(params, targets, noise):
-                p.grad = (p.detach() - t) + n
-        for group in ref.param_groups:
-            group["lr"] = rate
-        ref.step()
-        for group in got.param_groups:
-            group["lr"] = torch.tensor(rate, dtype=torch.float64) if tensor_rates else rate
-        with monkeypatch.context() as patch:
-            if step > 0:
-                refuse_host_reads(patch)
-            got.step()
-    for a, b in zip(ref_params, got_params):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
-    assert got.param_groups[0]["k"] == ref.param_groups[0]["k"] == 4  # the three steps at rate 0 did not count
-    assert float(got.param_groups[0]["d"]) == pytest.approx(ref.param_groups[0]["d"], rel=1e-5)
-    assert ref.param_groups[0]["d"] > ref.param_groups[0]["d0"]
-
-
-def test_state_dict_is_prodigyopts_and_loads_both_ways():
-    """state_dict() gives prodigyopt's numbers (floats, int steps); prodigyopt's own class and ours go on from it."""
-    params = _params()
-    got = _train(ForeachProdigy, params, steps=4)
-    saved = got.state_dict()
-    group = saved["param_groups"][0]
-    assert isinstance(group["d"], float) and isinstance(group["k"], int) and group["k"] == 4
-    assert all(isinstance(s["step"], int) for s in saved["state"].values())
-    assert isinstance(got.param_groups[0]["d"], torch.Tensor)  # the live state stays on the device
-    copies = {}
-    for cls in (Prodigy, ForeachProdigy):
-        ps = [torch.nn.Parameter(p.detach().clone()) for p in params]
-        opt = cls(ps, lr=1.0)
-        opt.load_state_dict(copy.deepcopy(saved))
-        g = torch.Generator().manual_seed(5)
-        for _ in range(3):
-            for p in ps:
-                p.grad = torch.randn(p.shape, generator=g)
-            opt.step()
-        copies[cls] = ps
-    for a, b in zip(copies[Prodigy], copies[ForeachProdigy]):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_a_gpu_steps_do_not_synchronize():
-    """torch's sync debug mode raises on any wait for the GPU: none after the first step (which makes the state)."""
-    params = [torch.nn.Parameter(p.detach().cuda()) for p in _params()]
-    opt = ForeachProdigy(params, lr=1.0, weight_decay=0.01)
-    steps_without_sync(opt, params)
-    assert opt.state_dict()["param_groups"][0]["k"] == 4
 
 
 @pytest.mark.slow

@@ -249,7 +249,8 @@ def _resolve(args, shapes=((1024, 1024),), processes=1, family="sdxl"):
     (dict(optimizer_args=["foreach=True"]), "sdxl", None),
     (dict(), "flux", "is left off for FLUX.1"),
     (dict(optimizer_type="DAdaptAdan"), "sdxl", "is left off for --optimizer_type DAdaptAdan: not shown"),
-    (dict(gradient_accumulation_steps=4), "sdxl", "is left off with gradient accumulation (--gradient_accumulation_steps 4)"),
+    (dict(gradient_accumulation_steps=4), "sdxl", None),  # tests/test_step_graph_gpu.py: the ordinary weights
+    (dict(gradient_accumulation_steps=2, optimizer_type="AdamW8bit"), "sdxl", None),
     (dict(cache_text_encoder_outputs=False), "sdxl", "needs cached text-encoder outputs"),
     (dict(blocks_to_swap=2), "sdxl", "(--blocks_to_swap 2)"),
 ])
@@ -265,6 +266,9 @@ def test_auto_turns_it_on_where_it_can_follow_and_says_why_not(change, family, w
         in_graph = change.get("optimizer_type", "AdamW") in compile_graphs.IN_GRAPH_OPTIMIZERS and \
             not change.get("optimizer_args")
         assert ("optimizer step inside the graph" in lines[0]) == in_graph
+        accumulation = change.get("gradient_accumulation_steps", 1)
+        assert (f"{accumulation} micro-steps a step: one graph for those that accumulate gradients" in lines[0]) == \
+            (accumulation > 1)
     else:
         assert used == ("blocks" if args.compile else None)  # the blocks record their own CUDA graphs, as before
         assert lines[0].startswith("--cuda_graph_step auto: off; the step graph ") and why in lines[0], lines[0]

@@ -1,11 +1,11 @@
-"""lion-pytorch's Lion as multi-tensor operations, with a step that a CUDA graph can hold (--optimizer_type Lion).
+"""lion-pytorch's Lion as multi-tensor operations (--optimizer_type Lion).
 
 lion-pytorch steps each parameter with about seven small kernels (1,444 tensors in an SDXL LoRA: ~10,000 launches a
 step). Here the same operations, in the same order, run as torch's multi-tensor (_foreach) forms over all parameters
 of a group: the decay p *= 1 - lr * wd, the update sign(beta1 * m + (1 - beta1) * g) added times -lr, then m =
-beta2 * m + (1 - beta2) * g. Nothing is read back to the host, and a learning rate given as a tensor (as
-library.compile.step_graph gives it while it captures) is used as the same number, so the step can be captured in
-the training step's graph. The state (exp_avg) is lion-pytorch's; Triton's update (use_triton=True) keeps its own
+beta2 * m + (1 - beta2) * g. Nothing is read back to the host, and a learning rate given as a tensor is used as the
+same number (the step could be captured; library.compile.step_graph runs it after each replay, as every optimizer
+but torch's AdamW/Adam). The state (exp_avg) is lion-pytorch's; Triton's update (use_triton=True) keeps its own
 step.
 """
 from __future__ import annotations
@@ -17,8 +17,6 @@ from lion_pytorch.lion_pytorch import update_fn
 
 class ForeachLion(Lion):
     """Lion whose step is a few multi-tensor operations per param group (see the module's docstring)."""
-
-    capturable_step = True  # library.compile.step_graph: the step may be captured, with lr tensors
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -65,13 +65,14 @@ def cuda_graph_flag(args) -> str:
 
 
 CHOICES = ("auto", "on", "off")
-# optimizers that the captured graph steps itself (capturable, the learning rate read from a tensor): torch's
-# fused AdamW/Adam, Prodigy (library.foreach_prodigy), Lion (library.foreach_lion)
-IN_GRAPH_OPTIMIZERS = ("AdamW", "Adam", "Prodigy", "Lion")
+# torch's optimizers that the captured graph steps itself (capturable, the learning rate read from a tensor). Others
+# step after the replay: a Prodigy stepped inside the graph with its numbers as float64 device tensors took 351.7 ms
+# a step against 116.1 ms after it (SDXL bs1 + GC, docs/BENCHMARKS.md run83)
+IN_GRAPH_OPTIMIZERS = ("AdamW", "Adam")
 # optimizers that read host values each step (step counters, adaptive rates): the graph holds forward, backward
 # and clipping, and their step runs after each replay; auto uses the step graph with these (each shown to train
 # to the same weights as the ordinary step on a GPU: tests/test_step_graph_gpu.py)
-AFTER_GRAPH_OPTIMIZERS = ("AdamW8bit", "Lion8bit", "SGDNesterov8bit", "AdaFactor", "DAdaptation",
+AFTER_GRAPH_OPTIMIZERS = ("AdamW8bit", "Lion8bit", "SGDNesterov8bit", "Lion", "Prodigy", "AdaFactor", "DAdaptation",
                           "DAdaptAdam", "DAdaptLion", "AdamWScheduleFree", "RAdamScheduleFree", "SGDScheduleFree",
                           "SGDNesterov")
 # families where auto leaves it off, and why
@@ -93,22 +94,19 @@ def add_arguments(parser) -> None:
         help="capture the whole training step (forward, backward, optimizer step) as one CUDA graph after its first "
              f"{WARMUP} steps per batch shape and replay it: no per-step Python overhead at small batch sizes. Needs "
              "one CUDA GPU and cached latents and text-encoder outputs (with gradient accumulation a micro-step that "
-             "ends the window and one that does not are two graphs); optimizers other than AdamW/Adam/Prodigy/Lion "
-             "step after the graph. auto (default): on where it can follow and was measured "
-             "faster (SDXL with --compile, one bucket shape), else off with a log line saying why; on (also the bare "
-             "flag): always, refused where it cannot follow; off: never")
+             "ends the window and one that does not are two graphs); optimizers other than AdamW/Adam step after "
+             "the graph. auto (default): on where it can follow and was measured faster (SDXL with --compile, one "
+             "bucket shape), else off with a log line saying why; on (also the bare flag): always, refused where it "
+             "cannot follow; off: never")
 
 
 def optimizer_in_graph(args) -> bool:
-    """Whether the step graph holds the optimizer step too (torch's fusable AdamW/Adam, Prodigy, Lion), or the step
-    runs after it."""
+    """Whether the step graph holds the optimizer step too (torch's fusable AdamW/Adam), or the step runs after it."""
     from library import optimizers
 
     name = optimizers.canonical_name(optimizers.optimizer_type(args))
     given = optimizers.parse_optimizer_args(args.optimizer_args)
-    if name not in IN_GRAPH_OPTIMIZERS:
-        return False
-    return name in ("Prodigy", "Lion") or not {"fused", "foreach", "differentiable"} & given.keys()
+    return name in IN_GRAPH_OPTIMIZERS and not {"fused", "foreach", "differentiable"} & given.keys()
 
 
 def blocker(args, num_processes: int = 1) -> str | None:
@@ -172,10 +170,6 @@ def resolve(args, groups, num_processes: int, family: str, error: type[Exception
             why = f"is left off for {AUTO_OFF_FAMILIES[family]}"
         if why is None and not getattr(compiled, "compile", False):
             why = "is left off without --compile: measured only with the compiled blocks (docs/BENCHMARKS.md)"
-        if why is None and args.gradient_accumulation_steps > 1:
-            why = (f"is left off with gradient accumulation (--gradient_accumulation_steps "
-                   f"{args.gradient_accumulation_steps}): not measured on a GPU yet; --cuda_graph_step on captures "
-                   "the micro-steps")
         if why is None and shapes > 1:
             why = (f"is left off for {shapes} bucket shapes: each would keep a graph's memory "
                    "(--cuda_graph_step on captures them)")
@@ -186,6 +180,9 @@ def resolve(args, groups, num_processes: int, family: str, error: type[Exception
         if on:
             how = "the optimizer step inside the graph" if optimizer_in_graph(args) else \
                 f"the {name} step after each replay"
+            if args.gradient_accumulation_steps > 1:
+                how += (f"; {args.gradient_accumulation_steps} micro-steps a step: one graph for those that accumulate "
+                        "gradients, one for the window's last")
             logger.info("--cuda_graph_step auto: on (forward, backward and clipping as one CUDA graph, %s)", how)
         else:
             logger.info("--cuda_graph_step auto: off; the step graph %s", why)

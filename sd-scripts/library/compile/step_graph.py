@@ -12,11 +12,11 @@ What a captured graph cannot see is kept equal or out of it:
   shapes, dtypes or network multiplier differ gets a graph of its own (up to LIMIT, later ones run uncaptured);
 - the learning rates: the optimizer reads them from tensors that are filled from its param groups before each
   replay, so schedulers work as they do without the graph;
-- torch's fused AdamW/Adam, Prodigy (library.foreach_prodigy: its d estimate lives on the device) and Lion
-  (library.foreach_lion) step inside the graph; other optimizers read host values each step (bitsandbytes' step
-  counter, D-Adaptation's adaptive rates, Adafactor's relative step): the graph then holds forward, backward
-  and clipping, and their step runs the ordinary way after each replay, on the gradients the graph wrote (the
-  parameters' .grad are pointed at them again if something cleared them; an optimizer that gives a parameter new
+- torch's fused AdamW/Adam step inside the graph; other optimizers step after it (most read host values each step:
+  bitsandbytes' step counter, Prodigy's and D-Adaptation's adaptive rates, Adafactor's relative step; a Prodigy
+  with its numbers on the device was 3x slower inside the graph, docs/BENCHMARKS.md run83): the graph then holds
+  forward, backward and clipping, and their step runs the ordinary way after each replay, on the gradients the
+  graph wrote (the parameters' .grad are pointed at them again if something cleared them; an optimizer that gives a parameter new
   storage ends the step graphs, since the graph would go on reading the old one);
 - the random numbers: the noise generator is registered with each graph, so each replay draws new ones;
 - gradient accumulation: a micro-step that ends the window (the optimizer step) and one that does not are two
@@ -95,11 +95,8 @@ def _skip_step(*args, **kwargs):
 
 
 def fuses_into_graph(optimizer) -> bool:
-    """torch's fused AdamW/Adam (library.optimizers fuses them where it can) and optimizers whose step says it can
-    be captured (`capturable_step`: library.foreach_prodigy, library.foreach_lion): they read the learning rate
-    from a tensor and nothing from the host; other optimizers step after the graph."""
-    if getattr(type(optimizer), "capturable_step", False):
-        return True
+    """torch's fused AdamW/Adam (library.optimizers fuses them where it can): they read the learning rate from a
+    tensor and nothing from the host; other optimizers step after the graph."""
     return type(optimizer) in (torch.optim.AdamW, torch.optim.Adam) and bool(optimizer.defaults.get("fused"))
 
 
