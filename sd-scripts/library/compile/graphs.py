@@ -78,7 +78,7 @@ AFTER_GRAPH_OPTIMIZERS = ("AdamW8bit", "Lion8bit", "SGDNesterov8bit", "Lion", "P
 # families where auto leaves it off, and why
 AUTO_OFF_FAMILIES = {"flux": "FLUX.1: GPU-bound at its sizes, its step was slower with the step graph "
                              "(docs/BENCHMARKS.md, run46/run47)",
-                     "sd1": "SD1.x: not measured with it yet", "sd2": "SD2.x: not measured with it yet",
+                     "sd2": "SD2.x: not measured with it yet",
                      "hunyuan_image": "HunyuanImage 2.1: its forward trims the text to the batch's valid tokens, "
                                       "counted on the host (a capture fails there)"}
 
@@ -95,8 +95,8 @@ def add_arguments(parser) -> None:
              f"{WARMUP} steps per batch shape and replay it: no per-step Python overhead at small batch sizes. Needs "
              "one CUDA GPU and cached latents and text-encoder outputs (with gradient accumulation a micro-step that "
              "ends the window and one that does not are two graphs); optimizers other than AdamW/Adam step after "
-             "the graph. auto (default): on where it can follow and was measured faster (SDXL with --compile, one "
-             "bucket shape), else off with a log line saying why; on (also the bare flag): always, refused where it "
+             "the graph. auto (default): on where it can follow and was measured faster (SDXL with --compile, SD1.x "
+             "with --torch_compile, one bucket shape), else off with a log line saying why; on (also the bare flag): always, refused where it "
              "cannot follow; off: never")
 
 
