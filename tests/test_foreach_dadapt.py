@@ -10,28 +10,13 @@ import torch
 pytest.importorskip("dadaptation")
 from dadaptation import DAdaptAdam  # noqa: E402
 
-from host_reads import refuse_host_reads, steps_without_sync  # noqa: E402
+from host_reads import lora_like_params, pulled_gradients, refuse_host_reads, steps_without_sync  # noqa: E402
 from library import optimizers  # noqa: E402
 from library.foreach_dadapt import ForeachDAdaptAdam  # noqa: E402
 
 
-def _params():
-    g = torch.Generator().manual_seed(0)
-    shapes = [(4, 32), (4, 32), (48, 4), (48, 4), (8, 16), (16,)]
-    params = [torch.nn.Parameter(torch.randn(*s, generator=g) * 0.1) for s in shapes]
-    with torch.no_grad():
-        params[2].zero_()  # a LoRA up matrix starts at zero
-    return params
-
-
 def _train(opt, params, steps=6, rates=None, monkeypatch=None):
-    g = torch.Generator().manual_seed(1)
-    targets = [torch.randn(p.shape, generator=g) for p in params]
-    for step in range(steps):
-        for p, t in zip(params, targets):  # the gradient of a quadratic pull towards t, plus noise: d grows
-            p.grad = (p.detach() - t) + 0.1 * torch.randn(p.shape, generator=g)
-        if step == 3:
-            params[-1].grad = None  # a parameter without a gradient this step
+    for step in pulled_gradients(params, steps):
         if rates is not None:
             for group in opt.param_groups:
                 group["lr"] = rates[step]
@@ -53,7 +38,7 @@ def _groups(params, layer_scale=1.0):
     dict(weight_decay=0.01, decouple=False, growth_rate=1.02),
 ])
 def test_same_weights_d_and_state_as_dadaptation(kwargs, monkeypatch):
-    ref_params, got_params = _params(), _params()
+    ref_params, got_params = lora_like_params(), lora_like_params()
     ref = DAdaptAdam(_groups(ref_params, 0.5), lr=1.0, **kwargs)
     got = ForeachDAdaptAdam(_groups(got_params, 0.5), lr=1.0, **kwargs)
     rates = [0.0, 1.0, 1.0, 0.5, 0.5, 0.25]  # a warmup step at 0 (nothing happens), then a decay
@@ -75,7 +60,7 @@ def test_same_weights_d_and_state_as_dadaptation(kwargs, monkeypatch):
 
 
 def test_a_saved_state_goes_on_in_dadaptation_and_here():
-    params = _params()
+    params = lora_like_params()
     got = ForeachDAdaptAdam(params, lr=1.0)
     _train(got, params, steps=4)
     saved = got.state_dict()
@@ -94,14 +79,14 @@ def test_get_optimizer_builds_it_and_names_dadaptation():
     parser = argparse.ArgumentParser()
     optimizers.add_optimizer_arguments(parser)
     args = parser.parse_args(["--optimizer_type", "DAdaptAdam", "--learning_rate", "1.0"])
-    _, class_path, opt = optimizers.get_optimizer(args, _params())
+    _, class_path, opt = optimizers.get_optimizer(args, lora_like_params())
     assert type(opt) is ForeachDAdaptAdam and class_path == "dadaptation.dadapt_adam.DAdaptAdam"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_steps_do_not_synchronize():
     """torch's sync debug mode raises on any wait for the GPU: none after the first step (which makes the state)."""
-    params = [torch.nn.Parameter(p.detach().cuda()) for p in _params()]
+    params = [torch.nn.Parameter(p.detach().cuda()) for p in lora_like_params()]
     opt = ForeachDAdaptAdam(params, lr=1.0, weight_decay=0.01, decouple=True)
     steps_without_sync(opt, params)
     assert opt.state_dict()["param_groups"][0]["k"] == 4

@@ -6,27 +6,17 @@ import pytest
 import torch
 from prodigyopt import Prodigy
 
+from host_reads import SHAPES, lora_like_params, pulled_gradients
 from library.foreach_prodigy import ForeachProdigy
 
 
-def _params():
-    g = torch.Generator().manual_seed(0)
-    shapes = [(4, 32), (4, 32), (48, 4), (48, 4), (8, 16), (16,), (3, 2, 5)]
-    params = [torch.nn.Parameter(torch.randn(*s, generator=g) * 0.1) for s in shapes]
-    with torch.no_grad():
-        params[2].zero_()  # a LoRA up matrix starts at zero: prodigyopt keeps a zero scalar as its p0
-    return params
+def _params():  # one parameter more, with three dimensions
+    return lora_like_params([*SHAPES, (3, 2, 5)])
 
 
 def _train(opt_cls, params, groups=False, steps=6, **kwargs):
     opt = opt_cls([{"params": params[:4]}, {"params": params[4:]}] if groups else params, lr=1.0, **kwargs)
-    g = torch.Generator().manual_seed(1)
-    targets = [torch.randn(p.shape, generator=g) for p in params]
-    for step in range(steps):
-        for p, t in zip(params, targets):  # the gradient of a quadratic pull towards t, plus noise: d grows
-            p.grad = (p.detach() - t) + 0.1 * torch.randn(p.shape, generator=g)
-        if step == 3:
-            params[-1].grad = None  # a parameter without a gradient this step
+    for _ in pulled_gradients(params, steps):
         opt.step()
     return opt
 
