@@ -227,7 +227,6 @@ def recompile_limit() -> int:
     return getattr(cfg, "recompile_limit", None) or cfg.cache_size_limit
 
 
-
 def compile_cache_report() -> str | None:
     """What torch compiled so far in this process, and what came from the persistent compile cache, in words (None
     when nothing was compiled): dynamo traces every compiled graph again in a new process (no cache of its own in
@@ -236,7 +235,6 @@ def compile_cache_report() -> str | None:
     from torch._dynamo import utils as dynamo_utils
 
     counters = dynamo_utils.counters
-
     graphs = counters["stats"].get("unique_graphs", 0)
     if not graphs:
         return None

@@ -96,8 +96,8 @@ def add_arguments(parser) -> None:
              "one CUDA GPU and cached latents and text-encoder outputs (with gradient accumulation a micro-step that "
              "ends the window and one that does not are two graphs); optimizers other than AdamW/Adam step after "
              "the graph. auto (default): on where it can follow and was measured faster (SDXL with --compile, SD1.x "
-             "with --torch_compile, one bucket shape), else off with a log line saying why; on (also the bare flag): always, refused where it "
-             "cannot follow; off: never")
+             "with --torch_compile, one bucket shape), else off with a log line saying why; on (also the bare "
+             "flag): always, refused where it cannot follow; off: never")
 
 
 def optimizer_in_graph(args) -> bool:

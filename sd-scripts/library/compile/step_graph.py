@@ -16,8 +16,8 @@ What a captured graph cannot see is kept equal or out of it:
   bitsandbytes' step counter, Prodigy's and D-Adaptation's adaptive rates, Adafactor's relative step; a Prodigy
   with its numbers on the device was 3x slower inside the graph, docs/BENCHMARKS.md run83): the graph then holds
   forward, backward and clipping, and their step runs the ordinary way after each replay, on the gradients the
-  graph wrote (the parameters' .grad are pointed at them again if something cleared them; an optimizer that gives a parameter new
-  storage ends the step graphs, since the graph would go on reading the old one);
+  graph wrote (the parameters' .grad are pointed at them again if something cleared them; an optimizer that gives
+  a parameter new storage ends the step graphs, since the graph would go on reading the old one);
 - the random numbers: the noise generator is registered with each graph, so each replay draws new ones;
 - gradient accumulation: a micro-step that ends the window (the optimizer step) and one that does not are two
   graphs of a batch shape, sharing one memory pool; both add into gradient tensors the graphs do not own (made

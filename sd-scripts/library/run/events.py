@@ -281,8 +281,8 @@ def sample_images(state, *, epoch: int | None) -> None:
 def step_events(progress_bar, line, late) -> list:
     """The events of a run, in the order they run: timing and progress first (the step's record), then the work
     that pauses training, then Stop (it ends the loop after the step, once the rest has run)."""
-    return [StepTiming(), CompileReport(), Progress(progress_bar, line, late), RankProgress(progress_bar), EMAUpdate(), Validate(), EpochLoss(), TakeRequests(),
-            Save(), Sample(), StopAfterPause(), Stop()]
+    return [StepTiming(), CompileReport(), Progress(progress_bar, line, late), RankProgress(progress_bar), EMAUpdate(),
+            Validate(), EpochLoss(), TakeRequests(), Save(), Sample(), StopAfterPause(), Stop()]
 
 
 def stopped(state) -> None:
