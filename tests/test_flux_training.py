@@ -171,7 +171,6 @@ def test_full_finetune_fused_backward_with_block_swap_equals_without(flux_set, f
     plain = read(flux_train.main(full_argv(flux_set, flux_data, tmp_path, "plain", fused)))[0]
     swapped = read(flux_train.main(full_argv(flux_set, flux_data, tmp_path, "swap", [*fused, "--blocks_to_swap", "1"])))[0]
     assert "Block swap: 1 of 2 blocks swapped" in caplog.text
-    assert "torch.compile after step 2: " in caplog.text and " compiled in " in caplog.text  # events.CompileReport
     base = load_file(flux_set["transformer"])
     assert all(torch.equal(plain[k], swapped[k]) for k in plain)
     assert any(not torch.equal(plain[k], base[k]) for k in base if k.startswith("double_blocks."))
