@@ -7,6 +7,7 @@ test."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,9 @@ def images(folder: Path, captions: dict[str, str]) -> Path:
     return folder
 
 
-def wait_text(page, elem_id: str, text: str, timeout: float = 120000) -> str:
+def wait_text(page, elem_id: str, text: str | re.Pattern, timeout: float = 120000) -> str:
+    """The element's text once it shows `text` (a string matches case-insensitively, anywhere: "Saved" would
+    match "unsaved"; a pattern matches as written)."""
     page.locator(f"#{elem_id}").get_by_text(text).first.wait_for(timeout=timeout)
     return page.locator(f"#{elem_id}").inner_text()
 
@@ -100,7 +103,7 @@ def test_edit_a_caption_and_replace_a_tag_in_the_folder(page, workdir):  # noqa:
     page.locator("#cap-next").click()  # unsaved: refused
     wait_text(page, "cap-status", "unsaved changes")
     page.locator("#cap-save").click()
-    wait_text(page, "cap-status", "Saved")
+    wait_text(page, "cap-status", re.compile(r"\bSaved"))  # not the "unsaved changes" still shown
     assert (folder / "a.txt").read_text() == "cat, red hair, smile"
     page.locator("#cap-next").click()
     page.wait_for_function("() => document.querySelector('#cap-text textarea').value === 'dog, red hair'")
@@ -122,10 +125,23 @@ def test_edit_a_caption_and_replace_a_tag_in_the_folder(page, workdir):  # noqa:
 # others do not; each script's own behaviour is tested in tests/test_lora_tools.py, test_finetune_*.py.
 
 def pick_tool(page, group: str, label: str, key: str) -> None:
-    """Picks a tool (unless its form is the one shown) and waits for its form, which the server draws."""
-    if page.locator(f"#util-{group}-tool input").input_value() != label:
-        page.locator(f"#util-{group}-tool input").click()
-        page.get_by_role("option", name=label, exact=True).click()
+    """Picks a tool (unless its form is the one shown) and waits for its form, which the server draws. Gradio draws
+    the option list beside the box where it was when opened: a page that scrolls after that (a message scrolled into
+    view, the run panel growing) carries the list out of the window, and the option is never clickable. Then the
+    list is closed and opened again (as a user would), at most five times."""
+    box = page.locator(f"#util-{group}-tool input")
+    option = page.get_by_role("option", name=label, exact=True)
+    for attempt in range(5):
+        if box.input_value() == label:
+            break
+        box.scroll_into_view_if_needed()
+        box.click()
+        try:
+            option.click(timeout=20000)
+        except Exception:  # playwright's TimeoutError
+            if attempt == 4:
+                raise
+            page.keyboard.press("Escape")
     page.locator(f"#tool-{key}").wait_for()
 
 
