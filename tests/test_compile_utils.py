@@ -52,7 +52,7 @@ def test_defaults_and_choices():
 
 
 @pytest.mark.parametrize("choice, crashed_here, expected", [
-    ("auto", False, None),  # torch's own choice, untouched
+    ("auto", False, None),  # torch's own choice
     ("auto", True, False),  # torch 2.11 + CUDA 13 on Hopper
     ("on", True, True),
     ("off", False, False),
@@ -64,7 +64,7 @@ def test_cudnn_sdp_choice(monkeypatch, caplog, choice, crashed_here, expected):
     try:
         torch.backends.cuda.enable_cudnn_sdp(True)
         with caplog.at_level(logging.INFO, logger="library.compile"):
-            applied = compile_environment.setup_compile_environment(_parse("--cudnn_sdp", choice))
+            applied = compile_environment.apply_process_settings(_parse("--cudnn_sdp", choice))
         assert applied.get("cudnn_sdp") == expected
         assert torch.backends.cuda.cudnn_sdp_enabled() is (expected is not False)
     finally:
@@ -89,7 +89,7 @@ def test_cudnn_sdp_choice(monkeypatch, caplog, choice, crashed_here, expected):
 ])
 def test_cudnn_sdp_auto_where_the_crash_was(argv, family, allowed, why):
     """--cudnn_sdp auto on torch 2.11 + CUDA 13 + Hopper: cuDNN attention only where every attention backward runs
-    inside inductor-compiled blocks of a measured family (test_cudnn_sdp_choice: setup_compile_environment applies it
+    inside inductor-compiled blocks of a measured family (test_cudnn_sdp_choice: apply_process_settings applies it
     and logs the choice)."""
     parser = compile_options.add_compile_arguments(argparse.ArgumentParser())
     for flag in ("--network_train_unet_only", "--cache_text_encoder_outputs", "--apply_t5_attn_mask"):
@@ -189,8 +189,9 @@ def test_compile_caches_are_keyed_by_the_attention_backends(tmp_path, monkeypatc
     keys = {}
     try:
         for choice in ("on", "off"):
-            compile_environment.setup_compile_environment(_parse("--compile", "--cudnn_sdp", choice, "--compile_cache_dir",
-                                                str(tmp_path)))
+            args = _parse("--compile", "--cudnn_sdp", choice, "--compile_cache_dir", str(tmp_path))
+            compile_environment.apply_process_settings(args)
+            compile_environment.setup_compile_environment(args)
             keys[choice] = inductor_config.save_config_portable()["unsafe_marked_cacheable_functions"]
     finally:
         torch.backends.cuda.enable_cudnn_sdp(saved[0])
@@ -271,6 +272,7 @@ def test_setup_environment_cache_dir_and_limits(tmp_path, monkeypatch):
     try:
         args = _parse("--compile", "--compile_cache_dir", str(tmp_path / "cc"), "--compile_cache_size_limit", "64")
         applied = compile_environment.setup_compile_environment(args)
+        assert compile_environment.apply_process_settings(args)["cache_size_limit"] == 64
         assert applied["cache_dir"] == str(tmp_path / "cc") and (tmp_path / "cc").is_dir()
         import os
 

@@ -508,7 +508,7 @@ def main(argv=None):
     args = parse_args(argv)
     setup_data_parallel(args)
     compile_options.validate_compile_args(args)
-    env = compile_environment.setup_compile_environment(args)
+    env = {**compile_environment.apply_process_settings(args), **compile_environment.setup_compile_environment(args)}
     apply_inductor_config(args.inductor_config)
     for name in ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache"):
         lg = logging.getLogger(name)

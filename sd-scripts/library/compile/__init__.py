@@ -3,8 +3,9 @@
 - ``options``: the compile flags (and upstream's --torch_compile / --dynamo_backend), their up-front validation
   (``validate_compile_args``: impossible settings raise ``CompileConfigError`` naming the flags and the allowed
   values, before any model loads) and their metadata.
-- ``environment``: ``setup_compile_environment(args)``: TF32 / cuDNN flags, the persistent compile cache, the dynamo
-  recompile limit and the cuDNN SDPA work-around for torch 2.11 + CUDA 13 on Hopper.
+- ``environment``: ``apply_process_settings(args)``: the process-wide switches (TF32 / cuDNN flags, the cuDNN SDPA
+  work-around for torch 2.11 + CUDA 13 on Hopper, the dynamo recompile limit), set from torch's defaults every run;
+  ``setup_compile_environment(args)``: the persistent compile cache, cheaper CUDA-graph recording.
 - ``regional``: ``compile_model_blocks(model, args, ...)`` after ``accelerator.prepare`` (and after the LoRA network
   is applied): each repeated transformer block is compiled in place with ``module.compile()``; identical blocks
   share one graph, LoRA modules inside are traced into it, and state_dict keys stay free of ``_orig_mod.``
@@ -17,6 +18,7 @@
 
 What the trainers call, in this order: ``options.add_compile_arguments`` / ``graphs.add_arguments`` in the parser;
 ``options.validate_compile_args`` and ``graphs.check_args`` right after parsing; ``graphs.resolve`` once the
-dataset's bucket shapes are known; ``environment.setup_compile_environment`` and ``regional.compile_model_blocks``
+dataset's bucket shapes are known, then ``environment.apply_process_settings`` before any model loads;
+``environment.setup_compile_environment`` and ``regional.compile_model_blocks``
 after ``accelerator.prepare``; ``graphs.mark_step_begin`` at the start of each optimizer step.
 """

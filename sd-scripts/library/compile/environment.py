@@ -1,5 +1,6 @@
-"""The process-wide settings of a compiled run: TF32 / cuDNN switches, cuDNN attention, the persistent compile cache
-(and its key), the recompile limit, cheaper CUDA-graph recording."""
+"""The process-wide settings of a run: TF32 / cuDNN switches, cuDNN attention and the recompile limit
+(apply_process_settings, before any model loads or runs), and the compile's: the persistent compile cache (and its
+key), cheaper CUDA-graph recording (setup_compile_environment)."""
 
 from __future__ import annotations
 
@@ -142,8 +143,36 @@ def warm_compile_workers(args) -> bool:
     return True
 
 
-def setup_compile_environment(args) -> dict:
-    """Apply the global settings the compile flags ask for. Returns what was set (for logs and metadata)."""
+def _process_switches() -> dict:
+    """torch's process-wide switches that the run's flags set (apply_process_settings)."""
+    b, cfg = torch.backends, torch._dynamo.config
+    return {"matmul_tf32": b.cuda.matmul.allow_tf32, "cudnn_tf32": b.cudnn.allow_tf32, "cudnn_benchmark": b.cudnn.benchmark,
+            "cudnn_sdp": b.cuda.cudnn_sdp_enabled(), "recompile_limit": recompile_limit(),
+            "accumulated_recompile_limit": getattr(cfg, _ACCUMULATED_LIMIT, None)}
+
+
+def _set_process_switches(values: dict) -> None:
+    b = torch.backends
+    b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32 = values["matmul_tf32"], values["cudnn_tf32"]
+    b.cudnn.benchmark = values["cudnn_benchmark"]
+    b.cuda.enable_cudnn_sdp(values["cudnn_sdp"])
+    cfg = torch._dynamo.config
+    setattr(cfg, "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit", values["recompile_limit"])
+    if values["accumulated_recompile_limit"] is not None:
+        setattr(cfg, _ACCUMULATED_LIMIT, values["accumulated_recompile_limit"])
+
+
+def apply_process_settings(args) -> dict:
+    """Set every process-wide torch switch a run's flags decide: TF32 (--cuda_allow_tf32), cudnn.benchmark
+    (--cuda_cudnn_benchmark), cuDNN attention (--cudnn_sdp and its auto rule) and dynamo's recompile limit
+    (--compile_cache_size_limit). args: the run's compile settings (graphs.compile_args), after graphs.resolve.
+
+    library.run.setup calls it once per run, before any model loads or runs, so caching the latents and the
+    text-encoder outputs, training and sampling all run under the same switches; and it starts from torch's values
+    at import, so a run never inherits what an earlier run of the same process set. (run87: while the compile step
+    set them, after the caching, the first trainer run of a process saved other weights than every later run with
+    the same flags.) Returns what was set (for logs and metadata)."""
+    _set_process_switches(_TORCH_SWITCHES_AT_IMPORT)
     applied: dict = {}
     if getattr(args, "cuda_allow_tf32", False):
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -167,6 +196,18 @@ def setup_compile_environment(args) -> dict:
         logger.info("cuDNN attention (--cudnn_sdp auto) %s on torch %s / CUDA %s / %s: %s", "on" if allowed else "off",
                     torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), why)
 
+    limit = getattr(args, "compile_cache_size_limit", 0) or 0
+    if getattr(args, "compile", False) and limit > 0:
+        _set_recompile_limit(limit)
+        applied["cache_size_limit"] = limit
+        logger.info("torch._dynamo recompile limit set to %d", limit)
+    return applied
+
+
+def setup_compile_environment(args) -> dict:
+    """The compile's own settings (persistent cache, CUDA-graph recording), after apply_process_settings. Returns what
+    was set (for logs and metadata)."""
+    applied: dict = {}
     if not getattr(args, "compile", False):
         return applied
 
@@ -200,31 +241,31 @@ def setup_compile_environment(args) -> dict:
             applied["cuda_graph_recording"] = applied_speedups
             logger.info("CUDA-graph recording: %s (library.compile.recording)", ", ".join(applied_speedups))
 
-    limit = getattr(args, "compile_cache_size_limit", 0) or 0
-    if limit > 0:
-        _set_recompile_limit(limit)
-        applied["cache_size_limit"] = limit
-        logger.info("torch._dynamo recompile limit set to %d", limit)
-
     # No torch recompile logging by default: its [__recompiles] lines (guard failures, several per new shape and
     # block) filled the console; ShapeLog says once per new input shape instead. TORCH_LOGS=recompiles shows them,
     # and torch warns itself when the recompile limit is hit.
     return applied
 
 
+_ACCUMULATED_LIMIT = "accumulated_recompile_limit" if hasattr(torch._dynamo.config, "accumulated_recompile_limit") \
+    else "accumulated_cache_size_limit"
+
+
 def _set_recompile_limit(limit: int) -> None:
     cfg = torch._dynamo.config
     name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
     setattr(cfg, name, limit)
-    acc = "accumulated_recompile_limit" if hasattr(cfg, "accumulated_recompile_limit") else "accumulated_cache_size_limit"
-    if hasattr(cfg, acc):
+    if hasattr(cfg, _ACCUMULATED_LIMIT):
         # the accumulated limit bounds all entries of one code object; every compiled block shares Module._call_impl
-        setattr(cfg, acc, max(getattr(cfg, acc), limit * 8))
+        setattr(cfg, _ACCUMULATED_LIMIT, max(getattr(cfg, _ACCUMULATED_LIMIT), limit * 8))
 
 
 def recompile_limit() -> int:
     cfg = torch._dynamo.config
     return getattr(cfg, "recompile_limit", None) or cfg.cache_size_limit
+
+
+_TORCH_SWITCHES_AT_IMPORT = _process_switches()  # what apply_process_settings starts every run from
 
 
 def compile_cache_report() -> str | None:

@@ -66,6 +66,8 @@ def prepare(trainer, args, startup: Startup) -> RunState | Done:
     # --cuda_graph_step auto and --compile_dynamic auto follow the dataset's bucket shapes
     compile_graphs.resolve(args, groups, accelerator.num_processes, trainer.family_for(args), ConfigError)
     compiled = compile_graphs.compile_args(args)
+    # torch's process-wide switches (TF32, cuDNN attention...) before any model runs: the caching below uses them too
+    compile_environment.apply_process_settings(compiled if compiled is not None else args)
     if compiled is not None:
         compile_environment.warm_compile_workers(compiled)  # inductor's compile workers start while the models load
     os.makedirs(args.output_dir, exist_ok=True)
