@@ -133,21 +133,46 @@ def _sdxl_lora_argv(model, dataset, output_dir, name: str, *extra: str) -> list[
             "--mixed_precision", "bf16", "--cache_latents", "--cache_text_encoder_outputs", *extra]
 
 
-@pytest.fixture(scope="module")
-def trainer_ran_once(tiny_sdxl_single_file, tiny_dataset_dir, tmp_path_factory):
-    """One short trainer run before the compared ones: on an H200 the first trainer run of a process saved other
-    weights than every later run with the same flags (up matrices 10% apart, with the step graph off in both; the
-    later runs bit for bit equal, step graph on or off: run87), so the compared runs must not include a first one."""
-    import sdxl_train_network
-    from library.network_trainer import run
+def _up_matrices(saved: dict) -> torch.Tensor:
+    return torch.cat([saved[k].float().flatten() for k in sorted(saved) if k.endswith("lora_up.weight")])
 
-    argv = _sdxl_lora_argv(tiny_sdxl_single_file, tiny_dataset_dir, tmp_path_factory.mktemp("first"), "first",
-                           "--max_train_steps", "1", "--cuda_graph_step", "off")
+
+# two trainer runs in a new process, where the first run of a process is the first
+_TWO_RUNS = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import sdxl_train_network
+from library.network_trainer import run
+for argv in json.loads(sys.argv[2]):
     run(sdxl_train_network.trainer(), sdxl_train_network.setup_parser(), argv)
+"""
+
+
+def test_two_trainer_runs_of_one_process_save_the_same_lora(tiny_sdxl_single_file, tiny_dataset_dir, tmp_path):
+    """The first trainer run of a process saved other weights than every later run with the same flags (run87: up
+    matrices 10% apart, on an H200) while the process-wide switches were set at the compile step, after the latents
+    and text-encoder outputs were cached (library.compile.environment.apply_process_settings now sets them before
+    any model runs). Two runs with the same flags, the first two of a new process, save the same LoRA."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from lora_checks import read_lora
+
+    scripts = Path(__file__).resolve().parent.parent / "sd-scripts"
+    argvs = [_sdxl_lora_argv(tiny_sdxl_single_file, tiny_dataset_dir, tmp_path, name, "--cuda_graph_step", "off")
+             for name in ("first", "second")]
+    subprocess.run([sys.executable, "-c", _TWO_RUNS, str(scripts), json.dumps(argvs)], check=True, timeout=600)
+    first, second = (_up_matrices(read_lora(tmp_path / f"{name}.safetensors")[0]) for name in ("first", "second"))
+    rel = ((second - first).norm() / first.norm()).item()
+    print(f"first and second run of a process: up matrices {rel:.3g} apart (relative), equal: {torch.equal(first, second)}")
+    assert first.norm() > 0 and torch.isfinite(second).all()
+    assert rel < 1e-3, rel
 
 
 @pytest.mark.parametrize("optimizer, accumulation", [("AdamW", 1), ("AdamW", 2), ("AdaFactor", 3)])
-def test_the_sdxl_trainer_saves_the_same_lora_with_and_without_it(optimizer, accumulation, tmp_path, trainer_ran_once,
+def test_the_sdxl_trainer_saves_the_same_lora_with_and_without_it(optimizer, accumulation, tmp_path,
                                                                   tiny_sdxl_single_file, tiny_dataset_dir, caplog):
     """The shipped SDXL LoRA trainer (tiny model, cached latents and text-encoder outputs, bf16): 6 optimizer steps
     with --cuda_graph_step on (captured, then replayed: with accumulation two graphs) save the LoRA of
@@ -174,8 +199,35 @@ def test_the_sdxl_trainer_saves_the_same_lora_with_and_without_it(optimizer, acc
     assert saved["on"].keys() == saved["off"].keys()
     # the up matrices start at zero, so they are all training: the two runs' differ by GPU rounding only (bf16
     # kernels with atomic adds), far less than a step drawn from other noise or timesteps would make them differ
-    up = [k for k in saved["off"] if k.endswith("lora_up.weight")]
-    off = torch.cat([saved["off"][k].float().flatten() for k in up])
-    on = torch.cat([saved["on"][k].float().flatten() for k in up])
+    off, on = _up_matrices(saved["off"]), _up_matrices(saved["on"])
+    assert off.norm() > 0 and torch.isfinite(on).all()
+    assert (on - off).norm() / off.norm() < 1e-2, ((on - off).norm() / off.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def tiny_sd2_v_file(tmp_path_factory):
+    """A tiny random SD2.x v-prediction single file (its tokenizer at path.parent / 'tokenizers')."""
+    from library.tiny_models import make_tiny_sd
+
+    return make_tiny_sd(tmp_path_factory.mktemp("tiny_sd2"), "sd2")
+
+
+def test_the_sd2_v_trainer_saves_the_same_lora_with_and_without_it(tiny_sd2_v_file, tiny_dataset_dir, tmp_path, caplog):
+    """SD2.x v-prediction through train_network.py (--v2 --v_parameterization, AdamW inside the graph): 6 steps with
+    --cuda_graph_step on save the LoRA of --cuda_graph_step off (the v target is computed inside the graph)."""
+    import logging
+
+    import train_network
+    from library.network_trainer import run
+    from lora_checks import read_lora
+
+    caplog.set_level(logging.INFO, logger="library.compile.step_graph")
+    saved = {}
+    for setting in ("off", "on"):
+        argv = _sdxl_lora_argv(tiny_sd2_v_file, tiny_dataset_dir, tmp_path, setting, "--v2", "--v_parameterization",
+                               "--cuda_graph_step", setting)
+        saved[setting] = read_lora(run(train_network.trainer(), train_network.setup_parser(), argv))[0]
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("step graph: captured")]
+    off, on = _up_matrices(saved["off"]), _up_matrices(saved["on"])
     assert off.norm() > 0 and torch.isfinite(on).all()
     assert (on - off).norm() / off.norm() < 1e-2, ((on - off).norm() / off.norm()).item()
