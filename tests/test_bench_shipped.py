@@ -11,10 +11,15 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["sdxl", "sd15"])
+@pytest.mark.parametrize("family", ["sdxl", "sd15", "sd21"])
 def test_tiny_eager_phase_reports_trainer_and_outside_timings(tmp_path, family, request):
-    """SDXL through sdxl_train_network.py, SD1.5 (--family sd15) through train_network.py."""
-    checkpoint = request.getfixturevalue("tiny_sdxl_single_file" if family == "sdxl" else "tiny_sd1_single_file")
+    """SDXL through sdxl_train_network.py, SD1.5 (--family sd15) and SD2.1 v (--family sd21) through train_network.py."""
+    if family == "sd21":
+        from library.tiny_models import make_tiny_sd
+
+        checkpoint = make_tiny_sd(tmp_path / "tiny_sd2", "sd2")
+    else:
+        checkpoint = request.getfixturevalue("tiny_sdxl_single_file" if family == "sdxl" else "tiny_sd1_single_file")
     tool = [sys.executable, str(REPO / "tools" / "bench_shipped.py")]
     common = ["--workdir", str(tmp_path / "w"), "--resolution", "64", "--images", "2", "--family", family]
     subprocess.run(tool + ["prepare", "--checkpoint", str(checkpoint), "--repeats", "3"] + common,
@@ -160,6 +165,10 @@ def test_bucket_images_and_trainer_flags(tmp_path):
     argv = bench.trainer_argv(args, "compiled", tmp_path)
     assert "--torch_compile" in argv and "--compile" not in argv and "--compile_cache_dir" not in argv
     assert argv[argv.index("--pretrained_model_name_or_path") + 1] == str(tmp_path / "sd15.safetensors")
+    assert "--v2" not in argv
+    args.family = "sd21"  # SD2.1 768-v: the same script and switch, v-prediction
+    argv = bench.trainer_argv(args, "compiled", tmp_path)
+    assert "--torch_compile" in argv and {"--v2", "--v_parameterization"} <= set(argv)
 
 
 def test_report_puts_default_and_best_side_by_side(tmp_path):

@@ -11,7 +11,8 @@
 keys, bf16); FLUX.1 `W/flux/` with the BFL dev transformer, CLIP-L, T5-XXL (bf16) and the AE, all full size. Plus
 tokenizers and a kohya image folder (its images repeated `--repeats` times, so that the timed steps fall inside
 one epoch, as on a user's dataset); `--family sd15`: an SD1.5 single file `W/sd15.safetensors` the same way, timed
-with `train_network.py --torch_compile` (the SD1.x scripts' compile switch). `run` starts `sdxl_train_network.py`
+with `train_network.py --torch_compile` (the SD1.x scripts' compile switch); `--family sd21`: an SD2.1 768-v single file
+`W/sd21.safetensors` (v-prediction), timed the same way with `--v2 --v_parameterization`. `run` starts `sdxl_train_network.py`
 (LoRA r32) or `flux_train_network.py` (LoRA r16) once per phase (bf16, AdamW, cached latents and text-encoder outputs) and reports two figures per phase:
 - the trainer's own summary line ("median step ... ms"; library/step_timer.py), and
 - a measurement from outside: the time between the progress lines the trainer prints (at most one a second)
@@ -104,7 +105,7 @@ def prepare(workdir: Path, images: int, resolution: int, checkpoint: str | None 
     from library.model_util import SDComponents, load_arch_config
 
     workdir.mkdir(parents=True, exist_ok=True)
-    arch = "sd1" if family == "sd15" else "sdxl"  # library/configs' folder
+    arch = {"sd15": "sd1", "sd21": "sd2"}.get(family, "sdxl")  # library/configs' folder
     ckpt = workdir / f"{family}.safetensors"
     if checkpoint and not ckpt.exists():  # a single file (tokenizers beside it), e.g. the tests' tiny one
         os.symlink(Path(checkpoint).resolve(), ckpt)
@@ -127,7 +128,8 @@ def prepare(workdir: Path, images: int, resolution: int, checkpoint: str | None 
         vae = random(lambda: AutoencoderKL.from_config(load_arch_config(arch, "vae")), 3)
         comps = SDComponents(family=arch, unet=unet, vae=vae, text_encoders=tes,
                              tokenizers=[CLIPTokenizer.from_pretrained(str(d)) for d in tok_dirs],
-                             prediction_type="epsilon", source=f"random full-size {family}")
+                             prediction_type="v_prediction" if arch == "sd2" else "epsilon",
+                             source=f"random full-size {family}")
         model_util.save_sd_checkpoint(ckpt, comps, save_dtype=torch.bfloat16)
         print(f"wrote {ckpt} ({ckpt.stat().st_size / 2**30:.1f} GiB) in {time.perf_counter() - t0:.0f} s")
     make_images(workdir, images, resolution, repeats)
@@ -627,7 +629,7 @@ def make_bucket_images(workdir: Path, per_size: int, sizes=BUCKET_SIZES) -> Path
     return dest
 
 
-SCRIPTS = {"sdxl": "sdxl_train_network.py", "sd15": "train_network.py", "flux": "flux_train_network.py", "sd3-medium": "sd3_train_network.py",
+SCRIPTS = {"sdxl": "sdxl_train_network.py", "sd15": "train_network.py", "sd21": "train_network.py", "flux": "flux_train_network.py", "sd3-medium": "sd3_train_network.py",
            "sd3-large": "sd3_train_network.py", "chroma": "flux_train_network.py", "lumina": "lumina_train_network.py",
            "hunyuan-image": "hunyuan_image_train_network.py", "anima": "anima_train_network.py"}
 
@@ -640,8 +642,9 @@ def model_argv(family: str, workdir: Path) -> list[str]:
         return ["--pretrained_model_name_or_path", str(d / "flux.safetensors"), "--clip_l", str(d / "clip_l.safetensors"),
                 "--t5xxl", str(d / "t5xxl.safetensors"), "--ae", str(d / "ae.safetensors"),
                 "--tokenizer_cache_dir", str(d / "tokenizers"), "--network_module", "networks.lora_flux"]
-    return ["--pretrained_model_name_or_path", str(workdir / f"{family}.safetensors"),  # sdxl, sd15
-            "--tokenizer_cache_dir", str(workdir / "tokenizers"), "--network_module", "networks.lora"]
+    return ["--pretrained_model_name_or_path", str(workdir / f"{family}.safetensors"),  # sdxl, sd15, sd21
+            "--tokenizer_cache_dir", str(workdir / "tokenizers"), "--network_module", "networks.lora"] + \
+        (["--v2", "--v_parameterization"] if family == "sd21" else [])
 
 
 def trainer_argv(args, phase: str, workdir: Path) -> list[str]:
@@ -663,7 +666,7 @@ def trainer_argv(args, phase: str, workdir: Path) -> list[str]:
     if args.buckets:
         sides = [side for size in BUCKET_SIZES for side in size]
         argv += ["--enable_bucket", "--min_bucket_reso", str(min(sides)), "--max_bucket_reso", str(max(sides))]
-    if phase == "compiled" and args.family == "sd15":  # train_network.py compiles with upstream's switch only
+    if phase == "compiled" and args.family in ("sd15", "sd21"):  # train_network.py: upstream's compile switch only
         argv += ["--torch_compile"]
     elif phase == "compiled":
         argv += ["--compile", "--compile_mode", args.compile_mode]
