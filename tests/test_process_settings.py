@@ -44,8 +44,9 @@ def test_each_run_starts_from_torchs_own_switches(torch_defaults):
 def test_every_model_call_of_a_run_sees_its_switches_and_the_next_run_torchs(torch_defaults, tiny_sdxl_single_file,
                                                                              tiny_dataset_dir, tmp_path, monkeypatch):
     """Two SDXL LoRA runs in one process: the first with --cudnn_sdp off --cuda_allow_tf32 --cuda_cudnn_benchmark,
-    the second with none. Every attention call, while the latents and text-encoder outputs are cached and while
-    training, sees the run's switches: the first run's, then torch's own."""
+    the second with --cudnn_sdp on alone (auto's choice depends on the GPU). Every attention call, while the latents
+    and text-encoder outputs are cached and while training, sees the run's switches: the first run's, then torch's
+    own with cuDNN attention on."""
     import sdxl_train_network
     from library.network_trainer import run
     from library.run import setup
@@ -70,7 +71,7 @@ def test_every_model_call_of_a_run_sees_its_switches_and_the_next_run_torchs(tor
     monkeypatch.setattr(setup, "cache", cache)
     seen = {}
     for name, extra in (("first", ["--cudnn_sdp", "off", "--cuda_allow_tf32", "--cuda_cudnn_benchmark"]),
-                        ("second", [])):
+                        ("second", ["--cudnn_sdp", "on"])):
         calls.clear()
         argv = ["--pretrained_model_name_or_path", str(tiny_sdxl_single_file), "--tokenizer_cache_dir",
                 str(tiny_sdxl_single_file.parent / "tokenizers"), "--train_data_dir", str(tiny_dataset_dir),
@@ -83,4 +84,4 @@ def test_every_model_call_of_a_run_sees_its_switches_and_the_next_run_torchs(tor
         seen[name] = {s for _, s in calls}
     assert seen["first"] == {(False, True, True, True)}
     b = torch_defaults
-    assert seen["second"] == {(b["cudnn_sdp"], b["matmul_tf32"], b["cudnn_tf32"], b["cudnn_benchmark"])}
+    assert seen["second"] == {(True, b["matmul_tf32"], b["cudnn_tf32"], b["cudnn_benchmark"])}
