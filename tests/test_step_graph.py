@@ -278,9 +278,13 @@ def test_auto_is_off_for_several_bucket_shapes_without_a_gpu_or_with_several_pro
     assert _resolve(_args(cuda_graph_step="auto"), shapes=((1024, 1024), (896, 1152))) == "blocks"
     assert "is left off for 2 bucket shapes" in caplog.text
     assert _resolve(_args(cuda_graph_step="auto"), processes=2) == "blocks"
-    assert "runs on one GPU; this run has 2 processes" in caplog.text
-    with pytest.raises(ConfigError, match="--cuda_graph_step runs on one GPU; this run has 2 processes"):
-        _resolve(_args(cuda_graph_step="on"), processes=2)  # asked for: refused by name
+    assert "the step graph is left off on 2 processes (data parallel): not yet measured" in caplog.text
+    assert _resolve(_args(cuda_graph_step="on"), processes=2) == "step"  # asked for: data parallel takes it
+    monkeypatch.setattr(compile_graphs, "SEVERAL_PROCESSES_AUTO_OFF", "")
+    assert _resolve(_args(cuda_graph_step="auto"), processes=2) == "step"  # once measured: auto as on one GPU
+    with pytest.raises(ConfigError, match="--cuda_graph_step cannot capture --fsdp's sharded training"):
+        _resolve(_args(cuda_graph_step="on", fsdp="full_shard"), processes=2)
+    assert _resolve(_args(cuda_graph_step="auto", fsdp="full_shard"), processes=2) == "blocks"
     assert _resolve(_args(cuda_graph_step="on"), shapes=((64, 64), (32, 128))) == "step"  # on: several shapes too
     assert _resolve(_args(cuda_graph_step="off")) == "blocks"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

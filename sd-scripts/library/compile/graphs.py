@@ -73,6 +73,9 @@ IN_GRAPH_OPTIMIZERS = ("AdamW", "Adam")
 AFTER_GRAPH_OPTIMIZERS = ("AdamW8bit", "Lion8bit", "SGDNesterov8bit", "Lion", "Prodigy", "AdaFactor", "DAdaptation",
                           "DAdaptAdam", "DAdaptLion", "AdamWScheduleFree", "RAdamScheduleFree", "SGDScheduleFree",
                           "SGDNesterov")
+# data parallel (several processes): why auto leaves it off there ("" = auto decides as on one GPU). The captured
+# step holds the gradients' all-reduce (library.data_parallel); --cuda_graph_step on uses it.
+SEVERAL_PROCESSES_AUTO_OFF = "not yet measured faster than without it on several GPUs (--cuda_graph_step on uses it)"
 # families where auto leaves it off, and why
 AUTO_OFF_FAMILIES = {"flux": "FLUX.1: GPU-bound at its sizes, its step was slower with the step graph "
                              "(docs/BENCHMARKS.md, run46/run47)",
@@ -91,7 +94,7 @@ def add_arguments(parser) -> None:
         "--cuda_graph_step", type=_setting_type, nargs="?", const="on", default="auto", choices=CHOICES,
         help="capture the whole training step (forward, backward, optimizer step) as one CUDA graph after its first "
              f"{WARMUP} steps per batch shape and replay it: no per-step Python overhead at small batch sizes. Needs "
-             "one CUDA GPU, cached latents and text-encoder outputs and no gradient accumulation; optimizers other "
+             "CUDA (one GPU, or one per process of a data-parallel run), cached latents and text-encoder outputs and no gradient accumulation; optimizers other "
              "than AdamW/Adam step after the graph. auto (default): on where it can follow and was measured faster "
              "(SDXL with --compile, one bucket shape), else off with a log line saying why; on (also the bare flag): "
              "always, refused where it cannot follow; off: never")
@@ -130,8 +133,9 @@ def blocker(args, num_processes: int = 1) -> str | None:
         return ("cannot replay --multires_noise_iterations, whose noise level sizes are drawn on the host each step")
     if getattr(args, "compile", False) and args.compile_backend == "cudagraphs":
         return "holds the compiled blocks in its own CUDA graph: use --compile_backend inductor, not cudagraphs"
-    if num_processes > 1:
-        return f"runs on one GPU; this run has {num_processes} processes"
+    for flag in ("fsdp", "deepspeed"):  # their collectives run in hooks and engines the step graph cannot capture
+        if getattr(args, flag, None):
+            return f"cannot capture --{flag}'s sharded training; without it, data parallel works"
     if not torch.cuda.is_available():
         return "needs a CUDA GPU, and none is available"
     return None
@@ -176,6 +180,8 @@ def resolve(args, groups, num_processes: int, family: str, error: type[Exception
         if why is None and optimizers.canonical_name(name) not in IN_GRAPH_OPTIMIZERS + AFTER_GRAPH_OPTIMIZERS:
             why = (f"is left off for --optimizer_type {name}" + (f" with --optimizer_args {' '.join(args.optimizer_args)}"
                    if args.optimizer_args else "") + ": not shown to train as without it")
+        if why is None and num_processes > 1 and SEVERAL_PROCESSES_AUTO_OFF:
+            why = f"is left off on {num_processes} processes (data parallel): {SEVERAL_PROCESSES_AUTO_OFF}"
         on = why is None
         if on:
             how = "the optimizer step inside the graph" if optimizer_in_graph(args) else \
