@@ -1,0 +1,168 @@
+"""--cuda_graph_step on 2 CUDA GPUs (data parallel, NCCL): the captured step holds the gradients' all-reduce.
+
+1. Two processes train a LoRA-like model (frozen bf16 base, fp32 down/up matrices, bf16 autocast, noise from a
+   generator registered with the graph, a rate that changes every step, clipping) through real step graphs, with
+   library.data_parallel.all_reduce_gradients inside the captured step, and end with the weights torch's
+   DistributedDataParallel gives eagerly: fused AdamW stepped inside the graph and foreach AdamW after it, a
+   parameter that only the second process uses and one that no process uses (it keeps no gradient).
+2. `accelerate launch --multi_gpu --num_processes 2 sdxl_train_network.py` on a tiny SDXL with --cuda_graph_step on
+   saves the LoRA that the same run with it off saves, and both processes end with the same weights.
+Skipped without 2 CUDA GPUs. The CPU check of the same averaging is tests/test_step_graph_dist.py."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parent.parent
+WORLD = 2
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < WORLD,
+                                reason="needs 2 CUDA GPUs")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Lora(torch.nn.Module):
+    def __init__(self, width: int = 64, rank: int = 8):
+        super().__init__()
+        torch.manual_seed(0)  # the same weights on every process
+        self.base = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                                        torch.nn.Linear(4 * width, width)).to(torch.bfloat16).requires_grad_(False)
+        self.down = torch.nn.Parameter(torch.randn(rank, width) * 0.1)
+        self.up = torch.nn.Parameter(torch.randn(width, rank) * 0.1)
+        self.only_rank1 = torch.nn.Linear(width, width)
+        self.unused = torch.nn.Linear(width, width)
+
+    def forward(self, x, rank: int):
+        y = self.base(x) + x @ self.down.t().to(x.dtype) @ self.up.t().to(x.dtype)
+        return self.only_rank1(y) if rank == 1 else y
+
+
+def _train(rank: int, foreach: bool, steps: int, with_graph: bool):
+    """-> (trained model, StepGraphs or None). with_graph: step graphs + data_parallel; else DDP, eagerly."""
+    from library import data_parallel
+    from library.compile import step_graph
+
+    device = torch.device("cuda", rank)
+    model = _Lora().to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, **({"foreach": True} if foreach else
+                                                                         {"fused": True}))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    generator = torch.Generator(device=device).manual_seed(1 + rank)
+    target = torch.randn(4, 64, device=device, generator=torch.Generator(device=device).manual_seed(2))
+    batches = torch.randn(steps, 4, 64, device=device, generator=torch.Generator(device=device).manual_seed(3 + rank))
+    forward = model if with_graph else torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[rank], find_unused_parameters=True)
+    accelerator = SimpleNamespace(num_processes=WORLD)
+
+    def run_step(batch):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            x = batch["latents"] + torch.randn(batch["latents"].shape, device=device, generator=generator)
+            loss = torch.nn.functional.mse_loss(forward(x, rank).float(), target)
+        loss.backward()
+        if with_graph:
+            data_parallel.all_reduce_gradients(params, accelerator)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        return loss
+
+    graphs = step_graph.StepGraphs([optimizer], device, [generator]) if with_graph else None
+    for i in range(steps):
+        batch = {"latents": batches[i].clone(), "network_multipliers": [1.0]}
+        if graphs is not None:
+            graphs.step(batch, run_step)
+        else:
+            run_step(batch)
+            optimizer.zero_grad(set_to_none=True)
+        schedule.step()
+    torch.cuda.synchronize(device)
+    return model, graphs
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    sys.path.insert(0, str(REPO / "sd-scripts"))
+    from library.compile import step_graph
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    torch.distributed.init_process_group("nccl", rank=rank, world_size=WORLD, device_id=torch.device("cuda", rank))
+    try:
+        steps = step_graph.WARMUP + 5  # two ordinary steps, the capture's step, four replays
+        for foreach in (False, True):
+            graphed, graphs = _train(rank, foreach, steps, with_graph=True)
+            assert graphs.off is None and len(graphs.graphs) == 1, graphs.off  # captured, then replayed
+            assert graphs.optimizer_in_graph == (not foreach)
+            reference, _ = _train(rank, foreach, steps, with_graph=False)
+            start = _Lora().to(torch.device("cuda", rank))
+            for (name, a), b, s in zip(graphed.named_parameters(), reference.parameters(), start.parameters()):
+                assert torch.isfinite(a).all()
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"foreach={foreach} {name} rank {rank}")
+                assert torch.equal(a, s) == (not a.requires_grad or name.startswith("unused.")), name
+            flat = torch.cat([p.detach().float().reshape(-1) for p in graphed.parameters()])
+            gathered = [torch.empty_like(flat) for _ in range(WORLD)]
+            torch.distributed.all_gather(gathered, flat)
+            assert torch.equal(gathered[0], gathered[1])  # every process holds the same weights
+        Path(out_dir, f"ok{rank}").write_text("ok")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_two_gpus_train_to_ddps_weights_through_captured_step_graphs(tmp_path):
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok0", "ok1"]
+
+
+def _launch(args: list, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env.pop("ACCELERATE_USE_CPU", None)
+    cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu", "--num_processes",
+           str(WORLD), "--num_machines", "1", "--main_process_port", str(_free_port()), "--mixed_precision", "bf16",
+           "--dynamo_backend", "no", str(REPO / "sd-scripts" / "sdxl_train_network.py")]
+    return subprocess.run(cmd + [str(a) for a in args], env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO)
+
+
+def test_two_gpu_sdxl_lora_with_the_step_graph_saves_the_lora_it_saves_without(tmp_path, tiny_sdxl_single_file,
+                                                                                tiny_dataset_dir):
+    from safetensors.torch import load_file
+
+    saved, checksums = {}, {}
+    for setting in ("off", "on"):
+        data = shutil.copytree(tiny_dataset_dir, tmp_path / f"data_{setting}")  # disk caches beside the images
+        out = tmp_path / f"out_{setting}"
+        proc = _launch(["--pretrained_model_name_or_path", tiny_sdxl_single_file, "--tokenizer_cache_dir",
+                        tiny_sdxl_single_file.parent / "tokenizers", "--train_data_dir", data, "--caption_extension",
+                        ".txt", "--resolution", "64", "--output_dir", out, "--output_name", "lora",
+                        "--max_train_steps", 7, "--max_data_loader_n_workers", 0, "--learning_rate", 1e-3,
+                        "--seed", 3, "--network_module", "networks.lora", "--network_dim", 4,
+                        "--network_train_unet_only", "--cache_latents", "--cache_latents_to_disk",
+                        "--cache_text_encoder_outputs", "--cache_text_encoder_outputs_to_disk", "--max_grad_norm", 1.0,
+                        "--mixed_precision", "bf16", "--cuda_graph_step", setting])
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, log[-6000:]
+        assert ("step graph: captured the training step" in log) == (setting == "on"), log[-6000:]
+        assert "could not be captured" not in log, log[-6000:]
+        done = dict(re.findall(r"process (\d)/2 finished 7 steps, last loss \S+, weights checksum (\S+?),", log))
+        assert set(done) == {"0", "1"} and done["0"] == done["1"], log[-6000:]  # both ranks hold the same weights
+        checksums[setting] = float(done["0"])
+        saved[setting] = load_file(str(out / "lora.safetensors"))
+    assert saved["on"].keys() == saved["off"].keys() and saved["on"]
+    assert any(v.abs().sum() > 0 for k, v in saved["on"].items() if "lora_up" in k)  # trained (lora_up starts at 0)
+    for key, value in saved["on"].items():
+        torch.testing.assert_close(value.float(), saved["off"][key].float(), rtol=2e-3, atol=1e-5, msg=key)
+    assert checksums["on"] == pytest.approx(checksums["off"], rel=1e-4)
