@@ -277,8 +277,9 @@ def test_auto_is_off_for_several_bucket_shapes_without_a_gpu_or_with_several_pro
     caplog.set_level(logging.INFO, logger="library.compile.graphs")
     assert _resolve(_args(cuda_graph_step="auto"), shapes=((1024, 1024), (896, 1152))) == "blocks"
     assert "is left off for 2 bucket shapes" in caplog.text
+    monkeypatch.setattr(compile_graphs, "SEVERAL_PROCESSES_AUTO_OFF", "not measured there")
     assert _resolve(_args(cuda_graph_step="auto"), processes=2) == "blocks"
-    assert "the step graph is left off on 2 processes (data parallel): not yet measured" in caplog.text
+    assert "the step graph is left off on 2 processes (data parallel): not measured there" in caplog.text
     assert _resolve(_args(cuda_graph_step="on"), processes=2) == "step"  # asked for: data parallel takes it
     monkeypatch.setattr(compile_graphs, "SEVERAL_PROCESSES_AUTO_OFF", "")
     assert _resolve(_args(cuda_graph_step="auto"), processes=2) == "step"  # once measured: auto as on one GPU
