@@ -52,15 +52,14 @@ def _compiled_line(caplog, unet, shapes: int) -> str:
 
 
 def test_reads_what_auto_chose_from_the_trainers_lines(caplog, monkeypatch, tiny_sdxl):
-    off = _resolve_line(caplog, monkeypatch, gradient_accumulation_steps=4)
+    off = _resolve_line(caplog, monkeypatch, optimizer_type="DAdaptAdan")
     on = _resolve_line(caplog, monkeypatch)
     static = _compiled_line(caplog, tiny_sdxl.unet, shapes=1)
     dynamic = _compiled_line(caplog, tiny_sdxl.unet, shapes=3)
 
     choices = {}
     assert compile_auto.feed(choices, off) and compile_auto.feed(choices, static)
-    assert choices["cuda_graph_step"].startswith("off: the step graph replays one whole optimizer step")
-    assert "(--gradient_accumulation_steps 4)" in choices["cuda_graph_step"]
+    assert choices["cuda_graph_step"].startswith("off: the step graph is left off for --optimizer_type DAdaptAdan")
     assert choices["compile_dynamic"].startswith("static (the dataset has one bucket shape)")
     assert compile_auto.feed(choices, on) and compile_auto.feed(choices, dynamic)
     assert choices["cuda_graph_step"] == ("on (forward, backward and clipping as one CUDA graph, the optimizer step "

@@ -357,12 +357,18 @@ def test_lora_trains_with_schedulefree_and_saves_its_eval_weights(tmp_path, tiny
     assert saved_match()
 
 
-def test_d_times_lr_is_logged_for_prodigy(parser):
+@pytest.mark.parametrize("name, on_device", [("Prodigy", False), ("DAdaptAdam", True)])
+def test_d_times_lr_is_logged(parser, name, on_device):
+    """Prodigy keeps d on the host (library.foreach_prodigy); DAdaptAdam on the device (library.foreach_dadapt), so
+    its value is a LateValue: copied without waiting, read when the logs go out."""
     groups = [{"params": [torch.nn.Parameter(torch.ones(3))], "lr": 1.0},
               {"params": [torch.nn.Parameter(torch.ones(2))], "lr": 1.0}]
-    _, _, opt = optimizers.get_optimizer(_args(parser, "--optimizer_type", "Prodigy"), groups)
+    _, _, opt = optimizers.get_optimizer(_args(parser, "--optimizer_type", name), groups)
     _two_steps(opt, [g["params"][0] for g in groups])
     logs = optimizers.d_lr_logs([opt], ["unet"])
-    assert logs == {"lr/d*lr/unet": opt.param_groups[0]["d"] * 1.0, "lr/d*lr/group1": opt.param_groups[1]["d"] * 1.0}
-    assert logs["lr/d*lr/unet"] > 1e-6  # d grew from Prodigy's d0 = 1e-6
+    assert all(isinstance(v, optimizers.LateValue) == on_device for v in logs.values())
+    values = {k: float(v) for k, v in logs.items()}
+    assert values == {"lr/d*lr/unet": float(opt.param_groups[0]["d"]),
+                      "lr/d*lr/group1": float(opt.param_groups[1]["d"])}
+    assert values["lr/d*lr/unet"] > 1e-6  # d grew from d0 = 1e-6
     assert optimizers.d_lr_logs([torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=1.0)]) == {}

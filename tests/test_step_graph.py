@@ -25,7 +25,6 @@ def _args(**kw):
 
 
 @pytest.mark.parametrize("change, expected", [
-    (dict(gradient_accumulation_steps=2), "cannot accumulate gradients (--gradient_accumulation_steps 2)"),
     (dict(cache_latents=False), "needs cached latents (--cache_latents or --cache_latents_to_disk)"),
     (dict(cache_text_encoder_outputs=False), "needs cached text-encoder outputs"),
     (dict(mixed_precision="fp16"), "(--mixed_precision fp16); use bf16"),
@@ -250,7 +249,8 @@ def _resolve(args, shapes=((1024, 1024),), processes=1, family="sdxl"):
     (dict(optimizer_args=["foreach=True"]), "sdxl", None),
     (dict(), "flux", "is left off for FLUX.1"),
     (dict(optimizer_type="DAdaptAdan"), "sdxl", "is left off for --optimizer_type DAdaptAdan: not shown"),
-    (dict(gradient_accumulation_steps=4), "sdxl", "cannot accumulate gradients (--gradient_accumulation_steps 4)"),
+    (dict(gradient_accumulation_steps=4), "sdxl", None),  # tests/test_step_graph_gpu.py: the ordinary weights
+    (dict(gradient_accumulation_steps=2, optimizer_type="AdamW8bit"), "sdxl", None),
     (dict(cache_text_encoder_outputs=False), "sdxl", "needs cached text-encoder outputs"),
     (dict(blocks_to_swap=2), "sdxl", "(--blocks_to_swap 2)"),
 ])
@@ -263,8 +263,12 @@ def test_auto_turns_it_on_where_it_can_follow_and_says_why_not(change, family, w
     assert len(lines) == 1, lines
     if why is None:
         assert used == "step" and lines[0].startswith("--cuda_graph_step auto: on")
-        in_graph = change.get("optimizer_type", "AdamW") == "AdamW" and not change.get("optimizer_args")
+        in_graph = change.get("optimizer_type", "AdamW") in compile_graphs.IN_GRAPH_OPTIMIZERS and \
+            not change.get("optimizer_args")
         assert ("optimizer step inside the graph" in lines[0]) == in_graph
+        accumulation = change.get("gradient_accumulation_steps", 1)
+        assert (f"{accumulation} micro-steps a step: one graph for those that accumulate gradients" in lines[0]) == \
+            (accumulation > 1)
     else:
         assert used == ("blocks" if args.compile else None)  # the blocks record their own CUDA graphs, as before
         assert lines[0].startswith("--cuda_graph_step auto: off; the step graph ") and why in lines[0], lines[0]
@@ -436,3 +440,90 @@ def test_the_gui_reads_older_files_that_say_true_or_false():
         p.check("sometimes")
     with pytest.raises(ValueError):
         P.BY_NAME["compile_dynamic"].check(True)  # only a switch that became on / off reads true / false
+
+
+class _Accumulating:
+    """A model trained with gradient accumulation: run_step steps the optimizer only at the window's end (as
+    accelerate's wrapper does), the ordinary loop zeroes the gradients only then."""
+
+    def __init__(self, fused: bool):
+        torch.manual_seed(0)
+        self.model = torch.nn.Linear(4, 1)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.1, fused=True) if fused else \
+            torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
+        self.sync = False
+        self.log: list = []
+
+    def run_step(self, batch):
+        x = batch["latents"].reshape(-1, batch["latents"].shape[-1])[:, :4]
+        loss = ((self.model(x) - 1.0) ** 2).mean() / 3
+        loss.backward()
+        if self.sync:
+            self.optimizer.step()
+        return loss
+
+    def capture(self, run, generators):
+        self.log.append("capture")
+        if self.optimizer.__dict__.get("step") is step_graph._skip_step:  # a real graph holds no step: nor here
+            run = self._without_step(run)
+        graph = _Replaying(run, self.log)
+        return graph, graph.loss
+
+    def _without_step(self, run):
+        def replay():
+            self.optimizer.step = step_graph._skip_step
+            try:
+                return run()
+            finally:
+                del self.optimizer.step
+        return replay
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["in-graph", "after-graph"])
+def test_gradient_accumulation_replays_two_graphs_adding_into_the_same_gradients(fused, caplog):
+    """With 3 micro-steps a window: a graph for the micro-steps that accumulate and one for the window's last (with
+    the optimizer step), both adding into gradient tensors that outlive them; the weights are those of the ordinary
+    accumulation loop."""
+    t, plain = _Accumulating(fused), _Accumulating(fused)
+    graphs = step_graph.StepGraphs([t.optimizer], "cpu", capture=t.capture, accumulation_steps=3)
+    with caplog.at_level(logging.INFO, logger="library.compile.step_graph"):
+        for i in range(3 * (step_graph.WARMUP + 4)):
+            sync = i % 3 == 2
+            t.sync = plain.sync = sync
+            batch = _batch(float(i % 5) / 5)
+            graphs.step(batch, t.run_step, sync=sync)
+            plain.run_step(batch)
+            if sync:
+                plain.optimizer.zero_grad(set_to_none=True)
+            if i == 3 * (step_graph.WARMUP + 2) + 2:  # e.g. after validation, at a window's end
+                t.optimizer.zero_grad(set_to_none=True)
+    assert t.log.count("capture") == 2 and len(graphs.graphs) == 2 and graphs.off is None
+    assert t.log.count("replay") > 6
+    assert "captured the training micro-step that accumulates gradients" in caplog.text
+    for a, b in zip(t.model.parameters(), plain.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert all(torch.count_nonzero(g) == 0 for _, g in graphs.static_grads)  # zero after the window's step
+
+
+def test_a_failed_capture_mid_window_keeps_the_windows_gradients(caplog):
+    """Gradient accumulation: a capture that fails on a micro-step inside a window leaves the gradients of the
+    window's earlier micro-steps, and the run goes on the ordinary way with the weights of the ordinary loop."""
+    t, plain = _Accumulating(True), _Accumulating(True)
+
+    def fail(run, generators):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs = step_graph.StepGraphs([t.optimizer], "cpu", capture=fail, accumulation_steps=4)
+    failed_at = []
+    with caplog.at_level(logging.WARNING, logger="library.compile.step_graph"):
+        for i in range(4 * (step_graph.WARMUP + 2)):
+            t.sync = plain.sync = i % 4 == 3
+            graphs.step(_batch(float(i % 5) / 5), t.run_step, sync=t.sync)
+            if graphs.off and not failed_at:
+                failed_at.append(i)
+            plain.run_step(_batch(float(i % 5) / 5))
+            if plain.sync:
+                plain.optimizer.zero_grad(set_to_none=True)
+    assert failed_at == [step_graph.WARMUP] and "could not be captured" in caplog.text  # after 2 micro-steps
+    for a, b in zip(t.model.parameters(), plain.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -98,13 +98,15 @@ def prepare(workdir: Path, images: int, resolution: int, checkpoint: str | None 
     from library.model_util import SDComponents, load_arch_config
 
     workdir.mkdir(parents=True, exist_ok=True)
-    ckpt = workdir / "sdxl.safetensors"
-    if checkpoint and not ckpt.exists():  # an SDXL single file (tokenizers beside it), e.g. the tests' tiny one
+    arch = "sd1" if family == "sd15" else "sdxl"  # library/configs' folder
+    ckpt = workdir / f"{family}.safetensors"
+    if checkpoint and not ckpt.exists():  # a single file (tokenizers beside it), e.g. the tests' tiny one
         os.symlink(Path(checkpoint).resolve(), ckpt)
         os.symlink(Path(checkpoint).resolve().parent / "tokenizers", workdir / "tokenizers")
     if not ckpt.exists():
-        tok_dirs = [tiny_models.make_tiny_tokenizer(workdir / "tokenizers" / "tokenizer"),
-                    tiny_models.make_tiny_tokenizer(workdir / "tokenizers" / "tokenizer_2", pad_token="!")]
+        tok_dirs = [tiny_models.make_tiny_tokenizer(workdir / "tokenizers" / "tokenizer")] + \
+            ([tiny_models.make_tiny_tokenizer(workdir / "tokenizers" / "tokenizer_2", pad_token="!")]
+             if arch == "sdxl" else [])
         t0 = time.perf_counter()
 
         def random(module_fn, seed):  # full size, built without init and filled from a random pool
@@ -112,14 +114,14 @@ def prepare(workdir: Path, images: int, resolution: int, checkpoint: str | None 
                 m = module_fn()
             return flux_tiny._randomize(m.to(torch.bfloat16).to_empty(device="cpu"), seed, std=0.02)
 
-        tes = [random(lambda c=c: model_util._clip_class(load_arch_config("sdxl", c))(
-            model_util._clip_config(load_arch_config("sdxl", c))), i)
-            for i, c in enumerate(("text_encoder", "text_encoder_2"))]
-        unet = random(lambda: UNet2DConditionModel.from_config(load_arch_config("sdxl", "unet")), 2)
-        vae = random(lambda: AutoencoderKL.from_config(load_arch_config("sdxl", "vae")), 3)
-        comps = SDComponents(family="sdxl", unet=unet, vae=vae, text_encoders=tes,
+        tes = [random(lambda c=c: model_util._clip_class(load_arch_config(arch, c))(
+            model_util._clip_config(load_arch_config(arch, c))), i)
+            for i, c in enumerate(("text_encoder", "text_encoder_2")[:len(tok_dirs)])]
+        unet = random(lambda: UNet2DConditionModel.from_config(load_arch_config(arch, "unet")), 2)
+        vae = random(lambda: AutoencoderKL.from_config(load_arch_config(arch, "vae")), 3)
+        comps = SDComponents(family=arch, unet=unet, vae=vae, text_encoders=tes,
                              tokenizers=[CLIPTokenizer.from_pretrained(str(d)) for d in tok_dirs],
-                             prediction_type="epsilon", source="random full-size sdxl")
+                             prediction_type="epsilon", source=f"random full-size {family}")
         model_util.save_sd_checkpoint(ckpt, comps, save_dtype=torch.bfloat16)
         print(f"wrote {ckpt} ({ckpt.stat().st_size / 2**30:.1f} GiB) in {time.perf_counter() - t0:.0f} s")
     make_images(workdir, images, resolution, repeats)
@@ -619,7 +621,7 @@ def make_bucket_images(workdir: Path, per_size: int, sizes=BUCKET_SIZES) -> Path
     return dest
 
 
-SCRIPTS = {"sdxl": "sdxl_train_network.py", "flux": "flux_train_network.py", "sd3-medium": "sd3_train_network.py",
+SCRIPTS = {"sdxl": "sdxl_train_network.py", "sd15": "train_network.py", "flux": "flux_train_network.py", "sd3-medium": "sd3_train_network.py",
            "sd3-large": "sd3_train_network.py", "chroma": "flux_train_network.py", "lumina": "lumina_train_network.py",
            "hunyuan-image": "hunyuan_image_train_network.py", "anima": "anima_train_network.py"}
 
@@ -632,7 +634,7 @@ def model_argv(family: str, workdir: Path) -> list[str]:
         return ["--pretrained_model_name_or_path", str(d / "flux.safetensors"), "--clip_l", str(d / "clip_l.safetensors"),
                 "--t5xxl", str(d / "t5xxl.safetensors"), "--ae", str(d / "ae.safetensors"),
                 "--tokenizer_cache_dir", str(d / "tokenizers"), "--network_module", "networks.lora_flux"]
-    return ["--pretrained_model_name_or_path", str(workdir / "sdxl.safetensors"),
+    return ["--pretrained_model_name_or_path", str(workdir / f"{family}.safetensors"),  # sdxl, sd15
             "--tokenizer_cache_dir", str(workdir / "tokenizers"), "--network_module", "networks.lora"]
 
 
@@ -655,7 +657,9 @@ def trainer_argv(args, phase: str, workdir: Path) -> list[str]:
     if args.buckets:
         sides = [side for size in BUCKET_SIZES for side in size]
         argv += ["--enable_bucket", "--min_bucket_reso", str(min(sides)), "--max_bucket_reso", str(max(sides))]
-    if phase == "compiled":
+    if phase == "compiled" and args.family == "sd15":  # train_network.py compiles with upstream's switch only
+        argv += ["--torch_compile"]
+    elif phase == "compiled":
         argv += ["--compile", "--compile_mode", args.compile_mode]
         if args.family not in NEW_FAMILIES:  # the new families: what ticking Enable torch.compile gives, nothing more
             argv += ["--compile_cache_dir", str(workdir / f"compile_cache_{args.cache_tag or args.tag}")]

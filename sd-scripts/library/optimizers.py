@@ -279,8 +279,8 @@ def _can_fuse(cls, params, kwargs: dict) -> bool:
 def _faster_step(cls):
     """The class to build for `cls`: the same optimizer with a step of fewer kernel launches where one exists
     (transformers' Adafactor: library.grouped_adafactor; prodigyopt's Prodigy: library.foreach_prodigy;
-    bitsandbytes' optimizers: library.bnb_unsynced; each keeps the weights and state of the original step), else
-    `cls`."""
+    lion-pytorch's Lion: library.foreach_lion; dadaptation's DAdaptAdam: library.foreach_dadapt; bitsandbytes'
+    optimizers: library.bnb_unsynced; each keeps the weights and state of the original step), else `cls`."""
     path = f"{cls.__module__}.{cls.__name__}"
     if path == "transformers.optimization.Adafactor":
         from library.grouped_adafactor import GroupedAdafactor
@@ -290,6 +290,14 @@ def _faster_step(cls):
         from library.foreach_prodigy import ForeachProdigy
 
         return ForeachProdigy
+    if path == "dadaptation.dadapt_adam.DAdaptAdam":
+        from library.foreach_dadapt import ForeachDAdaptAdam
+
+        return ForeachDAdaptAdam
+    if path == "lion_pytorch.lion_pytorch.Lion":
+        from library.foreach_lion import ForeachLion
+
+        return ForeachLion
     from library import bnb_unsynced
 
     if bnb_unsynced.is_bnb_optimizer(cls):  # AdamW8bit, Lion8bit, ...: no GPU wait after each parameter
@@ -353,11 +361,30 @@ def get_optimizer(args: argparse.Namespace, params) -> tuple[str, str, torch.opt
     return name, f"{cls.__module__}.{cls.__name__}", optimizer
 
 
-def d_lr_logs(optimizers, names: list[str] | None = None) -> dict[str, float]:
+class LateValue:
+    """A number on the device, copied to the host without waiting and read (float()) once that copy is done:
+    library.foreach_prodigy keeps d on the GPU, and reading it right away would wait for the step in flight."""
+
+    def __init__(self, value: torch.Tensor):
+        self.host = torch.empty((), dtype=torch.float64, pin_memory=value.is_cuda)
+        self.host.copy_(value.detach(), non_blocking=True)
+        self.event = None
+        if value.is_cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def __float__(self) -> float:
+        if self.event is not None:
+            self.event.synchronize()  # this copy only, not the steps queued after it
+        return float(self.host)
+
+
+def d_lr_logs(optimizers, names: list[str] | None = None) -> dict[str, float | LateValue]:
     """`lr/d*lr/<group>`: the step size D-Adaptation and Prodigy actually use (their `d` times the rate), which
-    upstream logs next to `lr/<group>`."""
+    upstream logs next to `lr/<group>`; a LateValue (float() it when logging) where d is a device tensor."""
     groups = [g for o in optimizers for g in _unwrap(o).param_groups]
-    return {f"lr/d*lr/{names[i] if names and i < len(names) else f'group{i}'}": g["d"] * g["lr"]
+    return {f"lr/d*lr/{names[i] if names and i < len(names) else f'group{i}'}":
+            LateValue(g["d"] * g["lr"]) if isinstance(g["d"], torch.Tensor) else g["d"] * g["lr"]
             for i, g in enumerate(groups) if "d" in g and g.get("lr") is not None}
 
 

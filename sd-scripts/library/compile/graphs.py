@@ -65,7 +65,9 @@ def cuda_graph_flag(args) -> str:
 
 
 CHOICES = ("auto", "on", "off")
-# torch's optimizers that the captured graph steps itself (capturable, the learning rate read from a tensor)
+# torch's optimizers that the captured graph steps itself (capturable, the learning rate read from a tensor). Others
+# step after the replay: a Prodigy stepped inside the graph with its numbers as float64 device tensors took 351.7 ms
+# a step against 116.1 ms after it (SDXL bs1 + GC, docs/BENCHMARKS.md run83)
 IN_GRAPH_OPTIMIZERS = ("AdamW", "Adam")
 # optimizers that read host values each step (step counters, adaptive rates): the graph holds forward, backward
 # and clipping, and their step runs after each replay; auto uses the step graph with these (each shown to train
@@ -94,10 +96,11 @@ def add_arguments(parser) -> None:
         "--cuda_graph_step", type=_setting_type, nargs="?", const="on", default="auto", choices=CHOICES,
         help="capture the whole training step (forward, backward, optimizer step) as one CUDA graph after its first "
              f"{WARMUP} steps per batch shape and replay it: no per-step Python overhead at small batch sizes. Needs "
-             "CUDA (one GPU, or one per process of a data-parallel run), cached latents and text-encoder outputs and no gradient accumulation; optimizers other "
-             "than AdamW/Adam step after the graph. auto (default): on where it can follow and was measured faster "
-             "(SDXL with --compile, one bucket shape), else off with a log line saying why; on (also the bare flag): "
-             "always, refused where it cannot follow; off: never")
+             "CUDA (one GPU, or one per process of a data-parallel run) and cached latents and text-encoder outputs "
+             "(with gradient accumulation a micro-step that ends the window and one that does not are two graphs); "
+             "optimizers other than AdamW/Adam step after the graph. auto (default): on where it can follow and was measured faster (SDXL with --compile, one "
+             "bucket shape), else off with a log line saying why; on (also the bare flag): always, refused where it "
+             "cannot follow; off: never")
 
 
 def optimizer_in_graph(args) -> bool:
@@ -111,9 +114,6 @@ def optimizer_in_graph(args) -> bool:
 
 def blocker(args, num_processes: int = 1) -> str | None:
     """Why the step graph cannot follow this run, or None."""
-    if args.gradient_accumulation_steps > 1:
-        return (f"replays one whole optimizer step, so it cannot accumulate gradients "
-                f"(--gradient_accumulation_steps {args.gradient_accumulation_steps})")
     if not (args.cache_latents or args.cache_latents_to_disk):
         return ("needs cached latents (--cache_latents or --cache_latents_to_disk): encoding images checks them on "
                 "the host each step")
@@ -186,6 +186,9 @@ def resolve(args, groups, num_processes: int, family: str, error: type[Exception
         if on:
             how = "the optimizer step inside the graph" if optimizer_in_graph(args) else \
                 f"the {name} step after each replay"
+            if args.gradient_accumulation_steps > 1:
+                how += (f"; {args.gradient_accumulation_steps} micro-steps a step: one graph for those that accumulate "
+                        "gradients, one for the window's last")
             logger.info("--cuda_graph_step auto: on (forward, backward and clipping as one CUDA graph, %s)", how)
         else:
             logger.info("--cuda_graph_step auto: off; the step graph %s", why)

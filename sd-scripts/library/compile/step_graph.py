@@ -12,12 +12,17 @@ What a captured graph cannot see is kept equal or out of it:
   shapes, dtypes or network multiplier differ gets a graph of its own (up to LIMIT, later ones run uncaptured);
 - the learning rates: the optimizer reads them from tensors that are filled from its param groups before each
   replay, so schedulers work as they do without the graph;
-- optimizers other than torch's fused AdamW/Adam read host values each step (bitsandbytes' step counter,
-  Prodigy's and D-Adaptation's adaptive rates, Adafactor's relative step): the graph then holds forward, backward
-  and clipping, and their step runs the ordinary way after each replay, on the gradients the graph wrote (the
-  parameters' .grad are pointed at them again if something cleared them; an optimizer that gives a parameter new
+- torch's fused AdamW/Adam step inside the graph; other optimizers step after it (most read host values each step:
+  bitsandbytes' step counter, Prodigy's and D-Adaptation's adaptive rates, Adafactor's relative step; a Prodigy
+  with its numbers on the device was 3x slower inside the graph, docs/BENCHMARKS.md run83): the graph then holds
+  forward, backward and clipping, and their step runs the ordinary way after each replay, on the gradients the
+  graph wrote (the parameters' .grad are pointed at them again if something cleared them; an optimizer that gives a parameter new
   storage ends the step graphs, since the graph would go on reading the old one);
 - the random numbers: the noise generator is registered with each graph, so each replay draws new ones;
+- gradient accumulation: a micro-step that ends the window (the optimizer step) and one that does not are two
+  graphs of a batch shape, sharing one memory pool; both add into gradient tensors the graphs do not own (made
+  before the first capture, .grad pointed at them), which the step zeroes after the optimizer step, in the graph
+  or after it;
 - a step that cannot be captured (an operation that waits for the host) is run the ordinary way, and the run
   goes on without step graphs after a warning that says why.
 
@@ -27,6 +32,7 @@ the same collectives as an ordinary step: every process runs one step's collecti
 """
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 from typing import Callable
@@ -93,13 +99,14 @@ def _skip_step(*args, **kwargs):
 
 
 def fuses_into_graph(optimizer) -> bool:
-    """torch's fused AdamW/Adam: capturable, with the learning rate read from a tensor (library.optimizers fuses
-    them where it can); other optimizers step after the graph."""
+    """torch's fused AdamW/Adam (library.optimizers fuses them where it can): they read the learning rate from a
+    tensor and nothing from the host; other optimizers step after the graph."""
     return type(optimizer) in (torch.optim.AdamW, torch.optim.Adam) and bool(optimizer.defaults.get("fused"))
 
 
-def _cuda_capture(run: Callable[[], torch.Tensor], generators: list) -> tuple:
-    """Captures run() into a new CUDA graph with a pool of its own -> (graph, loss). Nothing runs until replay."""
+def _cuda_capture(run: Callable[[], torch.Tensor], generators: list, pool=None) -> tuple:
+    """Captures run() into a new CUDA graph with a pool of its own (or `pool`, shared) -> (graph, loss). Nothing
+    runs until replay."""
     graph = torch.cuda.CUDAGraph()
     for g in generators:
         graph.register_generator_state(g)
@@ -108,7 +115,7 @@ def _cuda_capture(run: Callable[[], torch.Tensor], generators: list) -> tuple:
     # by the ordinary steps before); NCCL's watchdog thread queries its earlier work meanwhile, which a capture in
     # the default "global" mode would refuse
     mode = "thread_local" if torch.distributed.is_available() and torch.distributed.is_initialized() else "global"
-    with torch.cuda.graph(graph, capture_error_mode=mode):
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
         loss = run()
     return graph, loss
 
@@ -126,9 +133,11 @@ def _reset_generators(generators: list, device) -> None:
 class StepGraphs:
     """Runs each optimizer step: the ordinary way for a batch shape's first WARMUP steps, then captured once and
     replayed. `run_step(batch)` is the step from forward to the optimizer step (no zero_grad) and returns the loss.
-    `capture(run, generators) -> (graph, loss)` is _cuda_capture unless a test gives another."""
+    `capture(run, generators) -> (graph, loss)` is _cuda_capture unless a test gives another. With
+    accumulation_steps > 1, `step(batch, run_step, sync)` is one micro-step; sync: it ends the window (accelerate's
+    sync_gradients), and run_step then steps the optimizer."""
 
-    def __init__(self, optimizers: list, device, generators=(), capture=_cuda_capture):
+    def __init__(self, optimizers: list, device, generators=(), capture=_cuda_capture, accumulation_steps: int = 1):
         self.optimizers = [getattr(o, "optimizer", o) for o in optimizers]  # accelerate's wrapper -> torch's
         self.device = torch.device(device)
         self.generators = [g for g in generators if g is not None and g.device.type == "cuda"]
@@ -139,36 +148,60 @@ class StepGraphs:
         self.lrs: list[torch.Tensor] | None = None
         self.off: str | None = None  # why the run goes on without step graphs
         self.uncaptured_logged = False
+        self.accumulating = accumulation_steps > 1
+        self.with_grads: list = []  # accumulating: the parameters an ordinary micro-step gave a gradient
+        self.static_grads: list | None = None  # accumulating: (parameter, the gradient tensor every step adds into)
+        self.pools: dict = {}  # accumulating: batch signature -> the memory pool its two graphs share
 
     @property
     def groups(self) -> list[dict]:
         return [g for o in self.optimizers for g in o.param_groups]
 
-    def step(self, batch: dict, run_step: Callable[[dict], torch.Tensor]) -> torch.Tensor:
-        key = None if self.off else signature(batch)
+    def step(self, batch: dict, run_step: Callable[[dict], torch.Tensor], sync: bool = True) -> torch.Tensor:
+        shape = None if self.off else signature(batch)
+        key = shape if shape is None or not self.accumulating else (shape, sync)
         captured = self.graphs.get(key) if key is not None else None
         if captured is None and key is not None:
             self.seen[key] += 1
             if self.seen[key] > WARMUP:
-                if len(self.graphs) < LIMIT:
-                    captured = self._capture(key, batch, run_step)
+                shapes = {k[0] for k in self.graphs} if self.accumulating else set(self.graphs)
+                if shape in shapes or len(shapes) < LIMIT:
+                    captured = self._capture(key, batch, run_step, sync)
                 elif not self.uncaptured_logged:
                     self.uncaptured_logged = True
                     logger.info("step graph: %d batch shapes have graphs; further shapes run without one", LIMIT)
         if captured is None:
+            self._point_grads()
             loss = run_step(batch)
-            for o in self.optimizers:
-                o.zero_grad(set_to_none=True)
+            if self.accumulating and self.static_grads is None:
+                self.with_grads = [p for g in self.groups for p in g["params"] if p.grad is not None]
+            if sync:
+                self._clear_grads()
             # detached, so that no autograd node of this step outlives it: a capture that found the parameters'
             # AccumulateGrad nodes of an ordinary step would sync with their stream, which capture does not allow
             return loss.detach()
         _load(captured.batch, batch)
-        if self.optimizer_in_graph:
+        self._point_grads()
+        if self.optimizer_in_graph and sync:
             self._load_lrs()
         captured.graph.replay()
-        if not self.optimizer_in_graph:
+        if sync and not self.optimizer_in_graph:
             self._step_after(captured)
         return captured.loss
+
+    def _point_grads(self) -> None:
+        """accumulating: .grad is the tensor the graphs add into (something may have set it to None)."""
+        for p, grad in self.static_grads or ():
+            if p.grad is not grad:
+                p.grad = grad
+
+    def _clear_grads(self) -> None:
+        """After an optimizer step: zero the gradients the graphs add into, else drop them."""
+        if self.static_grads is not None:
+            torch._foreach_zero_([g for _, g in self.static_grads])
+        else:
+            for o in self.optimizers:
+                o.zero_grad(set_to_none=True)
 
     def _step_after(self, captured: _Captured) -> None:
         for p, _, grad in captured.grads:
@@ -176,12 +209,15 @@ class StepGraphs:
                 p.grad = grad
         for o in self.optimizers:
             o.step()
+        if self.static_grads is not None:
+            self._clear_grads()
         moved = next((p for p, ptr, _ in captured.grads if p.data_ptr() != ptr), None)
         if moved is not None:
             self.off = f"{type(self.optimizers[0]).__name__} gave a parameter new storage in its step"
             self.graphs.clear()
             logger.warning("step graph: %s, which a replayed graph cannot follow; training goes on without "
                            "--cuda_graph_step", self.off)
+            self.static_grads = None
             for o in self.optimizers:
                 o.zero_grad(set_to_none=True)
 
@@ -189,7 +225,7 @@ class StepGraphs:
         for t, g in zip(self.lrs, self.groups):
             t.fill_(float(g["lr"]))
 
-    def _capture(self, key: tuple, batch: dict, run_step) -> _Captured | None:
+    def _capture(self, key: tuple, batch: dict, run_step, sync: bool = True) -> _Captured | None:
         static = _static_copy(batch, self.device)
         groups = self.groups
         in_graph = self.optimizer_in_graph
@@ -199,8 +235,22 @@ class StepGraphs:
             self._load_lrs()
         saved = [(g["lr"], g.get("capturable", False)) for g in groups]
         steps = [o.__dict__.get("step") for o in self.optimizers]  # an instance's own step (a scheduler's wrapper)
-        for o in self.optimizers:
-            o.zero_grad(set_to_none=True)  # the graph's backward makes the gradients, in its own memory
+        capture, run = self.capture, (lambda: run_step(static))
+        if self.accumulating:
+            self._make_static_grads()  # the graphs add into them, across micro-steps and graphs
+            if in_graph and sync:
+                zero = [g for _, g in self.static_grads]
+
+                def run():  # the optimizer step inside the graph, then the window's gradients start again at 0
+                    loss = run_step(static)
+                    torch._foreach_zero_(zero)
+                    return loss
+            if capture is _cuda_capture:
+                pool = self.pools.setdefault(key[0], torch.cuda.graph_pool_handle())
+                capture = functools.partial(_cuda_capture, pool=pool)
+        else:
+            for o in self.optimizers:
+                o.zero_grad(set_to_none=True)  # the graph's backward makes the gradients, in its own memory
         try:
             if in_graph:
                 for g, lr in zip(groups, self.lrs):
@@ -208,13 +258,16 @@ class StepGraphs:
             else:
                 for o in self.optimizers:
                     o.step = _skip_step  # run_step's optimizer step is left out of the graph: it runs after replay
-            graph, loss = self.capture(lambda: run_step(static), self.generators)
+            graph, loss = capture(run, self.generators)
         except Exception as e:  # an operation capture does not allow: the step runs the ordinary way instead
             self.off = f"{type(e).__name__}: {e}".splitlines()[0][:300]
             logger.warning("step graph: the training step could not be captured (%s); training goes on without "
                            "--cuda_graph_step", self.off)
-            for o in self.optimizers:
-                o.zero_grad(set_to_none=True)
+            if self.accumulating:  # the window's gradients so far stay (a capture runs nothing)
+                self.static_grads = None
+            else:
+                for o in self.optimizers:
+                    o.zero_grad(set_to_none=True)
             _reset_generators(self.generators, self.device)
             return None
         finally:
@@ -229,9 +282,22 @@ class StepGraphs:
                                      if p.grad is not None]
         captured = _Captured(graph, static, loss, grads)
         self.graphs[key] = captured
-        shapes = ", ".join(f"{k} {'x'.join(map(str, s))}" for k, s, *_ in key if isinstance(s, tuple) and
+        shape = key[0] if self.accumulating else key
+        shapes = ", ".join(f"{k} {'x'.join(map(str, s))}" for k, s, *_ in shape if isinstance(s, tuple) and
                            k in ("latents", "images"))
-        logger.info("step graph: captured the training step for batch %s (%d of at most %d graphs)%s",
-                    shapes or "shape", len(self.graphs), LIMIT,
-                    "" if in_graph else f"; the {type(self.optimizers[0]).__name__} step runs after each replay")
+        count = len({k[0] for k in self.graphs}) if self.accumulating else len(self.graphs)
+        logger.info("step graph: captured the training %s for batch %s (%d of at most %d graphs)%s",
+                    "step" if sync else "micro-step that accumulates gradients", shapes or "shape", count, LIMIT,
+                    "" if in_graph or not sync else
+                    f"; the {type(self.optimizers[0]).__name__} step runs after each replay")
         return captured
+
+    def _make_static_grads(self) -> None:
+        """accumulating: the gradient tensors every micro-step adds into, for the parameters that got gradients in
+        the ordinary micro-steps (a window's partial sums are kept)."""
+        if self.static_grads is not None:
+            return
+        for p in self.with_grads:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self.static_grads = [(p, p.grad) for p in self.with_grads]

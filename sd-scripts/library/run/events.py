@@ -66,6 +66,7 @@ class Progress:
                                file=sys.stdout)
                 sys.stdout.flush()
             if state.log_with:
+                logs = {k: float(v) if isinstance(v, optimizers.LateValue) else v for k, v in logs.items()}
                 accelerator.log({"loss/current": state.last_loss, "loss/average": state.avr_loss, **logs}, step=step)
 
     def flush(self, state) -> None:

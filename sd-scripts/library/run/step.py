@@ -17,7 +17,8 @@ class MicroStep:
             if self.compiled is not None and self.compiled.compile else None
         self.trained_params = state.trained_params = [p for m in state.trainable.models for p in m.parameters()
                                                       if p.requires_grad]
-        self.graphs = step_graph.StepGraphs(state.optimizers, state.device, [state.generator]) \
+        self.graphs = step_graph.StepGraphs(state.optimizers, state.device, [state.generator],
+                                            accumulation_steps=args.gradient_accumulation_steps) \
             if compile_graphs.cuda_graphs(args) == "step" else None
 
     def forward_to_optimizer_step(self, state, batch):
@@ -50,7 +51,8 @@ class MicroStep:
         with accelerator.accumulate(*state.trainable.models):
             sharding.set_gradient_sync(state.trainable.models, accelerator.sync_gradients)
             if self.graphs is not None:  # a replay of the step's graph once captured (library.compile.step_graph)
-                loss = self.graphs.step(batch, lambda b: self.forward_to_optimizer_step(state, b))
+                loss = self.graphs.step(batch, lambda b: self.forward_to_optimizer_step(state, b),
+                                        sync=accelerator.sync_gradients)
             else:
                 loss = self.forward_to_optimizer_step(state, batch)
                 if not self.fused:
