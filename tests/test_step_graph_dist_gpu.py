@@ -4,7 +4,8 @@
    generator registered with the graph, a rate that changes every step, clipping) through real step graphs, with
    library.data_parallel.all_reduce_gradients inside the captured step, and end with the weights torch's
    DistributedDataParallel gives eagerly: fused AdamW stepped inside the graph and foreach AdamW after it, a
-   parameter that only the second process uses and one that no process uses (it keeps no gradient).
+   parameter that only the second process uses and one that no process uses (it keeps no gradient); and fused
+   AdamW with 2 micro-steps of gradient accumulation (two graphs; the all-reduce in the window's last; DDP no_sync).
 2. `accelerate launch --multi_gpu --num_processes 2 sdxl_train_network.py` on a tiny SDXL with --cuda_graph_step on
    saves the LoRA that the same run with it off saves, and both processes end with the same weights.
 Skipped without 2 CUDA GPUs. The CPU check of the same averaging is tests/test_step_graph_dist.py."""
@@ -52,8 +53,11 @@ class _Lora(torch.nn.Module):
         return self.only_rank1(y) if rank == 1 else y
 
 
-def _train(rank: int, foreach: bool, steps: int, with_graph: bool):
-    """-> (trained model, StepGraphs or None). with_graph: step graphs + data_parallel; else DDP, eagerly."""
+def _train(rank: int, foreach: bool, steps: int, with_graph: bool, accumulation: int = 1):
+    """-> (trained model, StepGraphs or None). with_graph: step graphs + data_parallel; else DDP, eagerly.
+    accumulation: micro-steps an optimizer step (the gradients averaged at the window's last one; DDP: no_sync)."""
+    import contextlib
+
     from library import data_parallel
     from library.compile import step_graph
 
@@ -65,31 +69,40 @@ def _train(rank: int, foreach: bool, steps: int, with_graph: bool):
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     generator = torch.Generator(device=device).manual_seed(1 + rank)
     target = torch.randn(4, 64, device=device, generator=torch.Generator(device=device).manual_seed(2))
-    batches = torch.randn(steps, 4, 64, device=device, generator=torch.Generator(device=device).manual_seed(3 + rank))
+    micro_steps = steps * accumulation
+    batches = torch.randn(micro_steps, 4, 64, device=device,
+                          generator=torch.Generator(device=device).manual_seed(3 + rank))
     forward = model if with_graph else torch.nn.parallel.DistributedDataParallel(
         model, device_ids=[rank], find_unused_parameters=True)
     accelerator = SimpleNamespace(num_processes=WORLD)
+    window = {"sync": True}
 
     def run_step(batch):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             x = batch["latents"] + torch.randn(batch["latents"].shape, device=device, generator=generator)
             loss = torch.nn.functional.mse_loss(forward(x, rank).float(), target)
-        loss.backward()
-        if with_graph:
-            data_parallel.all_reduce_gradients(params, accelerator)
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
+        (loss / accumulation).backward()
+        if window["sync"]:
+            if with_graph:
+                data_parallel.all_reduce_gradients(params, accelerator)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
         return loss
 
-    graphs = step_graph.StepGraphs([optimizer], device, [generator]) if with_graph else None
-    for i in range(steps):
+    graphs = step_graph.StepGraphs([optimizer], device, [generator], accumulation_steps=accumulation) \
+        if with_graph else None
+    for i in range(micro_steps):
+        window["sync"] = (i + 1) % accumulation == 0
         batch = {"latents": batches[i].clone(), "network_multipliers": [1.0]}
         if graphs is not None:
-            graphs.step(batch, run_step)
+            graphs.step(batch, run_step, sync=window["sync"])
         else:
-            run_step(batch)
-            optimizer.zero_grad(set_to_none=True)
-        schedule.step()
+            with contextlib.nullcontext() if window["sync"] else forward.no_sync():
+                run_step(batch)
+            if window["sync"]:
+                optimizer.zero_grad(set_to_none=True)
+        if window["sync"]:
+            schedule.step()
     torch.cuda.synchronize(device)
     return model, graphs
 
@@ -103,15 +116,15 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.distributed.init_process_group("nccl", rank=rank, world_size=WORLD, device_id=torch.device("cuda", rank))
     try:
         steps = step_graph.WARMUP + 5  # two ordinary steps, the capture's step, four replays
-        for foreach in (False, True):
-            graphed, graphs = _train(rank, foreach, steps, with_graph=True)
-            assert graphs.off is None and len(graphs.graphs) == 1, graphs.off  # captured, then replayed
+        for foreach, accumulation in ((False, 1), (True, 1), (False, 2)):
+            graphed, graphs = _train(rank, foreach, steps, with_graph=True, accumulation=accumulation)
+            assert graphs.off is None and len(graphs.graphs) == accumulation, graphs.off  # captured, then replayed
             assert graphs.optimizer_in_graph == (not foreach)
-            reference, _ = _train(rank, foreach, steps, with_graph=False)
+            reference, _ = _train(rank, foreach, steps, with_graph=False, accumulation=accumulation)
             start = _Lora().to(torch.device("cuda", rank))
             for (name, a), b, s in zip(graphed.named_parameters(), reference.parameters(), start.parameters()):
                 assert torch.isfinite(a).all()
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"foreach={foreach} {name} rank {rank}")
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"foreach={foreach} accumulation={accumulation} {name} rank {rank}")
                 assert torch.equal(a, s) == (not a.requires_grad or name.startswith("unused.")), name
             flat = torch.cat([p.detach().float().reshape(-1) for p in graphed.parameters()])
             gathered = [torch.empty_like(flat) for _ in range(WORLD)]
