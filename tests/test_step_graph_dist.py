@@ -8,14 +8,14 @@ move it otherwise). The GPU check with NCCL and real graphs is tests/test_step_g
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+import two_processes
 
 REPO = Path(__file__).resolve().parent.parent
 WORLD = 2
@@ -167,8 +167,4 @@ def _worker(rank: int, port: int, out_dir: str, steps: int) -> None:
 def test_two_processes_train_to_ddps_weights_through_the_step_graph(tmp_path):
     from library.compile import step_graph
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(tmp_path), step_graph.WARMUP + 4), nprocs=WORLD, join=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok0", "ok1"]
+    two_processes.run(_worker, tmp_path, step_graph.WARMUP + 4, nprocs=WORLD)

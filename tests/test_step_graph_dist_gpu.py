@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,19 +21,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+import two_processes
 
 REPO = Path(__file__).resolve().parent.parent
 WORLD = 2
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < WORLD,
                                 reason="needs 2 CUDA GPUs")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Lora(torch.nn.Module):
@@ -136,15 +130,14 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_two_gpus_train_to_ddps_weights_through_captured_step_graphs(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok0", "ok1"]
+    two_processes.run(_worker, tmp_path, nprocs=WORLD)
 
 
 def _launch(args: list, timeout: int = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     env.pop("ACCELERATE_USE_CPU", None)
     cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu", "--num_processes",
-           str(WORLD), "--num_machines", "1", "--main_process_port", str(_free_port()), "--mixed_precision", "bf16",
+           str(WORLD), "--num_machines", "1", "--main_process_port", str(two_processes.free_port()), "--mixed_precision", "bf16",
            "--dynamo_backend", "no", str(REPO / "sd-scripts" / "sdxl_train_network.py")]
     return subprocess.run(cmd + [str(a) for a in args], env=env, capture_output=True, text=True, timeout=timeout,
                           cwd=REPO)
