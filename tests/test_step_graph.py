@@ -287,6 +287,7 @@ def test_auto_is_off_for_several_bucket_shapes_without_a_gpu_or_with_several_pro
     assert _resolve(_args(cuda_graph_step="on"), processes=2) == "step"  # asked for: data parallel takes it
     monkeypatch.setattr(compile_graphs, "SEVERAL_PROCESSES_AUTO_OFF", "")
     assert _resolve(_args(cuda_graph_step="auto"), processes=2) == "step"  # once measured: auto as on one GPU
+    assert "; the gradients averaged over the 2 processes inside it)" in caplog.text
     with pytest.raises(ConfigError, match="--cuda_graph_step cannot capture --fsdp's sharded training"):
         _resolve(_args(cuda_graph_step="on", fsdp="full_shard"), processes=2)
     assert _resolve(_args(cuda_graph_step="auto", fsdp="full_shard"), processes=2) == "blocks"

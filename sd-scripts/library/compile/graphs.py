@@ -189,6 +189,8 @@ def resolve(args, groups, num_processes: int, family: str, error: type[Exception
             if args.gradient_accumulation_steps > 1:
                 how += (f"; {args.gradient_accumulation_steps} micro-steps a step: one graph for those that accumulate "
                         "gradients, one for the window's last")
+            if num_processes > 1:
+                how += f"; the gradients averaged over the {num_processes} processes inside it"
             logger.info("--cuda_graph_step auto: on (forward, backward and clipping as one CUDA graph, %s)", how)
         else:
             logger.info("--cuda_graph_step auto: off; the step graph %s", why)
