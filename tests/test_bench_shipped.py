@@ -11,11 +11,15 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
-def test_tiny_eager_phase_reports_trainer_and_outside_timings(tmp_path, tiny_sdxl_single_file):
+@pytest.mark.parametrize("family", ["sdxl", "sd15"])
+def test_tiny_eager_phase_reports_trainer_and_outside_timings(tmp_path, family, request):
+    """SDXL through sdxl_train_network.py, SD1.5 (--family sd15) through train_network.py."""
+    checkpoint = request.getfixturevalue("tiny_sdxl_single_file" if family == "sdxl" else "tiny_sd1_single_file")
     tool = [sys.executable, str(REPO / "tools" / "bench_shipped.py")]
-    common = ["--workdir", str(tmp_path / "w"), "--resolution", "64", "--images", "2"]
-    subprocess.run(tool + ["prepare", "--checkpoint", str(tiny_sdxl_single_file), "--repeats", "3"] + common,
+    common = ["--workdir", str(tmp_path / "w"), "--resolution", "64", "--images", "2", "--family", family]
+    subprocess.run(tool + ["prepare", "--checkpoint", str(checkpoint), "--repeats", "3"] + common,
                    check=True, timeout=300, capture_output=True)
+    assert (tmp_path / "w" / f"{family}.safetensors").exists()
     assert sorted(p.name for p in (tmp_path / "w" / "data" / "3_bench").glob("*.png")) == ["img_0.png", "img_1.png"]
     out = tmp_path / "r.json"
     proc = subprocess.run(tool + ["run", "--phases", "eager", "--steps", "6", "--warmup", "1", "--network_dim", "4",
@@ -118,6 +122,11 @@ def test_bucket_images_and_trainer_flags(tmp_path):
     assert argv[argv.index("--train_data_dir") + 1] == str(tmp_path / "data_buckets")
     assert argv[argv.index("--min_bucket_reso") + 1] == "832" and argv[argv.index("--max_bucket_reso") + 1] == "1216"
     assert "--enable_bucket" in argv and argv[argv.index("--compile_cache_dir") + 1].endswith("compile_cache_before")
+    # SD1.5: train_network.py compiles with upstream's --torch_compile (it has no --compile flags)
+    args.family = "sd15"
+    argv = bench.trainer_argv(args, "compiled", tmp_path)
+    assert "--torch_compile" in argv and "--compile" not in argv and "--compile_cache_dir" not in argv
+    assert argv[argv.index("--pretrained_model_name_or_path") + 1] == str(tmp_path / "sd15.safetensors")
 
 
 def test_report_puts_default_and_best_side_by_side(tmp_path):

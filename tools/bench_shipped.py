@@ -10,8 +10,9 @@
 `prepare` writes random weights in users' file layouts (nothing is downloaded): SDXL `W/sdxl.safetensors` (SGM
 keys, bf16); FLUX.1 `W/flux/` with the BFL dev transformer, CLIP-L, T5-XXL (bf16) and the AE, all full size. Plus
 tokenizers and a kohya image folder (its images repeated `--repeats` times, so that the timed steps fall inside
-one epoch, as on a user's dataset). `run` starts `sdxl_train_network.py` (LoRA r32) or `flux_train_network.py`
-(LoRA r16) once per phase (bf16, AdamW, cached latents and text-encoder outputs) and reports two figures per phase:
+one epoch, as on a user's dataset); `--family sd15`: an SD1.5 single file `W/sd15.safetensors` the same way, timed
+with `train_network.py --torch_compile` (the SD1.x scripts' compile switch). `run` starts `sdxl_train_network.py`
+(LoRA r32) or `flux_train_network.py` (LoRA r16) once per phase (bf16, AdamW, cached latents and text-encoder outputs) and reports two figures per phase:
 - the trainer's own summary line ("median step ... ms"; library/step_timer.py), and
 - a measurement from outside: the time between the progress lines the trainer prints (at most one a second)
   after the warm-up steps. It needs nothing from the trainer but its progress line, so it also times older
