@@ -3,8 +3,8 @@ library.compile.step_graph with the gradients averaged by library.data_parallel.
 step, and end with the weights torch's DistributedDataParallel gives for the same batches. CUDA graphs need a GPU:
 here a stand-in graph runs the captured step again on each replay, with data_parallel on the path it takes under a
 capture (nothing read back to the host), so what is checked is that this path averages as DDP does, a parameter
-used on one process only included and one no process uses left without a gradient (AdamW's weight decay would
-move it otherwise). The GPU check with NCCL and real graphs is tests/test_step_graph_dist_gpu.py."""
+used on one process only included, one no process uses left without a gradient (AdamW's weight decay would move it
+otherwise) and one whose use changes over the ordinary steps before the capture. The GPU check with NCCL and real graphs is tests/test_step_graph_dist_gpu.py."""
 from __future__ import annotations
 
 import os
@@ -22,18 +22,24 @@ WORLD = 2
 
 
 class _Model(torch.nn.Module):
-    """A frozen base with trained layers; `only_rank1` is used by the second process only, `unused` by none."""
+    """A frozen base with trained layers; `only_rank1` is used by the second process only, `unused` by none, `moving`
+    by none in the first step, by the first process in the second and by the second process from then on (what the
+    capture keeps follows the last ordinary step, not an earlier one)."""
 
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)  # the same weights on every process
         self.base = torch.nn.Linear(8, 8).requires_grad_(False)
         self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
-        self.only_rank1, self.unused = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.only_rank1, self.unused, self.moving = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
 
-    def forward(self, x, rank: int):
+    def forward(self, x, rank: int, step: int):
         y = self.b(torch.relu(self.a(self.base(x))))
-        return self.only_rank1(y) if rank == 1 else y
+        if rank == 1:
+            y = self.only_rank1(y)
+        if (step, rank) == (1, 0) or (step >= 2 and rank == 1):
+            y = self.moving(y)
+        return y
 
 
 def _optimizer(name: str, params):
@@ -101,7 +107,7 @@ def _train_with_step_graphs(rank: int, name: str, steps: int, capturing: list):
     accelerator = SimpleNamespace(num_processes=WORLD)
 
     def run_step(batch):  # what library.run.step.MicroStep.forward_to_optimizer_step does
-        loss = model(batch["latents"], rank).pow(2).mean()
+        loss = model(batch["latents"], rank, batch["step"]).pow(2).mean()  # (a graph keeps its capture's step)
         loss.backward()
         data_parallel.all_reduce_gradients(params, accelerator)
         torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -116,8 +122,8 @@ def _train_with_step_graphs(rank: int, name: str, steps: int, capturing: list):
         return graph, graph.loss
 
     graphs = step_graph.StepGraphs([optimizer], "cpu", capture=capture)
-    for x in _batches(rank, steps):
-        graphs.step({"latents": x, "network_multipliers": [1.0]}, run_step)
+    for step, x in enumerate(_batches(rank, steps)):
+        graphs.step({"latents": x, "network_multipliers": [1.0], "step": step}, run_step)
     assert graphs.off is None and len(graphs_made) == 1 and graphs_made[0].replays == steps - step_graph.WARMUP
     return model
 
@@ -127,8 +133,8 @@ def _train_with_ddp(rank: int, name: str, steps: int):
     ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = _optimizer(name, params)
-    for x in _batches(rank, steps):
-        ddp(x, rank).pow(2).mean().backward()
+    for step, x in enumerate(_batches(rank, steps)):
+        ddp(x, rank, step).pow(2).mean().backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

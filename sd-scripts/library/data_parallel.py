@@ -90,16 +90,20 @@ def all_reduce_gradients(params, accelerator) -> None:
     for grads in buckets.values():
         _reduce_bucket(grads, world)
     capturing = _capturing()
+    if not capturing:
+        _UNUSED_EVERYWHERE.clear()  # what this step finds, the same on every process (read from the averages)
     for p in no_grad:  # unused on every process (e.g. SDXL's last CLIP-L layer): no gradient, as before
         if capturing:
-            unused = _UNUSED_EVERYWHERE.get(p, False)
+            unused = p in _UNUSED_EVERYWHERE
         else:
-            unused = _UNUSED_EVERYWHERE[p] = not p.grad.any()
+            unused = not p.grad.any()
+            if unused:
+                _UNUSED_EVERYWHERE[p] = True
         if unused:
             p.grad = None
 
 
-# parameter -> whether the last ordinary step that found it without a gradient here found it so on every process
+# the parameters that the last ordinary step found unused on every process (a capture follows the steps before it)
 _UNUSED_EVERYWHERE = WeakIdKeyDictionary()
 
 
