@@ -1,7 +1,9 @@
 """What the trainer chose for the compile settings left at `auto`, read from its log lines (the GUI never imports
 the trainers): `--compile_dynamic auto` (library.compile.regional's "Compiled N blocks" line says "static shapes"
-or "inputs dynamic") and `--cuda_graph_step auto` (library.compile.graphs.resolve: "on (...)" or "off; the step
-graph <reason>"). The Torch Compile Settings show them after a run of that tab."""
+or "inputs dynamic"), `--cuda_graph_step auto` (library.compile.graphs.resolve: "on (...)" or "off; the step
+graph <reason>") and `--compile_checkpoint_keep auto` (library.compile.checkpoint.resolve_keep: "<choice> (<why>)");
+and what the compile took and the compile cache served (library.run.events.CompileReport, after step 2). The Torch
+Compile Settings show them after a run of that tab."""
 
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ CUDA_GRAPH_STEP = re.compile(r"--cuda_graph_step auto: (?:on \((?P<on>.*)\)|off;
 COMPILED_BLOCKS = re.compile(r"Compiled \d+ blocks of ")
 STATIC = "static shapes (--compile_dynamic auto"
 DYNAMIC = "inputs dynamic"
+CHECKPOINT_KEEP = re.compile(r"--compile_checkpoint_keep auto: (?P<choice>\w+) \((?P<why>.*)\)$")
+COMPILE_REPORT = re.compile(r"torch\.compile after step \d+: (?P<report>.*)$")
+OPTIONS = ("compile_dynamic", "cuda_graph_step", "compile_checkpoint_keep")
 
 
 def feed(choices: dict[str, str], line: str) -> bool:
@@ -23,13 +28,19 @@ def feed(choices: dict[str, str], line: str) -> bool:
             "static (the dataset has one bucket shape)" if STATIC in line else
             "dynamic (the image-size dimensions of the blocks' inputs, so bucket shapes share the graphs)")
         return True
+    if m := CHECKPOINT_KEEP.search(line):
+        choices["compile_checkpoint_keep"] = f"{m['choice']} ({m['why']})"
+        return True
+    if m := COMPILE_REPORT.search(line):
+        choices["compile"] = m["report"]
+        return True
     return False
 
 
 def markdown(choices: dict[str, str], tab_label: str) -> str:
     """The Torch Compile Settings' line about the last run of this tab ("" when auto chose nothing there)."""
-    if not choices:
-        return ""
-    parts = [f"`--{option} auto` → {choices[option]}" for option in ("compile_dynamic", "cuda_graph_step")
-             if option in choices]
-    return f"**What auto chose in the last {tab_label} run:** " + " · ".join(parts)
+    parts = [f"`--{option} auto` → {choices[option]}" for option in OPTIONS if option in choices]
+    lines = [f"**What auto chose in the last {tab_label} run:** " + " · ".join(parts)] if parts else []
+    if "compile" in choices:
+        lines.append(f"**Compile in the last {tab_label} run:** {choices['compile']}")
+    return "\n\n".join(lines)

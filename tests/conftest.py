@@ -123,3 +123,26 @@ def pytest_collection_modifyitems(config, items):
             # a test of several waits on a loaded 2-core machine: each wait ends on the page's state (180 s at
             # most); the whole test may take longer than the suite's 600 s
             item.add_marker(pytest.mark.timeout(1800))
+
+
+@pytest.fixture
+def writes_fail_past():
+    """`with writes_fail_past(n):` every write past byte n of a file fails with EFBIG ("File too large"): a disk
+    that refuses a save halfway, for the real writers (RLIMIT_FSIZE; SIGXFSZ ignored so the write returns the
+    error instead of killing the process)."""
+    import contextlib
+    import resource
+    import signal
+
+    @contextlib.contextmanager
+    def limit(nbytes: int):
+        old = resource.getrlimit(resource.RLIMIT_FSIZE)
+        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, old[1]))
+        try:
+            yield
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, old)
+            signal.signal(signal.SIGXFSZ, handler)
+
+    return limit

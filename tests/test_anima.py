@@ -263,7 +263,10 @@ def test_gui_print_command_names_the_anima_scripts(tmp_path):
 
 
 @pytest.mark.slow
-def test_lora_block_swap_checkpointing_and_regional_compile(anima_set, anima_data, tmp_path):
+def test_lora_block_swap_checkpointing_and_regional_compile(anima_set, anima_data, tmp_path, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO)
     path = anima_train_network.main([*model_argv(anima_set), *LORA, *train_argv(
         anima_data, tmp_path / "out", "c", ["--network_train_unet_only", "--blocks_to_swap", "1",
                                             "--gradient_checkpointing", "--compile", "--compile_backend", "aot_eager",
@@ -272,6 +275,8 @@ def test_lora_block_swap_checkpointing_and_regional_compile(anima_set, anima_dat
     assert md["ss_blocks_to_swap"] == "1" and md["ss_compile_blocks"] == "2"  # the DiT's two Blocks
     assert md["ss_fp8_base"] == "False"  # not supported for Anima: off, as upstream
     assert any(v.abs().sum() > 0 for k, v in sd.items() if k.endswith("lora_up.weight"))
+    # the checkpoint inside the compiled blocks keeps their inputs, as upstream's (its memory)
+    assert "--compile_checkpoint_keep auto: inputs (the only choice at upstream's memory or less: as SD3.5" in caplog.text
 
 
 @pytest.mark.slow

@@ -59,7 +59,9 @@ def test_family_report_compares_each_run_with_upstream(tmp_path):
                  smi_loop_peak_mib=40960, start_to_step1_shown_s=70.0),
             _run("sd3-large", "compiled", trainer_summary={"median_ms": 600.0, "peak_gib": 28.0,
                                                             "first_steps": "first step 50.2 s, second step 9.0 s"}),
-            _run("chroma", "compiled", rc=-9, timed_out_after_s=200.0)]
+            _run("chroma", "compiled", rc=-9, timed_out_after_s=200.0),
+            _run("chroma", "compiled", extra=["--compile_checkpoint_keep", "inputs"],
+                 trainer_summary={"median_ms": 476.7, "peak_gib": 19.63})]
     (tmp_path / "r.json").write_text(json.dumps(runs))
     rows = bench_shipped.report([str(tmp_path / "r.json")]).splitlines()
     assert rows[2] == "| sd3-large 1024 px | ours, Enable torch.compile | 600.0 ms | 2.50x | 28.00 GiB |  | 50.2 s |  |"
@@ -67,6 +69,8 @@ def test_family_report_compares_each_run_with_upstream(tmp_path):
                        "| 60 s |")
     assert rows[4] == "| sd3-large 1024 px | upstream | 1500.0 ms |  |  | 40.00 GiB (run 40.00) | 2.5 s | 70 s |"
     assert rows[5] == "| chroma 1024 px | ours, Enable torch.compile | failed (rc -9, stopped at 200 s) |  |  |  |  |  |"
+    assert rows[6] == ("| chroma 1024 px | ours, Enable torch.compile, `--compile_checkpoint_keep inputs` | 476.7 ms |  "
+                       "| 19.63 GiB |  |  |  |")  # a run with more flags names them
 
 
 def test_both_sides_get_the_same_workload_and_each_its_own_flags(tmp_path):

@@ -107,6 +107,39 @@ def test_bucketed_run_figures_read_from_the_trainer_log():
     assert r["outside_ms_per_step"] == 166.7 and r["outside_steps"] == "12-24"
 
 
+def test_warm_restart_breakdown_read_from_the_trainer_log():
+    """Where a (warm) start's time to step 2 goes: the stages' first lines since the process started, torch's cache
+    counters and its compile-time table (both printed by tools/graph_timing.py at exit), lines as a run printed them."""
+    log = [
+        (5.5, "graph_timing: variant shipped (pool checks False)"),
+        (5.9, "2026-11-26 08:30:53 INFO library.train_util: seed: 0"),
+        (9.1, "2026-11-26 08:30:56 INFO library.model_util: loaded SDXL model from /w/sdxl.safetensors (prediction: "
+              "epsilon)"),
+        (9.1, "2026-11-26 08:30:56 INFO library.datasets: caching latents: 4 images to encode, 0 reused from disk"),
+        (11.7, "2026-11-26 08:30:58 INFO library.datasets: caching text encoder outputs: 4 captions to encode"),
+        (12.0, "2026-11-26 08:30:59 INFO library.compile.regional: Compiling SDXL UNet with torch.compile: backend=x"),
+        (19.3, "steps: 1/4 loss=0.1"),
+        (19.5, "median step 59.8 ms (steps 3-4); first step 7.2 s, second step 0.1 s"),
+        (19.6, 'graph_timing: {"gc_collect": [2, 0.003]}'),
+        (19.6, 'graph_timing counters: {"stats": {"unique_graphs": 2}, "inductor": {"fxgraph_cache_hit": 4}, '
+               '"aot_autograd": {"total": 2, "autograd_cache_hit": 2}}'),
+        (19.6, "compile_times:"),
+        (19.6, "TorchDynamo compilation metrics:"),
+        (19.6, "Function, Runtimes (s)"),
+        (19.6, "_compile.compile_inner, 4.3692"),
+        (19.6, "bytecode_tracing, 2.0276"),
+        (19.6, "AOTAutogradCache.inductor_load, 1.6457"),
+    ]
+    r = _bench().read_log(log, warmup=1)
+    assert r["timeline_s"] == {"first_log_line": 5.9, "model_loaded": 9.1, "caching_latents": 9.1,
+                               "caching_text": 11.7, "compile_line": 12.0, "step2_done": 19.3}
+    assert r["compile_counters"]["aot_autograd"]["autograd_cache_hit"] == 2
+    assert r["compile_counters"]["inductor"] == {"fxgraph_cache_hit": 4}
+    assert r["compile_times"] == {"_compile.compile_inner": 4.3692, "bytecode_tracing": 2.0276,
+                                  "AOTAutogradCache.inductor_load": 1.6457}
+    assert r["compile_line_to_step2_done_s"] == 7.3
+
+
 def test_bucket_images_and_trainer_flags(tmp_path):
     bench = _bench()
     sys.path.insert(0, str(REPO / "sd-scripts"))
@@ -140,14 +173,21 @@ def test_report_puts_default_and_best_side_by_side(tmp_path):
     assert bench_shipped.auto_choices(log) == "step graph on, static"
     assert bench_shipped.auto_choices(["x, image-size dimensions of their inputs dynamic (bucket shapes ...)"]) == \
         "inputs dynamic"
+    assert bench_shipped.auto_choices(["INFO --compile_checkpoint_keep auto: attention (batch size 1: ...)"]) == \
+        "keep attention"
     runs = [dict(workload="SDXL bs1 + GC", tag="before", extra=[], auto_chose="", rc=0,
-                 trainer_summary={"median_ms": 154.7, "peak_gib": 7.05}, outside_ms_per_step=160.0),
+                 trainer_summary={"median_ms": 154.7, "peak_gib": 7.05,
+                                  "first_steps": "first step 17.1 s, second step 0.3 s; peak GPU memory 7.05 GiB"},
+                 outside_ms_per_step=160.0, compile_line_to_step2_done_s=19.5,
+                 compile_counters={"inductor": {"fxgraph_cache_hit": 3, "fxgraph_cache_miss": 1},
+                                   "aot_autograd": {"total": 2, "autograd_cache_hit": 2, "ok": 2}}),
             dict(workload="SDXL bs1 + GC", tag="after", extra=[], auto_chose="step graph on, static", rc=0,
                  trainer_summary={"median_ms": 119.4, "peak_gib": 7.1}),
             dict(workload="SDXL bs1 + GC", tag="after", extra=["--optimizer_type", "Prodigy"], auto_chose="", rc=1,
                  trainer_summary=None)]
     (tmp_path / "r.json").write_text(json.dumps(runs))
     rows = bench_shipped.report([str(tmp_path / "r.json")]).splitlines()
-    assert rows[2] == "| SDXL bs1 + GC | --optimizer_type Prodigy | after |  | failed (rc 1) |  |  |"
-    assert rows[3] == "| SDXL bs1 + GC | default | after | step graph on, static | **119.4 ms** | 7.1 GiB |  |"
-    assert rows[4] == "| SDXL bs1 + GC | default | before |  | 154.7 ms | 7.05 GiB | 160.0 ms |"
+    assert rows[2] == "| SDXL bs1 + GC | --optimizer_type Prodigy | after |  | failed (rc 1) |  |  |  |  |  |"
+    assert rows[3] == "| SDXL bs1 + GC | default | after | step graph on, static | **119.4 ms** | 7.1 GiB |  |  |  |  |"
+    assert rows[4] == ("| SDXL bs1 + GC | default | before |  | 154.7 ms | 7.05 GiB | 160.0 ms | 17.1 / 0.3 s | 19.5 s "
+                       "| FX 3/4, AOT 2/2 |")

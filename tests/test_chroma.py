@@ -279,6 +279,8 @@ def test_lora_cached_outputs_block_swap_fp8_and_compile(chroma_set, chroma_data,
     assert any(v.abs().sum() > 0 for k, v in sd.items() if k.endswith("lora_up.weight"))
     assert len(list(data.rglob("*_flux_te.npz"))) == 2 and len(list(data.rglob("*_flux.npz"))) == 2
     assert "--clip_l is ignored: Chroma does not use CLIP-L" in caplog.text
+    # Chroma is told from FLUX.1 for the compile's auto choices: it keeps upstream's memory
+    assert "--compile_checkpoint_keep auto: inputs (the only choice at upstream's memory or less: Chroma" in caplog.text
 
 
 @pytest.mark.slow

@@ -93,3 +93,39 @@ def test_the_compile_settings_of_the_runs_tab_show_it(tmp_path, monkeypatch, cap
     assert "`--cuda_graph_step auto` → off: the step graph needs cached text-encoder outputs" in lora
     assert all(v == gr.skip() for v in notes.values())
     assert all(v == gr.skip() for v in A.run_tick(seen)[-2 - len(P.TABS):-2])  # nothing new: nothing sent
+
+
+def test_reads_the_checkpoint_keep_choice_and_the_compile_report(caplog, monkeypatch):
+    """`--compile_checkpoint_keep auto`'s line (library.compile.checkpoint.resolve_keep) and the compile report after
+    step 2 (library.run.events.CompileReport), as the trainer logs them, reach the Torch Compile Settings."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch._dynamo.utils import counters
+
+    from library.compile import checkpoint
+    from library.run.events import CompileReport
+
+    monkeypatch.setattr(checkpoint, "free_gpu_bytes", lambda *a: 70 * 2**30)
+    args = argparse.Namespace(compile_checkpoint_keep="auto", _family="sdxl", train_batch_size=1,
+                              _max_pixels=1024 * 1024)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="library"):
+        assert checkpoint.resolve_keep(args, gradient_checkpointing=True) == "attention"
+        torch._dynamo.reset()
+        counters.clear()
+        try:
+            torch.compile(lambda t: t.cos() + 1, backend="eager")(torch.randn(3))
+            state = SimpleNamespace(args=SimpleNamespace(compile=True), at_epoch_end=False, global_step=2,
+                                    timer=SimpleNamespace(durations=[9.0, 0.2]))
+            CompileReport().run(state)
+        finally:
+            counters.clear()
+            torch._dynamo.reset()
+    lines = [f"2026-01-01 12:00:00 INFO {r.name}: {r.getMessage()}" for r in caplog.records]
+    choices = {}
+    assert [compile_auto.feed(choices, line) for line in lines] == [True, True]
+    assert choices["compile_checkpoint_keep"].startswith("attention (batch size 1: the least memory")
+    md = compile_auto.markdown(choices, "LoRA")
+    assert "`--compile_checkpoint_keep auto` → attention (batch size 1" in md
+    assert "**Compile in the last LoRA run:** 1 graph compiled in " in md

@@ -83,7 +83,7 @@ def test_cudnn_sdp_choice(monkeypatch, caplog, choice, crashed_here, expected):
     (["--compile", "--compile_backend", "aot_eager", "--network_train_unet_only"], "flux", False, "measured only"),
     (["--compile"], "flux", False, "text encoders may train"),  # their attention backward runs eagerly
     (["--compile", "--network_train_unet_only"], "sd3", False, "not measured for this model family (sd3)"),
-    (["--compile", "--network_train_unet_only", "--model_type", "chroma"], "flux", False, "family (chroma)"),
+    (["--compile", "--network_train_unet_only", "--model_type", "chroma"], "chroma", False, "family (chroma)"),
     (["--compile", "--train_text_encoder"], "sdxl", False, "text encoders may train"),  # sdxl_train.py
     (["--compile"], "sdxl", True, "inside the inductor-compiled blocks"),  # sdxl_train.py without the flag
 ])
@@ -111,11 +111,15 @@ GIB = 2**30
     ("flux", 1, 1024 * 1024, 16.5, "attention"),  # a 40 GB card: fits attention's 27.3 GiB peak, not with margin
     ("flux", 1, 512 * 512, 10.0, "projections"),  # 512 px: (1024 + 512) / 4608 of the extra
     ("flux", 4, 1024 * 1024, 40.0, "attention"),  # four samples keep four times as much
-    ("sdxl", 1, 1024 * 1024, 8.1, "resnets"),  # 2 x 2.05 + 4
-    ("sdxl", 1, 1024 * 1024, 8.0, "attention"),
+    ("sdxl", 2, 1024 * 1024, 12.2, "resnets"),  # 2 x 4.1 + 4
+    ("sdxl", 2, 1024 * 1024, 12.1, "attention"),
+    ("sdxl", 1, 1024 * 1024, 74.0, "attention"),  # bs1: attention meets <= 130 ms under 8 GiB, resnets not (run80)
     ("sdxl", 4, 1024 * 1024, 74.0, "resnets"),
     ("sdxl", 4, 1024 * 1024, 18.0, "attention"),  # a 24 GB card at bs4: 2 x 8.2 + 4 = 20.4
-    ("sd3", 1, 1024 * 1024, 70.0, "attention"),  # not measured
+    ("sd3", 1, 1024 * 1024, 70.0, "inputs"),  # attention's outputs took it past upstream's memory (run81)
+    ("chroma", 1, 1024 * 1024, 56.0, "inputs"),  # projections was faster at 6 GiB more than upstream (run78)
+    ("anima", 1, 1024 * 1024, 70.0, "inputs"),  # as SD3.5: self- and cross-attention outputs
+    ("lumina", 1, 1024 * 1024, 70.0, "attention"),  # at upstream's memory with it (run72)
     ("flux", 1, 1024 * 1024, None, "attention"),  # no CUDA
 ])
 def test_checkpoint_keep_auto_from_free_memory(family, batch, pixels, free_gib, expected):
@@ -134,6 +138,23 @@ def test_checkpoint_keep_auto_logs_its_choice(monkeypatch, caplog):
         assert f"--compile_checkpoint_keep auto: {expected} ({free_gib:.1f} GiB of GPU memory free" in caplog.text
     assert compile_checkpoint.resolve_keep(_parse("--compile_checkpoint_keep", "resnets"), True) == "resnets"
     assert compile_checkpoint.resolve_keep(args, gradient_checkpointing=False) == "attention"
+
+
+def test_checkpoint_keep_auto_tells_chroma_from_flux(monkeypatch, caplog):
+    """Chroma runs in FLUX.1's scripts (family "flux"); graphs.resolve notes the model, so auto keeps inputs for it,
+    whatever the free memory, and says why in its line."""
+    monkeypatch.setattr(compile_checkpoint, "free_gpu_bytes", lambda *a: 60 * GIB)
+    picked = {}
+    for model_type in ("flux", "chroma"):
+        args = _parse("--compile")
+        args.model_type, args.cuda_graph_step, args.train_batch_size = model_type, "off", 1
+        dataset = argparse.Namespace(buckets={(1024, 1024): [0]})
+        compile_graphs.resolve(args, [argparse.Namespace(datasets=[dataset])], 1, "flux", ValueError)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="library.compile"):
+            picked[model_type] = compile_checkpoint.resolve_keep(args, gradient_checkpointing=True)
+    assert picked == {"flux": "projections", "chroma": "inputs"}
+    assert "--compile_checkpoint_keep auto: inputs (the only choice at upstream's memory or less: Chroma" in caplog.text
 
 
 def test_checkpoint_contexts_pickle_for_the_autograd_cache():
@@ -817,3 +838,48 @@ def test_checkpoint_contexts_compile_whole_inside_a_block(keep):
     assert counter.frame_count == 1
     for a, b in zip(eager.parameters(), block.parameters()):
         torch.testing.assert_close(b.grad, a.grad)
+
+
+def test_the_compile_report_after_step_two_says_what_the_cache_served(caplog):
+    """library.run.events.CompileReport logs once, after the second step of a --compile run, how many graphs dynamo
+    traced and how many the persistent caches served (environment.compile_cache_report, from torch's counters)."""
+    from types import SimpleNamespace
+
+    from torch._dynamo.utils import counters
+
+    from library.compile import environment
+    from library.run.events import CompileReport
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        assert environment.compile_cache_report() is None  # nothing compiled yet
+        x = torch.randn(4, requires_grad=True)
+        torch.compile(lambda t: (t.sin() * 2).sum(), backend="aot_eager")(x).backward()
+        report = environment.compile_cache_report()
+        assert report.startswith("1 graph compiled in ") and "dynamo's tracing" in report and "cache" not in report  # aot_eager: no caches
+        # a warm restart's counters as torch 2.13 left them (tiny SDXL, inductor on the CPU, 2 block kinds)
+        counters["stats"]["unique_graphs"] = 2
+        counters["inductor"]["fxgraph_cache_hit"] = 4
+        counters["aot_autograd"].update(total=2, autograd_cache_hit=2, ok=2)
+        report = environment.compile_cache_report()
+        assert report.startswith("2 graphs compiled in ")
+        assert ("AOTAutograd cache 2 hit, 0 compiled, 0 bypassed; FX-graph cache 4 hit, 0 compiled, 0 bypassed"
+                in report)
+
+        event = CompileReport()
+        state = SimpleNamespace(args=SimpleNamespace(compile=True), at_epoch_end=False, global_step=1,
+                                timer=SimpleNamespace(durations=[30.0]))
+        assert not event.due(state)  # the first step only: CUDA graphs are recorded in the second
+        state.timer.durations.append(0.5)
+        state.global_step = 2
+        assert event.due(state)
+        with caplog.at_level(logging.INFO, logger="library.run.events"):
+            event.run(state)
+        assert f"torch.compile after step 2: {report}" in caplog.text
+        assert not event.due(state)  # once
+        assert not CompileReport().due(SimpleNamespace(args=SimpleNamespace(compile=False), at_epoch_end=False,
+                                                       timer=state.timer))
+    finally:
+        counters.clear()
+        torch._dynamo.reset()

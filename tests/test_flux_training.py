@@ -123,6 +123,7 @@ def test_lora_compile_aot_eager_with_block_swap(flux_set, flux_data, tmp_path, c
     assert "gradient checkpointing inside the compiled region (--compile_checkpoint_keep projections)" in caplog.text
     assert "Linear layers in the compiled blocks run outside the graph" in caplog.text
     assert "Block swap: 1 of 2 blocks swapped" in caplog.text
+    assert "torch.compile after step 2: " in caplog.text and " compiled in " in caplog.text  # events.CompileReport
     sd, md = read(path)
     check_kohya_flux_keys(sd, te=False)
     assert md["ss_blocks_to_swap"] == "1" and md["ss_compile_backend"] == "aot_eager"
@@ -170,6 +171,7 @@ def test_full_finetune_fused_backward_with_block_swap_equals_without(flux_set, f
     plain = read(flux_train.main(full_argv(flux_set, flux_data, tmp_path, "plain", fused)))[0]
     swapped = read(flux_train.main(full_argv(flux_set, flux_data, tmp_path, "swap", [*fused, "--blocks_to_swap", "1"])))[0]
     assert "Block swap: 1 of 2 blocks swapped" in caplog.text
+    assert "torch.compile after step 2: " in caplog.text and " compiled in " in caplog.text  # events.CompileReport
     base = load_file(flux_set["transformer"])
     assert all(torch.equal(plain[k], swapped[k]) for k in plain)
     assert any(not torch.equal(plain[k], base[k]) for k in base if k.startswith("double_blocks."))

@@ -188,6 +188,151 @@ def test_merge_into_sdxl_loads_everywhere_and_extracts_back(sdxl_lora, tiny_sdxl
     assert md["ss_base_model_version"] == "sdxl_base_v1-0" and md["modelspec.architecture"].endswith("/lora")
 
 
+@pytest.mark.parametrize("save_precision", ["fp16", "float"])
+def test_merge_into_an_fp16_model_saves_the_bits_of_an_all_fp32_merge(sdxl_lora, tiny_sdxl_single_file, tmp_path,
+                                                                       save_precision):
+    """The merge keeps the file's fp16 tensors uncast and upcasts only the layers it changes: every saved tensor
+    has the bits of upstream's recipe (the whole model in fp32, W += ratio * up x down * alpha / rank per LoRA,
+    then cast to --save_precision), two LoRAs accumulating in fp32."""
+    from library import model_util
+
+    fp16_model = tmp_path / "fp16.safetensors"
+    model_util.save_sd_checkpoint(fp16_model, model_util.load_sd_components(str(tiny_sdxl_single_file), "sdxl",
+                                                                            tokenizers=False),
+                                  save_dtype=torch.float16)
+    merged = tmp_path / "merged.safetensors"
+    assert sdxl_merge_lora.main(["--sd_model", str(fp16_model), "--models", str(sdxl_lora), str(sdxl_lora),
+                                 "--ratios", "0.7", "-0.3", "--save_precision", save_precision,
+                                 "--save_to", str(merged)]) == 0
+
+    comps = model_util.load_sd_components(str(fp16_model), "sdxl", dtype=torch.float32, tokenizers=False)
+    layers = lora_tools.sd_layer_map(comps.text_encoders, comps.unet)
+    for ratio in (0.7, -0.3):
+        for name, m in lora_tools.lora_modules(load_file(str(sdxl_lora))).items():
+            w = layers[name].weight
+            w.data = w.data + (m.up.float().reshape(m.up.shape[0], -1) @ m.down.float().reshape(m.rank, -1)
+                               ).reshape(w.shape) * (ratio * m.scale)
+    reference = tmp_path / "reference.safetensors"
+    model_util.save_sd_checkpoint(reference, comps, save_dtype=torch.float16 if save_precision == "fp16" else None)
+    ours, ref = load_file(str(merged)), load_file(str(reference))
+    assert set(ours) == set(ref) and len(ours) > 100
+    dtype = torch.float16 if save_precision == "fp16" else torch.float32
+    assert {v.dtype for v in ours.values() if v.is_floating_point()} == {dtype}
+    assert [k for k in ref if not torch.equal(ours[k], ref[k])] == []
+    q_proj = model_util.SDXL_TE1_PREFIX + "text_model.encoder.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(ours[q_proj], load_file(str(fp16_model))[q_proj].to(dtype))  # the LoRAs moved it
+
+
+def test_streamed_safetensors_writer_writes_the_librarys_bytes(tiny_sdxl_single_file, tmp_path):
+    """save_sd_checkpoint writes a model on a GPU with safetensors_io.save_file_streamed: its file is the one
+    safetensors.torch.save_file writes (the same header, length and tensor order, the data byte for byte; only
+    the order of the metadata keys, which the library takes from a hash map, may differ), for every dtype, odd
+    shapes, non-contiguous views, a cast on the way and buffers smaller than a tensor (run here on the CPU)."""
+
+    def parts(path):
+        raw = path.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        return n, json.loads(raw[8:8 + n]), raw[8 + n:]
+
+    from safetensors.torch import save_file
+
+    from library import model_util
+    from library.safetensors_io import save_file_streamed
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"b.w": torch.randn(30, 7, generator=g), "a.h": torch.randn(13, generator=g).half(),
+               "c.bf": torch.randn(5, 3, generator=g).bfloat16(), "f64": torch.randn(3, dtype=torch.float64),
+               "i64": torch.arange(7), "i32": torch.arange(5, dtype=torch.int32), "i16": torch.arange(3).short(),
+               "i8": torch.arange(3, dtype=torch.int8), "u8": torch.arange(11, dtype=torch.uint8),
+               "flag": torch.tensor([True, False, True]), "scalar": torch.tensor(3.5), "empty": torch.empty(0, 4),
+               "view": torch.randn(8, 6, generator=g).t()}
+    meta = {"modelspec.title": "Zürich ☃ \"quoted\"", "format": "pt"}
+    for cast, chunk in ((None, 64), (torch.float16, 1 << 20)):  # buffers smaller / larger than all the data
+        ref, ours = tmp_path / f"ref{cast}.safetensors", tmp_path / f"ours{cast}.safetensors"
+        save_file({k: (v.to(cast) if cast and v.is_floating_point() else v).contiguous() for k, v in tensors.items()},
+                  str(ref), metadata=meta)
+        save_file_streamed(tensors, ours, meta, float_dtype=cast, chunk_bytes=chunk)
+        assert parts(ours) == parts(ref), cast
+
+    comps = model_util.load_sd_components(str(tiny_sdxl_single_file), "sdxl", tokenizers=False)
+    saved = model_util.save_sd_checkpoint(tmp_path / "lib.safetensors", comps, save_dtype="fp16", metadata=meta)
+    meta_pt = {**meta, "format": "pt"}
+    save_file_streamed(model_util.components_to_ldm_state_dict(comps), tmp_path / "streamed.safetensors", meta_pt,
+                       float_dtype=torch.float16, chunk_bytes=4096)
+    assert parts(tmp_path / "streamed.safetensors") == parts(saved)
+
+
+def _mapped_files(tensors) -> set[str]:
+    """The files whose memory mappings hold these tensors' data (/proc/self/maps)."""
+    maps = []
+    for line in open("/proc/self/maps").read().splitlines():
+        fields = line.split()
+        if len(fields) >= 6:
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            maps.append((lo, hi, fields[5]))
+    return {name for t in tensors for lo, hi, name in maps if lo <= t.data_ptr() < hi}
+
+
+def test_save_over_the_memory_mapped_file_the_model_came_from(tiny_sdxl_single_file, tmp_path, writes_fail_past):
+    """A trainer or tool that saves over the checkpoint its model was read from (--overwrite_output, --save_to =
+    --sd_model): the model's tensors are memory-mapped from that file while the new one is written. The save
+    writes a temporary file and renames it over the old one at the end, so the mapped tensors keep their values,
+    the new file has the bytes a save to a fresh name has, and a save the disk refuses halfway leaves the old file
+    whole and no temporary file behind."""
+    import shutil
+
+    from library import model_util
+    from library.errors import SaveError
+
+    path = tmp_path / "model.safetensors"
+    shutil.copyfile(tiny_sdxl_single_file, path)
+    before = path.read_bytes()
+    comps = model_util.load_sd_components(str(path), "sdxl", dtype=None, tokenizers=False)  # as stored: mapped
+    params = list(comps.unet.parameters())
+    assert str(path) in _mapped_files(params)
+    kept = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        params[0].add_(1.0)  # a trained weight (the mapping is private: the file keeps its bytes)
+    kept[0] += 1.0
+
+    with writes_fail_past(len(before) // 3), pytest.raises(SaveError, match="File too large"):
+        model_util.save_sd_checkpoint(path, comps, save_dtype="bf16", overwrite=True)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+
+    fresh = model_util.save_sd_checkpoint(tmp_path / "fresh" / "model.safetensors", comps, save_dtype="bf16")
+    model_util.save_sd_checkpoint(path, comps, save_dtype="bf16", overwrite=True)
+    assert all(torch.equal(p, k) for p, k in zip(params, kept))  # the old file's mapping is still read
+    assert path.read_bytes() == fresh.read_bytes() != before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "model.safetensors"]
+
+
+def test_merge_saved_over_its_own_input(sdxl_lora, tiny_sdxl_single_file, tmp_path, writes_fail_past, capsys):
+    """sdxl_merge_lora.py --save_to naming its --sd_model (with --overwrite): the merged file is the one a merge to
+    another folder writes; when the disk refuses that save halfway, the input stays whole (one error line, exit 2)."""
+    import shutil
+
+    for folder in ("a", "b", "c"):
+        (tmp_path / folder).mkdir()
+    for folder in ("a", "b"):
+        shutil.copyfile(tiny_sdxl_single_file, tmp_path / folder / "model.safetensors")
+    model, elsewhere = tmp_path / "b" / "model.safetensors", tmp_path / "c" / "model.safetensors"
+    argv = ["--models", str(sdxl_lora), "--ratios", "0.8", "--save_precision", "fp16"]
+    assert sdxl_merge_lora.main(["--sd_model", str(tmp_path / "a" / "model.safetensors"), "--save_to",
+                                 str(elsewhere), *argv]) == 0
+    before = model.read_bytes()
+    with writes_fail_past(elsewhere.stat().st_size // 2):
+        assert sdxl_merge_lora.main(["--sd_model", str(model), "--save_to", str(model), "--overwrite", *argv]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: cannot save {model}: File too large")
+    assert model.read_bytes() == before and [p.name for p in model.parent.iterdir()] == ["model.safetensors"]
+
+    assert sdxl_merge_lora.main(["--sd_model", str(model), "--save_to", str(model), "--overwrite", *argv]) == 0
+    ours, ref = load_file(str(model)), load_file(str(elsewhere))
+    assert set(ours) == set(ref) and [k for k in ref if not torch.equal(ours[k], ref[k])] == []
+    undated = [{k: v for k, v in _metadata(p).items() if k != "modelspec.date"} for p in (model, elsewhere)]
+    assert undated[0] == undated[1] and model.read_bytes() != before
+    assert [p.name for p in model.parent.iterdir()] == ["model.safetensors"]
+
+
 # -- LoRA to LoRA -----------------------------------------------------------------------------------------------
 
 def test_merge_loras_sum_and_concat(sdxl_lora, tmp_path):
@@ -517,7 +662,8 @@ def test_benchmark_commands_are_valid_tool_command_lines(tmp_path, capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
     names = {line.split("] ", 1)[1].split(":", 1)[0] for line in lines}
     assert names == {"sdxl_resize", "sdxl_resize_sv_fro", "sdxl_merge", "sdxl_merge_loras", "sdxl_extract",
-                     "flux_extract", "wd14_8", "wd14_88"} and len(lines) == 2 * len(names)
+                     "sd_merge", "sdxl_merge_profile", "flux_extract", "wd14_8", "wd14_88"}
+    assert len(lines) == 2 * len(names) - 1  # the profiled merge is ours only
     parsers = {t.__name__.split(".")[-1]: t.setup_parser for t in TOOLS}
     parsers["tag_images_by_wd14_tagger"] = load(
         "wd14", REPO / "sd-scripts" / "finetune" / "tag_images_by_wd14_tagger.py").setup_parser
@@ -529,6 +675,9 @@ def test_benchmark_commands_are_valid_tool_command_lines(tmp_path, capsys):
             argv = [argv[0], *argv[3:]]
             assert argv[1].startswith("/opt/sd-scripts/")
         else:
+            if argv[1:3] == ["-m", "cProfile"]:  # sdxl_merge_profile: python -m cProfile -o FILE script ...
+                assert argv[3] == "-o" and argv[4].endswith(".prof")
+                argv = [argv[0], *argv[5:]]
             assert argv[1].startswith(str(REPO))
         parsers[argv[1].rsplit("/", 1)[1][:-3]]().parse_args(argv[2:])
 

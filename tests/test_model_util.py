@@ -242,7 +242,7 @@ def test_sd2_v_round_trip_keeps_the_skipped_layer(tmp_path):
     assert pipe.scheduler.config.prediction_type == "v_prediction"
 
 
-def test_save_strips_orig_mod_and_refuses_to_overwrite(sd1_comps, tmp_path):
+def test_save_strips_orig_mod_and_refuses_to_overwrite(sd1_comps, tmp_path, writes_fail_past):
     wrapped = mu.SDComponents(**{**sd1_comps.__dict__, "unet": torch.compile(sd1_comps.unet)})
     names = mu.unet_sgm_module_names(wrapped.unet)
     assert "_orig_mod" not in "".join(names) and names["down_blocks.0.attentions.0.proj_in"] == "input_blocks.1.1.proj_in"
@@ -255,19 +255,13 @@ def test_save_strips_orig_mod_and_refuses_to_overwrite(sd1_comps, tmp_path):
     save_sd_checkpoint(out, sd1_comps, overwrite=True)
     with pytest.raises(ValueError, match=r"allowed: \.safetensors, \.ckpt"):
         save_sd_checkpoint(tmp_path / "c.bin", sd1_comps)
-    import safetensors.torch
+    from library.errors import SaveError
 
-    def failing_save(sd, filename, metadata=None):
-        open(filename, "wb").write(b"partial")
-        raise OSError("disk full")
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(safetensors.torch, "save_file", failing_save)
-        from library.errors import SaveError
-
-        with pytest.raises(SaveError, match="cannot save .*c.safetensors: disk full; the earlier saves"):
-            save_sd_checkpoint(out, sd1_comps, overwrite=True)
-    assert out.read_bytes() != b"partial" and sorted(p.name for p in tmp_path.iterdir()) == ["c.safetensors"]
+    before = out.read_bytes()
+    with writes_fail_past(len(before) // 2), pytest.raises(SaveError, match=r"cannot save .*c\.safetensors: File too "
+                                                                     "large; the earlier saves"):
+        save_sd_checkpoint(out, sd1_comps, overwrite=True)  # the disk refuses it halfway
+    assert out.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["c.safetensors"]
     with pytest.raises(ValueError, match="unknown precision 'fp8'"):
         save_sd_checkpoint(tmp_path / "d.safetensors", sd1_comps, save_dtype="fp8")
     assert not (tmp_path / "d.safetensors").exists()

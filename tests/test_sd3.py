@@ -466,3 +466,51 @@ def test_use_t5xxl_cache_only_with_train_t5xxl_is_one_line_exit_2(sd3_set, sd3_d
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--train_t5xxl cannot be used with --use_t5xxl_cache_only" in err and "Traceback" not in err
+
+
+def _saved_bytes_of_compiled_block(keep: str, tokens: tuple[int, int], dim: int = 64, heads: int = 2) -> int:
+    """Bytes one SD3 joint block compiled with --compile_checkpoint_keep `keep` (inductor's partitioner, no code
+    generation) saves for backward beyond its weights and inputs, with frozen weights as under a LoRA."""
+    from diffusers.models.attention import JointTransformerBlock
+
+    from library.compile.checkpoint import CHECKPOINT_CONTEXTS, _checkpointed_forward
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = JointTransformerBlock(dim=dim, num_attention_heads=heads, attention_head_dim=dim // heads,
+                                  context_pre_only=False, qk_norm="rms_norm").requires_grad_(False)
+    block._ckpt_rng, block._ckpt_context = False, CHECKPOINT_CONTEXTS[keep]
+    block._forward_inside_checkpoint = block.forward
+    block.forward = types.MethodType(_checkpointed_forward, block)
+    block.compile(backend="aot_eager_decomp_partition")
+    inputs = [torch.randn(1, tokens[0], dim, requires_grad=True), torch.randn(1, tokens[1], dim, requires_grad=True),
+              torch.randn(1, dim, requires_grad=True)]
+    block(*inputs)  # compile
+    known = {t.untyped_storage().data_ptr() for t in [*block.parameters(), *inputs]}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in known:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(*inputs)
+    return sum(saved.values())
+
+
+@pytest.mark.slow
+def test_compiled_default_keeps_what_upstream_keeps():
+    """Issue 28: SD3.5's compiled default took 3-5% more GPU memory than upstream (run81). The cause: the checkpoint
+    inside each compiled block kept its attention output (tokens x width; 0.75 GiB over SD3.5 large's 38 blocks at
+    1024 px). auto now keeps only the blocks' inputs for SD3, as upstream's checkpointing does."""
+    from library.compile.checkpoint import auto_keep
+
+    dim, text = 64, 20
+    assert auto_keep("sd3", 1, 1024 * 1024, 70 * 2**30)[0] == "inputs"
+    growth = {}  # bytes saved per image token more
+    for keep in ("inputs", "attention"):
+        small, large = (_saved_bytes_of_compiled_block(keep, (image, text), dim) for image in (64, 128))
+        growth[keep] = (large - small) / 64
+    assert growth["inputs"] == 0  # only the temb-sized modulation stays, whatever the image size
+    assert dim * 4 <= growth["attention"] <= (dim + 8) * 4, growth  # each token's attention output (+ logsumexp)

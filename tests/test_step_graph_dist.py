@@ -7,6 +7,7 @@ used on one process only included, one no process uses left without a gradient (
 otherwise) and one whose use changes over the ordinary steps before the capture. The GPU check with NCCL and real graphs is tests/test_step_graph_dist_gpu.py."""
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -166,6 +167,7 @@ def _worker(rank: int, port: int, out_dir: str, steps: int) -> None:
             assert torch.equal(gathered[0], gathered[1])
         Path(out_dir, f"ok{rank}").write_text("ok")
     finally:
+        gc.collect()  # the DDP wrappers (reference cycles) go while their process group is still there
         torch.distributed.destroy_process_group()
 
 

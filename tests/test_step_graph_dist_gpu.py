@@ -11,6 +11,7 @@
 Skipped without 2 CUDA GPUs. The CPU check of the same averaging is tests/test_step_graph_dist.py."""
 from __future__ import annotations
 
+import gc
 import os
 import re
 import shutil
@@ -126,6 +127,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             assert torch.equal(gathered[0], gathered[1])  # every process holds the same weights
         Path(out_dir, f"ok{rank}").write_text("ok")
     finally:
+        gc.collect()  # the DDP wrappers (reference cycles) go while their process group is still there
         torch.distributed.destroy_process_group()
 
 

@@ -1,6 +1,7 @@
 """Wall time of the LoRA tools and the WD14 tagger on random full-size inputs, ours and (with --upstream)
-kohya-ss/sd-scripts' scripts on the same files: SDXL LoRA resize (rank 64 -> 16, and sv_fro), SDXL merge into the
-model, FLUX.1 extract, WD14 images/s; the outputs of both sides are compared.
+kohya-ss/sd-scripts' scripts on the same files: SDXL LoRA resize (rank 64 -> 16, and sv_fro), SDXL and SD1.5 merge
+into the model (ours once more under cProfile), FLUX.1 extract, WD14 images/s; the outputs of both sides are
+compared. gpu_save: the trainers' save of a model on the GPU (save_file_streamed) against a CPU copy + save_file.
 
     python tools/bench_lora_tools.py --work_dir /tmp/lora_bench --device cuda \
         [--upstream /path/to/kohya-ss/sd-scripts --upstream_python /path/to/its/venv/bin/python]
@@ -39,7 +40,8 @@ SIZES = {"full": {"flux": (3072, 19, 38), "sdxl": "full", "lora_dim": 64, "conv_
          "tiny": {"flux": (128, 1, 2), "sdxl": "tiny", "lora_dim": 8, "conv_dim": 4, "new_rank": 4,
                   "extract_dim": 4, "wd14": (448, 64, 32, 1, 300, 4, 12), "image_side": 96}}  # upstream: 448 px only
 INPUT_FILES = {"sdxl": "sdxl.safetensors", "sdxl_lora": "sdxl_lora.safetensors",
-               "sdxl_lora2": "sdxl_lora2.safetensors", "flux_org": "flux_org.safetensors",
+               "sdxl_lora2": "sdxl_lora2.safetensors", "sd15": "sd15.safetensors", "sd15_lora": "sd15_lora.safetensors",
+               "flux_org": "flux_org.safetensors",
                "flux_tuned": "flux_tuned.safetensors", "wd14_model_dir": "wd14_models"}
 WD14_REPO = "SmilingWolf/wd-vit-tagger-v3"
 
@@ -117,9 +119,9 @@ def make_flux_inputs(work: Path, size: str, flux_dtype: str, device: str) -> Non
     _free_device_memory()
 
 
-def make_sdxl_inputs(work: Path, size: str, device: str) -> None:
-    """The SDXL checkpoint and two LoRAs on it (text encoders and UNet, 3x3 convs; random, seeds 0 and 1), made
-    on `device`."""
+def make_sd_inputs(work: Path, size: str, device: str, family: str = "sdxl") -> None:
+    """The SDXL (family sdxl: two LoRAs) or SD1.5 (sd1: one LoRA) checkpoint, fp16, and LoRAs on it (text encoders
+    and UNet, 3x3 convs; random, seeds 0 and 1), made on `device`."""
     import torch
 
     from library import lora_tools, model_util, tiny_models
@@ -127,40 +129,44 @@ def make_sdxl_inputs(work: Path, size: str, device: str) -> None:
 
     cfg = SIZES[size]
     work.mkdir(parents=True, exist_ok=True)
-    sdxl = work / INPUT_FILES["sdxl"]
-    loras = [work / INPUT_FILES["sdxl_lora"], work / INPUT_FILES["sdxl_lora2"]]
-    if sdxl.exists() and all(p.exists() for p in loras):
+    key = "sdxl" if family == "sdxl" else "sd15"
+    model = work / INPUT_FILES[key]
+    loras = [work / INPUT_FILES[k] for k in ((key + "_lora", key + "_lora2") if family == "sdxl" else (key + "_lora",))]
+    if model.exists() and all(p.exists() for p in loras):
         return
-    print(f"making {sdxl}", flush=True)
+    print(f"making {model}", flush=True)
     if cfg["sdxl"] == "tiny":
-        made = tiny_models.make_tiny_sd(work / "tiny_sdxl", "sdxl", "single_file")
-        os.replace(made, sdxl)
-        comps = model_util.load_sd_components(str(sdxl), "sdxl", dtype=torch.float16, tokenizers=False)
+        made = tiny_models.make_tiny_sd(work / f"tiny_{family}", family, "single_file")
+        os.replace(made, model)
+        comps = model_util.load_sd_components(str(model), family, dtype=torch.float16, tokenizers=False)
     else:
-        comps = full_sdxl_components(device)
-        model_util.save_sd_checkpoint(sdxl, comps, save_dtype=torch.float16)
+        comps = full_sd_components(family, device)
+        model_util.save_sd_checkpoint(model, comps, save_dtype=torch.float16)
     net = lora.create_network(1.0, cfg["lora_dim"], cfg["lora_dim"] / 2, None, comps.text_encoders, comps.unet,
                               conv_dim=cfg["conv_dim"], conv_alpha=cfg["conv_dim"] / 2)
     net.apply_to(comps.text_encoders, comps.unet)
+    version = "sdxl_base_v1-0" if family == "sdxl" else "sd_v1"
     for seed, path in enumerate(loras):
         print(f"making {path}", flush=True)
         g = torch.Generator().manual_seed(seed)
         for p in net.parameters():
             p.data = torch.randn(p.shape, generator=g) * 0.02
         lora_tools.save_lora(str(path), net.lora_state_dict(torch.float16),
-                             {"ss_base_model_version": "sdxl_base_v1-0", "ss_network_dim": str(cfg["lora_dim"])},
+                             {"ss_base_model_version": version, "ss_network_dim": str(cfg["lora_dim"])},
                              overwrite=True)
     del comps, net
     _free_device_memory()
 
 
-def full_sdxl_components(device: str = "cpu"):
-    """SDXL base-shaped UNet / VAE / text encoders (the shipped configs) with small random weights, fp16, made on
-    `device` (a GPU makes the 3.5 G values in seconds) and returned on the CPU."""
+def full_sd_components(family: str = "sdxl", device: str = "cpu", dtype=None):
+    """SDXL base / SD1.5-shaped UNet / VAE / text encoders (the shipped configs) with small random weights, fp16
+    (or `dtype`), made on `device` (a GPU makes the 3.5 G values in seconds) and returned on the CPU."""
     import torch
     from diffusers import AutoencoderKL, UNet2DConditionModel
 
     from library import model_util
+
+    dtype = dtype or torch.float16
 
     def rand(module):
         g = _generator(device, 0)
@@ -170,16 +176,100 @@ def full_sdxl_components(device: str = "cpu"):
         return module.eval().to("cpu")
 
     with torch.device(device):
-        unet = rand(UNet2DConditionModel.from_config(model_util.load_arch_config("sdxl", "unet")).to(torch.float16))
-        vae = rand(AutoencoderKL.from_config(model_util.load_arch_config("sdxl", "vae")).to(torch.float16))
+        unet = rand(UNet2DConditionModel.from_config(model_util.load_arch_config(family, "unet")).to(dtype))
+        vae = rand(AutoencoderKL.from_config(model_util.load_arch_config(family, "vae")).to(dtype))
         tes = []
-        for name in ("text_encoder", "text_encoder_2"):
-            cfg = model_util.load_arch_config("sdxl", name)
-            tes.append(rand(model_util._clip_class(cfg)(model_util._clip_config(cfg)).to(torch.float16)))
+        for name in ("text_encoder", "text_encoder_2") if family == "sdxl" else ("text_encoder",):
+            cfg = model_util.load_arch_config(family, name)
+            tes.append(rand(model_util._clip_class(cfg)(model_util._clip_config(cfg)).to(dtype)))
     # logit_scale: in every SDXL base file, and upstream's loader reads it
-    extra = {model_util.SDXL_TE2_PREFIX + "logit_scale": torch.tensor(4.6052, dtype=torch.float16)}
-    return model_util.SDComponents(family="sdxl", unet=unet, vae=vae, text_encoders=tes, tokenizers=[],
+    extra = {model_util.SDXL_TE2_PREFIX + "logit_scale": torch.tensor(4.6052, dtype=dtype)} if family == "sdxl" else {}
+    return model_util.SDComponents(family=family, unet=unet, vae=vae, text_encoders=tes, tokenizers=[],
                                    extra_state=extra)
+
+
+def time_gpu_save(work: Path, size: str, device: str) -> dict:
+    """The trainers' save of a model on the GPU (model_util.save_sd_checkpoint: cast there, streamed through
+    pinned buffers by safetensors_io.save_file_streamed) against the route before it (every tensor cast and copied
+    to the CPU, then safetensors.torch.save_file), for bf16 and fp16 from an fp32 model (a trainer's weights):
+    seconds each, and whether the streamed file holds exactly the model's tensors in that dtype and the same data
+    bytes as the library's file."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from library import model_util
+
+    cfg = SIZES[size]
+    if cfg["sdxl"] == "tiny":
+        from library import tiny_models
+
+        made = tiny_models.make_tiny_sd(work / "tiny_save", "sdxl", "single_file")
+        comps = model_util.load_sd_components(str(made), "sdxl", dtype=torch.float32, tokenizers=False)
+    else:
+        comps = full_sd_components("sdxl", device, dtype=torch.float32)
+    for m in [comps.unet, comps.vae, *comps.text_encoders]:
+        m.to(device)
+    comps.extra_state = {k: v.to(device) for k, v in comps.extra_state.items()}
+    sd = model_util.components_to_ldm_state_dict(comps)
+    meta = {"modelspec.title": "gpu save check", "format": "pt"}
+
+    def same_data(a, b):  # the bytes after the headers (the metadata keys' order may differ)
+        with open(a, "rb") as fa, open(b, "rb") as fb:
+            for f in (fa, fb):
+                f.seek(8 + int.from_bytes(f.read(8), "little"))
+            while True:
+                ca, cb = fa.read(64 << 20), fb.read(64 << 20)
+                if ca != cb:
+                    return False
+                if not ca:
+                    return True
+
+    def sync():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    out = {"tensors": len(sd), "gib_fp32": round(sum(v.numel() * v.element_size() for v in sd.values()) / 2**30, 2)}
+
+    def streamed(path, dtype):
+        model_util.save_sd_checkpoint(path, comps, save_dtype=dtype, metadata=meta, overwrite=True)
+
+    def cpu_copy_save_file(path, dtype):  # save_sd_checkpoint's route before save_file_streamed
+        cpu = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).to("cpu").contiguous()
+               for k, v in model_util.components_to_ldm_state_dict(comps).items()}
+        save_file(cpu, str(path), metadata=meta)
+
+    for name, dtype, first in (("bf16", torch.bfloat16, "streamed"), ("fp16", torch.float16, "save_file")):
+        ours, lib = work / f"save_streamed_{name}.safetensors", work / f"save_cpu_copy_{name}.safetensors"
+        runs = [("streamed", streamed, ours), ("save_file", cpu_copy_save_file, lib)]
+        seconds = {}
+        for who, fn, path in sorted(runs, key=lambda r: r[0] != first):  # each order once (the page cache's writeback)
+            sync()
+            t = time.perf_counter()
+            fn(path, dtype)
+            seconds[who] = time.perf_counter() - t
+        t_ours, t_lib = seconds["streamed"], seconds["save_file"]
+        equal, worst = 0, None
+        with safe_open(str(ours), "pt", device=device) as f:
+            keys = set(f.keys())
+            for k, v in sd.items():
+                back = f.get_tensor(k)
+                expected = v.detach().to(dtype) if v.is_floating_point() else v.detach()
+                if back.dtype == expected.dtype and back.shape == expected.shape and torch.equal(back, expected):
+                    equal += 1
+                elif worst is None:
+                    worst = k
+        same = same_data(ours, lib)
+        out[name] = {"streamed_s": round(t_ours, 2), "cpu_copy_save_file_s": round(t_lib, 2),
+                     "gb_written": round(ours.stat().st_size / 1e9, 2), "tensors_equal": f"{equal}/{len(sd)}",
+                     "keys_equal": keys == set(sd), "first_unequal": worst, "data_bytes_equal_to_save_file": same}
+        print(f"gpu save {name}: streamed {t_ours:.2f} s, CPU copy + save_file {t_lib:.2f} s, "
+              f"tensors equal {equal}/{len(sd)}, data bytes equal to save_file's: {same}", flush=True)
+        ours.unlink()
+        lib.unlink()
+    del comps, sd
+    _free_device_memory()
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -284,6 +374,9 @@ def commands(root: str, python: str, paths: dict, out: Path, device: str, cfg: d
         "sdxl_merge": [*launch, f"{net}/sdxl_merge_lora.py", "--sd_model", paths["sdxl"], "--models",
                        paths["sdxl_lora"], "--ratios", "1", "--save_to", str(out / "merged.safetensors"),
                        "--save_precision", "fp16", *extra],
+        "sd_merge": [*launch, f"{net}/merge_lora.py", "--sd_model", paths["sd15"], "--models", paths["sd15_lora"],
+                     "--ratios", "1", "--save_to", str(out / "merged_sd15.safetensors"), "--save_precision", "fp16",
+                     *extra],
         "sdxl_merge_loras": [*launch, f"{net}/sdxl_merge_lora.py", "--models", paths["sdxl_lora"],
                              paths["sdxl_lora2"], "--ratios", "0.7", "0.5", "--save_to",
                              str(out / "merged_loras.safetensors"), "--save_precision", "fp16", *extra],
@@ -295,6 +388,11 @@ def commands(root: str, python: str, paths: dict, out: Path, device: str, cfg: d
                          paths["flux_tuned"], "--save_to", str(out / "flux_extracted.safetensors"), "--dim",
                          str(cfg["extract_dim"]), "--device", device, *extra],
     }
+    if ours:  # our SDXL merge once more under cProfile (where its seconds go), into its own file
+        cmds["sdxl_merge_profile"] = [python, "-m", "cProfile", "-o", str(out / "sdxl_merge.prof"),
+                                      f"{net}/sdxl_merge_lora.py", "--sd_model", paths["sdxl"], "--models",
+                                      paths["sdxl_lora"], "--ratios", "1", "--save_to",
+                                      str(out / "merged_profiled.safetensors"), "--save_precision", "fp16", *extra]
     who = "ours" if ours else "upstream"
     for n in cfg["wd14"][5:]:
         cmds[f"wd14_{n}"] = [*launch, f"{root}/finetune/tag_images_by_wd14_tagger.py",
@@ -422,6 +520,26 @@ def compare_models(a: str, b: str, device: str = "cpu") -> dict:
     return {"keys": [len(ka), len(kb)], "common": len(ka & kb), "max_rel_diff": worst, "worst_key": worst_key}
 
 
+def profile_summary(prof: Path, log: Path) -> dict:
+    """A cProfile file's functions with the most cumulative time (the phases) and the most own time (where the
+    seconds are spent); the longer lists go to `log`."""
+    import io
+    import pstats
+
+    def top(order: str, n: int) -> tuple[str, list[str]]:
+        text = io.StringIO()
+        pstats.Stats(str(prof), stream=text).sort_stats(order).print_stats(n)
+        rows = [line.split() for line in text.getvalue().splitlines()
+                if re.match(r"\s*\d+(/\d+)?\s+\d", line) and not re.search(r"<frozen|__import__|import_module", line)]
+        key = 3 if order == "cumulative" else 1  # ncalls tottime percall cumtime percall function
+        return text.getvalue(), [f"{r[key]} s {' '.join(r[5:])[-110:]}" for r in rows]
+
+    cum_text, cum = top("cumulative", 80)
+    own_text, own = top("tottime", 30)
+    log.write_text(cum_text + "\n" + own_text)
+    return {"cumulative": cum[:28], "own_time": own[:12]}
+
+
 def compare_captions(a: Path, b: Path) -> dict:
     names = sorted(p.name for p in a.glob("*.txt"))
     same = sum((a / n).read_text() == (b / n).read_text() for n in names if (b / n).exists())
@@ -487,7 +605,7 @@ def summary(results: list[dict], checks: dict) -> list[str]:
 
     def check(name):
         c = checks.get(name)
-        if not c:
+        if not isinstance(c, dict) or "max_rel_diff" not in c:  # no comparison (a profile, an error)
             return "-"
         if "ranks_equal" in c:
             aligned = c.get("max_rel_diff_svd_signs_aligned")
@@ -501,6 +619,11 @@ def summary(results: list[dict], checks: dict) -> list[str]:
         if not name.startswith("wd14_"):
             rows.append(f"| {name} | {cell(by.get((name, 'ours')))} | {cell(by.get((name, 'upstream')))} | "
                         f"{check(name)} |")
+    for name, c in (checks.get("gpu_save") or {}).items():
+        if isinstance(c, dict):
+            rows.append(f"| gpu_save {name} (streamed / CPU copy + save_file) | {c['streamed_s']} s | "
+                        f"{c['cpu_copy_save_file_s']} s | tensors equal {c['tensors_equal']}, data bytes equal: "
+                        f"{c['data_bytes_equal_to_save_file']} |")
     if any(k.startswith("wd14_images_per_s") for k in checks):
         cap = checks.get("wd14_captions", {})
         rows.append(f"| wd14 images/s | {checks.get('wd14_images_per_s_ours', '-')} | "
@@ -525,7 +648,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--upstream_pythonpath", default="",
                     help="extra PYTHONPATH entries for upstream's commands (e.g. its pinned packages)")
     ap.add_argument("--only", nargs="*", help="run only these benchmarks (sdxl_resize, sdxl_resize_sv_fro, "
-                    "sdxl_merge, sdxl_merge_loras, sdxl_extract, wd14, svd_methods, flux_extract)")
+                    "sdxl_merge, sdxl_merge_profile (ours under cProfile), sdxl_merge_loras, sdxl_extract, sd_merge "
+                    "(SD1.5), gpu_save (the trainers' save from the GPU), wd14, svd_methods, flux_extract)")
     ap.add_argument("--budget_s", type=float, default=1e9, help="stop commands still running after this many "
                     "seconds from the start (their progress is recorded)")
     ap.add_argument("--cap_s", type=float, default=1e9, help="stop any one command after this many seconds (its "
@@ -564,7 +688,9 @@ def main(argv: list[str] | None = None) -> int:
             (work / f"out_{who}").mkdir(exist_ok=True)
             left = a.budget_s - reserve - (time.perf_counter() - t0)
             left = left if who in uncapped else min(a.cap_s, left)
-            if who == "upstream" and name == "sdxl_merge" and a.size == "tiny":
+            if name not in cmds:
+                continue
+            if who == "upstream" and name in ("sdxl_merge", "sd_merge") and a.size == "tiny":
                 # upstream's sdxl_model_util builds the SDXL base architecture only; the full size runs it
                 results.append({"who": who, "bench": name, "seconds": None, "rc": 0, "skipped": "tiny SDXL"})
                 continue
@@ -595,7 +721,7 @@ def main(argv: list[str] | None = None) -> int:
     sdxl = [n for n in ("sdxl_resize", "sdxl_resize_sv_fro", "sdxl_merge", "sdxl_merge_loras", "sdxl_extract")
             if want(n)]
     if sdxl:
-        guarded("sdxl_inputs", make_sdxl_inputs, work, a.size, gen_device)
+        guarded("sdxl_inputs", make_sd_inputs, work, a.size, gen_device, "sdxl")
     if sdxl and "error_sdxl_inputs" not in checks:
         outputs = {"sdxl_resize": "resized.safetensors", "sdxl_resize_sv_fro": "resized_fro.safetensors",
                    "sdxl_merge": "merged.safetensors", "sdxl_merge_loras": "merged_loras.safetensors",
@@ -604,8 +730,23 @@ def main(argv: list[str] | None = None) -> int:
             run(name, reserve)
             check_pair(name, outputs[name], compare_models if name == "sdxl_merge" else compare_loras,
                        **({"device": a.device} if name == "sdxl_merge" else {}))
+        if want("sdxl_merge_profile") and "sdxl_merge" in sdxl:
+            run("sdxl_merge_profile", reserve)
+            checks["sdxl_merge_profile"] = guarded("sdxl_merge_profile", profile_summary,
+                                                   work / "out_ours" / "sdxl_merge.prof",
+                                                   work / "out_ours" / "sdxl_merge_profile_stats.log")
     for who in ("ours", "upstream"):  # 7 GB each (disk)
-        (work / f"out_{who}" / "merged.safetensors").unlink(missing_ok=True)
+        for f in ("merged.safetensors", "merged_profiled.safetensors"):
+            (work / f"out_{who}" / f).unlink(missing_ok=True)
+    if want("sd_merge"):
+        guarded("sd15_inputs", make_sd_inputs, work, a.size, gen_device, "sd1")
+        if "error_sd15_inputs" not in checks:
+            run("sd_merge", reserve)
+            check_pair("sd_merge", "merged_sd15.safetensors", compare_models, device=a.device)
+        for who in ("ours", "upstream"):
+            (work / f"out_{who}" / "merged_sd15.safetensors").unlink(missing_ok=True)
+    if want("gpu_save"):
+        checks["gpu_save"] = guarded("gpu_save", time_gpu_save, work, a.size, a.device)
     if want("wd14"):
         guarded("wd14_inputs", make_wd14_inputs, work, a.size)
     if want("wd14") and "error_wd14_inputs" not in checks:
@@ -645,7 +786,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['bench']} | {r['who']} | {r['seconds']} | {r['rc']}"
               + (f" at {r['progress']}" if r.get("progress") else "") + " |")
     for name, c in checks.items():
-        print(f"{name}: {c}")
+        if name == "sdxl_merge_profile" and isinstance(c, dict):
+            for order, lines in c.items():
+                print(f"{name} ({order}):\n  " + "\n  ".join(lines))
+        else:
+            print(f"{name}: {c}")
     print("\n" + "\n".join(summary(results, checks)))
     return 1 if any(isinstance(r["rc"], int) and r["rc"] for r in results) else 0  # not for a cap or budget stop
 

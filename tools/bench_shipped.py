@@ -70,6 +70,11 @@ NEW_SHAPE = re.compile(r"torch\.compile: new input shape (\S+)(?: at step (\d+))
 COMPILING = re.compile(r"Compiling .* with torch\.compile")
 RECOMPILE = "Recompiling function"
 GRAPH_TIMING = re.compile(r"^graph_timing: (\{.*\})$")
+COUNTERS = re.compile(r"^graph_timing counters: (\{.*\})$")  # torch's cache hits/misses, frames (tools/graph_timing.py)
+COMPILE_TIME = re.compile(r"^([A-Za-z_][\w.]*), ([\d.]+)$")  # a row of torch's compile_times table
+# where the time to step 2 goes: the first line of each stage (seconds since the process started)
+TIMELINE = {"first_log_line": re.compile(r" INFO "), "model_loaded": re.compile(r"loaded .*model from|FLUX\.1 \w+: \d+ double"), "caching_latents": re.compile(r"caching latents"),
+            "caching_text": re.compile(r"caching text encoder outputs"), "compile_line": COMPILING}
 
 # the image folder's repeats: an epoch longer than a run's steps, as on a user's dataset (an epoch's end waits for
 # the GPU; a one-batch epoch would do that every step)
@@ -674,7 +679,16 @@ def read_log(lines: list[tuple[float, str]], warmup: int, bar: bool = False) -> 
     result: dict = {}
     points, shapes, recompiles = [], [], {}
     compiling = graph_timing = None
+    timeline: dict = {}
+    compile_times: dict = {}
     for t, line in lines:
+        for stage, pattern in TIMELINE.items():
+            if stage not in timeline and pattern.search(line):
+                timeline[stage] = round(t, 1)
+        if compile_times is not None and (m := COMPILE_TIME.match(line)) and graph_timing is not None:
+            compile_times[m.group(1)] = float(m.group(2))  # the table follows the graph_timing line
+        if m := COUNTERS.match(line):
+            result["compile_counters"] = json.loads(m.group(1))
         if m := (TQDM if bar else PROGRESS).match(line):
             if not points or int(m.group(1)) != points[-1][0]:  # tqdm redraws a step on close
                 points.append((int(m.group(1)), t))
@@ -702,10 +716,15 @@ def read_log(lines: list[tuple[float, str]], warmup: int, bar: bool = False) -> 
         result["recompiles_by_shapes_seen"] = {str(k): v for k, v in sorted(recompiles.items())}
     if graph_timing is not None:
         result["graph_timing"] = graph_timing
-    if compiling is not None:
-        step1 = [t for s, t in points if s == 1]  # always printed, once step 2 has run (the loss is read late)
-        if step1:
-            result["compile_line_to_step2_done_s"] = round(step1[0] - compiling, 1)
+    if compile_times:
+        result["compile_times"] = compile_times
+    step1 = [t for s, t in points if s == 1]  # always printed, once step 2 has run (the loss is read late)
+    if step1:
+        timeline["step2_done"] = round(step1[0], 1)
+    if timeline:
+        result["timeline_s"] = timeline
+    if compiling is not None and step1:
+        result["compile_line_to_step2_done_s"] = round(step1[0] - compiling, 1)
     result.update(progress_figures(points, warmup, bar))
     return result
 
@@ -847,6 +866,7 @@ def run_phase(args, phase: str, workdir: Path) -> dict:
 # what the trainer's log says auto chose (library.compile.graphs.resolve, library.compile.regional)
 AUTO_CHOICE = re.compile(r"--cuda_graph_step auto: (on|off)")
 STATIC = "static shapes (--compile_dynamic auto"
+KEEP_CHOICE = re.compile(r"--compile_checkpoint_keep auto: (\w+)")
 
 
 def auto_choices(lines: list[str]) -> str:
@@ -859,6 +879,8 @@ def auto_choices(lines: list[str]) -> str:
             words.append("static")
         if "image-size dimensions of their inputs dynamic" in line:
             words.append("inputs dynamic")
+        if m := KEEP_CHOICE.search(line):
+            words.append(f"keep {m.group(1)}")
     return ", ".join(dict.fromkeys(words))
 
 
@@ -880,19 +902,36 @@ def report(paths: list[str]) -> str:
         ms = (r.get("trainer_summary") or {}).get("median_ms")
         if ms is not None:
             best[key(r)] = min(best.get(key(r), ms), ms)
-    rows = ["| workload | flags | scripts | auto chose | median step | peak | outside |", "|---|---|---|---|---|---|---|"]
+    rows = ["| workload | flags | scripts | auto chose | median step | peak | outside | first / second step | "
+            "compile line to step 2 | from the compile cache |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(runs, key=lambda r: (*key(r), r["tag"])):
         summary = r.get("trainer_summary") or {}
         ms = summary.get("median_ms")
         shown = "failed (rc %s)" % r["rc"] if ms is None else (f"**{ms} ms**" if ms == best[key(r)] else f"{ms} ms")
         peak = f"{summary['peak_gib']} GiB" if "peak_gib" in summary else ""
         outside = f"{r['outside_ms_per_step']} ms" if "outside_ms_per_step" in r else ""
+        steps = SECOND_STEP.search(summary.get("first_steps") or "")
+        firsts = f"{steps[1]} / {steps[2]} s" if steps else ""
+        to_step2 = f"{r['compile_line_to_step2_done_s']} s" if "compile_line_to_step2_done_s" in r else ""
         rows.append(f"| {key(r)[0]} | {key(r)[1]} | {r['tag']} | {r.get('auto_chose') or ''} | {shown} | {peak} | "
-                    f"{outside} |")
+                    f"{outside} | {firsts} | {to_step2} | {cache_served(r.get('compile_counters') or {})} |")
     return "\n".join(rows) + ("\n\n" + family_report(family_runs) if family_runs else "")
 
 
 FIRST_STEP = re.compile(r"first step ([\d.]+) s")
+SECOND_STEP = re.compile(r"first step ([\d.]+) s, second step ([\d.]+) s")
+
+
+def cache_served(counters: dict) -> str:
+    """What the persistent compile cache served, from torch's counters (tools/graph_timing.py): "FX 4/4, AOT 2/2"
+    (hits of lookups), "" when the run printed none."""
+    parts = []
+    for name, group, prefix in (("FX", "inductor", "fxgraph_cache_"), ("AOT", "aot_autograd", "autograd_cache_")):
+        c = counters.get(group) or {}
+        looked = sum(c.get(prefix + k, 0) for k in ("hit", "miss", "bypass"))
+        if looked:
+            parts.append(f"{name} {c.get(prefix + 'hit', 0)}/{looked}")
+    return ", ".join(parts)
 PHASE_NAMES = {"compiled": "ours, Enable torch.compile", "eager": "ours, eager", "upstream": "upstream"}
 
 
@@ -935,7 +974,8 @@ def family_report(runs: list[dict]) -> str:
             first = float(m.group(1)) if m else None
         first = f"{first:.1f} s" if first is not None else ""
         start = f"{r['start_to_step1_shown_s']:.0f} s" if "start_to_step1_shown_s" in r else ""
-        rows.append(f"| {r['family']} {r.get('resolution', '')} px | {PHASE_NAMES.get(r['phase'], r['phase'])} | "
+        name = PHASE_NAMES.get(r["phase"], r["phase"]) + (f", `{' '.join(r['extra'])}`" if r.get("extra") else "")
+        rows.append(f"| {r['family']} {r.get('resolution', '')} px | {name} | "
                     f"{shown} | {ratio} | {peak} | {smi} | {first} | {start} |")
     return "\n".join(rows)
 

@@ -21,14 +21,22 @@ those of the calls inside it):
   path's outputs: recorded_scan, alias_scan)
 - pool_check: check_memory_pool (inductor's slow_path_cudagraph_asserts) / liveness: CUDAGraphNode._get_liveness
 - synchronize, empty_cache, gc_collect: torch.cuda.synchronize / empty_cache, gc.collect, from anywhere
-The dynamo/inductor compile-time table of torch (torch._dynamo.utils.compile_times) follows on its own lines.
+The dynamo/inductor compile-time table of torch (torch._dynamo.utils.compile_times) follows on its own lines, after
+one line `graph_timing counters: {...}` of torch's counters (FX-graph and AOTAutograd cache hits and misses, frames,
+unique graphs, recompile reasons).
 
 Environment:
-- GRAPH_TIMING_VARIANT: "shipped" (default: library.compile.recording.speed_up, as the trainers do), "torch"
+- GRAPH_TIMING_VARIANT: "shipped" (default: library.compile.recording.speed_up, as the trainers do with the
+  blocks' CUDA graphs; applied here in every run, and its inductor setting is part of torch's FX-graph cache key:
+  a run through this tool and one without it do not share compile-cache entries, so time a warm restart with the
+  tool on both runs or on neither), "torch"
   (torch's own bookkeeping), "no_pool_checks" (torch's, with slow_path_cudagraph_asserts off), to compare them on
   one machine.
 - GRAPH_TIMING_PROFILE=1: cProfile over the warm-up runs and recordings; the 30 functions with the most own time
   are printed at the end (cProfile slows Python code, so its times are only relative).
+- GRAPH_TIMING_PROFILE=all: cProfile over the whole run (imports after this tool's, model load, caching, compile,
+  every step): the 120 functions with the most cumulative time and the 40 with the most own time are printed at
+  the end, and with GRAPH_TIMING_PROFILE_OUT=PATH the stats are written there (pstats) too; keep the run short.
 - GRAPH_TIMING_STEADY=A:B: cProfile over the steady steps A to B-1 (counted by the trainer's calls of
   torch.compiler.cudagraph_mark_step_begin, so only with the CUDA-graph modes): the host work of a replayed step,
   by own time and by cumulative time.
@@ -57,6 +65,7 @@ PROFILE = cProfile.Profile() if os.environ.get("GRAPH_TIMING_PROFILE") == "1" el
 STEADY = tuple(int(x) for x in os.environ["GRAPH_TIMING_STEADY"].split(":")) if os.environ.get(
     "GRAPH_TIMING_STEADY") else None
 STEADY_PROFILE = cProfile.Profile() if STEADY else None
+WHOLE_PROFILE = cProfile.Profile() if os.environ.get("GRAPH_TIMING_PROFILE") == "all" else None
 KERNELS = tuple(int(x) for x in os.environ["GRAPH_TIMING_KERNELS"].split(":")) if os.environ.get(
     "GRAPH_TIMING_KERNELS") else None
 _kernel_profile: dict = {}
@@ -225,6 +234,15 @@ def report() -> None:
         except TypeError:  # nothing was recorded (no CUDA graphs in this run)
             out.write("nothing recorded")
         print("graph_timing profile:\n" + out.getvalue(), flush=True)
+    if WHOLE_PROFILE is not None:
+        WHOLE_PROFILE.disable()
+        out = io.StringIO()
+        stats = pstats.Stats(WHOLE_PROFILE, stream=out)
+        stats.sort_stats("cumulative").print_stats(120)
+        stats.sort_stats("tottime").print_stats(40)
+        if path := os.environ.get("GRAPH_TIMING_PROFILE_OUT"):
+            stats.dump_stats(path)
+        print("graph_timing whole-run profile:\n" + out.getvalue(), flush=True)
     if STEADY_PROFILE is not None:
         STEADY_PROFILE.disable()
         out = io.StringIO()
@@ -235,6 +253,16 @@ def report() -> None:
         except TypeError:
             out.write("nothing recorded")
         print(f"graph_timing steady profile, steps {STEADY[0]}-{STEADY[1] - 1}:\n" + out.getvalue(), flush=True)
+    try:
+        from torch._dynamo.utils import counters
+
+        # cache hits and misses (inductor: fxgraph_cache_*, aot_autograd: autograd_cache_*), frames, unique graphs
+        keep = ("stats", "frames", "inductor", "aot_autograd", "recompile_reasons", "graph_break")
+        print("graph_timing counters: " + json.dumps(
+            {k: {str(n): v for n, v in counters[k].items() if k != "inductor" or "cache" in n}
+             for k in keep if counters.get(k)}, default=str)[:4000], flush=True)
+    except Exception as e:  # a torch without the counters
+        print(f"graph_timing counters: not available ({e})", flush=True)
     try:
         import torch._dynamo.utils
 
@@ -248,6 +276,8 @@ def main() -> None:
     sys.argv = [script] + sys.argv[2:]
     sys.path.insert(0, os.path.dirname(script))  # as `python SCRIPT.py` has it
     install()
+    if WHOLE_PROFILE is not None:
+        WHOLE_PROFILE.enable()
     runpy.run_path(script, run_name="__main__")
 
 

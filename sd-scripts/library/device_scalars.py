@@ -46,7 +46,9 @@ class DeviceScalars:
         """The second pass's start: each parameter's step count goes up where the step happened (ok), and
         -> (their states, sqrt(exp_avg_sq) of each)."""
         states = [self.state[p] for p in params]
-        torch._foreach_add_([s["step"] for s in states], ok.long())
+        steps = [s["step"] for s in states]
+        # the list form: the one-tensor form reads an integer tensor back to the host (a sync every step, run84)
+        torch._foreach_add_(steps, [ok.long()] * len(steps))
         return states, torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
 
     def state_dict(self):

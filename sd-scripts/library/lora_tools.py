@@ -149,6 +149,19 @@ def load_lora(path: str, dtype: torch.dtype | None = None) -> tuple[dict[str, to
     return sd, metadata
 
 
+def lora_keys(path: str) -> list[str]:
+    """A LoRA file's key names; of a .safetensors file only its header is read."""
+    if Path(path).suffix.lower() == ".safetensors" and os.path.isfile(path):
+        from safetensors import safe_open
+
+        try:
+            with safe_open(path, framework="pt") as f:
+                return list(f.keys())
+        except Exception:  # noqa: BLE001 - load_lora names what is wrong with the file
+            pass
+    return list(load_lora(path)[0])
+
+
 def cast_floats(sd: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     if dtype is None:
         return sd
@@ -549,9 +562,18 @@ def stored_dtype(path: str) -> torch.dtype:
         return torch.float32 if key is None else names.get(f.get_slice(key).get_dtype(), torch.float32)
 
 
-def load_sd_model(path: str, family: str, dtype: torch.dtype, device: torch.device | str = "cpu"):
+def holds_exactly(dtype: torch.dtype, stored: torch.dtype) -> bool:
+    """Every `stored` value is a `dtype` value (fp16 and bf16 in fp32)."""
+    return stored == dtype or (dtype == torch.float32 and stored in (torch.float16, torch.bfloat16))
+
+
+def load_sd_model(path: str, family: str, dtype: torch.dtype, device: torch.device | str = "cpu", *,
+                  keep_exact: bool = False):
     """An SD1.x/SD2.x/SDXL model as the trainers read it (single file or diffusers folder), in `dtype` on
-    `device`; a path that is no model of that family is a ToolError naming it."""
+    `device`; a path that is no model of that family is a ToolError naming it. The tensors move in the dtypes
+    the file stores and are cast there (a GPU casts fast; fp16 moves half the bytes of fp32). keep_exact:
+    tensors whose values `dtype` holds exactly stay as stored (merge_into_layers casts the layers it changes;
+    the saved bits are the same)."""
     from library import model_util
 
     if not os.path.exists(path):
@@ -562,9 +584,15 @@ def load_sd_model(path: str, family: str, dtype: torch.dtype, device: torch.devi
     if detected is not None and detected != family and not {detected, family} <= {"sd1", "sd2"}:
         raise ToolError(f"{path}: {A_FAMILY[detected]} model, expected {FAMILY_NAMES[family]}"
                         + {"sdxl": " (--sdxl / sdxl_merge_lora.py for SDXL)"}.get(detected, ""))
-    comps = model_util.load_sd_components(path, family, dtype=dtype, tokenizers=False)
+    stored = None if os.path.isfile(path) else dtype  # a single file's tensors uncast and uncopied
+    comps = model_util.load_sd_components(path, family, dtype=stored, tokenizers=False)
     for m in [comps.unet, comps.vae, *comps.text_encoders]:
         m.to(device)
+        for t in [*m.parameters(), *m.buffers()]:
+            if t.is_floating_point() and not (keep_exact and holds_exactly(dtype, t.dtype)):
+                t.data = t.data.to(dtype)
+    comps.extra_state = {k: (v.to(dtype) if v.is_floating_point() and not (keep_exact and holds_exactly(dtype, v.dtype))
+                             else v) for k, v in comps.extra_state.items()}
     return comps
 
 
@@ -743,13 +771,14 @@ def merge_into_layers(layers: dict[str, torch.nn.Module], models: list[str], rat
                 missing.append(name)
                 continue
             factor = ratio * m.scale * lbw_factor(name, layer_w, targets, is_sdxl)
-            delta = delta_weight(m.down.to(device, dtype), m.up.to(device, dtype)) * factor
+            delta = delta_weight(m.down.to(device).to(dtype), m.up.to(device).to(dtype)) * factor
             w = layer.weight
             try:
                 delta = as_layer_weight(delta, w)
             except ToolError as e:
                 raise ToolError(f"{path}: module {name}: {e}; a LoRA for another model?") from e
-            w.data = (w.data.to(dtype) + delta.to(w.device)).to(w.dtype)
+            # in place into the fresh delta (no fp32 copy of W); the sum stays in `dtype`, unrounded for the next LoRA
+            w.data = delta.to(w.device).add_(w.data)
         if missing:
             if len(missing) == len(mods):
                 raise ToolError(f"{path}: none of its {len(mods)} modules is a layer of the model ({model_label}); "
@@ -764,8 +793,7 @@ def merge_into_layers(layers: dict[str, torch.nn.Module], models: list[str], rat
 
 
 def _is_oft(path: str) -> bool:
-    sd, _ = load_lora(path)
-    return any(".oft_blocks" in k for k in sd)
+    return any(".oft_blocks" in k for k in lora_keys(path))
 
 
 def merge_oft_into_unet(comps, models: list[str], ratios: list[float], lbws: list[str] | None, dtype,
@@ -805,12 +833,13 @@ def run_sd_merge(args: argparse.Namespace, family: str) -> None:
         output_path(args.save_to, "--save_to", args.overwrite, suffixes=(".safetensors", ".ckpt"))
         families = ("sdxl",) if is_sdxl else ("sd",)
         for path in args.models:  # before the model loads
-            sd, _ = load_lora(path)
-            check_lora_family(path, sd, families, FAMILY_NAMES[family], family_hint(lora_family(sd)))
+            keys = lora_keys(path)
+            check_lora_family(path, keys, families, FAMILY_NAMES[family], family_hint(lora_family(keys)))
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         logger.info("loading %s model: %s", FAMILY_NAMES[family], args.sd_model)
-        comps = load_sd_model(args.sd_model, family, merge_dtype, device)
+        comps = load_sd_model(args.sd_model, family, merge_dtype, device, keep_exact=True)
         if is_sdxl and _is_oft(args.models[0]):
+            comps.unet.to(merge_dtype)  # OFT rotates each layer in the layer's dtype
             merge_oft_into_unet(comps, args.models, args.ratios, lbws, merge_dtype, device)
         else:
             layers = sd_layer_map(comps.text_encoders, comps.unet)

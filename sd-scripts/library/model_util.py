@@ -383,20 +383,26 @@ def _load_clip_weights(te, hf_sd: dict, what: str) -> None:
         raise ModelLoadError(f"{what}: weights do not fit the text encoder (missing {missing[:5]}, unexpected {unexpected[:5]})")
 
 
+def _as_dtype(sd: dict, dtype) -> dict:
+    """The floating-point tensors of `sd` in `dtype` (None: as they are)."""
+    if dtype is None:
+        return sd
+    return {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in sd.items()}
+
+
 def _build_clip(cfg: dict, hf_sd: dict, dtype, what: str):
     with torch.device("meta"):
         te = _clip_class(cfg)(_clip_config(cfg))
-    te = te.to_empty(device="cpu")
-    _load_clip_weights(te, {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in hf_sd.items()}, what)
-    _reinit_nonpersistent(te)
+    _load_clip_weights(te, _as_dtype(hf_sd, dtype), what)  # the file's tensors become the parameters: no copy
+    _init_position_ids(te)
     return te.eval()
 
 
-def _reinit_nonpersistent(te) -> None:
-    # position_ids is a non-persistent buffer; to_empty() leaves it uninitialised.
+def _init_position_ids(te) -> None:
+    # position_ids is a non-persistent buffer: not in the file, still on the meta device.
     for m in te.modules():
-        if hasattr(m, "position_ids") and isinstance(m.position_ids, torch.Tensor):
-            m.position_ids.copy_(torch.arange(m.position_ids.shape[-1]).expand_as(m.position_ids))
+        if isinstance(getattr(m, "position_ids", None), torch.Tensor):
+            m.position_ids = torch.arange(m.position_ids.shape[-1]).expand(m.position_ids.shape).contiguous()
 
 
 def _hf_clip_from_ldm(sd: dict, prefix: str) -> dict:
@@ -686,8 +692,7 @@ def _components_from_single_file(path: Path, family: str, dtype) -> tuple[object
     vae_cfg = infer_vae_config(family, _sub(sd, VAE_PREFIX))
     vae_sd = convert_ldm_vae_checkpoint(sd, vae_cfg)
     vae = _build_diffusers(AutoencoderKL, vae_cfg, vae_sd, dtype, f"{path} (VAE)")
-    extra = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in extra.items()}
-    return unet, vae, text_encoders, extra
+    return unet, vae, text_encoders, _as_dtype(extra, dtype)
 
 
 def _build_diffusers(cls, cfg: dict, sd: dict, dtype, what: str):
@@ -698,7 +703,7 @@ def _build_diffusers(cls, cfg: dict, sd: dict, dtype, what: str):
     if missing or unexpected:
         raise ModelLoadError(f"{what}: weights do not fit the architecture (missing {sorted(missing)[:5]}, "
                              f"unexpected {sorted(unexpected)[:5]})")
-    model.load_state_dict({k: (v.to(dtype) if v.is_floating_point() else v) for k, v in sd.items()}, strict=True, assign=True)
+    model.load_state_dict(_as_dtype(sd, dtype), strict=True, assign=True)
     return model.eval()
 
 
@@ -857,6 +862,8 @@ def load_sd_components(path, family, *, vae=None, tokenizer_cache_dir=None, dtyp
     ``vae``: optional VAE to use instead of the model's (file, diffusers folder or hub id).
     ``v_parameterization``: the model predicts v (SD2 768-v); a diffusers folder's scheduler can also say so.
     ``tokenizers=False``: no tokenizers (`.tokenizers` is []): the LoRA tools need weights only.
+    ``dtype=None``: a single file's tensors as it stores them, uncopied (diffusers folders and hub ids load in
+    float32).
     """
     _check_family(family)
     if path is None or str(path).strip() == "":
@@ -872,19 +879,19 @@ def load_sd_components(path, family, *, vae=None, tokenizer_cache_dir=None, dtyp
     elif p.is_dir():
         if not _is_diffusers_folder(p):
             raise ModelLoadError(f"{p}: a folder, but not a diffusers model (no model_index.json or unet/config.json)")
-        unet, vae_model, tes, prediction = _load_diffusers_folder(p, family, dtype)
+        unet, vae_model, tes, prediction = _load_diffusers_folder(p, family, dtype or torch.float32)
         model_dir = p
     elif _looks_like_hub_id(str(path)):
         if _offline():
             raise ModelLoadError(f"model not found: {path} is not a local file or folder, and the hub is offline "
                                  f"(HF_HUB_OFFLINE is set)")
         model_dir = _download(str(path))
-        unet, vae_model, tes, prediction = _load_diffusers_folder(model_dir, family, dtype)
+        unet, vae_model, tes, prediction = _load_diffusers_folder(model_dir, family, dtype or torch.float32)
     else:
         raise ModelLoadError(f"model file not found: {p}")
 
     if vae is not None and str(vae).strip():
-        vae_model = load_vae(vae, family, dtype)
+        vae_model = load_vae(vae, family, dtype or torch.float32)
     tokenizers = load_tokenizers(family, model_dir=model_dir, tokenizer_cache_dir=tokenizer_cache_dir) if tokenizers else []
     prediction_type = "v_prediction" if v_parameterization or prediction == "v_prediction" else "epsilon"
     logger.info("loaded %s model from %s (prediction: %s)", FAMILY_LABELS[family], path, prediction_type)
@@ -898,7 +905,8 @@ def load_sd_components(path, family, *, vae=None, tokenizer_cache_dir=None, dtyp
 
 def _cast(sd: dict, dtype) -> dict:
     dtype = as_dtype(dtype)
-    return {k: (v.detach().to("cpu", dtype) if dtype is not None and v.is_floating_point() else v.detach().to("cpu")).contiguous()
+    # cast where the tensor is (a GPU copies half the bytes of fp32 to fp16 over the bus, and casts faster)
+    return {k: (v.detach().to(dtype) if dtype is not None and v.is_floating_point() else v.detach()).to("cpu").contiguous()
             for k, v in sd.items()}
 
 
@@ -912,13 +920,19 @@ def save_sd_checkpoint(path, comps: SDComponents, *, save_dtype=None, metadata=N
         raise ValueError(f"{path}: unsupported checkpoint type {suffix!r}; allowed: .safetensors, .ckpt")
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} already exists; not overwriting it (choose another name, or overwrite=True)")
-    sd = _cast(components_to_ldm_state_dict(comps), save_dtype)
+    sd = components_to_ldm_state_dict(comps)
     if suffix == ".safetensors":
+        from library import safetensors_io
+
         meta = {str(k): str(v) for k, v in (metadata or {}).items()}
         meta.setdefault("format", "pt")
-        files.save_safetensors(sd, path, meta, overwrite=True)
+        save_dtype = as_dtype(save_dtype)
+        if safetensors_io.can_stream(sd, save_dtype):  # no copy of the model (a GPU casts, the bytes stream from there)
+            safetensors_io.save_file_streamed(sd, path, meta, float_dtype=save_dtype, overwrite=True)
+        else:
+            files.save_safetensors(_cast(sd, save_dtype), path, meta, overwrite=True)
     else:
-        files.save_torch({"state_dict": sd}, path, overwrite=True)
+        files.save_torch({"state_dict": _cast(sd, save_dtype)}, path, overwrite=True)
     return path
 
 

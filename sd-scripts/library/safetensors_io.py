@@ -1,4 +1,5 @@
-"""Reading .safetensors model files, with kohya-ss/sd-scripts' `--disable_mmap_load_safetensors`.
+"""Reading .safetensors model files, with kohya-ss/sd-scripts' `--disable_mmap_load_safetensors`; writing one
+without a copy of the model, from the GPU or the CPU, atomically (`save_file_streamed`).
 
 By default safetensors memory-maps the file and the tensors are paged in as they are read. With the option the
 whole file is read into memory in one go and the tensors are built from those bytes (upstream's remedy for slow
@@ -55,3 +56,98 @@ def load_file(path: str | os.PathLike, device: str = "cpu", keep=None) -> dict:
         data = f.read()
     sd = safetensors.torch.load(data)
     return sd if device == "cpu" else {k: v.to(device) for k, v in sd.items()}
+
+
+# torch dtype -> safetensors name, in the library's Dtype order (it writes the larger ones first)
+_ST_DTYPES = {"bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "float16": "F16", "bfloat16": "BF16",
+              "int32": "I32", "float32": "F32", "float64": "F64", "int64": "I64"}
+_ST_RANK = {name: i for i, name in enumerate(_ST_DTYPES)}
+
+
+def can_stream(tensors: dict, float_dtype=None) -> bool:
+    """save_file_streamed writes these dtypes (fp8 goes through safetensors' own save_file)."""
+    out = [float_dtype if float_dtype is not None and v.is_floating_point() else v.dtype for v in tensors.values()]
+    return all(str(d).removeprefix("torch.") in _ST_DTYPES for d in out)
+
+
+def save_file_streamed(tensors: dict, path: str | os.PathLike, metadata: dict[str, str] | None = None, *,
+                       float_dtype=None, chunk_bytes: int = 64 << 20, overwrite: bool = True) -> None:
+    """safetensors.torch.save_file without a copy of the whole model (floating tensors cast to `float_dtype` where
+    they are, on a GPU there): the library's file layout (its tensor order and header), the bytes passing through
+    two reusable buffers (pinned for a GPU), a thread writing one while the other fills. save_file needs the
+    tensors on the CPU and copies every byte once more before the write.
+
+    Written to a temporary file beside `path` and renamed over it when complete (library.files.atomic_target): a
+    model memory-mapped from `path` itself (safetensors' load_file) reads its old bytes throughout, and a save
+    that fails leaves `path` as it was."""
+    from library import files
+
+    with files.atomic_target(path, overwrite=overwrite) as tmp:
+        _write_streamed(tensors, tmp, metadata, float_dtype, chunk_bytes)
+
+
+def _write_streamed(tensors: dict, path: str, metadata: dict[str, str] | None, float_dtype, chunk_bytes: int) -> None:
+    import json
+    import queue
+    import struct
+    import threading
+
+    import torch
+
+    def out_dtype(v):
+        return float_dtype if float_dtype is not None and v.is_floating_point() else v.dtype
+
+    # the library's order (its Dtype order, larger first: each tensor stays aligned), then by name
+    items = sorted(tensors.items(), key=lambda kv: (-_ST_RANK[str(out_dtype(kv[1])).removeprefix("torch.")], kv[0]))
+    header, offset = {}, 0
+    if metadata:
+        header["__metadata__"] = metadata
+    for name, v in items:
+        size = v.numel() * torch.empty((), dtype=out_dtype(v)).element_size()
+        header[name] = {"dtype": _ST_DTYPES[str(out_dtype(v)).removeprefix("torch.")], "shape": list(v.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    head += b" " * (-len(head) % 8)
+    pin = torch.cuda.is_available() and any(v.is_cuda for v in tensors.values())
+    free: queue.Queue = queue.Queue()
+    full: queue.Queue = queue.Queue()
+    for _ in range(2):
+        free.put(torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=pin))
+    failed: list[BaseException] = []
+
+    with open(path, "wb") as f:
+        def write():
+            while (item := full.get()) is not None:
+                buf, n = item
+                try:
+                    if not failed:
+                        f.write(buf[:n].numpy())
+                except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
+                    failed.append(e)
+                free.put(buf)
+
+        f.write(struct.pack("<Q", len(head)) + head)
+        writer = threading.Thread(target=write, daemon=True)
+        writer.start()
+        try:
+            buf, filled = free.get(), 0  # small tensors share a buffer: one write for many
+            for _, v in items:
+                flat = v.detach().to(out_dtype(v)).contiguous().reshape(-1).view(torch.uint8)
+                start = 0
+                while start < flat.numel():
+                    n = min(chunk_bytes - filled, flat.numel() - start)
+                    buf[filled:filled + n].copy_(flat[start:start + n])
+                    filled, start = filled + n, start + n
+                    if filled == chunk_bytes:
+                        full.put((buf, filled))
+                        buf, filled = free.get(), 0
+                        if failed:
+                            raise failed[0]
+            if filled:
+                full.put((buf, filled))
+        finally:
+            full.put(None)
+            writer.join()
+        if failed:
+            raise failed[0]

@@ -96,9 +96,26 @@ AUTO_KEEP = {
     # FLUX.1 1024 px bs1: 27.28 -> 33.75 GiB, 581 -> 521 ms (flash) / 511 -> 451 ms (cuDNN attention)
     "flux": dict(choice="projections", extra_gib=6.47, tokens=4096 + 512, pixels_per_token=256, text_tokens=512),
     # SDXL 1024 px bs4: 10.56 -> 18.76 GiB, 298.7 -> 264.3 ms
-    "sdxl": dict(choice="resnets", extra_gib=8.2 / 4, tokens=16384, pixels_per_token=64, text_tokens=0),
+    "sdxl": dict(choice="resnets", extra_gib=8.2 / 4, tokens=16384, pixels_per_token=64, text_tokens=0,
+                 # bs1 keeps attention: 114.0 ms at 7.13 GiB meets issue 25's bs1 + GC target (<= 130 ms under
+                 # 8 GiB); resnets' 99.8 ms needs 9.16 GiB (run80). From bs2 attention alone needs about 8.3 GiB
+                 # (between bs1's 7.13 and bs4's 10.56), so no choice fits that bound and the faster one is taken
+                 min_batch=2, below_min_batch="at 1024 px bs1 + GC it took 114 ms at 7.1 GiB against resnets' 100 ms "
+                                                "at 9.2 GiB (H100)"),
 }
 AUTO_MARGIN_GIB = 4.0
+# --compile_checkpoint_keep auto where only "inputs" meets issue 28's target (2x upstream's step at upstream's memory
+# or less; upstream checkpoints each block whole, keeping its inputs): what keeping more cost, 1024 px bs1, an H100
+AUTO_KEEP_INPUTS = {
+    "chroma": "Chroma 1024 px: 477 ms at 21.2 GiB, 2.43x upstream's step at its 21.3 GiB; attention (451 ms, 22.7 GiB) "
+              "and projections (417 ms, 27.4 GiB) take more memory than upstream (docs/BENCHMARKS.md run78)",
+    "sd3": "SD3.5: attention keeps each block's attention output, 0.75 GiB more on large (20.2 against upstream's "
+           "19.6 GiB), 0.36 GiB on medium (7.6 against 7.25) (docs/BENCHMARKS.md run81); inputs keeps what upstream "
+           "keeps",
+    "anima": "as SD3.5: attention would keep each block's self- and cross-attention outputs, 8.3 kB a token (a "
+             "compiled block on the CPU), 0.9 GiB over its 28 blocks at 1024 px, where upstream uses 6.5 GiB in all "
+             "(docs/BENCHMARKS.md run82); with inputs 165.5 ms at 6.53 GiB against upstream's 626.8 ms at 6.52 (run86)",
+}
 
 
 def auto_keep(family: str | None, batch_size: int, pixels: int | None, free_bytes: int | None) -> tuple[str, str]:
@@ -106,10 +123,16 @@ def auto_keep(family: str | None, batch_size: int, pixels: int | None, free_byte
     the compile, with the model, the network and the optimizer in place) holds twice what it keeps more than
     "attention" (scaled from the measured size by tokens and batch) plus AUTO_MARGIN_GIB: the other half covers
     what "attention" itself still needs for its activations, gradients and optimizer state, which was at most 1.3x
-    that extra at the measured sizes. Otherwise attention, the least memory, as before auto."""
+    that extra at the measured sizes; and from the family's min_batch on. Otherwise attention, the least memory, as
+    before auto. AUTO_KEEP_INPUTS's families: inputs, whatever the free memory."""
+    if family in AUTO_KEEP_INPUTS:
+        return "inputs", f"the only choice at upstream's memory or less: {AUTO_KEEP_INPUTS[family]}"
     table = AUTO_KEEP.get(family or "")
     if table is None:
         return "attention", f"no faster choice measured for this model family ({family or 'unknown'})"
+    if batch_size < table.get("min_batch", 1):
+        return "attention", (f"batch size {batch_size}: the least memory, {table['below_min_batch']}; "
+                             f"{table['choice']} from batch size {table['min_batch']} when memory allows")
     if free_bytes is None or not pixels:
         return "attention", "free GPU memory or the image size unknown"
     tokens = pixels / table["pixels_per_token"] + table["text_tokens"]

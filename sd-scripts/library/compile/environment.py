@@ -89,9 +89,7 @@ def cudnn_sdp_auto(args) -> tuple[bool, str]:
     hand back a contiguous one (tools/probe_cudnn_sdpa.py --grad_layouts). The FLUX.1 family now gives every
     attention one gradient layout. Auto still uses cuDNN attention only where it was measured: every attention
     backward inside inductor-compiled blocks of a family whose training ran clean and faster with it."""
-    family = getattr(args, "_family", None)
-    if getattr(args, "model_type", None) == "chroma":  # FLUX.1's scripts, another model (not measured)
-        family = "chroma"
+    family = getattr(args, "_family", None)  # graphs.resolve's: Chroma apart from FLUX.1 (not measured)
     if not (getattr(args, "compile", False) and getattr(args, "compile_backend", None) == "inductor"):
         return False, ("measured only inside blocks compiled with --compile --compile_backend inductor (its backward "
                        "crashed eager FLUX.1 training before); --cudnn_sdp on forces it")
@@ -228,3 +226,31 @@ def recompile_limit() -> int:
     cfg = torch._dynamo.config
     return getattr(cfg, "recompile_limit", None) or cfg.cache_size_limit
 
+
+
+def compile_cache_report() -> str | None:
+    """What torch compiled so far in this process, and what came from the persistent compile cache, in words (None
+    when nothing was compiled): dynamo traces every compiled graph again in a new process (no cache of its own in
+    torch 2.11), then takes the AOTAutograd and FX-graph (inductor) results from the cache when their keys match. A
+    warm restart that shows misses compiled again (another torch, other options, or another cache folder)."""
+    from torch._dynamo import utils as dynamo_utils
+
+    counters = dynamo_utils.counters
+
+    graphs = counters["stats"].get("unique_graphs", 0)
+    if not graphs:
+        return None
+    aot, inductor = counters["aot_autograd"], counters["inductor"]
+    parts = [f"{graphs} graph{'s' if graphs != 1 else ''} compiled"]
+    times = getattr(dynamo_utils, "compilation_time_metrics", {})  # seconds per timed phase (torch's table)
+    if times.get("_compile.compile_inner"):
+        parts[0] += (f" in {sum(times['_compile.compile_inner']):.1f} s (of it dynamo's tracing "
+                     f"{sum(times.get('bytecode_tracing', [])):.1f} s)")
+    if aot.get("autograd_cache_hit") or aot.get("autograd_cache_miss") or aot.get("autograd_cache_bypass"):
+        parts.append(f"AOTAutograd cache {aot.get('autograd_cache_hit', 0)} hit, {aot.get('autograd_cache_miss', 0)} "
+                     f"compiled, {aot.get('autograd_cache_bypass', 0)} bypassed")
+    if inductor.get("fxgraph_cache_hit") or inductor.get("fxgraph_cache_miss") or inductor.get("fxgraph_cache_bypass"):
+        parts.append(f"FX-graph cache {inductor.get('fxgraph_cache_hit', 0)} hit, "
+                     f"{inductor.get('fxgraph_cache_miss', 0)} compiled, {inductor.get('fxgraph_cache_bypass', 0)} "
+                     "bypassed")
+    return "; ".join(parts)

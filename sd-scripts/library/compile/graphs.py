@@ -81,7 +81,7 @@ SEVERAL_PROCESSES_AUTO_OFF = "not yet measured faster than without it on several
 # families where auto leaves it off, and why
 AUTO_OFF_FAMILIES = {"flux": "FLUX.1: GPU-bound at its sizes, its step was slower with the step graph "
                              "(docs/BENCHMARKS.md, run46/run47)",
-                     "sd1": "SD1.x: not measured with it yet", "sd2": "SD2.x: not measured with it yet",
+                     "sd2": "SD2.x: not measured with it yet",
                      "hunyuan_image": "HunyuanImage 2.1: its forward trims the text to the batch's valid tokens, "
                                       "counted on the host (a capture fails there)"}
 
@@ -98,8 +98,9 @@ def add_arguments(parser) -> None:
              f"{WARMUP} steps per batch shape and replay it: no per-step Python overhead at small batch sizes. Needs "
              "CUDA (one GPU, or one per process of a data-parallel run) and cached latents and text-encoder outputs "
              "(with gradient accumulation a micro-step that ends the window and one that does not are two graphs); "
-             "optimizers other than AdamW/Adam step after the graph. auto (default): on where it can follow and was measured faster (SDXL with --compile, one "
-             "bucket shape), else off with a log line saying why; on (also the bare flag): always, refused where it "
+             "optimizers other than AdamW/Adam step after the graph. auto (default): on where it can follow and was "
+             "measured faster (SDXL with --compile, SD1.x with --torch_compile, one bucket shape), else off with a log "
+             "line saying why; on (also the bare flag): always, refused where it "
              "cannot follow; off: never")
 
 
@@ -198,7 +199,9 @@ def resolve(args, groups, num_processes: int, family: str, error: type[Exception
     for target in {id(t): t for t in (args, compiled) if t is not None}.values():
         target._step_graph_auto = on
         target._input_shapes = shapes
-        target._family = family  # --cudnn_sdp auto and --compile_checkpoint_keep auto follow what was measured
+        # --cudnn_sdp auto and --compile_checkpoint_keep auto follow what was measured on this model (Chroma apart
+        # from FLUX.1, whose scripts it runs in)
+        target._family = "chroma" if getattr(args, "model_type", None) == "chroma" else family
         target._max_pixels = max((w * h for w, h in resos), default=None)  # --compile_checkpoint_keep auto
 
 

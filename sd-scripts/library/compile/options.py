@@ -71,11 +71,14 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         "eager checkpointing; least memory), attention (also the compiled blocks' attention outputs), "
         "projections (also the outputs of their Linear layers no wider than their inputs, so only the MLP's "
         "widening projection is recomputed), resnets (projections, and a UNet's ResNets are not checkpointed; "
-        "FLUX.1: as projections); auto (default): FLUX.1 projections, SDXL resnets when the GPU's free memory at "
-        "the compile holds twice what they keep more (scaled by batch and image size) + 4 GiB, else attention; "
-        "one log line says which. On an H100, SDXL 1024 bs4 (--cuda_graph_step --cudnn_sdp on): 299 / 264 ms "
-        "(attention / resnets) at 10.6 / 18.8 GiB; FLUX.1 1024: 581 / 521 ms (attention / projections) at 27.3 / "
-        "33.8 GiB; Chroma 1024: 477 / 451 / 417 ms (inputs / attention / projections) at 19.6 / 21.0 / 25.4 GiB",
+        "FLUX.1: as projections); auto (default): FLUX.1 projections, SDXL resnets from batch size 2, each when "
+        "the GPU's free memory at the compile holds twice what they keep more (scaled by batch and image size) "
+        "+ 4 GiB, else attention; Chroma, SD3 and Anima inputs, the only choice at upstream's memory or less "
+        "(keeping more took more memory than upstream's training; Chroma with inputs is still 2.4x upstream's "
+        "step); one log line says which. On an H100, SDXL 1024 bs1: 114 / 100 ms (attention / resnets) at 7.1 / "
+        "9.2 GiB; bs4 (--cuda_graph_step --cudnn_sdp on): 299 / 264 ms (attention / resnets) at 10.6 / 18.8 GiB; "
+        "FLUX.1 1024: 581 / 521 ms (attention / projections) at 27.3 / 33.8 GiB; Chroma 1024: 477 / 451 / 417 ms "
+        "(inputs / attention / projections) at 19.6 / 21.0 / 25.4 GiB",
     )
     group.add_argument("--cuda_allow_tf32", action="store_true", help="allow TF32 matmul/cuDNN on Ampere or newer GPUs")
     group.add_argument("--cuda_cudnn_benchmark", action="store_true", help="enable cudnn.benchmark")

@@ -29,6 +29,29 @@ class StepTiming:
         state.step_shapes = []
 
 
+class CompileReport:
+    """With --compile, one log line after the run's second step (the compile, and with CUDA graphs their
+    recording, are done by then): the graphs dynamo traced and how many the persistent compile cache served
+    (library.compile.environment.compile_cache_report), so a warm restart shows whether it was warm."""
+
+    def __init__(self):
+        self.done = False
+
+    def due(self, state) -> bool:
+        return (not self.done and not state.at_epoch_end and bool(getattr(state.args, "compile", False))
+                and state.timer is not None and len(state.timer.durations) >= 2)
+
+    def run(self, state) -> None:
+        from library.compile.environment import compile_cache_report
+
+        self.done = True
+        accelerator = getattr(state, "accelerator", None)
+        if accelerator is not None and not accelerator.is_main_process:  # one line a run, as the progress
+            return
+        if report := compile_cache_report():
+            logger.info("torch.compile after step %d: %s", state.global_step, report)
+
+
 class Progress:
     """The progress line, bar and tracker logs of each step, written once the step's loss is read (a step
     later: library.late_loss), under the step's own number and with its learning rates."""
@@ -258,7 +281,7 @@ def sample_images(state, *, epoch: int | None) -> None:
 def step_events(progress_bar, line, late) -> list:
     """The events of a run, in the order they run: timing and progress first (the step's record), then the work
     that pauses training, then Stop (it ends the loop after the step, once the rest has run)."""
-    return [StepTiming(), Progress(progress_bar, line, late), RankProgress(progress_bar), EMAUpdate(), Validate(), EpochLoss(), TakeRequests(),
+    return [StepTiming(), CompileReport(), Progress(progress_bar, line, late), RankProgress(progress_bar), EMAUpdate(), Validate(), EpochLoss(), TakeRequests(),
             Save(), Sample(), StopAfterPause(), Stop()]
 
 
