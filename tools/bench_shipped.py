@@ -6,6 +6,8 @@
            [--buckets] [--recompiles] [--time_graphs] [--cache_tag T] [--timeout S] [--log_out FILE]
            [--json_out FILE] [--upstream_dir D --upstream_pythonpath P] [-- more trainer flags]
     python tools/bench_shipped.py report FILE.json ...  # the runs' --json_out files -> default-vs-best table
+    python tools/bench_shipped.py table --workdir W --out DIR [--family sdxl|flux] [--rows a,b] [--budget S]
+           [--steps 20] [-- trainer flags for every row]  # issue 25's whole table, see "The table" below
 
 `prepare` writes random weights in users' file layouts (nothing is downloaded): SDXL `W/sdxl.safetensors` (SGM
 keys, bf16); FLUX.1 `W/flux/` with the BFL dev transformer, CLIP-L, T5-XXL (bf16) and the AE, all full size. Plus
@@ -43,11 +45,21 @@ packages); its progress is a tqdm bar, read for the median step and the first st
 nvidia-smi for the peak memory.used, the same outside figure for both sides. `report` prints these families' rows
 apart (ours compiled / ours eager / upstream, upstream's step over ours, memory, first step). gpu/README (not in
 git) holds the device scripts.
+
+The table (`table`, issue 25 item 5): prepares the family's random full-size model once, empties one compile cache
+folder and runs every row of TABLES[family] in order, each as a user gets it (the GUI's Enable torch.compile:
+`--compile --compile_mode reduce-overhead`, nothing else) or with the best opt-in where one still beats the default:
+SDXL bs1 + GC cold, its warm restart (a new process on the same cache), AdamW8bit / Prodigy / Adafactor at bs1 + GC,
+bs1, bs4 + GC, then `--compile_checkpoint_keep resnets` opt-ins; FLUX.1 1024 + GC cold and warm. Later rows start
+warm where an earlier row compiled the same graphs (the cache column says what each got). `--budget` skips the rows
+that no longer fit (TableRow.need_s). Writes DIR/table_<family>.json (every run's figures) and DIR/table_<family>.md:
+per workload ours default, best opt-in, the issue's target and met/missed judged from the figures, then every run
+(auto's choices, median step, peak by the trainer and by nvidia-smi, first step, compile line to step 2, cache,
+wall). `report DIR/table_<family>.json` prints the table again.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -56,6 +68,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parent.parent
 SD_SCRIPTS = REPO / "sd-scripts"
@@ -990,8 +1003,7 @@ def family_report(runs: list[dict]) -> str:
 # the rows before them compiled (the table's cache column says what each got from it).
 
 
-@dataclasses.dataclass(frozen=True)
-class Target:
+class Target(NamedTuple):  # NamedTuple, not a dataclass: loaders of this file by path need no sys.modules entry
     """An issue-25 target; a row meets it when every bound given holds."""
     max_ms: float | None = None  # the trainer's median step
     max_gib: float | None = None  # the trainer's peak allocated memory
@@ -1012,8 +1024,7 @@ class Target:
         return "; ".join(parts) + (f" ({self.note})" if self.note else "")
 
 
-@dataclasses.dataclass(frozen=True)
-class TableRow:
+class TableRow(NamedTuple):
     name: str
     workload: str  # the issue's row
     kind: str  # "default", "warm restart" (the default again, a new process on the same cache) or "best opt-in"
@@ -1022,6 +1033,9 @@ class TableRow:
     gradient_checkpointing: bool = True
     target: Target = Target()
     need_s: int = 60  # seconds the row needs on an H100 (run87's walls and a margin): a row that no longer fits is skipped
+
+    def as_json(self) -> dict:
+        return {**self._asdict(), "flags": list(self.flags), "target": self.target._asdict()}
 
 
 ADAMW8BIT = ("--optimizer_type", "AdamW8bit")
@@ -1159,7 +1173,7 @@ def run_table(args, workdir: Path) -> dict:
            "prepare_s": round(time.perf_counter() - t0, 1), "rows": []}
     json_path, md_path = out_dir / f"table_{args.family}.json", out_dir / f"table_{args.family}.md"
     for row in rows:
-        entry = {"row": dataclasses.asdict(row), "result": None, "skipped": None}
+        entry = {"row": row.as_json(), "result": None, "skipped": None}
         left = args.budget - (time.perf_counter() - t0) if args.budget else None
         if left is not None and left < row.need_s:
             entry["skipped"] = f"{left:.0f} s of the budget left, the row needs {row.need_s}"
