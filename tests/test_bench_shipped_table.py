@@ -102,11 +102,14 @@ def test_targets_judged_from_each_figure():
 
 def test_table_puts_default_best_and_warm_restart_of_a_workload_on_its_lines():
     rows = {r.name: r for r in bench_shipped.TABLES["sdxl"]}
-    entry = lambda name, result: {"row": rows[name].as_json(), "result": result,  # noqa
-                                  "skipped": None}
+
+    def entry(name, result):
+        return {"row": rows[name].as_json(), "result": result, "skipped": None}
+
     doc = {"family": "sdxl", "device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "resolution": 1024, "steps": 20,
            "compile_mode": "reduce-overhead", "common_flags": ["--seed", "0"], "prepare_s": 30.0, "total_s": 400.0,
-           "rows": [entry("bs1_gc", _result(109.1, 7.13, first=18.5)), entry("bs1_gc_warm", _result(108.9, 7.13, 3.2, 3.7)),
+           "rows": [entry("bs1_gc", _result(109.1, 7.13, first=18.5)),
+                    entry("bs1_gc_warm", _result(108.9, 7.13, 3.2, 3.7)),
                     entry("bs1", _result(104.0, 12.2)), entry("bs1_gc_resnets", _result(95.0, 9.16)),
                     {"row": rows["bs4_gc"].as_json(), "result": None,
                      "skipped": "20 s of the budget left, the row needs 70"}]}

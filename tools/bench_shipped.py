@@ -1014,7 +1014,8 @@ class Target(NamedTuple):  # NamedTuple, not a dataclass: loaders of this file b
     def text(self) -> str:
         parts = []
         if self.max_ms is not None:
-            parts.append(f"<= {self.max_ms:g} ms" + (f" under {self.max_gib:g} GiB" if self.max_gib is not None else ""))
+            under = f" under {self.max_gib:g} GiB" if self.max_gib is not None else ""
+            parts.append(f"<= {self.max_ms:g} ms{under}")
         elif self.max_gib is not None:
             parts.append(f"under {self.max_gib:g} GiB")
         if self.max_first_step_s is not None:
@@ -1032,7 +1033,7 @@ class TableRow(NamedTuple):
     batch_size: int = 1
     gradient_checkpointing: bool = True
     target: Target = Target()
-    need_s: int = 60  # seconds the row needs on an H100 (run87's walls and a margin): a row that no longer fits is skipped
+    need_s: int = 60  # seconds it needs on an H100 (run87's walls and a margin): a row that no longer fits is skipped
 
     def as_json(self) -> dict:
         return {**self._asdict(), "flags": list(self.flags), "target": self.target._asdict()}
@@ -1294,7 +1295,8 @@ def main(argv=None) -> int:
     if argv[:1] == ["report"]:
         tables = [p for p in argv[1:] if isinstance(json.loads(Path(p).read_text()), dict)]  # `table`'s files
         rest = [p for p in argv[1:] if p not in tables]
-        print("\n\n".join([render_table(json.loads(Path(p).read_text())) for p in tables] + ([report(rest)] if rest else [])))
+        print("\n\n".join([render_table(json.loads(Path(p).read_text())) for p in tables]
+                          + ([report(rest)] if rest else [])))
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("action", choices=("prepare", "run", "table"))
