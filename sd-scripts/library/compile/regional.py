@@ -97,16 +97,22 @@ IMAGE_SIZE_DIMS = {
 }
 
 
+def _positions(block: torch.nn.Module, names) -> dict[str, int]:
+    """Argument name -> its position in the block's forward, for those of `names` it has."""
+    import inspect
+
+    params = list(inspect.signature(type(block).forward).parameters)[1:]  # the class's forward, without self
+    return {name: params.index(name) for name in names if name in params}
+
+
 def image_size_dims(block: torch.nn.Module) -> list[tuple[str, int, tuple[int, ...]]]:
     """(argument name, its position in the block's forward, dims) for each input of `block` that follows the image
     size; empty for a block class IMAGE_SIZE_DIMS does not know."""
     spec = IMAGE_SIZE_DIMS.get(class_name(block))
     if not spec:
         return []
-    import inspect
-
-    params = list(inspect.signature(type(block).forward).parameters)[1:]  # the class's forward, without self
-    return [(name, params.index(name), dims) for name, dims in spec.items() if name in params]
+    positions = _positions(block, spec)
+    return [(name, positions[name], dims) for name, dims in spec.items() if name in positions]
 
 
 # Inputs that the first block of a kind gets in another form than the blocks after it, which get the previous block's
@@ -138,13 +144,6 @@ def _parameters_of(block: torch.nn.Module) -> list:
             if isinstance(getattr(cell, "cell_contents", None), torch.nn.Module):
                 params.extend(cell.cell_contents.parameters())
     return params
-
-
-def _positions(block: torch.nn.Module, names) -> dict[str, int]:
-    import inspect
-
-    params = list(inspect.signature(type(block).forward).parameters)[1:]  # the class's forward, without self
-    return {name: params.index(name) for name in names if name in params}
 
 
 class _BlockCall:
