@@ -205,11 +205,11 @@ class _BlockCall:
 
 
 def _joint_slices(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether a and b are [:, :n] and [:, n:] of one tensor (joined along dim 1)."""
-    if a.dim() < 2 or a.stride() != b.stride() or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+    """Whether a and b lie as [:, :n] and [:, n:] of one tensor (joined along dim 1) in memory: the layout a compiled
+    block's guards see (strides), checked from data pointers (a replayed CUDA graph's outputs share no `_base`)."""
+    if a.dim() < 2 or a.stride() != b.stride() or a.stride(0) != (a.shape[1] + b.shape[1]) * a.stride(1):
         return False
-    return b.data_ptr() == a.data_ptr() + a.shape[1] * a.stride(1) * a.element_size() and \
-        a.stride(0) == (a.shape[1] + b.shape[1]) * a.stride(1)
+    return b.data_ptr() == a.data_ptr() + a.shape[1] * a.stride(1) * a.element_size()
 
 
 def compile_model_blocks(
