@@ -27,7 +27,9 @@ def torch_defaults():
     environment._set_process_switches(environment._TORCH_SWITCHES_AT_IMPORT)
 
 
-def test_each_run_starts_from_torchs_own_switches(torch_defaults):
+def test_each_run_starts_from_torchs_own_switches(torch_defaults, monkeypatch):
+    # --cudnn_sdp auto as torch has it (on Hopper with torch 2.11 + CUDA 13 auto turns it off: test_compile_utils)
+    monkeypatch.setattr(environment, "_needs_cudnn_sdpa_workaround", lambda: False)
     parser = compile_options.add_compile_arguments(argparse.ArgumentParser())
     given = parser.parse_args(["--compile", "--cuda_allow_tf32", "--cuda_cudnn_benchmark", "--cudnn_sdp", "off",
                                "--compile_cache_size_limit", "64"])
@@ -79,6 +81,8 @@ def test_every_model_call_of_a_run_sees_its_switches_and_the_next_run_torchs(tor
     org_cache = setup.cache
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     monkeypatch.setattr(setup, "cache", cache)
+    from accelerate.state import AcceleratorState, GradientState
+
     seen = {}
     for name, extra in (("first", ["--cudnn_sdp", "off", "--cuda_allow_tf32", "--cuda_cudnn_benchmark"]),
                         ("second", ["--cudnn_sdp", "on"])):
@@ -89,6 +93,9 @@ def test_every_model_call_of_a_run_sees_its_switches_and_the_next_run_torchs(tor
                 "--network_dim", "4", "--network_train_unet_only", "--resolution", "64,64", "--max_train_steps", "1",
                 "--max_data_loader_n_workers", "0", "--seed", "42", "--mixed_precision", "no", "--cache_latents",
                 "--cache_text_encoder_outputs", *extra]
+        # accelerate keeps the first mixed precision of a process (the GPU tests before this one train in bf16)
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
         run(sdxl_train_network.trainer(), sdxl_train_network.setup_parser(), argv)
         assert {c for c, _ in calls} == {True, False}, calls  # attention ran while caching and while training
         seen[name] = {s for _, s in calls}
