@@ -46,12 +46,13 @@ def test_figures_read_from_a_two_process_log():
                     "1.2345678901e+05, peak GPU memory 29.50 GiB")]
     r = tool.read_lines(lines, tool.ROWS["flux_ft_fsdp"])
     assert r["sharded"] == {"model": "FluxTransformer2DModel", "params_m": 11901.4, "blocks": 57, "processes": 2}
-    assert r["ranks"] == {"0": {"steps": 12, "peak_gib": 30.12}, "1": {"steps": 12, "peak_gib": 29.5}}
+    assert r["ranks"] == {"0": {"steps": 12, "checksum": 123456.78901, "peak_gib": 30.12},
+                          "1": {"steps": 12, "checksum": 123456.78901, "peak_gib": 29.5}}
     assert r["trainer_summary"]["median_ms"] == 1500.0 and r["trainer_summary"]["first_step_s"] == 9.5
     assert r["samples_per_s"] == round(2 / 1.5, 3) and r["launch_to_first_progress_s"] == 30.0
     cpu = tool.read_lines([(1.0, "process 1/2 finished 4 steps, last loss 0.1, weights checksum 3.1e+01")],
                           tool.ROWS["sdxl_lora_dp2"])
-    assert cpu["ranks"] == {"1": {"steps": 4, "peak_gib": None}}
+    assert cpu["ranks"] == {"1": {"steps": 4, "checksum": 31.0, "peak_gib": None}}
 
 
 @pytest.mark.slow
@@ -68,3 +69,18 @@ def test_tiny_data_parallel_row_on_two_cpu_processes(tmp_path):
     assert proc.returncode == 0 and r["ok"], (proc.stdout[-2000:], r.get("log_tail"))
     assert set(r["ranks"]) == {"0", "1"} and r["samples_per_s"] > 0 and r["trainer_summary"]["steps"] == "3-4"
     assert r["launch"].startswith("accelerate launch --multi_gpu --num_processes 2 ")
+
+
+def test_report_sets_the_step_graph_on_against_off(tmp_path):
+    tool = _tool()
+    paths = []
+    for graph, ms, checksum in (("off", 100.0, 2.0), ("on", 90.0, 2.0002)):
+        name = f"sdxl_lora_bs1_2gpu_compiled_graph_{graph}"
+        row = {"row": name, "what": tool.ROWS[name].what, "gpus": 2, "ok": True, "rc": 0, "samples_per_s": 2 / ms,
+               "trainer_summary": {"median_ms": ms},
+               "ranks": {"0": {"steps": 12, "checksum": checksum, "peak_gib": 9.0}}}
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(row))
+    text = tool.report([str(p) for p in paths])
+    assert "sdxl_lora_bs1_2gpu_compiled: step graph on 90.0 ms / off 100.0 ms = 0.900" in text
+    assert "weights checksum on/off - 1 = 1.00e-04" in text

@@ -4,14 +4,14 @@ with a parameter no process used (it keeps no gradient) and one only the second 
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+import two_processes
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -67,11 +67,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_all_reduce_gradients_two_processes(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok0", "ok1"]
+    two_processes.run(_worker, tmp_path)
 
 
 def test_all_reduce_gradients_single_process_does_nothing():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -146,12 +147,31 @@ def pick_tool(page, group: str, label: str, key: str) -> None:
 
 
 def fill_form(page, key: str, values: dict) -> None:
-    for name, value in values.items():
+    """Fills the tool's fields. The server draws the form (when its tab opens, when a tool is picked), and a draw
+    still on its way replaces a form already filled with an empty one (a Run then answered "Image folder
+    (train_data_dir) is required"): the values are read back until they stayed for a second, filled again where a
+    draw wiped them."""
+    def field_of(name):
         box = page.locator(f"#tool-{key}-{name}")
-        if isinstance(value, bool):
-            box.locator("input[type=checkbox]").set_checked(value)
-        else:
-            box.locator("input, textarea").first.fill(str(value))
+        return box.locator("input[type=checkbox]") if isinstance(values[name], bool) else \
+            box.locator("input, textarea").first
+
+    def shows(name) -> bool:
+        value = values[name]
+        return field_of(name).is_checked() == value if isinstance(value, bool) else \
+            field_of(name).input_value() == str(value)
+
+    deadline, stable = time.monotonic() + 60, 0
+    while stable < 4:
+        wrong = [name for name in values if not shows(name)]
+        assert not wrong or time.monotonic() < deadline, f"{key}: {wrong} do not keep their values"
+        for name in wrong:
+            if isinstance(values[name], bool):
+                field_of(name).set_checked(values[name])
+            else:
+                field_of(name).fill(str(values[name]))
+        stable = 0 if wrong else stable + 1
+        page.wait_for_timeout(250)
 
 
 def printed(page, group: str, key: str) -> str:

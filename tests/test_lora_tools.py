@@ -245,7 +245,8 @@ def test_streamed_safetensors_writer_writes_the_librarys_bytes(tiny_sdxl_single_
                "i64": torch.arange(7), "i32": torch.arange(5, dtype=torch.int32), "i16": torch.arange(3).short(),
                "i8": torch.arange(3, dtype=torch.int8), "u8": torch.arange(11, dtype=torch.uint8),
                "flag": torch.tensor([True, False, True]), "scalar": torch.tensor(3.5), "empty": torch.empty(0, 4),
-               "view": torch.randn(8, 6, generator=g).t()}
+               "view": torch.randn(8, 6, generator=g).t(), "f8": torch.randn(5, generator=g).to(torch.float8_e4m3fn),
+               "f8b": torch.randn(2, 3, generator=g).to(torch.float8_e5m2)}
     meta = {"modelspec.title": "Zürich ☃ \"quoted\"", "format": "pt"}
     for cast, chunk in ((None, 64), (torch.float16, 1 << 20)):  # buffers smaller / larger than all the data
         ref, ours = tmp_path / f"ref{cast}.safetensors", tmp_path / f"ours{cast}.safetensors"

@@ -40,6 +40,16 @@ def test_each_run_starts_from_torchs_own_switches(torch_defaults):
     assert environment.recompile_limit() != 64 and torch.backends.cuda.matmul.allow_tf32 is False
 
 
+def test_a_script_without_the_compile_flags_keeps_torchs_attention_choice(torch_defaults, monkeypatch):
+    """train_network.py without --torch_compile has no --cudnn_sdp: cuDNN attention as torch has it (not auto's rule
+    for the Hopper + torch 2.11 + CUDA 13 crash, which is about compiled blocks), also after a run that turned it off."""
+    monkeypatch.setattr(environment, "_needs_cudnn_sdpa_workaround", lambda: True)
+    parser = compile_options.add_compile_arguments(argparse.ArgumentParser())
+    environment.apply_process_settings(parser.parse_args(["--cudnn_sdp", "off"]))
+    assert environment.apply_process_settings(argparse.Namespace(cache_latents=True)) == {}
+    assert torch.backends.cuda.cudnn_sdp_enabled() is torch_defaults["cudnn_sdp"]
+
+
 @pytest.mark.slow
 def test_every_model_call_of_a_run_sees_its_switches_and_the_next_run_torchs(torch_defaults, tiny_sdxl_single_file,
                                                                              tiny_dataset_dir, tmp_path, monkeypatch):

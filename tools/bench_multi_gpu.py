@@ -55,7 +55,7 @@ def _bench_shipped():
 
 bench = _bench_shipped()
 
-FINISHED = re.compile(r"process (\d+)/(\d+) finished (\d+) steps, last loss \S+, weights checksum \S+?"
+FINISHED = re.compile(r"process (\d+)/(\d+) finished (\d+) steps, last loss \S+, weights checksum (\S+?)"
                       r"(?:, peak GPU memory ([\d.]+) GiB)?$")
 SHARDED = re.compile(r"--fsdp \w+: the parameters of the (\w+) \(([\d.]+)M, (\d+) blocks\) are sharded over (\d+) "
                      r"processes")
@@ -85,6 +85,9 @@ FLUX_PRESET = ["--guidance_scale", "1.0", "--timestep_sampling", "shift", "--dis
 FLUX_SWAP = 22  # presets/finetune/flux-finetune-24gb.toml (upstream users: 22 on a 24 GB card)
 
 
+COMPILED = ["--compile", "--compile_mode", "reduce-overhead"]  # the GUI's Enable torch.compile
+
+
 @dataclass
 class Row:
     family: str
@@ -110,6 +113,12 @@ ROWS = {
         "SDXL full fine-tune 1024 bs1 + GC, --fsdp full_shard, AdamW (the optimizer's share of the FSDP step)"),
     "sdxl_lora_dp1": Row("sdxl", "sdxl_train_network.py", 1, 4, [], "SDXL LoRA r32 bs4 + GC, AdamW"),
     "sdxl_lora_dp2": Row("sdxl", "sdxl_train_network.py", 2, 4, [], "SDXL LoRA r32 bs4 + GC, AdamW, data parallel"),
+    # --cuda_graph_step on several GPUs (issue 25 item 2): bs1 + GC, compiled as the GUI's Enable torch.compile
+    # (off: the blocks record their own CUDA graphs, what auto does on 2 processes) and eager
+    **{f"sdxl_lora_bs1_{n}gpu_{how}_graph_{g}": Row(
+        "sdxl", "sdxl_train_network.py", n, 1, (COMPILED if how == "compiled" else []) + ["--cuda_graph_step", g],
+        f"SDXL LoRA r32 bs1 + GC, AdamW, {how}, {n} GPU{'s' if n > 1 else ''}, step graph {g}")
+       for n in (1, 2) for how in ("compiled", "eager") for g in ("off", "on")},
 }
 LORA = ["--network_module", "networks.lora", "--network_dim", "32", "--network_alpha", "16", "--network_train_unet_only",
         "--optimizer_type", "AdamW", "--learning_rate", "1e-4", "--mixed_precision", "bf16"]
@@ -197,8 +206,8 @@ def read_lines(lines: list[tuple[float, str]], row: Row) -> dict:
                 s["first_step_s"] = float(f.group(1))
             result["trainer_summary"] = s
         elif m := FINISHED.search(line):
-            finished[m.group(1)] = {"steps": int(m.group(3)),
-                                    "peak_gib": float(m.group(4)) if m.group(4) else None}
+            finished[m.group(1)] = {"steps": int(m.group(3)), "checksum": float(m.group(4)),
+                                    "peak_gib": float(m.group(5)) if m.group(5) else None}
         elif m := SHARDED.search(line):
             result["sharded"] = {"model": m.group(1), "params_m": float(m.group(2)), "blocks": int(m.group(3)),
                                  "processes": int(m.group(4))}
@@ -299,7 +308,7 @@ def report(paths: list[str]) -> str:
     rows = [json.loads(Path(p).read_text()) for p in paths]
     lines = ["| row | GPUs | median step | samples/s | first step | peak allocated per GPU (each rank) | "
              "nvidia-smi max per GPU | ok |", "|---|---|---|---|---|---|---|---|"]
-    by = {}
+    by, medians, checksums = {}, {}, {}
     for r in rows:
         s = r.get("trainer_summary") or {}
         ranks = r.get("ranks") or {}
@@ -308,11 +317,21 @@ def report(paths: list[str]) -> str:
         lines.append(f"| {r['what']} | {r['gpus']} | {s.get('median_ms', '-')} ms | {r.get('samples_per_s', '-')} | "
                      f"{s.get('first_step_s', '-')} s | {peaks} | {smi} | {'yes' if r['ok'] else 'no (rc %s)' % r['rc']} |")
         by[r["row"]] = r.get("samples_per_s")
+        medians[r["row"]] = s.get("median_ms")
+        checksums[r["row"]] = next(iter(ranks.values()), {}).get("checksum")
     for a, b, label in (("sdxl_lora_dp1", "sdxl_lora_dp2", "SDXL LoRA bs4 + GC, 2 GPUs / 1 GPU samples/s"),
                         ("sdxl_ft_1gpu", "sdxl_ft_fsdp", "SDXL full FT, FSDP 2 GPUs / 1 GPU samples/s"),
                         ("flux_ft_swap", "flux_ft_fsdp", "FLUX.1 full FT, FSDP 2 GPUs / 1 GPU + swap samples/s")):
         if by.get(a) and by.get(b):
             lines.append(f"\n{label}: {by[b] / by[a]:.2f}x")
+    for off in sorted(k for k in medians if k.endswith("_graph_off")):  # --cuda_graph_step on against off
+        on = off[:-len("off")] + "on"
+        if medians.get(off) and medians.get(on):
+            same = ""
+            if checksums.get(off) is not None and checksums.get(on) is not None:
+                same = f", weights checksum on/off - 1 = {checksums[on] / checksums[off] - 1:.2e}"
+            lines.append(f"\n{on[:-len('_graph_on')]}: step graph on {medians[on]} ms / off {medians[off]} ms = "
+                         f"{medians[on] / medians[off]:.3f}{same}")
     return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ import contextlib
 import logging
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,11 @@ def check_launch(accelerator) -> None:
 
 def all_reduce_gradients(params, accelerator) -> None:
     """Averages `.grad` of `params` over all processes, in place (nothing to do in a single process).
-    A parameter without a gradient counts as a zero gradient, so every process runs the same collectives."""
+    A parameter without a gradient counts as a zero gradient, so every process runs the same collectives.
+
+    It also runs inside the captured step of --cuda_graph_step (library.compile.step_graph), whose replays launch
+    the same collectives: there it reads nothing back to the host, so whether a parameter no process used keeps
+    no gradient is taken from the ordinary steps before the capture (_UNUSED_EVERYWHERE)."""
     if not is_distributed(accelerator) or getattr(accelerator, "distributed_type", None) == "DEEPSPEED":
         return  # (the DeepSpeed engine reduces them in its backward)
     params = [p for p in params if not _is_sharded(p)]  # --fsdp reduced those in backward (library.sharding)
@@ -84,9 +89,27 @@ def all_reduce_gradients(params, accelerator) -> None:
             sizes[key] = 0
     for grads in buckets.values():
         _reduce_bucket(grads, world)
+    capturing = _capturing()
+    if not capturing:
+        _UNUSED_EVERYWHERE.clear()  # what this step finds, the same on every process (read from the averages)
     for p in no_grad:  # unused on every process (e.g. SDXL's last CLIP-L layer): no gradient, as before
-        if not p.grad.any():
+        if capturing:
+            unused = p in _UNUSED_EVERYWHERE
+        else:
+            unused = not p.grad.any()
+            if unused:
+                _UNUSED_EVERYWHERE[p] = True
+        if unused:
             p.grad = None
+
+
+# the parameters that the last ordinary step found unused on every process (a capture follows the steps before it)
+_UNUSED_EVERYWHERE = WeakIdKeyDictionary()
+
+
+def _capturing() -> bool:
+    """Whether this runs inside a CUDA graph capture, where nothing may be read back to the host."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _is_sharded(tensor: torch.Tensor) -> bool:

@@ -58,16 +58,44 @@ def load_file(path: str | os.PathLike, device: str = "cpu", keep=None) -> dict:
     return sd if device == "cpu" else {k: v.to(device) for k, v in sd.items()}
 
 
-# torch dtype -> safetensors name, in the library's Dtype order (it writes the larger ones first)
-_ST_DTYPES = {"bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "float16": "F16", "bfloat16": "BF16",
-              "int32": "I32", "float32": "F32", "float64": "F64", "int64": "I64"}
+# torch dtype (its name without "torch.") -> safetensors name, in the library's Dtype order (its writer puts the
+# larger ones first, so that each tensor stays aligned); both writers here and library.saving's use it
+_ST_DTYPES = {"bool": "BOOL", "uint8": "U8", "int8": "I8", "float8_e5m2": "F8_E5M2", "float8_e4m3fn": "F8_E4M3",
+              "int16": "I16", "float16": "F16", "bfloat16": "BF16", "int32": "I32", "float32": "F32",
+              "float64": "F64", "int64": "I64"}
 _ST_RANK = {name: i for i, name in enumerate(_ST_DTYPES)}
 
 
+def dtype_name(dtype) -> str | None:
+    """The safetensors name of a torch dtype (F16, BF16, F8_E4M3...), None where the format cannot store it."""
+    return _ST_DTYPES.get(str(dtype).removeprefix("torch."))
+
+
+def header_bytes(items, metadata: dict[str, str] | None = None) -> bytes:
+    """A .safetensors file's start (its 8-byte length and JSON header, padded so the data starts 8-byte aligned)
+    for (name, torch dtype, shape) items stored in that order."""
+    import json
+    import math
+    import struct
+
+    import torch
+
+    header, offset = ({"__metadata__": dict(metadata)} if metadata else {}), 0
+    for name, dtype, shape in items:
+        if dtype_name(dtype) is None:
+            raise ValueError(f"{name}: dtype {dtype} cannot be stored in safetensors")
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": dtype_name(dtype), "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    head += b" " * (-len(head) % 8)
+    return struct.pack("<Q", len(head)) + head
+
+
 def can_stream(tensors: dict, float_dtype=None) -> bool:
-    """save_file_streamed writes these dtypes (fp8 goes through safetensors' own save_file)."""
+    """save_file_streamed writes these dtypes."""
     out = [float_dtype if float_dtype is not None and v.is_floating_point() else v.dtype for v in tensors.values()]
-    return all(str(d).removeprefix("torch.") in _ST_DTYPES for d in out)
+    return all(dtype_name(d) is not None for d in out)
 
 
 def save_file_streamed(tensors: dict, path: str | os.PathLike, metadata: dict[str, str] | None = None, *,
@@ -87,9 +115,7 @@ def save_file_streamed(tensors: dict, path: str | os.PathLike, metadata: dict[st
 
 
 def _write_streamed(tensors: dict, path: str, metadata: dict[str, str] | None, float_dtype, chunk_bytes: int) -> None:
-    import json
     import queue
-    import struct
     import threading
 
     import torch
@@ -99,16 +125,7 @@ def _write_streamed(tensors: dict, path: str, metadata: dict[str, str] | None, f
 
     # the library's order (its Dtype order, larger first: each tensor stays aligned), then by name
     items = sorted(tensors.items(), key=lambda kv: (-_ST_RANK[str(out_dtype(kv[1])).removeprefix("torch.")], kv[0]))
-    header, offset = {}, 0
-    if metadata:
-        header["__metadata__"] = metadata
-    for name, v in items:
-        size = v.numel() * torch.empty((), dtype=out_dtype(v)).element_size()
-        header[name] = {"dtype": _ST_DTYPES[str(out_dtype(v)).removeprefix("torch.")], "shape": list(v.shape),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-    head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    head += b" " * (-len(head) % 8)
+    head = header_bytes([(name, out_dtype(v), v.shape) for name, v in items], metadata)
     pin = torch.cuda.is_available() and any(v.is_cuda for v in tensors.values())
     free: queue.Queue = queue.Queue()
     full: queue.Queue = queue.Queue()
@@ -127,7 +144,7 @@ def _write_streamed(tensors: dict, path: str, metadata: dict[str, str] | None, f
                     failed.append(e)
                 free.put(buf)
 
-        f.write(struct.pack("<Q", len(head)) + head)
+        f.write(head)
         writer = threading.Thread(target=write, daemon=True)
         writer.start()
         try:

@@ -24,17 +24,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
-import json
 import logging
 import math
 import os
-import struct
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
 
-from library import files
+from library import files, safetensors_io
 from library.errors import SaveError  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
@@ -239,12 +237,6 @@ def start_position(args, steps_per_epoch: int, resumed_step: int, max_train_step
 # ----------------------------------------------------------------------------------------------------------
 # streaming safetensors writer (--mem_eff_save)
 
-_ST_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}
-
 
 @dataclass
 class TensorEntry:
@@ -264,18 +256,8 @@ def save_safetensors_streaming(path: str | os.PathLike, entries: Iterable[Tensor
     path = os.fspath(path)
     files.ensure_can_write(path, overwrite)
     entries = list(entries)
-    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
-    offset = 0
-    for e in entries:
-        if e.dtype not in _ST_DTYPES:
-            raise ValueError(f"{e.name}: dtype {e.dtype} cannot be stored in safetensors")
-        size = math.prod(e.shape) * torch.empty((), dtype=e.dtype).element_size()
-        header[e.name] = {"dtype": _ST_DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    raw = safetensors_io.header_bytes([(e.name, e.dtype, e.shape) for e in entries], metadata)
     with files.atomic_target(path, overwrite=overwrite) as tmp, open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for e in entries:
             t = e.make().detach().to("cpu", e.dtype).contiguous()

@@ -184,12 +184,12 @@ def apply_process_settings(args) -> dict:
         applied["cudnn_benchmark"] = True
         logger.info("cudnn.benchmark enabled (--cuda_cudnn_benchmark)")
 
-    cudnn_sdp = getattr(args, "cudnn_sdp", "auto")
-    if cudnn_sdp != "auto":
+    cudnn_sdp = getattr(args, "cudnn_sdp", None)  # None: a script without the compile flags keeps torch's choice
+    if cudnn_sdp in ("on", "off"):
         torch.backends.cuda.enable_cudnn_sdp(cudnn_sdp == "on")
         applied["cudnn_sdp"] = cudnn_sdp == "on"
         logger.info("cuDNN SDPA backend %s (--cudnn_sdp %s)", "allowed" if cudnn_sdp == "on" else "off", cudnn_sdp)
-    elif _needs_cudnn_sdpa_workaround():
+    elif cudnn_sdp == "auto" and _needs_cudnn_sdpa_workaround():
         allowed, why = cudnn_sdp_auto(args)
         torch.backends.cuda.enable_cudnn_sdp(allowed)
         applied["cudnn_sdp"] = allowed

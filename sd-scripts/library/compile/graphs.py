@@ -92,11 +92,12 @@ def add_arguments(parser) -> None:
         "--cuda_graph_step", type=_setting_type, nargs="?", const="on", default="auto", choices=CHOICES,
         help="capture the whole training step (forward, backward, optimizer step) as one CUDA graph after its first "
              f"{WARMUP} steps per batch shape and replay it: no per-step Python overhead at small batch sizes. Needs "
-             "one CUDA GPU and cached latents and text-encoder outputs (with gradient accumulation a micro-step that "
-             "ends the window and one that does not are two graphs); optimizers other than AdamW/Adam step after "
-             "the graph. auto (default): on where it can follow and was measured faster (SDXL with --compile, SD1.x "
-             "and SD2.x with --torch_compile, one bucket shape), else off with a log line saying why; on (also the bare "
-             "flag): always, refused where it cannot follow; off: never")
+             "CUDA (one GPU, or one per process of a data-parallel run) and cached latents and text-encoder outputs "
+             "(with gradient accumulation a micro-step that ends the window and one that does not are two graphs); "
+             "optimizers other than AdamW/Adam step after the graph. auto (default): on where it can follow and was "
+             "measured faster (SDXL with --compile, SD1.x and SD2.x with --torch_compile, one bucket shape; on several "
+             "GPUs too), else off with a log line saying why; on (also the bare flag): always, refused where it cannot "
+             "follow; off: never")
 
 
 def optimizer_in_graph(args) -> bool:
@@ -129,8 +130,9 @@ def blocker(args, num_processes: int = 1) -> str | None:
         return ("cannot replay --multires_noise_iterations, whose noise level sizes are drawn on the host each step")
     if getattr(args, "compile", False) and args.compile_backend == "cudagraphs":
         return "holds the compiled blocks in its own CUDA graph: use --compile_backend inductor, not cudagraphs"
-    if num_processes > 1:
-        return f"runs on one GPU; this run has {num_processes} processes"
+    for flag in ("fsdp", "deepspeed"):  # their collectives run in hooks and engines the step graph cannot capture
+        if getattr(args, flag, None):
+            return f"cannot capture --{flag}'s sharded training; without it, data parallel works"
     if not torch.cuda.is_available():
         return "needs a CUDA GPU, and none is available"
     return None
@@ -182,6 +184,8 @@ def resolve(args, groups, num_processes: int, family: str, error: type[Exception
             if args.gradient_accumulation_steps > 1:
                 how += (f"; {args.gradient_accumulation_steps} micro-steps a step: one graph for those that accumulate "
                         "gradients, one for the window's last")
+            if num_processes > 1:
+                how += f"; the gradients averaged over the {num_processes} processes inside it"
             logger.info("--cuda_graph_step auto: on (forward, backward and clipping as one CUDA graph, %s)", how)
         else:
             logger.info("--cuda_graph_step auto: off; the step graph %s", why)

@@ -25,6 +25,10 @@ What a captured graph cannot see is kept equal or out of it:
   or after it;
 - a step that cannot be captured (an operation that waits for the host) is run the ordinary way, and the run
   goes on without step graphs after a warning that says why.
+
+On several processes (data parallel) the captured step holds the gradients' all-reduce
+(library.data_parallel.all_reduce_gradients, between backward and clipping), so each replay averages them with
+the same collectives as an ordinary step: every process runs one step's collectives per step, replayed or not.
 """
 from __future__ import annotations
 
@@ -107,7 +111,11 @@ def _cuda_capture(run: Callable[[], torch.Tensor], generators: list, pool=None) 
     for g in generators:
         graph.register_generator_state(g)
     torch.cuda.synchronize()
-    with torch.cuda.graph(graph, pool=pool):
+    # several processes: the collectives of the gradients' all-reduce are captured too (their communicator was set up
+    # by the ordinary steps before); NCCL's watchdog thread queries its earlier work meanwhile, which a capture in
+    # the default "global" mode would refuse
+    mode = "thread_local" if torch.distributed.is_available() and torch.distributed.is_initialized() else "global"
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
         loss = run()
     return graph, loss
 

@@ -80,6 +80,8 @@ def run_epochs(state, started) -> None:
         state.checkpoint.epoch = state.done_epoch
         run_due(after, state, at_epoch_end=True)
     bar.close()
+    micro_step.graphs = None  # the step graphs go now, before the process group (NCCL cannot destroy a communicator
+    # that live CUDA graphs captured) and before the final save (their memory pool)
 
 
 def start_epoch(state) -> None:

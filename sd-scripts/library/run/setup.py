@@ -1,8 +1,8 @@
 """The phases of a run before step 1, in order: checks and output names, the accelerator and seed, the dataset,
-the models (loaded, merged, fp8, attention), the caches, what is trained, optimizers and schedulers (prepared,
-compiled), the run's generator and --resume, then validation, metadata and trackers. `prepare` returns the
-RunState the loop runs on, or `Done(result)` for runs that end before training (--output_config,
---validate_only, --debug_dataset)."""
+torch's process-wide switches (TF32, cuDNN attention...: before any model runs), the models (loaded, merged, fp8,
+attention), the caches, what is trained, optimizers and schedulers (prepared, compiled), the run's generator and
+--resume, then validation, metadata and trackers. `prepare` returns the RunState the loop runs on, or
+`Done(result)` for runs that end before training (--output_config, --validate_only, --debug_dataset)."""
 from __future__ import annotations
 
 import logging
