@@ -654,6 +654,63 @@ def test_flux_double_and_single_blocks_with_checkpointing():
     _assert_same(ref, _flux_step(compiled))
 
 
+def _flux_blocks(double, single):
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    return FluxTransformer2DModel(
+        patch_size=1, in_channels=8, num_layers=double, num_single_layers=single, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=8, guidance_embeds=True,
+        axes_dims_rope=(2, 2, 4),
+    )
+
+
+@pytest.mark.parametrize("network_args", [{}, {"split_qkv": "True"}, {"train_blocks": "single"}])
+def test_flux_blocks_of_a_kind_share_one_graph(network_args):
+    """The first double and the first single block get inputs like the later ones' (regional.LIKE_LATER_BLOCKS):
+    with LoRA in the blocks (the embedders frozen), every block of a kind runs one graph: 2 graphs for FLUX.1, where
+    the first block of each kind had one of its own (inputs without gradient; two tensors, not two slices of one),
+    with the uncompiled model's output and LoRA gradients. A kind whose blocks do not train (train_blocks=single)
+    gets no input gradient."""
+    from networks import lora_flux
+
+    eager = _flux_blocks(2, 3)
+    compiled = copy.deepcopy(eager)
+    nets = []
+    for model in (eager, compiled):
+        model.requires_grad_(False)
+        torch.manual_seed(1)
+        net = lora_flux.create_network(1.0, 4, 4, None, None, model, **network_args)
+        net.apply_to([], model, False, True)
+        for m in net.unet_loras:
+            for up in (m.lora_up if isinstance(m.lora_up, torch.nn.ModuleList) else [m.lora_up]):
+                torch.nn.init.normal_(up.weight, std=0.1)  # non-zero so LoRA changes outputs and gradients
+        net.requires_grad_(True)
+        nets.append(net)
+    counter = torch._dynamo.testing.CompileCounter()
+    args = _parse("--compile", "--compile_backend", "eager", "--compile_dynamic", "false")
+    args.compile_backend = counter
+    regional.compile_model_blocks(compiled, args, model_name="FLUX", gradient_checkpointing=True)
+    outs = [_flux_step(model)[0] for model in (eager, compiled)]
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    grads = [_grads(net) for net in nets]
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 0
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k], atol=1e-5, rtol=1e-5, msg=k)
+    assert counter.frame_count == 2
+    calls = {type(b).__name__: b._compiled_call_impl for b in regional.find_repeated_blocks(compiled)}
+    assert calls["FluxSingleTransformerBlock"]._trains
+    assert calls["FluxTransformerBlock"]._trains == (network_args.get("train_blocks") != "single")
+
+
+def test_joint_slices():
+    whole = torch.randn(2, 7, 4)
+    assert regional._joint_slices(whole[:, :3], whole[:, 3:])
+    assert not regional._joint_slices(whole[:, 3:], whole[:, :3])  # the wrong order
+    assert not regional._joint_slices(whole[:, :3].contiguous(), whole[:, 3:].contiguous())
+    assert not regional._joint_slices(whole[:, :3], whole[:, 4:])  # not adjacent
+
+
 @pytest.mark.slow
 def test_disable_linear_keeps_linears_out_of_graph(caplog):
     eager = _tiny_flux()

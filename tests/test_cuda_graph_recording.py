@@ -102,3 +102,22 @@ def test_compile_setup_applies_it_for_cuda_graph_modes(argv, applied, restore_to
     assert ("cuda_graph_recording" in result) is applied
     assert torch._inductor.config.triton.slow_path_cudagraph_asserts is (not applied)
     assert (trees.CUDAGraphNode._is_cuda_graph_recorded_tensor is cgr.is_cuda_graph_recorded_tensor) is applied
+
+
+def test_the_earlier_graphs_index_is_built_once_a_node(monkeypatch):
+    """A FLUX.1 step has 114 graphs on its path: the outputs of the graphs before a node are indexed once for it,
+    not once a question (each input and output of a new graph asks), while its own growing list is indexed again."""
+    keep = [torch.zeros(2) for _ in range(40)]
+    path = [[trees.StorageWeakRefWrapper(t) for t in keep[i:i + 4]] for i in range(0, 36, 4)] + [[]]
+    node = types.SimpleNamespace(path_weakrefs=path)
+    built = []
+    level_index = cgr._level_index
+    monkeypatch.setattr(cgr, "_level_index", lambda refs: built.append(len(refs)) or level_index(refs))
+    for t in keep[:36] + [torch.zeros(1)] * 5:
+        assert cgr.is_cuda_graph_recorded_tensor(node, t) == ORIGINALS["_is_cuda_graph_recorded_tensor"](node, t)
+        assert (cgr.is_alias_of_live_recorded_tensor(node, t)
+                == ORIGINALS["_is_alias_of_live_recorded_tensor"](node, t))
+    assert built == [4] * 9 + [0]  # each earlier graph once, the node's own (empty) list once
+    path[-1].append(trees.StorageWeakRefWrapper(keep[36]))  # the node records an output
+    assert cgr.is_alias_of_live_recorded_tensor(node, keep[36]) == (9, 0)
+    assert built == [4] * 9 + [0, 1]

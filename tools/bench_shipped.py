@@ -6,6 +6,8 @@
            [--buckets] [--recompiles] [--time_graphs] [--cache_tag T] [--timeout S] [--log_out FILE]
            [--json_out FILE] [--upstream_dir D --upstream_pythonpath P] [-- more trainer flags]
     python tools/bench_shipped.py report FILE.json ...  # the runs' --json_out files -> default-vs-best table
+    python tools/bench_shipped.py table --workdir W --out DIR [--family sdxl|flux] [--rows a,b] [--budget S]
+           [--steps 20] [-- trainer flags for every row]  # issue 25's whole table, see "The table" below
 
 `prepare` writes random weights in users' file layouts (nothing is downloaded): SDXL `W/sdxl.safetensors` (SGM
 keys, bf16); FLUX.1 `W/flux/` with the BFL dev transformer, CLIP-L, T5-XXL (bf16) and the AE, all full size. Plus
@@ -44,6 +46,17 @@ packages); its progress is a tqdm bar, read for the median step and the first st
 nvidia-smi for the peak memory.used, the same outside figure for both sides. `report` prints these families' rows
 apart (ours compiled / ours eager / upstream, upstream's step over ours, memory, first step). gpu/README (not in
 git) holds the device scripts.
+
+The table (`table`, issue 25 item 5): prepares the family's random full-size model once, empties one compile cache
+folder and runs every row of TABLES[family] in order, each as a user gets it (the GUI's Enable torch.compile:
+`--compile --compile_mode reduce-overhead`, nothing else) or with the best opt-in where one still beats the default:
+SDXL bs1 + GC cold, its warm restart (a new process on the same cache), AdamW8bit / Prodigy / Adafactor at bs1 + GC,
+bs1, bs4 + GC, then `--compile_checkpoint_keep resnets` opt-ins; FLUX.1 1024 + GC cold and warm. Later rows start
+warm where an earlier row compiled the same graphs (the cache column says what each got). `--budget` skips the rows
+that no longer fit (TableRow.need_s). Writes DIR/table_<family>.json (every run's figures) and DIR/table_<family>.md:
+per workload ours default, best opt-in, the issue's target and met/missed judged from the figures, then every run
+(auto's choices, median step, peak by the trainer and by nvidia-smi, first step, compile line to step 2, cache,
+wall). `report DIR/table_<family>.json` prints the table again.
 """
 from __future__ import annotations
 
@@ -56,6 +69,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parent.parent
 SD_SCRIPTS = REPO / "sd-scripts"
@@ -861,6 +875,7 @@ def run_phase(args, phase: str, workdir: Path) -> dict:
         result["timed_out_after_s"] = args.timeout
     result.update(read_log(lines, args.warmup, bar=upstream))
     result["auto_chose"] = auto_choices([line for _, line in lines])
+    result["compile_report"] = compile_report([line for _, line in lines])
     if rc != 0:
         result["log_tail"] = [line for _, line in lines[-40:]]
     return result
@@ -983,18 +998,316 @@ def family_report(runs: list[dict]) -> str:
     return "\n".join(rows)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# `table` (issue 25 item 5): the issue's default-vs-best table, every row, in one call per family. Each row starts the
+# shipped trainer as a user gets it (the GUI's Enable torch.compile: --compile --compile_mode reduce-overhead, every
+# other setting at its default), or with the best opt-in where one still beats the default, on one random full-size
+# model and one compile cache folder, emptied at the start: the first row's first step is cold, later rows reuse what
+# the rows before them compiled (the table's cache column says what each got from it).
+
+
+class Target(NamedTuple):  # NamedTuple, not a dataclass: loaders of this file by path need no sys.modules entry
+    """An issue-25 target; a row meets it when every bound given holds."""
+    max_ms: float | None = None  # the trainer's median step
+    max_gib: float | None = None  # the trainer's peak allocated memory
+    max_first_step_s: float | None = None  # first step, cold compile cache
+    max_to_step2_s: float | None = None  # the trainer's compile line to step 2 done (a warm restart)
+    note: str = ""  # where a bound comes from, when the issue does not say it in numbers
+
+    def text(self) -> str:
+        parts = []
+        if self.max_ms is not None:
+            under = f" under {self.max_gib:g} GiB" if self.max_gib is not None else ""
+            parts.append(f"<= {self.max_ms:g} ms{under}")
+        elif self.max_gib is not None:
+            parts.append(f"under {self.max_gib:g} GiB")
+        if self.max_first_step_s is not None:
+            parts.append(f"first step cold <= {self.max_first_step_s:g} s")
+        if self.max_to_step2_s is not None:
+            parts.append(f"warm restart <= {self.max_to_step2_s:g} s to step 2")
+        return "; ".join(parts) + (f" ({self.note})" if self.note else "")
+
+
+class TableRow(NamedTuple):
+    name: str
+    workload: str  # the issue's row
+    kind: str  # "default", "warm restart" (the default again, a new process on the same cache) or "best opt-in"
+    flags: tuple = ()  # trainer flags beyond the GUI's default
+    batch_size: int = 1
+    gradient_checkpointing: bool = True
+    target: Target = Target()
+    need_s: int = 60  # seconds it needs on an H100 (run87's walls and a margin): a row that no longer fits is skipped
+
+    def as_json(self) -> dict:
+        return {**self._asdict(), "flags": list(self.flags), "target": self.target._asdict()}
+
+
+ADAMW8BIT = ("--optimizer_type", "AdamW8bit")
+PRODIGY = ("--optimizer_type", "Prodigy", "--learning_rate", "1.0")
+# the kohya_ss presets' Adafactor (shared/parity/kohya_ss-presets)
+ADAFACTOR = ("--optimizer_type", "AdaFactor", "--optimizer_args", "scale_parameter=False", "relative_step=False",
+             "warmup_init=False")
+RESNETS = ("--compile_checkpoint_keep", "resnets")  # faster than auto's bs1 choice (attention), 2 GiB more
+SDXL_GC = Target(max_ms=130, max_gib=8)
+TABLES = {
+    # in the order they run: the cold row first, its warm restart next, the same-graph optimizer rows on its cache
+    "sdxl": (
+        TableRow("bs1_gc", "SDXL bs1 + GC", "default", target=Target(130, 8, max_first_step_s=20), need_s=75),
+        TableRow("bs1_gc_warm", "SDXL bs1 + GC", "warm restart", target=Target(max_to_step2_s=8), need_s=45),
+        TableRow("bs1_gc_adamw8bit", "SDXL bs1 + GC, AdamW8bit", "default", ADAMW8BIT, target=SDXL_GC, need_s=45),
+        TableRow("bs1_gc_prodigy", "SDXL bs1 + GC, Prodigy", "default", PRODIGY, target=SDXL_GC, need_s=45),
+        TableRow("bs1_gc_adafactor", "SDXL bs1 + GC, Adafactor", "default", ADAFACTOR, target=SDXL_GC, need_s=45),
+        TableRow("bs1", "SDXL bs1", "default", gradient_checkpointing=False, target=Target(110), need_s=65),
+        TableRow("bs4_gc", "SDXL bs4 + GC", "default", batch_size=4, target=Target(280), need_s=70),
+        TableRow("bs1_gc_resnets", "SDXL bs1 + GC", "best opt-in", RESNETS, target=SDXL_GC, need_s=65),
+        TableRow("bs1_gc_adamw8bit_resnets", "SDXL bs1 + GC, AdamW8bit", "best opt-in", ADAMW8BIT + RESNETS,
+                 target=SDXL_GC, need_s=45),
+        TableRow("bs1_gc_prodigy_resnets", "SDXL bs1 + GC, Prodigy", "best opt-in", PRODIGY + RESNETS,
+                 target=SDXL_GC, need_s=45),
+        TableRow("bs1_gc_adafactor_resnets", "SDXL bs1 + GC, Adafactor", "best opt-in", ADAFACTOR + RESNETS,
+                 target=SDXL_GC, need_s=45),
+    ),
+    "flux": (
+        # "peak memory no higher than today's default": the issue's default when it was filed (585 ms / 27.3 GiB)
+        TableRow("gc", "FLUX.1 1024 + GC", "default", target=Target(470, 27.3, max_first_step_s=40,
+                                                                    note="27.3 GiB: the issue's default when filed"),
+                 need_s=120),
+        TableRow("gc_warm", "FLUX.1 1024 + GC", "warm restart", target=Target(max_to_step2_s=8), need_s=75),
+    ),
+}
+# workloads with no "best opt-in" row: the issue's levers for them are what auto now chooses (its column shows it)
+NO_OPT_IN = {
+    "SDXL bs1": "none left: the issue's lever (`--cuda_graph_step`) is auto's choice",
+    "SDXL bs4 + GC": "none left: run62's three levers (step graph, cuDNN attention, keep resnets) are auto's choices",
+    "FLUX.1 1024 + GC": "none left: the issue's levers (`--cudnn_sdp on`, keep projections) are auto's choices",
+}
+
+
+def judge(target: Target, result: dict | None) -> tuple[str, list[str]]:
+    """("met" | "missed" | "no figure", the figures against the bounds) for one row's run."""
+    summary = (result or {}).get("trainer_summary") or {}
+    first = FIRST_STEP.search(summary.get("first_steps") or "")
+    figures = [("median", summary.get("median_ms"), target.max_ms, "ms"),
+               ("peak", summary.get("peak_gib"), target.max_gib, "GiB"),
+               ("first step", float(first.group(1)) if first else None, target.max_first_step_s, "s"),
+               ("to step 2", (result or {}).get("compile_line_to_step2_done_s"), target.max_to_step2_s, "s")]
+    why, missed, unknown = [], False, False
+    for name, value, bound, unit in figures:
+        if bound is None:
+            continue
+        if value is None:
+            unknown = True
+            why.append(f"{name}: no figure")
+        else:
+            missed = missed or value > bound
+            why.append(f"{name} {value:g} {unit} {'>' if value > bound else '<='} {bound:g}")
+    return ("missed" if missed else "no figure" if unknown else "met"), why
+
+
+COMPILE_REPORT = re.compile(r"torch\.compile after step \d+: (.*)$")
+CACHE_COUNTS = {"aot_autograd": (re.compile(r"AOTAutograd cache (\d+) hit, (\d+) compiled, (\d+) bypassed"),
+                                 "autograd_cache_"),
+                "inductor": (re.compile(r"FX-graph cache (\d+) hit, (\d+) compiled, (\d+) bypassed"), "fxgraph_cache_")}
+
+
+def compile_report(lines: list[str]) -> str | None:
+    """The trainer's "torch.compile after step 2: ..." words (library.run.events.CompileReport), if it printed them."""
+    return next((m.group(1) for line in lines if (m := COMPILE_REPORT.search(line))), None)
+
+
+def report_cache_served(report: str | None) -> str:
+    """What the compile cache served by the trainer's own report: "FX 4/4, AOT 2/2" (hits of lookups); without cache
+    lookups (a backend without inductor) the report's first part ("2 graphs compiled in 5.4 s")."""
+    if not report:
+        return ""
+    counters = {}
+    for group, (pattern, prefix) in CACHE_COUNTS.items():
+        if m := pattern.search(report):
+            counters[group] = {prefix + k: int(v) for k, v in zip(("hit", "miss", "bypass"), m.groups())}
+    return cache_served(counters) or report.split(" (")[0].split(";")[0]
+
+
+def device_words() -> str:
+    """The GPU as nvidia-smi names it (name, memory, driver), "no GPU" without one."""
+    import shutil
+
+    if not shutil.which("nvidia-smi"):
+        return "no GPU (nvidia-smi not found)"
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader",
+                          "-i", "0"], capture_output=True, text=True)
+    return out.stdout.strip() or out.stderr.strip()
+
+
+def table_rows(family: str, names: str | None) -> list[TableRow]:
+    """The rows to run, in the table's order (the cold row first); bad input: one line and exit 2."""
+    def fail(message):
+        print(message, file=sys.stderr)
+        raise SystemExit(2)
+
+    if family not in TABLES:
+        fail(f"--family: the table has rows for {', '.join(TABLES)} only; got {family!r}")
+    rows = TABLES[family]
+    if not names:
+        return list(rows)
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in {r.name for r in rows}]
+    if unknown or not wanted:
+        fail(f"--rows: unknown row {', '.join(unknown) or repr(names)} for --family {family}; allowed: "
+             f"{', '.join(r.name for r in rows)}")
+    return [r for r in rows if r.name in wanted]
+
+
+def run_table(args, workdir: Path) -> dict:
+    """Prepares the family's model once, runs each row of TABLES[family] (or --rows) in order within --budget
+    seconds, writes OUT/table_<family>.json (every run's figures) and OUT/table_<family>.md (render_table)."""
+    import shutil
+
+    t0 = time.perf_counter()
+    out_dir = Path(args.out).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = table_rows(args.family, args.rows)
+    prepare(workdir, args.images, args.resolution, args.checkpoint, args.family, 0, args.repeats, args.tiny)
+    cache_tag = f"table_{args.family}"
+    shutil.rmtree(workdir / f"compile_cache_{cache_tag}", ignore_errors=True)  # the first row starts cold
+    import torch
+
+    doc = {"family": args.family, "device": device_words(), "torch": torch.__version__,
+           "resolution": args.resolution, "steps": args.steps, "compile_mode": args.compile_mode,
+           "common_flags": list(args.extra), "budget_s": args.budget,
+           "prepare_s": round(time.perf_counter() - t0, 1), "rows": []}
+    json_path, md_path = out_dir / f"table_{args.family}.json", out_dir / f"table_{args.family}.md"
+    for row in rows:
+        entry = {"row": row.as_json(), "result": None, "skipped": None}
+        left = args.budget - (time.perf_counter() - t0) if args.budget else None
+        if left is not None and left < row.need_s:
+            entry["skipped"] = f"{left:.0f} s of the budget left, the row needs {row.need_s}"
+        else:
+            a = argparse.Namespace(**vars(args))
+            a.batch_size, a.gradient_checkpointing = row.batch_size, row.gradient_checkpointing
+            a.extra = list(row.flags) + list(args.extra)
+            a.tag, a.cache_tag, a.buckets = f"table_{row.name}", cache_tag, False
+            # a run that hangs ends inside the budget (at most three times what the row needs)
+            a.timeout = max(1.0, min(left - 5, 3 * row.need_s)) if left is not None else args.timeout
+            a.log_out = str(out_dir / f"table_{args.family}_{row.name}.log")
+            Path(a.log_out).unlink(missing_ok=True)
+            result = run_phase(a, "compiled", workdir)
+            shutil.rmtree(workdir / f"out_{a.tag}_compiled", ignore_errors=True)  # the saved LoRA: disk, not a figure
+            entry["result"] = result
+            entry["verdict"], entry["why"] = judge(row.target, result)
+            summary = result.get("trainer_summary") or {}
+            print(f"table {args.family} {row.name}: rc {result['rc']}, {summary.get('median_ms')} ms, "
+                  f"{summary.get('peak_gib')} GiB, {summary.get('first_steps')}; {entry['verdict']} "
+                  f"({'; '.join(entry['why'])}); {time.perf_counter() - t0:.0f} s", flush=True)
+        if entry["skipped"]:
+            print(f"table {args.family} {row.name}: SKIPPED ({entry['skipped']})", flush=True)
+        doc["rows"].append(entry)
+        json_path.write_text(json.dumps(doc, indent=1))  # after every row: a cut call keeps what ran
+    doc["total_s"] = round(time.perf_counter() - t0, 1)
+    json_path.write_text(json.dumps(doc, indent=1))
+    md_path.write_text(render_table(doc) + "\n")
+    return doc
+
+
+def _run_words(result: dict | None, with_smi: bool = True) -> str:
+    """"109.1 ms, 7.13 GiB (nvidia-smi 9.02)" of one run, or why there is no figure."""
+    summary = (result or {}).get("trainer_summary") or {}
+    if summary.get("median_ms") is None:
+        return f"failed (rc {result['rc']})" if result else ""
+    words = f"{summary['median_ms']:.1f} ms"
+    if "peak_gib" in summary:
+        words += f", {summary['peak_gib']:.2f} GiB"
+    if with_smi and result.get("smi_loop_peak_mib"):
+        words += f" (nvidia-smi {result['smi_loop_peak_mib'] / 1024:.2f})"
+    return words
+
+
+def render_table(doc: dict) -> str:
+    """The markdown of a `table` run: the issue's shape (per workload: default, best opt-in, target, met or missed),
+    then every run with its figures. Every number comes from the runs' results in `doc`."""
+    rows = doc["rows"]
+    lines = [f"**{doc['family'].upper()} table (issue 25)**: {doc['device']}, torch {doc['torch']}; "
+             f"{doc['resolution']} px, {doc['steps']} steps a row (the trainer's median leaves out the first "
+             f"{min(10, doc['steps'] // 2)}); every row `--compile --compile_mode {doc['compile_mode']}`"
+             + (f" `{' '.join(doc['common_flags'])}`" if doc["common_flags"] else "")
+             + " plus its flags; one compile cache, empty before the first row (later rows start warm where an "
+             "earlier row compiled the same graphs). Memory: the trainer's peak allocated (nvidia-smi's peak in "
+             "the training loop).", ""]
+    workloads = list(dict.fromkeys(e["row"]["workload"] for e in rows))
+    lines += ["| workload | ours, default | ours, best opt-in | target (issue 25) | default | best opt-in |",
+              "|---|---|---|---|---|---|"]
+
+    def cell(entry):
+        if entry is None:
+            return ""
+        if entry["skipped"]:
+            return "skipped (budget)"
+        words = _run_words(entry["result"])
+        first = FIRST_STEP.search((entry["result"].get("trainer_summary") or {}).get("first_steps") or "")
+        if first and entry["row"]["target"]["max_first_step_s"] is not None:
+            words += f", first step {first.group(1)} s (cold)"
+        flags = " ".join(entry["row"]["flags"])
+        return words + (f" (`{flags}`)" if entry["row"]["kind"] == "best opt-in" and flags else "")
+
+    def verdict(entry):  # judged again from the run's figures
+        if entry is None or entry["skipped"]:
+            return ""
+        met, why = judge(Target(**entry["row"]["target"]), entry["result"])
+        return met + (f": {'; '.join(why)}" if why else "")
+
+    for w in workloads:
+        default = next((e for e in rows if e["row"]["workload"] == w and e["row"]["kind"] == "default"), None)
+        best = next((e for e in rows if e["row"]["workload"] == w and e["row"]["kind"] == "best opt-in"), None)
+        warm = next((e for e in rows if e["row"]["workload"] == w and e["row"]["kind"] == "warm restart"), None)
+        target = (default or best or warm)["row"]["target"]
+        lines.append(f"| {w} | {cell(default)} | {cell(best) if best else NO_OPT_IN.get(w, '')} | "
+                     f"{Target(**target).text()} | {verdict(default)} | {verdict(best)} |")
+        if warm is not None:
+            r = warm["result"] or {}
+            words = "skipped (budget)" if warm["skipped"] else (
+                f"{r['compile_line_to_step2_done_s']} s from the compile line to step 2, {_run_words(r, False)}"
+                if "compile_line_to_step2_done_s" in r else _run_words(r, False))
+            lines.append(f"| {w}, warm restart | {words} | | {Target(**warm['row']['target']).text()} | "
+                         f"{verdict(warm)} | |")
+    lines += ["", "| # | workload | run | flags beyond the default | auto chose | median step (steps) | peak: trainer "
+              "/ nvidia-smi loop | first / second step | compile line to step 2 | compile cache (hits) | wall | met? |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for i, e in enumerate(rows, 1):
+        row, r = e["row"], e["result"] or {}
+        head = f"| {i} | {row['workload']} | {row['kind']} | {' '.join(row['flags'])} |"
+        if e["skipped"]:
+            lines.append(f"{head} | skipped: {e['skipped']} | | | | | | |")
+            continue
+        summary = r.get("trainer_summary") or {}
+        median = (f"{summary['median_ms']:.1f} ms ({summary['steps']})" if summary.get("median_ms") is not None
+                  else f"failed (rc {r.get('rc')})" + (f", stopped at {r['timed_out_after_s']:.0f} s"
+                                                      if "timed_out_after_s" in r else ""))
+        peak = f"{summary['peak_gib']:.2f}" if "peak_gib" in summary else "-"
+        peak += f" / {r['smi_loop_peak_mib'] / 1024:.2f} GiB" if r.get("smi_loop_peak_mib") else " / - GiB"
+        steps = SECOND_STEP.search(summary.get("first_steps") or "")
+        firsts = f"{steps[1]} / {steps[2]} s" if steps else ""
+        to_step2 = f"{r['compile_line_to_step2_done_s']} s" if "compile_line_to_step2_done_s" in r else ""
+        lines.append(f"{head} {r.get('auto_chose') or ''} | {median} | {peak} | {firsts} | {to_step2} | "
+                     f"{report_cache_served(r.get('compile_report'))} | {r.get('wall_s', '')} s | {verdict(e)} |")
+    lines.append("")
+    lines.append(f"Prepared in {doc['prepare_s']} s; the whole table took {doc.get('total_s', '?')} s.")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["report"]:
-        print(report(argv[1:]))
+        tables = [p for p in argv[1:] if isinstance(json.loads(Path(p).read_text()), dict)]  # `table`'s files
+        rest = [p for p in argv[1:] if p not in tables]
+        print("\n\n".join([render_table(json.loads(Path(p).read_text())) for p in tables]
+                          + ([report(rest)] if rest else [])))
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("action", choices=("prepare", "run"))
+    p.add_argument("action", choices=("prepare", "run", "table"))
     p.add_argument("--workdir", default="bench_work")
     p.add_argument("--images", type=int, default=4)
     p.add_argument("--resolution", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=REPEATS, help="prepare: the image folder's repeats")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=None, help="default: 60 (run), 20 (table)")
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the outside measurement")
     p.add_argument("--batch_size", type=int, default=1)
     p.add_argument("--family", choices=sorted(SCRIPTS), default="sdxl")
@@ -1024,10 +1337,20 @@ def main(argv=None) -> int:
     p.add_argument("--cache_tag", default=None, help="use the compile cache of this tag (default: --tag)")
     p.add_argument("--timeout", type=float, default=0, help="stop a phase after this many seconds (0: never)")
     p.add_argument("--log_out", default=None, help="append the trainer's output, each line timestamped, here")
+    p.add_argument("--out", default="bench_table", help="table: the folder of table_<family>.json / .md and the logs")
+    p.add_argument("--rows", default=None, help="table: these rows only (names, comma-separated; default: all)")
+    p.add_argument("--budget", type=float, default=0,
+                   help="table: seconds for the whole table, preparing included; rows that no longer fit are skipped "
+                        "(0: no limit)")
     extra = argv[argv.index("--") + 1:] if "--" in argv else []  # more trainer flags, after --
     args = p.parse_args(argv[:len(argv) - len(extra) - (1 if extra else 0)])
     args.extra = extra
+    args.steps = args.steps or (20 if args.action == "table" else 60)
     workdir = Path(args.workdir).resolve()
+    if args.action == "table":
+        doc = run_table(args, workdir)
+        print(render_table(doc))
+        return 0 if all(e["result"] and e["result"]["rc"] == 0 for e in doc["rows"]) else 1
     if args.action == "prepare":
         global UPSTREAM_CONFIGS
         UPSTREAM_CONFIGS = Path(args.upstream_dir) / "configs" if args.upstream_dir else None

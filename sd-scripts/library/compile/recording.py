@@ -23,23 +23,38 @@ def _storage_ptr(t) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _path_index(node) -> list[dict]:
-    """For each graph on the node's path: its outputs' data pointers -> their indexes. StorageWeakRefWrapper keeps
-    the pointer in `_data_ptr` (also after the storage is gone), and an output's pointer never changes once
-    recorded (torch rebuilds a replayed output's storage at the recorded pointer), so a graph's entry is kept on
-    the asking node while its output list keeps its length (the node's own list grows while it records)."""
+def _level_index(refs) -> dict[int, list[int]]:
+    index: dict[int, list[int]] = {}
+    for i, ref in enumerate(refs):
+        if ref is not None:
+            index.setdefault(ref._data_ptr, []).append(i)
+    return index
+
+
+def _path_index(node) -> list[tuple[int, dict[int, list[tuple[int, int]]]]]:
+    """The node's path as two indexes, data pointer -> (depth, index) of the outputs with it, in path order: one of
+    the graphs before the node, one of the node's own outputs. StorageWeakRefWrapper keeps the pointer in `_data_ptr`
+    (also after the storage is gone), and an output's pointer never changes once recorded (torch rebuilds a replayed
+    output's storage at the recorded pointer), so each index is kept on the node while its output lists keep their
+    lengths: the earlier graphs' are fixed, so their index is built once a node (one dictionary lookup a question
+    instead of one a graph on the path: a FLUX.1 step has 114), the node's own list grows while it records."""
     cache = node.__dict__.setdefault("_sd_scripts_ptr_index", {})
-    levels = []
-    for refs in node.path_weakrefs:
-        entry = cache.get(id(refs))  # the lists live as long as the path, which this node holds
-        if entry is None or entry[0] != len(refs):
-            index: dict[int, list[int]] = {}
-            for i, ref in enumerate(refs):
-                if ref is not None:
-                    index.setdefault(ref._data_ptr, []).append(i)
-            entry = cache[id(refs)] = (len(refs), index)
-        levels.append(entry[1])
-    return levels
+    levels = node.path_weakrefs
+    *earlier, own = levels or [[]]
+    lengths = [len(refs) for refs in earlier]
+    entry = cache.get("earlier")
+    if entry is None or entry[0] != lengths:
+        index: dict[int, list[tuple[int, int]]] = {}
+        for depth, refs in enumerate(earlier):
+            for ptr, positions in _level_index(refs).items():
+                index.setdefault(ptr, []).extend((depth, i) for i in positions)
+        entry = cache["earlier"] = (lengths, index)
+    mine = cache.get("own")
+    if mine is None or mine[0] != len(own):
+        depth = len(earlier)
+        mine = cache["own"] = (len(own), {ptr: [(depth, i) for i in positions]
+                                          for ptr, positions in _level_index(own).items()})
+    return [entry[1], mine[1]]
 
 
 def is_cuda_graph_recorded_tensor(self, t) -> bool:
@@ -51,10 +66,9 @@ def is_cuda_graph_recorded_tensor(self, t) -> bool:
 def is_alias_of_live_recorded_tensor(self, t):
     """(depth, index) of the first live output on this node's path that `t` shares its storage with, or None."""
     ptr = _storage_ptr(t)
-    for depth, index in enumerate(_path_index(self)):
-        refs = self.path_weakrefs[depth]
-        for i in index.get(ptr, ()):
-            ref = refs[i]
+    for index in _path_index(self):
+        for depth, i in index.get(ptr, ()):
+            ref = self.path_weakrefs[depth][i]
             # ref() is None once the storage is gone (torch's maybe_deref)
             if ref is not None and ref._data_ptr == ptr and ref() is not None:
                 return depth, i

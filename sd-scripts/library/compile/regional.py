@@ -97,28 +97,103 @@ IMAGE_SIZE_DIMS = {
 }
 
 
+def _positions(block: torch.nn.Module, names) -> dict[str, int]:
+    """Argument name -> its position in the block's forward, for those of `names` it has."""
+    import inspect
+
+    params = list(inspect.signature(type(block).forward).parameters)[1:]  # the class's forward, without self
+    return {name: params.index(name) for name in names if name in params}
+
+
 def image_size_dims(block: torch.nn.Module) -> list[tuple[str, int, tuple[int, ...]]]:
     """(argument name, its position in the block's forward, dims) for each input of `block` that follows the image
     size; empty for a block class IMAGE_SIZE_DIMS does not know."""
     spec = IMAGE_SIZE_DIMS.get(class_name(block))
     if not spec:
         return []
-    import inspect
-
-    params = list(inspect.signature(type(block).forward).parameters)[1:]  # the class's forward, without self
-    return [(name, params.index(name), dims) for name, dims in spec.items() if name in params]
+    positions = _positions(block, spec)
+    return [(name, positions[name], dims) for name, dims in spec.items() if name in positions]
 
 
-class _MarkImageSizeDims:
-    """A block's compiled call that first marks the image-size dims of its inputs dynamic (maybe_mark_dynamic: a dim
-    that the graph needs static stays static, with no error). Set as the block's `_compiled_call_impl`, the function
-    nn.Module.__call__ hands every call to once `module.compile()` ran, so the marks are made outside the graph."""
+# Inputs that the first block of a kind gets in another form than the blocks after it, which get the previous block's
+# outputs. Each difference is one more graph of that kind to trace, compile, load and guard (a second graph per kind
+# doubled FLUX.1's compile: 4 graphs for 2 kinds); the first block's inputs are made like the later ones' outside its
+# compiled call, so every block of a kind runs one graph. Per block class:
+# "grad": while autograd records and the block trains, these inputs require grad (the first one's come from layers
+# that do not train; its input gradient, a few matmuls, is left unused);
+# "joint": (a, b) as two slices of one tensor along dim 1, a first (as a block of this kind hands them on).
+LIKE_LATER_BLOCKS = {
+    # FLUX.1: the first double block's image and text streams come from the embedders
+    "FluxTransformerBlock": {"grad": ("hidden_states", "encoder_hidden_states")},
+    # the double blocks hand on two tensors; a single block hands on two slices of its joint (text, image) output
+    "FluxSingleTransformerBlock": {"grad": ("hidden_states", "encoder_hidden_states"),
+                                   "joint": ("encoder_hidden_states", "hidden_states")},
+}
 
-    def __init__(self, compiled_call, dims: list[tuple[str, int, tuple[int, ...]]]):
+
+def _parameters_of(block: torch.nn.Module) -> list:
+    """The block's parameters and those of the adapters (kohya LoRA, LyCORIS) whose forward replaced a layer's."""
+    params = list(block.parameters())
+    for module in block.modules():
+        forward = module.__dict__.get("forward")
+        forward = getattr(module, "_forward_outside_compile", forward)
+        owner = getattr(forward, "__self__", None)
+        if isinstance(owner, torch.nn.Module) and owner is not module:
+            params.extend(owner.parameters())
+        for cell in getattr(forward, "__closure__", None) or ():  # a closure's adapter (FLUX split LoRA)
+            if isinstance(getattr(cell, "cell_contents", None), torch.nn.Module):
+                params.extend(cell.cell_contents.parameters())
+    return params
+
+
+class _BlockCall:
+    """A block's compiled call that first makes its inputs like the later blocks' (LIKE_LATER_BLOCKS) and marks the
+    image-size dims dynamic (maybe_mark_dynamic: a dim that the graph needs static stays static, with no error).
+    Set as the block's `_compiled_call_impl`, the function nn.Module.__call__ hands every call to once
+    `module.compile()` ran, so this runs outside the graph."""
+
+    def __init__(self, block: torch.nn.Module, compiled_call, dims: list[tuple[str, int, tuple[int, ...]]],
+                 like: dict | None):
         self.compiled_call = compiled_call
         self.dims = dims
+        self.like = like or {}
+        self.positions = _positions(block, [n for names in self.like.values() for n in names])
+        self._params = (lambda: _parameters_of(block)) if "grad" in self.like else None
+        self._trains: bool | None = None  # known at the first call that records autograd (after the network's setup)
+
+    def _get(self, args, kwargs, name):
+        if name in kwargs:
+            return kwargs[name]
+        position = self.positions.get(name, len(args))
+        return args[position] if position < len(args) else None
+
+    def _set(self, args: list, kwargs, name, value):
+        if name in kwargs or self.positions.get(name, len(args)) >= len(args):
+            kwargs[name] = value
+        else:
+            args[self.positions[name]] = value
+
+    def _like_later_blocks(self, args: list, kwargs: dict) -> None:
+        joint = self.like.get("joint")
+        if joint:
+            a, b = (self._get(args, kwargs, n) for n in joint)
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and not _joint_slices(a, b):
+                whole = torch.cat([a, b], dim=1)
+                self._set(args, kwargs, joint[0], whole[:, :a.shape[1]])
+                self._set(args, kwargs, joint[1], whole[:, a.shape[1]:])
+        if self._params is not None and torch.is_grad_enabled():
+            if self._trains is None:
+                self._trains = any(p.requires_grad for p in self._params())
+            if self._trains:
+                for name in self.like["grad"]:
+                    t = self._get(args, kwargs, name)
+                    if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.requires_grad:
+                        self._set(args, kwargs, name, t.detach().requires_grad_())
 
     def __call__(self, *args, **kwargs):
+        if self.like:
+            args = list(args)
+            self._like_later_blocks(args, kwargs)
         for name, position, dims in self.dims:
             value = kwargs.get(name) if name in kwargs else (args[position] if position < len(args) else None)
             for t in value if isinstance(value, (tuple, list)) else (value,):
@@ -127,6 +202,14 @@ class _MarkImageSizeDims:
                         if d < t.dim():
                             torch._dynamo.maybe_mark_dynamic(t, d)
         return self.compiled_call(*args, **kwargs)
+
+
+def _joint_slices(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b lie as [:, :n] and [:, n:] of one tensor (joined along dim 1) in memory: the layout a compiled
+    block's guards see (strides), checked from data pointers (a replayed CUDA graph's outputs share no `_base`)."""
+    if a.dim() < 2 or a.stride() != b.stride() or a.stride(0) != (a.shape[1] + b.shape[1]) * a.stride(1):
+        return False
+    return b.data_ptr() == a.data_ptr() + a.shape[1] * a.stride(1) * a.element_size()
 
 
 def compile_model_blocks(
@@ -186,13 +269,15 @@ def compile_model_blocks(
             block._forward_inside_checkpoint = block.forward
             block.forward = types.MethodType(_checkpointed_forward, block)
         block.compile(**compile_kwargs)
-    marked = 0
-    if dynamic is None:  # auto: the image-size dims dynamic from the first call (IMAGE_SIZE_DIMS)
-        for block in blocks:
-            dims = image_size_dims(block)
-            if dims and getattr(block, "_compiled_call_impl", None) is not None:
-                block._compiled_call_impl = _MarkImageSizeDims(block._compiled_call_impl, dims)
-                marked += 1
+    marked = like = 0
+    for block in blocks:
+        # auto: the image-size dims dynamic from the first call (IMAGE_SIZE_DIMS)
+        dims = image_size_dims(block) if dynamic is None else []
+        like_later = LIKE_LATER_BLOCKS.get(class_name(block))
+        if (dims or like_later) and getattr(block, "_compiled_call_impl", None) is not None:
+            block._compiled_call_impl = _BlockCall(block, block._compiled_call_impl, dims, like_later)
+            marked += bool(dims)
+            like += bool(like_later)
 
     kinds = sorted({class_name(b) for b in blocks})
     logger.info(
@@ -201,6 +286,7 @@ def compile_model_blocks(
            if gradient_checkpointing else "")
         + (", inside checkpoints that keep their inputs in CPU memory" if offload_checkpointing else "")
         + (", image-size dimensions of their inputs dynamic (bucket shapes share the graphs)" if marked else "")
+        + (", the first block of each kind given inputs like the later ones' (one graph a kind)" if like else "")
         + (", static shapes (--compile_dynamic auto: the dataset has one bucket shape)"
            if dynamic is False and getattr(args, "compile_dynamic", "auto") == "auto" else "")
     )
