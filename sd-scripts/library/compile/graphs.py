@@ -78,7 +78,6 @@ AFTER_GRAPH_OPTIMIZERS = ("AdamW8bit", "Lion8bit", "SGDNesterov8bit", "Lion", "P
 # families where auto leaves it off, and why
 AUTO_OFF_FAMILIES = {"flux": "FLUX.1: GPU-bound at its sizes, its step was slower with the step graph "
                              "(docs/BENCHMARKS.md, run46/run47)",
-                     "sd2": "SD2.x: not measured with it yet",
                      "hunyuan_image": "HunyuanImage 2.1: its forward trims the text to the batch's valid tokens, "
                                       "counted on the host (a capture fails there)"}
 
@@ -96,8 +95,8 @@ def add_arguments(parser) -> None:
              "CUDA (one GPU, or one per process of a data-parallel run) and cached latents and text-encoder outputs "
              "(with gradient accumulation a micro-step that ends the window and one that does not are two graphs); "
              "optimizers other than AdamW/Adam step after the graph. auto (default): on where it can follow and was "
-             "measured faster (SDXL with --compile, SD1.x with --torch_compile, one bucket shape; on several GPUs "
-             "too), else off with a log line saying why; on (also the bare flag): always, refused where it cannot "
+             "measured faster (SDXL with --compile, SD1.x and SD2.x with --torch_compile, one bucket shape; on several "
+             "GPUs too), else off with a log line saying why; on (also the bare flag): always, refused where it cannot "
              "follow; off: never")
 
 
