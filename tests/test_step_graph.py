@@ -249,6 +249,7 @@ def _resolve(args, shapes=((1024, 1024),), processes=1, family="sdxl"):
     (dict(optimizer_type="AdaFactor"), "sdxl", None),
     (dict(optimizer_args=["foreach=True"]), "sdxl", None),
     (dict(), "flux", "is left off for FLUX.1"),
+    (dict(), "lumina", "is left off for Lumina 2: its forward counts each caption's valid tokens on the host"),
     (dict(optimizer_type="DAdaptAdan"), "sdxl", "is left off for --optimizer_type DAdaptAdan: not shown"),
     (dict(gradient_accumulation_steps=4), "sdxl", None),  # tests/test_step_graph_gpu.py: the ordinary weights
     (dict(gradient_accumulation_steps=2, optimizer_type="AdamW8bit"), "sdxl", None),

@@ -79,7 +79,9 @@ AFTER_GRAPH_OPTIMIZERS = ("AdamW8bit", "Lion8bit", "SGDNesterov8bit", "Lion", "P
 AUTO_OFF_FAMILIES = {"flux": "FLUX.1: GPU-bound at its sizes, its step was slower with the step graph "
                              "(docs/BENCHMARKS.md, run46/run47)",
                      "hunyuan_image": "HunyuanImage 2.1: its forward trims the text to the batch's valid tokens, "
-                                      "counted on the host (a capture fails there)"}
+                                      "counted on the host (a capture fails there)",
+                     "lumina": "Lumina 2: its forward counts each caption's valid tokens on the host to place the "
+                               "image tokens (a capture fails there; run95)"}
 
 
 def _setting_type(value: str) -> str:
