@@ -375,7 +375,10 @@ def join_text(byt5, byt5_mask, txt, txt_mask):
         nb, nt = int(byt5_mask[i].sum()), int(txt_mask[i].sum())
         rows.append(torch.cat([byt5[i, :nb], txt[i, :nt], byt5[i, nb:], txt[i, nt:]]))
         lens.append(nb + nt)
-    joined = torch.stack(rows)[:, :max(lens)]
+    longest = max(lens)
+    # each row trimmed before stacking: one contiguous tensor, the layout the double blocks hand on (a compiled
+    # block's guards see strides; a slice of the stacked rows would give the first double block a graph of its own)
+    joined = torch.stack([row[:longest] for row in rows])
     mask = torch.arange(joined.shape[1], device=joined.device)[None] < torch.tensor(lens, device=joined.device)[:, None]
     return joined, mask
 

@@ -128,6 +128,16 @@ LIKE_LATER_BLOCKS = {
     # the double blocks hand on two tensors; a single block hands on two slices of its joint (text, image) output
     "FluxSingleTransformerBlock": {"grad": ("hidden_states", "encoder_hidden_states"),
                                    "joint": ("encoder_hidden_states", "hidden_states")},
+    # Chroma: the first double block's streams come from the embedders (its single blocks get one joint tensor)
+    "ChromaTransformerBlock": {"grad": ("hidden_states", "encoder_hidden_states")},
+    # SD3/SD3.5: the first joint block's streams come from the patch and caption embedders
+    "JointTransformerBlock": {"grad": ("hidden_states", "encoder_hidden_states")},
+    # HunyuanImage 2.1: the first double block's streams come from the patch embedder and the text refiner
+    "MMDoubleStreamBlock": {"grad": ("img", "txt")},
+    # Lumina 2: the first block of the noise and of the context refiner gets the embedders' tokens
+    "Lumina2TransformerBlock": {"grad": ("hidden_states",)},
+    # Anima (library.anima_models.Block): the first block's tokens come from the patch embedder
+    "Block": {"grad": ("x",)},
 }
 
 
