@@ -28,6 +28,7 @@ CTRL_BREAK_EVENT to a process started with CREATE_NEW_PROCESS_GROUP.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import logging
 import os
@@ -67,6 +68,7 @@ class StopRequest:
         self._first_at = 0.0
         self._previous: dict[int, object] = {}
         self._parent = os.getppid() if LAUNCHER_ENV in environ and hasattr(os, "getppid") else None
+        self._held: list | None = None  # inside held(): the stop signals that came, answered at its end
         self._set_handlers(self._handle_before_training)
 
     @property
@@ -89,6 +91,18 @@ class StopRequest:
         self._set_handlers(self._handle)
         return self
 
+    @contextlib.contextmanager
+    def held(self):
+        """Before training: a stop signal that comes inside this block is answered at its end, so that what the block
+        writes is known to the caller's clean-up (the settings file is written and its path kept as one step)."""
+        self._held = []
+        try:
+            yield
+        finally:
+            came, self._held = self._held, None
+            if came:
+                self._handle_before_training(came[0], None)
+
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
@@ -105,6 +119,9 @@ class StopRequest:
             self._previous.setdefault(sig, previous)
 
     def _handle_before_training(self, signum, frame) -> None:
+        if self._held is not None:
+            self._held.append(signum)
+            return
         name = signal.Signals(signum).name
         logger.warning("%s received before training started: stopping; nothing trained, nothing saved", name)
         print(f"stopped before training started ({name}): nothing saved", flush=True)

@@ -22,7 +22,7 @@ def train(trainer, args) -> str | None:
     """Runs the training; returns the path of the final result. SIGTERM / Ctrl+C during the loop stop it after
     the current step, with the results saved (library.stop_signal)."""
     stop = stop_signal.StopRequest()
-    startup = setup.Startup()
+    startup = setup.Startup(stop=stop)
     try:
         state = setup.prepare(trainer, args, startup)
         if isinstance(state, setup.Done):

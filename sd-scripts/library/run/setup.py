@@ -5,6 +5,7 @@ attention), the caches, what is trained, optimizers and schedulers (prepared, co
 `Done(result)` for runs that end before training (--output_config, --validate_only, --debug_dataset)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -36,6 +37,7 @@ class Startup:
 
     run_config_path: str | None = None
     training_started: bool = False
+    stop: Any = None  # the run's library.stop_signal.StopRequest (None: no stop signals handled)
 
 
 def prepare(trainer, args, startup: Startup) -> RunState | Done:
@@ -75,7 +77,9 @@ def prepare(trainer, args, startup: Startup) -> RunState | Done:
     requests.clear_stale()  # before models load: a request sent while they load is this run's
     if accelerator.is_main_process:
         state_folders.remove_stale(args.output_dir, args.output_name)
-        startup.run_config_path = trainer.write_run_config(args)
+        # a stop signal while the file is written waits until its path is kept: the clean-up then removes it
+        with startup.stop.held() if startup.stop is not None else contextlib.nullcontext():
+            startup.run_config_path = trainer.write_run_config(args)
     weight_dtype = train_util.weight_dtype_for(args)
     components = trainer.load_models(args, weight_dtype)
     prediction_type = trainer.family.prediction_type(args, components)
