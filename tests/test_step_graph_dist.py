@@ -4,7 +4,8 @@ step, and end with the weights torch's DistributedDataParallel gives for the sam
 here a stand-in graph runs the captured step again on each replay, with data_parallel on the path it takes under a
 capture (nothing read back to the host), so what is checked is that this path averages as DDP does, a parameter
 used on one process only included, one no process uses left without a gradient (AdamW's weight decay would move it
-otherwise) and one whose use changes over the ordinary steps before the capture. The GPU check with NCCL and real graphs is tests/test_step_graph_dist_gpu.py."""
+otherwise) and one whose use changes over the ordinary steps before the capture. The GPU check with NCCL and real
+graphs is tests/test_step_graph_dist_gpu.py."""
 from __future__ import annotations
 
 import gc

@@ -643,8 +643,8 @@ def make_bucket_images(workdir: Path, per_size: int, sizes=BUCKET_SIZES) -> Path
     return dest
 
 
-SCRIPTS = {"sdxl": "sdxl_train_network.py", "sd15": "train_network.py", "sd21": "train_network.py", "flux": "flux_train_network.py", "sd3-medium": "sd3_train_network.py",
-           "sd3-large": "sd3_train_network.py", "chroma": "flux_train_network.py", "lumina": "lumina_train_network.py",
+SCRIPTS = {"sdxl": "sdxl_train_network.py", "sd15": "train_network.py", "sd21": "train_network.py",
+           "flux": "flux_train_network.py", "sd3-medium": "sd3_train_network.py", "sd3-large": "sd3_train_network.py", "chroma": "flux_train_network.py", "lumina": "lumina_train_network.py",
            "hunyuan-image": "hunyuan_image_train_network.py", "anima": "anima_train_network.py"}
 
 

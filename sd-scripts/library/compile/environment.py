@@ -146,8 +146,9 @@ def warm_compile_workers(args) -> bool:
 def _process_switches() -> dict:
     """torch's process-wide switches that the run's flags set (apply_process_settings)."""
     b, cfg = torch.backends, torch._dynamo.config
-    return {"matmul_tf32": b.cuda.matmul.allow_tf32, "cudnn_tf32": b.cudnn.allow_tf32, "cudnn_benchmark": b.cudnn.benchmark,
-            "cudnn_sdp": b.cuda.cudnn_sdp_enabled(), "recompile_limit": recompile_limit(),
+    return {"matmul_tf32": b.cuda.matmul.allow_tf32, "cudnn_tf32": b.cudnn.allow_tf32,
+            "cudnn_benchmark": b.cudnn.benchmark, "cudnn_sdp": b.cuda.cudnn_sdp_enabled(),
+            "recompile_limit": recompile_limit(),
             "accumulated_recompile_limit": getattr(cfg, _ACCUMULATED_LIMIT, None)}
 
 
@@ -157,7 +158,7 @@ def _set_process_switches(values: dict) -> None:
     b.cudnn.benchmark = values["cudnn_benchmark"]
     b.cuda.enable_cudnn_sdp(values["cudnn_sdp"])
     cfg = torch._dynamo.config
-    setattr(cfg, "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit", values["recompile_limit"])
+    setattr(cfg, _RECOMPILE_LIMIT, values["recompile_limit"])
     if values["accumulated_recompile_limit"] is not None:
         setattr(cfg, _ACCUMULATED_LIMIT, values["accumulated_recompile_limit"])
 
@@ -247,22 +248,22 @@ def setup_compile_environment(args) -> dict:
     return applied
 
 
+# dynamo's names for them (older torch: cache_size_limit, accumulated_cache_size_limit)
+_RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 _ACCUMULATED_LIMIT = "accumulated_recompile_limit" if hasattr(torch._dynamo.config, "accumulated_recompile_limit") \
     else "accumulated_cache_size_limit"
 
 
 def _set_recompile_limit(limit: int) -> None:
     cfg = torch._dynamo.config
-    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-    setattr(cfg, name, limit)
+    setattr(cfg, _RECOMPILE_LIMIT, limit)
     if hasattr(cfg, _ACCUMULATED_LIMIT):
         # the accumulated limit bounds all entries of one code object; every compiled block shares Module._call_impl
         setattr(cfg, _ACCUMULATED_LIMIT, max(getattr(cfg, _ACCUMULATED_LIMIT), limit * 8))
 
 
 def recompile_limit() -> int:
-    cfg = torch._dynamo.config
-    return getattr(cfg, "recompile_limit", None) or cfg.cache_size_limit
+    return getattr(torch._dynamo.config, _RECOMPILE_LIMIT)
 
 
 _TORCH_SWITCHES_AT_IMPORT = _process_switches()  # what apply_process_settings starts every run from

@@ -5,7 +5,6 @@ attention), the caches, what is trained, optimizers and schedulers (prepared, co
 `Done(result)` for runs that end before training (--output_config, --validate_only, --debug_dataset)."""
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -35,9 +34,9 @@ class Done:
 class Startup:
     """What the caller must undo if the run fails before its first step (library.run.loop.train)."""
 
+    stop: Any  # the run's library.stop_signal.StopRequest
     run_config_path: str | None = None
     training_started: bool = False
-    stop: Any = None  # the run's library.stop_signal.StopRequest (None: no stop signals handled)
 
 
 def prepare(trainer, args, startup: Startup) -> RunState | Done:
@@ -78,7 +77,7 @@ def prepare(trainer, args, startup: Startup) -> RunState | Done:
     if accelerator.is_main_process:
         state_folders.remove_stale(args.output_dir, args.output_name)
         # a stop signal while the file is written waits until its path is kept: the clean-up then removes it
-        with startup.stop.held() if startup.stop is not None else contextlib.nullcontext():
+        with startup.stop.held():
             startup.run_config_path = trainer.write_run_config(args)
     weight_dtype = train_util.weight_dtype_for(args)
     components = trainer.load_models(args, weight_dtype)
