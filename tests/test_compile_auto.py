@@ -38,12 +38,12 @@ def _resolve_line(caplog, monkeypatch, **change) -> str:
     return f"2026-01-01 12:00:00 INFO library.compile.graphs: {line}"
 
 
-def _compiled_line(caplog, unet, shapes: int) -> str:
+def _compiled_line(caplog, unet, shapes: int, text_length_varies: bool = False) -> str:
     """The line library.compile.regional logs after compiling the blocks with --compile_dynamic auto."""
     from library.compile import regional
 
     args = argparse.Namespace(compile_backend="eager", compile_mode="default", compile_dynamic="auto",
-                              compile_fullgraph=False, _input_shapes=shapes)
+                              compile_fullgraph=False, _input_shapes=shapes, _text_length_varies=text_length_varies)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="library.compile.regional"):
         regional.compile_model_blocks(copy.deepcopy(unet), args, model_name="SDXL UNet")
@@ -66,6 +66,10 @@ def test_reads_what_auto_chose_from_the_trainers_lines(caplog, monkeypatch, tiny
                                           "inside the graph)")
     assert choices["compile_dynamic"].startswith("dynamic")
     assert not compile_auto.feed(choices, "steps: 3/10 loss=0.1") and len(choices) == 2
+    # Chroma, Lumina 2, HunyuanImage with one bucket shape: torch's automatic dynamic for the text length
+    assert compile_auto.feed(choices, _compiled_line(caplog, tiny_sdxl.unet, shapes=1, text_length_varies=True))
+    assert choices["compile_dynamic"].startswith("automatic (one bucket shape; the text length follows")
+    assert compile_auto.feed(choices, dynamic)
     md = compile_auto.markdown(choices, "LoRA")
     assert md.startswith("**What auto chose in the last LoRA run:** `--compile_dynamic auto` → dynamic")
     assert "`--cuda_graph_step auto` → on (" in md

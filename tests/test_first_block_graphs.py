@@ -3,7 +3,9 @@ its inputs in another form than the later blocks (no requires_grad: they come fr
 tensor), one more graph to trace, compile, load and guard; regional.LIKE_LATER_BLOCKS hands it inputs like the
 later ones'. Each case trains a tiny model of the family with the shipped LoRA module through its trainer, compiled
 (eager backend: dynamo's graphs without inductor) and not, and checks the graph count and that both save the same
-LoRA. FLUX.1: tests/test_compile_utils.py::test_flux_blocks_of_a_kind_share_one_graph."""
+LoRA. FLUX.1: tests/test_compile_utils.py::test_flux_blocks_of_a_kind_share_one_graph.
+Also: where the blocks' token count follows each batch's longest caption (Chroma, Lumina 2, HunyuanImage), one
+bucket shape compiles with torch's automatic dynamic, not a static graph per caption length."""
 from __future__ import annotations
 
 import pytest
@@ -113,7 +115,10 @@ def _case(family, sets, data, tmp_path):
 CASES = [
     ("chroma", "chroma_set", "chroma_data", 2),  # double, single [3]
     ("sd3-large", "sd3_large_set", "sd3_data", 2),  # the joint blocks, the last ("pre only") one [3]
-    ("lumina", "lumina_set", "lumina_data", 3),  # noise refiner, context refiner (no modulation), layers [5]
+    # the context refiner (padded captions, no modulation): static; the noise refiner's image tokens, then the
+    # layers' image + caption tokens: torch's automatic dynamic makes the token count symbolic [5: each refiner's first
+    # block a graph of its own, the layers a static one]
+    ("lumina", "lumina_set", "lumina_data", 2),
     ("hunyuan", "hy_set", "hy_data", 2),  # double, single [3]
     ("anima", "anima_set3", "anima_data", 1),  # [2]
 ]
@@ -129,3 +134,48 @@ def test_blocks_of_a_kind_share_one_graph(family, model_fixture, data_fixture, e
     assert any(v.abs().sum() > 0 for k, v in compiled.items() if k.endswith("lora_up.weight"))  # it trained
     for k in eager:
         torch.testing.assert_close(compiled[k], eager[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+CAPTIONS = ["a cat", "a red circle on a blue field", "a small green square with a sign saying hello there friend",
+            "dog", "a long caption about a large orange triangle drawn on old paper under soft light on a cold day"]
+
+
+@pytest.fixture()
+def varied_captions(tmp_path):
+    """Five images whose captions differ in length (as .caption and .txt: each trainer's default extension)."""
+    from library.tiny_models import make_captioned_images
+
+    def make(size):
+        folder = make_captioned_images(tmp_path / f"varied{size}", n=5, size=(size, size), repeats=1, name="demo")
+        for path, caption in zip(sorted(folder.rglob("*.png")), CAPTIONS):
+            for ext in (".caption", ".txt"):
+                path.with_suffix(ext).write_text(caption)
+        return folder
+    return make
+
+
+# (family, graphs over 5 steps of 5 caption lengths, one bucket shape, the GUI's compile default) [before: a static
+# graph per kind and caption length]
+LENGTH_CASES = [
+    ("hunyuan", 4),  # each kind static, then once with the length symbolic [8: one a kind for each of 4 lengths]
+    ("lumina", 2),  # context refiner (static: padded captions); noise refiner and layers, one graph [5]
+]
+
+
+@pytest.mark.parametrize("family, expected", LENGTH_CASES, ids=[c[0] for c in LENGTH_CASES])
+def test_new_caption_lengths_with_one_bucket_shape_compile_once_more(family, expected, request, tmp_path,
+                                                                     varied_captions, caplog):
+    import logging
+
+    sets = request.getfixturevalue({"hunyuan": "hy_set", "lumina": "lumina_set"}[family])
+    main, argv = _case(family, sets, varied_captions(64 if family == "hunyuan" else 32), tmp_path)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="library.compile"):
+            main([*argv(tmp_path / "o"), "--max_train_steps", "5", "--compile", "--compile_backend", "eager"])
+        assert counters["stats"]["unique_graphs"] == expected
+    finally:
+        torch._dynamo.reset()
+    assert "torch's automatic dynamic shapes (--compile_dynamic auto: one bucket shape, the text length follows " \
+           "each batch's captions)" in caplog.text

@@ -340,6 +340,9 @@ def test_compile_dynamic_auto_is_static_for_one_bucket_shape():
     assert options.dynamic_value(args) is None  # not known yet: as before
     _resolve(args, shapes=((1024, 1024),))
     assert options.dynamic_value(args) is False
+    args._text_length_varies = True  # Chroma, Lumina 2, HunyuanImage: torch's automatic dynamic for the text length
+    assert options.dynamic_value(args) is None
+    del args._text_length_varies
     _resolve(args, shapes=((1024, 1024), (896, 1152)))
     assert options.dynamic_value(args) is None  # several shapes: the image-size dims marked dynamic
     args.compile_dynamic = "true"

@@ -175,10 +175,12 @@ def check_torch_compile_alias(args) -> None:
 def dynamic_value(args) -> bool | None:
     """--compile_dynamic auto/true/false -> None/True/False for torch.compile. auto is False (static graphs, which
     run faster) when the dataset has one bucket shape (graphs.resolve notes it before the model is compiled), else
-    None (the image-size dims marked dynamic: regional.compile_model_blocks)."""
+    None (the image-size dims marked dynamic: regional.compile_model_blocks). With one bucket shape where the text
+    length follows each batch's captions (the family sets `_text_length_varies`): None, torch's automatic dynamic
+    (static graphs, one recompile with the length symbolic at a second length), not a static graph per length."""
     setting = getattr(args, "compile_dynamic", "auto") or "auto"
     if setting == "auto" and getattr(args, "_input_shapes", None) == 1:
-        return False
+        return None if getattr(args, "_text_length_varies", False) else False
     return {"auto": None, "true": True, "false": False}[setting]
 
 

@@ -281,8 +281,8 @@ def compile_model_blocks(
         block.compile(**compile_kwargs)
     marked = like = 0
     for block in blocks:
-        # auto: the image-size dims dynamic from the first call (IMAGE_SIZE_DIMS)
-        dims = image_size_dims(block) if dynamic is None else []
+        # auto with several bucket shapes: the image-size dims dynamic from the first call (IMAGE_SIZE_DIMS)
+        dims = image_size_dims(block) if dynamic is None and getattr(args, "_input_shapes", None) != 1 else []
         like_later = LIKE_LATER_BLOCKS.get(class_name(block))
         if (dims or like_later) and getattr(block, "_compiled_call_impl", None) is not None:
             block._compiled_call_impl = _BlockCall(block, block._compiled_call_impl, dims, like_later)
@@ -299,6 +299,8 @@ def compile_model_blocks(
         + (", the first block of each kind given inputs like the later ones' (one graph a kind)" if like else "")
         + (", static shapes (--compile_dynamic auto: the dataset has one bucket shape)"
            if dynamic is False and getattr(args, "compile_dynamic", "auto") == "auto" else "")
+        + (", torch's automatic dynamic shapes (--compile_dynamic auto: one bucket shape, the text length follows "
+           "each batch's captions)" if dynamic is None and getattr(args, "_input_shapes", None) == 1 else "")
     )
     adapters: dict[str, int] = {}
     for block in blocks:

@@ -10,7 +10,6 @@ torch's automatic dynamic (Chroma.compile)."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 
 import torch
@@ -100,13 +99,8 @@ class Chroma:
         flux.set_attention_backend(args, components)
 
     def compile(self, args, components) -> None:
-        if getattr(args, "compile_dynamic", "auto") == "auto" and getattr(args, "_input_shapes", None) == 1:
-            # one bucket shape is not one input shape here: the text length follows each batch's longest caption
-            # (trim_text), so torch's automatic dynamic (static graphs, one recompile at a second length), not
-            # static-only graphs that recompile for every caption length
-            args = copy.copy(args)
-            args._input_shapes = None
-        self.compiled_blocks = flux.compile_denoiser(args, components, self.label)
+        # the text length follows each batch's longest caption (trim_text)
+        self.compiled_blocks = flux.compile_denoiser(args, components, self.label, text_length_varies=True)
 
     def sample(self, args, components, accelerator, *, epoch, steps, networks, prediction_type) -> None:
         sample_images(args, components, self.t5_len, device=accelerator.device, epoch=epoch, steps=steps,

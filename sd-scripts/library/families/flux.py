@@ -210,13 +210,20 @@ def one_attention_grad_layout(transformer) -> int:
     return n
 
 
-def compile_denoiser(args, components, label: str) -> int:
-    """Regional compile of the transformer's blocks with --compile; returns how many were compiled."""
+def compile_denoiser(args, components, label: str, text_length_varies: bool = False) -> int:
+    """Regional compile of the transformer's blocks with --compile; returns how many were compiled.
+    text_length_varies: the blocks' token count follows each batch's longest caption, also with one bucket shape
+    (--compile_dynamic auto then compiles with torch's automatic dynamic: options.dynamic_value)."""
+    import copy
+
     from library.compile import environment as compile_environment, regional
 
     compile_environment.setup_compile_environment(args)
     if not args.compile:
         return 0
+    if text_length_varies:
+        args = copy.copy(args)  # the caller's settings are left as they were
+        args._text_length_varies = True
     return regional.compile_model_blocks(
         components.transformer, args, model_name=label, gradient_checkpointing=args.gradient_checkpointing,
         disable_linear=(args.blocks_to_swap or 0) > 0, offload_checkpointing=offload_checkpointing.enabled(args))

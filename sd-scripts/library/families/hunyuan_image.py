@@ -152,7 +152,8 @@ class HunyuanImage:
     def compile(self, args, components) -> None:
         from library.families import flux
 
-        self.compiled_blocks = flux.compile_denoiser(args, components, self.label)
+        # the text is trimmed to each batch's longest caption (hunyuan_image_models.join_text)
+        self.compiled_blocks = flux.compile_denoiser(args, components, self.label, text_length_varies=True)
 
     def sample(self, args, components, accelerator, *, epoch, steps, networks, prediction_type) -> None:
         sample_images(args, components, device=accelerator.device, epoch=epoch, steps=steps,

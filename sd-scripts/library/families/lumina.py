@@ -116,7 +116,8 @@ class Lumina:
         flux.set_attention_backend(args, components)
 
     def compile(self, args, components) -> None:
-        self.compiled_blocks = flux.compile_denoiser(args, components, self.label)
+        # the layers' tokens: the image's and each batch's longest caption's
+        self.compiled_blocks = flux.compile_denoiser(args, components, self.label, text_length_varies=True)
 
     def sample(self, args, components, accelerator, *, epoch, steps, networks, prediction_type) -> None:
         sample_images(args, components, self.max_length, device=accelerator.device, epoch=epoch, steps=steps,
