@@ -81,7 +81,7 @@ AUTO_OFF_FAMILIES = {"flux": "FLUX.1: GPU-bound at its sizes, its step was slowe
                      "hunyuan_image": "HunyuanImage 2.1: its forward trims the text to the batch's valid tokens, "
                                       "counted on the host (a capture fails there)",
                      "lumina": "Lumina 2: its forward counts each caption's valid tokens on the host to place the "
-                               "image tokens (a capture fails there; run95)"}
+                               "image tokens (a capture fails there; run97)"}
 
 
 def _setting_type(value: str) -> str:
