@@ -36,6 +36,20 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture
+def fresh_accelerate():
+    """accelerate keeps the first AcceleratorState of a process (its mixed precision) and refuses another: a test
+    that runs trainers in this process starts and ends without one (the returned function resets it between runs)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    def reset():
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    reset()
+    yield reset
+    reset()
+
+
 @pytest.fixture(scope="session")
 def tiny_models_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("tiny_models")

@@ -201,6 +201,32 @@ def test_compile_caches_are_keyed_by_the_attention_backends(tmp_path, monkeypatc
     assert keys["off"][compile_environment.SDPA_CACHE_KEY].startswith("cudnn=0,")
 
 
+@pytest.mark.parametrize("version, env, rblock_off", [((2, 11), None, True), ((2, 11), "1", False),
+                                                     ((2, 13), None, False)])
+def test_compile_settings_cache_recomputed_attention_and_skip_rblock_rebenchmarks(tmp_path, monkeypatch, version,
+                                                                                 env, rblock_off):
+    """Before torch 2.13: graphs that recompute attention in backward (--compile_checkpoint_keep inputs) go into the
+    FX-graph cache, and the halved-RBLOCK re-benchmark of every start is off unless the user's variable says."""
+    import torch._inductor.config as inductor_config
+
+    hop = torch._prims.rng_prims.graphsafe_run_with_rng_state
+    monkeypatch.setattr(hop, "_cacheable", False)  # as torch before 2.13 declares it
+    monkeypatch.setattr(compile_environment, "_torch_version", lambda: version)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", ""))  # restored after
+    if env is None:
+        monkeypatch.delenv("TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK", raising=False)
+    else:
+        monkeypatch.setenv("TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK", env)
+    with inductor_config.patch(dynamic_scale_rblock=True, fx_graph_cache=inductor_config.fx_graph_cache,
+                               unsafe_marked_cacheable_functions=dict(inductor_config.unsafe_marked_cacheable_functions)):
+        assert not hop.cacheable()
+        args = _parse("--compile", "--compile_cache_dir", str(tmp_path))
+        applied = compile_environment.setup_compile_environment(args)
+        assert hop.cacheable()
+        assert inductor_config.dynamic_scale_rblock is not rblock_off
+    assert ("dynamic_scale_rblock" in applied) is rblock_off
+
+
 @pytest.mark.parametrize("version, cuda, capability, needed", [
     ((2, 11), "13.0", (9, 0), True),
     ((2, 11), "12.8", (9, 0), False),

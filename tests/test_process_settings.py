@@ -54,7 +54,8 @@ def test_a_script_without_the_compile_flags_keeps_torchs_attention_choice(torch_
 
 @pytest.mark.slow
 def test_every_model_call_of_a_run_sees_its_switches_and_the_next_run_torchs(torch_defaults, tiny_sdxl_single_file,
-                                                                             tiny_dataset_dir, tmp_path, monkeypatch):
+                                                                             tiny_dataset_dir, tmp_path, monkeypatch,
+                                                                             fresh_accelerate):
     """Two SDXL LoRA runs in one process: the first with --cudnn_sdp off --cuda_allow_tf32 --cuda_cudnn_benchmark,
     the second with --cudnn_sdp on alone (auto's choice depends on the GPU). Every attention call, while the latents
     and text-encoder outputs are cached and while training, sees the run's switches: the first run's, then torch's
@@ -81,8 +82,6 @@ def test_every_model_call_of_a_run_sees_its_switches_and_the_next_run_torchs(tor
     org_cache = setup.cache
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     monkeypatch.setattr(setup, "cache", cache)
-    from accelerate.state import AcceleratorState, GradientState
-
     seen = {}
     for name, extra in (("first", ["--cudnn_sdp", "off", "--cuda_allow_tf32", "--cuda_cudnn_benchmark"]),
                         ("second", ["--cudnn_sdp", "on"])):
@@ -93,9 +92,7 @@ def test_every_model_call_of_a_run_sees_its_switches_and_the_next_run_torchs(tor
                 "--network_dim", "4", "--network_train_unet_only", "--resolution", "64,64", "--max_train_steps", "1",
                 "--max_data_loader_n_workers", "0", "--seed", "42", "--mixed_precision", "no", "--cache_latents",
                 "--cache_text_encoder_outputs", *extra]
-        # accelerate keeps the first mixed precision of a process (the GPU tests before this one train in bf16)
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+        fresh_accelerate()  # each run its own mixed precision (the GPU tests around this one train in bf16)
         run(sdxl_train_network.trainer(), sdxl_train_network.setup_parser(), argv)
         assert {c for c, _ in calls} == {True, False}, calls  # attention ran while caching and while training
         seen[name] = {s for _, s in calls}

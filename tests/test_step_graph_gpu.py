@@ -172,6 +172,7 @@ def test_two_trainer_runs_of_one_process_save_the_same_lora(tiny_sdxl_single_fil
 
 
 @pytest.mark.parametrize("optimizer, accumulation", [("AdamW", 1), ("AdamW", 2), ("AdaFactor", 3)])
+@pytest.mark.usefixtures("fresh_accelerate")
 def test_the_sdxl_trainer_saves_the_same_lora_with_and_without_it(optimizer, accumulation, tmp_path,
                                                                   tiny_sdxl_single_file, tiny_dataset_dir, caplog):
     """The shipped SDXL LoRA trainer (tiny model, cached latents and text-encoder outputs, bf16): 6 optimizer steps
@@ -212,6 +213,7 @@ def tiny_sd2_v_file(tmp_path_factory):
     return make_tiny_sd(tmp_path_factory.mktemp("tiny_sd2"), "sd2")
 
 
+@pytest.mark.usefixtures("fresh_accelerate")
 def test_the_sd2_v_trainer_saves_the_same_lora_with_and_without_it(tiny_sd2_v_file, tiny_dataset_dir, tmp_path, caplog):
     """SD2.x v-prediction through train_network.py (--v2 --v_parameterization, AdamW inside the graph): 6 steps with
     --cuda_graph_step on save the LoRA of --cuda_graph_step off (the v target is computed inside the graph)."""

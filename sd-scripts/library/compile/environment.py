@@ -125,6 +125,33 @@ def _key_caches_by_sdpa_backends(inductor_config) -> None:
     inductor_config.unsafe_marked_cacheable_functions = {**table, SDPA_CACHE_KEY: state}
 
 
+# torch's wrapper around an op that may draw random numbers and is recomputed in backward (SDPA, for its dropout):
+# before torch 2.13 (pytorch#185562) the FX-graph cache left out every graph that holds it, so with
+# --compile_checkpoint_keep inputs (SD3, Anima: attention recomputed) each start compiled every block again (SD3.5
+# medium: a warm restart took the cold one's 35 s, run98). The RNG state is an input of the compiled graph, so its code
+# is the same for any state (what torch's own change relies on).
+RNG_WRAPPER = "torch.ops.higher_order.graphsafe_run_with_rng_state"
+
+
+def _cache_graphs_with_rng_wrapper(inductor_config) -> None:
+    table = getattr(inductor_config, "unsafe_marked_cacheable_functions", None)
+    if table is not None:
+        inductor_config.unsafe_marked_cacheable_functions = {**table, RNG_WRAPPER: "rng-state-is-a-graph-input"}
+
+
+def _skip_rblock_rebenchmark(inductor_config) -> bool:
+    """torch before 2.13 benchmarks the halved-RBLOCK variant it adds to register-heavy reductions
+    (dynamic_scale_rblock) again in every process, cache or not (pytorch#181789, #189121), and near-tied winners
+    can differ from one run to the next. Off unless TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK says otherwise: FLUX.1 first
+    step 28.5 -> 24.6 s cold, warm restarts 7.6 / 8.1 -> 6.4 / 7.9 s, steady step 429-432 ms either way (run96).
+    Returns whether it was switched off."""
+    if "TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK" in os.environ or _torch_version() >= (2, 13) or \
+            not hasattr(inductor_config, "dynamic_scale_rblock"):
+        return False
+    inductor_config.dynamic_scale_rblock = False
+    return True
+
+
 def warm_compile_workers(args) -> bool:
     """Start inductor's pool of kernel-compile processes now (called before the models load), not at the first
     compile inside step 1: the processes start while the models load and the latents are cached. Only for an
@@ -232,6 +259,9 @@ def setup_compile_environment(args) -> dict:
     except (ImportError, AttributeError):  # older torch: FX graph cache only
         pass
     _key_caches_by_sdpa_backends(inductor_config)
+    _cache_graphs_with_rng_wrapper(inductor_config)
+    if _skip_rblock_rebenchmark(inductor_config):
+        applied["dynamic_scale_rblock"] = False
     applied["cache_dir"] = cache_dir
     logger.info("Persistent compile cache: %s", cache_dir)
 
