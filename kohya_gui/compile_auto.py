@@ -1,7 +1,8 @@
 """What the trainer chose for the compile settings left at `auto`, read from its log lines (the GUI never imports
 the trainers): `--compile_dynamic auto` (library.compile.regional's "Compiled N blocks" line says "static shapes",
 "inputs dynamic" or "automatic dynamic shapes"), `--cuda_graph_step auto` (library.compile.graphs.resolve: "on (...)"
-or "off; the step graph <reason>") and `--compile_checkpoint_keep auto` (library.compile.checkpoint.resolve_keep: "<choice> (<why>)");
+or "off; the step graph <reason>") and `--compile_checkpoint_keep auto` (library.compile.checkpoint.resolve_keep:
+"<choice> (<why>)");
 and what the compile took and the compile cache served (library.run.events.CompileReport, after step 2). The Torch
 Compile Settings show them after a run of that tab."""
 
