@@ -174,29 +174,41 @@ def fill_form(page, key: str, values: dict) -> None:
         page.wait_for_timeout(250)
 
 
+def click_until(page, group: str, button: str, done) -> None:
+    """Clicks one of the group's buttons until done(timeout) returns, at most twice. A click can be lost: one that
+    lands while the page moves (a message scrolled into view) reaches no button, and one sent while the server
+    draws the form again names the Run/Print listeners of the form before (gradio's queue then answers KeyError, in
+    gui.log). A second click finds the drawn form; a refusal (the tool's own message) stays, and fails here with
+    the status's text."""
+    for attempt in (1, 2):
+        page.locator(f"#util-{group}-{button}").click()
+        try:
+            done(60000)
+            return
+        except Exception:  # playwright's TimeoutError
+            assert attempt == 1, page.locator(f"#util-{group}-status").inner_text()
+
+
 def printed(page, group: str, key: str) -> str:
     """Print: the command shown (its script is the tool's)."""
-    page.locator(f"#util-{group}-print").click()
-    page.wait_for_function(f"() => document.querySelector('#util-{group}-command textarea').value"
-                           f".includes('/{key}.py')")
+    click_until(page, group, "print", lambda timeout: page.wait_for_function(
+        f"() => document.querySelector('#util-{group}-command textarea').value.includes('/{key}.py')",
+        timeout=timeout))
     message(page, f"util-{group}-status", "Run runs this command")
     return field(page, f"util-{group}-command").input_value()
 
 
 def ran(page, group: str, key: str) -> str:
     """Run, then the run panel's result for this tool's run (its log is tool_logs/<tool>.log); the run's log."""
-    status = page.locator(f"#util-{group}-status")
-    before = status.inner_text()
-    page.locator(f"#util-{group}-run").click()
-    try:
-        message(page, f"util-{group}-status", "started", timeout=60000)
-    except Exception:  # playwright's TimeoutError
-        # a click that landed while the page moved (a message scrolled into view) reaches no button: the status is
-        # what it was, and Run is clicked again; any other status is the test's failure, shown
-        now = status.inner_text()
-        assert now == before, now
-        page.locator(f"#util-{group}-run").click()
-        message(page, f"util-{group}-status", "started")
+    status = f"util-{group}-status"
+    before = page.locator(f"#{status}").inner_text()  # an earlier tool's "... started" may still be shown
+
+    def started(timeout):
+        page.wait_for_function("([id, before]) => { const text = document.getElementById(id).innerText;"
+                               " return text.includes('started') && text !== before; }", arg=[status, before],
+                               timeout=timeout)
+    click_until(page, group, "run", started)
+    message(page, status, "started")
     result = wait_text(page, "run-result", f"{key}.log", timeout=240000)
     log = field(page, "kg-log").input_value()
     assert "Run finished" in result and "exit status 0" in result, result + "\n" + log
