@@ -644,7 +644,8 @@ def make_bucket_images(workdir: Path, per_size: int, sizes=BUCKET_SIZES) -> Path
 
 
 SCRIPTS = {"sdxl": "sdxl_train_network.py", "sd15": "train_network.py", "sd21": "train_network.py",
-           "flux": "flux_train_network.py", "sd3-medium": "sd3_train_network.py", "sd3-large": "sd3_train_network.py", "chroma": "flux_train_network.py", "lumina": "lumina_train_network.py",
+           "flux": "flux_train_network.py", "sd3-medium": "sd3_train_network.py", "sd3-large": "sd3_train_network.py",
+           "chroma": "flux_train_network.py", "lumina": "lumina_train_network.py",
            "hunyuan-image": "hunyuan_image_train_network.py", "anima": "anima_train_network.py"}
 
 

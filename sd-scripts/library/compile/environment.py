@@ -109,22 +109,6 @@ def cudnn_sdp_auto(args) -> tuple[bool, str]:
 
 
 SDPA_CACHE_KEY = "sd-scripts.sdpa_backends"  # an entry of inductor's config, so part of every compile cache key
-
-
-def _key_caches_by_sdpa_backends(inductor_config) -> None:
-    """The attention backend is picked when a graph is traced, and torch's cache keys leave the backend switches
-    out: a graph traced with cuDNN attention would come back from the cache in a run that turned it off (and crash
-    where it crashed before). An entry naming the switches in the (otherwise unused) marked-cacheable-functions
-    table of inductor's config puts them into the FX-graph and AOTAutograd cache keys."""
-    table = getattr(inductor_config, "unsafe_marked_cacheable_functions", None)
-    if table is None:  # older torch: no such table (nor an AOTAutograd cache)
-        return
-    b = torch.backends.cuda
-    state = (f"cudnn={int(b.cudnn_sdp_enabled())},flash={int(b.flash_sdp_enabled())},"
-             f"efficient={int(b.mem_efficient_sdp_enabled())},math={int(b.math_sdp_enabled())}")
-    inductor_config.unsafe_marked_cacheable_functions = {**table, SDPA_CACHE_KEY: state}
-
-
 # torch's wrapper around an op that may draw random numbers and is recomputed in backward (SDPA, for its dropout):
 # before torch 2.13 (pytorch#185562) the FX-graph cache left out every graph that holds it, so with
 # --compile_checkpoint_keep inputs (SD3, Anima: attention recomputed) each start compiled every block again (SD3.5
@@ -133,18 +117,28 @@ def _key_caches_by_sdpa_backends(inductor_config) -> None:
 RNG_WRAPPER = "torch.ops.higher_order.graphsafe_run_with_rng_state"
 
 
-def _cache_graphs_with_rng_wrapper(inductor_config) -> None:
+def _fill_cacheable_table(inductor_config) -> None:
+    """Two entries in the marked-cacheable-functions table of inductor's config, which is part of the FX-graph and
+    AOTAutograd cache keys. SDPA_CACHE_KEY: the attention backend is picked when a graph is traced, and torch's cache
+    keys leave the backend switches out: a graph traced with cuDNN attention would come back from the cache in a run
+    that turned it off (and crash where it crashed before); the entry names the switches. RNG_WRAPPER: graphs that
+    hold torch's RNG-state wrapper are cached (the table's own purpose)."""
     table = getattr(inductor_config, "unsafe_marked_cacheable_functions", None)
-    if table is not None:
-        inductor_config.unsafe_marked_cacheable_functions = {**table, RNG_WRAPPER: "rng-state-is-a-graph-input"}
+    if table is None:  # older torch: no such table (nor an AOTAutograd cache)
+        return
+    b = torch.backends.cuda
+    state = (f"cudnn={int(b.cudnn_sdp_enabled())},flash={int(b.flash_sdp_enabled())},"
+             f"efficient={int(b.mem_efficient_sdp_enabled())},math={int(b.math_sdp_enabled())}")
+    inductor_config.unsafe_marked_cacheable_functions = {**table, SDPA_CACHE_KEY: state,
+                                                         RNG_WRAPPER: "rng-state-is-a-graph-input"}
 
 
 def _skip_rblock_rebenchmark(inductor_config) -> bool:
     """torch before 2.13 benchmarks the halved-RBLOCK variant it adds to register-heavy reductions
     (dynamic_scale_rblock) again in every process, cache or not (pytorch#181789, #189121), and near-tied winners
-    can differ from one run to the next. Off unless TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK says otherwise: FLUX.1 first
-    step 28.5 -> 24.6 s cold, warm restarts 7.6 / 8.1 -> 6.4 / 7.9 s, steady step 429-432 ms either way (run96).
-    Returns whether it was switched off."""
+    can differ from one run to the next. Off unless TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK says otherwise: FLUX.1 from the
+    compile line to step 2 28.5 -> 24.6 s cold, warm restarts 7.6 / 8.1 -> 6.4 / 7.9 s, steady step 429-432 ms either
+    way (run96). Returns whether it was switched off."""
     if "TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK" in os.environ or _torch_version() >= (2, 13) or \
             not hasattr(inductor_config, "dynamic_scale_rblock"):
         return False
@@ -258,8 +252,7 @@ def setup_compile_environment(args) -> dict:
         functorch_config.autograd_cache_allow_custom_autograd_functions = True
     except (ImportError, AttributeError):  # older torch: FX graph cache only
         pass
-    _key_caches_by_sdpa_backends(inductor_config)
-    _cache_graphs_with_rng_wrapper(inductor_config)
+    _fill_cacheable_table(inductor_config)
     if _skip_rblock_rebenchmark(inductor_config):
         applied["dynamic_scale_rblock"] = False
     applied["cache_dir"] = cache_dir
