@@ -357,16 +357,16 @@ def test_lora_trains_with_schedulefree_and_saves_its_eval_weights(tmp_path, tiny
     assert saved_match()
 
 
-@pytest.mark.parametrize("name, on_device", [("Prodigy", False), ("DAdaptAdam", True)])
-def test_d_times_lr_is_logged(parser, name, on_device):
-    """Prodigy keeps d on the host (library.foreach_prodigy); DAdaptAdam on the device (library.foreach_dadapt), so
-    its value is a LateValue: copied without waiting, read when the logs go out."""
+@pytest.mark.parametrize("name", ["Prodigy", "DAdaptAdam"])
+def test_d_times_lr_is_logged(parser, name):
+    """Prodigy and DAdaptAdam keep d on the device (library.foreach_prodigy, library.foreach_dadapt), so its value is
+    a LateValue: copied without waiting, read when the logs go out."""
     groups = [{"params": [torch.nn.Parameter(torch.ones(3))], "lr": 1.0},
               {"params": [torch.nn.Parameter(torch.ones(2))], "lr": 1.0}]
     _, _, opt = optimizers.get_optimizer(_args(parser, "--optimizer_type", name), groups)
     _two_steps(opt, [g["params"][0] for g in groups])
     logs = optimizers.d_lr_logs([opt], ["unet"])
-    assert all(isinstance(v, optimizers.LateValue) == on_device for v in logs.values())
+    assert logs and all(isinstance(v, optimizers.LateValue) for v in logs.values())
     values = {k: float(v) for k, v in logs.items()}
     assert values == {"lr/d*lr/unet": float(opt.param_groups[0]["d"]),
                       "lr/d*lr/group1": float(opt.param_groups[1]["d"])}

@@ -1,167 +1,298 @@
-"""prodigyopt's Prodigy with the same math in far fewer kernel launches and one read back to the host a step
+"""prodigyopt's Prodigy with the same math in a few large kernels and no read back to the host
 (--optimizer_type Prodigy).
 
 prodigyopt's step loops over the parameters in Python and reads two numbers back to the host for each (the dot
 product of its d estimate and the sum of |s|): with a LoRA's 1,444 tensors that is 2,888 waits for the GPU a step
-(docs/BENCHMARKS.md run64: SDXL bs1 + GC 461 ms against AdamW's 130 ms). Here the elementwise updates are torch's
-multi-tensor (_foreach) forms of the same operations, the dot products and sums are taken per parameter on the
-device (parameters of one shape as one batch) and read back together, and d is then estimated on the host from
-them in prodigyopt's order. The state (exp_avg, exp_avg_sq, s, p0, step; the group's d, d_max, d_numerator, k...)
-is prodigyopt's, so --save_state / --resume work across the two. FSDP-flattened parameters use prodigyopt's own
-step.
+(docs/BENCHMARKS.md run64: SDXL bs1 + GC 461 ms against AdamW's 130 ms). Multi-tensor (_foreach) forms of its
+operations still cost ~15 ms of GPU time a step there (run95): each of their ~10 passes is split into launches of a
+few dozen small tensors. Here the state of each param group's stepped parameters (exp_avg, exp_avg_sq, s, p0, the
+step counts) lives in one flat buffer a kind, and the per-parameter state prodigyopt saves and loads is views of
+them; the gradients and weights are copied into a scratch buffer a chunk of parameters at a time, so every update,
+dot product and |s| sum is one kernel over the chunk. The numbers prodigyopt keeps on the host (d, d_max,
+d_numerator, d_hat, d_denom, the step count k) are float64 tensors on the device (library.device_scalars), updated
+with its formulas (its `if`s as `torch.where`), so nothing waits for the GPU. The learning rates stay host numbers,
+so the step runs after the step graph's replay (library.compile.graphs.AFTER_GRAPH_OPTIMIZERS). state_dict() gives
+prodigyopt's layout, so --save_state / --resume work across the two. FSDP, parameters on several devices and MPS
+(no float64) use prodigyopt's own step.
 """
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 from prodigyopt import Prodigy
 
+from library.device_scalars import DeviceScalars
 
-def _batched_per_param(keys: list, reduce) -> list[torch.Tensor]:
-    """reduce(indices) -> one value per index, called once per group of equal keys; the values in the input order."""
-    batches = defaultdict(list)
-    for i, key in enumerate(keys):
-        batches[key].append(i)
-    out: list = [None] * len(keys)
-    for idx in batches.values():
-        for i, value in zip(idx, reduce(idx)):
-            out[i] = value
-    return out
+CHUNK_VALUES = 1 << 23  # values a chunk: the scratch is two buffers of this many (32 MiB each in float32)
 
 
-def _dots(sliced_grads: list, p0s: list, sliced_params: list) -> list[torch.Tensor]:
-    """dot(g, p0 - p) per parameter, parameters of one shape as one batch (p0 is a zero scalar for a parameter
-    that started at zero, as prodigyopt keeps it)."""
-    def reduce(idx):
-        g = torch.stack([sliced_grads[i] for i in idx])
-        p0 = torch.stack([p0s[i] for i in idx])
-        if p0.ndim == 1:  # zero scalars, one a parameter
-            p0 = p0.view(-1, *([1] * (g.ndim - 1)))
-        diff = p0 - torch.stack([sliced_params[i] for i in idx])
-        return (g * diff).sum(dim=1)
-
-    keys = [(tuple(g.shape), g.dtype, p0.ndim) for g, p0 in zip(sliced_grads, p0s)]
-    return _batched_per_param(keys, reduce)
-
-
-def _abs_sums(tensors: list) -> list[torch.Tensor]:
-    """sum(|t|) per tensor, tensors of one shape as one batch."""
-    return _batched_per_param([(tuple(t.shape), t.dtype) for t in tensors],
-                              lambda idx: torch.stack([tensors[i] for i in idx]).abs().sum(dim=1))
+@dataclass
+class _Chunk:
+    """Consecutive parameters [lo, hi) of a layout: their values [a, b) in the flat buffers, their sliced values
+    [sa, sb) in s, of which the first `full` have a p0 (at p0_at in the p0 buffer)."""
+    lo: int
+    hi: int
+    a: int
+    b: int
+    sa: int
+    sb: int
+    full: int
+    p0_at: int
+    scratch_a: list  # views of the scratch buffers in the parameters' shapes
+    scratch_b: list
+    sliced_a: list  # strided views (t.flatten()[::slice_p]) of the scratch buffers, where slice_p > 1
+    sliced_b: list
+    exp_avgs: list  # the parameters' exp_avg state views
 
 
-class ForeachProdigy(Prodigy):
-    """Prodigy whose step runs as a few multi-tensor operations (see the module's docstring)."""
+class _Layout:
+    """One param group's stepped parameters of one dtype, end to end: first those whose p0 is kept, then those that
+    started at zero (prodigyopt keeps a zero scalar as their p0). Made from the state they have (a loaded or an
+    earlier layout's) or, for a parameter without one, prodigyopt's initial state; their state dicts then hold views
+    of the layout's buffers. The scratch buffers are float32 at least (bfloat16 weights: the arithmetic in float32,
+    as prodigyopt's kernels do it)."""
+
+    def __init__(self, opt: Prodigy, params: list, slice_p: int, beta1: float):
+        self.key = [id(p) for p in params]
+        self.slice_p = slice_p
+        device, dtype = params[0].device, params[0].dtype
+        new = [p for p in params if "step" not in opt.state[p]]
+        started = dict(zip(map(id, new), torch.stack([p.any() for p in new]).tolist())) if new else {}
+
+        def keeps_p0(p):
+            return started[id(p)] if id(p) in started else opt.state[p]["p0"].dim() > 0
+
+        self.params = [p for p in params if keeps_p0(p)] + [p for p in params if not keeps_p0(p)]
+        sizes = [p.numel() for p in self.params]
+        sliced = [-(-n // slice_p) for n in sizes]
+        self.exp_avg = torch.zeros(sum(sizes), dtype=dtype, device=device) if beta1 > 0 else None
+        self.exp_avg_sq = torch.zeros(sum(sizes), dtype=dtype, device=device)
+        self.s = torch.zeros(sum(sliced), dtype=dtype, device=device)
+        self.p0 = torch.empty(sum(m for p, m in zip(self.params, sliced) if keeps_p0(p)), dtype=dtype, device=device)
+        self.steps = torch.zeros(len(self.params), dtype=torch.int64, device=device)
+        self.dtype = torch.promote_types(dtype, torch.float32)  # the scratch's and the coefficients'
+
+        bounds = self._chunk_bounds(sizes)
+        self.scratch = [torch.empty(max(b - a for a, b in bounds), dtype=self.dtype, device=device) for _ in "ab"]
+        self.chunks: list[_Chunk] = []
+        offset = sliced_offset = p0_offset = index = 0
+        for a, b in bounds:
+            chunk = _Chunk(index, index, a, b, sliced_offset, sliced_offset, 0, p0_offset, [], [], [], [], [])
+            while offset < b:
+                p, n, m = self.params[index], sizes[index], sliced[index]
+                state = opt.state[p]
+                views = {"exp_avg_sq": self.exp_avg_sq[offset:offset + n].view(p.shape),
+                         "s": self.s[sliced_offset:sliced_offset + m], "step": self.steps[index]}
+                if self.exp_avg is not None:
+                    views["exp_avg"] = self.exp_avg[offset:offset + n].view(p.shape)
+                    chunk.exp_avgs.append(views["exp_avg"])
+                if keeps_p0(p):
+                    views["p0"] = self.p0[p0_offset:p0_offset + m]
+                    chunk.full += m
+                    p0_offset += m
+                for name, view in views.items():
+                    if isinstance(state.get(name), torch.Tensor):  # a loaded state, or an earlier layout's
+                        view.copy_(state[name])
+                    elif name in state:
+                        view.fill_(state[name])  # a step count saved as a number
+                    elif name == "p0":  # prodigyopt's initial state: zeros, and p0 the weights as they start
+                        view.copy_(p.detach().flatten()[::slice_p])
+                if "p0" not in views:
+                    views["p0"] = state["p0"] if "p0" in state else torch.tensor(0, device=device, dtype=dtype)
+                state.update(views)
+                for scratch, shaped, strided in zip(self.scratch, (chunk.scratch_a, chunk.scratch_b),
+                                                    (chunk.sliced_a, chunk.sliced_b)):
+                    shaped.append(scratch[offset - a:offset - a + n].view(p.shape))
+                    strided.append(scratch[offset - a:offset - a + n:slice_p])
+                offset += n
+                sliced_offset += m
+                index += 1
+            chunk.hi, chunk.sb = index, sliced_offset
+            self.chunks.append(chunk)
+        self.scratch_sliced = [torch.empty(max(c.sb - c.sa for c in self.chunks), dtype=self.dtype, device=device)
+                               for _ in ("ab" if slice_p > 1 else "")]
+        self.first = opt.state[self.params[0]]["exp_avg_sq"]
+
+    @staticmethod
+    def _chunk_bounds(sizes: list[int]) -> list[tuple[int, int]]:
+        """[a, b) value ranges of consecutive parameters, each about CHUNK_VALUES (at least one parameter)."""
+        bounds, start, end = [], 0, 0
+        for n in sizes:
+            if end > start and end + n - start > CHUNK_VALUES:
+                bounds.append((start, end))
+                start = end
+            end += n
+        return bounds + [(start, end)]
+
+    def holds(self, opt: Prodigy, params: list) -> bool:
+        """Whether this layout still holds the state of exactly these parameters (a load replaces the state)."""
+        return self.key == [id(p) for p in params] and opt.state[self.params[0]].get("exp_avg_sq") is self.first
+
+    def gather(self, chunk: _Chunk, tensors: list, into: int) -> torch.Tensor:
+        """Copies the chunk's `tensors` (its parameters' weights or gradients, in layout order) into scratch buffer
+        `into`; -> that buffer's part."""
+        torch._foreach_copy_((chunk.scratch_a, chunk.scratch_b)[into], tensors[chunk.lo:chunk.hi])
+        return self.scratch[into][:chunk.b - chunk.a]
+
+    def sliced(self, chunk: _Chunk, flat: torch.Tensor, into: int) -> torch.Tensor:
+        """The chunk's gathered values as prodigyopt slices them (each parameter's flatten()[::slice_p])."""
+        if self.slice_p == 1:
+            return flat
+        views = (chunk.sliced_a, chunk.sliced_b)[into]
+        return torch.cat(views, out=self.scratch_sliced[into][:chunk.sb - chunk.sa])
+
+    def release(self, opt: Prodigy, keep: set) -> None:
+        """The parameters not in `keep` get their own copies of their state, so this layout's buffers can go."""
+        for p in self.params:
+            if id(p) not in keep:
+                state = opt.state[p]
+                state.update({k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)})
+
+
+class ForeachProdigy(DeviceScalars, Prodigy):
+    """Prodigy whose step runs as a few kernels over flat buffers on the device (see the module's docstring)."""
+
+    SCALARS = ("d", "d_max", "d_numerator", "d_hat", "d_denom", "k")  # prodigyopt's per-group numbers
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._flat: dict[int, list[_Layout]] = {}  # param group index -> its layouts
+
+    def _initial(self, group: dict, key: str) -> float:
+        return group.get(key, group["d"] if key == "d_hat" else 0.0)  # before its first step: no d_hat / d_denom
+
+    def _own_step(self, params: list) -> bool:
+        return any(g["fsdp_in_use"] for g in self.param_groups) or any(hasattr(p, "_fsdp_flattened") for p in params) \
+            or len({p.device for p in params}) > 1 or (bool(params) and params[0].device.type == "mps")
+
+    def _layouts(self, index: int, params: list, beta1: float) -> list[_Layout]:
+        """The group's layouts, one a dtype, made again where the stepped parameters changed or a load replaced the
+        state."""
+        by_dtype: dict = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        layouts = self._flat.get(index, [])
+        if len(layouts) == len(by_dtype) and all(lay.holds(self, ps) for lay, ps in zip(layouts, by_dtype.values())):
+            return layouts
+        keep = {id(p) for p in params}
+        for layout in layouts:
+            layout.release(self, keep)
+        layouts = [_Layout(self, ps, self.param_groups[index]["slice_p"], beta1) for ps in by_dtype.values()]
+        self._flat[index] = layouts
+        return layouts
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        self._flat = {}  # the loaded state replaced the layouts' views
 
     @torch.no_grad()
     def step(self, closure=None):
-        if any(hasattr(p, "_fsdp_flattened") for g in self.param_groups for p in g["params"]) or \
-                any(g["fsdp_in_use"] for g in self.param_groups):
+        stepped = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if self._own_step(stepped):
             return super().step(closure)
         loss = None
         if closure is not None:
-            loss = closure()
-
+            with torch.enable_grad():
+                loss = closure()
+        if not stepped:
+            return loss
+        device = stepped[0].device
+        sc = self._scalars(device)
         group = self.param_groups[0]
         beta1, beta2 = group["betas"]
         beta3 = group["beta3"] if group["beta3"] is not None else math.sqrt(beta2)
-        k, d, d_max, d_coef = group["k"], group["d"], group["d_max"], group["d_coef"]
-        lr = max(g["lr"] for g in self.param_groups)
-        bias_correction = ((1 - beta2 ** (k + 1)) ** 0.5) / (1 - beta1 ** (k + 1)) if group["use_bias_correction"] \
-            else 1
+        d, d_max, k = sc["d"], sc["d_max"], sc["k"]
+        lrs = [g["lr"] for g in self.param_groups]
+        lr = max(lrs)
+        if any(v not in [lr, 0.0] for v in lrs):
+            raise RuntimeError("Setting different lr values in different parameter groups is only supported for "
+                               "values of 0")
+        if group["use_bias_correction"]:
+            bias_correction = ((1 - beta2 ** (k + 1)) ** 0.5) / (1 - beta1 ** (k + 1))
+        else:
+            bias_correction = 1.0
         dlr = d * lr * bias_correction
-        growth_rate = group["growth_rate"]
         decouple = group["decouple"]
-        d_numerator = group["d_numerator"] * beta3
 
-        # the first pass: per parameter, the EMAs and s (elementwise, multi-tensor), and the two sums on the device
-        dots, dot_scales, s_sums = [], [], []
-        for g in self.param_groups:
-            decay, d0, slice_p = g["weight_decay"], g["d0"], g["slice_p"]
-            if g["lr"] not in [lr, 0.0]:
-                raise RuntimeError("Setting different lr values in different parameter groups is only supported for "
-                                   "values of 0")
-            params = [p for p in g["params"] if p.grad is not None]
+        # the first pass, per group: the dot product for d's numerator, the EMAs and s, the sum of |s|
+        delta_numerator, d_denom, stepped_groups = [], [], []
+        for index, g in enumerate(self.param_groups):
+            params, _ = self._with_grads(g, coupled_decay=not decouple)
             if not params:
                 continue
-            grads = [p.grad for p in params]
-            if decay != 0 and not decouple:
-                torch._foreach_add_(grads, params, alpha=decay)
-            for p in params:
-                self._init_state(p, slice_p, beta1)
-            if g["lr"] <= 0.0:
+            layouts = self._layouts(index, params, beta1)
+            stepped_groups.append((g, layouts))
+            if not g["lr"] > 0.0:
                 continue
-            states = [self.state[p] for p in params]
-            sliced = [gr.flatten()[::slice_p] for gr in grads]
-            dots += _dots(sliced, [s["p0"].data for s in states], [p.data.flatten()[::slice_p] for p in params])
-            dot_scales += [(d / d0) * dlr] * len(params)
-            if beta1 > 0:
-                exp_avgs = [s["exp_avg"] for s in states]
-                torch._foreach_mul_(exp_avgs, beta1)
-                torch._foreach_add_(exp_avgs, grads, alpha=d * (1 - beta1))
-            exp_avg_sqs = [s["exp_avg_sq"] for s in states]
-            torch._foreach_mul_(exp_avg_sqs, beta2)
-            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=d * d * (1 - beta2))
-            ss = [s["s"] for s in states]
-            torch._foreach_mul_(ss, beta3)
-            torch._foreach_add_(ss, sliced, alpha=((d / d0) * d) if g["safeguard_warmup"] else ((d / d0) * dlr))
-            s_sums += _abs_sums(ss)
+            s_scale = (d if g["safeguard_warmup"] else dlr) / g["d0"]  # s grows by the gradient * d * this
+            dots = []
+            for layout in layouts:
+                scale, s_coef = d.to(layout.dtype), s_scale.to(layout.dtype)
+                grads = [p.grad for p in layout.params]
+                for c in layout.chunks:
+                    grad = layout.gather(c, grads, 0)
+                    weight = layout.gather(c, layout.params, 1)
+                    sliced_grad, sliced_weight = layout.sliced(c, grad, 0), layout.sliced(c, weight, 1)
+                    full = c.full
+                    if full:
+                        p0 = layout.p0[c.p0_at:c.p0_at + full]
+                        dots.append(torch.dot(sliced_grad[:full], p0 - sliced_weight[:full]))
+                    if full < c.sb - c.sa:  # p0 is zero: g . (0 - p)
+                        dots.append(-torch.dot(sliced_grad[full:], sliced_weight[full:]))
+                    grad.mul_(scale)  # d * g
+                    if sliced_grad is not grad:
+                        sliced_grad.mul_(scale)
+                    if layout.exp_avg is not None:
+                        layout.exp_avg[c.a:c.b].mul_(beta1).add_(grad, alpha=1 - beta1)
+                    layout.exp_avg_sq[c.a:c.b].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                    layout.s[c.sa:c.sb].mul_(beta3).addcmul_(sliced_grad, s_coef)
+                d_denom.append(torch.linalg.vector_norm(layout.s, 1, dtype=layout.dtype).double())
+            if dots:
+                delta_numerator.append(torch.stack(dots).sum(dtype=torch.float64) * (d / g["d0"]) * dlr)
+        if not lr > 0.0:
+            return loss  # prodigyopt: no |s| (d_denom 0), so it returns here
 
-        # one read back, then prodigyopt's host arithmetic in its order
-        values = torch.stack([v.float() for v in dots + s_sums]).tolist() if dots else []
-        delta_numerator = 0.0
-        for scale, value in zip(dot_scales, values[:len(dots)]):
-            delta_numerator += scale * value
-        d_denom = 0.0
-        for value in values[len(dots):]:
-            d_denom += value
-        d_hat = d
-        if d_denom == 0:
-            return loss
-        if lr > 0.0:
-            global_d_numerator = d_numerator + delta_numerator
-            global_d_denom = d_denom
-            d_hat = d_coef * global_d_numerator / global_d_denom
-            if d == group["d0"]:
-                d = max(d, d_hat)
-            d_max = max(d_max, d_hat)
-            d = min(d_max, d * growth_rate)
+        # prodigyopt's update of d; where it would return early (no |s| yet) nothing below changes
+        d_numerator = sc["d_numerator"] * beta3 + (sum(delta_numerator) if delta_numerator else 0.0)
+        denom = sum(d_denom) if d_denom else torch.zeros((), dtype=torch.float64, device=device)
+        ok = denom > 0
+        d_hat = group["d_coef"] * d_numerator / torch.where(ok, denom, 1.0)
+        d_new = torch.where(d == self.param_groups[-1]["d0"], torch.maximum(d, d_hat), d)  # its loop's last group
+        d_max_new = torch.maximum(d_max, d_hat)
+        d_new = torch.minimum(d_max_new, d_new * group["growth_rate"])
+        for key, value in (("d_numerator", d_numerator), ("d_denom", denom), ("d", d_new), ("d_max", d_max_new),
+                           ("d_hat", d_hat)):
+            sc[key].copy_(torch.where(ok, value, sc[key]))
+        step_rate = dlr * ok  # 0 where prodigyopt returns early: the weights stay
+        rate = step_rate * d if beta1 == 0 else step_rate  # prodigyopt: without exp_avg, the gradient times dlr * d
+        counted = ok.long()
 
-        # the second pass: the step itself
-        for g in self.param_groups:
-            g["d_numerator"] = global_d_numerator
-            g["d_denom"] = global_d_denom
-            g["d"] = d
-            g["d_max"] = d_max
-            g["d_hat"] = d_hat
-            params = [p for p in g["params"] if p.grad is not None]
-            if params:
-                states = [self.state[p] for p in params]
-                for s in states:
-                    s["step"] += 1
-                denoms = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
-                torch._foreach_add_(denoms, d * g["eps"])
-                if g["weight_decay"] != 0 and decouple:
-                    torch._foreach_add_(params, params, alpha=-g["weight_decay"] * dlr)
-                if beta1 > 0:
-                    torch._foreach_addcdiv_(params, [s["exp_avg"] for s in states], denoms, value=-dlr)
-                else:
-                    torch._foreach_addcdiv_(params, [p.grad for p in params], denoms, value=-dlr * d)
-            g["k"] = g["k"] + 1
+        # the second pass: the step itself (every group with gradients, as prodigyopt; d is the new one from here)
+        for g, layouts in stepped_groups:
+            decay = g["weight_decay"] if decouple else 0.0
+            for layout in layouts:
+                layout.steps.add_(counted)
+                eps, neg_rate = (d * g["eps"]).to(layout.dtype), (-rate).to(layout.dtype)
+                keep = (1 - decay * step_rate).to(layout.dtype)
+                in_place = decay == 0 and layout.dtype == layout.s.dtype  # else weights via the scratch
+                grads = [p.grad for p in layout.params]
+                for c in layout.chunks:
+                    params = layout.params[c.lo:c.hi]
+                    denom = torch.sqrt(layout.exp_avg_sq[c.a:c.b], out=layout.scratch[1][:c.b - c.a])
+                    denom.add_(eps).div_(neg_rate)  # p - rate * a / denom as p + a / (denom / -rate)
+                    if in_place:
+                        numerators = c.exp_avgs if layout.exp_avg is not None else grads[c.lo:c.hi]
+                        torch._foreach_addcdiv_(params, numerators, c.scratch_b)
+                        continue
+                    if layout.exp_avg is None:
+                        denom.reciprocal_().mul_(layout.gather(c, grads, 0))  # grad / (denom / -rate)
+                        weight = layout.gather(c, layout.params, 0)
+                        weight.mul_(keep).add_(denom)
+                    else:
+                        weight = layout.gather(c, layout.params, 0)
+                        weight.mul_(keep).addcdiv_(layout.exp_avg[c.a:c.b], denom)
+                    torch._foreach_copy_(params, c.scratch_a)
+        k.add_(counted)
         return loss
-
-    def _init_state(self, p, slice_p: int, beta1: float) -> None:
-        state = self.state[p]
-        if "step" in state:
-            return
-        state["step"] = 0
-        state["s"] = torch.zeros_like(p.data.flatten()[::slice_p]).detach()
-        if p.any():
-            state["p0"] = p.flatten()[::slice_p].detach().clone()
-        else:  # all zero (a LoRA up matrix): prodigyopt keeps a zero scalar
-            state["p0"] = torch.tensor(0, device=p.device, dtype=p.dtype)
-        if beta1 > 0:
-            state["exp_avg"] = torch.zeros_like(p.data).detach()
-        state["exp_avg_sq"] = torch.zeros_like(p.data).detach()
