@@ -236,9 +236,10 @@ class ForeachProdigy(DeviceScalars, Prodigy):
                     weight = layout.gather(c, layout.params, 1)
                     sliced_grad, sliced_weight = layout.sliced(c, grad, 0), layout.sliced(c, weight, 1)
                     full = c.full
-                    if full:
-                        p0 = layout.p0[c.p0_at:c.p0_at + full]
-                        dots.append(torch.dot(sliced_grad[:full], p0 - sliced_weight[:full]))
+                    if full:  # p0 - p in the weights' scratch (not needed after this)
+                        p0_minus_p = torch.sub(layout.p0[c.p0_at:c.p0_at + full], sliced_weight[:full],
+                                               out=sliced_weight[:full])
+                        dots.append(torch.dot(sliced_grad[:full], p0_minus_p))
                     if full < c.sb - c.sa:  # p0 is zero: g . (0 - p)
                         dots.append(-torch.dot(sliced_grad[full:], sliced_weight[full:]))
                     grad.mul_(scale)  # d * g
