@@ -81,6 +81,30 @@ def test_same_weights_d_and_state_as_prodigyopt(kwargs, groups, chunk, monkeypat
     _assert_same(ref, got, ref_params, got_params)
 
 
+@pytest.mark.parametrize("chunk", [1 << 23, 40])
+def test_parameters_without_gradients_in_some_steps_step_as_prodigyopt(chunk, monkeypatch):
+    """LoRA's module dropout: each step a random set of parameters has no gradient (the second none in the first
+    step, so it joins later): they keep their state and weights, as prodigyopt skips them; the layout is made again
+    only when a parameter joins it."""
+    monkeypatch.setattr(foreach_prodigy, "CHUNK_VALUES", chunk)
+    ref_params = _params()
+    got_params = copy.deepcopy(ref_params)
+    opts = [Prodigy(ref_params, lr=1.0, weight_decay=0.01, decouple=True),
+            ForeachProdigy(got_params, lr=1.0, weight_decay=0.01, decouple=True)]
+    g = torch.Generator().manual_seed(2)
+    layouts = []
+    for step in range(8):
+        grads = [torch.randn(p.shape, generator=g) - p.detach() for p in ref_params]
+        dropped = {1} if step == 0 else set(torch.randperm(len(grads), generator=g)[:2].tolist())
+        for opt, params in zip(opts, (ref_params, got_params)):
+            for i, p in enumerate(params):
+                p.grad = None if i in dropped else grads[i].clone()
+            opt.step()
+        layouts.append(opts[1]._flat[0][0])
+    assert layouts[0] is not layouts[1] and all(lay is layouts[1] for lay in layouts[1:])
+    _assert_same(*opts, ref_params, got_params)
+
+
 def test_bfloat16_weights_step_as_prodigyopt_within_its_rounding():
     """bfloat16 weights: the arithmetic in float32 scratch, the state in bfloat16 (as prodigyopt keeps it)."""
     ref_params, got_params = _params(torch.bfloat16), _params(torch.bfloat16)

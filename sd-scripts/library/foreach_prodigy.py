@@ -17,6 +17,7 @@ prodigyopt's layout, so --save_state / --resume work across the two. FSDP, param
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -29,17 +30,18 @@ CHUNK_VALUES = 1 << 23  # values a chunk: the scratch is two buffers of this man
 
 
 @dataclass
-class _Chunk:
-    """Consecutive parameters [lo, hi) of a layout: their values [a, b) in the flat buffers, their sliced values
-    [sa, sb) in s, of which the first `full` have a p0 (at p0_at in the p0 buffer)."""
+class _Run:
+    """Consecutive parameters [lo, hi) of a layout that step together (a chunk, or the part of one that has
+    gradients): their values [a, b) in the flat buffers, at `at` in the scratch buffers, their sliced values [sa, sb)
+    in s, of which the first `full` have a p0 (at the same place in the p0 buffer: those parameters come first)."""
     lo: int
     hi: int
     a: int
     b: int
+    at: int
     sa: int
     sb: int
     full: int
-    p0_at: int
     scratch_a: list  # views of the scratch buffers in the parameters' shapes
     scratch_b: list
     sliced_a: list  # strided views of the scratch buffers (each parameter's flatten()[::slice_p])
@@ -48,11 +50,12 @@ class _Chunk:
 
 
 class _Layout:
-    """One param group's stepped parameters of one dtype, end to end: first those whose p0 is kept, then those that
-    started at zero (prodigyopt keeps a zero scalar as their p0). Made from the state they have (a loaded or an
-    earlier layout's) or, for a parameter without one, prodigyopt's initial state; their state dicts then hold views
-    of the layout's buffers. The scratch buffers are float32 at least (bfloat16 weights: the arithmetic in float32,
-    as prodigyopt's kernels do it)."""
+    """One param group's parameters of one dtype, end to end: first those whose p0 is kept, then those that started
+    at zero (prodigyopt keeps a zero scalar as their p0). Made from the state they have (a loaded or an earlier
+    layout's) or, for a parameter without one, prodigyopt's initial state; their state dicts then hold views of the
+    layout's buffers. A step runs over chunks of about CHUNK_VALUES values, or over the parts of them whose
+    parameters have gradients (LoRA's module dropout leaves some without). The scratch buffers are float32 at least
+    (bfloat16 weights: the arithmetic in float32, as prodigyopt's kernels do it)."""
 
     def __init__(self, opt: Prodigy, params: list, slice_p: int, beta1: float):
         self.key = [id(p) for p in params]
@@ -65,90 +68,111 @@ class _Layout:
             return started[id(p)] if id(p) in started else opt.state[p]["p0"].dim() > 0
 
         self.params = [p for p in params if keeps_p0(p)] + [p for p in params if not keeps_p0(p)]
+        self.position = {id(p): i for i, p in enumerate(self.params)}
         sizes = [p.numel() for p in self.params]
         sliced = [-(-n // slice_p) for n in sizes]
-        self.exp_avg = torch.zeros(sum(sizes), dtype=dtype, device=device) if beta1 > 0 else None
-        self.exp_avg_sq = torch.zeros(sum(sizes), dtype=dtype, device=device)
-        self.s = torch.zeros(sum(sliced), dtype=dtype, device=device)
-        self.p0 = torch.empty(sum(m for p, m in zip(self.params, sliced) if keeps_p0(p)), dtype=dtype, device=device)
+        self.offsets, self.sliced_offsets = [0], [0]
+        for n, m in zip(sizes, sliced):
+            self.offsets.append(self.offsets[-1] + n)
+            self.sliced_offsets.append(self.sliced_offsets[-1] + m)
+        self.n_full = sum(m for p, m in zip(self.params, sliced) if keeps_p0(p))
+        self.exp_avg = torch.zeros(self.offsets[-1], dtype=dtype, device=device) if beta1 > 0 else None
+        self.exp_avg_sq = torch.zeros(self.offsets[-1], dtype=dtype, device=device)
+        self.s = torch.zeros(self.sliced_offsets[-1], dtype=dtype, device=device)
+        self.p0 = torch.empty(self.n_full, dtype=dtype, device=device)
         self.steps = torch.zeros(len(self.params), dtype=torch.int64, device=device)
         self.dtype = torch.promote_types(dtype, torch.float32)  # the scratch's and the coefficients'
 
-        bounds = self._chunk_bounds(sizes)
-        self.scratch = [torch.empty(max(b - a for a, b in bounds), dtype=self.dtype, device=device) for _ in "ab"]
-        self.chunks: list[_Chunk] = []
-        offset = sliced_offset = p0_offset = index = 0
-        for a, b in bounds:
-            chunk = _Chunk(index, index, a, b, sliced_offset, sliced_offset, 0, p0_offset, [], [], [], [], [])
-            while offset < b:
-                p, n, m = self.params[index], sizes[index], sliced[index]
-                state = opt.state[p]
-                views = {"exp_avg_sq": self.exp_avg_sq[offset:offset + n].view(p.shape),
-                         "s": self.s[sliced_offset:sliced_offset + m], "step": self.steps[index]}
-                if self.exp_avg is not None:
-                    views["exp_avg"] = self.exp_avg[offset:offset + n].view(p.shape)
-                    chunk.exp_avgs.append(views["exp_avg"])
-                if keeps_p0(p):
-                    views["p0"] = self.p0[p0_offset:p0_offset + m]
-                    chunk.full += m
-                    p0_offset += m
-                for name, view in views.items():
-                    if isinstance(state.get(name), torch.Tensor):  # a loaded state, or an earlier layout's
-                        view.copy_(state[name])
-                    elif name in state:
-                        view.fill_(state[name])  # a step count saved as a number
-                    elif name == "p0":  # prodigyopt's initial state: zeros, and p0 the weights as they start
-                        view.copy_(p.detach().flatten()[::slice_p])
-                if "p0" not in views:
-                    views["p0"] = state["p0"] if "p0" in state else torch.tensor(0, device=device, dtype=dtype)
-                state.update(views)
-                for scratch, shaped, strided in zip(self.scratch, (chunk.scratch_a, chunk.scratch_b),
-                                                    (chunk.sliced_a, chunk.sliced_b)):
-                    shaped.append(scratch[offset - a:offset - a + n].view(p.shape))
-                    strided.append(scratch[offset - a:offset - a + n:slice_p])
-                offset += n
-                sliced_offset += m
-                index += 1
-            chunk.hi, chunk.sb = index, sliced_offset
-            self.chunks.append(chunk)
-        self.scratch_sliced = [torch.empty(max(c.sb - c.sa for c in self.chunks), dtype=self.dtype, device=device)
-                               for _ in ("ab" if slice_p > 1 else "")]
+        self.chunk_starts = self._chunk_starts(sizes)  # the first parameter of each chunk
+        bounds = list(zip(self.chunk_starts, self.chunk_starts[1:] + [len(self.params)]))
+        width = max(self.offsets[j] - self.offsets[i] for i, j in bounds)
+        self.scratch = [torch.empty(width, dtype=self.dtype, device=device) for _ in "ab"]
+        self.views: dict[str, list] = {"scratch_a": [], "scratch_b": [], "sliced_a": [], "sliced_b": [],
+                                       "exp_avgs": []}
+        for i, j in bounds:
+            for index in range(i, j):
+                self._take_state(opt, index, self.offsets[index] - self.offsets[i], keeps_p0(self.params[index]))
+        self.scratch_sliced = [torch.empty(max(self.sliced_offsets[j] - self.sliced_offsets[i] for i, j in bounds),
+                                           dtype=self.dtype, device=device) for _ in ("ab" if slice_p > 1 else "")]
+        self.chunks = [self._run(i, j) for i, j in bounds]
         self.first = opt.state[self.params[0]]["exp_avg_sq"]
 
+    def _take_state(self, opt: Prodigy, index: int, at: int, keeps_p0: bool) -> None:
+        """Parameter `index`'s state becomes views of the buffers (holding the values it had, or prodigyopt's initial
+        ones), and its scratch views are made (at `at` in its chunk's scratch)."""
+        p = self.params[index]
+        o, so, n, m = self.offsets[index], self.sliced_offsets[index], p.numel(), -(-p.numel() // self.slice_p)
+        state = opt.state[p]
+        views = {"exp_avg_sq": self.exp_avg_sq[o:o + n].view(p.shape), "s": self.s[so:so + m],
+                 "step": self.steps[index]}
+        if self.exp_avg is not None:
+            views["exp_avg"] = self.exp_avg[o:o + n].view(p.shape)
+        if keeps_p0:
+            views["p0"] = self.p0[so:so + m]
+        for name, view in views.items():
+            if isinstance(state.get(name), torch.Tensor):  # a loaded state, or an earlier layout's
+                view.copy_(state[name])
+            elif name in state:
+                view.fill_(state[name])  # a step count saved as a number
+            elif name == "p0":  # prodigyopt's initial state: zeros, and p0 the weights as they start
+                view.copy_(p.detach().flatten()[::self.slice_p])
+        if not keeps_p0:
+            views["p0"] = state["p0"] if "p0" in state else torch.tensor(0, device=p.device, dtype=p.dtype)
+        state.update(views)
+        self.views["exp_avgs"].append(views.get("exp_avg"))
+        for scratch, half in zip(self.scratch, "ab"):
+            self.views[f"scratch_{half}"].append(scratch[at:at + n].view(p.shape))
+            self.views[f"sliced_{half}"].append(scratch[at:at + n:self.slice_p])
+
     @staticmethod
-    def _chunk_bounds(sizes: list[int]) -> list[tuple[int, int]]:
-        """[a, b) value ranges of consecutive parameters, each about CHUNK_VALUES (at least one parameter)."""
-        bounds, start, end = [], 0, 0
-        for n in sizes:
-            if end > start and end + n - start > CHUNK_VALUES:
-                bounds.append((start, end))
-                start = end
-            end += n
-        return bounds + [(start, end)]
+    def _chunk_starts(sizes: list[int]) -> list[int]:
+        """The first parameter of each run of consecutive parameters of about CHUNK_VALUES values (at least one)."""
+        starts, total = [0], 0
+        for i, n in enumerate(sizes):
+            if total and total + n > CHUNK_VALUES:
+                starts.append(i)
+                total = 0
+            total += n
+        return starts
+
+    def _run(self, i: int, j: int) -> _Run:
+        """Parameters [i, j) of one chunk."""
+        chunk_start = self.chunk_starts[bisect.bisect_right(self.chunk_starts, i) - 1]
+        so = self.sliced_offsets
+        parts = {name: views[i:j] for name, views in self.views.items()}
+        return _Run(i, j, self.offsets[i], self.offsets[j], self.offsets[i] - self.offsets[chunk_start], so[i], so[j],
+                    max(0, min(so[j], self.n_full) - so[i]), **parts)
 
     def holds(self, opt: Prodigy, params: list) -> bool:
-        """Whether this layout still holds the state of exactly these parameters (a load replaces the state)."""
-        return self.key == [id(p) for p in params] and opt.state[self.params[0]].get("exp_avg_sq") is self.first
+        """Whether this layout still holds the state of these parameters (a load replaces the state)."""
+        return all(id(p) in self.position for p in params) and \
+            opt.state[self.params[0]].get("exp_avg_sq") is self.first
 
-    def gather(self, chunk: _Chunk, tensors: list, into: int) -> torch.Tensor:
-        """Copies the chunk's `tensors` (its parameters' weights or gradients, in layout order) into scratch buffer
+    def runs(self, params: list) -> list[_Run]:
+        """The chunks, or where some of the layout's parameters have no gradient this step, the parts of them
+        that do."""
+        if self.key == [id(p) for p in params]:
+            return self.chunks
+        stepping = sorted(self.position[id(p)] for p in params)
+        runs, start = [], stepping[0]
+        for prev, index in zip(stepping, stepping[1:] + [None]):
+            if index != prev + 1 or index in self.chunk_starts:
+                runs.append(self._run(start, prev + 1))
+                start = index
+        return runs
+
+    def gather(self, run: _Run, tensors: list, into: int) -> torch.Tensor:
+        """Copies the run's `tensors` (its parameters' weights or gradients, in layout order) into scratch buffer
         `into`; -> that buffer's part."""
-        torch._foreach_copy_((chunk.scratch_a, chunk.scratch_b)[into], tensors[chunk.lo:chunk.hi])
-        return self.scratch[into][:chunk.b - chunk.a]
+        torch._foreach_copy_((run.scratch_a, run.scratch_b)[into], tensors[run.lo:run.hi])
+        return self.scratch[into][run.at:run.at + run.b - run.a]
 
-    def sliced(self, chunk: _Chunk, flat: torch.Tensor, into: int) -> torch.Tensor:
-        """The chunk's gathered values as prodigyopt slices them (each parameter's flatten()[::slice_p])."""
+    def sliced(self, run: _Run, flat: torch.Tensor, into: int) -> torch.Tensor:
+        """The run's gathered values as prodigyopt slices them (each parameter's flatten()[::slice_p])."""
         if self.slice_p == 1:
             return flat
-        views = (chunk.sliced_a, chunk.sliced_b)[into]
-        return torch.cat(views, out=self.scratch_sliced[into][:chunk.sb - chunk.sa])
-
-    def release(self, opt: Prodigy, keep: set) -> None:
-        """The parameters not in `keep` get their own copies of their state, so this layout's buffers can go."""
-        for p in self.params:
-            if id(p) not in keep:
-                state = opt.state[p]
-                state.update({k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)})
+        views = (run.sliced_a, run.sliced_b)[into]
+        return torch.cat(views, out=self.scratch_sliced[into][:run.sb - run.sa])
 
 
 class ForeachProdigy(DeviceScalars, Prodigy):
@@ -167,21 +191,24 @@ class ForeachProdigy(DeviceScalars, Prodigy):
         return any(g["fsdp_in_use"] for g in self.param_groups) or any(hasattr(p, "_fsdp_flattened") for p in params) \
             or len({p.device for p in params}) > 1 or (bool(params) and params[0].device.type == "mps")
 
-    def _layouts(self, index: int, params: list, beta1: float) -> list[_Layout]:
-        """The group's layouts, one a dtype, made again where the stepped parameters changed or a load replaced the
-        state."""
+    def _layouts(self, index: int, params: list, beta1: float) -> list[tuple[_Layout, list[_Run]]]:
+        """The group's layouts, one a dtype, each with this step's runs; a layout is made again (over the parameters
+        it held and these, in the group's order) where a parameter is new to it or a load replaced the state."""
         by_dtype: dict = {}
         for p in params:
             by_dtype.setdefault(p.dtype, []).append(p)
-        layouts = self._flat.get(index, [])
-        if len(layouts) == len(by_dtype) and all(lay.holds(self, ps) for lay, ps in zip(layouts, by_dtype.values())):
-            return layouts
-        keep = {id(p) for p in params}
-        for layout in layouts:
-            layout.release(self, keep)
-        layouts = [_Layout(self, ps, self.param_groups[index]["slice_p"], beta1) for ps in by_dtype.values()]
-        self._flat[index] = layouts
-        return layouts
+        layouts = {layout.params[0].dtype: layout for layout in self._flat.get(index, [])}
+        out = []
+        for dtype, stepping in by_dtype.items():
+            layout = layouts.get(dtype)
+            if layout is None or not layout.holds(self, stepping):
+                members = {*(layout.key if layout else ()), *map(id, stepping)}
+                group = self.param_groups[index]
+                layout = _Layout(self, [p for p in group["params"] if id(p) in members], group["slice_p"], beta1)
+                layouts[dtype] = layout
+            out.append((layout, layout.runs(stepping)))
+        self._flat[index] = list(layouts.values())
+        return out
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
@@ -227,29 +254,31 @@ class ForeachProdigy(DeviceScalars, Prodigy):
             if not g["lr"] > 0.0:
                 continue
             s_scale = (d if g["safeguard_warmup"] else dlr) / g["d0"]  # s grows by the gradient * d * this
-            dots = []
-            for layout in layouts:
+            dots, sums = [], []
+            for layout, runs in layouts:
                 scale, s_coef = d.to(layout.dtype), s_scale.to(layout.dtype)
                 grads = [p.grad for p in layout.params]
-                for c in layout.chunks:
-                    grad = layout.gather(c, grads, 0)
-                    weight = layout.gather(c, layout.params, 1)
-                    sliced_grad, sliced_weight = layout.sliced(c, grad, 0), layout.sliced(c, weight, 1)
-                    full = c.full
+                for r in runs:
+                    grad = layout.gather(r, grads, 0)
+                    weight = layout.gather(r, layout.params, 1)
+                    sliced_grad, sliced_weight = layout.sliced(r, grad, 0), layout.sliced(r, weight, 1)
+                    full = r.full
                     if full:  # p0 - p in the weights' scratch (not needed after this)
-                        p0_minus_p = torch.sub(layout.p0[c.p0_at:c.p0_at + full], sliced_weight[:full],
+                        p0_minus_p = torch.sub(layout.p0[r.sa:r.sa + full], sliced_weight[:full],
                                                out=sliced_weight[:full])
                         dots.append(torch.dot(sliced_grad[:full], p0_minus_p))
-                    if full < c.sb - c.sa:  # p0 is zero: g . (0 - p)
+                    if full < r.sb - r.sa:  # p0 is zero: g . (0 - p)
                         dots.append(-torch.dot(sliced_grad[full:], sliced_weight[full:]))
                     grad.mul_(scale)  # d * g
                     if sliced_grad is not grad:
                         sliced_grad.mul_(scale)
                     if layout.exp_avg is not None:
-                        layout.exp_avg[c.a:c.b].mul_(beta1).add_(grad, alpha=1 - beta1)
-                    layout.exp_avg_sq[c.a:c.b].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                    layout.s[c.sa:c.sb].mul_(beta3).addcmul_(sliced_grad, s_coef)
-                d_denom.append(torch.linalg.vector_norm(layout.s, 1, dtype=layout.dtype).double())
+                        layout.exp_avg[r.a:r.b].mul_(beta1).add_(grad, alpha=1 - beta1)
+                    layout.exp_avg_sq[r.a:r.b].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                    s_part = layout.s[r.sa:r.sb]
+                    s_part.mul_(beta3).addcmul_(sliced_grad, s_coef)
+                    sums.append(torch.linalg.vector_norm(s_part, 1, dtype=layout.dtype))
+            d_denom.append(torch.stack(sums).sum(dtype=torch.float64))
             if dots:
                 delta_numerator.append(torch.stack(dots).sum(dtype=torch.float64) * (d / g["d0"]) * dlr)
         if not lr > 0.0:
@@ -273,27 +302,27 @@ class ForeachProdigy(DeviceScalars, Prodigy):
         # the second pass: the step itself (every group with gradients, as prodigyopt; d is the new one from here)
         for g, layouts in stepped_groups:
             decay = g["weight_decay"] if decouple else 0.0
-            for layout in layouts:
-                layout.steps.add_(counted)
+            for layout, runs in layouts:
                 eps, neg_rate = (d * g["eps"]).to(layout.dtype), (-rate).to(layout.dtype)
                 keep = (1 - decay * step_rate).to(layout.dtype)
                 in_place = decay == 0 and layout.dtype == layout.s.dtype  # else weights via the scratch
                 grads = [p.grad for p in layout.params]
-                for c in layout.chunks:
-                    params = layout.params[c.lo:c.hi]
-                    denom = torch.sqrt(layout.exp_avg_sq[c.a:c.b], out=layout.scratch[1][:c.b - c.a])
+                for r in runs:
+                    layout.steps[r.lo:r.hi].add_(counted)
+                    params = layout.params[r.lo:r.hi]
+                    denom = torch.sqrt(layout.exp_avg_sq[r.a:r.b], out=layout.scratch[1][r.at:r.at + r.b - r.a])
                     denom.add_(eps).div_(neg_rate)  # p - rate * a / denom as p + a / (denom / -rate)
                     if in_place:
-                        numerators = c.exp_avgs if layout.exp_avg is not None else grads[c.lo:c.hi]
-                        torch._foreach_addcdiv_(params, numerators, c.scratch_b)
+                        numerators = r.exp_avgs if layout.exp_avg is not None else grads[r.lo:r.hi]
+                        torch._foreach_addcdiv_(params, numerators, r.scratch_b)
                         continue
                     if layout.exp_avg is None:
-                        denom.reciprocal_().mul_(layout.gather(c, grads, 0))  # grad / (denom / -rate)
-                        weight = layout.gather(c, layout.params, 0)
+                        denom.reciprocal_().mul_(layout.gather(r, grads, 0))  # grad / (denom / -rate)
+                        weight = layout.gather(r, layout.params, 0)
                         weight.mul_(keep).add_(denom)
                     else:
-                        weight = layout.gather(c, layout.params, 0)
-                        weight.mul_(keep).addcdiv_(layout.exp_avg[c.a:c.b], denom)
-                    torch._foreach_copy_(params, c.scratch_a)
+                        weight = layout.gather(r, layout.params, 0)
+                        weight.mul_(keep).addcdiv_(layout.exp_avg[r.a:r.b], denom)
+                    torch._foreach_copy_(params, r.scratch_a)
         k.add_(counted)
         return loss
