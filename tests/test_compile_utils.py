@@ -592,6 +592,41 @@ def test_unet_lora_with_checkpointing_inside_compiled_region_same_grads():
     assert all("_orig_mod" not in k for k in compiled.state_dict())
 
 
+def test_lora_dropouts_make_the_checkpoint_keep_the_rng_state():
+    """A LoRA module is not a child of the block it changes (it replaced its layer's forward): its dropouts still
+    make the block's checkpoint save and restore the RNG state, so the recompute draws what the forward drew."""
+    from networks import lora
+
+    for kwargs, draws in ((dict(), False), (dict(module_dropout="0.5"), True), (dict(rank_dropout="0.2"), True),
+                          (dict(neuron_dropout=0.1), True)):
+        model = _tiny_unet()
+        model.requires_grad_(False)
+        lora.create_network(1.0, 4, 4, None, [], model, **kwargs).apply_to([], model, apply_text_encoder=False,
+                                                                           apply_unet=True)
+        blocks = regional.find_repeated_blocks(model)
+        assert blocks and all(compile_checkpoint._uses_dropout(b) == draws for b in blocks), kwargs
+
+
+@pytest.mark.slow
+def test_compiled_checkpointed_blocks_with_lora_module_dropout_train():
+    """module_dropout draws on the host a forward; with the checkpoint inside the compiled blocks its recompute drew
+    again and the backward failed ("A different number of tensors was saved", run105 on an H100)."""
+    from networks import lora
+
+    model = _tiny_unet()
+    model.requires_grad_(False)
+    net = lora.create_network(1.0, 4, 4, None, [], model, module_dropout="0.5")
+    net.apply_to([], model, apply_text_encoder=False, apply_unet=True)
+    net.requires_grad_(True)
+    model.enable_gradient_checkpointing()
+    model.train()
+    regional.compile_model_blocks(model, _parse("--compile", "--compile_backend", "aot_eager"), model_name="SDXL UNet",
+                                  gradient_checkpointing=True)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        _unet_step(model, network=net)
+
+
 def _count_resnet_forwards(model) -> list:
     """A list that grows by one at each ResnetBlock2D forward (a pre-hook: a checkpoint's recompute stops early)."""
     calls = []

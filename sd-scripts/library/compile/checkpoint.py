@@ -183,10 +183,13 @@ def _uses_dropout(block: torch.nn.Module) -> bool:
     for m in block.modules():
         if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
             return True
-        for attr in ("dropout", "rank_dropout", "module_dropout"):
-            v = getattr(m, attr, None)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
-                return True
+        # a LoRA / LyCORIS module is not a child of the block: it replaced its layer's forward with its own
+        owner = getattr(m.__dict__.get("forward"), "__self__", None)
+        for module in (m, owner) if isinstance(owner, torch.nn.Module) else (m,):
+            for attr in ("dropout", "rank_dropout", "module_dropout"):
+                v = getattr(module, attr, None)
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+                    return True
     return False
 
 
