@@ -32,6 +32,7 @@ def _args(**kw):
     (dict(cpu_offload_checkpointing=True), "cannot capture --cpu_offload_checkpointing"),
     (dict(compile_backend="cudagraphs"), "use --compile_backend inductor, not cudagraphs"),
     (dict(multires_noise_iterations=6), "cannot replay --multires_noise_iterations"),
+    (dict(network_args=["conv_dim=4", "module_dropout=0.1"]), "cannot replay LoRA's module_dropout"),
 ])
 def test_settings_it_cannot_follow_are_refused_by_name(change, expected, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

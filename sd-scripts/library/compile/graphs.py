@@ -130,6 +130,9 @@ def blocker(args, num_processes: int = 1) -> str | None:
         return f"cannot capture blocks moving between CPU and GPU (--blocks_to_swap {args.blocks_to_swap})"
     if getattr(args, "multires_noise_iterations", None):
         return ("cannot replay --multires_noise_iterations, whose noise level sizes are drawn on the host each step")
+    if _module_dropout(args) > 0:
+        return ("cannot replay LoRA's module_dropout, which draws on the host each step which modules to leave out "
+                "(--network_args module_dropout)")
     if getattr(args, "compile", False) and args.compile_backend == "cudagraphs":
         return "holds the compiled blocks in its own CUDA graph: use --compile_backend inductor, not cudagraphs"
     for flag in ("fsdp", "deepspeed"):  # their collectives run in hooks and engines the step graph cannot capture
@@ -138,6 +141,16 @@ def blocker(args, num_processes: int = 1) -> str | None:
     if not torch.cuda.is_available():
         return "needs a CUDA GPU, and none is available"
     return None
+
+
+def _module_dropout(args) -> float:
+    """--network_args module_dropout (0 where unset or not a number: the network module names that error)."""
+    from library.network_options import parse_network_args
+
+    try:
+        return float(parse_network_args(getattr(args, "network_args", None)).get("module_dropout") or 0)
+    except ValueError:
+        return 0.0
 
 
 def check_args(args, error: type[Exception]) -> None:
