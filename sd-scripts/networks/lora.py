@@ -99,27 +99,8 @@ class LoRABase(nn.Module):
         self.module_dropout = module_dropout
         self.register_parameter("dora_scale", None)  # DoRA's magnitude once enable_dora made it
 
-    @property
-    def eager_in_compile(self) -> bool:
-        """Whether the LoRA part runs outside compiled graphs (library.compile.regional's log names it)."""
-        return bool(self.module_dropout)
-
     def add_lora(self, org: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """org (the wrapped layer's output for x) plus the LoRA of x."""
-        if self.module_dropout and self.training:
-            return self._add_lora_eager(org, x)
-        return self._add_lora(org, x)
-
-    @torch.compiler.disable
-    def _add_lora_eager(self, org: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """module_dropout draws on the host at each call whether the LoRA is left out. In a compiled block that draw
-        split the graph into two continuations, a different path each step, which the blocks' CUDA graphs recorded
-        again and again (2.4 s a step, SDXL, run106). Run eagerly, the graphs around it stay the same; a dropped
-        module gets no gradient, as upstream's (a mask inside the graph would give it a zero gradient, which the
-        optimizer's momentum and weight decay would act on)."""
-        return self._add_lora(org, x)
-
-    def _add_lora(self, org: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.module_dropped():
             return org
         lx, scale = self.down_with_dropout(x)
