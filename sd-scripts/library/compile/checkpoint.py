@@ -178,18 +178,31 @@ def _checkpointed_forward(self, *args, **kwargs):
     )
 
 
+def adapter_of(layer: torch.nn.Module, forward=None) -> torch.nn.Module | None:
+    """The adapter (kohya LoRA, LyCORIS) whose forward replaced this layer's, or None. An adapter is not a child of
+    the block it changes: it put its own bound forward on the layer. `forward`: the one to look at (default: the
+    layer's own)."""
+    owner = getattr(layer.__dict__.get("forward") if forward is None else forward, "__self__", None)
+    return owner if isinstance(owner, torch.nn.Module) and owner is not layer else None
+
+
+def dropout_rate(module: torch.nn.Module | None, kind: str) -> float:
+    """A module's dropout setting `kind` ("dropout", "rank_dropout", "module_dropout") as a number, 0 where unset."""
+    v = getattr(module, kind, None)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
+
+
 def _uses_dropout(block: torch.nn.Module) -> bool:
-    """Whether a block draws random numbers in training (nn.Dropout, or a LoRA module's dropout settings)."""
+    """Whether a block draws random numbers in training: nn.Dropout, its LoRA modules' dropout settings, or an
+    adapter that draws outside the graph (DyLoRA's rank: `eager_in_compile`)."""
     for m in block.modules():
         if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
             return True
-        # a LoRA / LyCORIS module is not a child of the block: it replaced its layer's forward with its own
-        owner = getattr(m.__dict__.get("forward"), "__self__", None)
-        for module in (m, owner) if isinstance(owner, torch.nn.Module) else (m,):
-            for attr in ("dropout", "rank_dropout", "module_dropout"):
-                v = getattr(module, attr, None)
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
-                    return True
+        adapter = adapter_of(m)
+        if getattr(adapter, "eager_in_compile", False) or any(
+                dropout_rate(module, kind) > 0 for module in (m, adapter)
+                for kind in ("dropout", "rank_dropout", "module_dropout")):
+            return True
     return False
 
 
