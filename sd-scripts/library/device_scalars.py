@@ -9,10 +9,47 @@ import torch
 
 class DeviceScalars:
     """Mixin before the optimizer class: SCALARS name the group entries kept on the device, INTEGERS those saved as
-    ints; `_initial(group, key)` gives an entry a group does not have yet."""
+    ints; `_initial(group, key)` gives an entry a group does not have yet. step() runs the closure and the subclass's
+    `_device_step`, or the original package's step where `_own_step` says so."""
 
     SCALARS: tuple[str, ...] = ()
     INTEGERS = ("k", "step")
+
+    def _own_step(self, params: list) -> bool:
+        """Whether the original package's step runs instead (FSDP, MPS: no float64...)."""
+        return False
+
+    def _device_step(self, device: torch.device, sc: dict) -> None:
+        """The step on the device (some parameters have gradients); sc: the group numbers (`_scalars`)."""
+        raise NotImplementedError
+
+    LR_ERROR = "Setting different lr values in different parameter groups is only supported for values of 0"
+
+    def _rate(self, d: torch.Tensor, k: torch.Tensor) -> tuple[float, torch.Tensor]:
+        """(lr, dlr): the groups' learning rate (all the same, or 0; else the package's error) and d * lr * Adam's
+        bias correction where the group asks for it, as both packages compute them."""
+        group = self.param_groups[0]
+        beta1, beta2 = group["betas"]
+        lrs = [g["lr"] for g in self.param_groups]
+        lr = max(lrs)
+        if any(v not in [lr, 0.0] for v in lrs):
+            raise RuntimeError(self.LR_ERROR)
+        if group["use_bias_correction"]:
+            return lr, d * lr * (((1 - beta2 ** (k + 1)) ** 0.5) / (1 - beta1 ** (k + 1)))
+        return lr, d * lr
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        stepped = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if self._own_step(stepped):
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if stepped:
+            self._device_step(stepped[0].device, self._scalars(stepped[0].device))
+        return loss
 
     def _initial(self, group: dict, key: str) -> float:
         return group.get(key, 0.0)

@@ -23,38 +23,18 @@ class ForeachDAdaptAdam(DeviceScalars, DAdaptAdam):
     """DAdaptAdam whose step runs as a few multi-tensor operations on the device (see the module's docstring)."""
 
     SCALARS = ("d", "numerator_weighted", "k")
+    LR_ERROR = DeviceScalars.LR_ERROR + (". To scale the learning rate differently for each layer, set the "
+                                         "'layer_scale' value instead.")
 
     def _own_step(self, params: list) -> bool:
         return any(g["fsdp_in_use"] or g["log_every"] > 0 for g in self.param_groups) or \
             any(hasattr(p, "_fsdp_flattened") for p in params) or (bool(params) and params[0].device.type == "mps")
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        stepped = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if self._own_step(stepped):
-            return super().step(closure)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if not stepped:
-            return loss
-        device = stepped[0].device
-        sc = self._scalars(device)
+    def _device_step(self, device: torch.device, sc: dict) -> None:
         group = self.param_groups[0]
         beta1, beta2 = group["betas"]
         d, k = sc["d"], sc["k"]
-        lrs = [g["lr"] for g in self.param_groups]
-        lr = max(lrs)
-        if any(v not in [lr, 0.0] for v in lrs):
-            raise RuntimeError("Setting different lr values in different parameter groups is only supported for "
-                               "values of 0. To scale the learning rate differently for each layer, set the "
-                               "'layer_scale' value instead.")
-        if group["use_bias_correction"]:
-            bias_correction = ((1 - beta2 ** (k + 1)) ** 0.5) / (1 - beta1 ** (k + 1))
-        else:
-            bias_correction = 1.0
-        dlr = d * lr * bias_correction
+        lr, dlr = self._rate(d, k)
         sqrt_beta2 = beta2 ** 0.5
         decouple = group["decouple"]
 
@@ -115,7 +95,6 @@ class ForeachDAdaptAdam(DeviceScalars, DAdaptAdam):
             torch._foreach_div_(denoms, -ok.float())
             torch._foreach_addcdiv_(params, [s["exp_avg"] for s in states], denoms)
         k.add_(ok.to(k.dtype))
-        return loss
 
     def _init_state(self, p, device) -> None:
         state = self.state[p]

@@ -214,33 +214,12 @@ class ForeachProdigy(DeviceScalars, Prodigy):
         super().load_state_dict(state_dict)
         self._flat = {}  # the loaded state replaced the layouts' views
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        stepped = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if self._own_step(stepped):
-            return super().step(closure)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if not stepped:
-            return loss
-        device = stepped[0].device
-        sc = self._scalars(device)
+    def _device_step(self, device: torch.device, sc: dict) -> None:
         group = self.param_groups[0]
         beta1, beta2 = group["betas"]
         beta3 = group["beta3"] if group["beta3"] is not None else math.sqrt(beta2)
         d, d_max, k = sc["d"], sc["d_max"], sc["k"]
-        lrs = [g["lr"] for g in self.param_groups]
-        lr = max(lrs)
-        if any(v not in [lr, 0.0] for v in lrs):
-            raise RuntimeError("Setting different lr values in different parameter groups is only supported for "
-                               "values of 0")
-        if group["use_bias_correction"]:
-            bias_correction = ((1 - beta2 ** (k + 1)) ** 0.5) / (1 - beta1 ** (k + 1))
-        else:
-            bias_correction = 1.0
-        dlr = d * lr * bias_correction
+        lr, dlr = self._rate(d, k)
         decouple = group["decouple"]
 
         # the first pass, per group: the dot product for d's numerator, the EMAs and s, the sum of |s|
@@ -282,7 +261,7 @@ class ForeachProdigy(DeviceScalars, Prodigy):
             if dots:
                 delta_numerator.append(torch.stack(dots).sum(dtype=torch.float64) * (d / g["d0"]) * dlr)
         if not lr > 0.0:
-            return loss  # prodigyopt: no |s| (d_denom 0), so it returns here
+            return  # prodigyopt: no |s| (d_denom 0), so it returns here
 
         # prodigyopt's update of d; where it would return early (no |s| yet) nothing below changes
         d_numerator = sc["d_numerator"] * beta3 + (sum(delta_numerator) if delta_numerator else 0.0)
@@ -325,4 +304,3 @@ class ForeachProdigy(DeviceScalars, Prodigy):
                         weight.mul_(keep).addcdiv_(layout.exp_avg[r.a:r.b], denom)
                     torch._foreach_copy_(params, r.scratch_a)
         k.add_(counted)
-        return loss
