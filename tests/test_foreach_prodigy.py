@@ -162,6 +162,39 @@ def _train_on(opt, params, steps):
         opt.step()
 
 
+@pytest.mark.slow
+def test_a_lora_run_logs_d_saves_prodigyopts_state_and_resumes(tmp_path, tiny_sd1_single_file, tiny_dataset_dir):
+    """A tiny SD1 LoRA with Prodigy through the trainer: the trackers get d*lr (read from the device a step late),
+    --save_state writes prodigyopt's numbers, and --resume goes on from them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import train_network
+    from library.network_trainer import run
+
+    def argv(name, steps, *extra):
+        return ["--pretrained_model_name_or_path", str(tiny_sd1_single_file),
+                "--tokenizer_cache_dir", str(tiny_sd1_single_file.parent / "tokenizers"),
+                "--train_data_dir", str(tiny_dataset_dir), "--output_dir", str(tmp_path), "--output_name", name,
+                "--network_module", "networks.lora", "--network_dim", "4", "--network_alpha", "4",
+                "--resolution", "64", "--max_train_steps", str(steps), "--max_data_loader_n_workers", "0",
+                "--seed", "1", "--optimizer_type", "Prodigy", "--learning_rate", "1.0", *extra]
+
+    run(train_network.trainer(), train_network.setup_parser(),
+        argv("p", 2, "--save_state", "--log_with", "tensorboard", "--logging_dir", str(tmp_path / "logs")))
+    saved = torch.load(tmp_path / "p-state" / "optimizer.bin", weights_only=False)
+    group = saved["param_groups"][0]
+    assert isinstance(group["d"], float) and group["k"] == 2 and group["d"] > 0
+    events = EventAccumulator(str(next((tmp_path / "logs").rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    tags = [t for t in events.Tags()["scalars"] if t.startswith("lr/d*lr/")]
+    assert tags and len(events.Scalars(tags[0])) == 2 and events.Scalars(tags[0])[0].value > 0
+
+    trainer = train_network.trainer()
+    run(trainer, train_network.setup_parser(), argv("p2", 4, "--resume", str(tmp_path / "p-state")))
+    resumed = trainer.state.optimizers[0].optimizer
+    assert int(resumed.param_groups[0]["k"]) == 4  # two steps on from the saved two
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_steps_do_not_synchronize_and_match_prodigyopt():
     """torch's sync debug mode raises on any wait for the GPU: none after the first step (which makes the state);
