@@ -596,9 +596,7 @@ def test_lora_dropouts_make_the_checkpoint_keep_the_rng_state():
     """A LoRA module is not a child of the block it changes (it replaced its layer's forward): its dropouts (and
     DyLoRA's drawn rank) still make the block's checkpoint save and restore the RNG state, so a recompute that runs
     eagerly draws what the forward drew."""
-    from networks import lora
-
-    from networks import dylora
+    from networks import dylora, lora
 
     for kwargs, draws in ((dict(), False), (dict(module_dropout="0.5"), True), (dict(rank_dropout="0.2"), True),
                           (dict(neuron_dropout=0.1), True), (dict(unit="1"), True)):

@@ -58,7 +58,6 @@ class _Layout:
     (bfloat16 weights: the arithmetic in float32, as prodigyopt's kernels do it)."""
 
     def __init__(self, opt: Prodigy, params: list, slice_p: int, beta1: float):
-        self.key = [id(p) for p in params]
         self.slice_p = slice_p
         device, dtype = params[0].device, params[0].dtype
         new = [p for p in params if "step" not in opt.state[p]]
@@ -89,19 +88,19 @@ class _Layout:
         self.scratch = [torch.empty(width, dtype=self.dtype, device=device) for _ in "ab"]
         self.views: dict[str, list] = {"scratch_a": [], "scratch_b": [], "sliced_a": [], "sliced_b": [],
                                        "exp_avgs": []}
-        for i, j in bounds:
-            for index in range(i, j):
-                self._take_state(opt, index, self.offsets[index] - self.offsets[i], keeps_p0(self.params[index]))
+        for index, p in enumerate(self.params):
+            self._take_state(opt, index, keeps_p0(p))
         self.scratch_sliced = [torch.empty(max(self.sliced_offsets[j] - self.sliced_offsets[i] for i, j in bounds),
                                            dtype=self.dtype, device=device) for _ in ("ab" if slice_p > 1 else "")]
         self.chunks = [self._run(i, j) for i, j in bounds]
         self.first = opt.state[self.params[0]]["exp_avg_sq"]
 
-    def _take_state(self, opt: Prodigy, index: int, at: int, keeps_p0: bool) -> None:
+    def _take_state(self, opt: Prodigy, index: int, keeps_p0: bool) -> None:
         """Parameter `index`'s state becomes views of the buffers (holding the values it had, or prodigyopt's initial
-        ones), and its scratch views are made (at `at` in its chunk's scratch)."""
+        ones), and its scratch views are made (where it sits in its chunk's scratch)."""
         p = self.params[index]
         o, so, n, m = self.offsets[index], self.sliced_offsets[index], p.numel(), -(-p.numel() // self.slice_p)
+        at = self._in_chunk(index)
         state = opt.state[p]
         views = {"exp_avg_sq": self.exp_avg_sq[o:o + n].view(p.shape), "s": self.s[so:so + m],
                  "step": self.steps[index]}
@@ -135,12 +134,15 @@ class _Layout:
             total += n
         return starts
 
+    def _in_chunk(self, index: int) -> int:
+        """Where parameter `index`'s values start in its chunk (and so in the scratch buffers)."""
+        return self.offsets[index] - self.offsets[self.chunk_starts[bisect.bisect_right(self.chunk_starts, index) - 1]]
+
     def _run(self, i: int, j: int) -> _Run:
         """Parameters [i, j) of one chunk."""
-        chunk_start = self.chunk_starts[bisect.bisect_right(self.chunk_starts, i) - 1]
         so = self.sliced_offsets
         parts = {name: views[i:j] for name, views in self.views.items()}
-        return _Run(i, j, self.offsets[i], self.offsets[j], self.offsets[i] - self.offsets[chunk_start], so[i], so[j],
+        return _Run(i, j, self.offsets[i], self.offsets[j], self._in_chunk(i), so[i], so[j],
                     max(0, min(so[j], self.n_full) - so[i]), **parts)
 
     def holds(self, opt: Prodigy, params: list) -> bool:
@@ -150,8 +152,8 @@ class _Layout:
 
     def runs(self, params: list) -> list[_Run]:
         """The chunks, or where some of the layout's parameters have no gradient this step, the parts of them
-        that do."""
-        if self.key == [id(p) for p in params]:
+        that do. params: this step's, all held by this layout (`holds`)."""
+        if len(params) == len(self.params):
             return self.chunks
         stepping = sorted(self.position[id(p)] for p in params)
         runs, start = [], stepping[0]
@@ -202,7 +204,7 @@ class ForeachProdigy(DeviceScalars, Prodigy):
         for dtype, stepping in by_dtype.items():
             layout = layouts.get(dtype)
             if layout is None or not layout.holds(self, stepping):
-                members = {*(layout.key if layout else ()), *map(id, stepping)}
+                members = {*(layout.position if layout else ()), *map(id, stepping)}
                 group = self.param_groups[index]
                 layout = _Layout(self, [p for p in group["params"] if id(p) in members], group["slice_p"], beta1)
                 layouts[dtype] = layout
@@ -285,7 +287,7 @@ class ForeachProdigy(DeviceScalars, Prodigy):
                 eps, neg_rate = (d * g["eps"]).to(layout.dtype), (-rate).to(layout.dtype)
                 keep = (1 - decay * step_rate).to(layout.dtype)
                 in_place = decay == 0 and layout.dtype == layout.s.dtype  # else weights via the scratch
-                grads = [p.grad for p in layout.params]
+                grads = [p.grad for p in layout.params] if layout.exp_avg is None else None  # the step's numerators
                 for r in runs:
                     layout.steps[r.lo:r.hi].add_(counted)
                     params = layout.params[r.lo:r.hi]
@@ -297,10 +299,10 @@ class ForeachProdigy(DeviceScalars, Prodigy):
                         continue
                     if layout.exp_avg is None:
                         denom.reciprocal_().mul_(layout.gather(r, grads, 0))  # grad / (denom / -rate)
-                        weight = layout.gather(r, layout.params, 0)
-                        weight.mul_(keep).add_(denom)
+                    weight = layout.gather(r, layout.params, 0).mul_(keep)
+                    if layout.exp_avg is None:
+                        weight.add_(denom)
                     else:
-                        weight = layout.gather(r, layout.params, 0)
-                        weight.mul_(keep).addcdiv_(layout.exp_avg[r.a:r.b], denom)
+                        weight.addcdiv_(layout.exp_avg[r.a:r.b], denom)
                     torch._foreach_copy_(params, r.scratch_a)
         k.add_(counted)
