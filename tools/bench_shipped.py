@@ -827,6 +827,41 @@ def memory_figures(samples: list[tuple[float, int]], lines: list[tuple[float, st
     return out
 
 
+# Python's bytecode as a user's install has it: pip writes each package's .pyc files when it installs them, but a
+# machine that runs with PYTHONDONTWRITEBYTECODE over packages installed without them (this workplace's GPU image)
+# compiles torch's sources again in every process: torch + diffusers + transformers + accelerate imported in 13-15 s
+# there, and inductor's import inside or outside the compile-line-to-step-2 window by where its first use falls.
+BYTECODE_PACKAGES = ("torch", "diffusers", "transformers", "accelerate", "safetensors", "huggingface_hub", "tokenizers",
+                     "numpy", "PIL", "tqdm", "sympy", "triton", "networkx", "jinja2", "filelock", "fsspec", "regex")
+
+
+def bytecode_env(workdir: Path, source_dirs: list[str]) -> dict:
+    """The trainers' environment for a bytecode cache under workdir/pycache (PYTHONPYCACHEPREFIX, writing on),
+    filled with compileall for BYTECODE_PACKAGES and `source_dirs` where not done before, as pip leaves an install."""
+    import importlib.util
+
+    prefix = workdir / "pycache"
+    env = {"PYTHONPYCACHEPREFIX": str(prefix)}
+    filled = prefix / "filled.txt"
+    done = set(filled.read_text().split("\n")) if filled.exists() else set()
+    dirs = [d for d in source_dirs if d]
+    for name in BYTECODE_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            dirs += list(spec.submodule_search_locations)
+    todo = [d for d in dict.fromkeys(dirs) if d not in done]
+    if todo:
+        t0 = time.perf_counter()
+        run_env = dict(os.environ, **env)
+        run_env.pop("PYTHONDONTWRITEBYTECODE", None)
+        subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", *todo], env=run_env,
+                       stdout=subprocess.DEVNULL, check=False)
+        prefix.mkdir(parents=True, exist_ok=True)
+        filled.write_text("\n".join(sorted(done | set(todo))) + "\n")
+        print(f"bytecode cache {prefix}: {len(todo)} folders compiled in {time.perf_counter() - t0:.0f} s", flush=True)
+    return env
+
+
 def run_phase(args, phase: str, workdir: Path) -> dict:
     upstream = phase == "upstream"
     scripts_dir = Path(args.upstream_dir if upstream else args.scripts_dir).resolve()
@@ -836,6 +871,9 @@ def run_phase(args, phase: str, workdir: Path) -> dict:
         runner = [str(Path(args.upstream_runner).resolve())]
     cmd = [sys.executable] + runner + [str(script)] + trainer_argv(args, phase, workdir)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env.update(bytecode_env(workdir, [str(scripts_dir)] + (
+        (args.upstream_pythonpath or "").split(os.pathsep) if upstream else [])))
     if upstream:  # upstream's own package set only (its pins), never ours
         env["PYTHONPATH"] = args.upstream_pythonpath or ""
         hub = family_dir(workdir, args.family) / "tokenizers" / "hub"
