@@ -844,7 +844,7 @@ def bytecode_env(workdir: Path, source_dirs: list[str]) -> dict:
     env = {"PYTHONPYCACHEPREFIX": str(prefix)}
     filled = prefix / "filled.txt"
     done = set(filled.read_text().split("\n")) if filled.exists() else set()
-    dirs = [d for d in source_dirs if d]
+    dirs = [str(d) for d in source_dirs if d]
     for name in BYTECODE_PACKAGES:
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.submodule_search_locations:
