@@ -848,7 +848,7 @@ def bytecode_env(workdir: Path, source_dirs: list[str]) -> dict:
     for name in BYTECODE_PACKAGES:
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.submodule_search_locations:
-            dirs += list(spec.submodule_search_locations)
+            dirs += [str(d) for d in spec.submodule_search_locations]
     todo = [d for d in dict.fromkeys(dirs) if d not in done]
     if todo:
         t0 = time.perf_counter()
