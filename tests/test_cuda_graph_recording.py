@@ -121,3 +121,36 @@ def test_the_earlier_graphs_index_is_built_once_a_node(monkeypatch):
     path[-1].append(trees.StorageWeakRefWrapper(keep[36]))  # the node records an output
     assert cgr.is_alias_of_live_recorded_tensor(node, keep[36]) == (9, 0)
     assert built == [4] * 9 + [0, 1]
+
+
+def test_a_child_builds_its_index_from_its_parents(monkeypatch):
+    """A node whose parent kept the index of the graphs before it indexes only the parent's outputs (the graphs
+    before the parent are not walked again), and gives torch's answers; where the parent's index is of other
+    lists (another path), the child indexes its whole path."""
+    keep = [torch.zeros(2) for _ in range(44)]
+    levels = [[trees.StorageWeakRefWrapper(t) for t in keep[i:i + 4]] for i in range(0, 40, 4)]
+    shared = trees.StorageWeakRefWrapper(keep[0])  # a parent output on the storage of an earlier graph's output
+    parent = types.SimpleNamespace(path_weakrefs=levels[:9] + [levels[9] + [shared]])
+    child = types.SimpleNamespace(path_weakrefs=parent.path_weakrefs + [[]], parent=parent)
+    built = []
+    level_index = cgr._level_index
+    monkeypatch.setattr(cgr, "_level_index", lambda refs: built.append(len(refs)) or level_index(refs))
+    probes = keep + [keep[0][1:], torch.zeros(1)]
+    for t in probes:
+        assert cgr.is_alias_of_live_recorded_tensor(parent, t) == ORIGINALS["_is_alias_of_live_recorded_tensor"](
+            parent, t)
+    assert built == [4] * 9 + [5]
+    built.clear()
+    for t in probes:
+        for name in SCANS:
+            assert cgr.FAST_SCANS[name](child, t) == ORIGINALS[name](child, t), (name, t.shape)
+    assert built == [5, 0]  # the parent's outputs, the child's own (empty) list
+    assert cgr.is_alias_of_live_recorded_tensor(child, keep[0]) == (0, 0)
+    assert cgr._path_index(child)[0][keep[0].untyped_storage().data_ptr()] == [(0, 0), (9, 4)]
+
+    built.clear()
+    other = types.SimpleNamespace(path_weakrefs=levels[:8] + [levels[9], []], parent=parent)
+    for t in probes:
+        for name in SCANS:
+            assert cgr.FAST_SCANS[name](other, t) == ORIGINALS[name](other, t), (name, t.shape)
+    assert built == [4] * 9 + [0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -161,7 +162,32 @@ def warm_compile_workers(args) -> bool:
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     maybe_warm_pool()
+    prefetch_triton_key()
     return True
+
+
+def prefetch_triton_key() -> threading.Thread | None:
+    """Hash triton's installation (triton.runtime.cache.triton_key, kept by an lru_cache; part of every compile-cache
+    key) on a thread while the models load, not at the first cache lookup inside step 1: 0.5 s of a FLUX.1 warm
+    restart on an H100 (py-spy, docs/BENCHMARKS.md session 20). Returns the thread, or None where triton or its
+    cached key is missing."""
+    try:
+        from triton.runtime import cache as triton_cache
+    except ImportError:
+        return None
+    key = getattr(triton_cache, "triton_key", None)
+    if key is None or not hasattr(key, "cache_info"):
+        return None
+
+    def run():
+        try:
+            key()
+        except Exception:  # the first cache lookup computes it again and reports what is wrong
+            pass
+
+    thread = threading.Thread(target=run, name="triton-key", daemon=True)
+    thread.start()
+    return thread
 
 
 def _process_switches() -> dict:
@@ -257,6 +283,10 @@ def setup_compile_environment(args) -> dict:
         applied["dynamic_scale_rblock"] = False
     applied["cache_dir"] = cache_dir
     logger.info("Persistent compile cache: %s", cache_dir)
+    from library.compile import tracing
+
+    if tracing.skip_unlogged_funcnames():
+        applied["dynamo_tracing"] = "qualified-name lookups only for its trace logs (library.compile.tracing)"
 
     if cuda_graphs(args) == "blocks":
         from library.compile import recording

@@ -36,25 +36,49 @@ def _path_index(node) -> list[tuple[int, dict[int, list[tuple[int, int]]]]]:
     the graphs before the node, one of the node's own outputs. StorageWeakRefWrapper keeps the pointer in `_data_ptr`
     (also after the storage is gone), and an output's pointer never changes once recorded (torch rebuilds a replayed
     output's storage at the recorded pointer), so each index is kept on the node while its output lists keep their
-    lengths: the earlier graphs' are fixed, so their index is built once a node (one dictionary lookup a question
-    instead of one a graph on the path: a FLUX.1 step has 114), the node's own list grows while it records."""
+    lengths: the earlier graphs' are fixed, so their index is made once a node (one dictionary lookup a question
+    instead of one a graph on the path: a FLUX.1 step has 114), from its parent's index of the graphs before it and
+    the parent's outputs where the parent kept one (else from the whole path: each new graph of a step then indexed
+    the whole path again, 0.4 s of a FLUX.1 step's recording); the node's own list grows while it records."""
     cache = node.__dict__.setdefault("_sd_scripts_ptr_index", {})
     levels = node.path_weakrefs
     *earlier, own = levels or [[]]
     lengths = [len(refs) for refs in earlier]
     entry = cache.get("earlier")
     if entry is None or entry[0] != lengths:
-        index: dict[int, list[tuple[int, int]]] = {}
-        for depth, refs in enumerate(earlier):
-            for ptr, positions in _level_index(refs).items():
-                index.setdefault(ptr, []).extend((depth, i) for i in positions)
-        entry = cache["earlier"] = (lengths, index)
+        index = _from_parent(node, earlier)
+        entry = cache["earlier"] = (lengths, _whole_index(earlier) if index is None else index)
     mine = cache.get("own")
     if mine is None or mine[0] != len(own):
         depth = len(earlier)
         mine = cache["own"] = (len(own), {ptr: [(depth, i) for i in positions]
                                           for ptr, positions in _level_index(own).items()})
     return [entry[1], mine[1]]
+
+
+def _whole_index(levels) -> dict[int, list[tuple[int, int]]]:
+    index: dict[int, list[tuple[int, int]]] = {}
+    for depth, refs in enumerate(levels):
+        for ptr, positions in _level_index(refs).items():
+            index.setdefault(ptr, []).extend((depth, i) for i in positions)
+    return index
+
+
+def _from_parent(node, earlier: list) -> dict[int, list[tuple[int, int]]] | None:
+    """The index of the graphs before `node` as its parent's index of the graphs before the parent joined with the
+    parent's outputs (the last of `earlier`), where the parent kept one for the same output lists (None otherwise).
+    Lists of the parent's index are not changed (a pointer on both gets a new list): its other children read them."""
+    parent = getattr(node, "parent", None)
+    kept = getattr(parent, "__dict__", {}).get("_sd_scripts_ptr_index", {}).get("earlier") if parent is not None \
+        else None
+    if kept is None or not earlier or kept[0] != [len(refs) for refs in earlier[:-1]]:
+        return None
+    index = dict(kept[1])
+    depth = len(earlier) - 1
+    for ptr, positions in _level_index(earlier[-1]).items():
+        at = [(depth, i) for i in positions]
+        index[ptr] = index[ptr] + at if ptr in index else at
+    return index
 
 
 def is_cuda_graph_recorded_tensor(self, t) -> bool:
