@@ -200,3 +200,31 @@ def test_report_puts_default_and_best_side_by_side(tmp_path):
     assert rows[3] == "| SDXL bs1 + GC | default | after | step graph on, static | **119.4 ms** | 7.1 GiB |  |  |  |  |"
     assert rows[4] == ("| SDXL bs1 + GC | default | before |  | 154.7 ms | 7.05 GiB | 160.0 ms | 17.1 / 0.3 s | 19.5 s "
                        "| FX 3/4, AOT 2/2 |")
+
+
+def test_bytecode_cache_only_where_torch_has_none(tmp_path, monkeypatch):
+    """Where torch was installed with its .pyc files (pip's way, this test's venv) the trainers' environment is left
+    as it is; where it was not, one compileall fills a cache under the workdir for the packages and the scripts,
+    and a later phase finds it filled."""
+    bench = _bench()
+    assert bench.installed_without_bytecode() is False
+    assert bench.bytecode_env(tmp_path / "w0", [str(tmp_path)]) == {}
+    assert not (tmp_path / "w0").exists()
+
+    scripts = tmp_path / "scripts"
+    (scripts / "library").mkdir(parents=True)
+    (scripts / "train.py").write_text("import library.util\n")
+    (scripts / "library" / "util.py").write_text("X = 1\n")
+    monkeypatch.setattr(bench, "installed_without_bytecode", lambda: True)
+    monkeypatch.setattr(bench, "BYTECODE_PACKAGES", ("tomlkit",))
+    work = tmp_path / "w1"
+    env = bench.bytecode_env(work, [str(scripts)])
+    prefix = work / "pycache"
+    assert env == {"PYTHONPYCACHEPREFIX": str(prefix)}
+    compiled = {p.name.split(".")[0] for p in prefix.rglob("*.pyc")}
+    assert {"train", "util", "toml_file"} <= compiled  # the scripts and the package (tomlkit/toml_file.py)
+    filled = (prefix / "filled.txt").read_text()
+    assert str(scripts) in filled and "tomlkit" in filled
+    before = sorted(p.stat().st_mtime_ns for p in prefix.rglob("*.pyc"))
+    assert bench.bytecode_env(work, [str(scripts)]) == env
+    assert sorted(p.stat().st_mtime_ns for p in prefix.rglob("*.pyc")) == before  # nothing compiled again

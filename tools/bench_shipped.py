@@ -835,11 +835,22 @@ BYTECODE_PACKAGES = ("torch", "diffusers", "transformers", "accelerate", "safete
                      "numpy", "PIL", "tqdm", "sympy", "triton", "networkx", "jinja2", "filelock", "fsspec", "regex")
 
 
-def bytecode_env(workdir: Path, source_dirs: list[str]) -> dict:
-    """The trainers' environment for a bytecode cache under workdir/pycache (PYTHONPYCACHEPREFIX, writing on),
-    filled with compileall for BYTECODE_PACKAGES and `source_dirs` where not done before, as pip leaves an install."""
+def installed_without_bytecode() -> bool:
+    """Whether torch was installed without its .pyc files (where pip installs it, they are there)."""
     import importlib.util
 
+    spec = importlib.util.find_spec("torch")
+    return bool(spec and spec.origin) and not os.path.exists(importlib.util.cache_from_source(spec.origin))
+
+
+def bytecode_env(workdir: Path, source_dirs: list[str]) -> dict:
+    """The trainers' environment for a bytecode cache under workdir/pycache (PYTHONPYCACHEPREFIX, writing on),
+    filled with compileall for BYTECODE_PACKAGES and `source_dirs` where not done before, as pip leaves an install.
+    Empty (nothing to change) where torch has its .pyc files."""
+    import importlib.util
+
+    if not installed_without_bytecode():
+        return {}
     prefix = workdir / "pycache"
     env = {"PYTHONPYCACHEPREFIX": str(prefix)}
     filled = prefix / "filled.txt"
@@ -871,9 +882,10 @@ def run_phase(args, phase: str, workdir: Path) -> dict:
         runner = [str(Path(args.upstream_runner).resolve())]
     cmd = [sys.executable] + runner + [str(script)] + trainer_argv(args, phase, workdir)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
-    env.update(bytecode_env(workdir, [str(scripts_dir)] + (
-        (args.upstream_pythonpath or "").split(os.pathsep) if upstream else [])))
+    if cache := bytecode_env(workdir, [str(scripts_dir)] + (
+        (args.upstream_pythonpath or "").split(os.pathsep) if upstream else [])):
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env.update(cache)
     if upstream:  # upstream's own package set only (its pins), never ours
         env["PYTHONPATH"] = args.upstream_pythonpath or ""
         hub = family_dir(workdir, args.family) / "tokenizers" / "hub"
