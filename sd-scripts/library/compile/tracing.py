@@ -21,10 +21,11 @@ def skip_unlogged_funcnames() -> bool:
     except ImportError:
         return False
     original = getattr(symbolic_convert, "get_funcname", None)
+    if getattr(original, "_sd_scripts_original", None) is not None:
+        return True  # installed before
     logs = [getattr(symbolic_convert, name, None) for name in ("trace_call_log", "trace_source_log")]
-    if original is None or getattr(original, "_sd_scripts_original", None) is not None or \
-            not all(isinstance(log, logging.Logger) for log in logs):
-        return getattr(original, "_sd_scripts_original", None) is not None  # installed before, or not this torch
+    if original is None or not all(isinstance(log, logging.Logger) for log in logs):
+        return False
 
     def get_funcname(filename: str, lineno: int) -> str | None:
         if any(log.isEnabledFor(logging.DEBUG) for log in logs):
