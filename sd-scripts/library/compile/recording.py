@@ -50,17 +50,20 @@ def _path_index(node) -> list[tuple[int, dict[int, list[tuple[int, int]]]]]:
         entry = cache["earlier"] = (lengths, _whole_index(earlier) if index is None else index)
     mine = cache.get("own")
     if mine is None or mine[0] != len(own):
-        depth = len(earlier)
-        mine = cache["own"] = (len(own), {ptr: [(depth, i) for i in positions]
-                                          for ptr, positions in _level_index(own).items()})
+        mine = cache["own"] = (len(own), _depth_index(own, len(earlier)))
     return [entry[1], mine[1]]
+
+
+def _depth_index(refs, depth: int) -> dict[int, list[tuple[int, int]]]:
+    """One graph's outputs at `depth` on the path: data pointer -> [(depth, index), ...]."""
+    return {ptr: [(depth, i) for i in positions] for ptr, positions in _level_index(refs).items()}
 
 
 def _whole_index(levels) -> dict[int, list[tuple[int, int]]]:
     index: dict[int, list[tuple[int, int]]] = {}
     for depth, refs in enumerate(levels):
-        for ptr, positions in _level_index(refs).items():
-            index.setdefault(ptr, []).extend((depth, i) for i in positions)
+        for ptr, at in _depth_index(refs, depth).items():
+            index.setdefault(ptr, []).extend(at)
     return index
 
 
@@ -68,15 +71,12 @@ def _from_parent(node, earlier: list) -> dict[int, list[tuple[int, int]]] | None
     """The index of the graphs before `node` as its parent's index of the graphs before the parent joined with the
     parent's outputs (the last of `earlier`), where the parent kept one for the same output lists (None otherwise).
     Lists of the parent's index are not changed (a pointer on both gets a new list): its other children read them."""
-    parent = getattr(node, "parent", None)
-    kept = getattr(parent, "__dict__", {}).get("_sd_scripts_ptr_index", {}).get("earlier") if parent is not None \
-        else None
+    parent = getattr(node, "parent", None)  # None has no __dict__: no index kept
+    kept = getattr(parent, "__dict__", {}).get("_sd_scripts_ptr_index", {}).get("earlier")
     if kept is None or not earlier or kept[0] != [len(refs) for refs in earlier[:-1]]:
         return None
     index = dict(kept[1])
-    depth = len(earlier) - 1
-    for ptr, positions in _level_index(earlier[-1]).items():
-        at = [(depth, i) for i in positions]
+    for ptr, at in _depth_index(earlier[-1], len(earlier) - 1).items():
         index[ptr] = index[ptr] + at if ptr in index else at
     return index
 
