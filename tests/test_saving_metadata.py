@@ -131,6 +131,80 @@ def test_file_hashes_kept_per_file_version(tmp_path):
     assert metadata.file_hashes(str(tmp_path / "none")) == ("NOFILE", "NOFILE")
 
 
+def _upstream_hashes(data: bytes) -> tuple[str, str]:
+    return hashlib.sha256(data[0x100000:0x110000]).hexdigest()[:8], hashlib.sha256(data).hexdigest()
+
+
+def test_started_hashes_come_from_a_child_process(tmp_path, monkeypatch):
+    """start_file_hashes hashes in a child Python (no GIL shared with the trainer's first steps): the parent's own
+    hash_file is never called, and the answer is upstream's two hashes."""
+    f = tmp_path / "m.safetensors"
+    f.write_bytes(os.urandom(0x100000 + 0x30000))
+
+    def not_here(path):
+        raise AssertionError("hashed in the trainer's process")
+
+    monkeypatch.setattr(metadata.file_hash, "hash_file", not_here)
+    monkeypatch.setattr(metadata, "_HASHES", {})
+    metadata.start_file_hashes(str(f))
+    assert metadata.file_hashes(str(f)) == _upstream_hashes(f.read_bytes())
+
+
+@pytest.mark.parametrize("executable", ["missing", "echo"])
+def test_hashes_computed_here_where_the_child_cannot_answer(tmp_path, monkeypatch, executable):
+    """No Python to run (a missing executable) or an answer that is not two hashes (echo prints its argv): the
+    hashes are computed in the trainer's process, with the same values."""
+    f = tmp_path / "m.safetensors"
+    f.write_bytes(os.urandom(0x100000 + 0x30000))
+    monkeypatch.setattr(metadata.sys, "executable", str(tmp_path / "none") if executable == "missing" else "echo")
+    called = []
+    real = metadata.file_hash.hash_file
+    monkeypatch.setattr(metadata.file_hash, "hash_file", lambda path: called.append(path) or real(path))
+    assert metadata._hash_in_child(str(f)) == _upstream_hashes(f.read_bytes())
+    assert called == [str(f)]
+
+
+def test_hashing_child_stopped_when_the_run_ends(tmp_path, monkeypatch):
+    """A run that ends before the hash is done (a stop, an error) does not leave the child reading the file: the exit
+    hook kills it; whoever still asks gets the hashes computed in the process."""
+    import time
+
+    f = tmp_path / "m.safetensors"
+    f.write_bytes(os.urandom(0x100000 + 0x30000))
+    slow = tmp_path / "slow_python"
+    slow.write_text("#!/bin/sh\nexec sleep 60\n")
+    slow.chmod(0o755)
+    monkeypatch.setattr(metadata.sys, "executable", str(slow))
+    monkeypatch.setattr(metadata, "_HASHES", {})
+    metadata.start_file_hashes(str(f))
+    deadline = time.monotonic() + 10
+    while not metadata._HASHING_CHILDREN and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (child,) = metadata._HASHING_CHILDREN
+    metadata._stop_hashing_children()
+    assert metadata.file_hashes(str(f)) == _upstream_hashes(f.read_bytes())
+    assert child.returncode is not None and child.returncode < 0 and not metadata._HASHING_CHILDREN
+
+
+def test_model_hashes_start_only_where_metadata_is_saved(tmp_path, monkeypatch):
+    """library.run.setup.start_model_hashes: the main process of a run that writes metadata; not with --no_metadata,
+    not in the other processes, not for the textual-inversion scripts (they have no --no_metadata)."""
+    from library.run import setup
+
+    f = tmp_path / "m.safetensors"
+    f.write_bytes(b"model")
+    started = []
+    monkeypatch.setattr(metadata, "start_file_hashes", lambda *paths: started.append(paths))
+    main, other = SimpleNamespace(is_main_process=True), SimpleNamespace(is_main_process=False)
+    for args, accelerator in ((SimpleNamespace(pretrained_model_name_or_path=str(f), no_metadata=True), main),
+                              (SimpleNamespace(pretrained_model_name_or_path=str(f), no_metadata=False), other),
+                              (SimpleNamespace(pretrained_model_name_or_path=str(f)), main)):
+        setup.start_model_hashes(args, accelerator)
+    assert started == []
+    setup.start_model_hashes(SimpleNamespace(pretrained_model_name_or_path=str(f), no_metadata=False, vae="v"), main)
+    assert started == [(str(f), "v")]
+
+
 def test_network_metadata_with_adafactor_relative_step(tmp_path, tiny_dataset_dir):
     """Upstream: Adafactor with relative_step (its default) has no learning rate; the scheduler is adafactor:<lr>."""
     md = _network_md(_lora_args(tiny_dataset_dir, tmp_path, ["--optimizer_type", "Adafactor", "--learning_rate",

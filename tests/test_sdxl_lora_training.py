@@ -99,7 +99,7 @@ def test_sdxl_eager_subprocess_from_config_file(tmp_path, tiny_sdxl_single_file,
     assert next(v for k, v in sd.items() if k.endswith("lora_down.weight")).shape[0] == 4
     assert md["ss_base_model_version"] == "sdxl_base_v1-0"
     assert md["ss_sd_model_name"] == "tiny_sdxl.safetensors"
-    # the base model's hash (taken on a thread from the run's start) is the file's
+    # the base model's hash (taken in a child process once the models are loaded) is the file's
     assert md["ss_new_sd_model_hash"] == hashlib.sha256(tiny_sdxl_single_file.read_bytes()).hexdigest()
     assert md["ss_steps"] == "2" and md["ss_epoch"] == "1" and md["ss_max_train_steps"] == "2"
     assert md["ss_optimizer"] == "torch.optim.adamw.AdamW(weight_decay=0.01)"
@@ -141,7 +141,16 @@ def test_sdxl_compile_aot_eager(tmp_path, tiny_sdxl_single_file, tiny_dataset_di
     monkeypatch.setattr(compile_graphs, "mark_step_begin", lambda a: marks.append(len(micro_steps)))
     step = trainer.training_step
     monkeypatch.setattr(trainer, "training_step", lambda *a, **k: micro_steps.append(1) or step(*a, **k))
+    # the base model's hash starts once the models are loaded (not while they load: it reads the whole file again)
+    from library import metadata
+
+    monkeypatch.setattr(metadata, "_HASHES", {})
+    hashing_at_load = []
+    load_models = trainer.load_models
+    monkeypatch.setattr(trainer, "load_models",
+                        lambda *a: hashing_at_load.append(dict(metadata._HASHES)) or load_models(*a))
     path = network_trainer.run(trainer, sdxl_train_network.setup_parser(), argv)
+    assert hashing_at_load == [{}] and [k[0] for k in metadata._HASHES] == [str(tiny_sdxl_single_file)]
     # CUDA graphs: the step is marked once per optimizer step, before its first micro-step (2 steps x 2 micro-steps)
     assert len(trainer.losses) == 4 and marks == [0, 2]
     # --compile_dynamic auto with one bucket shape: static graphs

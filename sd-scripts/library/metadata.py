@@ -8,7 +8,7 @@ train_network.py writes, read by A1111/Forge, CivitAI and the additional-network
     network_metadata(args, ...) -> {"ss_*": str}    the LoRA trainers' training metadata
     minimum_network_metadata(md)             what --no_metadata still writes (upstream's minimum keys)
     file_hashes(path) -> (legacy 8-hex hash, sha256)  ss_sd_model_hash / ss_new_sd_model_hash of the base model
-    start_file_hashes(*paths)                those hashes on a thread from the start of a run (see there)
+    start_file_hashes(*paths)                those hashes in a child process, started once the models are loaded
     file_hash_metadata(args) -> {"ss_*hash": str}   the model/VAE hash keys, added at save time
     model_hashes(tensors, metadata) -> (sshs_model_hash, sshs_legacy_hash)   of a saved LoRA file
 
@@ -18,6 +18,7 @@ writes only in some cases (ss_network_args, the model/VAE hashes, ss_datasets wi
 from __future__ import annotations
 
 import argparse
+import atexit
 import base64
 import concurrent.futures
 import datetime
@@ -28,9 +29,12 @@ import logging
 import mimetypes
 import os
 import subprocess
+import sys
 import threading
 import time
 from typing import Any
+
+from library import file_hash
 
 logger = logging.getLogger(__name__)
 
@@ -203,9 +207,11 @@ def _hash_key(path) -> tuple:
 
 
 def start_file_hashes(*paths) -> None:
-    """Start hashing these files (the base model, the VAE) on a thread; file_hashes then waits only for what is
-    left. The full sha256 of a 7-23 GB checkpoint took 5-20 s, which the trainers used to spend before their first
-    step; the hashes are needed only at the first save. hashlib and file reads release the GIL."""
+    """Start hashing these files (the base model, the VAE) in a child process; file_hashes then waits only for what
+    is left. The full sha256 of a 7-23 GB checkpoint takes 5-20 s, which the trainers used to spend before their
+    first step; the hashes are needed only at the first save. A child, not a thread: a thread took the GIL back after
+    each 1 MiB read, slowing the compiled first steps it overlapped (FLUX.1's warm restart: docs/BENCHMARKS.md,
+    session 21)."""
     for path in paths:
         if not path or not os.path.isfile(path) or (key := _hash_key(path)) in _HASHES:
             continue
@@ -213,12 +219,38 @@ def start_file_hashes(*paths) -> None:
 
         def work(path=path, future=future):
             try:
-                future.set_result(_hash_file(path))
+                future.set_result(_hash_in_child(path))
             except BaseException as e:  # noqa: BLE001 - given to whoever asks for the hashes
                 future.set_exception(e)
 
         _HASHES[key] = future
         threading.Thread(target=work, name="file-hashes", daemon=True).start()
+
+
+def _hash_in_child(path: str) -> tuple[str, str]:
+    """library.file_hash run by this Python (-I -S: no site packages, nothing imported but hashlib); where it cannot
+    run or answers nothing usable, the hashes are computed here. A run that ends before it answers stops it."""
+    try:
+        with subprocess.Popen([sys.executable, "-I", "-S", file_hash.__file__, path], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as child:
+            _HASHING_CHILDREN.add(child)
+            out, _ = child.communicate()
+        _HASHING_CHILDREN.discard(child)
+        legacy, full = out.split()
+        if child.returncode == 0 and len(legacy) == 8 and len(full) == 64:
+            return legacy, full
+    except (OSError, ValueError):
+        pass
+    return file_hash.hash_file(path)
+
+
+_HASHING_CHILDREN: set[subprocess.Popen] = set()
+
+
+@atexit.register
+def _stop_hashing_children() -> None:
+    for child in list(_HASHING_CHILDREN):
+        child.kill()
 
 
 def file_hashes(path: str) -> tuple[str, str]:
@@ -231,20 +263,9 @@ def file_hashes(path: str) -> tuple[str, str]:
         return "NOFILE", "NOFILE"
     if (future := _HASHES.get(key := _hash_key(path))) is None:
         future = concurrent.futures.Future()
-        future.set_result(_hash_file(path))
+        future.set_result(file_hash.hash_file(path))
         _HASHES[key] = future
     return future.result()
-
-
-def _hash_file(path: str) -> tuple[str, str]:
-    with open(path, "rb") as f:
-        f.seek(0x100000)
-        legacy = hashlib.sha256(f.read(0x10000)).hexdigest()[:8]
-        f.seek(0)
-        full = hashlib.sha256()
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            full.update(chunk)
-    return legacy, full.hexdigest()
 
 
 def _subset_dir(subset) -> str:

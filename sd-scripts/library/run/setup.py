@@ -81,6 +81,7 @@ def prepare(trainer, args, startup: Startup) -> RunState | Done:
             startup.run_config_path = trainer.write_run_config(args)
     weight_dtype = train_util.weight_dtype_for(args)
     components = trainer.load_models(args, weight_dtype)
+    start_model_hashes(args, accelerator)
     prediction_type = trainer.family.prediction_type(args, components)
     trainer.use_prediction_type(args, prediction_type)  # the prediction type that trains, as the metadata says
     caching_te = cache(trainer, args, accelerator, components, groups, weight_dtype)
@@ -105,14 +106,19 @@ def prepare(trainer, args, startup: Startup) -> RunState | Done:
 
 
 def start_accelerator(trainer, args):
-    """The accelerator (library.data_parallel), the base-model hashes started on a thread, the seed."""
+    """The accelerator (library.data_parallel) and the seed."""
     accelerator = trainer.make_accelerator(args)
-    # the one that saves (save_lora) needs the hashes; the textual-inversion scripts (no --no_metadata) write none
-    if accelerator.is_main_process and not getattr(args, "no_metadata", True):
-        metadata_util.start_file_hashes(args.pretrained_model_name_or_path, getattr(args, "vae", None))
     # before the dataset: its batch order and augmentations follow the seed (a random one without --seed)
     train_util.prepare_seed(args, accelerator)
     return accelerator
+
+
+def start_model_hashes(args, accelerator) -> None:
+    """The base model's and VAE's hashes for the ss_* metadata, in a child process from here to the first save: after
+    the models are loaded, so that reading the 7-23 GB file again does not slow their loading (FLUX.1: 2-5 s).
+    The one that saves (save_lora) needs them; the textual-inversion scripts (no --no_metadata) write none."""
+    if accelerator.is_main_process and not getattr(args, "no_metadata", True):
+        metadata_util.start_file_hashes(args.pretrained_model_name_or_path, getattr(args, "vae", None))
 
 
 def build_data(trainer, args):
