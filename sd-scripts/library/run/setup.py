@@ -115,8 +115,9 @@ def start_accelerator(trainer, args):
 
 def start_model_hashes(args, accelerator) -> None:
     """The base model's and VAE's hashes for the ss_* metadata, in a child process from here to the first save: after
-    the models are loaded, so that reading the 7-23 GB file again does not slow their loading (FLUX.1: 2-5 s).
-    The one that saves (save_lora) needs them; the textual-inversion scripts (no --no_metadata) write none."""
+    the models are loaded, so that reading the 7-23 GB file again does not slow their loading (FLUX.1: ~2 s,
+    docs/BENCHMARKS.md session 21). The one that saves (save_lora) needs them; the textual-inversion scripts (no
+    --no_metadata) write none."""
     if accelerator.is_main_process and not getattr(args, "no_metadata", True):
         metadata_util.start_file_hashes(args.pretrained_model_name_or_path, getattr(args, "vae", None))
 
