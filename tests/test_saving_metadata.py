@@ -186,6 +186,35 @@ def test_hashing_child_stopped_when_the_run_ends(tmp_path, monkeypatch):
     assert child.returncode is not None and child.returncode < 0 and not metadata._HASHING_CHILDREN
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the ignored signals from /proc")
+def test_hashing_child_outlives_the_stop_signal():
+    """The GUI's Stop sends SIGTERM to every process of the run and a terminal's Ctrl+C SIGINT to its group: both are
+    the trainer's stop-and-save, which needs the hash, so the child ignores them (the trainer ends it at exit)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen([sys.executable, "-I", "-S", metadata.file_hash.__file__, "/dev/zero"],
+                             stdout=subprocess.DEVNULL)
+    try:
+        wanted = (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGINT - 1))
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # the child has set up its signals: /proc says they are ignored
+            status = Path(f"/proc/{child.pid}/status").read_text()
+            ignored = int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("SigIgn:")), 16)
+            if ignored & wanted == wanted:
+                break
+            time.sleep(0.01)
+        child.send_signal(signal.SIGTERM)
+        child.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        assert child.poll() is None  # still reading (/dev/zero never ends)
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_model_hashes_start_only_where_metadata_is_saved(tmp_path, monkeypatch):
     """library.run.setup.start_model_hashes: the main process of a run that writes metadata; not with --no_metadata,
     not in the other processes, not for the textual-inversion scripts (they have no --no_metadata)."""

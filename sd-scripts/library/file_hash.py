@@ -7,6 +7,7 @@ trainer taking the GIL back after every read slowed the compiled first steps it 
 """
 import hashlib
 import os
+import signal
 import sys
 
 
@@ -24,4 +25,9 @@ def hash_file(path: str) -> tuple[str, str]:
 if __name__ == "__main__":
     if hasattr(os, "nice"):
         os.nice(10)  # behind the trainer's own work
+    # the GUI's Stop (SIGTERM to every process of the run) and a terminal's Ctrl+C are the trainer's stop-and-save,
+    # whose save needs this answer: the trainer ends this process itself when it exits
+    for name in ("SIGTERM", "SIGINT", "SIGBREAK"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
     print(*hash_file(sys.argv[1]))
