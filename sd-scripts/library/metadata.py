@@ -228,14 +228,16 @@ def start_file_hashes(*paths) -> None:
 
 
 def _hash_in_child(path: str) -> tuple[str, str]:
-    """library.file_hash run by this Python (-I -S: no site packages, nothing imported but hashlib); where it cannot
+    """library.file_hash run by this Python (-I -S: no site packages, only the standard library); where it cannot
     run or answers nothing usable, the hashes are computed here. A run that ends before it answers stops it."""
     try:
         with subprocess.Popen([sys.executable, "-I", "-S", file_hash.__file__, path], stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as child:
             _HASHING_CHILDREN.add(child)
-            out, _ = child.communicate()
-        _HASHING_CHILDREN.discard(child)
+            try:
+                out, _ = child.communicate()
+            finally:
+                _HASHING_CHILDREN.discard(child)
         legacy, full = out.split()
         if child.returncode == 0 and len(legacy) == 8 and len(full) == 64:
             return legacy, full
